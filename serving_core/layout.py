@@ -1,0 +1,107 @@
+"""Physical layout of each memory organization, derived from a Geometry.
+
+One place says how big every allocation unit is, how many tokens an attention
+block covers, where checkpoints fall, how many pages an SSM state spans and how
+many conv slots a slab page holds. The planner, the storage accounting and the
+runtime allocators all read it, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from serving_core.geometry import Geometry
+
+ORGS = ("S0", "S1", "S2", "D0")
+PAGED_BLOCK_TOKENS = 512  # attention block and checkpoint interval of S0/S1/S2
+D0_BLOCK_TOKENS = 16  # attention unit of the native dual pools
+D0_CHECKPOINT_INTERVAL = 1792  # native recurrent checkpoint interval of D0
+HYBRID_PAGE_TOKEN_ROUNDING = 16  # uniform hybrid page rounds the composite to 16 tokens
+
+
+def normalize_org(org: str) -> str:
+    """Map a user-facing name (s2, S2, s2_retention) to its storage organization."""
+    key = str(org).strip().upper()
+    if key in ("S2_RETENTION", "S2+RETENTION", "S2RET"):
+        return "S2"
+    if key not in ORGS:
+        raise ValueError(f"org={org!r}: allowed values are s0, s1, s2, d0, s2_retention")
+    return key
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class OrgLayout:
+    """Unit sizes of one organization under one geometry.
+
+    For S0/S1/S2 every unit is a page of `page_bytes` in one shared pool.
+    For D0 attention units and recurrent composites live in two static pools.
+    """
+
+    org: str
+    block_tokens: int  # tokens per attention block
+    checkpoint_interval: int  # tokens between recurrent checkpoints (0: no recurrent state)
+    page_bytes: int  # S0/S1/S2 page; D0 attention unit
+    ssm_members: int  # pages an SSM state spans (S1/S2)
+    conv_pages: int  # dedicated conv pages per composite (S1)
+    conv_slot_bytes: int  # S2 conv slot
+    slots_per_slab: int  # S2 slots in one slab page
+    recurrent_unit_bytes: int  # D0 recurrent composite; S0 page holding a composite
+
+    @property
+    def pages_per_composite(self) -> int:
+        """Whole pages one recurrent composite takes (S2 excludes its conv slot)."""
+        if self.org == "S0":
+            return 1 if self.checkpoint_interval else 0
+        if self.org in ("S1", "S2"):
+            return self.ssm_members + self.conv_pages
+        return 0
+
+
+def org_layout(geometry: Geometry, org: str) -> OrgLayout:
+    org = normalize_org(org)
+    tok = geometry.attention_bytes_per_token
+    rec = geometry.has_recurrent
+    if org == "D0":
+        return OrgLayout(
+            org="D0",
+            block_tokens=D0_BLOCK_TOKENS,
+            checkpoint_interval=D0_CHECKPOINT_INTERVAL if rec else 0,
+            page_bytes=D0_BLOCK_TOKENS * tok,
+            ssm_members=0,
+            conv_pages=0,
+            conv_slot_bytes=0,
+            slots_per_slab=0,
+            recurrent_unit_bytes=geometry.composite_bytes,
+        )
+    attn_block_bytes = PAGED_BLOCK_TOKENS * tok
+    interval = PAGED_BLOCK_TOKENS if rec else 0
+    if org == "S0":
+        page = max(attn_block_bytes, geometry.composite_bytes)
+        return OrgLayout("S0", PAGED_BLOCK_TOKENS, interval, page, 0, 0, 0, 0, page)
+    page = attn_block_bytes
+    members = math.ceil(geometry.ssm_bytes / page) if rec else 0
+    if org == "S1":
+        return OrgLayout("S1", PAGED_BLOCK_TOKENS, interval, page, members, 1 if rec else 0, 0, 0, 0)
+    slot = _next_pow2(geometry.conv_bytes) if rec else 0
+    if rec and slot > page:
+        raise ValueError(f"conv state of {geometry.conv_bytes} B does not fit one {page}-B page")
+    slots = page // slot if rec else 0
+    return OrgLayout("S2", PAGED_BLOCK_TOKENS, interval, page, members, 0, slot, slots, 0)
+
+
+def uniform_page_bytes(geometry: Geometry) -> int:
+    """U: the recurrent composite in attention tokens, rounded up to 16 tokens, in bytes.
+
+    An attention-only model has no composite; its U is one paged attention block.
+    """
+    tok = geometry.attention_bytes_per_token
+    if not geometry.has_recurrent:
+        return PAGED_BLOCK_TOKENS * tok
+    tokens = math.ceil(geometry.composite_bytes / tok)
+    tokens = math.ceil(tokens / HYBRID_PAGE_TOKEN_ROUNDING) * HYBRID_PAGE_TOKEN_ROUNDING
+    return tokens * tok
