@@ -31,4 +31,7 @@ lint: setup ## ruff checks
 plan: setup ## print the budget planner table for b63, b83 and b108 (Falcon-H1-7B)
 	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b; echo; done
 
-.PHONY: help setup test test-all lint plan
+bench: setup ## engine benchmarks: default S2 b63 cell, 3,000 and 30,000 requests, profile
+	$(BIN)/python -m bench.engine_bench
+
+.PHONY: help setup test test-all lint plan bench

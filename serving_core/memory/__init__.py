@@ -1,0 +1,42 @@
+"""Memory organizations behind one interface (see base.MemoryOrganization)."""
+
+from __future__ import annotations
+
+from serving_core.geometry import Geometry
+from serving_core.layout import org_layout
+from serving_core.memory.base import MemoryOrganization
+from serving_core.memory.d0 import D0DualPools
+from serving_core.memory.events import MemoryEvents
+from serving_core.memory.objects import NO_SLOT, NULL, Kind, StateObject
+from serving_core.memory.prefix_cache import PrefixHit
+from serving_core.memory.s0 import S0CoarsePages
+from serving_core.memory.s1 import S1RecurrentPaging
+from serving_core.memory.s2 import S2PagingConvSlots
+
+ORG_TO_CLASS: dict[str, type[MemoryOrganization]] = {
+    "S0": S0CoarsePages,
+    "S1": S1RecurrentPaging,
+    "S2": S2PagingConvSlots,
+    "D0": D0DualPools,
+}
+
+
+def build_memory(
+    geometry: Geometry, org: str, pool_units: dict[str, int], events: MemoryEvents | None = None
+) -> MemoryOrganization:
+    """The runtime allocator of `org` with pools sized by the planner ({pool: units})."""
+    layout = org_layout(geometry, org)
+    cls = ORG_TO_CLASS[layout.org]
+    expected = {"attention", "recurrent"} if layout.org == "D0" else {"shared"}
+    if set(pool_units) != expected:
+        raise ValueError(f"pool_units for {layout.org} must name pools {sorted(expected)}, got {sorted(pool_units)}")
+    if layout.org == "D0" and not geometry.has_recurrent:
+        pool_units = {"attention": pool_units["attention"], "recurrent": max(1, pool_units["recurrent"])}
+    return cls(layout, dict(pool_units), events)
+
+
+__all__ = [
+    "NO_SLOT", "NULL", "ORG_TO_CLASS", "D0DualPools", "Kind", "MemoryEvents", "MemoryOrganization",
+    "PrefixHit", "S0CoarsePages", "S1RecurrentPaging", "S2PagingConvSlots", "StateObject",
+    "build_memory",
+]

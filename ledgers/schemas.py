@@ -1,0 +1,271 @@
+"""Arrow schemas of the six ledger tables, documented field by field.
+
+Every field carries metadata {"doc", "unit"} (and "values" for enumerated
+strings). Units: "s" seconds, "tokens", "units" (allocation units of the
+organization's pools), "count", "fraction", "tokens/s", "1/s", "" for labels
+and ids. Engine times are seconds on the run's virtual clock. No field is
+nullable: absence is a sentinel (-1, NaN or "") stated in the field's doc.
+
+`SCHEMAS[name]` is the stored schema (what the Parquet files and the catalog
+views hold). The engine produces `ENGINE_SCHEMAS[name]`, which for every table
+but runs lacks the leading run_id and campaign columns the writer prepends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+TABLES = ("runs", "requests", "poller", "trace", "slab", "steps")
+RUN_TABLES = TABLES[1:]  # per-run tables the engine produces; runs is written last
+KEY_COLUMNS = ("run_id", "campaign")  # prepended by the writer to every run table
+
+POOLS = ("shared", "attention", "recurrent")
+REQUEST_STATUSES = ("finished", "failed", "unfinished")
+RUN_STATUSES = ("complete", "failed")
+TRACE_EVENTS = (
+    "ENTER_WAITING",
+    "LOOKUP",
+    "ADOPT",
+    "PUBLISH",
+    "LOSS",
+    "PREEMPT",
+    "RESUME",
+    "FINISH",
+    "ALLOC_FAIL",
+    "END",
+)
+TRACE_KINDS = ("attention", "checkpoint", "")
+SLAB_EVENTS = (
+    "SLAB_ALLOC",
+    "SLOT_ALLOC",
+    "SLOT_FREE",
+    "SLAB_RECLAIM",
+    "CROSS_INVALIDATE",
+    "SLAB_FREE",
+)
+
+_I, _F, _S, _B = pa.int64(), pa.float64(), pa.string(), pa.bool_()
+
+
+def _f(name: str, type_: pa.DataType, unit: str, doc: str, values: Sequence[str] = ()) -> pa.Field:
+    meta = {"doc": doc, "unit": unit}
+    if values:
+        meta["values"] = "|".join(values)
+    return pa.field(name, type_, nullable=False, metadata=meta)
+
+
+_KEY_FIELDS = [
+    _f("run_id", _S, "", "Run identifier: hash of the resolved cell config, seed and replicate."),
+    _f("campaign", _S, "", "Campaign name; also the hive partition key (campaign=<c>)."),
+]
+
+_REQUESTS = [
+    _f("request_id", _I, "", "Request id within the run's workload."),
+    _f("arrival_s", _F, "s", "Arrival time."),
+    _f("start_s", _F, "s", "First time the request was scheduled (NaN if never)."),
+    _f("first_token_s", _F, "s", "Time the first output token was produced (NaN if never)."),
+    _f("finish_s", _F, "s", "Completion time (NaN if unfinished)."),
+    _f("prompt_tokens", _I, "tokens", "Prompt length."),
+    _f("output_tokens", _I, "tokens", "Output tokens generated."),
+    _f("target_output_tokens", _I, "tokens", "Output length the workload asked for."),
+    _f("adopted_prefix_tokens", _I, "tokens", "Cached prefix adopted at the first admission."),
+    _f("resume_adopted_tokens", _I, "tokens", "Cached prefix adopted, summed over resumes."),
+    _f("preemptions", _I, "count", "Times the request was preempted."),
+    _f("episodes", _I, "count", "Admission episodes (1 + resumes)."),
+    _f("context_id", _I, "", "Shared-context id of the prompt (-1: unique prompt)."),
+    _f("salt", _S, "", 'Cache salt isolating the request\'s prefix entries ("": none).'),
+    _f("ttft_s", _F, "s", "Time to first token: first_token_s - arrival_s (NaN if none)."),
+    _f("e2e_s", _F, "s", "End-to-end latency: finish_s - arrival_s (NaN if unfinished)."),
+    _f("tpot_s", _F, "s", "Time per output token after the first (NaN if < 2 tokens)."),
+    _f("status", _S, "", "Request outcome.", REQUEST_STATUSES),
+]
+
+_POLLER = [
+    _f("t_s", _I, "s", "Sample time in whole virtual seconds (one sample per second)."),
+    _f("pool", _S, "", "Pool sampled: shared (S0/S1/S2) or attention/recurrent (D0).", POOLS),
+    _f("running", _I, "count", "Requests running."),
+    _f("waiting", _I, "count", "Requests waiting."),
+    _f("units_used", _I, "units", "Units held by running requests."),
+    _f("units_cached", _I, "units", "Units holding evictable cached prefix state."),
+    _f("units_free", _I, "units", "Units neither used nor cached."),
+    _f("units_total", _I, "units", "Units in the pool."),
+    _f("usage_frac", _F, "fraction", "units_used / units_total."),
+    _f("preemptions_total", _I, "count", "Cumulative preemptions."),
+    _f("prompt_tokens_total", _I, "tokens", "Cumulative prompt tokens computed."),
+    _f("generation_tokens_total", _I, "tokens", "Cumulative tokens generated."),
+    _f("prefix_hit_tokens_total", _I, "tokens", "Cumulative prompt tokens served from cache."),
+]
+
+_NOT_ADOPT = "(-1 when not an ADOPT/LOOKUP)"
+_TRACE = [
+    _f("seq", _I, "", "Event sequence number, gapless from 0; END is the last event."),
+    _f("t_s", _F, "s", "Event time."),
+    _f("step", _I, "", "Engine step of the event."),
+    _f("event", _S, "", "Event type.", TRACE_EVENTS),
+    _f("request_id", _I, "", "Request the event is about (-1: none)."),
+    _f("episode", _I, "", "Admission episode of the request (-1: none)."),
+    _f("kind", _S, "", 'Cache entry kind of PUBLISH/LOSS/LOOKUP ("": none).', TRACE_KINDS),
+    _f("boundary", _I, "tokens", "Token boundary of the entry (-1: none)."),
+    _f("key", _S, "", 'Prefix-cache key of the entry ("": none).'),
+    _f("a_m0", _I, "tokens", f"Attention prefix A valid at lookup (bracket M0) {_NOT_ADOPT}."),
+    _f("rmax_m0", _I, "tokens", f"Deepest recurrent checkpoint Rmax, bracket M0 {_NOT_ADOPT}."),
+    _f("j_m0", _I, "tokens", f"Joint adopted depth Jadopt, bracket M0 {_NOT_ADOPT}."),
+    _f("a_m1", _I, "tokens", f"A with entries valid at step start (bracket M1) {_NOT_ADOPT}."),
+    _f("rmax_m1", _I, "tokens", f"Rmax, bracket M1 {_NOT_ADOPT}."),
+    _f("j_m1", _I, "tokens", f"Jadopt, bracket M1 {_NOT_ADOPT}."),
+    _f("cause_request_id", _I, "", "Request whose allocation caused a LOSS (-1: none)."),
+    _f("need", _I, "units", "Units an ALLOC_FAIL asked for (-1: none)."),
+    _f("free", _I, "units", "Free units at an ALLOC_FAIL (-1: none)."),
+    _f("pool", _S, "", 'Pool of an ALLOC_FAIL ("": none).', (*POOLS, "")),
+    _f("dropped", _I, "count", "Events dropped by the recorder (non-zero only on END)."),
+    _f("write_errors", _I, "count", "Recorder write errors (non-zero only on END)."),
+]
+
+_SLAB = [
+    _f("seq", _I, "", "Slab event sequence number."),
+    _f("t_s", _F, "s", "Event time."),
+    _f("step", _I, "", "Engine step of the event."),
+    _f("event", _S, "", "Slab event type.", SLAB_EVENTS),
+    _f("page", _I, "", "Slab page id."),
+    _f("slot", _I, "", "Conv slot within the page (-1: none)."),
+    _f("request_id", _I, "", "Request the event is about (-1: none)."),
+    _f("occupancy", _I, "count", "Slots in use on the page after the event."),
+    _f("invalidated", _I, "count", "Cached entries invalidated by the event."),
+]
+
+_STEPS = [
+    _f("step", _I, "", "Engine step number."),
+    _f("t_start_s", _F, "s", "Step start time."),
+    _f("duration_s", _F, "s", "Step duration."),
+    _f("num_scheduled", _I, "count", "Requests scheduled in the step."),
+    _f("num_running", _I, "count", "Requests running after scheduling."),
+    _f("num_waiting", _I, "count", "Requests waiting after scheduling."),
+    _f("prefill_tokens_initial", _I, "tokens", "New prefill tokens of first admissions."),
+    _f("prefill_tokens_resume", _I, "tokens", "New prefill tokens recomputed on resume."),
+    _f("decode_tokens", _I, "tokens", "Decode tokens."),
+    _f("num_preempted", _I, "count", "Requests preempted in the step."),
+    _f("num_admitted", _I, "count", "Requests admitted (first or resumed) in the step."),
+]
+
+_RUNS = [
+    *_KEY_FIELDS,
+    _f("question", _S, "", "Paper question the run serves (q1..q9 or a supporting sweep)."),
+    _f("arm", _S, "", "Arm label within the question (e.g. S2, S2+Retention)."),
+    _f("org", _S, "", "Memory organization (s0, s1, s2, d0, s2_retention)."),
+    _f("budget", _S, "", "Memory budget name (e.g. b63)."),
+    _f("units", _I, "units", "Total units of the budget (both D0 pools summed)."),
+    _f("units_detail", _S, "", "JSON object of units per pool."),
+    _f("cap", _I, "count", "Concurrency cap (max running requests)."),
+    _f("rate", _F, "1/s", "Offered load lambda (Poisson arrivals per second)."),
+    _f("q", _F, "fraction", "Share of requests drawn from shared contexts."),
+    _f("f", _F, "fraction", "Admission headroom fraction."),
+    _f("retention_k", _I, "count", "Checkpoint retention K (-1: none)."),
+    _f("reuse", _S, "", "Reuse mode (e.g. SHARE, ISOLATE)."),
+    _f("seed", _I, "", "Workload seed."),
+    _f("replicate", _I, "", "Replicate index of a deliberate rerun (0: first)."),
+    _f("trace", _B, "", "Whether the trace recorder was on."),
+    _f("executor", _S, "", "Executor (sim or real)."),
+    _f("model", _S, "", "Model name."),
+    _f("config_hash", _S, "", "Hash of the resolved cell config, seed and replicate excluded."),
+    _f("prereg_plan_hash", _S, "", 'Hash of the campaign\'s preregistered plan ("": none).'),
+    _f("code_version", _S, "", "Code version the run was produced with."),
+    _f("environment", _S, "", "JSON object: package versions, CPU, Python."),
+    _f("episode_start_s", _I, "s", "Ledger episode start (orchestration start, boot excluded)."),
+    _f("episode_end_s", _I, "s", "Ledger episode end (completion polling done)."),
+    _f("span_start_s", _F, "s", "First request arrival."),
+    _f("span_end_s", _F, "s", "Last request finish."),
+    _f("completed_requests", _I, "count", "Requests finished."),
+    _f("failed_requests", _I, "count", "Requests failed."),
+    _f("output_tokens", _I, "tokens", "Output tokens of completed requests."),
+    _f("throughput_ledger", _F, "tokens/s", "output_tokens / ledger episode seconds (primary)."),
+    _f("throughput_span", _F, "tokens/s", "output_tokens / request span seconds (sensitivity)."),
+    _f("status", _S, "", "Run outcome; only complete runs count.", RUN_STATUSES),
+    _f("adopted", _B, "", "Whether this run is the one analysed for its (cell, seed) key."),
+    _f("wall_seconds", _F, "s", "Wall-clock duration of the run."),
+    _f("created_at", _S, "", "UTC wall-clock write time, ISO 8601 (excluded from determinism)."),
+]
+
+ENGINE_SCHEMAS: dict[str, pa.Schema] = {
+    "runs": pa.schema(_RUNS),
+    "requests": pa.schema(_REQUESTS),
+    "poller": pa.schema(_POLLER),
+    "trace": pa.schema(_TRACE),
+    "slab": pa.schema(_SLAB),
+    "steps": pa.schema(_STEPS),
+}
+SCHEMAS: dict[str, pa.Schema] = {
+    name: schema if name == "runs" else pa.schema([*_KEY_FIELDS, *schema])
+    for name, schema in ENGINE_SCHEMAS.items()
+}
+
+
+def field_doc(table: str, column: str) -> tuple[str, str]:
+    """(doc, unit) of one stored column."""
+    meta = SCHEMAS[table].field(column).metadata
+    return meta[b"doc"].decode(), meta[b"unit"].decode()
+
+
+def _check_names(table: str, given: Sequence[str], expected: Sequence[str]) -> None:
+    missing = [c for c in expected if c not in given]
+    extra = [c for c in given if c not in expected]
+    if missing or extra:
+        raise ValueError(f"{table}: missing columns {missing}, unexpected columns {extra}")
+
+
+def _to_array(table: str, field: pa.Field, values) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    try:
+        if isinstance(values, pa.Array):
+            arr = values.cast(field.type, safe=True)
+        else:
+            arr = pa.array(np.asarray(values) if not isinstance(values, list) else values)
+            arr = arr.cast(field.type, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as e:
+        raise ValueError(f"{table}.{field.name}: cannot cast to {field.type}: {e}") from e
+    if arr.null_count:
+        raise ValueError(f"{table}.{field.name}: {arr.null_count} nulls (use the field's sentinel)")
+    allowed = field.metadata.get(b"values")
+    if allowed is not None and len(arr):
+        allowed_values = pa.array(allowed.decode().split("|"))
+        bad = pc.filter(arr, pc.invert(pc.is_in(arr, value_set=allowed_values)))
+        if len(bad):
+            shown = sorted(set(bad.to_pylist()))[:5]
+            raise ValueError(f"{table}.{field.name}: values {shown} not in {allowed.decode()}")
+    return arr
+
+
+def _cast(table: str, schema: pa.Schema, columns: Mapping) -> pa.Table:
+    _check_names(table, list(columns), schema.names)
+    arrays = [_to_array(table, field, columns[field.name]) for field in schema]
+    lengths = {field.name: len(a) for field, a in zip(schema, arrays, strict=True)}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{table}: columns differ in length: {lengths}")
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def to_table(name: str, columns: Mapping[str, list | np.ndarray] | pa.Table) -> pa.Table:
+    """Cast engine columns to `ENGINE_SCHEMAS[name]`.
+
+    Column names must match exactly (ValueError names missing and unexpected
+    ones); values are cast safely (no silent truncation), nulls are refused
+    and enumerated strings are checked against the field's allowed values.
+    """
+    if name not in ENGINE_SCHEMAS:
+        raise ValueError(f"unknown ledger table {name!r}: expected one of {TABLES}")
+    if isinstance(columns, pa.Table):
+        columns = {c: columns.column(c) for c in columns.column_names}
+    return _cast(name, ENGINE_SCHEMAS[name], columns)
+
+
+def to_stored_table(name: str, columns: Mapping | pa.Table) -> pa.Table:
+    """Cast a table already holding every stored column to `SCHEMAS[name]`."""
+    if name not in SCHEMAS:
+        raise ValueError(f"unknown ledger table {name!r}: expected one of {TABLES}")
+    if isinstance(columns, pa.Table):
+        columns = {c: columns.column(c) for c in columns.column_names}
+    return _cast(name, SCHEMAS[name], columns)

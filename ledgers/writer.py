@@ -1,0 +1,266 @@
+"""Persist one run's ledger tables, atomically, with the runs row last.
+
+Layout: `<root>/<table>/campaign=<c>/<run_id>-<nonce>.parquet`. One write of a
+run (an *attempt*) gives every file it writes the same basename stem
+`<run_id>-<nonce>`; the nonce is fresh per attempt, so a rerun never collides
+with or overwrites an earlier attempt's files. A table file only counts when
+the runs row of its own attempt says complete (see ledgers.catalog), so the
+leftovers of a crashed attempt never count, even after the run_id completes.
+
+Files are written with `pq.write_table` to `.<basename>.tmp` in the target
+directory, fsynced, then `os.replace`d. `pyarrow.dataset.write_dataset` is not
+used: it writes in place (no temp-then-rename), and with one campaign per run
+its partitioning buys nothing; we write the hive path ourselves. The temp name
+starts with a dot (pyarrow.dataset skips it) and does not end in `.parquet`
+(the catalog's glob), so no reader ever sees a half-written file.
+
+Adoption: for each (campaign, config_hash, seed) key exactly one complete run
+is adopted for analysis. The writer decides at write time: the first complete
+run of a key is adopted, and any later complete run of that key (a deliberate
+replicate, or an accidental duplicate) is written with adopted=false, so adding
+replicates never silently changes what is analysed. `adopt_run` moves the
+adoption explicitly by rewriting the runs rows of that key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ledgers.schemas import RUN_TABLES, SCHEMAS, TABLES, to_stored_table, to_table
+
+TEMP_SUFFIX = ".tmp"
+NONCE_HEX = 16  # hex digits of an attempt's nonce
+ADOPTION_KEY = ("campaign", "config_hash", "seed")  # one adopted complete run per key
+CANONICAL_ORDER = ("created_at", "attempt")  # the first complete attempt of a run_id counts
+WRITER_COLUMNS = ("adopted", "created_at")  # runs columns the writer sets
+JSON_COLUMNS = ("units_detail", "environment")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_COMPRESSION = "zstd"
+
+
+def table_dir(root: str | os.PathLike, table: str, campaign: str) -> Path:
+    """Hive partition directory of one table and campaign."""
+    return Path(root) / table / f"campaign={campaign}"
+
+
+def table_glob(root: str | os.PathLike, table: str) -> str:
+    """Glob every committed file of a table matches (temp files never do)."""
+    return f"{Path(root).resolve().as_posix()}/{table}/**/*.parquet"
+
+
+def attempt_run_id(attempt: str) -> str:
+    """run_id of an attempt stem `<run_id>-<nonce>`."""
+    return attempt[: -(NONCE_HEX + 1)]
+
+
+def temp_path(path: Path) -> Path:
+    """Temporary sibling a file is written to before its rename."""
+    return path.with_name(f".{path.name}{TEMP_SUFFIX}")
+
+
+def committed_files(root: str | os.PathLike, table: str) -> list[Path]:
+    """Committed Parquet files of a table, across campaigns, sorted."""
+    base = Path(root) / table
+    return sorted(base.glob("campaign=*/*.parquet")) if base.is_dir() else []
+
+
+def _check_name(what: str, value: str) -> None:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise ValueError(f"{what}={value!r}: use letters, digits, '_', '.', '-' (not leading)")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _statistics_columns(table: pa.Table) -> list[str]:
+    """Columns that get min/max statistics: all but floating point ones.
+
+    Parquet min/max ignore NaN, and DuckDB 2.0.1 folds `isnan(x)` (and
+    `x = 'nan'`) to false from such statistics, losing the NaN sentinels
+    (unfinished finish_s, missing ttft_s). Float columns are never partition or
+    pruning keys here, so they carry no statistics.
+    """
+    return [f.name for f in table.schema if not pa.types.is_floating(f.type)]
+
+
+def write_atomic(table: pa.Table, path: Path) -> None:
+    """Write `table` to `path` via a fsynced temp file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as fh:
+            pq.write_table(
+                table, fh, compression=_COMPRESSION, write_statistics=_statistics_columns(table)
+            )
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _with_keys(name: str, table: pa.Table, run_id: str, campaign: str) -> pa.Table:
+    n = table.num_rows
+    keys = [pa.array([run_id] * n, pa.string()), pa.array([campaign] * n, pa.string())]
+    return pa.Table.from_arrays([*keys, *table.columns], schema=SCHEMAS[name])
+
+
+def _json_text(column: str, value) -> str:
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"runs.{column}: not valid JSON: {e}") from e
+        return value
+    return json.dumps(value, sort_keys=True)
+
+
+def _runs_table(run_id: str, campaign: str, runs_row: Mapping, adopted: bool) -> pa.Table:
+    owned = [c for c in WRITER_COLUMNS if c in runs_row]
+    if owned:
+        raise ValueError(f"runs row: columns {owned} are set by the writer")
+    for key, value in (("run_id", run_id), ("campaign", campaign)):
+        if key in runs_row and runs_row[key] != value:
+            raise ValueError(f"runs row: {key}={runs_row[key]!r} differs from {value!r}")
+    row = {**runs_row, "run_id": run_id, "campaign": campaign, "adopted": adopted}
+    row["created_at"] = datetime.now(UTC).isoformat(timespec="microseconds")
+    for column in JSON_COLUMNS:
+        if column in row:
+            row[column] = _json_text(column, row[column])
+    return to_stored_table("runs", {c: [v] for c, v in row.items()})
+
+
+def read_raw_runs(root: str | os.PathLike, campaign: str | None = None) -> list[dict]:
+    """Every runs row (any status, duplicates included) with its attempt and file path."""
+    if campaign is None:
+        files = committed_files(root, "runs")
+    else:
+        _check_name("campaign", campaign)
+        files = sorted(table_dir(root, "runs", campaign).glob("*.parquet"))
+    if not files:
+        return []
+    con = duckdb.connect()
+    try:
+        rel = con.execute(
+            "SELECT *, parse_filename(filename, true) AS attempt FROM "
+            "read_parquet(?, union_by_name = true, filename = true)",
+            [[f.as_posix() for f in files]],
+        )
+        names = [d[0] for d in rel.description]
+        return [dict(zip(names, r, strict=True)) for r in rel.fetchall()]
+    finally:
+        con.close()
+
+
+def completed_run_ids(root: str | os.PathLike, campaign: str | None = None) -> set[str]:
+    """run_ids with a complete runs row (the runner skips these)."""
+    return {r["run_id"] for r in read_raw_runs(root, campaign) if r["status"] == "complete"}
+
+
+def _key_has_complete_run(root: str | os.PathLike, campaign: str, key: dict) -> bool:
+    return any(
+        r["status"] == "complete" and all(r[k] == key[k] for k in ADOPTION_KEY)
+        for r in read_raw_runs(root, campaign)
+    )
+
+
+def write_run(
+    root: str | os.PathLike,
+    campaign: str,
+    run_id: str,
+    tables: Mapping[str, pa.Table | Mapping],
+    runs_row: Mapping,
+) -> None:
+    """Persist one attempt of a run: its tables, then its runs row.
+
+    `tables` maps run-table names to engine columns (pa.Table or dict of
+    columns, exactly `ENGINE_SCHEMAS[name]`); absent tables are not written.
+    `runs_row` holds every runs column except adopted and created_at (run_id
+    and campaign optional, must match). Everything is validated before the
+    first file is written.
+    """
+    _check_name("campaign", campaign)
+    _check_name("run_id", run_id)
+    unknown = sorted(set(tables) - set(RUN_TABLES))
+    if unknown:
+        raise ValueError(f"unknown run tables {unknown}: expected a subset of {RUN_TABLES}")
+    stored = {
+        name: _with_keys(name, to_table(name, tables[name]), run_id, campaign)
+        for name in RUN_TABLES
+        if name in tables
+    }
+    runs = _runs_table(run_id, campaign, runs_row, adopted=False)  # validate before writing
+    stem = f"{run_id}-{secrets.token_hex(NONCE_HEX // 2)}"
+    for name, table in stored.items():
+        write_atomic(table, table_dir(root, name, campaign) / f"{stem}.parquet")
+    # Decide adoption as late as possible, right before the runs row commits the run.
+    row = runs.to_pylist()[0]
+    if row["status"] == "complete" and not _key_has_complete_run(root, campaign, row):
+        runs = runs.set_column(
+            runs.schema.get_field_index("adopted"),
+            SCHEMAS["runs"].field("adopted"),
+            pa.array([True]),
+        )
+    write_atomic(runs, table_dir(root, "runs", campaign) / f"{stem}.parquet")
+
+
+def _set_adopted(path: str, adopted: bool) -> None:
+    table = pq.read_table(path)
+    index = table.schema.get_field_index("adopted")
+    column = pa.array([adopted] * table.num_rows)
+    table = table.set_column(index, table.schema.field(index), column)
+    write_atomic(table, Path(path))
+
+
+def adopt_run(root: str | os.PathLike, run_id: str) -> None:
+    """Make `run_id` the adopted run of its (campaign, config_hash, seed) key.
+
+    Rewrites runs rows in place (temp then rename): the new run is marked
+    first and the others cleared after, so a crash in between leaves two
+    adopted runs, which ledgers.check reports, never none.
+    """
+    rows = read_raw_runs(root)
+    complete = [r for r in rows if r["status"] == "complete"]
+    own = sorted(
+        (r for r in complete if r["run_id"] == run_id),
+        key=lambda r: tuple(r[c] for c in CANONICAL_ORDER),
+    )
+    if not own:
+        raise ValueError(f"run_id={run_id!r}: no complete run to adopt")
+    target = own[0]
+    peers = [r for r in complete if all(r[k] == target[k] for k in ADOPTION_KEY)]
+    if not target["adopted"]:
+        _set_adopted(target["filename"], True)
+    for r in peers:
+        if r["attempt"] != target["attempt"] and r["adopted"]:
+            _set_adopted(r["filename"], False)
+
+
+__all__ = [
+    "ADOPTION_KEY",
+    "TABLES",
+    "adopt_run",
+    "completed_run_ids",
+    "read_raw_runs",
+    "table_dir",
+    "table_glob",
+    "write_atomic",
+    "write_run",
+]

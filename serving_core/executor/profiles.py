@@ -1,0 +1,194 @@
+"""Device profiles and model cost coefficients for the simulated executor.
+
+A `DeviceProfile` holds datasheet peaks, the achievable fractions of them and
+host overheads; its values live in conf/executor/<name>.yaml, where each one is
+documented. `ModelCosts` turns a Geometry into per-step byte and FLOP
+coefficients (whole model, all layers), so the step-time model only multiplies
+them by per-step token sums.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from serving_core.geometry import Geometry
+
+EXECUTOR_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "executor"
+
+# Tokens per chunk of the Mamba-2 chunked scan (SSD): the `chunk_size` default of the
+# Mamba2 layer in the reference mamba_ssm implementation (Dao & Gu, 2024).
+SSD_CHUNK_TOKENS = 256
+
+# Profile fields that are fractions of a peak, in (0, 1].
+_EFFICIENCY_FIELDS = (
+    "memory_efficiency",
+    "matmul_efficiency",
+    "attention_efficiency",
+    "scan_efficiency",
+)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One target device; see conf/executor/*.yaml for each value's source."""
+
+    name: str
+    hbm_bytes_per_s: float  # peak HBM bandwidth, bytes/s (datasheet)
+    peak_flops: float  # peak dense bf16 tensor-core FLOP/s (datasheet)
+    memory_efficiency: float  # sustained fraction of hbm_bytes_per_s
+    matmul_efficiency: float  # achieved fraction of peak_flops in dense GEMMs
+    attention_efficiency: float  # achieved fraction of peak_flops in attention kernels
+    scan_efficiency: float  # achieved fraction of peak_flops in the Mamba-2 scan
+    per_step_overhead_s: float  # host time per engine step not overlapped with the GPU
+    per_seq_overhead_s: float  # host time per scheduled sequence per step
+    max_num_batched_tokens: int  # engine token budget per step
+    hbm_capacity_bytes: int  # device memory
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name={self.name!r} must be a non-empty string")
+        for f in ("hbm_bytes_per_s", "peak_flops", "hbm_capacity_bytes"):
+            value = getattr(self, f)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{f}={value} must be positive and finite")
+        for f in _EFFICIENCY_FIELDS:
+            value = getattr(self, f)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{f}={value} must lie in (0, 1]")
+        for f in ("per_step_overhead_s", "per_seq_overhead_s"):
+            value = getattr(self, f)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{f}={value} must be finite and >= 0")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive"
+            )
+
+    @property
+    def effective_bytes_per_s(self) -> float:
+        return self.hbm_bytes_per_s * self.memory_efficiency
+
+
+_PROFILE_CASTS = {
+    "name": str,
+    "hbm_bytes_per_s": float,
+    "peak_flops": float,
+    "memory_efficiency": float,
+    "matmul_efficiency": float,
+    "attention_efficiency": float,
+    "scan_efficiency": float,
+    "per_step_overhead_s": float,
+    "per_seq_overhead_s": float,
+    "max_num_batched_tokens": int,
+    "hbm_capacity_bytes": int,
+}
+assert set(_PROFILE_CASTS) == {f.name for f in fields(DeviceProfile)}
+
+
+def available_devices() -> list[str]:
+    return sorted(p.stem for p in EXECUTOR_CONF_DIR.glob("*.yaml"))
+
+
+def device_profile_from_config(cfg: Any) -> DeviceProfile:
+    """Build a profile from a mapping (dict, OmegaConf node); every field is required."""
+    data = dict(cfg.items())
+    allowed = sorted(_PROFILE_CASTS)
+    unknown = sorted(set(data) - set(_PROFILE_CASTS))
+    if unknown:
+        raise ValueError(f"executor config: unknown fields {unknown}; allowed fields are {allowed}")
+    missing = sorted(set(_PROFILE_CASTS) - set(data))
+    if missing:
+        raise ValueError(f"executor config: missing fields {missing}")
+    values = {}
+    for key, cast in _PROFILE_CASTS.items():
+        raw = data[key]
+        # Reject bools (an int subclass) and fractional values of integer fields.
+        if isinstance(raw, bool) or (
+            cast is int and isinstance(raw, float) and not raw.is_integer()
+        ):
+            raise ValueError(f"{key}={raw!r} is not a valid {cast.__name__}")
+        try:
+            values[key] = cast(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}={raw!r} is not a valid {cast.__name__}") from None
+    return DeviceProfile(**values)
+
+
+def load_device_profile(name_or_mapping: str | Any) -> DeviceProfile:
+    """Load conf/executor/<name>.yaml by name, or build a profile from a mapping."""
+    if isinstance(name_or_mapping, DeviceProfile):
+        return name_or_mapping
+    if isinstance(name_or_mapping, str):
+        key = name_or_mapping.strip().lower()
+        path = EXECUTOR_CONF_DIR / f"{key}.yaml"
+        if not key or not path.exists():
+            raise ValueError(
+                f"executor={name_or_mapping!r}: allowed values are {available_devices()}"
+            )
+        with path.open() as fh:
+            return device_profile_from_config(yaml.safe_load(fh))
+    if hasattr(name_or_mapping, "items"):
+        return device_profile_from_config(name_or_mapping)
+    raise ValueError(
+        f"executor={name_or_mapping!r}: expected a device name {available_devices()} or a mapping"
+    )
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Whole-model byte and FLOP coefficients of one serving step.
+
+    Symbols: L layers, Ha attention heads, d head dim, H Mamba heads, P Mamba
+    head dim, N d_state, G groups, Q the SSD chunk length.
+    """
+
+    weight_bytes: int  # num_params x dtype bytes; streamed once per step
+    kv_bytes_per_token: int  # attention K+V of one token, all L layers
+    state_bytes_per_composite: int  # one recurrent composite (SSM + conv), all L layers
+    dense_flops_per_token: int  # 2 x num_params (one multiply-add per weight)
+    attention_flops_per_pair: int  # 4 Ha d L: QK^T and PV per (query, key) pair
+    scan_flops_per_token: int  # 4 H P N L: chunk-state build and read-out
+    scan_flops_per_chunk: int  # 2 H P N L: passing the state across one chunk
+    scan_flops_per_intra_pair: int  # 2 (H P + G N) L: intra-chunk C B^T and its product with X
+    ssd_chunk_tokens: int  # Q
+
+    @property
+    def has_recurrent(self) -> bool:
+        return self.state_bytes_per_composite > 0
+
+
+def model_costs(geometry: Geometry, ssd_chunk_tokens: int = SSD_CHUNK_TOKENS) -> ModelCosts:
+    """Derive a model's per-step cost coefficients from its geometry.
+
+    Scan FLOPs follow the four stages of the Mamba-2 SSD algorithm for a chunk
+    of q tokens (per layer): intra-chunk C B^T per group (2 q^2 N G) and its
+    masked product with X per head (2 q^2 P H), chunk states B^T X (2 q N P H),
+    output from the carried state C h (2 q N P H), and state passing
+    (2 N P H per chunk). Per token: 4 HPN + 2 q (HP + GN) + 2 HPN / q; n new
+    tokens split into chunks of at most Q. A single
+    decode token (q = 1) gives ~6 HPN, close to the 5 HPN of the recurrent update
+    (decay, outer product, add; read-out).
+    """
+    if ssd_chunk_tokens <= 0:
+        raise ValueError(f"ssd_chunk_tokens={ssd_chunk_tokens} must be positive")
+    g = geometry
+    layers = g.num_layers
+    recurrent = g.has_recurrent
+    hpn = g.mamba_heads * g.mamba_head_dim * g.d_state
+    intra = (g.mamba_inner + g.n_groups * g.d_state) if recurrent else 0
+    return ModelCosts(
+        weight_bytes=g.weight_bytes,
+        kv_bytes_per_token=g.attention_bytes_per_token * layers,
+        state_bytes_per_composite=g.composite_bytes * layers,
+        dense_flops_per_token=2 * g.num_params,
+        attention_flops_per_pair=4 * g.num_attention_heads * g.head_dim * layers,
+        scan_flops_per_token=4 * hpn * layers,
+        scan_flops_per_chunk=2 * hpn * layers,
+        scan_flops_per_intra_pair=2 * intra * layers,
+        ssd_chunk_tokens=ssd_chunk_tokens,
+    )

@@ -1,0 +1,274 @@
+"""Step-time model of the simulated executor.
+
+The engine calls `StepTimeModel.step_seconds` once per engine step with the
+scheduled batch and advances its virtual clock by the result. The model is a
+roofline over the step's memory traffic and FLOPs plus host overhead:
+
+    step = max(memory_s, compute_s) + per_step_overhead + per_seq_overhead x B
+
+    memory_s  = [W + kv (sum(c + n) + sum(n)) + state (1 + x) (2 B + k)] / (BW eff_mem)
+    compute_s = 2 P_model sum(n) / (F eff_mm)
+              + 4 Ha d L sum(n c + n (n + 1) / 2) / (F eff_attn)
+              + [4 HPN L sum(n) + 2 HPN L sum(ceil(n / Q))
+                 + 2 (HP + GN) L sum(s^2 over chunks s of n)] / (F eff_scan)
+
+for B scheduled sequences with n new and c cached tokens each, k checkpoints
+published this step, W weight bytes, kv / state the whole-model bytes of one
+token's KV / one recurrent composite, and x the indirection overhead (S1/S2
+only). Coefficients come from `ModelCosts`; device constants from the profile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Integral
+from operator import mul
+from typing import Any
+
+from serving_core.executor.profiles import DeviceProfile, load_device_profile, model_costs
+from serving_core.geometry import Geometry
+from serving_core.layout import normalize_org
+
+# Organizations whose recurrent state is reached through an extra level of
+# indirection: S1 SSM member pages and its conv page, S2 member pages and packed conv
+# slots. S0 keeps a composite contiguous in one page; D0 stores native composites.
+# Attention blocks are paged the same way in S0/S1/S2, so KV traffic carries no
+# org-specific overhead.
+INDIRECT_ORGS = frozenset(("S1", "S2"))
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
+
+
+class StepTimeModel:
+    """Roofline step time of one model on one device under one memory organization.
+
+    Cost is O(B) per call in a few builtin passes over the batch lists (measured
+    faster than numpy for serving batch sizes). Deterministic: no randomness, no
+    state between calls.
+    """
+
+    __slots__ = (
+        "geometry",
+        "device",
+        "org",
+        "indirection_overhead",
+        "effective_indirection",
+        "costs",
+        "_weights_s",
+        "_kv_s_per_token",
+        "_state_s_per_composite",
+        "_dense_s_per_token",
+        "_attention_s_per_pair",
+        "_scan_s_per_token",
+        "_scan_s_per_chunk",
+        "_scan_s_per_intra_pair",
+        "_chunk_tokens",
+        "_step_overhead_s",
+        "_seq_overhead_s",
+    )
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        device: DeviceProfile | str | Any,
+        org: str,
+        indirection_overhead: float = 0.0,
+    ) -> None:
+        self.geometry = geometry
+        self.device = load_device_profile(device)
+        self.org = normalize_org(org)
+        try:
+            overhead = float(indirection_overhead)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"indirection_overhead={indirection_overhead!r} must be a number"
+            ) from None
+        if not math.isfinite(overhead) or overhead < 0:
+            raise ValueError(f"indirection_overhead={overhead} must be finite and >= 0")
+        self.indirection_overhead = overhead
+        self.effective_indirection = overhead if self.org in INDIRECT_ORGS else 0.0
+        self.costs = costs = model_costs(geometry)
+
+        # Fold every device constant into per-unit seconds once, so a call only
+        # multiplies token sums by them.
+        dev = self.device
+        bw = dev.effective_bytes_per_s
+        self._weights_s = costs.weight_bytes / bw
+        self._kv_s_per_token = costs.kv_bytes_per_token / bw
+        self._state_s_per_composite = (
+            costs.state_bytes_per_composite * (1.0 + self.effective_indirection) / bw
+        )
+        self._dense_s_per_token = costs.dense_flops_per_token / (
+            dev.peak_flops * dev.matmul_efficiency
+        )
+        self._attention_s_per_pair = costs.attention_flops_per_pair / (
+            dev.peak_flops * dev.attention_efficiency
+        )
+        scan_flops_per_s = dev.peak_flops * dev.scan_efficiency
+        self._scan_s_per_token = costs.scan_flops_per_token / scan_flops_per_s
+        self._scan_s_per_chunk = costs.scan_flops_per_chunk / scan_flops_per_s
+        self._scan_s_per_intra_pair = costs.scan_flops_per_intra_pair / scan_flops_per_s
+        self._chunk_tokens = costs.ssd_chunk_tokens
+        self._step_overhead_s = dev.per_step_overhead_s
+        self._seq_overhead_s = dev.per_seq_overhead_s
+
+    def step_seconds(
+        self,
+        new_tokens: Sequence[int],
+        context_tokens: Sequence[int],
+        checkpoint_writes: int = 0,
+    ) -> float:
+        """Seconds of one engine step.
+
+        new_tokens[i]: tokens computed for scheduled sequence i (decode 1, prefill chunk n).
+        context_tokens[i]: tokens already in that sequence's KV before this step.
+        checkpoint_writes: recurrent composites published this step (each written once extra).
+        """
+        weights_s, kv_s, state_s, dense_s, attention_s, scan_s, overhead_s = self._times(
+            self._aggregate(new_tokens, context_tokens, checkpoint_writes), checkpoint_writes
+        )
+        memory_s = weights_s + kv_s + state_s
+        compute_s = dense_s + attention_s + scan_s
+        return (memory_s if memory_s >= compute_s else compute_s) + overhead_s
+
+    def breakdown(
+        self,
+        new_tokens: Sequence[int],
+        context_tokens: Sequence[int],
+        checkpoint_writes: int = 0,
+    ) -> dict[str, Any]:
+        """The step_seconds computation with its bytes, FLOPs and times itemized."""
+        agg = self._aggregate(new_tokens, context_tokens, checkpoint_writes)
+        num_seqs, sum_new, sum_ctx, _, _, num_chunks, intra_pairs, attention_pairs = agg
+        weights_s, kv_s, state_s, dense_s, attention_s, scan_s, overhead_s = self._times(
+            agg, checkpoint_writes
+        )
+        c = self.costs
+        memory_s = weights_s + kv_s + state_s
+        compute_s = dense_s + attention_s + scan_s
+        state_read = num_seqs * c.state_bytes_per_composite
+        state_write = (num_seqs + checkpoint_writes) * c.state_bytes_per_composite
+        bw = self.device.effective_bytes_per_s
+        return {
+            "num_seqs": num_seqs,
+            "new_tokens": sum_new,
+            "context_tokens": sum_ctx,
+            "checkpoint_writes": checkpoint_writes,
+            "weight_bytes": c.weight_bytes,
+            "kv_read_bytes": (sum_ctx + sum_new) * c.kv_bytes_per_token,
+            "kv_write_bytes": sum_new * c.kv_bytes_per_token,
+            "state_read_bytes": state_read,
+            "state_write_bytes": state_write,
+            "memory_bytes": c.weight_bytes
+            + (sum_ctx + 2 * sum_new) * c.kv_bytes_per_token
+            + state_read
+            + state_write,
+            "attention_pairs": attention_pairs,
+            "dense_flops": sum_new * c.dense_flops_per_token,
+            "attention_flops": attention_pairs * c.attention_flops_per_pair,
+            "scan_flops": sum_new * c.scan_flops_per_token
+            + num_chunks * c.scan_flops_per_chunk
+            + intra_pairs * c.scan_flops_per_intra_pair,
+            "weights_s": weights_s,
+            "kv_s": kv_s,
+            "state_s": state_s,
+            "indirection_s": (state_read + state_write) * self.effective_indirection / bw,
+            "memory_s": memory_s,
+            "dense_s": dense_s,
+            "attention_s": attention_s,
+            "scan_s": scan_s,
+            "compute_s": compute_s,
+            "step_overhead_s": self._step_overhead_s,
+            "seq_overhead_s": num_seqs * self._seq_overhead_s,
+            "overhead_s": overhead_s,
+            "bound": "memory" if memory_s >= compute_s else "compute",
+            "step_s": (memory_s if memory_s >= compute_s else compute_s) + overhead_s,
+        }
+
+    def _aggregate(
+        self,
+        new_tokens: Sequence[int],
+        context_tokens: Sequence[int],
+        checkpoint_writes: int,
+    ) -> tuple[int, int, int, int, int, int, int, int]:
+        """Validate a batch and reduce it to the token sums the cost terms need."""
+        num_seqs = len(new_tokens)
+        if len(context_tokens) != num_seqs:
+            raise ValueError(
+                f"context_tokens has {len(context_tokens)} entries; new_tokens has {num_seqs}"
+            )
+        if num_seqs == 0:
+            raise ValueError("new_tokens is empty: a step schedules at least one sequence")
+        if not _is_int(checkpoint_writes) or checkpoint_writes < 0:
+            raise ValueError(f"checkpoint_writes={checkpoint_writes!r} must be an integer >= 0")
+        if checkpoint_writes and not self.costs.has_recurrent:
+            raise ValueError(
+                f"checkpoint_writes={checkpoint_writes}: geometry {self.geometry.name!r} "
+                "has no recurrent state"
+            )
+        new_min = min(new_tokens)
+        if new_min < 1:
+            raise ValueError(f"new_tokens: entries must be >= 1 (got {new_min})")
+        if min(context_tokens) < 0:
+            raise ValueError(f"context_tokens: entries must be >= 0 (got {min(context_tokens)})")
+        sum_new = sum(new_tokens)
+        sum_ctx = sum(context_tokens)
+        if not _is_int(sum_new):
+            raise ValueError("new_tokens: entries must be integers")
+        if not _is_int(sum_ctx):
+            raise ValueError("context_tokens: entries must be integers")
+
+        new_max = max(new_tokens)
+        if new_max == 1:
+            # Decode-only step: n = 1 reduces every product below to a plain sum.
+            sum_new_ctx = sum_ctx
+            sum_new_sq = num_seqs
+        else:
+            sum_new_ctx = sum(map(mul, new_tokens, context_tokens))
+            sum_new_sq = sum(map(mul, new_tokens, new_tokens))
+        # SSD chunks: n new tokens split into full chunks of Q and a remainder r, with
+        # s^2 intra-chunk pairs per chunk of s. A sequence with n <= Q is one chunk
+        # (n^2 pairs); only the few longer prefill chunks need correcting, so visit just those.
+        q = self._chunk_tokens
+        num_chunks = num_seqs
+        intra_pairs = sum_new_sq
+        if new_max > q:
+            for n in [n for n in new_tokens if n > q]:
+                full, rest = divmod(n, q)
+                num_chunks += full - (rest == 0)
+                intra_pairs += full * q * q + rest * rest - n * n
+        # Causal attention within the chunk: token j of n attends to c + j + 1 keys.
+        attention_pairs = sum_new_ctx + (sum_new_sq + sum_new) // 2
+        return (
+            num_seqs,
+            sum_new,
+            sum_ctx,
+            sum_new_ctx,
+            sum_new_sq,
+            num_chunks,
+            intra_pairs,
+            attention_pairs,
+        )
+
+    def _times(
+        self, agg: tuple[int, ...], checkpoint_writes: int
+    ) -> tuple[float, float, float, float, float, float, float]:
+        """Seconds of each roofline term: weights, kv, state | dense, attention, scan | host."""
+        num_seqs, sum_new, sum_ctx, _, _, num_chunks, intra_pairs, attention_pairs = agg
+        return (
+            self._weights_s,
+            # Read the cached context and the chunk's own keys; write the chunk's KV.
+            (sum_ctx + 2 * sum_new) * self._kv_s_per_token,
+            # Each sequence reads and writes its working composite once; each published
+            # checkpoint is written once more.
+            (2 * num_seqs + checkpoint_writes) * self._state_s_per_composite,
+            sum_new * self._dense_s_per_token,
+            attention_pairs * self._attention_s_per_pair,
+            sum_new * self._scan_s_per_token
+            + num_chunks * self._scan_s_per_chunk
+            + intra_pairs * self._scan_s_per_intra_pair,
+            self._step_overhead_s + num_seqs * self._seq_overhead_s,
+        )

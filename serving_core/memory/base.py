@@ -1,0 +1,237 @@
+"""The interface every memory organization offers the scheduler, and its shared mechanics.
+
+Layering follows the block-pool / manager split of continuous-batching engines:
+the scheduler sees only this class (demand, availability, allocate, acquire,
+release, publish, lookup); below it sit the unit pools and the prefix cache.
+Subclasses say where each kind of logical object lives (S0, S1, S2, D0).
+
+Invariants kept here (SPEC section 3):
+1. a checkpoint is found only when all its members and its conv state are valid;
+2. every unit of an object a request holds is referenced (never in the LRU);
+3. before a unit is reassigned, every entry depending on it is invalidated
+   (one member lost invalidates the whole checkpoint);
+4. unit id 0 is a valid location; absence is NULL / NO_SLOT.
+"""
+
+from __future__ import annotations
+
+from serving_core.layout import OrgLayout
+from serving_core.memory.events import MemoryEvents
+from serving_core.memory.objects import NO_SLOT, Kind, StateObject
+from serving_core.memory.pool import UnitPool
+from serving_core.memory.prefix_cache import PrefixCache, PrefixHit
+
+
+class MemoryOrganization:
+    """Shared pools, reference counting, publication, lookup and LRU eviction."""
+
+    org = ""
+    attention_pool = "shared"
+    composite_pool = "shared"
+
+    def __init__(self, layout: OrgLayout, pool_units: dict[str, int], events: MemoryEvents | None = None):
+        self.layout = layout
+        self.events = events or MemoryEvents()
+        self.cache = PrefixCache()
+        self.pools: dict[str, UnitPool] = {}
+        self._owner: dict[str, list] = {}
+        for name, n in pool_units.items():
+            self.pools[name] = UnitPool(name, n, self._unit_bytes(name))
+            self._owner[name] = [None] * n
+        self.live: dict[int, StateObject] = {}  # objects owning storage, by oid
+        self._next_oid = 0
+
+    # ----- geometry of the organization -------------------------------------------------
+    @property
+    def block_tokens(self) -> int:
+        return self.layout.block_tokens
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.layout.checkpoint_interval
+
+    @property
+    def has_recurrent(self) -> bool:
+        return self.layout.checkpoint_interval > 0
+
+    def _unit_bytes(self, pool: str) -> int:
+        return self.layout.page_bytes
+
+    def units_per_composite(self) -> int:
+        """Whole units of the composite pool one composite takes."""
+        return self.layout.pages_per_composite
+
+    # ----- demand and availability ------------------------------------------------------
+    def demand(self, num_attention: int, num_composites: int) -> dict[str, int]:
+        """Units each pool must supply for new attention blocks and composites."""
+        need = dict.fromkeys(self.pools, 0)
+        need[self.attention_pool] += num_attention
+        need[self.composite_pool] += num_composites * self.units_per_composite()
+        return need
+
+    def can_allocate(self, need: dict[str, int], extra: dict[str, int] | None = None) -> bool:
+        for name, pool in self.pools.items():
+            more = extra.get(name, 0) if extra else 0
+            if need.get(name, 0) + more > pool.num_available:
+                return False
+        return True
+
+    def pinned_by_adoption(self, objs: list[StateObject]) -> dict[str, int]:
+        """Units that taking references on `objs` would pull out of the LRU."""
+        pulled = dict.fromkeys(self.pools, 0)
+        for obj in objs:
+            if obj.ref_count == 0:
+                pulled[obj.pool] += len(obj.units)
+        return pulled
+
+    def total_units(self) -> dict[str, int]:
+        return {name: pool.num_units for name, pool in self.pools.items()}
+
+    # ----- allocation ---------------------------------------------------------------------
+    def _new_object(self, kind: Kind, pool: str, request_id: int) -> StateObject:
+        obj = StateObject(self._next_oid, kind, pool, [], request_id)
+        self._next_oid += 1
+        self.live[obj.oid] = obj
+        return obj
+
+    def _take_unit(self, pool_name: str, request_id: int) -> int:
+        """A free unit, else the LRU cached unit after invalidating what depends on it."""
+        pool = self.pools[pool_name]
+        unit = pool.pop_free()
+        if unit >= 0:
+            return unit
+        if not pool.evictable:
+            raise MemoryError(f"pool {pool_name!r} exhausted: caller must check can_allocate first")
+        unit = pool.pop_lru()
+        self._evict_unit(pool_name, unit, request_id)
+        return unit
+
+    def _assign(self, obj: StateObject, count: int) -> None:
+        owner = self._owner[obj.pool]
+        for _ in range(count):
+            unit = self._take_unit(obj.pool, obj.producer)
+            owner[unit] = obj
+            obj.units.append(unit)
+
+    def allocate_attention(self, request_id: int) -> StateObject:
+        """One attention block held by `request_id` (reference count 1, unpublished)."""
+        obj = self._new_object(Kind.ATTENTION, self.attention_pool, request_id)
+        self._assign(obj, 1)
+        return obj
+
+    def allocate_composite(self, request_id: int) -> StateObject:
+        """One complete recurrent composite (SSM + conv) held by `request_id`."""
+        assert self.has_recurrent, "geometry has no recurrent state"
+        obj = self._new_object(Kind.COMPOSITE, self.composite_pool, request_id)
+        self._assign(obj, self.units_per_composite())
+        return obj
+
+    # ----- references ---------------------------------------------------------------------
+    def acquire(self, obj: StateObject) -> None:
+        """Take an execution reference (or pin); a cached object leaves the LRU."""
+        assert obj.valid, f"acquire of invalidated {obj}"
+        if obj.ref_count == 0:
+            self._on_referenced(obj)
+        obj.ref_count += 1
+
+    def release(self, obj: StateObject) -> None:
+        """Drop one reference. Last release keeps a published entry cached (evictable);
+        an unpublished object's storage is freed at once."""
+        assert obj.ref_count > 0, f"release of unreferenced {obj}"
+        obj.ref_count -= 1
+        if obj.ref_count:
+            return
+        if obj.cached:
+            self._on_unreferenced(obj)
+        else:
+            self._destroy(obj, obj.producer)
+
+    def _on_referenced(self, obj: StateObject) -> None:
+        pool = self.pools[obj.pool]
+        for unit in obj.units:
+            pool.discard_evictable(unit)
+
+    def _on_unreferenced(self, obj: StateObject) -> None:
+        pool = self.pools[obj.pool]
+        for unit in obj.units:
+            pool.add_evictable(unit)
+
+    def _destroy(self, obj: StateObject, cause: int, taken: int = -1) -> None:
+        """Return every unit of obj (except `taken`, which the caller reuses) to the free queue."""
+        pool = self.pools[obj.pool]
+        owner = self._owner[obj.pool]
+        for unit in obj.units:
+            owner[unit] = None
+            if unit != taken:
+                pool.discard_evictable(unit)
+                pool.push_free(unit)
+        obj.units = []
+        obj.valid = False
+        self.live.pop(obj.oid, None)
+
+    # ----- eviction -----------------------------------------------------------------------
+    def _evict_unit(self, pool_name: str, unit: int, cause: int) -> None:
+        """Invalidate the entry living on `unit` (now out of the LRU) and free its other units."""
+        obj = self._owner[pool_name][unit]
+        self._invalidate(obj, cause, taken=unit)
+
+    def _invalidate(self, obj: StateObject, cause: int, taken: int = -1) -> None:
+        assert obj.ref_count == 0 and obj.cached, f"evicting a referenced or uncached {obj}"
+        self.cache.remove(obj)
+        self.events.on_loss(obj, cause)
+        self._destroy(obj, cause, taken)
+
+    # ----- publication and lookup ---------------------------------------------------------
+    def publish(self, obj: StateObject, key: int, boundary: int) -> bool:
+        """Publish obj as the entry for the prefix named by `key`; False if one exists."""
+        assert obj.valid and obj.ref_count > 0, f"publish of {obj}"
+        if not self.cache.insert(obj, key, checkpoint=obj.kind == Kind.COMPOSITE):
+            return False
+        obj.boundary = boundary
+        self.events.on_publish(obj)
+        return True
+
+    def lookup(self, keys: list[int], m1: bool = False) -> PrefixHit:
+        return self.cache.lookup(keys, self.block_tokens, self.checkpoint_interval, m1)
+
+    def cached_attention(self, key: int) -> StateObject | None:
+        return self.cache.attention.get(key)
+
+    def cached_checkpoint(self, key: int) -> StateObject | None:
+        return self.cache.checkpoints.get(key)
+
+    # ----- addressing (what a paged kernel reads) -----------------------------------------
+    def ssm_member_pages(self, obj: StateObject) -> list[int]:
+        """Physical page of each SSM member of a composite, in member order."""
+        assert obj.kind == Kind.COMPOSITE
+        return list(obj.units[: max(1, self.layout.ssm_members)])
+
+    def ssm_address(self, obj: StateObject, member: int, offset: int, base: int = 0) -> int:
+        """base + page_of(b, j) * page_stride + offset(j, u).
+
+        The stride is the unit size of the pool holding the composite (a page for
+        S0/S1/S2, the native composite for D0's recurrent pool).
+        """
+        stride = self.pools[obj.pool].unit_bytes
+        if not 0 <= offset < stride:
+            raise ValueError(f"offset={offset} outside one {stride}-B unit")
+        pages = self.ssm_member_pages(obj)
+        if not 0 <= member < len(pages):
+            raise ValueError(f"member={member} outside [0, {len(pages)}) SSM member pages")
+        return base + pages[member] * stride + offset
+
+    def conv_line(self, obj: StateObject) -> int:
+        """Conv-state location: a page id here; S2 overrides with line ids 16 p + s."""
+        assert obj.kind == Kind.COMPOSITE
+        return obj.units[-1] if obj.units else NO_SLOT
+
+    # ----- observability ------------------------------------------------------------------
+    def usage(self) -> dict[str, tuple[int, int, int, int]]:
+        """Per pool: (used, cached, free, total) units."""
+        return {
+            name: (p.num_used, p.num_evictable, p.num_free, p.num_units)
+            for name, p in self.pools.items()
+        }
+
+    def owner_of(self, pool: str, unit: int):
+        return self._owner[pool][unit]

@@ -1,0 +1,220 @@
+"""S2 paging + conv slots: SSM member pages plus a 32-KiB conv slot packed in a slab page.
+
+A slab page holds `slots_per_slab` conv slots (16 for Falcon-H1). Conv line ids are
+16 p + s for real page p and slot s, so page 0 slot 0 is line 0 and a negative
+line is the "no conv state" sentinel. A slab page joins the LRU when none of its
+slots is referenced; reclaiming it invalidates every cached checkpoint with a
+slot in it (cross-invalidation). An empty slab page returns to the free queue.
+"""
+
+from __future__ import annotations
+
+import math
+
+from serving_core.memory.base import MemoryOrganization
+from serving_core.memory.objects import NO_SLOT, Kind, StateObject
+
+
+class Slab:
+    """One shared page carved into conv slots."""
+
+    __slots__ = ("page", "slots", "num_used", "num_referenced")
+
+    def __init__(self, page: int, num_slots: int) -> None:
+        self.page = page
+        self.slots: list[StateObject | None] = [None] * num_slots
+        self.num_used = 0
+        self.num_referenced = 0
+
+    def first_free(self) -> int:
+        return self.slots.index(None)
+
+
+def encode_conv_line(page: int, slot: int, slots_per_slab: int) -> int:
+    if page < 0 or not 0 <= slot < slots_per_slab:
+        raise ValueError(f"conv slot (page={page}, slot={slot}) outside [0, {slots_per_slab})")
+    return slots_per_slab * page + slot
+
+
+def decode_conv_line(line: int, slots_per_slab: int) -> tuple[int, int]:
+    """(page, slot) of a conv line; the negative sentinel is never decoded."""
+    if line < 0:
+        raise ValueError(f"conv line {line} is the no-conv-state sentinel, not a slot")
+    return divmod(line, slots_per_slab)
+
+
+class S2PagingConvSlots(MemoryOrganization):
+    org = "S2"
+
+    def __init__(self, layout, pool_units, events=None):
+        super().__init__(layout, pool_units, events)
+        self.slabs: dict[int, Slab] = {}
+        self._slabs_with_free: set[int] = set()
+
+    def units_per_composite(self) -> int:
+        return self.layout.ssm_members
+
+    # ----- demand -------------------------------------------------------------------------
+    def num_free_slots(self) -> int:
+        per = self.layout.slots_per_slab
+        return sum(per - self.slabs[p].num_used for p in self._slabs_with_free)
+
+    def _slab_preference(self, page: int) -> tuple[bool, int]:
+        """Slot placement order: referenced slabs (already out of the LRU) before evictable
+        ones, lowest page first within each group, so packing stays deterministic."""
+        return (self.slabs[page].num_referenced == 0, page)
+
+    def num_slab_pages_needed(self, num_composites: int) -> int:
+        """Available units that placing `num_composites` conv slots consumes.
+
+        Follows the order _alloc_slot uses: a free slot in a referenced slab costs
+        nothing; the first slot taken in an evictable slab pulls that page out of the
+        LRU (one available unit, like a new slab); the rest need new slab pages.
+        Evictions during the allocation only move units between evictable and free,
+        so the count is an upper bound on what the allocation really takes.
+        """
+        per = self.layout.slots_per_slab
+        missing = num_composites
+        pages = 0
+        for page in sorted(self._slabs_with_free, key=self._slab_preference):
+            if missing <= 0:
+                break
+            slab = self.slabs[page]
+            if slab.num_referenced == 0:
+                pages += 1
+            missing -= per - slab.num_used
+        if missing > 0:
+            pages += math.ceil(missing / per)
+        return pages
+
+    def demand(self, num_attention: int, num_composites: int) -> dict[str, int]:
+        need = super().demand(num_attention, num_composites)
+        if num_composites:
+            need["shared"] += self.num_slab_pages_needed(num_composites)
+        return need
+
+    def pinned_by_adoption(self, objs: list[StateObject]) -> dict[str, int]:
+        pulled = super().pinned_by_adoption(objs)
+        slab_pages = {
+            obj.slab_page for obj in objs
+            if obj.ref_count == 0 and obj.slab_page != NO_SLOT
+            and self.slabs[obj.slab_page].num_referenced == 0
+        }
+        pulled["shared"] += len(slab_pages)
+        return pulled
+
+    # ----- allocation: slot first, so needed free slots cannot be reclaimed under us ------
+    def allocate_composite(self, request_id: int) -> StateObject:
+        assert self.has_recurrent, "geometry has no recurrent state"
+        obj = self._new_object(Kind.COMPOSITE, self.composite_pool, request_id)
+        self._alloc_slot(obj, request_id)
+        self._assign(obj, self.units_per_composite())
+        return obj
+
+    def _alloc_slot(self, obj: StateObject, request_id: int) -> None:
+        if self._slabs_with_free:
+            page = min(self._slabs_with_free, key=self._slab_preference)
+            slab = self.slabs[page]
+        else:
+            page = self._take_unit("shared", request_id)
+            slab = Slab(page, self.layout.slots_per_slab)
+            self.slabs[page] = slab
+            self._owner["shared"][page] = slab
+            self._slabs_with_free.add(page)
+            self.events.on_slab("SLAB_ALLOC", page, NO_SLOT, request_id, 0, 0)
+        slot = slab.first_free()
+        slab.slots[slot] = obj
+        slab.num_used += 1
+        if slab.num_referenced == 0:
+            self.pools["shared"].discard_evictable(page)
+        slab.num_referenced += 1
+        if slab.num_used == len(slab.slots):
+            self._slabs_with_free.discard(page)
+        obj.slab_page, obj.slot = page, slot
+        self.events.on_slab("SLOT_ALLOC", page, slot, request_id, slab.num_used, 0)
+
+    def _free_slot(self, obj: StateObject, cause: int) -> None:
+        page, slot = obj.slab_page, obj.slot
+        slab = self.slabs[page]
+        assert slab.slots[slot] is obj
+        slab.slots[slot] = None
+        slab.num_used -= 1
+        obj.slab_page = obj.slot = NO_SLOT
+        self.events.on_slab("SLOT_FREE", page, slot, cause, slab.num_used, 0)
+        if slab.num_used == 0:
+            del self.slabs[page]
+            self._slabs_with_free.discard(page)
+            self._owner["shared"][page] = None
+            pool = self.pools["shared"]
+            pool.discard_evictable(page)
+            pool.push_free(page)
+            self.events.on_slab("SLAB_FREE", page, NO_SLOT, cause, 0, 0)
+        else:
+            self._slabs_with_free.add(page)
+
+    # ----- reference transitions include the slab page ------------------------------------
+    def _on_referenced(self, obj: StateObject) -> None:
+        super()._on_referenced(obj)
+        if obj.slab_page != NO_SLOT:
+            slab = self.slabs[obj.slab_page]
+            if slab.num_referenced == 0:
+                self.pools["shared"].discard_evictable(slab.page)
+            slab.num_referenced += 1
+
+    def _on_unreferenced(self, obj: StateObject) -> None:
+        super()._on_unreferenced(obj)
+        if obj.slab_page != NO_SLOT:
+            slab = self.slabs[obj.slab_page]
+            slab.num_referenced -= 1
+            if slab.num_referenced == 0:
+                self.pools["shared"].add_evictable(slab.page)
+
+    def _destroy(self, obj: StateObject, cause: int, taken: int = -1) -> None:
+        if obj.slab_page != NO_SLOT:
+            page = obj.slab_page
+            slab = self.slabs[page]
+            last_reference = False
+            if obj.ref_count == 0 and not obj.cached and obj.valid:
+                # last reference of an unpublished composite: it was counted as referenced
+                slab.num_referenced -= 1
+                last_reference = slab.num_referenced == 0
+            self._free_slot(obj, cause)
+            if last_reference and page in self.slabs:
+                # the cached neighbours left on the slab are unreferenced now: the page is evictable
+                self.pools["shared"].add_evictable(page)
+        super()._destroy(obj, cause, taken)
+
+    # ----- eviction: a slab page is reclaimed whole ---------------------------------------
+    def _evict_unit(self, pool_name: str, unit: int, cause: int) -> None:
+        owner = self._owner[pool_name][unit]
+        if not isinstance(owner, Slab):
+            super()._evict_unit(pool_name, unit, cause)
+            return
+        slab = owner
+        assert slab.num_referenced == 0, "reclaiming a slab with a referenced slot"
+        victims = [obj for obj in slab.slots if obj is not None]
+        self.events.on_slab("CROSS_INVALIDATE", unit, NO_SLOT, cause, slab.num_used, len(victims))
+        for obj in victims:
+            slab.slots[obj.slot] = None
+            obj.slab_page = obj.slot = NO_SLOT
+            self._invalidate(obj, cause)
+        del self.slabs[unit]
+        self._slabs_with_free.discard(unit)
+        self._owner[pool_name][unit] = None
+        self.events.on_slab("SLAB_RECLAIM", unit, NO_SLOT, cause, 0, len(victims))
+
+    # ----- addressing ---------------------------------------------------------------------
+    def conv_line(self, obj: StateObject) -> int:
+        """Line id 16 p + s of the composite's conv slot, or NO_SLOT."""
+        assert obj.kind == Kind.COMPOSITE
+        if obj.slab_page == NO_SLOT:
+            return NO_SLOT
+        return encode_conv_line(obj.slab_page, obj.slot, self.layout.slots_per_slab)
+
+    def conv_address(self, obj: StateObject, offset: int, conv_base: int = 0) -> int:
+        """conv_base + line * slot_bytes + offset."""
+        if not 0 <= offset < self.layout.conv_slot_bytes:
+            raise ValueError(f"offset={offset} outside one {self.layout.conv_slot_bytes}-B slot")
+        line = self.conv_line(obj)
+        decode_conv_line(line, self.layout.slots_per_slab)  # refuses the sentinel
+        return conv_base + line * self.layout.conv_slot_bytes + offset

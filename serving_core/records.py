@@ -1,0 +1,159 @@
+"""Per-run records: requests, poller, trace, slab and steps, kept as column lists.
+
+Column names match ledgers.schemas exactly; the runner persists them. Trace
+events carry a gapless sequence number and the run ends with one END record.
+"""
+
+from __future__ import annotations
+
+import math
+
+from serving_core.memory import Kind, MemoryEvents, StateObject
+
+_MASK64 = (1 << 64) - 1
+
+TRACE_COLUMNS = (
+    "seq", "t_s", "step", "event", "request_id", "episode", "kind", "boundary", "key",
+    "a_m0", "rmax_m0", "j_m0", "a_m1", "rmax_m1", "j_m1", "cause_request_id", "need", "free",
+    "pool", "dropped", "write_errors",
+)
+SLAB_COLUMNS = ("seq", "t_s", "step", "event", "page", "slot", "request_id", "occupancy", "invalidated")
+STEP_COLUMNS = (
+    "step", "t_start_s", "duration_s", "num_scheduled", "num_running", "num_waiting",
+    "prefill_tokens_initial", "prefill_tokens_resume", "decode_tokens", "num_preempted",
+    "num_admitted",
+)
+POLLER_COLUMNS = (
+    "t_s", "pool", "running", "waiting", "units_used", "units_cached", "units_free", "units_total",
+    "usage_frac", "preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+    "prefix_hit_tokens_total",
+)
+REQUEST_COLUMNS = (
+    "request_id", "arrival_s", "start_s", "first_token_s", "finish_s", "prompt_tokens",
+    "output_tokens", "target_output_tokens", "adopted_prefix_tokens", "resume_adopted_tokens",
+    "preemptions", "episodes", "context_id", "salt", "ttft_s", "e2e_s", "tpot_s", "status",
+)
+
+
+def format_key(key: int | None) -> str:
+    return "" if key is None else f"{key & _MASK64:016x}"
+
+
+class Recorder(MemoryEvents):
+    """Collects one run's records; also the memory-event sink."""
+
+    def __init__(self, trace: bool, slab: bool, max_trace_events: int = 50_000_000) -> None:
+        self.trace_enabled = trace
+        self.slab_enabled = slab
+        self.max_trace_events = max_trace_events
+        self.step = 0
+        self.now = 0.0
+        self.dropped = 0
+        self.trace = {c: [] for c in TRACE_COLUMNS}
+        self.slab = {c: [] for c in SLAB_COLUMNS}
+        self.steps = {c: [] for c in STEP_COLUMNS}
+        self.poller = {c: [] for c in POLLER_COLUMNS}
+
+    # ----- trace --------------------------------------------------------------------------
+    def event(
+        self, event: str, t: float, request_id: int = -1, episode: int = 0, *, hit_m0=None,
+        hit_m1=None, kind: str = "", boundary: int = -1, key: str = "", cause: int = -1,
+        need: int = -1, free: int = -1, pool: str = "",
+    ) -> None:
+        tr = self.trace
+        if len(tr["seq"]) >= self.max_trace_events:
+            self.dropped += 1
+            return
+        tr["seq"].append(len(tr["seq"]))
+        tr["t_s"].append(t)
+        tr["step"].append(self.step)
+        tr["event"].append(event)
+        tr["request_id"].append(request_id)
+        tr["episode"].append(episode)
+        tr["kind"].append(kind)
+        tr["boundary"].append(boundary)
+        tr["key"].append(key)
+        for suffix, hit in (("m0", hit_m0), ("m1", hit_m1)):
+            tr["a_" + suffix].append(hit.amax if hit else -1)
+            tr["rmax_" + suffix].append(hit.rmax if hit else -1)
+            tr["j_" + suffix].append(hit.jadopt if hit else -1)
+        tr["cause_request_id"].append(cause)
+        tr["need"].append(need)
+        tr["free"].append(free)
+        tr["pool"].append(pool)
+        tr["dropped"].append(0)
+        tr["write_errors"].append(0)
+
+    def end(self, t: float) -> None:
+        """Final END record with dropped and write-error counts (always written)."""
+        limit, self.max_trace_events = self.max_trace_events, math.inf
+        self.event("END", t)
+        self.max_trace_events = limit
+        self.trace["dropped"][-1] = self.dropped
+
+    def on_publish(self, obj: StateObject) -> None:
+        if self.trace_enabled:
+            kind = "checkpoint" if obj.kind == Kind.COMPOSITE else "attention"
+            self.event("PUBLISH", self.now, obj.producer, kind=kind, boundary=obj.boundary,
+                       key=format_key(obj.key))
+
+    def on_loss(self, obj: StateObject, cause_request: int) -> None:
+        if self.trace_enabled:
+            kind = "checkpoint" if obj.kind == Kind.COMPOSITE else "attention"
+            self.event("LOSS", self.now, obj.producer, kind=kind, boundary=obj.boundary,
+                       key=format_key(obj.key), cause=cause_request)
+
+    # ----- slab ---------------------------------------------------------------------------
+    def on_slab(self, event, page, slot, request_id, occupancy, invalidated) -> None:
+        if not self.slab_enabled:
+            return
+        sl = self.slab
+        sl["seq"].append(len(sl["seq"]))
+        sl["t_s"].append(self.now)
+        sl["step"].append(self.step)
+        sl["event"].append(event)
+        sl["page"].append(page)
+        sl["slot"].append(slot)
+        sl["request_id"].append(request_id)
+        sl["occupancy"].append(occupancy)
+        sl["invalidated"].append(invalidated)
+
+    # ----- steps and poller -----------------------------------------------------------------
+    def record_step(self, row: tuple) -> None:
+        for col, value in zip(STEP_COLUMNS, row, strict=True):
+            self.steps[col].append(value)
+
+    def sample(self, t: int, sched, mem) -> None:
+        po = self.poller
+        for pool, (used, cached, free, total) in mem.usage().items():
+            po["t_s"].append(t)
+            po["pool"].append(pool)
+            po["running"].append(len(sched.running))
+            po["waiting"].append(len(sched.waiting))
+            po["units_used"].append(used)
+            po["units_cached"].append(cached)
+            po["units_free"].append(free)
+            po["units_total"].append(total)
+            po["usage_frac"].append(used / total)
+            po["preemptions_total"].append(sched.preemptions_total)
+            po["prompt_tokens_total"].append(sched.prompt_tokens_total)
+            po["generation_tokens_total"].append(sched.generation_tokens_total)
+            po["prefix_hit_tokens_total"].append(sched.prefix_hit_tokens_total)
+
+
+def request_columns(requests) -> dict[str, list]:
+    cols = {c: [] for c in REQUEST_COLUMNS}
+    for r in requests:
+        finished = not math.isnan(r.finish_s)
+        ttft = r.first_token_s - r.arrival_s
+        e2e = r.finish_s - r.arrival_s
+        tpot = (r.finish_s - r.first_token_s) / (r.num_generated - 1) if r.num_generated > 1 else math.nan
+        row = (
+            r.rid, r.arrival_s, r.start_s, r.first_token_s, r.finish_s, r.num_prompt,
+            r.num_generated, r.target_output, r.adopted_first, r.adopted_resume, r.preemptions,
+            r.episodes, int(r.spec.context_id), r.spec.salt, ttft, e2e, tpot,
+            "finished" if finished else "unfinished",
+        )
+        for col, value in zip(REQUEST_COLUMNS, row, strict=True):
+            cols[col].append(value)
+    return cols

@@ -1,0 +1,93 @@
+"""A request as the engine tracks it: tokens, progress, held state and timestamps."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from enum import IntEnum
+
+from serving_core.memory.objects import NULL
+
+GENERATED_TOKEN_SPACE = 128_256  # ids of synthetic generated tokens stay inside a Llama-3 vocabulary
+
+
+class Status(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+def salt_root(salt: str) -> int:
+    """Deterministic root of a request's hash chain (the cache_salt); '' under SHARE."""
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
+
+
+class Request:
+    """Progress of one request across admission episodes.
+
+    `num_computed` tokens have KV and recurrent state; the request needs compute
+    while num_computed < num_tokens (prompt + generated). A step that reaches
+    num_tokens samples the next token. Block keys chain over all tokens, so a
+    resumed request finds its own published prefix, generated tokens included.
+    """
+
+    __slots__ = (
+        "spec", "rid", "tokens", "num_prompt", "target_output", "num_generated", "num_computed",
+        "block_tokens", "keys", "_root", "status", "attn", "working", "adopted", "dests",
+        "retained", "pin", "episodes", "preemptions", "prefill_target", "arrival_s", "start_s",
+        "first_token_s", "finish_s", "adopted_first", "adopted_resume", "alloc_fail_logged",
+    )
+
+    def __init__(self, spec, block_tokens: int) -> None:
+        self.spec = spec
+        self.rid = int(spec.request_id)
+        self.tokens: list[int] = spec.prompt.tolist()
+        self.num_prompt = len(self.tokens)
+        self.target_output = int(spec.output_tokens)
+        if self.num_prompt < 1 or self.target_output < 1:
+            raise ValueError(f"request {self.rid}: prompt and output must have >= 1 token")
+        self.num_generated = 0
+        self.num_computed = 0
+        self.block_tokens = block_tokens
+        self.keys: list[int] = []
+        self._root = salt_root(spec.salt)
+        self.status = Status.WAITING
+        self.attn: list = []  # attention block objects, block i covers [i B, (i+1) B)
+        self.working = NULL  # composite the next tokens are computed into
+        self.adopted = NULL  # checkpoint read as initial state, released after the first step
+        self.dests: list = []  # destination composites reserved for boundaries in this chunk
+        self.retained: list = []  # published checkpoints pinned by producer-side retention
+        self.pin = NULL  # preemption-time pin on the rightmost checkpoint
+        self.episodes = 0
+        self.preemptions = 0
+        self.prefill_target = 0
+        self.arrival_s = float(spec.arrival_s)
+        self.start_s = math.nan
+        self.first_token_s = math.nan
+        self.finish_s = math.nan
+        self.adopted_first = 0
+        self.adopted_resume = 0
+        self.alloc_fail_logged = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt + self.num_generated
+
+    def ensure_keys(self, num_blocks: int) -> list[int]:
+        """Chain keys of the first `num_blocks` full blocks (computed once, extended lazily)."""
+        keys, tokens, bt = self.keys, self.tokens, self.block_tokens
+        parent = keys[-1] if keys else self._root
+        for i in range(len(keys), num_blocks):
+            parent = hash((parent, *tokens[i * bt:(i + 1) * bt]))
+            keys.append(parent)
+        return keys
+
+    def lookup_keys(self) -> list[int]:
+        """Keys of the full blocks of all known tokens but the last (one token is always computed)."""
+        n = (self.num_tokens - 1) // self.block_tokens
+        return self.ensure_keys(n)[:n]
+
+    def append_generated(self) -> None:
+        j = self.num_generated
+        self.tokens.append((self.rid * 1_000_003 + j * 7_919 + 17) % GENERATED_TOKEN_SPACE)
+        self.num_generated += 1

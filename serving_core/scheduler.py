@@ -1,0 +1,367 @@
+"""Continuous-batching scheduler over a hybrid-state memory organization.
+
+Per step: running requests first (decode = 1 token, else the next prefill
+chunk) under a token budget; a request that cannot get its units shortens its
+chunk to the last servable checkpoint boundary, else preempts from the tail of
+the running list (latest admitted first); waiting requests are admitted FCFS
+only in steps without preemption, under the cap, and only when available units
+cover the first chunk plus headroom H. The scheduler talks to memory only
+through the MemoryOrganization interface.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from serving_core.memory import NULL, MemoryOrganization
+from serving_core.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    cap: int = 63
+    max_num_batched_tokens: int = 2048
+    headroom: float = 0.0  # f: admission keeps floor(f x units) free per pool
+    retention_k: int | None = None  # S2+Retention threshold K (None: off)
+    pinning_k: int | None = None  # preemption-time pin threshold (None: off)
+
+    def __post_init__(self) -> None:
+        if self.cap < 1:
+            raise ValueError(f"engine.cap={self.cap} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"engine.max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"engine.headroom={self.headroom} must lie in [0, 1)")
+        for name in ("retention_k", "pinning_k"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 or null (off)")
+
+
+@dataclass(slots=True)
+class Scheduled:
+    req: Request
+    num_new: int
+    context: int  # tokens already computed before this step
+
+
+class Scheduler:
+    def __init__(self, mem: MemoryOrganization, cfg: SchedulerConfig, recorder) -> None:
+        self.mem = mem
+        self.cfg = cfg
+        self.rec = recorder
+        self.trace = recorder.trace_enabled
+        self.B = mem.block_tokens
+        self.C = mem.checkpoint_interval
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.headroom = {p: math.floor(cfg.headroom * n) for p, n in mem.total_units().items()}
+        self.step = 0
+        self.now = 0.0
+        self.num_preempted_step = 0
+        self.num_admitted_step = 0
+        self.checkpoints_published_step = 0
+        self.num_finished_step = 0
+        # cumulative counters (poller)
+        self.preemptions_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.prefix_hit_tokens_total = 0
+        self.max_running = 0
+        self.max_waiting = 0
+
+    # ----- queue entry ------------------------------------------------------------------------
+    def add_request(self, req: Request, now: float) -> None:
+        self.waiting.append(req)
+        self.max_waiting = max(self.max_waiting, len(self.waiting))
+        if self.trace:
+            self._trace_entry(req, now)
+
+    def _trace_entry(self, req: Request, now: float) -> None:
+        hit = self.mem.lookup(req.lookup_keys())
+        self.rec.event("ENTER_WAITING", now, req.rid, req.episodes + 1, hit_m0=hit)
+
+    # ----- one step -----------------------------------------------------------------------------
+    def schedule(self, now: float) -> list[Scheduled]:
+        self.step += 1
+        self.now = now
+        self.mem.cache.begin_step(self.step)
+        self.num_preempted_step = self.num_admitted_step = 0
+        budget = self.cfg.max_num_batched_tokens
+        plan: list[Scheduled] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            want = min(req.num_tokens - req.num_computed, budget)
+            got = self._reserve(req, want)
+            while not got:
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is req:
+                    break
+                got = self._reserve(req, want)
+            if req.status != Status.RUNNING:
+                break
+            plan.append(Scheduled(req, got, req.num_computed))
+            budget -= got
+            i += 1
+        # Admission only in a step without preemption: new work must not displace old.
+        if not self.num_preempted_step:
+            while self.waiting and budget > 0 and len(self.running) < self.cfg.cap:
+                item = self._try_admit(self.waiting[0], budget)
+                if item is None:
+                    break
+                self.waiting.popleft()
+                plan.append(item)
+                budget -= item.num_new
+        self.max_running = max(self.max_running, len(self.running))
+        return plan
+
+    # ----- reservations -------------------------------------------------------------------------
+    def _chunk_demand(self, req: Request, start: int, n: int, working: int) -> dict[str, int]:
+        blocks = math.ceil((start + n) / self.B) - len(req.attn)
+        dests = (start + n) // self.C - start // self.C if self.C else 0
+        return self.mem.demand(blocks, dests + working)
+
+    def _allocate(self, req: Request, start: int, n: int, working: bool) -> None:
+        mem = self.mem
+        if working:
+            req.working = mem.allocate_composite(req.rid)
+        for _ in range(math.ceil((start + n) / self.B) - len(req.attn)):
+            req.attn.append(mem.allocate_attention(req.rid))
+        if self.C:
+            for _ in range((start + n) // self.C - start // self.C):
+                req.dests.append(mem.allocate_composite(req.rid))
+
+    def _reserve(self, req: Request, want: int) -> int:
+        """Allocate units for `want` tokens of a running request; shorten to the last
+        servable boundary if short; 0 means preemption is needed."""
+        start = req.num_computed
+        if self.mem.can_allocate(self._chunk_demand(req, start, want, 0)):
+            self._allocate(req, start, want, False)
+            return want
+        grid = self.C or self.B
+        for b in range(((start + want - 1) // grid) * grid, start, -grid):
+            if self.mem.can_allocate(self._chunk_demand(req, start, b - start, 0)):
+                self._allocate(req, start, b - start, False)
+                return b - start
+        if self.trace:
+            self._trace_alloc_fail(req, self._chunk_demand(req, start, want, 0), {})
+        return 0
+
+    # ----- admission ----------------------------------------------------------------------------
+    def _adoptable(self, req: Request, keys: list[int], jadopt: int) -> tuple[list, object]:
+        mem = self.mem
+        blocks = [mem.cached_attention(keys[i]) for i in range(jadopt // self.B)]
+        ckpt = mem.cached_checkpoint(keys[jadopt // self.B - 1]) if jadopt and self.C else NULL
+        return blocks, ckpt
+
+    def _try_admit(self, req: Request, budget: int) -> Scheduled | None:
+        mem = self.mem
+        keys = req.lookup_keys()
+        hit = mem.lookup(keys)
+        jadopt = hit.jadopt
+        blocks, ckpt = self._adoptable(req, keys, jadopt)
+        adopted = blocks + ([ckpt] if ckpt else [])
+        n = min(budget, req.num_tokens - jadopt)
+        saved_attn, req.attn = req.attn, blocks  # demand counts blocks beyond the adopted ones
+        working = 1 if self.C else 0
+        need = self._chunk_demand(req, jadopt, n, working)
+        extra = mem.pinned_by_adoption(adopted)
+        if self.running:
+            for pool, h in self.headroom.items():
+                extra[pool] += h
+        elif not mem.can_allocate(need, extra):
+            # Progress guarantee: an idle engine serves a shorter first chunk rather than stall.
+            grid = self.C or self.B
+            for b in range(((jadopt + n - 1) // grid) * grid, jadopt, -grid):
+                if mem.can_allocate(self._chunk_demand(req, jadopt, b - jadopt, working), extra):
+                    n = b - jadopt
+                    need = self._chunk_demand(req, jadopt, n, working)
+                    break
+        req.attn = saved_attn
+        if not mem.can_allocate(need, extra):
+            if not self.running and req.pin:
+                # Progress guarantee: with nothing running, pins must not block the head.
+                self._release_waiting_pins()
+                return self._try_admit(req, budget)
+            if self.trace and not req.alloc_fail_logged:
+                req.alloc_fail_logged = True
+                self._trace_alloc_fail(req, need, extra)
+            if not self.running:
+                raise RuntimeError(
+                    f"request {req.rid} cannot be admitted into an idle engine: "
+                    f"needs {need}, available {self._available()}; the budget is too small"
+                )
+            return None
+        # Execution references on adopted units before any pin is dropped.
+        for obj in adopted:
+            mem.acquire(obj)
+        if req.pin:
+            mem.release(req.pin)
+            req.pin = NULL
+        req.attn = blocks
+        req.adopted = ckpt
+        req.num_computed = jadopt
+        self._allocate(req, jadopt, n, bool(self.C))
+        req.status = Status.RUNNING
+        req.episodes += 1
+        req.alloc_fail_logged = False
+        req.prefill_target = req.num_tokens
+        if req.episodes == 1:
+            req.start_s = self.now
+            req.adopted_first = jadopt
+        else:
+            req.adopted_resume += jadopt
+        if self.cfg.retention_k is not None or self.cfg.pinning_k is not None:
+            mem.cache.record_demand(keys, self.B, self.C, req.rid)
+        self.prefix_hit_tokens_total += jadopt
+        self.running.append(req)
+        self.num_admitted_step += 1
+        if self.trace:
+            m1 = mem.cache.lookup(keys, self.B, self.C, m1=True)
+            kind = "RESUME" if req.episodes > 1 else "LOOKUP"
+            self.rec.event(kind, self.now, req.rid, req.episodes, hit_m0=hit, hit_m1=m1)
+            self.rec.event("ADOPT", self.now, req.rid, req.episodes, hit_m0=hit, hit_m1=m1,
+                           boundary=jadopt)
+        return Scheduled(req, n, jadopt)
+
+    def _release_waiting_pins(self) -> None:
+        for waiting in self.waiting:
+            if waiting.pin:
+                self.mem.release(waiting.pin)
+                waiting.pin = NULL
+
+    def _available(self) -> dict[str, int]:
+        return {p: pool.num_available for p, pool in self.mem.pools.items()}
+
+    def _trace_alloc_fail(self, req: Request, need: dict, extra: dict) -> None:
+        for pool, units in need.items():
+            want = units + extra.get(pool, 0)
+            if want > self.mem.pools[pool].num_available:
+                self.rec.event("ALLOC_FAIL", self.now, req.rid, req.episodes, need=want,
+                               free=self.mem.pools[pool].num_available, pool=pool)
+
+    # ----- release paths ------------------------------------------------------------------------
+    def _release_all(self, req: Request) -> None:
+        mem = self.mem
+        # Reverse order: the deepest blocks enter the LRU first and are evicted first.
+        for obj in reversed(req.attn):
+            mem.release(obj)
+        req.attn = []
+        for obj in req.dests:
+            mem.release(obj)
+        req.dests = []
+        if req.working:
+            mem.release(req.working)
+            req.working = NULL
+        if req.adopted:
+            mem.release(req.adopted)
+            req.adopted = NULL
+        for obj in req.retained:
+            mem.release(obj)
+        req.retained = []
+
+    def _maybe_pin(self, req: Request) -> None:
+        """Preemption-time pin on the victim's rightmost cached checkpoint with enough demand."""
+        k = self.cfg.pinning_k
+        if k is None or not self.C or req.pin:
+            return
+        keys = req.ensure_keys(req.num_computed // self.B)
+        per = self.C // self.B
+        for j in range(req.num_computed // self.C, 0, -1):
+            key = keys[j * per - 1]
+            obj = self.mem.cached_checkpoint(key)
+            if obj is not None:
+                if self.mem.cache.num_requesters(key) >= k:
+                    self.mem.acquire(obj)
+                    req.pin = obj
+                return
+
+    def _preempt(self, req: Request) -> None:
+        self._maybe_pin(req)  # pin before release so the checkpoint cannot be lost meanwhile
+        self._release_all(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.preemptions_total += 1
+        self.num_preempted_step += 1
+        self.waiting.appendleft(req)
+        self.max_waiting = max(self.max_waiting, len(self.waiting))
+        if self.trace:
+            self.rec.event("PREEMPT", self.now, req.rid, req.episodes)
+            self._trace_entry(req, self.now)
+
+    def _finish(self, req: Request, now: float) -> None:
+        self._release_all(req)
+        req.status = Status.FINISHED
+        req.finish_s = now
+        self.num_finished_step += 1
+        self.running.remove(req)
+        if self.trace:
+            self.rec.event("FINISH", now, req.rid, req.episodes)
+
+    def boundaries_crossed(self, plan: list[Scheduled]) -> int:
+        """Checkpoint boundaries the planned chunks cross (each writes one extra composite)."""
+        if not self.C:
+            return 0
+        return sum((i.context + i.num_new) // self.C - i.context // self.C for i in plan)
+
+    # ----- after the executor ran the step ------------------------------------------------------
+    def complete_step(self, plan: list[Scheduled], now: float) -> tuple[int, int, int]:
+        """Publish what the step computed, sample tokens, finish requests.
+
+        Returns (initial prefill, resume prefill, decode) token counts.
+        """
+        mem, B, C = self.mem, self.B, self.C
+        retention_k = self.cfg.retention_k
+        initial = resume = decode = 0
+        self.checkpoints_published_step = 0
+        self.num_finished_step = 0
+        for item in plan:
+            req, c0 = item.req, item.context
+            c1 = c0 + item.num_new
+            prefill = max(0, min(c1, req.prefill_target) - c0)
+            if req.episodes == 1:
+                initial += prefill
+            else:
+                resume += prefill
+            decode += item.num_new - prefill
+            keys = req.ensure_keys(c1 // B)
+            for bi in range(c0 // B, c1 // B):
+                obj = req.attn[bi]
+                if not obj.cached:
+                    mem.publish(obj, keys[bi], (bi + 1) * B)
+            if C:
+                for j in range(c0 // C + 1, c1 // C + 1):
+                    self._cross_boundary(req, keys[j * C // B - 1], j * C, retention_k)
+            req.num_computed = c1
+            if req.adopted:
+                mem.release(req.adopted)  # its state has been read
+                req.adopted = NULL
+            if c1 == req.num_tokens:
+                req.append_generated()
+                self.generation_tokens_total += 1
+                if req.num_generated == 1:
+                    req.first_token_s = now
+                if req.num_generated >= req.target_output:
+                    self._finish(req, now)
+        self.prompt_tokens_total += initial + resume
+        return initial, resume, decode
+
+    def _cross_boundary(self, req: Request, key: int, boundary: int, retention_k: int | None) -> None:
+        mem = self.mem
+        dest = req.dests.pop(0)
+        if mem.cached_checkpoint(key) is not None:
+            mem.release(dest)  # already cached: publishing is a no-op, the destination is freed
+            return
+        produced = req.working
+        mem.publish(produced, key, boundary)
+        self.checkpoints_published_step += 1
+        req.working = dest
+        if retention_k is not None and mem.cache.num_requesters(key) >= retention_k:
+            req.retained.append(produced)  # producer keeps its reference until finish/preempt
+        else:
+            mem.release(produced)
