@@ -22,13 +22,15 @@ from analysis import stats
 
 TIMEBASES = ("ledger", "span")
 EXIT_INPUT_ERROR = 2
+# Ledger org / reuse values, compared case-insensitively (upper org, lower reuse).
 LEDGER_ORG_TO_POLICY = {"S2": "S2", "S2_RETENTION": "Ret"}
 LEDGER_REUSE_TO_MODE = {"share": "SHARE", "isolate": "ISOLATE"}
 _LEDGER_QUERY = """
-    SELECT seed, org, reuse, throughput_ledger, throughput_span
+    SELECT seed, upper(trim(org)) AS org, lower(trim(reuse)) AS reuse,
+           throughput_ledger, throughput_span
     FROM runs
     WHERE campaign = ? AND status = 'complete' AND adopted
-      AND org IN ('S2', 'S2_RETENTION')
+      AND upper(trim(org)) IN ('S2', 'S2_RETENTION')
 """
 
 

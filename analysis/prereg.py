@@ -23,7 +23,7 @@ import pandas as pd
 import yaml
 
 PLAN_DIR = Path(__file__).resolve().parent.parent / "conf" / "prereg"
-PLAN_HASH_COLUMN = "plan_hash"
+PLAN_HASH_COLUMN = "prereg_plan_hash"  # ledgers/schemas.py runs column
 FAMILY_ROLES = ("primary", "secondary", "gate")
 ESTIMAND_ROLES = ("primary", "secondary", "sensitivity")
 TEST_KINDS = ("paired", "interaction", "containment")
@@ -42,7 +42,7 @@ DECISION_FIELDS = {
 TEST_CELL_ROLES = {
     "paired": ("treatment", "control"),
     "interaction": ("a.treatment", "a.control", "b.treatment", "b.control"),
-    "containment": ("on", "off"),
+    "containment": ("probe_on", "probe_off"),
 }
 _SCALARS = (str, int, float, bool)
 
@@ -226,8 +226,11 @@ def _decision(raw: Any, where: str) -> dict[str, Any]:
     missing = [k for k in (*DECISION_FIELDS[method], "rule") if k not in top]
     if missing:
         raise ValueError(f"{where}: method {method!r} needs fields {missing}")
-    if "confidence" in top and not 0 < float(top["confidence"]) < 1:
-        raise ValueError(f"{where}: confidence={top['confidence']!r}: allowed 0 < c < 1")
+    for key, low, high in (("confidence", 0.0, 1.0), ("margin_pct", 0.0, float("inf"))):
+        value = top.get(key)
+        if key in top and (isinstance(value, bool) or not isinstance(value, (int, float))
+                           or not low < value < high):
+            raise ValueError(f"{where}: {key}={value!r}: allowed values are {low} < x < {high}")
     return top
 
 
@@ -242,11 +245,11 @@ def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTe
         node: Any = top
         for part in role.split("."):
             node = node.get(part) if isinstance(node, Mapping) else None
-        if node not in cells:
+        if not isinstance(node, str) or node not in cells:
             raise ValueError(f"{where}: {role}={node!r} is not a cell of the family; "
                              f"allowed values are {sorted(cells)}")
         refs[role] = node
-    seed_sets = {cells[c].seeds for c in refs.values()}
+    seed_sets = {frozenset(cells[c].seeds) for c in refs.values()}
     if len(seed_sets) != 1:
         raise ValueError(f"{where}: compared cells {sorted(set(refs.values()))} must share "
                          f"their seeds (arms are paired by seed)")
@@ -259,6 +262,9 @@ def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTe
 def _mapping(raw: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    bad = [k for k in raw if not isinstance(k, str)]
+    if bad:  # YAML 1.1 reads bare on/off/yes/no keys as booleans
+        raise ValueError(f"{where}: keys must be strings, got {bad!r} (quote on/off/yes/no)")
     return raw
 
 
@@ -460,7 +466,23 @@ def _usable_runs(runs: pd.DataFrame, fam: Family, hash_column: str) -> pd.DataFr
     return runs[keep]
 
 
+def _budget_label(value: Any) -> str:
+    """Canonical budget label ("254 pages" -> "p254"); unparsable text is kept as is."""
+    from serving_core.planner import parse_budget
+
+    try:
+        return parse_budget(str(value)).label
+    except ValueError:
+        return str(value).strip().casefold()
+
+
 def _cell_mask(runs: pd.DataFrame, cell: Cell) -> pd.Series:
+    """Runs whose columns equal the cell's keys.
+
+    Numbers compare with a 1e-9 relative tolerance (3 == 3.0), strings ignore
+    case (org "s2" == "S2", reuse "SHARE" == "share"), budgets compare by
+    canonical planner label.
+    """
     mask = pd.Series(True, index=runs.index)
     for key, value in cell.keys.items():
         if key not in runs.columns:
@@ -472,8 +494,10 @@ def _cell_mask(runs: pd.DataFrame, cell: Cell) -> pd.Series:
         elif isinstance(value, (int, float)):
             numeric = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
             mask &= np.isclose(numeric, float(value), rtol=1e-9, atol=1e-12)
+        elif key == "budget":
+            mask &= col.map(_budget_label) == _budget_label(value)
         else:
-            mask &= col.astype(str) == value
+            mask &= col.astype(str).str.strip().str.casefold() == str(value).casefold()
     return mask
 
 
@@ -485,7 +509,7 @@ def _changed_plans(plan: Plan, found: pd.DataFrame, hash_column: str) -> tuple[C
         campaign = str(campaign)
         expected = (plan.plan_hash if campaign == plan.campaign
                     else load_plan(campaign, plan_dir).plan_hash)
-        hashes = rows[hash_column].map(lambda h: "<none>" if pd.isna(h) else str(h))
+        hashes = rows[hash_column].map(lambda h: "<none>" if pd.isna(h) or h == "" else str(h))
         changed += [ChangedPlan(campaign, h, expected, int(k))
                     for h, k in sorted(hashes.value_counts().items()) if h != expected]
     return tuple(changed)

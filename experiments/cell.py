@@ -42,6 +42,7 @@ class CellResult:
     identity: dict[str, Any]
     workload_meta: dict = field(default_factory=dict)
     units: dict[str, int] = field(default_factory=dict)
+    memory: object = field(default=None, repr=False)  # final allocator state (inspection, tests)
 
 
 def arm_of(org: str) -> str:
@@ -74,8 +75,11 @@ def scheduler_config(cfg, arm: str, device) -> SchedulerConfig:
     )
 
 
-def run_cell(cfg: DictConfig) -> CellResult:
-    """Run one cell in simulated time and return its records and summary."""
+def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
+    """Run one cell in simulated time and return its records and summary.
+
+    `on_step(scheduler, memory)` is the engine's per-step hook (invariant checks in tests).
+    """
     arm = arm_of(cfg.org)
     org = normalize_org(arm)
     geometry = geometry_from_config(cfg.model)
@@ -88,7 +92,7 @@ def run_cell(cfg: DictConfig) -> CellResult:
     pool_units = units_for(plan, org)
     result = run_engine(
         geometry, org, pool_units, sched_cfg, workload.requests, step_model,
-        trace=bool(cfg.trace), budget_label=str(cfg.budget),
+        trace=bool(cfg.trace), budget_label=str(cfg.budget), on_step=on_step,
     )
     summary = {"org": arm, "budget": str(cfg.budget), "seed": int(cfg.seed)}
     summary.update({k: result.summary[k] for k in SUMMARY_KEYS if k in result.summary})
@@ -100,7 +104,7 @@ def run_cell(cfg: DictConfig) -> CellResult:
         "episode": {k: result.summary[k] for k in (
             "episode_start_s", "episode_end_s", "span_start_s", "span_end_s")},
     }
-    return CellResult(summary, result.tables, identity, dict(workload.meta), pool_units)
+    return CellResult(summary, result.tables, identity, dict(workload.meta), pool_units, result.memory)
 
 
 def format_summary(summary: dict) -> str:

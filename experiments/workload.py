@@ -237,7 +237,9 @@ def _check_synthetic(cfg: dict) -> None:
 # ---------------------------------------------------------------- building
 
 
-def build_workload(workload_cfg, load_cfg, seed: int, cache_dir: str | Path | None = None) -> Workload:
+def build_workload(
+    workload_cfg, load_cfg, seed: int, cache_dir: str | Path | None = None
+) -> Workload:
     """The request list for (seed, workload config, load config); deterministic."""
     wcfg = normalize_workload_config(workload_cfg)
     lcfg = normalize_load_config(load_cfg)
@@ -452,9 +454,9 @@ class _ContextWindows:
 
 def _pattern(sequence: int, length: int) -> np.ndarray:
     j = np.arange(length, dtype=np.int64)
-    return (_PATTERN_BASE + (sequence * _PATTERN_STRIDE + j * _PATTERN_STEP) % _PATTERN_SPAN).astype(
-        np.int32
-    )
+    return (
+        _PATTERN_BASE + (sequence * _PATTERN_STRIDE + j * _PATTERN_STEP) % _PATTERN_SPAN
+    ).astype(np.int32)
 
 
 def _synthetic_material(wcfg: dict, seed: int) -> _Material:

@@ -60,8 +60,12 @@ def run_engine(
     trace: bool = False,
     budget_label: str = "",
     max_steps: int | None = None,
+    on_step=None,
 ) -> EngineResult:
-    """Serve `specs` (RequestSpec, arrival order) and return the run's tables and summary."""
+    """Serve `specs` (RequestSpec, arrival order) and return the run's tables and summary.
+
+    `on_step(scheduler, memory)` runs after every step when given (invariant checks).
+    """
     wall0 = time.perf_counter()
     if not specs:
         raise ValueError("workload.num_requests must be >= 1")
@@ -104,6 +108,8 @@ def run_engine(
         recorder.now = clock
         initial, resume, decode = sched.complete_step(plan, clock)
         finished += sched.num_finished_step
+        if on_step is not None:
+            on_step(sched, mem)  # debug / test hook: invariant checks after every step
         recorder.record_step((
             sched.step, t0, dt, len(plan), len(sched.running), len(sched.waiting),
             initial, resume, decode, num_preempted, num_admitted,

@@ -36,6 +36,7 @@ class Request:
         "block_tokens", "keys", "_root", "status", "attn", "working", "adopted", "dests",
         "retained", "pin", "episodes", "preemptions", "prefill_target", "arrival_s", "start_s",
         "first_token_s", "finish_s", "adopted_first", "adopted_resume", "alloc_fail_logged",
+        "memo_hit", "memo_version",
     )
 
     def __init__(self, spec, block_tokens: int) -> None:
@@ -68,6 +69,8 @@ class Request:
         self.adopted_first = 0
         self.adopted_resume = 0
         self.alloc_fail_logged = False
+        self.memo_hit = None  # last admission lookup and the cache version it saw
+        self.memo_version = -1
 
     @property
     def num_tokens(self) -> int:

@@ -139,6 +139,9 @@ class Scheduler:
         """Allocate units for `want` tokens of a running request; shorten to the last
         servable boundary if short; 0 means preemption is needed."""
         start = req.num_computed
+        end = start + want
+        if -(-end // self.B) <= len(req.attn) and (not self.C or end // self.C == start // self.C):
+            return want  # fast path (most decode steps): no new block, no boundary
         if self.mem.can_allocate(self._chunk_demand(req, start, want, 0)):
             self._allocate(req, start, want, False)
             return want
@@ -161,7 +164,11 @@ class Scheduler:
     def _try_admit(self, req: Request, budget: int) -> Scheduled | None:
         mem = self.mem
         keys = req.lookup_keys()
-        hit = mem.lookup(keys)
+        if req.memo_version == mem.cache.version and req.memo_hit is not None:
+            hit = req.memo_hit  # a blocked head re-checks every step; the cache may not have moved
+        else:
+            hit = req.memo_hit = mem.lookup(keys)
+            req.memo_version = mem.cache.version
         jadopt = hit.jadopt
         blocks, ckpt = self._adoptable(req, keys, jadopt)
         adopted = blocks + ([ckpt] if ckpt else [])
@@ -284,6 +291,7 @@ class Scheduler:
         self._maybe_pin(req)  # pin before release so the checkpoint cannot be lost meanwhile
         self._release_all(req)
         req.num_computed = 0
+        req.memo_hit = None  # its token count changed since the last lookup
         req.status = Status.WAITING
         req.preemptions += 1
         self.preemptions_total += 1
@@ -321,27 +329,33 @@ class Scheduler:
         self.checkpoints_published_step = 0
         self.num_finished_step = 0
         for item in plan:
-            req, c0 = item.req, item.context
-            c1 = c0 + item.num_new
-            prefill = max(0, min(c1, req.prefill_target) - c0)
-            if req.episodes == 1:
-                initial += prefill
+            req, c0, n = item.req, item.context, item.num_new
+            c1 = c0 + n
+            target = req.prefill_target
+            if c0 >= target:
+                decode += n
             else:
-                resume += prefill
-            decode += item.num_new - prefill
-            keys = req.ensure_keys(c1 // B)
-            for bi in range(c0 // B, c1 // B):
-                obj = req.attn[bi]
-                if not obj.cached:
-                    mem.publish(obj, keys[bi], (bi + 1) * B)
-            if C:
-                for j in range(c0 // C + 1, c1 // C + 1):
-                    self._cross_boundary(req, keys[j * C // B - 1], j * C, retention_k)
+                prefill = (c1 if c1 < target else target) - c0
+                if req.episodes == 1:
+                    initial += prefill
+                else:
+                    resume += prefill
+                decode += n - prefill
+            if c1 // B > c0 // B:  # iterate only when a block fills: decode steps mostly skip
+                keys = req.ensure_keys(c1 // B)
+                attn = req.attn
+                for bi in range(c0 // B, c1 // B):
+                    obj = attn[bi]
+                    if not obj.cached:
+                        mem.publish(obj, keys[bi], (bi + 1) * B)
+                if C:
+                    for j in range(c0 // C + 1, c1 // C + 1):
+                        self._cross_boundary(req, keys[j * C // B - 1], j * C, retention_k)
             req.num_computed = c1
             if req.adopted:
                 mem.release(req.adopted)  # its state has been read
                 req.adopted = NULL
-            if c1 == req.num_tokens:
+            if c1 == req.num_prompt + req.num_generated:
                 req.append_generated()
                 self.generation_tokens_total += 1
                 if req.num_generated == 1:

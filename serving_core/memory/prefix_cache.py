@@ -31,7 +31,7 @@ class PrefixHit:
 
 
 class PrefixCache:
-    __slots__ = ("attention", "checkpoints", "lost", "current_step", "demand")
+    __slots__ = ("attention", "checkpoints", "lost", "current_step", "demand", "version")
 
     def __init__(self) -> None:
         self.attention: dict[int, StateObject] = {}
@@ -41,6 +41,7 @@ class PrefixCache:
         self.current_step = 0
         # checkpoint key -> distinct requests whose prompt demanded it
         self.demand: dict[int, set[int]] = {}
+        self.version = 0  # bumped on every insert/remove: lookups can be memoized against it
 
     def begin_step(self, step: int) -> None:
         self.current_step = step
@@ -53,6 +54,7 @@ class PrefixCache:
         if key in table:
             return False
         table[key] = obj
+        self.version += 1
         obj.key = key
         obj.cached = True
         return True
@@ -62,6 +64,7 @@ class PrefixCache:
         table = self.checkpoints if obj.kind else self.attention
         assert table.get(obj.key) is obj, f"entry {obj} is not the cached owner of its key"
         del table[obj.key]
+        self.version += 1
         self.lost[(bool(obj.kind), obj.key)] = self.current_step
         obj.cached = False
         obj.valid = False

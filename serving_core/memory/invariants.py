@@ -1,0 +1,196 @@
+"""Consistency check of a memory organization against the design invariants (SPEC section 3).
+
+`check_invariants(mem)` walks every pool unit, live object, cache entry and (S2) slab
+once and raises AssertionError naming the first violated property. It is O(units +
+objects + cache entries) and reads only state, so the engine can call it after every
+step in debug mode and the property tests after every operation.
+
+What it checks, for S0, S1, S2 and D0 alike:
+- pool partition: every unit is exactly one of free / evictable / in use; a free unit
+  has no owner; an evictable or used unit is owned by a live valid object (or an S2 slab);
+- invariant 1 (complete checkpoint): every cached checkpoint is valid and owns all its
+  members (SSM member pages, S1 conv page, S2 conv slot listed by its slab), so a
+  lookup can never return a depth whose checkpoint misses a member;
+- invariant 2 (protected access): no unit of a referenced object is in the LRU (an S2
+  slab page with a referenced slot included); evictable units belong only to cached,
+  unreferenced objects;
+- invariant 3 (invalidate before reuse): no unit or slot is shared between objects,
+  every cached entry is the live owner of its key, slab counters match their slots and
+  an empty slab does not exist;
+- invariant 4 (valid location or absence): ids are ints in [0, n), absence is NO_SLOT
+  (-1) or an empty unit list, never 0 or None.
+"""
+
+from __future__ import annotations
+
+from serving_core.memory.base import MemoryOrganization
+from serving_core.memory.objects import NO_SLOT, Kind, StateObject
+
+
+def _is_id(value: object, bound: int) -> bool:
+    """A unit id: a plain int (bool and None excluded) in [0, bound)."""
+    return type(value) is int and 0 <= value < bound
+
+
+def _expected_units(mem: MemoryOrganization, obj: StateObject) -> int:
+    return 1 if obj.kind == Kind.ATTENTION else mem.units_per_composite()
+
+
+def _check_pools(mem: MemoryOrganization) -> None:
+    """Pool partition and invariant 2 seen from the units."""
+    slabs = getattr(mem, "slabs", {})
+    for name, pool in mem.pools.items():
+        n = pool.num_units
+        owners = mem._owner[name]
+        assert len(owners) == n, f"pool {name}: owner table has {len(owners)} rows for {n} units"
+        free = set(pool.free)
+        assert len(free) == len(pool.free), f"pool {name}: a unit is queued free twice"
+        for unit in pool.free:
+            assert _is_id(unit, n), f"pool {name}: free unit {unit!r} is not an id in [0, {n})"
+        for unit in pool.evictable:
+            assert _is_id(unit, n), f"pool {name}: evictable unit {unit!r} is not an id in [0, {n})"
+            assert unit not in free, f"pool {name}: unit {unit} is both free and evictable"
+        for unit in range(n):
+            owner = owners[unit]
+            if unit in free:
+                assert owner is None, f"pool {name}: free unit {unit} still owned by {owner!r}"
+                continue
+            evictable = unit in pool.evictable
+            state = "evictable" if evictable else "used"
+            assert owner is not None, f"pool {name}: {state} unit {unit} has no owner (leaked)"
+            if isinstance(owner, StateObject):
+                assert mem.live.get(owner.oid) is owner, (
+                    f"pool {name}: {state} unit {unit} owned by dead {owner}")
+                assert owner.valid, f"pool {name}: {state} unit {unit} owned by invalid {owner}"
+                assert owner.pool == name, f"pool {name}: unit {unit} owned by {owner} of another pool"
+                assert unit in owner.units, f"pool {name}: unit {unit}'s owner {owner} does not list it"
+                if evictable:
+                    assert owner.ref_count == 0, (
+                        f"invariant 2: unit {unit} of referenced {owner} is in the LRU")
+                    assert owner.cached, f"pool {name}: evictable unit {unit} of uncached {owner}"
+                else:
+                    assert owner.ref_count > 0, (
+                        f"pool {name}: unit {unit} of unreferenced {owner} is neither free nor evictable")
+            else:
+                assert slabs.get(unit) is owner, (
+                    f"pool {name}: unit {unit} owned by {owner!r}, not a live object or slab")
+                if evictable:
+                    assert owner.num_referenced == 0, (
+                        f"invariant 2: slab page {unit} with {owner.num_referenced} referenced slots "
+                        "is in the LRU")
+                else:
+                    assert owner.num_referenced > 0, (
+                        f"pool {name}: slab page {unit} has no referenced slot but is not evictable")
+
+
+def _check_slot(mem: MemoryOrganization, obj: StateObject) -> None:
+    """Invariant 4 and slab membership of the conv slot of one object."""
+    per = mem.layout.slots_per_slab
+    slabs = getattr(mem, "slabs", None)
+    holds_slot = slabs is not None and obj.kind == Kind.COMPOSITE
+    if not holds_slot:
+        assert obj.slab_page == NO_SLOT and obj.slot == NO_SLOT, (
+            f"invariant 4: {obj} has a conv slot in an organization without slots")
+        return
+    assert obj.slab_page != NO_SLOT and obj.slot != NO_SLOT, (
+        f"invariant 1: composite {obj} has no conv slot")
+    assert _is_id(obj.slab_page, mem.pools["shared"].num_units), (
+        f"invariant 4: slab page {obj.slab_page!r} of {obj} is not an id")
+    assert _is_id(obj.slot, per), f"invariant 4: slot {obj.slot!r} of {obj} outside [0, {per})"
+    slab = slabs.get(obj.slab_page)
+    assert slab is not None, f"{obj} points at slab page {obj.slab_page}, which is not a slab"
+    assert slab.slots[obj.slot] is obj, (
+        f"invariant 3: slab {obj.slab_page} slot {obj.slot} holds {slab.slots[obj.slot]!r}, not {obj}")
+    line = mem.conv_line(obj)
+    assert line == per * obj.slab_page + obj.slot, (
+        f"invariant 4: conv line {line} of {obj} is not {per} * page + slot")
+
+
+def _check_objects(mem: MemoryOrganization) -> int:
+    """Every live object owns exactly its units; returns the number of cached objects."""
+    num_cached = 0
+    for oid, obj in mem.live.items():
+        assert obj.oid == oid, f"live table maps {oid} to {obj}"
+        assert obj.valid, f"invalid {obj} still live"
+        expected_pool = mem.attention_pool if obj.kind == Kind.ATTENTION else mem.composite_pool
+        assert obj.pool == expected_pool, f"{obj} lives in pool {obj.pool}, expected {expected_pool}"
+        want = _expected_units(mem, obj)
+        assert len(obj.units) == want, f"invariant 1: {obj} holds {len(obj.units)} units, needs {want}"
+        n = mem.pools[obj.pool].num_units
+        owners = mem._owner[obj.pool]
+        for unit in obj.units:
+            assert _is_id(unit, n), f"invariant 4: unit {unit!r} of {obj} is not an id in [0, {n})"
+            assert owners[unit] is obj, (
+                f"invariant 3: unit {unit} of {obj} is owned by {owners[unit]!r}")
+        assert len(set(obj.units)) == len(obj.units), f"{obj} lists a unit twice"
+        assert obj.ref_count >= 0, f"{obj} has a negative reference count"
+        if obj.ref_count == 0:
+            assert obj.cached, f"unreferenced unpublished {obj} still holds storage"
+        if obj.cached:
+            num_cached += 1
+            table = mem.cache.checkpoints if obj.kind == Kind.COMPOSITE else mem.cache.attention
+            assert table.get(obj.key) is obj, f"cached {obj} is not the entry of its key {obj.key}"
+        _check_slot(mem, obj)
+        if obj.kind == Kind.COMPOSITE:
+            line = mem.conv_line(obj)
+            assert line >= 0, f"invariant 4: live composite {obj} reports no conv state"
+            for page in mem.ssm_member_pages(obj):
+                assert _is_id(page, n), f"invariant 4: SSM member page {page!r} of {obj}"
+    return num_cached
+
+
+def _check_cache(mem: MemoryOrganization, num_cached: int) -> None:
+    """Invariant 1 and 3 seen from the prefix cache."""
+    for checkpoint, table in ((False, mem.cache.attention), (True, mem.cache.checkpoints)):
+        kind = Kind.COMPOSITE if checkpoint else Kind.ATTENTION
+        for key, obj in table.items():
+            what = "checkpoint" if checkpoint else "attention block"
+            assert obj.kind == kind, f"{what} table holds {obj}"
+            assert obj.key == key, f"{what} {key} maps to {obj} published as {obj.key}"
+            assert obj.cached and obj.valid, f"invariant 1: cached {what} {key} is invalid: {obj}"
+            assert mem.live.get(obj.oid) is obj, (
+                f"invariant 3: cached {what} {key} lost its storage: {obj}")
+    num_entries = len(mem.cache.attention) + len(mem.cache.checkpoints)
+    assert num_entries == num_cached, (
+        f"prefix cache holds {num_entries} entries but {num_cached} live objects are cached")
+
+
+def _check_slabs(mem: MemoryOrganization) -> None:
+    """S2 slab bookkeeping: counters equal what the slots say; no empty slab."""
+    slabs = getattr(mem, "slabs", None)
+    if slabs is None:
+        return
+    pool = mem.pools["shared"]
+    per = mem.layout.slots_per_slab
+    with_free = set()
+    for page, slab in slabs.items():
+        assert _is_id(page, pool.num_units), f"invariant 4: slab page {page!r} is not an id"
+        assert slab.page == page, f"slab table maps page {page} to slab of page {slab.page}"
+        assert mem._owner["shared"][page] is slab, f"slab page {page} is not owned by its slab"
+        assert len(slab.slots) == per, f"slab {page} has {len(slab.slots)} slots, expected {per}"
+        used = [obj for obj in slab.slots if obj is not None]
+        assert used, f"invariant 3: slab page {page} has no used slot but was not freed"
+        assert slab.num_used == len(used), (
+            f"slab {page}: num_used={slab.num_used}, slots say {len(used)}")
+        referenced = sum(1 for obj in used if obj.ref_count > 0)
+        assert slab.num_referenced == referenced, (
+            f"slab {page}: num_referenced={slab.num_referenced}, slots say {referenced}")
+        for slot, obj in enumerate(slab.slots):
+            if obj is not None:
+                assert mem.live.get(obj.oid) is obj and obj.valid, (
+                    f"invariant 3: slab {page} slot {slot} holds dead {obj}")
+                assert (obj.slab_page, obj.slot) == (page, slot), (
+                    f"invariant 3: slab {page} slot {slot} holds {obj} located elsewhere")
+        if len(used) < per:
+            with_free.add(page)
+    assert mem._slabs_with_free == with_free, (
+        f"slabs with a free slot {sorted(mem._slabs_with_free)} != {sorted(with_free)}")
+
+
+def check_invariants(mem: MemoryOrganization) -> None:
+    """Raise AssertionError naming the first violated property of `mem`; O(units)."""
+    assert NO_SLOT == -1, "the absence sentinel must be -1"
+    _check_pools(mem)
+    num_cached = _check_objects(mem)
+    _check_cache(mem, num_cached)
+    _check_slabs(mem)

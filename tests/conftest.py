@@ -1,0 +1,26 @@
+"""Shared fixtures: compose the project's Hydra config without a command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def compose_config(*overrides: str):
+    """The primary config with `overrides`, as the runner would see it."""
+    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """Compose a config whose ledger root points into tmp_path."""
+
+    def _make(*overrides: str):
+        return compose_config(f"ledger_root={tmp_path / 'ledgers'}", *overrides)
+
+    return _make

@@ -1,0 +1,261 @@
+"""Preregistration plans: declared counts, plan hash, and the ledger check."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from analysis import prereg
+
+PLAN_DIR = Path(__file__).resolve().parent.parent / "conf" / "prereg"
+QUESTIONS = [f"q{i}" for i in range(1, 10)]
+
+
+def _raw(q: str) -> dict:
+    return yaml.safe_load((PLAN_DIR / f"{q}.yaml").read_text())
+
+
+def _raw_family(q: str, name: str) -> dict:
+    return next(f for f in _raw(q)["families"] if f["name"] == name)
+
+
+def _cell_keys(family: dict) -> dict[str, dict]:
+    return {c["id"]: {**family.get("defaults", {}), **c} for c in family["cells"]}
+
+
+def _complete_runs(plan: prereg.Plan, family: str) -> pd.DataFrame:
+    runs = prereg.expected_runs(plan, family).drop(columns="cell_id")
+    return runs.assign(prereg_plan_hash=plan.plan_hash, status="complete", adopted=True)
+
+
+# --- the declared plans -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("q", QUESTIONS)
+def test_every_plan_loads_with_one_primary_family(q):
+    plan = prereg.load_plan(q)
+    assert plan.campaign == q and plan.question == q.upper()
+    assert [f.role for f in plan.families].count("primary") == 1
+    assert 0 < plan.alpha < 1
+    for fam in plan.families:
+        for cell in fam.cells:
+            assert set(prereg.CELL_REQUIRED_KEYS) <= set(cell.keys)
+
+
+@pytest.mark.parametrize("q", QUESTIONS)
+def test_plan_hash_is_sha256_of_canonical_json(q):
+    raw = _raw(q)
+    text = json.dumps(raw, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert prereg.load_plan(q).plan_hash == hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_plan_hash_ignores_layout_but_not_content(tmp_path):
+    raw = _raw("q9")
+    reordered = dict(reversed(list(raw.items())))
+    assert prereg.plan_hash(reordered) == prereg.plan_hash(raw)
+    path = tmp_path / "q9.yaml"
+    path.write_text("# a new comment\n" + yaml.safe_dump(raw, sort_keys=False, width=200))
+    assert prereg.load_plan(path).plan_hash == prereg.load_plan("q9").plan_hash
+    changed = copy.deepcopy(raw)
+    changed["families"][0]["seeds"][-1] = 88007
+    assert prereg.plan_hash(changed) != prereg.plan_hash(raw)
+
+
+def test_q1_extension_family_has_22_tests_by_category():
+    fam = _raw_family("q1", "extension")
+    cells = _cell_keys(fam)
+    tests = fam["tests"]
+    assert len(tests) == 22
+
+    def orgs(t):
+        return cells[t["treatment"]]["org"], cells[t["control"]]["org"]
+
+    def differs(t, key):
+        return cells[t["a"]["treatment"]][key] != cells[t["b"]["treatment"]][key]
+
+    paired = [t for t in tests if t["kind"] == "paired"]
+    inter = [t for t in tests if t["kind"] == "interaction"]
+    stepwise = [t for t in paired if orgs(t) in (("S1", "S0"), ("S2", "S1"))]
+    d0_s2 = [t for t in paired if orgs(t) == ("D0", "S2")]
+    split = [t for t in paired if orgs(t) == ("D0", "D0")
+             and cells[t["treatment"]]["d0_attention_fraction"]
+             != cells[t["control"]]["d0_attention_fraction"]]
+    budget_inter = [t for t in inter if differs(t, "budget")]
+    sharing_inter = [t for t in inter if differs(t, "q")]
+    counts = [len(x) for x in (stepwise, d0_s2, budget_inter, split, sharing_inter)]
+    assert counts == [6, 3, 2, 8, 3]
+    assert sum(counts) == 22
+    assert {cells[t["treatment"]]["budget"] for t in d0_s2} == {"b63", "b83", "b108"}
+
+
+def test_q6_confirmation_family_has_17_comparisons():
+    fam = _raw_family("q6", "confirmation")
+    assert len(fam["tests"]) == 17
+    assert fam["seeds"] == list(range(76400, 76412))
+    cells = _cell_keys(fam)
+    assert {(c["budget"], c["f"]) for c in cells.values()} == {
+        (b, f) for b in ("b63", "b83", "b108") for f in (0.0, 0.10, 0.19, 0.27, 0.35)}
+
+
+def test_q9_k_ret_is_primary_on_fresh_seeds():
+    plan = prereg.load_plan("q9")
+    fam = plan.primary_family
+    assert fam.seeds == tuple(range(88001, 88007))
+    assert fam.primary_estimand.metric == "throughput_ledger"
+    (k_ret,) = fam.tests
+    assert (k_ret.id, k_ret.kind, k_ret.predicted) == ("K_ret", "interaction", "positive")
+    keys = {role: fam.cell(c).keys for role, c in k_ret.cells.items()}
+    assert (keys["a.treatment"]["org"], keys["a.treatment"]["reuse"]) == ("S2_RETENTION", "share")
+    assert (keys["b.control"]["org"], keys["b.control"]["reuse"]) == ("S2", "isolate")
+    assert fam.decision["method"] == "paired_t_interval" and fam.decision["confidence"] == 0.95
+
+
+@pytest.mark.parametrize(
+    ("q", "seeds"),
+    [("q1", range(42000, 42012)), ("q7", range(76600, 76603)), ("q8", range(79010, 79013))],
+)
+def test_primary_seeds_follow_the_campaign_map(q, seeds):
+    assert prereg.load_plan(q).primary_family.seeds == tuple(seeds)
+
+
+def test_expected_runs_lists_cells_times_seeds():
+    runs = prereg.expected_runs(prereg.load_plan("q1"), "extension")
+    assert len(runs) == 24 * 12
+    assert runs.groupby("cell_id").seed.nunique().eq(12).all()
+    assert set(runs.campaign) == {"q1"}
+
+
+# --- checking runs against a plan ---------------------------------------------------
+
+
+def test_complete_runs_are_accepted():
+    plan = prereg.load_plan("q9")
+    check = prereg.require_family(plan, "k_ret", _complete_runs(plan, "k_ret"))
+    assert check.accepted and not check.plan_changed
+    assert len(check.runs) == 24 and set(check.runs.cell_id) == {
+        "S2_share", "Ret_share", "S2_isolate", "Ret_isolate"}
+
+
+def test_missing_seed_is_named_and_family_refused():
+    plan = prereg.load_plan("q9")
+    runs = _complete_runs(plan, "k_ret")
+    runs = runs[~((runs.seed == 88004) & (runs.org == "S2_RETENTION") & (runs.reuse == "isolate"))]
+    check = prereg.check_family(plan, "k_ret", runs)
+    assert not check.accepted
+    assert [(m.cell_id, m.seeds) for m in check.missing] == [("Ret_isolate", (88004,))]
+    with pytest.raises(prereg.FamilyRefused, match=r"Ret_isolate .*seeds \[88004\]"):
+        check.raise_if_refused()
+
+
+def test_reruns_failures_and_duplicates():
+    plan = prereg.load_plan("q9")
+    runs = _complete_runs(plan, "k_ret")
+    rerun = runs.head(2).assign(adopted=False)
+    failed = runs.head(2).assign(status="failed")
+    assert prereg.check_family(plan, "k_ret", pd.concat([runs, rerun, failed])).accepted
+    dup = prereg.check_family(plan, "k_ret", pd.concat([runs, runs.head(1)]))
+    assert not dup.accepted
+    assert [(d.cell_id, d.seed, d.count) for d in dup.duplicated] == [("S2_share", 88001, 2)]
+    only_failed = runs.assign(status=["failed"] + ["complete"] * (len(runs) - 1))
+    assert prereg.check_family(plan, "k_ret", only_failed).missing[0].seeds == (88001,)
+
+
+def test_changed_plan_refused_unless_allowed():
+    plan = prereg.load_plan("q9")
+    runs = _complete_runs(plan, "k_ret")
+    runs.loc[runs.index[:3], "prereg_plan_hash"] = "0" * 64
+    check = prereg.check_family(plan, "k_ret", runs)
+    assert not check.accepted and check.plan_changed
+    assert [(c.campaign, c.run_hash, c.num_runs) for c in check.changed] == [("q9", "0" * 64, 3)]
+    with pytest.raises(prereg.FamilyRefused, match="plan changed"):
+        check.raise_if_refused()
+    allowed = prereg.check_family(plan, "k_ret", runs, allow_changed_plan=True)
+    assert allowed.accepted and allowed.plan_changed
+    assert any("allow_changed_plan" in r for r in allowed.reasons())
+
+
+def test_reused_runs_are_checked_against_their_own_campaign_plan():
+    q1, q4 = prereg.load_plan("q1"), prereg.load_plan("q4")
+    runs = prereg.expected_runs(q4, "d0_vs_s2").drop(columns="cell_id")
+    runs = runs.assign(status="complete", adopted=True, prereg_plan_hash=q1.plan_hash)
+    assert prereg.check_family(q4, "d0_vs_s2", runs).accepted
+    stamped_q4 = runs.assign(prereg_plan_hash=q4.plan_hash)
+    check = prereg.check_family(q4, "d0_vs_s2", stamped_q4)
+    assert not check.accepted and check.changed[0].expected_hash == q1.plan_hash
+
+
+def test_numeric_cell_values_match_across_types_and_splits_stay_apart():
+    plan = prereg.load_plan("q1")
+    runs = _complete_runs(plan, "extension")
+    runs["rate"] = runs["rate"].astype(int)  # 3 in the ledger, 3.0 in the plan
+    check = prereg.check_family(plan, "extension", runs)
+    assert check.accepted
+    assert check.runs.groupby("cell_id").size().eq(12).all()
+
+
+def test_ledger_spellings_match_plan_values():
+    plan = prereg.load_plan("q9")
+    runs = _complete_runs(plan, "k_ret")
+    runs["org"] = runs["org"].str.lower()  # the runs table writes s2 / s2_retention
+    runs["reuse"] = runs["reuse"].str.upper()  # ... and SHARE / ISOLATE
+    runs["budget"] = "254 pages"
+    runs["retention_k"] = runs["retention_k"].fillna(-1).astype(int)  # -1: no retention
+    check = prereg.check_family(plan, "k_ret", runs)
+    assert check.accepted and len(check.runs) == 24
+    unstamped = prereg.check_family(plan, "k_ret", runs.assign(prereg_plan_hash=""))
+    assert [c.run_hash for c in unstamped.changed] == ["<none>"]
+
+
+def test_empty_ledger_names_every_cell_and_schema_gaps_are_errors():
+    plan = prereg.load_plan("q8")
+    check = prereg.check_family(plan, "retention_depth", pd.DataFrame())
+    assert {m.cell_id for m in check.missing} == {"S2", "S2_RETENTION"}
+    assert all(m.seeds == (79010, 79011, 79012) for m in check.missing)
+    runs = _complete_runs(plan, "retention_depth").drop(columns="trace")
+    with pytest.raises(ValueError, match=r"missing columns \['trace'\]"):
+        prereg.check_family(plan, "retention_depth", runs)
+
+
+# --- plan validation -----------------------------------------------------------------
+
+
+def _mutated(edit) -> dict:
+    raw = _raw("q9")
+    edit(raw)
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda r: r["families"][0].update(role="main"), r"role='main'.*allowed values"),
+        (lambda r: r["families"][1].update(role="primary"), "exactly one family"),
+        (lambda r: r["families"][0]["tests"][0]["a"].update(treatment="nope"),
+         r"a.treatment='nope' is not a cell"),
+        (lambda r: r["families"][0]["cells"][0].update(seeds=[88001]), "must share their seeds"),
+        (lambda r: r["families"][0]["cells"][0].update(reuse="shared"), r"reuse='shared'"),
+        (lambda r: r["families"][0]["cells"][0].update(org="S3"), r"org='S3'"),
+        (lambda r: r["families"][0].update(tests=[]), "tests may be empty only"),
+        (lambda r: r["families"][0].update(seeds=[1, 1]), "duplicated values"),
+        (lambda r: r["families"][0]["decision"].pop("confidence"),
+         r"needs fields \['confidence'\]"),
+        (lambda r: r.update(alpha=5), "alpha=5"),
+    ],
+)
+def test_invalid_plans_are_rejected_by_field(edit, needle):
+    with pytest.raises(ValueError, match=needle):
+        prereg.parse_plan(_mutated(edit))
+
+
+def test_yaml_boolean_keys_are_rejected(tmp_path):
+    path = tmp_path / "bad.yaml"
+    text = (PLAN_DIR / "q7.yaml").read_text().replace("probe_on:", "on:", 1)
+    path.write_text(text)
+    with pytest.raises(ValueError, match="keys must be strings"):
+        prereg.load_plan(path)
