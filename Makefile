@@ -35,3 +35,62 @@ bench: setup ## engine benchmarks: default S2 b63 cell, 3,000 and 30,000 request
 	$(BIN)/python -m bench.engine_bench
 
 .PHONY: help setup test test-all lint plan bench
+
+report: setup ## regenerate reports/ from the ledgers
+	$(BIN)/python -m analysis.report --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)
+
+.PHONY: report
+
+# ---- campaigns (conf/campaign/): Hydra multiruns through the campaign sweeper -------------
+# SMOKE=1: 3 seeds per block, 60 requests per run, campaign <name>_smoke.
+# LEDGER_ROOT=dir: ledger root. JOBS=n: parallel runs of the local launcher (default: cores).
+# LAUNCHER=submitit_local|slurm|ray_cluster: another launcher. ARGS='...': more overrides.
+SMOKE ?=
+JOBS ?=
+LAUNCHER ?=
+ARGS ?=
+QUESTIONS := q1 q2 q3 q4 q5 q6 q7 q8 q9
+campaign_run = $(BIN)/python -m experiments.run -m campaign=$(1) ledger_root=$(LEDGER_ROOT) \
+	$(if $(filter 1 true yes,$(SMOKE)),hydra.sweeper.smoke=true) \
+	$(if $(LAUNCHER),hydra/launcher=$(LAUNCHER)) $(if $(JOBS),hydra.launcher.n_jobs=$(JOBS)) $(ARGS)
+
+q1: setup ## Q1 S0->S1->S2 at b63/b83/b108 (+D0, D0 split, q=0, Exp 1b): 306 runs
+	$(call campaign_run,q1)
+q2: setup ## Q2 work/state changes: mechanism b63/b108 seeds 0-2, control b83 q=0: 54 runs
+	$(call campaign_run,q2)
+q3: setup ## Q3 org x sharing: S0,S1,S2,D0 x q 0/.5/1 at b83: 144 runs
+	$(call campaign_run,q3)
+q4: setup ## Q4 all four orgs across budget (Q1's Exp 1a runs, skipped after make q1)
+	$(call campaign_run,q4)
+q5: setup ## Q5 D0 vs S2 over offered load at b63 and b108, seeds 0-2: 72 runs
+	$(call campaign_run,q5)
+q6: setup ## Q6 admission headroom f x budget, D0 and S2: 360 runs
+	$(call campaign_run,q6)
+q7: setup ## Q7 reuse depth, D0/S2 x f 0/.19 x trace OFF/ON: 24 runs
+	$(call campaign_run,q7)
+q8: setup ## Q8 S2 vs S2+Retention at 254 pages, trace ON: 6 runs
+	$(call campaign_run,q8)
+q9: setup ## Q9 retention x reuse (SHARE/ISOLATE), balanced order: 24 runs
+	$(call campaign_run,q9)
+
+campaign: setup ## any campaign by name: make campaign C=caps (d0_split, caps, bursts, pinning)
+	@test -n "$(C)" || { echo "usage: make campaign C=<name of conf/campaign/*.yaml>"; exit 2; }
+	$(call campaign_run,$(C))
+
+campaign-plan: setup ## list the runs of C=<campaign> (and whether complete) without running
+	@test -n "$(C)" || { echo "usage: make campaign-plan C=<name of conf/campaign/*.yaml>"; exit 2; }
+	$(BIN)/python -m experiments.campaign campaign=$(C) ledger_root=$(LEDGER_ROOT) \
+		$(if $(filter 1 true yes,$(SMOKE)),hydra.sweeper.smoke=true) $(ARGS)
+
+smoke: setup ## every question q1..q9 at smoke size, then check the ledgers
+	@for q in $(QUESTIONS); do $(MAKE) --no-print-directory $$q SMOKE=1 || exit 1; done
+	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
+
+demo: setup ## end-to-end demo: a few Q1 and Q9 cells (60 requests), check, report, ledger path
+	$(call campaign_run,demo)
+	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
+	@if [ -f analysis/report.py ]; then $(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT); \
+	else echo "(analysis/report.py not present yet: no report)"; fi
+	@echo "ledgers: $(abspath $(LEDGER_ROOT)) (campaigns demo_q1, demo_q9; DuckDB views: python -c 'import ledgers; ledgers.connect(\"$(LEDGER_ROOT)\")')"
+
+.PHONY: $(QUESTIONS) campaign campaign-plan smoke demo

@@ -56,9 +56,18 @@ def time_process() -> float:
     """Whole `python -m experiments.run` process for the default cell, seconds."""
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "experiments.run", "org=s2", "budget=b63", "seed=42000",
-         "write_ledgers=false"],
-        cwd=ROOT, check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "experiments.run",
+            "org=s2",
+            "budget=b63",
+            "seed=42000",
+            "write_ledgers=false",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
     )
     return time.perf_counter() - t0
 
@@ -81,18 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = {"default_300": time_cell(["org=s2", "budget=b63"], repeats=5)}
     rows["n3000"] = time_cell(["org=s2", "budget=b63", "workload.num_requests=3000"], repeats=1)
     if not args.quick:
-        rows["n30000"] = time_cell(["org=s2", "budget=b63", "workload.num_requests=30000"], repeats=1)
+        rows["n30000"] = time_cell(
+            ["org=s2", "budget=b63", "workload.num_requests=30000"], repeats=1
+        )
     rows["process_default_s"] = time_process()
     profile = profile_default()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engine.json").write_text(json.dumps(rows, indent=2))
     (RESULTS / "engine_profile.txt").write_text(profile)
-    print(f"{'cell':<14}{'requests':>9}{'engine s':>10}{'us/request':>12}{'setup s':>9}{'sim s':>9}")
+    print(
+        f"{'cell':<14}{'requests':>9}{'engine s':>10}{'us/request':>12}{'setup s':>9}{'sim s':>9}"
+    )
     for name, row in rows.items():
         if isinstance(row, dict):
             per = 1e6 * row["engine_wall_s"] / row["requests"]
-            print(f"{name:<14}{row['requests']:>9}{row['engine_wall_s']:>10.3f}{per:>12.0f}"
-                  f"{row['setup_s']:>9.2f}{row['sim_seconds']:>9.1f}")
+            print(
+                f"{name:<14}{row['requests']:>9}{row['engine_wall_s']:>10.3f}{per:>12.0f}"
+                f"{row['setup_s']:>9.2f}{row['sim_seconds']:>9.1f}"
+            )
     print(f"whole process, default cell: {rows['process_default_s']:.2f} s")
     print("\nprofile of the default cell (tottime):")
     print("\n".join(profile.splitlines()[:30]))

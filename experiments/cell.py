@@ -26,9 +26,25 @@ from serving_core.scheduler import SchedulerConfig
 
 ARMS = ("s0", "s1", "s2", "d0", "s2_retention")
 SUMMARY_KEYS = (
-    "org", "budget", "seed", "completed", "failed", "output_tokens", "throughput_ledger",
-    "throughput_span", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "tpot_p99", "preemptions",
-    "prefix_hit_tokens", "prefill_tokens_computed", "max_running", "max_waiting", "sim_seconds",
+    "org",
+    "budget",
+    "seed",
+    "completed",
+    "failed",
+    "output_tokens",
+    "throughput_ledger",
+    "throughput_span",
+    "ttft_p50",
+    "ttft_p99",
+    "e2e_p50",
+    "e2e_p99",
+    "tpot_p99",
+    "preemptions",
+    "prefix_hit_tokens",
+    "prefill_tokens_computed",
+    "max_running",
+    "max_waiting",
+    "sim_seconds",
     "wall_seconds",
 )
 # Keys that define a cell's identity (what the run_id hashes); bookkeeping keys are excluded.
@@ -91,8 +107,15 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
     wall0 = time.perf_counter()
     pool_units = units_for(plan, org)
     result = run_engine(
-        geometry, org, pool_units, sched_cfg, workload.requests, step_model,
-        trace=bool(cfg.trace), budget_label=str(cfg.budget), on_step=on_step,
+        geometry,
+        org,
+        pool_units,
+        sched_cfg,
+        workload.requests,
+        step_model,
+        trace=bool(cfg.trace),
+        budget_label=str(cfg.budget),
+        on_step=on_step,
     )
     summary = {"org": arm, "budget": str(cfg.budget), "seed": int(cfg.seed)}
     summary.update({k: result.summary[k] for k in SUMMARY_KEYS if k in result.summary})
@@ -101,23 +124,31 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
         "arm": arm,
         "org": org if arm != "s2_retention" else "S2_RETENTION",
         "config_hash": config_hash(cfg),
-        "episode": {k: result.summary[k] for k in (
-            "episode_start_s", "episode_end_s", "span_start_s", "span_end_s")},
+        "episode": {
+            k: result.summary[k]
+            for k in ("episode_start_s", "episode_end_s", "span_start_s", "span_end_s")
+        },
     }
-    return CellResult(summary, result.tables, identity, dict(workload.meta), pool_units, result.memory)
+    return CellResult(
+        summary, result.tables, identity, dict(workload.meta), pool_units, result.memory
+    )
 
 
 def format_summary(summary: dict) -> str:
     """A short human summary of one run."""
     s = summary
-    return "\n".join([
-        f"{s['org']} {s['budget']} seed {s['seed']}: {s['completed']} completed, {s['failed']} failed, "
-        f"{s['output_tokens']} output tokens in {s['sim_seconds']:.1f} simulated s",
-        f"  throughput   {s['throughput_ledger']:.1f} tok/s (ledger)  {s['throughput_span']:.1f} tok/s (span)",
-        f"  TTFT p50/p99 {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} s   E2E p50/p99 "
-        f"{s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} s   TPOT p99 {1000 * s['tpot_p99']:.1f} ms",
-        f"  preemptions  {s['preemptions']}   prefix-hit tokens {s['prefix_hit_tokens']}   "
-        f"prefill computed {s['prefill_tokens_computed']}   max running/waiting "
-        f"{s['max_running']}/{s['max_waiting']}",
-        f"  engine wall  {s['wall_seconds']:.2f} s",
-    ])
+    return "\n".join(
+        [
+            f"{s['org']} {s['budget']} seed {s['seed']}: {s['completed']} completed, "
+            f"{s['failed']} failed, {s['output_tokens']} output tokens in "
+            f"{s['sim_seconds']:.1f} simulated s",
+            f"  throughput   {s['throughput_ledger']:.1f} tok/s (ledger)  "
+            f"{s['throughput_span']:.1f} tok/s (span)",
+            f"  TTFT p50/p99 {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} s   E2E p50/p99 "
+            f"{s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} s   TPOT p99 {1000 * s['tpot_p99']:.1f} ms",
+            f"  preemptions  {s['preemptions']}   prefix-hit tokens {s['prefix_hit_tokens']}   "
+            f"prefill computed {s['prefill_tokens_computed']}   max running/waiting "
+            f"{s['max_running']}/{s['max_waiting']}",
+            f"  engine wall  {s['wall_seconds']:.2f} s",
+        ]
+    )

@@ -4,8 +4,10 @@ Exit 0 when clean, 1 when any problem is found, 2 when ROOT does not exist.
 Problems: incomplete runs, traced runs whose END is missing or not last,
 trace sequence gaps, dropped or write-error counts, duplicate complete run
 ids, orphan and mislabeled rows, adoption keys without exactly one adopted
-run. Notes (never failing): superseded attempts of runs that later completed,
-stale temp files left by a killed writer.
+run. A run is identified by (campaign, run_id). Notes (never failing):
+superseded attempts of runs that later completed, run ids complete in several
+campaigns (distinct runs, each counted in its own campaign), stale temp files
+left by a killed writer.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import duckdb
 
 from ledgers.catalog import connect
-from ledgers.schemas import RUN_TABLES, TABLES
+from ledgers.schemas import TABLES
 from ledgers.writer import ADOPTION_KEY, TEMP_SUFFIX, attempt_run_id, committed_files
 
 MAX_LISTED = 20  # detail lines printed per category
@@ -50,11 +52,30 @@ PROBLEMS = (
     "mislabeled rows",
     "adoption keys without exactly one adopted run",
 )
-NOTES = ("superseded attempts", "stale temp files")
+NOTES = ("superseded attempts", "run ids complete in several campaigns", "stale temp files")
 
 
 def _rows(con: duckdb.DuckDBPyConnection, sql: str) -> list[tuple]:
     return con.execute(sql).fetchall()
+
+
+def _materialize(con: duckdb.DuckDBPyConnection) -> None:
+    """Bind each view once (union_by_name reads every footer); audits query these tables."""
+    con.execute("CREATE TEMP TABLE c_raw_runs AS SELECT * FROM raw_runs")
+    con.execute(
+        "CREATE TEMP TABLE c_runs AS SELECT * EXCLUDE (attempt) FROM c_raw_runs"
+        " WHERE attempt IN (SELECT attempt FROM canonical_attempts)"
+    )
+    con.execute(
+        "CREATE TEMP TABLE c_trace AS"
+        " SELECT run_id, campaign, seq, event, dropped, write_errors FROM trace"
+    )
+    keys = " UNION ALL ".join(
+        f"SELECT '{t}' AS tbl, run_id, campaign, attempt, count(*) AS n"
+        f" FROM {'c_raw_runs' if t == 'runs' else f'raw_{t}'} GROUP BY ALL"
+        for t in TABLES
+    )
+    con.execute(f"CREATE TEMP TABLE c_raw_keys AS {keys}")
 
 
 def _attempt_files(root: str) -> dict[str, tuple[str, list[str]]]:
@@ -68,31 +89,34 @@ def _attempt_files(root: str) -> dict[str, tuple[str, list[str]]]:
 
 
 def _incomplete_and_superseded(con, root: str) -> tuple[list[str], list[str]]:
-    complete = {r[0] for r in _rows(con, "SELECT run_id FROM canonical_attempts")}
+    complete = set(_rows(con, "SELECT campaign, run_id FROM canonical_attempts"))
     canonical = {r[0] for r in _rows(con, "SELECT attempt FROM canonical_attempts")}
-    status = dict(_rows(con, "SELECT attempt, status FROM raw_runs"))
-    by_run: dict[str, list[str]] = defaultdict(list)
+    status = dict(_rows(con, "SELECT attempt, status FROM c_raw_runs"))
+    by_run: dict[tuple[str, str], list[str]] = defaultdict(list)
     superseded = []
     for attempt, (campaign, tables) in sorted(_attempt_files(root).items()):
-        run_id = attempt_run_id(attempt)
+        run = (campaign, attempt_run_id(attempt))
         state = f"runs row says {status[attempt]}" if attempt in status else "no runs row"
-        line = f"attempt {attempt} (campaign {campaign}): {state}; files: {', '.join(tables)}"
-        if run_id not in complete:
-            by_run[run_id].append(line)
+        line = f"attempt {attempt}: {state}; files: {', '.join(tables)}"
+        if run not in complete:
+            by_run[run].append(line)
         elif attempt not in canonical:
-            superseded.append(f"run {run_id}: {line}")
-    incomplete = [f"run {run_id}: {'; '.join(lines)}" for run_id, lines in by_run.items()]
+            superseded.append(f"run {run[1]} (campaign {campaign}): {line}")
+    incomplete = [
+        f"run {run_id} (campaign {campaign}): {'; '.join(lines)}"
+        for (campaign, run_id), lines in sorted(by_run.items())
+    ]
     return incomplete, superseded
 
 
 def _trace_end(con) -> list[str]:
     sql = """
-        SELECT r.run_id, r.campaign, count(t.seq), count(*) FILTER (t.event = 'END'),
+        SELECT r.campaign, r.run_id, count(t.seq), count(*) FILTER (t.event = 'END'),
                max(t.seq), max(t.seq) FILTER (t.event = 'END')
-        FROM runs r LEFT JOIN trace t USING (run_id)
+        FROM c_runs r LEFT JOIN c_trace t USING (campaign, run_id)
         WHERE r.trace GROUP BY ALL ORDER BY ALL"""
     out = []
-    for run_id, campaign, n, n_end, max_seq, end_seq in _rows(con, sql):
+    for campaign, run_id, n, n_end, max_seq, end_seq in _rows(con, sql):
         if n_end == 1 and end_seq == max_seq:
             continue
         if n_end == 0:
@@ -107,20 +131,20 @@ def _trace_end(con) -> list[str]:
 
 def _trace_gaps(con) -> list[str]:
     sql = """
-        WITH d AS (SELECT DISTINCT run_id, seq FROM trace),
-        g AS (SELECT run_id, seq, lead(seq) OVER (PARTITION BY run_id ORDER BY seq) AS nxt FROM d),
+        WITH d AS (SELECT DISTINCT campaign, run_id, seq FROM c_trace),
+        g AS (SELECT campaign, run_id, seq,
+                     lead(seq) OVER (PARTITION BY campaign, run_id ORDER BY seq) AS nxt FROM d),
         first_gap AS (
-            SELECT run_id, min(seq) AS min_seq, max(seq) AS max_seq, count(*) AS n_distinct,
-                   min(seq + 1) FILTER (nxt > seq + 1) AS gap_at
-            FROM g GROUP BY run_id),
-        counts AS (SELECT run_id, any_value(campaign) AS campaign, count(*) AS n
-                   FROM trace GROUP BY run_id)
-        SELECT run_id, campaign, n, n_distinct, min_seq, max_seq, gap_at
-        FROM first_gap JOIN counts USING (run_id)
+            SELECT campaign, run_id, min(seq) AS min_seq, max(seq) AS max_seq,
+                   count(*) AS n_distinct, min(seq + 1) FILTER (nxt > seq + 1) AS gap_at
+            FROM g GROUP BY ALL),
+        counts AS (SELECT campaign, run_id, count(*) AS n FROM c_trace GROUP BY ALL)
+        SELECT campaign, run_id, n, n_distinct, min_seq, max_seq, gap_at
+        FROM first_gap JOIN counts USING (campaign, run_id)
         WHERE min_seq != 0 OR max_seq != n - 1 OR n_distinct != n
-        ORDER BY run_id"""
+        ORDER BY ALL"""
     out = []
-    for run_id, campaign, n, n_distinct, min_seq, max_seq, gap_at in _rows(con, sql):
+    for campaign, run_id, n, n_distinct, min_seq, max_seq, gap_at in _rows(con, sql):
         missing = max_seq + 1 - n_distinct
         first = 0 if min_seq > 0 else gap_at
         parts = [f"{n} events, seq {min_seq}..{max_seq}"]
@@ -134,37 +158,49 @@ def _trace_gaps(con) -> list[str]:
 
 def _trace_losses(con) -> list[str]:
     sql = """
-        SELECT run_id, any_value(campaign), sum(dropped), sum(write_errors) FROM trace
-        GROUP BY run_id HAVING sum(dropped) != 0 OR sum(write_errors) != 0 ORDER BY run_id"""
+        SELECT campaign, run_id, sum(dropped), sum(write_errors) FROM c_trace GROUP BY ALL
+        HAVING sum(dropped) != 0 OR sum(write_errors) != 0 ORDER BY ALL"""
     return [
         f"run {run_id} (campaign {campaign}): dropped {dropped}, write errors {errors}"
-        for run_id, campaign, dropped, errors in _rows(con, sql)
+        for campaign, run_id, dropped, errors in _rows(con, sql)
     ]
 
 
 def _duplicates(con) -> list[str]:
     sql = """
-        SELECT run_id, count(*), string_agg(campaign || '/' || attempt, ', ' ORDER BY attempt)
-        FROM raw_runs WHERE status = 'complete' GROUP BY run_id HAVING count(*) > 1
-        ORDER BY run_id"""
-    return [f"run {r}: {n} complete attempts: {where}" for r, n, where in _rows(con, sql)]
+        SELECT campaign, run_id, count(*), string_agg(attempt, ', ' ORDER BY attempt)
+        FROM c_raw_runs WHERE status = 'complete' GROUP BY ALL HAVING count(*) > 1
+        ORDER BY ALL"""
+    return [
+        f"run {run_id} (campaign {campaign}): {n} complete attempts: {attempts}"
+        for campaign, run_id, n, attempts in _rows(con, sql)
+    ]
+
+
+def _shared_across_campaigns(con) -> list[str]:
+    sql = """
+        SELECT run_id, string_agg(campaign, ', ' ORDER BY campaign) FROM c_runs
+        GROUP BY run_id HAVING count(DISTINCT campaign) > 1 ORDER BY run_id"""
+    return [f"run {run_id}: complete in campaigns {c}" for run_id, c in _rows(con, sql)]
 
 
 def _orphans_and_mislabeled(con) -> tuple[list[str], list[str]]:
-    orphans, mislabeled = [], []
-    for table in RUN_TABLES:
-        sql = f"""
-            SELECT run_id, any_value(campaign), count(*) FROM raw_{table}
-            WHERE run_id NOT IN (SELECT run_id FROM raw_runs) GROUP BY run_id ORDER BY run_id"""
-        for run_id, campaign, n in _rows(con, sql):
-            orphans.append(
-                f"{table}: {n} rows of run {run_id} (campaign {campaign}) have no runs row"
-            )
-        sql = f"""
-            SELECT attempt, run_id, count(*) FROM raw_{table}
-            WHERE NOT starts_with(attempt, run_id || '-') GROUP BY ALL ORDER BY ALL"""
-        for attempt, run_id, n in _rows(con, sql):
-            mislabeled.append(f"{table}: {n} rows say run {run_id} inside file {attempt}")
+    orphan_sql = """
+        SELECT tbl, campaign, run_id, sum(n) FROM c_raw_keys k
+        WHERE tbl != 'runs' AND NOT EXISTS (
+            SELECT 1 FROM c_raw_runs r WHERE r.campaign = k.campaign AND r.run_id = k.run_id)
+        GROUP BY ALL ORDER BY ALL"""
+    orphans = [
+        f"{table}: {n} rows of run {run_id} (campaign {campaign}) have no runs row"
+        for table, campaign, run_id, n in _rows(con, orphan_sql)
+    ]
+    mislabeled_sql = """
+        SELECT tbl, attempt, campaign, run_id, sum(n) FROM c_raw_keys
+        WHERE NOT starts_with(attempt, run_id || '-') GROUP BY ALL ORDER BY ALL"""
+    mislabeled = [
+        f"{table}: {n} rows say run {run_id} inside file {attempt} (campaign {campaign})"
+        for table, attempt, campaign, run_id, n in _rows(con, mislabeled_sql)
+    ]
     return orphans, mislabeled
 
 
@@ -173,7 +209,7 @@ def _adoption(con) -> list[str]:
     sql = f"""
         SELECT {key}, count(*), count(*) FILTER (adopted),
                string_agg(run_id, ', ' ORDER BY run_id) FILTER (adopted)
-        FROM runs GROUP BY {key} HAVING count(*) FILTER (adopted) != 1 ORDER BY ALL"""
+        FROM c_runs GROUP BY {key} HAVING count(*) FILTER (adopted) != 1 ORDER BY ALL"""
     out = []
     for *values, n, n_adopted, adopted in _rows(con, sql):
         cell = ", ".join(f"{k}={v}" for k, v in zip(ADOPTION_KEY, values, strict=True))
@@ -192,9 +228,11 @@ def check(root: str | os.PathLike) -> CheckReport:
     report = CheckReport(root=root)
     con = connect(root)
     try:
-        report.num_complete_runs = _rows(con, "SELECT count(*) FROM runs")[0][0]
+        _materialize(con)
+        report.num_complete_runs = _rows(con, "SELECT count(*) FROM c_runs")[0][0]
         incomplete, superseded = _incomplete_and_superseded(con, root)
         orphans, mislabeled = _orphans_and_mislabeled(con)
+        shared = _shared_across_campaigns(con)
         found = (
             incomplete,
             _trace_end(con),
@@ -208,7 +246,7 @@ def check(root: str | os.PathLike) -> CheckReport:
     finally:
         con.close()
     report.problems = dict(zip(PROBLEMS, found, strict=True))
-    report.notes = dict(zip(NOTES, (superseded, _stale_temp_files(root)), strict=True))
+    report.notes = dict(zip(NOTES, (superseded, shared, _stale_temp_files(root)), strict=True))
     return report
 
 
@@ -225,9 +263,9 @@ def format_report(report: CheckReport) -> str:
     failing = {k: len(v) for k, v in report.problems.items() if v}
     num_notes = sum(len(v) for v in report.notes.values())
     if failing:
-        detail = ", ".join(f"{k} {n}" for k, n in failing.items())
+        detail = ", ".join(f"{k}: {n}" for k, n in failing.items())
         lines.append(
-            f"summary: FAIL, {sum(failing.values())} problems ({detail}); "
+            f"summary: FAIL, problems found ({detail}); "
             f"{report.num_complete_runs} complete runs, {num_notes} notes"
         )
     else:

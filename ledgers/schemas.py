@@ -26,6 +26,7 @@ KEY_COLUMNS = ("run_id", "campaign")  # prepended by the writer to every run tab
 POOLS = ("shared", "attention", "recurrent")
 REQUEST_STATUSES = ("finished", "failed", "unfinished")
 RUN_STATUSES = ("complete", "failed")
+ARRIVALS = ("poisson", "onoff")
 TRACE_EVENTS = (
     "ENTER_WAITING",
     "LOOKUP",
@@ -161,16 +162,20 @@ _RUNS = [
     _f("units_detail", _S, "", "JSON object of units per pool."),
     _f("cap", _I, "count", "Concurrency cap (max running requests)."),
     _f("rate", _F, "1/s", "Offered load lambda (Poisson arrivals per second)."),
+    _f("arrival", _S, "", "Arrival process (onoff: 5 s on, 15 s off, same mean).", ARRIVALS),
     _f("q", _F, "fraction", "Share of requests drawn from shared contexts."),
     _f("f", _F, "fraction", "Admission headroom fraction."),
     _f("retention_k", _I, "count", "Checkpoint retention K (-1: none)."),
+    _f("pinning_k", _I, "count", "Preemption-time pinning threshold K (-1: Roff, no pinning)."),
+    _f("d0_attention_fraction", _F, "fraction",
+       "D0 static split: attention pool share of nominal bytes (NaN: not D0)."),
     _f("reuse", _S, "", "Reuse mode (e.g. SHARE, ISOLATE)."),
     _f("seed", _I, "", "Workload seed."),
     _f("replicate", _I, "", "Replicate index of a deliberate rerun (0: first)."),
     _f("trace", _B, "", "Whether the trace recorder was on."),
     _f("executor", _S, "", "Executor (sim or real)."),
     _f("model", _S, "", "Model name."),
-    _f("config_hash", _S, "", "Hash of the resolved cell config, seed and replicate excluded."),
+    _f("config_hash", _S, "", "Hash of the cell config (seed in; campaign, replicate out)."),
     _f("prereg_plan_hash", _S, "", 'Hash of the campaign\'s preregistered plan ("": none).'),
     _f("code_version", _S, "", "Code version the run was produced with."),
     _f("environment", _S, "", "JSON object: package versions, CPU, Python."),

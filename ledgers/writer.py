@@ -41,7 +41,7 @@ from ledgers.schemas import RUN_TABLES, SCHEMAS, TABLES, to_stored_table, to_tab
 TEMP_SUFFIX = ".tmp"
 NONCE_HEX = 16  # hex digits of an attempt's nonce
 ADOPTION_KEY = ("campaign", "config_hash", "seed")  # one adopted complete run per key
-CANONICAL_ORDER = ("created_at", "attempt")  # the first complete attempt of a run_id counts
+CANONICAL_ORDER = ("created_at", "attempt")  # first complete attempt of (campaign, run_id) counts
 WRITER_COLUMNS = ("adopted", "created_at")  # runs columns the writer sets
 JSON_COLUMNS = ("units_detail", "environment")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -147,17 +147,19 @@ def _runs_table(run_id: str, campaign: str, runs_row: Mapping, adopted: bool) ->
     return to_stored_table("runs", {c: [v] for c, v in row.items()})
 
 
+def _runs_files(root: str | os.PathLike, campaign: str | None) -> list[Path]:
+    if campaign is None:
+        return committed_files(root, "runs")
+    _check_name("campaign", campaign)
+    return sorted(table_dir(root, "runs", campaign).glob("*.parquet"))
+
+
 def read_raw_runs(root: str | os.PathLike, campaign: str | None = None) -> list[dict]:
     """Every runs row (any status, duplicates included) with its attempt and file path."""
-    if campaign is None:
-        files = committed_files(root, "runs")
-    else:
-        _check_name("campaign", campaign)
-        files = sorted(table_dir(root, "runs", campaign).glob("*.parquet"))
+    files = _runs_files(root, campaign)
     if not files:
         return []
-    con = duckdb.connect()
-    try:
+    with duckdb.connect() as con:
         rel = con.execute(
             "SELECT *, parse_filename(filename, true) AS attempt FROM "
             "read_parquet(?, union_by_name = true, filename = true)",
@@ -165,20 +167,33 @@ def read_raw_runs(root: str | os.PathLike, campaign: str | None = None) -> list[
         )
         names = [d[0] for d in rel.description]
         return [dict(zip(names, r, strict=True)) for r in rel.fetchall()]
-    finally:
-        con.close()
+
+
+def _complete_keys(root: str | os.PathLike, campaign: str | None) -> list[tuple]:
+    """(run_id, *ADOPTION_KEY) of complete runs rows.
+
+    Hot path (every write and every skip decision): columns present since the
+    first schema only, so union_by_name and its footer pass are not needed.
+    """
+    files = _runs_files(root, campaign)
+    if not files:
+        return []
+    with duckdb.connect() as con:
+        return con.execute(
+            f"SELECT run_id, {', '.join(ADOPTION_KEY)} FROM read_parquet(?)"
+            " WHERE status = 'complete'",
+            [[f.as_posix() for f in files]],
+        ).fetchall()
 
 
 def completed_run_ids(root: str | os.PathLike, campaign: str | None = None) -> set[str]:
     """run_ids with a complete runs row (the runner skips these)."""
-    return {r["run_id"] for r in read_raw_runs(root, campaign) if r["status"] == "complete"}
+    return {row[0] for row in _complete_keys(root, campaign)}
 
 
-def _key_has_complete_run(root: str | os.PathLike, campaign: str, key: dict) -> bool:
-    return any(
-        r["status"] == "complete" and all(r[k] == key[k] for k in ADOPTION_KEY)
-        for r in read_raw_runs(root, campaign)
-    )
+def _key_has_complete_run(root: str | os.PathLike, campaign: str, row: Mapping) -> bool:
+    key = tuple(row[k] for k in ADOPTION_KEY)
+    return any(tuple(found[1:]) == key for found in _complete_keys(root, campaign))
 
 
 def write_run(
@@ -229,21 +244,20 @@ def _set_adopted(path: str, adopted: bool) -> None:
     write_atomic(table, Path(path))
 
 
-def adopt_run(root: str | os.PathLike, run_id: str) -> None:
-    """Make `run_id` the adopted run of its (campaign, config_hash, seed) key.
+def adopt_run(root: str | os.PathLike, campaign: str, run_id: str) -> None:
+    """Make the run the adopted one of its (campaign, config_hash, seed) key.
 
     Rewrites runs rows in place (temp then rename): the new run is marked
     first and the others cleared after, so a crash in between leaves two
     adopted runs, which ledgers.check reports, never none.
     """
-    rows = read_raw_runs(root)
-    complete = [r for r in rows if r["status"] == "complete"]
+    complete = [r for r in read_raw_runs(root, campaign) if r["status"] == "complete"]
     own = sorted(
         (r for r in complete if r["run_id"] == run_id),
         key=lambda r: tuple(r[c] for c in CANONICAL_ORDER),
     )
     if not own:
-        raise ValueError(f"run_id={run_id!r}: no complete run to adopt")
+        raise ValueError(f"run_id={run_id!r}: no complete run to adopt in campaign {campaign!r}")
     target = own[0]
     peers = [r for r in complete if all(r[k] == target[k] for k in ADOPTION_KEY)]
     if not target["adopted"]:

@@ -17,7 +17,7 @@ from serving_core.geometry import Geometry
 from serving_core.memory import MemoryOrganization, build_memory
 from serving_core.records import Recorder, request_columns
 from serving_core.request import Request, Status
-from serving_core.scheduler import SchedulerConfig, Scheduler
+from serving_core.scheduler import Scheduler, SchedulerConfig
 
 
 @dataclass
@@ -33,15 +33,13 @@ def check_feasible(mem: MemoryOrganization, specs, org: str, budget: str) -> Non
     longest = max(len(s.prompt) + int(s.output_tokens) for s in specs)
     composites = 2 if mem.has_recurrent else 0  # working state + one destination at a boundary
     need = mem.demand(math.ceil(longest / mem.block_tokens), composites)
-    if org == "S2" and composites:
-        need["shared"] = need["shared"] - mem.demand(0, composites)["shared"] + composites * mem.layout.ssm_members + 1
     total = mem.total_units()
     short = {p: (need[p], total[p]) for p in need if need[p] > total[p]}
     if short:
         detail = ", ".join(f"{p} pool needs {n} units but has {t}" for p, (n, t) in short.items())
         raise ValueError(
-            f"budget={budget!r} cannot hold one maximal request of {longest} tokens under org={org}: "
-            f"{detail}; choose a larger budget"
+            f"budget={budget!r} cannot hold one maximal request of {longest} tokens "
+            f"under org={org}: {detail}; choose a larger budget"
         )
 
 
@@ -96,7 +94,9 @@ def run_engine(
         recorder.step, recorder.now = sched.step + 1, clock
         plan = sched.schedule(clock)
         if not plan:
-            raise RuntimeError(f"step {sched.step}: nothing schedulable with {len(sched.waiting)} waiting")
+            raise RuntimeError(
+                f"step {sched.step}: nothing schedulable with {len(sched.waiting)} waiting"
+            )
         new_tokens = [item.num_new for item in plan]
         contexts = [item.context for item in plan]
         crossings = sched.boundaries_crossed(plan)
@@ -110,10 +110,21 @@ def run_engine(
         finished += sched.num_finished_step
         if on_step is not None:
             on_step(sched, mem)  # debug / test hook: invariant checks after every step
-        recorder.record_step((
-            sched.step, t0, dt, len(plan), len(sched.running), len(sched.waiting),
-            initial, resume, decode, num_preempted, num_admitted,
-        ))
+        recorder.record_step(
+            (
+                sched.step,
+                t0,
+                dt,
+                len(plan),
+                len(sched.running),
+                len(sched.waiting),
+                initial,
+                resume,
+                decode,
+                num_preempted,
+                num_admitted,
+            )
+        )
         while next_poll <= clock:
             recorder.sample(next_poll, sched, mem)
             next_poll += 1
@@ -142,7 +153,9 @@ def summarize(requests: list[Request], sched: Scheduler, clock: float, wall: flo
     span_end = max((r.finish_s for r in done), default=span_start)
     ttft = [r.first_token_s - r.arrival_s for r in done]
     e2e = [r.finish_s - r.arrival_s for r in done]
-    tpot = [(r.finish_s - r.first_token_s) / (r.num_generated - 1) for r in done if r.num_generated > 1]
+    tpot = [
+        (r.finish_s - r.first_token_s) / (r.num_generated - 1) for r in done if r.num_generated > 1
+    ]
     return {
         "completed": len(done),
         "failed": len(requests) - len(done),

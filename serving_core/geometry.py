@@ -117,7 +117,9 @@ def geometry_from_config(cfg: Any, **overrides: Any) -> Geometry:
     known = {f.name for f in fields(Geometry)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"model config: unknown fields {unknown}; allowed fields are {sorted(known)}")
+        raise ValueError(
+            f"model config: unknown fields {unknown}; allowed fields are {sorted(known)}"
+        )
     return Geometry(**data)
 
 

@@ -86,7 +86,9 @@ def org_layout(geometry: Geometry, org: str) -> OrgLayout:
     page = attn_block_bytes
     members = math.ceil(geometry.ssm_bytes / page) if rec else 0
     if org == "S1":
-        return OrgLayout("S1", PAGED_BLOCK_TOKENS, interval, page, members, 1 if rec else 0, 0, 0, 0)
+        return OrgLayout(
+            "S1", PAGED_BLOCK_TOKENS, interval, page, members, 1 if rec else 0, 0, 0, 0
+        )
     slot = _next_pow2(geometry.conv_bytes) if rec else 0
     if rec and slot > page:
         raise ValueError(f"conv state of {geometry.conv_bytes} B does not fit one {page}-B page")

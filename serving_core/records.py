@@ -13,25 +13,86 @@ from serving_core.memory import Kind, MemoryEvents, StateObject
 _MASK64 = (1 << 64) - 1
 
 TRACE_COLUMNS = (
-    "seq", "t_s", "step", "event", "request_id", "episode", "kind", "boundary", "key",
-    "a_m0", "rmax_m0", "j_m0", "a_m1", "rmax_m1", "j_m1", "cause_request_id", "need", "free",
-    "pool", "dropped", "write_errors",
+    "seq",
+    "t_s",
+    "step",
+    "event",
+    "request_id",
+    "episode",
+    "kind",
+    "boundary",
+    "key",
+    "a_m0",
+    "rmax_m0",
+    "j_m0",
+    "a_m1",
+    "rmax_m1",
+    "j_m1",
+    "cause_request_id",
+    "need",
+    "free",
+    "pool",
+    "dropped",
+    "write_errors",
 )
-SLAB_COLUMNS = ("seq", "t_s", "step", "event", "page", "slot", "request_id", "occupancy", "invalidated")
+SLAB_COLUMNS = (
+    "seq",
+    "t_s",
+    "step",
+    "event",
+    "page",
+    "slot",
+    "request_id",
+    "occupancy",
+    "invalidated",
+)
 STEP_COLUMNS = (
-    "step", "t_start_s", "duration_s", "num_scheduled", "num_running", "num_waiting",
-    "prefill_tokens_initial", "prefill_tokens_resume", "decode_tokens", "num_preempted",
+    "step",
+    "t_start_s",
+    "duration_s",
+    "num_scheduled",
+    "num_running",
+    "num_waiting",
+    "prefill_tokens_initial",
+    "prefill_tokens_resume",
+    "decode_tokens",
+    "num_preempted",
     "num_admitted",
 )
 POLLER_COLUMNS = (
-    "t_s", "pool", "running", "waiting", "units_used", "units_cached", "units_free", "units_total",
-    "usage_frac", "preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+    "t_s",
+    "pool",
+    "running",
+    "waiting",
+    "units_used",
+    "units_cached",
+    "units_free",
+    "units_total",
+    "usage_frac",
+    "preemptions_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
     "prefix_hit_tokens_total",
 )
 REQUEST_COLUMNS = (
-    "request_id", "arrival_s", "start_s", "first_token_s", "finish_s", "prompt_tokens",
-    "output_tokens", "target_output_tokens", "adopted_prefix_tokens", "resume_adopted_tokens",
-    "preemptions", "episodes", "context_id", "salt", "ttft_s", "e2e_s", "tpot_s", "status",
+    "request_id",
+    "arrival_s",
+    "start_s",
+    "first_token_s",
+    "finish_s",
+    "prompt_tokens",
+    "output_tokens",
+    "target_output_tokens",
+    "adopted_prefix_tokens",
+    "resume_adopted_tokens",
+    "preemptions",
+    "episodes",
+    "context_id",
+    "salt",
+    "ttft_s",
+    "e2e_s",
+    "tpot_s",
+    "status",
 )
 
 
@@ -56,9 +117,21 @@ class Recorder(MemoryEvents):
 
     # ----- trace --------------------------------------------------------------------------
     def event(
-        self, event: str, t: float, request_id: int = -1, episode: int = 0, *, hit_m0=None,
-        hit_m1=None, kind: str = "", boundary: int = -1, key: str = "", cause: int = -1,
-        need: int = -1, free: int = -1, pool: str = "",
+        self,
+        event: str,
+        t: float,
+        request_id: int = -1,
+        episode: int = 0,
+        *,
+        hit_m0=None,
+        hit_m1=None,
+        kind: str = "",
+        boundary: int = -1,
+        key: str = "",
+        cause: int = -1,
+        need: int = -1,
+        free: int = -1,
+        pool: str = "",
     ) -> None:
         tr = self.trace
         if len(tr["seq"]) >= self.max_trace_events:
@@ -94,14 +167,27 @@ class Recorder(MemoryEvents):
     def on_publish(self, obj: StateObject) -> None:
         if self.trace_enabled:
             kind = "checkpoint" if obj.kind == Kind.COMPOSITE else "attention"
-            self.event("PUBLISH", self.now, obj.producer, kind=kind, boundary=obj.boundary,
-                       key=format_key(obj.key))
+            self.event(
+                "PUBLISH",
+                self.now,
+                obj.producer,
+                kind=kind,
+                boundary=obj.boundary,
+                key=format_key(obj.key),
+            )
 
     def on_loss(self, obj: StateObject, cause_request: int) -> None:
         if self.trace_enabled:
             kind = "checkpoint" if obj.kind == Kind.COMPOSITE else "attention"
-            self.event("LOSS", self.now, obj.producer, kind=kind, boundary=obj.boundary,
-                       key=format_key(obj.key), cause=cause_request)
+            self.event(
+                "LOSS",
+                self.now,
+                obj.producer,
+                kind=kind,
+                boundary=obj.boundary,
+                key=format_key(obj.key),
+                cause=cause_request,
+            )
 
     # ----- slab ---------------------------------------------------------------------------
     def on_slab(self, event, page, slot, request_id, occupancy, invalidated) -> None:
@@ -147,11 +233,29 @@ def request_columns(requests) -> dict[str, list]:
         finished = not math.isnan(r.finish_s)
         ttft = r.first_token_s - r.arrival_s
         e2e = r.finish_s - r.arrival_s
-        tpot = (r.finish_s - r.first_token_s) / (r.num_generated - 1) if r.num_generated > 1 else math.nan
+        tpot = (
+            (r.finish_s - r.first_token_s) / (r.num_generated - 1)
+            if r.num_generated > 1
+            else math.nan
+        )
         row = (
-            r.rid, r.arrival_s, r.start_s, r.first_token_s, r.finish_s, r.num_prompt,
-            r.num_generated, r.target_output, r.adopted_first, r.adopted_resume, r.preemptions,
-            r.episodes, int(r.spec.context_id), r.spec.salt, ttft, e2e, tpot,
+            r.rid,
+            r.arrival_s,
+            r.start_s,
+            r.first_token_s,
+            r.finish_s,
+            r.num_prompt,
+            r.num_generated,
+            r.target_output,
+            r.adopted_first,
+            r.adopted_resume,
+            r.preemptions,
+            r.episodes,
+            int(r.spec.context_id),
+            r.spec.salt,
+            ttft,
+            e2e,
+            tpot,
             "finished" if finished else "unfinished",
         )
         for col, value in zip(REQUEST_COLUMNS, row, strict=True):

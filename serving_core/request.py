@@ -8,7 +8,9 @@ from enum import IntEnum
 
 from serving_core.memory.objects import NULL
 
-GENERATED_TOKEN_SPACE = 128_256  # ids of synthetic generated tokens stay inside a Llama-3 vocabulary
+GENERATED_TOKEN_SPACE = (
+    128_256  # ids of synthetic generated tokens stay inside a Llama-3 vocabulary
+)
 
 
 class Status(IntEnum):
@@ -32,11 +34,35 @@ class Request:
     """
 
     __slots__ = (
-        "spec", "rid", "tokens", "num_prompt", "target_output", "num_generated", "num_computed",
-        "block_tokens", "keys", "_root", "status", "attn", "working", "adopted", "dests",
-        "retained", "pin", "episodes", "preemptions", "prefill_target", "arrival_s", "start_s",
-        "first_token_s", "finish_s", "adopted_first", "adopted_resume", "alloc_fail_logged",
-        "memo_hit", "memo_version",
+        "spec",
+        "rid",
+        "tokens",
+        "num_prompt",
+        "target_output",
+        "num_generated",
+        "num_computed",
+        "block_tokens",
+        "keys",
+        "_root",
+        "status",
+        "attn",
+        "working",
+        "adopted",
+        "dests",
+        "retained",
+        "pin",
+        "episodes",
+        "preemptions",
+        "prefill_target",
+        "arrival_s",
+        "start_s",
+        "first_token_s",
+        "finish_s",
+        "adopted_first",
+        "adopted_resume",
+        "alloc_fail_logged",
+        "memo_hit",
+        "memo_version",
     )
 
     def __init__(self, spec, block_tokens: int) -> None:
@@ -81,12 +107,12 @@ class Request:
         keys, tokens, bt = self.keys, self.tokens, self.block_tokens
         parent = keys[-1] if keys else self._root
         for i in range(len(keys), num_blocks):
-            parent = hash((parent, *tokens[i * bt:(i + 1) * bt]))
+            parent = hash((parent, *tokens[i * bt : (i + 1) * bt]))
             keys.append(parent)
         return keys
 
     def lookup_keys(self) -> list[int]:
-        """Keys of the full blocks of all known tokens but the last (one token is always computed)."""
+        """Keys of the full blocks of all known tokens but the last (one is always computed)."""
         n = (self.num_tokens - 1) // self.block_tokens
         return self.ensure_keys(n)[:n]
 

@@ -31,7 +31,9 @@ class SchedulerConfig:
         if self.cap < 1:
             raise ValueError(f"engine.cap={self.cap} must be >= 1")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"engine.max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+            raise ValueError(
+                f"engine.max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1"
+            )
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"engine.headroom={self.headroom} must lie in [0, 1)")
         for name in ("retention_k", "pinning_k"):
@@ -231,8 +233,9 @@ class Scheduler:
             m1 = mem.cache.lookup(keys, self.B, self.C, m1=True)
             kind = "RESUME" if req.episodes > 1 else "LOOKUP"
             self.rec.event(kind, self.now, req.rid, req.episodes, hit_m0=hit, hit_m1=m1)
-            self.rec.event("ADOPT", self.now, req.rid, req.episodes, hit_m0=hit, hit_m1=m1,
-                           boundary=jadopt)
+            self.rec.event(
+                "ADOPT", self.now, req.rid, req.episodes, hit_m0=hit, hit_m1=m1, boundary=jadopt
+            )
         return Scheduled(req, n, jadopt)
 
     def _release_waiting_pins(self) -> None:
@@ -248,8 +251,15 @@ class Scheduler:
         for pool, units in need.items():
             want = units + extra.get(pool, 0)
             if want > self.mem.pools[pool].num_available:
-                self.rec.event("ALLOC_FAIL", self.now, req.rid, req.episodes, need=want,
-                               free=self.mem.pools[pool].num_available, pool=pool)
+                self.rec.event(
+                    "ALLOC_FAIL",
+                    self.now,
+                    req.rid,
+                    req.episodes,
+                    need=want,
+                    free=self.mem.pools[pool].num_available,
+                    pool=pool,
+                )
 
     # ----- release paths ------------------------------------------------------------------------
     def _release_all(self, req: Request) -> None:
@@ -365,7 +375,9 @@ class Scheduler:
         self.prompt_tokens_total += initial + resume
         return initial, resume, decode
 
-    def _cross_boundary(self, req: Request, key: int, boundary: int, retention_k: int | None) -> None:
+    def _cross_boundary(
+        self, req: Request, key: int, boundary: int, retention_k: int | None
+    ) -> None:
         mem = self.mem
         dest = req.dests.pop(0)
         if mem.cached_checkpoint(key) is not None:

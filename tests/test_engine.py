@@ -3,7 +3,6 @@ publication/loss accounting, preemption, determinism and fail-fast budgets."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import numpy as np
@@ -11,8 +10,6 @@ import pytest
 from conftest import compose_config
 
 from experiments.cell import run_cell
-from serving_core.memory import Kind
-from serving_core.request import Status
 
 # Synthetic prompts: a 1,200-token context (shared with probability q) + a 200-token question,
 # so S-org checkpoints fall at 512 and 1,024 inside the shared context.
@@ -58,7 +55,9 @@ def test_every_org_completes_with_invariant_checks(org):
     s = res.summary
     assert s["completed"] == 60 and s["failed"] == 0
     req = res.tables["requests"]
-    assert all(o == t for o, t in zip(req["output_tokens"], req["target_output_tokens"], strict=True))
+    assert all(
+        o == t for o, t in zip(req["output_tokens"], req["target_output_tokens"], strict=True)
+    )
     assert set(req["status"]) == {"finished"}
 
 
@@ -82,7 +81,9 @@ def test_low_load_delivers_offered_output_rate():
     """At lambda 0.8 the engine keeps up: every request finishes within seconds of arriving,
     so delivered tokens per second of request span equal the offered output rate."""
     for org in ("s0", "s1", "s2", "d0"):
-        res = run_cell(compose_config(f"org={org}", "budget=b108", "load.rate=0.8", "engine.cap=109"))
+        res = run_cell(
+            compose_config(f"org={org}", "budget=b108", "load.rate=0.8", "engine.cap=109")
+        )
         req = res.tables["requests"]
         arrivals = np.array(req["arrival_s"])
         offered = sum(req["target_output_tokens"]) / (arrivals.max() - arrivals.min())
@@ -109,9 +110,17 @@ def test_q1_shares_context_prefixes():
 def test_isolate_never_adopts_another_requests_prefix_but_resume_reuses():
     # Long outputs grow KV in decode and force preemptions; D0's native checkpoints survive
     # long enough for some victims to resume from their own published prefix.
-    res = run_cell(compose_config(
-        *SYNTH[:3], "workload.synthetic_output_tokens=1000", "workload.num_requests=60",
-        "org=d0", "budget=b30", "workload.reuse=isolate", "load.rate=2"))
+    res = run_cell(
+        compose_config(
+            *SYNTH[:3],
+            "workload.synthetic_output_tokens=1000",
+            "workload.num_requests=60",
+            "org=d0",
+            "budget=b30",
+            "workload.reuse=isolate",
+            "load.rate=2",
+        )
+    )
     req = res.tables["requests"]
     assert sum(req["adopted_prefix_tokens"]) == 0
     assert len(set(req["salt"])) == len(req["salt"])
@@ -130,13 +139,17 @@ def test_running_never_exceeds_the_cap():
 
 @pytest.mark.parametrize("org", ("s1", "s2", "d0"))
 def test_every_published_entry_is_valid_or_lost_exactly_once(org):
-    res = run_cell(synth_cfg(f"org={org}", "budget=b63", "trace=true", "load.rate=6", "workload.q=0.5"))
+    res = run_cell(
+        synth_cfg(f"org={org}", "budget=b63", "trace=true", "load.rate=6", "workload.q=0.5")
+    )
     tr = res.tables["trace"]
     assert tr["seq"] == list(range(len(tr["seq"])))
     assert tr["event"][-1] == "END"
     state: dict[tuple[str, str], str] = {}
     losses = 0
-    for event, kind, key, cause in zip(tr["event"], tr["kind"], tr["key"], tr["cause_request_id"], strict=True):
+    for event, kind, key, cause in zip(
+        tr["event"], tr["kind"], tr["key"], tr["cause_request_id"], strict=True
+    ):
         if event == "PUBLISH":
             assert state.get((kind, key)) != "PUBLISH", "published twice without a loss"
             state[(kind, key)] = "PUBLISH"
@@ -160,9 +173,16 @@ def _fmt(key: int) -> str:
 
 
 def test_preempted_requests_complete_their_output():
-    res = run_cell(compose_config(
-        *SYNTH[:3], "workload.synthetic_output_tokens=1000", "workload.num_requests=60",
-        "org=s2", "budget=b30", "load.rate=4"))
+    res = run_cell(
+        compose_config(
+            *SYNTH[:3],
+            "workload.synthetic_output_tokens=1000",
+            "workload.num_requests=60",
+            "org=s2",
+            "budget=b30",
+            "load.rate=4",
+        )
+    )
     req = res.tables["requests"]
     pre = [i for i, p in enumerate(req["preemptions"]) if p]
     assert pre, "scenario must preempt"

@@ -14,7 +14,7 @@ import pytest
 import ledgers
 from ledgers import check as ledger_check
 from ledgers import writer
-from ledgers.schemas import ENGINE_SCHEMAS, SCHEMAS, TABLES, to_table
+from ledgers.schemas import ENGINE_SCHEMAS, SCHEMAS, TABLES, field_doc, to_table
 
 CAMPAIGN = "q1"
 
@@ -155,9 +155,12 @@ def runs_row(
         "units_detail": {"shared": 63},
         "cap": 63,
         "rate": 3.0,
+        "arrival": "poisson",
         "q": 1.0,
         "f": 0.0,
         "retention_k": -1,
+        "pinning_k": -1,
+        "d0_attention_fraction": 0.527383 if org == "d0" else math.nan,
         "reuse": "SHARE",
         "seed": seed,
         "replicate": replicate,
@@ -247,7 +250,8 @@ def test_schemas_documented_and_keyed():
         "generation_tokens_total",
         "prefix_hit_tokens_total",
     ]
-    assert SCHEMAS["requests"].field("ttft_s").metadata[b"unit"] == b"s"
+    assert field_doc("requests", "ttft_s")[1] == "s"
+    assert field_doc("runs", "throughput_ledger")[1] == "tokens/s"
 
 
 def test_to_table_rejects_missing_and_extra_columns():
@@ -333,7 +337,7 @@ def test_crashed_attempt_is_invisible_listed_and_superseded_by_rerun(tmp_path, m
     assert writer.completed_run_ids(tmp_path) == {"runA"}
     found = problems(tmp_path)
     assert set(found) == {"incomplete runs", "orphan rows"}
-    assert found["incomplete runs"][0].startswith("run runC: ")
+    assert found["incomplete runs"][0].startswith("run runC (campaign q1): ")
     assert "no runs row" in found["incomplete runs"][0]
     assert ledger_check.main([str(tmp_path)]) == 1
 
@@ -368,7 +372,25 @@ def test_duplicate_complete_run_ids_are_reported_and_counted_once(tmp_path):
     assert count(con, "SELECT adopted FROM runs") is True  # the first attempt is canonical
     found = problems(tmp_path)
     assert list(found) == ["duplicate run ids among complete runs"]
-    assert found["duplicate run ids among complete runs"][0].startswith("run runD: 2 complete")
+    assert found["duplicate run ids among complete runs"][0].startswith(
+        "run runD (campaign q1): 2 complete"
+    )
+
+
+def test_same_run_id_in_two_campaigns_are_two_runs(tmp_path):
+    write(tmp_path, "runS", num_requests=4, campaign="q1")
+    write(tmp_path, "runS", num_requests=6, campaign="q4")
+    con = ledgers.connect(tmp_path)
+    assert con.execute(
+        "SELECT campaign, count(*) FROM requests GROUP BY ALL ORDER BY ALL"
+    ).fetchall() == [("q1", 4), ("q4", 6)]
+    assert count(con, "SELECT count(*) FROM runs WHERE adopted") == 2
+    assert writer.completed_run_ids(tmp_path, "q4") == {"runS"}
+    report = ledger_check.check(tmp_path)
+    assert report.ok
+    assert report.notes["run ids complete in several campaigns"] == [
+        "run runS: complete in campaigns q1, q4"
+    ]
 
 
 def test_trace_gap_is_reported_with_first_missing_seq(tmp_path):
@@ -420,7 +442,9 @@ def test_orphan_and_mislabeled_rows_are_reported(tmp_path):
     )
     found = problems(tmp_path)
     assert found["orphan rows"] == ["steps: 3 rows of run runX (campaign q1) have no runs row"]
-    assert found["mislabeled rows"] == [f"steps: 3 rows say run runX inside file runA-{'0' * 16}"]
+    assert found["mislabeled rows"] == [
+        f"steps: 3 rows say run runX inside file runA-{'0' * 16} (campaign q1)"
+    ]
 
 
 # --- adoption ---------------------------------------------------------------------------------
@@ -435,7 +459,7 @@ def test_first_complete_run_of_a_cell_seed_is_adopted(tmp_path, monkeypatch):
     assert adopted == {"rep0": True, "rep1": False, "other-seed": True}
     assert ledger_check.check(tmp_path).ok
 
-    writer.adopt_run(tmp_path, "rep1")
+    writer.adopt_run(tmp_path, CAMPAIGN, "rep1")
     con = ledgers.connect(tmp_path)
     assert dict(con.execute("SELECT run_id, adopted FROM runs").fetchall()) == {
         "rep0": False,
@@ -444,7 +468,7 @@ def test_first_complete_run_of_a_cell_seed_is_adopted(tmp_path, monkeypatch):
     }
     assert ledger_check.check(tmp_path).ok
     with pytest.raises(ValueError, match="no complete run"):
-        writer.adopt_run(tmp_path, "nope")
+        writer.adopt_run(tmp_path, CAMPAIGN, "nope")
 
     calls = []
     real = writer._set_adopted
@@ -457,7 +481,7 @@ def test_first_complete_run_of_a_cell_seed_is_adopted(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer, "_set_adopted", crash_after_first)
     with pytest.raises(KeyboardInterrupt):
-        writer.adopt_run(tmp_path, "rep0")
+        writer.adopt_run(tmp_path, CAMPAIGN, "rep0")
     assert problems(tmp_path) == {
         "adoption keys without exactly one adopted run": [
             "campaign=q1, config_hash=cfg-s2, seed=42000: 2 complete runs, 2 adopted: rep0, rep1"
@@ -546,4 +570,8 @@ def test_check_cli_exit_codes(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert proc.returncode == 1, proc.stderr
     assert "[FAIL] traced runs without a final END: 1" in proc.stdout
-    assert proc.stdout.strip().splitlines()[-1].startswith("summary: FAIL, 1 problems")
+    assert (
+        proc.stdout.strip()
+        .splitlines()[-1]
+        .startswith("summary: FAIL, problems found (traced runs without a final END: 1)")
+    )

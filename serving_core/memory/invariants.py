@@ -60,27 +60,38 @@ def _check_pools(mem: MemoryOrganization) -> None:
             assert owner is not None, f"pool {name}: {state} unit {unit} has no owner (leaked)"
             if isinstance(owner, StateObject):
                 assert mem.live.get(owner.oid) is owner, (
-                    f"pool {name}: {state} unit {unit} owned by dead {owner}")
+                    f"pool {name}: {state} unit {unit} owned by dead {owner}"
+                )
                 assert owner.valid, f"pool {name}: {state} unit {unit} owned by invalid {owner}"
-                assert owner.pool == name, f"pool {name}: unit {unit} owned by {owner} of another pool"
-                assert unit in owner.units, f"pool {name}: unit {unit}'s owner {owner} does not list it"
+                assert owner.pool == name, (
+                    f"pool {name}: unit {unit} owned by {owner} of another pool"
+                )
+                assert unit in owner.units, (
+                    f"pool {name}: unit {unit}'s owner {owner} does not list it"
+                )
                 if evictable:
                     assert owner.ref_count == 0, (
-                        f"invariant 2: unit {unit} of referenced {owner} is in the LRU")
+                        f"invariant 2: unit {unit} of referenced {owner} is in the LRU"
+                    )
                     assert owner.cached, f"pool {name}: evictable unit {unit} of uncached {owner}"
                 else:
                     assert owner.ref_count > 0, (
-                        f"pool {name}: unit {unit} of unreferenced {owner} is neither free nor evictable")
+                        f"pool {name}: unit {unit} of unreferenced {owner} "
+                        "is neither free nor evictable"
+                    )
             else:
                 assert slabs.get(unit) is owner, (
-                    f"pool {name}: unit {unit} owned by {owner!r}, not a live object or slab")
+                    f"pool {name}: unit {unit} owned by {owner!r}, not a live object or slab"
+                )
                 if evictable:
                     assert owner.num_referenced == 0, (
-                        f"invariant 2: slab page {unit} with {owner.num_referenced} referenced slots "
-                        "is in the LRU")
+                        f"invariant 2: slab page {unit} with {owner.num_referenced} "
+                        "referenced slots is in the LRU"
+                    )
                 else:
                     assert owner.num_referenced > 0, (
-                        f"pool {name}: slab page {unit} has no referenced slot but is not evictable")
+                        f"pool {name}: slab page {unit} has no referenced slot but is not evictable"
+                    )
 
 
 def _check_slot(mem: MemoryOrganization, obj: StateObject) -> None:
@@ -90,20 +101,26 @@ def _check_slot(mem: MemoryOrganization, obj: StateObject) -> None:
     holds_slot = slabs is not None and obj.kind == Kind.COMPOSITE
     if not holds_slot:
         assert obj.slab_page == NO_SLOT and obj.slot == NO_SLOT, (
-            f"invariant 4: {obj} has a conv slot in an organization without slots")
+            f"invariant 4: {obj} has a conv slot in an organization without slots"
+        )
         return
     assert obj.slab_page != NO_SLOT and obj.slot != NO_SLOT, (
-        f"invariant 1: composite {obj} has no conv slot")
+        f"invariant 1: composite {obj} has no conv slot"
+    )
     assert _is_id(obj.slab_page, mem.pools["shared"].num_units), (
-        f"invariant 4: slab page {obj.slab_page!r} of {obj} is not an id")
+        f"invariant 4: slab page {obj.slab_page!r} of {obj} is not an id"
+    )
     assert _is_id(obj.slot, per), f"invariant 4: slot {obj.slot!r} of {obj} outside [0, {per})"
     slab = slabs.get(obj.slab_page)
     assert slab is not None, f"{obj} points at slab page {obj.slab_page}, which is not a slab"
     assert slab.slots[obj.slot] is obj, (
-        f"invariant 3: slab {obj.slab_page} slot {obj.slot} holds {slab.slots[obj.slot]!r}, not {obj}")
+        f"invariant 3: slab {obj.slab_page} slot {obj.slot} holds "
+        f"{slab.slots[obj.slot]!r}, not {obj}"
+    )
     line = mem.conv_line(obj)
     assert line == per * obj.slab_page + obj.slot, (
-        f"invariant 4: conv line {line} of {obj} is not {per} * page + slot")
+        f"invariant 4: conv line {line} of {obj} is not {per} * page + slot"
+    )
 
 
 def _check_objects(mem: MemoryOrganization) -> int:
@@ -113,15 +130,20 @@ def _check_objects(mem: MemoryOrganization) -> int:
         assert obj.oid == oid, f"live table maps {oid} to {obj}"
         assert obj.valid, f"invalid {obj} still live"
         expected_pool = mem.attention_pool if obj.kind == Kind.ATTENTION else mem.composite_pool
-        assert obj.pool == expected_pool, f"{obj} lives in pool {obj.pool}, expected {expected_pool}"
+        assert obj.pool == expected_pool, (
+            f"{obj} lives in pool {obj.pool}, expected {expected_pool}"
+        )
         want = _expected_units(mem, obj)
-        assert len(obj.units) == want, f"invariant 1: {obj} holds {len(obj.units)} units, needs {want}"
+        assert len(obj.units) == want, (
+            f"invariant 1: {obj} holds {len(obj.units)} units, needs {want}"
+        )
         n = mem.pools[obj.pool].num_units
         owners = mem._owner[obj.pool]
         for unit in obj.units:
             assert _is_id(unit, n), f"invariant 4: unit {unit!r} of {obj} is not an id in [0, {n})"
             assert owners[unit] is obj, (
-                f"invariant 3: unit {unit} of {obj} is owned by {owners[unit]!r}")
+                f"invariant 3: unit {unit} of {obj} is owned by {owners[unit]!r}"
+            )
         assert len(set(obj.units)) == len(obj.units), f"{obj} lists a unit twice"
         assert obj.ref_count >= 0, f"{obj} has a negative reference count"
         if obj.ref_count == 0:
@@ -149,10 +171,12 @@ def _check_cache(mem: MemoryOrganization, num_cached: int) -> None:
             assert obj.key == key, f"{what} {key} maps to {obj} published as {obj.key}"
             assert obj.cached and obj.valid, f"invariant 1: cached {what} {key} is invalid: {obj}"
             assert mem.live.get(obj.oid) is obj, (
-                f"invariant 3: cached {what} {key} lost its storage: {obj}")
+                f"invariant 3: cached {what} {key} lost its storage: {obj}"
+            )
     num_entries = len(mem.cache.attention) + len(mem.cache.checkpoints)
     assert num_entries == num_cached, (
-        f"prefix cache holds {num_entries} entries but {num_cached} live objects are cached")
+        f"prefix cache holds {num_entries} entries but {num_cached} live objects are cached"
+    )
 
 
 def _check_slabs(mem: MemoryOrganization) -> None:
@@ -171,20 +195,25 @@ def _check_slabs(mem: MemoryOrganization) -> None:
         used = [obj for obj in slab.slots if obj is not None]
         assert used, f"invariant 3: slab page {page} has no used slot but was not freed"
         assert slab.num_used == len(used), (
-            f"slab {page}: num_used={slab.num_used}, slots say {len(used)}")
+            f"slab {page}: num_used={slab.num_used}, slots say {len(used)}"
+        )
         referenced = sum(1 for obj in used if obj.ref_count > 0)
         assert slab.num_referenced == referenced, (
-            f"slab {page}: num_referenced={slab.num_referenced}, slots say {referenced}")
+            f"slab {page}: num_referenced={slab.num_referenced}, slots say {referenced}"
+        )
         for slot, obj in enumerate(slab.slots):
             if obj is not None:
                 assert mem.live.get(obj.oid) is obj and obj.valid, (
-                    f"invariant 3: slab {page} slot {slot} holds dead {obj}")
+                    f"invariant 3: slab {page} slot {slot} holds dead {obj}"
+                )
                 assert (obj.slab_page, obj.slot) == (page, slot), (
-                    f"invariant 3: slab {page} slot {slot} holds {obj} located elsewhere")
+                    f"invariant 3: slab {page} slot {slot} holds {obj} located elsewhere"
+                )
         if len(used) < per:
             with_free.add(page)
     assert mem._slabs_with_free == with_free, (
-        f"slabs with a free slot {sorted(mem._slabs_with_free)} != {sorted(with_free)}")
+        f"slabs with a free slot {sorted(mem._slabs_with_free)} != {sorted(with_free)}"
+    )
 
 
 def check_invariants(mem: MemoryOrganization) -> None:

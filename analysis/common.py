@@ -1,0 +1,391 @@
+"""Shared loading and paired summaries for the per-question analyses (SPEC sections 7-9).
+
+Everything is read through the DuckDB catalog (`ledgers.connect`): adopted
+complete runs serving a set of questions, and run-level readouts computed per run
+from the requests, steps and poller views. Latency percentiles are run-level
+p99s (linear interpolation over the run's finished requests, as the engine
+summary computes them); arm summaries average run-level values, never pooled
+requests. A cell is one experimental condition: the design columns plus the
+model, executor and pool sizes (which separate D0 pool splits).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy import stats as scipy_stats
+
+from analysis import stats
+
+DESIGN_COLUMNS = ("campaign", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
+                  "retention_k", "pinning_k", "d0_attention_fraction", "trace")
+# Settings that only one org has (-1 / NaN elsewhere): never part of a pairing condition.
+ORG_SETTINGS = ("retention_k", "d0_attention_fraction")
+IDENTITY_COLUMNS = (*DESIGN_COLUMNS, "model", "executor", "units_detail")
+ORG_ORDER = ("S0", "S1", "S2", "D0", "S2_RETENTION")
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """A run-level readout: its unit, and whether arms compare by log ratio or difference."""
+
+    name: str
+    unit: str
+    scale: str  # "log": paired log ratios, effects in %; "diff": paired differences
+    label: str
+
+
+METRICS = {m.name: m for m in (
+    Metric("throughput_ledger", "tokens/s", "log", "throughput, ledger timebase"),
+    Metric("throughput_span", "tokens/s", "log", "throughput, request-span timebase"),
+    Metric("ttft_p99", "s", "log", "TTFT p99 (run-level)"),
+    Metric("e2e_p99", "s", "log", "E2E p99 (run-level)"),
+    Metric("prefill_tokens_computed", "tokens", "log", "prefill tokens computed"),
+    Metric("prefill_tokens_initial", "tokens", "diff", "prefill tokens, first admissions"),
+    Metric("prefill_tokens_resume", "tokens", "diff", "prefill tokens recomputed on resume"),
+    Metric("poller_running_mean", "requests", "diff", "running requests (poller mean)"),
+    Metric("poller_waiting_mean", "requests", "diff", "waiting requests (poller mean)"),
+    Metric("preemptions", "count", "diff", "preemptions per run"),
+    Metric("jadopt_tokens_mean", "tokens", "diff", "adopted joint depth Jadopt"),
+    Metric("jenter_tokens_mean", "tokens", "diff", "joint depth at queue entry"),
+    Metric("amax_tokens_mean", "tokens", "diff", "attention depth Amax (M0)"),
+    Metric("rmax_tokens_mean", "tokens", "diff", "recurrent depth Rmax (M0)"),
+    Metric("gap_r_tokens_mean", "tokens", "diff", "GapR = Rmax - Jadopt (M0)"),
+)}
+
+
+# ---------------------------------------------------------------------------
+# Loading through the catalog
+# ---------------------------------------------------------------------------
+
+
+def _literal(text: str) -> str:
+    return "'" + str(text).replace("'", "''") + "'"
+
+
+def _in_list(column: str, values: Sequence[str]) -> str:
+    """`column IN ('a', 'b')` (literals, so DuckDB can prune hive partitions); FALSE if empty."""
+    return f"{column} IN ({', '.join(map(_literal, values))})" if values else "FALSE"
+
+
+def _adopted(questions: Sequence[str]) -> str:
+    return (f"SELECT run_id FROM runs WHERE {_in_list('question', questions)}"
+            " AND status = 'complete' AND adopted")
+
+
+_REQUEST_METRICS = """
+    SELECT run_id,
+           quantile_cont(ttft_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(ttft_s))
+               AS ttft_p99,
+           quantile_cont(e2e_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(e2e_s))
+               AS e2e_p99,
+           count(*) FILTER (WHERE status = 'finished') AS finished_requests,
+           sum(preemptions) AS preemptions
+    FROM requests WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id
+"""
+_STEP_METRICS = """
+    SELECT run_id, sum(prefill_tokens_initial) AS prefill_tokens_initial,
+           sum(prefill_tokens_resume) AS prefill_tokens_resume
+    FROM steps WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id
+"""
+# D0 samples two pools per second with the same running/waiting gauges: one value per second.
+_POLLER_METRICS = """
+    SELECT run_id, avg(running) AS poller_running_mean, avg(waiting) AS poller_waiting_mean
+    FROM (SELECT run_id, t_s, max(running) AS running, max(waiting) AS waiting
+          FROM poller WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id, t_s)
+    GROUP BY run_id
+"""
+
+
+@dataclass
+class RunSet:
+    """Adopted complete runs serving some questions, with run-level readouts and cell labels.
+
+    `runs` holds one run per (cell, seed): the earliest-written one. Two adopted runs
+    can share a cell and seed when their configs differ outside the identity columns
+    (e.g. workload size); the later ones are in `set_aside`, named by the analyses,
+    and still seen by the preregistration check (`all_runs`), which refuses them.
+    """
+
+    questions: tuple[str, ...]
+    campaigns: tuple[str, ...]  # the campaigns those runs were collected in
+    runs: pd.DataFrame
+    set_aside: pd.DataFrame
+
+    @property
+    def all_runs(self) -> pd.DataFrame:
+        return pd.concat([self.runs, self.set_aside], ignore_index=True)
+
+    @property
+    def empty(self) -> bool:
+        return self.runs.empty
+
+    def notes(self) -> list[str]:
+        return [f"set aside: run {r.run_id} duplicates cell {r.cell} seed {r.seed} "
+                f"(an earlier adopted run is analysed)" for r in self.set_aside.itertuples()]
+
+
+def query(con, sql: str, runset: RunSet) -> pd.DataFrame:
+    """Run `sql` with {campaigns} (the run set's campaigns) and {adopted} (its run ids) filled."""
+    text = sql.format(campaigns=_in_list("campaign", runset.campaigns),
+                      adopted=_adopted(runset.questions))
+    return con.execute(text).df()
+
+
+def load_runs(con, questions: Sequence[str]) -> RunSet:
+    """Adopted complete runs whose `question` is one of `questions`, with readouts and cells.
+
+    Runs of every campaign serving the question count (q1, q1_smoke, demo_q1); the
+    campaign is a design column, so campaigns never pool into one cell. org is
+    upper-cased and reuse lower-cased (the plans compare them that way).
+    """
+    questions = tuple(questions)
+    runs = con.execute(f"SELECT * FROM runs WHERE run_id IN ({_adopted(questions)})"
+                       " ORDER BY campaign, seed, run_id").df()
+    campaigns = tuple(sorted(runs["campaign"].unique()))
+    runs["org"] = runs["org"].astype(str).str.strip().str.upper()
+    runs["reuse"] = runs["reuse"].astype(str).str.strip().str.lower()
+    runs["trace"] = runs["trace"].astype(bool)
+    staged = RunSet(questions, campaigns, runs, runs.head(0))
+    for sql in (_REQUEST_METRICS, _STEP_METRICS, _POLLER_METRICS):
+        runs = runs.merge(query(con, sql, staged), on="run_id", how="left")
+    runs["prefill_tokens_computed"] = runs["prefill_tokens_initial"] + runs["prefill_tokens_resume"]
+    runs["cell"] = cell_labels(runs)
+    ordered = runs.sort_values(["created_at", "run_id"], kind="stable")
+    extra = ordered.duplicated(["cell", "seed"], keep="first")
+    return RunSet(questions, campaigns, ordered[~extra].sort_index().reset_index(drop=True),
+                  ordered[extra].reset_index(drop=True))
+
+
+# ---------------------------------------------------------------------------
+# Cells
+# ---------------------------------------------------------------------------
+
+
+LABEL_PREFIX = {"retention_k": "K", "pinning_k": "pin K", "d0_attention_fraction": "attn"}
+
+
+def _fmt_value(column: str, value) -> str:
+    """Label fragment of one design value ("" for an unset org-specific setting)."""
+    if column == "trace":
+        return "trace on" if bool(value) else "trace off"
+    if column in ("campaign", "budget", "reuse", "arrival"):
+        return str(value)
+    if pd.isna(value) or (column in LABEL_PREFIX and float(value) < 0):
+        return ""
+    return f"{LABEL_PREFIX.get(column, column)} {float(value):g}"
+
+
+def _units_text(units_detail: str) -> str:
+    try:
+        units = json.loads(units_detail)
+    except (TypeError, ValueError):
+        return str(units_detail)
+    return ", ".join(f"{k} {v}" for k, v in sorted(units.items()))
+
+
+def cell_labels(runs: pd.DataFrame) -> pd.Series:
+    """Short label per run: org plus the design columns that vary in `runs`.
+
+    Two cells sharing a label (e.g. D0 pool splits) get their pool sizes appended.
+    """
+    if runs.empty:
+        return pd.Series([], dtype=object, index=runs.index)
+    per_org = runs.groupby("org")
+    varying = [c for c in DESIGN_COLUMNS if c != "org" and (
+        per_org[c].nunique(dropna=False).max() > 1
+        or (c not in ORG_SETTINGS and runs[c].nunique(dropna=False) > 1))]
+    labels = runs.apply(lambda r: " ".join(
+        [r["org"], *(t for c in varying if (t := _fmt_value(c, r[c])))]), axis=1)
+    identity = runs[list(IDENTITY_COLUMNS)].map(str).agg("|".join, axis=1)
+    ambiguous = identity.groupby(labels).transform("nunique") > 1
+    labels[ambiguous] = labels[ambiguous] + " [" + runs.loc[ambiguous, "units_detail"].map(
+        _units_text) + "]"
+    return labels
+
+
+def _org_rank(org: str) -> int:
+    return ORG_ORDER.index(org) if org in ORG_ORDER else len(ORG_ORDER)
+
+
+def cell_order(runs: pd.DataFrame) -> list[str]:
+    """Cells sorted by the design columns (org last within a condition)."""
+    if runs.empty:
+        return []
+    first = runs.drop_duplicates("cell").copy()
+    first["_org"] = first["org"].map(_org_rank)
+    keys = [c for c in DESIGN_COLUMNS if c not in ("org", "budget")]
+    first["_budget"] = first["budget"].map(budget_rank)
+    return first.sort_values(["_budget", *keys, "_org", "cell"])["cell"].tolist()
+
+
+def budget_rank(label: str) -> float:
+    """Sort key of a budget label (b63 < b83 < b108; p254 after the b budgets)."""
+    text = str(label).strip().lower()
+    try:
+        return float(text[1:]) + (1e6 if text.startswith("p") else 0.0)
+    except ValueError:
+        return math.inf
+
+
+def seeds_text(seeds) -> str:
+    """Compact seed list: 42000-42011, 0-2, 5."""
+    values = sorted(int(s) for s in seeds)
+    parts, start = [], None
+    for i, s in enumerate(values):
+        start = s if start is None else start
+        if i + 1 == len(values) or values[i + 1] != s + 1:
+            parts.append(str(s) if s == start else f"{start}-{s}")
+            start = None
+    return ", ".join(parts)
+
+
+def cell_summary(runs: pd.DataFrame, metrics: Sequence[str] = (
+        "throughput_ledger", "throughput_span", "ttft_p99", "e2e_p99")) -> pd.DataFrame:
+    """One row per cell: design columns, seeds, and per metric the mean of run values.
+
+    Throughput metrics also get the geometric mean (the arm summary of SPEC section 8).
+    """
+    rows = []
+    for cell in cell_order(runs):
+        group = runs[runs["cell"] == cell]
+        row = {"cell": cell, **{c: group[c].iloc[0] for c in DESIGN_COLUMNS},
+               "n": len(group), "seeds": seeds_text(group["seed"])}
+        for name in metrics:
+            values = group[name].astype(float)
+            row[f"{name}_mean"] = float(values.mean())
+            if name.startswith("throughput"):
+                row[f"{name}_geomean"] = _geomean(values)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _geomean(values: pd.Series) -> float:
+    values = values.dropna()
+    if values.empty or (values <= 0).any():
+        return math.nan
+    return stats.geometric_mean(values.to_numpy())
+
+
+# ---------------------------------------------------------------------------
+# Paired comparisons
+# ---------------------------------------------------------------------------
+
+
+def seed_values(runs: pd.DataFrame, cell: str, metric: str) -> pd.Series:
+    """metric by seed for one cell (seeds unique: one adopted run per cell and seed)."""
+    group = runs[runs["cell"] == cell]
+    assert not group["seed"].duplicated().any(), f"cell {cell}: duplicated seeds"  # RunSet
+    return group.set_index("seed")[metric].astype(float).sort_index()
+
+
+def compare(treatment: pd.Series, control: pd.Series, metric: str) -> tuple[dict, pd.Series]:
+    """Paired effect of treatment vs control on their common seeds.
+
+    log scale: d(s) = ln(T/C), effect 100 (exp(mean d) - 1) %, paired-t 95% interval
+    back-transformed, plus the display mean of seedwise changes; diff scale:
+    d(s) = T - C in the metric's unit. Sign counts and the exact sign-flip p on d.
+    """
+    joined = pd.concat([treatment.rename("t"), control.rename("c")], axis=1, join="inner").dropna()
+    scale = METRICS[metric].scale
+    if scale == "log" and ((joined["t"] <= 0) | (joined["c"] <= 0)).any():
+        bad = joined.index[(joined["t"] <= 0) | (joined["c"] <= 0)].tolist()
+        return _empty_row(len(joined), f"nonpositive values for seeds {bad}"), pd.Series(
+            dtype=float)
+    d = (np.log(joined["t"]) - np.log(joined["c"])) if scale == "log" else joined["t"] - joined["c"]
+    return summarize_d(d.to_numpy(), scale, joined), d
+
+
+def _empty_row(n: int, note: str) -> dict:
+    return {"n": n, "effect": math.nan, "ci_low": math.nan, "ci_high": math.nan,
+            "display_mean_pct": math.nan, "n_pos": 0, "n_neg": 0, "n_zero": 0,
+            "p_exact": math.nan, "note": note}
+
+
+def summarize_d(d: np.ndarray, scale: str, joined: pd.DataFrame | None = None) -> dict:
+    """Effect, 95% paired-t interval, sign counts and exact sign-flip p of per-seed d."""
+    if d.size == 0:
+        return _empty_row(0, "no paired seeds")
+    row = _empty_row(int(d.size), "")
+    row.update(n_pos=int((d > 0).sum()), n_neg=int((d < 0).sum()), n_zero=int((d == 0).sum()),
+               p_exact=stats.sign_flip_test(d).pvalue)
+    if scale == "log":
+        row["effect"] = stats.effect_pct(d)
+        if joined is not None:
+            row["display_mean_pct"] = stats.display_mean_pct(joined["t"], joined["c"]).value_pct
+        if d.size >= 2:
+            interval = stats.paired_t_interval(d, CONFIDENCE)
+            row.update(ci_low=interval.low_pct, ci_high=interval.high_pct)
+    else:
+        row["effect"] = float(d.mean())
+        if d.size >= 2:
+            low, high = diff_interval(d, CONFIDENCE)
+            row.update(ci_low=low, ci_high=high)
+    if d.size < 2:
+        row["note"] = "n < 2: no interval"
+    return row
+
+
+def diff_interval(d: np.ndarray, confidence: float) -> tuple[float, float]:
+    """Paired-t interval of mean d on the metric's own scale (df = n - 1)."""
+    mean = float(d.mean())
+    half = float(scipy_stats.t.ppf(0.5 + confidence / 2, d.size - 1)
+                 * d.std(ddof=1) / math.sqrt(d.size))
+    return mean - half, mean + half
+
+
+def paired_changes(
+    runs: pd.DataFrame,
+    metric: str,
+    pairs: Sequence[tuple],
+    vary: str = "org",
+    ignore: Sequence[str] | None = None,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Paired changes treatment vs control of `vary` within each condition of the other columns.
+
+    `pairs` are (treatment, control) values of `vary` (e.g. ("S1", "S0")); `ignore`
+    (default: the org-specific settings when orgs are compared) leaves columns out of
+    the condition. Returns a
+    table (one row per treatment cell x control cell in a condition) and the per-seed
+    d values (columns comparison, seed, d) for figures.
+    """
+    rows, per_seed = [], []
+    if runs.empty:
+        return pd.DataFrame(rows), pd.DataFrame(columns=["comparison", "seed", "d"])
+    if ignore is None:
+        ignore = ORG_SETTINGS if vary == "org" else ()
+    keys = [c for c in DESIGN_COLUMNS if c not in (vary, *ignore)]
+    unit = "%" if METRICS[metric].scale == "log" else METRICS[metric].unit
+    for condition, group in runs.groupby(keys, dropna=False, sort=False):
+        for treat_value, control_value in pairs:
+            treat_cells = _cells_with(group, vary, treat_value)
+            control_cells = _cells_with(group, vary, control_value)
+            for t_cell in treat_cells:
+                for c_cell in control_cells:
+                    row, d = compare(seed_values(runs, t_cell, metric),
+                                     seed_values(runs, c_cell, metric), metric)
+                    name = f"{t_cell} vs {c_cell}"
+                    rows.append({"comparison": name, "treatment": t_cell, "control": c_cell,
+                                 **dict(zip(keys, condition, strict=True)),
+                                 "metric": metric, "unit": unit, **row})
+                    per_seed += [{"comparison": name, "seed": int(s), "d": float(v)}
+                                 for s, v in d.items()]
+    table = pd.DataFrame(rows)
+    if not table.empty:
+        table["_b"] = table["budget"].map(budget_rank) if "budget" in table else 0
+        table = table.sort_values("_b", kind="stable").drop(columns="_b").reset_index(drop=True)
+    return table, pd.DataFrame(per_seed, columns=["comparison", "seed", "d"])
+
+
+def _cells_with(group: pd.DataFrame, column: str, value) -> list[str]:
+    if isinstance(value, float):
+        mask = np.isclose(group[column].astype(float), value)
+    else:
+        mask = group[column] == value
+    return list(dict.fromkeys(group.loc[mask, "cell"]))

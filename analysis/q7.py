@@ -1,0 +1,250 @@
+"""Q7: which state limits joint reuse depth? Probe containment first, then state depth.
+
+Depth comes from the trace view, per admission episode (request, episode):
+ADOPT carries the adopted joint depth Jadopt (`boundary`) and, under both
+lookup brackets M0 (entries valid at the lookup instant) and M1 (also entries
+valid at the start of that step), Amax (`a_*`), Rmax (`rmax_*`) and Jadopt
+(`j_*`); GapR = Rmax - Jadopt per bracket. The ENTER_WAITING record of the
+same episode carries the entry depth Jenter (`j_m0` at queue entry). Each
+episode is classed by entry vs adopted depth. Depth results are produced only
+after the ON/OFF probe containment gate passes (SPEC section 8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis import figures, prereg, readouts, stats
+from analysis.common import DESIGN_COLUMNS, RunSet, cell_order, load_runs, query, seed_values
+from analysis.families import FamilyResult, evaluate_family, fam_description
+from analysis.render import QuestionResult, Section
+
+QUESTION = "q7"
+TITLE = "Which state limits joint reuse depth?"
+READS = ("q7",)
+MARGIN_PCT, CONTAINMENT_CONFIDENCE = 3.0, 0.90
+CLASSES = ("zero->zero", "positive-equal", "zero->positive", "deeper", "shallower")
+NO_ENTRY = "no entry record"
+DEPTH_VALUES = ("jenter", "jadopt", "j_m0", "j_m1", "a_m0", "a_m1", "rmax_m0", "rmax_m1",
+                "gap_m0", "gap_m1")
+# Run-level metric names of the plans' depth estimands (M0 is the bracket the adoption used).
+RUN_METRICS = {"jadopt": "jadopt_tokens_mean", "jenter": "jenter_tokens_mean",
+               "a_m0": "amax_tokens_mean", "rmax_m0": "rmax_tokens_mean",
+               "gap_m0": "gap_r_tokens_mean"}
+DEPTH_CHANGE_METRICS = ("jadopt_tokens_mean", "amax_tokens_mean", "rmax_tokens_mean",
+                        "gap_r_tokens_mean")
+
+_EPISODES_SQL = """
+    WITH adopt AS (
+        SELECT run_id, request_id, episode, seq, boundary AS jadopt,
+               a_m0, a_m1, rmax_m0, rmax_m1, j_m0, j_m1
+        FROM trace WHERE {campaigns} AND run_id IN ({adopted}) AND event = 'ADOPT'),
+    entry AS (
+        SELECT run_id, request_id, episode, j_m0 AS jenter
+        FROM trace WHERE {campaigns} AND run_id IN ({adopted}) AND event = 'ENTER_WAITING'
+        QUALIFY row_number() OVER (PARTITION BY run_id, request_id, episode ORDER BY seq DESC) = 1)
+    SELECT adopt.*, entry.jenter FROM adopt LEFT JOIN entry USING (run_id, request_id, episode)
+    ORDER BY run_id, seq
+"""
+_TRACE_HEALTH_SQL = """
+    SELECT run_id, count(*) AS trace_events, max(seq) + 1 - count(*) AS seq_gaps,
+           sum(dropped) AS dropped, sum(write_errors) AS write_errors,
+           count(*) FILTER (WHERE event = 'ENTER_WAITING') AS entries
+    FROM trace WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id
+"""
+
+
+def classify(entry: np.ndarray, adopted: np.ndarray) -> np.ndarray:
+    """Entry vs adopted depth class of each episode (NaN entry: no ENTER_WAITING record)."""
+    conditions = [np.isnan(entry), (entry == 0) & (adopted == 0), (entry > 0) & (adopted == entry),
+                  (entry == 0) & (adopted > 0), adopted > entry, adopted < entry]
+    return np.select(conditions, [NO_ENTRY, *CLASSES], default=NO_ENTRY)
+
+
+def load_episodes(con, runset: RunSet) -> pd.DataFrame:
+    """One row per admission episode of the run set's traced runs, with GapR and class."""
+    episodes = query(con, _EPISODES_SQL, runset)
+    entry = episodes["jenter"].astype(float).to_numpy()
+    episodes["gap_m0"] = episodes["rmax_m0"] - episodes["j_m0"]
+    episodes["gap_m1"] = episodes["rmax_m1"] - episodes["j_m1"]
+    episodes["depth_class"] = classify(entry, episodes["jadopt"].astype(float).to_numpy())
+    return episodes
+
+
+def run_depth(con, runset: RunSet) -> pd.DataFrame:
+    """Per run: episode means of every depth value, class shares (%) and trace health."""
+    episodes = load_episodes(con, runset)
+    health = query(con, _TRACE_HEALTH_SQL, runset)
+    if episodes.empty:
+        return health
+    means = episodes.groupby("run_id")[list(DEPTH_VALUES)].mean().add_suffix("_mean")
+    counts = pd.crosstab(episodes["run_id"], episodes["depth_class"])
+    shares = (100 * counts.div(counts.sum(axis=1), axis=0)).add_prefix("share_")
+    per_run = pd.concat([means, counts.add_prefix("count_"), shares], axis=1)
+    per_run["episodes"] = counts.sum(axis=1)
+    for value, metric in RUN_METRICS.items():
+        per_run[metric] = per_run[f"{value}_mean"]
+    per_run = per_run.reset_index().merge(health, on="run_id", how="left")
+    per_run["unadmitted_entries"] = per_run["entries"] - per_run["episodes"]
+    return per_run
+
+
+def with_depth(runs: pd.DataFrame, depth: pd.DataFrame) -> pd.DataFrame:
+    return runs.merge(depth, on="run_id", how="left") if not depth.empty else runs
+
+
+def _bracket(m0: float, m1: float) -> str:
+    return f"[{m0:.4g}; {m1:.4g}]"
+
+
+def depth_tables(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per traced cell: means of run-level depth means, and class counts / mean shares."""
+    if "episodes" not in runs:
+        return pd.DataFrame(), pd.DataFrame()
+    traced = runs[runs["trace"] & runs["episodes"].notna()]
+    cells, classes = [], []
+    for cell in cell_order(traced):
+        group = traced[traced["cell"] == cell]
+        row = {"cell": cell, "n": len(group), "episodes": int(group["episodes"].sum()),
+               "unadmitted_entries": int(group["unadmitted_entries"].sum()),
+               "dropped": int(group["dropped"].sum()), "write_errors": int(group["write_errors"]
+                                                                           .sum())}
+        row.update({f"{v}_mean": float(group[f"{v}_mean"].mean()) for v in DEPTH_VALUES})
+        cells.append(row)
+        counts = {f"count_{c}": int(group.get(f"count_{c}", pd.Series(0)).fillna(0).sum())
+                  for c in (*CLASSES, NO_ENTRY)}
+        shares = {f"share_{c}": float(group.get(f"share_{c}", pd.Series(0.0, index=group.index))
+                                      .fillna(0.0).mean()) for c in (*CLASSES, NO_ENTRY)}
+        classes.append({"cell": cell, "n": len(group), **counts, **shares})
+    return pd.DataFrame(cells), pd.DataFrame(classes)
+
+
+def _display(cells: pd.DataFrame) -> pd.DataFrame:
+    shown = cells[["cell", "n", "episodes", "unadmitted_entries", "dropped"]].copy()
+    shown["Jenter"] = cells["jenter_mean"]
+    shown["Jadopt"] = cells["jadopt_mean"]
+    for label, value in (("Jadopt", "j"), ("Amax", "a"), ("Rmax", "rmax"), ("GapR", "gap")):
+        shown[f"{label} [M0; M1]"] = [_bracket(a, b) for a, b in
+                                      zip(cells[f"{value}_m0_mean"], cells[f"{value}_m1_mean"],
+                                          strict=True)]
+    return shown
+
+
+DEPTH_TEXT = ("Depths in tokens, means over admission episodes within a run, then over runs "
+              "(seeds). Jenter: joint depth at queue entry; Jadopt: adopted joint depth. "
+              "[M0; M1] are the two lookup-time brackets (M0: entries valid at the lookup "
+              "instant; M1: also entries valid at the start of that step), shown as brackets, "
+              "not intervals. GapR = Rmax - Jadopt per bracket.")
+
+
+def depth_section(result: QuestionResult, runs: pd.DataFrame) -> None:
+    """Depth and class tables of the traced runs (frames depth_cells, depth_classes)."""
+    cells, classes = depth_tables(runs)
+    if cells.empty:
+        result.sections.append(Section("State depth", "No data for state depth: no traced run "
+                                                      "has ADOPT events."))
+        return
+    result.add("depth_cells", cells)
+    result.add("depth_classes", classes)
+    class_columns = ["cell", "n", *(f"count_{c}" for c in (*CLASSES, NO_ENTRY)),
+                     *(f"share_{c}" for c in CLASSES)]
+    result.sections.append(Section("State depth", DEPTH_TEXT, [
+        ("depth per cell", _display(cells), None),
+        ("entry vs adopted depth per admission episode: pooled counts and mean run-level "
+         "shares (%)", classes, class_columns)]))
+
+
+def containment_pairs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Trace ON vs OFF per condition: 90% paired-t interval of 100 ln(ON/OFF) vs +-3."""
+    rows = []
+    keys = [c for c in DESIGN_COLUMNS if c != "trace"]
+    for _, group in runs.groupby(keys, dropna=False, sort=False):
+        on_cells = list(dict.fromkeys(group.loc[group["trace"], "cell"]))
+        off_cells = list(dict.fromkeys(group.loc[~group["trace"], "cell"]))
+        for on in on_cells:
+            for off in off_cells:
+                pair = pd.concat([seed_values(runs, on, "throughput_ledger").rename("on"),
+                                  seed_values(runs, off, "throughput_ledger").rename("off")],
+                                 axis=1, join="inner").dropna()
+                row = {"on": on, "off": off, "n": len(pair), "estimate_log_pct": np.nan,
+                       "low_log_pct": np.nan, "high_log_pct": np.nan, "passed": False}
+                if len(pair) >= 2:
+                    check = stats.containment(pair["on"], pair["off"], MARGIN_PCT,
+                                              CONTAINMENT_CONFIDENCE)
+                    row.update(estimate_log_pct=check.estimate_log_pct,
+                               low_log_pct=check.low_log_pct, high_log_pct=check.high_log_pct,
+                               passed=check.passed)
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def containment_section(result: QuestionResult, runs: pd.DataFrame) -> pd.DataFrame:
+    pairs = result.add("containment", containment_pairs(runs))
+    text = (f"Throughput (ledger) of trace ON vs OFF runs paired by seed: "
+            f"{100 * CONTAINMENT_CONFIDENCE:g}% paired-t interval of 100 ln(ON/OFF) must lie "
+            f"within [-{MARGIN_PCT:g}, +{MARGIN_PCT:g}]. This table covers the seeds present; "
+            "the gate is the preregistered containment family.")
+    if pairs.empty:
+        text = "No data for the probe containment: no condition has both trace ON and OFF runs."
+    result.sections.append(Section("Probe effect: trace ON vs OFF", text,
+                                    [("", pairs, None)] if not pairs.empty else []))
+    return pairs
+
+
+def gate(con, plan_dir=None, allow_changed_plan: bool = False) -> FamilyResult:
+    """The Q7 containment family evaluated on the Q7 runs (Q8 borrows it)."""
+    runset = load_runs(con, READS)
+    plan = prereg.load_plan(QUESTION, plan_dir or prereg.PLAN_DIR)
+    fam = next(f for f in plan.families if f.decision["method"] == "containment")
+    return evaluate_family(plan, fam, runset.all_runs, allow_changed_plan=allow_changed_plan)
+
+
+def withheld(plan: prereg.Plan, reason: str, skip: tuple[str, ...]) -> list[FamilyResult]:
+    """The plan's families other than `skip`, refused because the depth gate has not passed."""
+    return [FamilyResult(plan.question, fam.name, fam.role, fam.decision["method"],
+                         " ".join(fam_description(plan, fam).split()), False, [reason])
+            for fam in plan.families if fam.name not in skip]
+
+
+def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
+    result, runset = readouts.begin(con, QUESTION, TITLE, READS)
+    if not runset.empty:
+        readouts.throughput_section(result, runset.runs)
+        containment_section(result, runset.runs)
+    plan = prereg.load_plan(QUESTION, plan_dir or prereg.PLAN_DIR)
+    gate_names = tuple(f.name for f in plan.families if f.decision["method"] == "containment")
+    gates = readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir,
+                                     allow_changed_plan, only=gate_names)
+    if not all(g.gate_passed for g in gates):
+        reason = ("withheld: depth is analysed only after the ON/OFF probe containment gate "
+                  f"passes; gate family {', '.join(gate_names)}: "
+                  + "; ".join(f"{g.status}, gate {'passed' if g.gate_passed else 'not passed'}"
+                              for g in gates))
+        result.sections.append(Section("State depth", f"Depth analysis {reason}."))
+        result.families += withheld(plan, reason, gate_names)
+        return result
+    depth = run_depth(con, runset)
+    runs = with_depth(runset.runs, depth)
+    depth_section(result, runs)
+    traced = runs[runs["trace"]]
+    readouts.changes_section(result, traced, "depth_changes", "D0 vs S2 depth (trace ON)",
+                             DEPTH_CHANGE_METRICS, (("D0", "S2"),))
+    others = tuple(f.name for f in plan.families if f.name not in gate_names)
+    readouts.attach_families(result, with_depth(runset.all_runs, depth), QUESTION, plan_dir,
+                             allow_changed_plan, only=others)
+    return result
+
+
+def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
+    f = result.frames
+    return figures.kept([
+        ("State depth per cell with M0/M1 brackets, and entry vs adopted depth classes",
+         figures.depth_panels(f.get("depth_cells"), f.get("depth_classes"),
+                              out_dir / "q7_depth.png", "Q7 joint reuse depth (trace ON)")),
+        ("Throughput by cell (trace ON and OFF): geometric mean (bars) and seeds (dots)",
+         figures.throughput_bars(f.get("runs"), out_dir / "q7_throughput.png",
+                                 "Q7 throughput by cell")),
+    ])

@@ -1,0 +1,198 @@
+"""Regenerate the report from the ledgers: `python -m analysis.report --ledgers ROOT --out DIR`.
+
+Writes DIR/index.md (links and provenance: ledger root, run counts, code
+versions, plan hashes), DIR/q1.md ... q9.md, DIR/tables/*.csv and
+DIR/figures/*.png. Reads the ledgers only, through the DuckDB catalog; a
+question without data says so. A question whose analysis raises gets an error
+page and the command exits 1 after writing everything else. Prints the wall
+time as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+
+import ledgers
+from analysis import prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9
+from analysis.render import md_table
+
+QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9)
+OWNED_GLOBS = ("index.md", "q[1-9].md", "tables/*.csv", "figures/*.png")
+
+_CAMPAIGN_COUNTS = """
+    SELECT campaign, count(*) AS runs_rows, count(DISTINCT run_id) AS run_ids,
+           count(*) FILTER (WHERE status = 'complete') AS complete,
+           count(*) FILTER (WHERE status = 'failed') AS failed,
+           count(*) FILTER (WHERE status = 'complete' AND adopted) AS adopted_complete,
+           string_agg(DISTINCT code_version, ', ' ORDER BY code_version) AS code_versions,
+           string_agg(DISTINCT executor, ', ' ORDER BY executor) AS executors
+    FROM raw_runs GROUP BY campaign ORDER BY campaign
+"""
+_RUN_HASHES = """
+    SELECT campaign, prereg_plan_hash, count(*) AS runs
+    FROM runs WHERE status = 'complete' AND adopted GROUP BY ALL ORDER BY ALL
+"""
+
+
+@dataclass
+class ReportSummary:
+    out: Path
+    pages: list[Path] = field(default_factory=list)
+    tables: list[Path] = field(default_factory=list)
+    figures: list[Path] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def analysis_version() -> str:
+    """Package version plus a digest of the analysis sources that produced the report."""
+    try:
+        version = metadata.version("hybrid-state-lab")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return f"hybrid-state-lab {version}, analysis sources sha256:{digest.hexdigest()[:12]}"
+
+
+def plan_hashes(con, plan_dir: Path) -> pd.DataFrame:
+    """Per question: the plan's current hash and the hashes its runs carry."""
+    stamped = con.execute(_RUN_HASHES).df()
+    rows = []
+    for module in QUESTIONS:
+        plan = prereg.load_plan(module.QUESTION, plan_dir)
+        found = stamped[stamped["campaign"] == plan.campaign]
+        carried = "; ".join(f"{(h or '<none>')[:12]} x{n}" for h, n in
+                            zip(found["prereg_plan_hash"], found["runs"], strict=True))
+        status = ("no runs" if found.empty else "match"
+                  if (found["prereg_plan_hash"] == plan.plan_hash).all() else "CHANGED")
+        rows.append({"question": plan.question, "campaign": plan.campaign,
+                     "plan_hash": plan.plan_hash[:12], "run_hashes": carried or "-",
+                     "status": status})
+    return pd.DataFrame(rows)
+
+
+def _clean(out: Path) -> None:
+    for pattern in OWNED_GLOBS:
+        for path in out.glob(pattern):
+            path.unlink()
+
+
+def _write_tables(result, out: Path, summary: ReportSummary) -> None:
+    for name, frame in result.tables().items():
+        path = out / "tables" / f"{result.question}_{name}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(path, index=False)
+        summary.tables.append(path)
+
+
+def _question_page(module, con, out: Path, plan_dir: Path, allow_changed_plan: bool,
+                   summary: ReportSummary) -> dict:
+    """Analyse, draw and write one question; returns its index row."""
+    row = {"question": f"[{module.QUESTION.upper()}]({module.QUESTION}.md)",
+           "title": module.TITLE, "runs": 0, "families": "", "figures": 0}
+    page = out / f"{module.QUESTION}.md"
+    try:
+        result = module.analyze(con, plan_dir=plan_dir, allow_changed_plan=allow_changed_plan)
+        result.figures = module.draw(result, out / "figures")
+        _write_tables(result, out, summary)
+        page.write_text(result.markdown(relative_to=out), encoding="utf-8")
+    except Exception:  # one question's failure must not hide the others
+        text = traceback.format_exc()
+        summary.errors[module.QUESTION] = text.strip().splitlines()[-1]
+        page.write_text(f"# {module.QUESTION.upper()}: analysis failed\n\n```\n{text}```\n",
+                        encoding="utf-8")
+        row["families"] = "analysis failed"
+        summary.pages.append(page)
+        return row
+    summary.pages.append(page)
+    summary.figures += [path for _, path in result.figures]
+    row.update(runs=result.num_runs, figures=len(result.figures),
+               families="; ".join(f"{f.name}: {f.status}" for f in result.families))
+    return row
+
+
+def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool = False,
+                 plan_dir: str | Path | None = None) -> ReportSummary:
+    """Analyse every question from the ledger root and write the report under `out`."""
+    root, out = Path(root), Path(out)
+    plan_dir = Path(plan_dir) if plan_dir else prereg.PLAN_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    _clean(out)
+    summary = ReportSummary(out)
+    con = ledgers.connect(root)
+    try:
+        rows = [_question_page(m, con, out, plan_dir, allow_changed_plan, summary)
+                for m in QUESTIONS]
+        index = index_markdown(con, root, plan_dir, allow_changed_plan, pd.DataFrame(rows),
+                               summary)
+    finally:
+        con.close()
+    (out / "index.md").write_text(index, encoding="utf-8")
+    summary.pages.insert(0, out / "index.md")
+    return summary
+
+
+def index_markdown(con, root: Path, plan_dir: Path, allow_changed_plan: bool,
+                   questions: pd.DataFrame, summary: ReportSummary) -> str:
+    campaigns = con.execute(_CAMPAIGN_COUNTS).df()
+    hashes = plan_hashes(con, plan_dir)
+    analysable = int(campaigns["adopted_complete"].sum()) if len(campaigns) else 0
+    out = ["# Hybrid State Lab report", "",
+           f"Generated {datetime.now(UTC).isoformat(timespec='seconds')} from the ledgers only.",
+           "", "## Provenance", "",
+           f"- ledger root: `{root.resolve()}`",
+           f"- analysis code: {analysis_version()}",
+           f"- preregistration plans: `{plan_dir.resolve()}`",
+           f"- adopted complete runs analysable: {analysable}",
+           ("- **--allow-changed-plan was given: families whose runs carry a different plan "
+            "hash are accepted and marked so.**" if allow_changed_plan else
+            "- plan-hash check: strict (families collected under a changed plan are refused)."),
+           ""]
+    if summary.errors:
+        out += ["**Analysis errors:** " + "; ".join(f"{q}: {e}" for q, e in
+                                                   summary.errors.items()), ""]
+    out += ["## Questions", "", md_table(questions), "",
+            "## Runs per campaign", "",
+            md_table(campaigns) if len(campaigns) else "No data: the ledger root holds no runs.",
+            "", "Run code versions are the `code_version` values stamped by the runner.", "",
+            "## Plan hashes", "", md_table(hashes), ""]
+    return "\n".join(out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m analysis.report",
+                                     description="Regenerate reports from the ledgers.")
+    parser.add_argument("--ledgers", required=True, help="ledger root")
+    parser.add_argument("--out", default="reports", help="output directory (default reports)")
+    parser.add_argument("--allow-changed-plan", action="store_true",
+                        help="accept families whose runs carry another plan hash (stated)")
+    parser.add_argument("--plans", default=None, help="plan directory (default conf/prereg)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    start = time.perf_counter()
+    summary = write_report(args.ledgers, args.out, allow_changed_plan=args.allow_changed_plan,
+                           plan_dir=args.plans)
+    print(f"wrote {len(summary.pages)} pages, {len(summary.tables)} tables, "
+          f"{len(summary.figures)} figures to {summary.out}")
+    for question, error in summary.errors.items():
+        print(f"error in {question}: {error}", file=sys.stderr)
+    print(f"report wall time: {time.perf_counter() - start:.2f} s")
+    return 1 if summary.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

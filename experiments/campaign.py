@@ -1,0 +1,525 @@
+"""Campaign driver: expand a campaign's sweep into runs, check them all, skip complete ones,
+launch the rest through the configured Hydra launcher, and summarize.
+
+A campaign file (conf/campaign/<name>.yaml, `# @package _global_`) fixes its
+settings at the top level and declares its sweep under `hydra.sweeper`:
+
+    params:  Hydra sweep syntax shared by every block ("s0,s1", "range(0,3)", 0.5)
+    blocks:  named sweeps, each a cartesian product of params merged with its own keys
+    order:   product | seed_major | balanced (Williams design per seed)
+
+Task overrides from the command line apply to every block and win over both;
+`hydra.sweeper.smoke=true` keeps the first `smoke_seeds` seeds of each block,
+sets `smoke_requests` requests per run and writes to campaign `<name>_smoke`.
+
+`python -m experiments.run -m campaign=q1` runs this through the campaign
+sweeper (hydra_plugins/hsl_campaign). Every cell is composed and validated
+before the first run starts; a bad one fails the campaign with a message that
+names the cell and the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import shlex
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.core.utils import JobStatus
+from hydra.errors import HydraException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from experiments.ledger_io import RunKey, run_key
+from experiments.provenance import prereg_plan_hash
+from experiments.validation import check_ledger_root, validate_config
+
+ORDERS = ("product", "seed_major", "balanced")
+SMOKE_SUFFIX = "_smoke"
+MAX_LISTED = 10  # invalid cells or failures listed in a message
+
+
+class CampaignError(ValueError):
+    """A campaign that cannot start (bad input) or that finished with failed runs."""
+
+
+# ---------------------------------------------------------------- the sweep definition
+
+
+def _positive_int(value: Any, field_name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CampaignError(f"{field_name}={value!r}: expected an integer >= 1")
+    return value
+
+
+def _flag(value: Any, field_name: str) -> bool:
+    if not isinstance(value, bool):
+        raise CampaignError(f"{field_name}={value!r}: expected true or false")
+    return value
+
+
+def _sweep_mapping(value: Any, field_name: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise CampaignError(f"{field_name}: expected a mapping of override keys to values")
+    for key, item in value.items():
+        if isinstance(item, (Mapping, list, tuple)):
+            raise CampaignError(
+                f"{field_name}.{key}: expected a scalar or a sweep string like 'a,b,c'"
+            )
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class CampaignSpec:
+    """The sweep of a campaign, as configured under `hydra.sweeper`."""
+
+    params: dict[str, Any] = field(default_factory=dict)
+    blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    order: str = "product"
+    only: tuple[str, ...] = ()
+    smoke: bool = False
+    smoke_seeds: int = 3
+    smoke_requests: int = 60
+    skip_complete: bool = True
+    max_batch_size: int | None = None
+
+    @classmethod
+    def from_config(cls, sweeper: Mapping) -> CampaignSpec:
+        """Validate `hydra.sweeper` fields; errors name `hydra.sweeper.<field>`."""
+        raw = OmegaConf.to_container(sweeper) if isinstance(sweeper, DictConfig) else sweeper
+        at = "hydra.sweeper"
+        order = raw.get("order", "product")
+        if order not in ORDERS:
+            raise CampaignError(f"{at}.order={order!r}: allowed values are {', '.join(ORDERS)}")
+        blocks_raw = raw.get("blocks") or {}
+        if not isinstance(blocks_raw, Mapping):
+            raise CampaignError(f"{at}.blocks: expected a mapping of block names to sweeps")
+        blocks = {str(n): _sweep_mapping(b, f"{at}.blocks.{n}") for n, b in blocks_raw.items()}
+        only = raw.get("only") or ()
+        only = (only,) if isinstance(only, str) else tuple(only)
+        unknown = [n for n in only if n not in blocks]
+        if unknown:
+            raise CampaignError(
+                f"{at}.only={list(only)}: unknown blocks {unknown}; allowed values are "
+                f"{', '.join(blocks) or '(this campaign has no blocks)'}"
+            )
+        batch = raw.get("max_batch_size")
+        return cls(
+            params=_sweep_mapping(raw.get("params"), f"{at}.params"),
+            blocks=blocks,
+            order=order,
+            only=only,
+            smoke=_flag(raw.get("smoke", False), f"{at}.smoke"),
+            smoke_seeds=_positive_int(raw.get("smoke_seeds", 3), f"{at}.smoke_seeds"),
+            smoke_requests=_positive_int(raw.get("smoke_requests", 60), f"{at}.smoke_requests"),
+            skip_complete=_flag(raw.get("skip_complete", True), f"{at}.skip_complete"),
+            max_batch_size=None if batch is None else _positive_int(batch, f"{at}.max_batch_size"),
+        )
+
+
+@dataclass(frozen=True)
+class Job:
+    """One cell x seed to run: the overrides that compose its config."""
+
+    block: str
+    overrides: tuple[str, ...]
+
+
+def _scalar_text(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _parse(parser: OverridesParser, lines: Sequence[str], where: str) -> list[Override]:
+    try:
+        return parser.parse_overrides(list(lines))
+    except OverrideParseException as err:
+        raise CampaignError(f"{where}: {err}") from err
+
+
+def _axis(override: Override, where: str) -> tuple[str, list[str]]:
+    """(merge key, rendered overrides) of one parsed override; sweeps expand to many."""
+    key = override.get_key_element()
+    if override.is_sweep_override():
+        if not override.is_discrete_sweep():
+            raise CampaignError(
+                f"{where}: {override.input_line}: only discrete sweeps (a,b / range / choice) "
+                "can be expanded"
+            )
+        return key.lstrip("+~"), [f"{key}={v}" for v in override.sweep_string_iterator()]
+    return key.lstrip("+~"), [f"{key}={override.get_value_element_as_str()}"]
+
+
+def _merge_axes(axes: dict[str, list[str]], overrides: list[Override], where: str) -> None:
+    for override in overrides:
+        name, values = _axis(override, where)
+        axes.pop(name, None)  # a later source replaces the key and moves it last
+        axes[name] = values
+
+
+def _smoke_axes(axes: dict[str, list[str]], spec: CampaignSpec, campaign_name: str) -> None:
+    if "seed" in axes:
+        axes["seed"] = axes["seed"][: spec.smoke_seeds]
+    names = [v.split("=", 1)[1] for v in axes.get("campaign_name", [])] or [campaign_name]
+    axes["campaign_name"] = [f"campaign_name={n}{SMOKE_SUFFIX}" for n in names]
+
+
+def expand_jobs(spec: CampaignSpec, arguments: Sequence[str], campaign_name: str) -> list[Job]:
+    """Every job of the campaign in expansion order (blocks in order, cartesian within)."""
+    parser = OverridesParser.create()
+    command_line = _parse(parser, arguments, "command line")
+    blocks = spec.blocks or {"": {}}
+    if spec.only:
+        blocks = {name: blocks[name] for name in spec.only}
+    jobs = []
+    for name, block in blocks.items():
+        axes: dict[str, list[str]] = {}
+        if spec.smoke:
+            smoke = [f"workload.num_requests={spec.smoke_requests}"]
+            _merge_axes(axes, _parse(parser, smoke, "hydra.sweeper.smoke"), "smoke")
+        params = [f"{k}={_scalar_text(v)}" for k, v in spec.params.items()]
+        _merge_axes(axes, _parse(parser, params, "hydra.sweeper.params"), "hydra.sweeper.params")
+        where = f"hydra.sweeper.blocks.{name}"
+        own = [f"{k}={_scalar_text(v)}" for k, v in block.items()]
+        _merge_axes(axes, _parse(parser, own, where), where)
+        _merge_axes(axes, command_line, "command line")
+        if spec.smoke:
+            _smoke_axes(axes, spec, campaign_name)
+        jobs += [Job(name, tuple(combo)) for combo in itertools.product(*axes.values())]
+    return jobs
+
+
+# ---------------------------------------------------------------- composition and order
+
+
+class CellComposer:
+    """Compose job configs as Hydra would, fast: one full composition per set of group
+    overrides (config groups such as campaign=, model=), then value overrides applied
+    with Hydra's own override code. A full composition costs ~0.1 s, this ~1 ms."""
+
+    def __init__(self, config_loader, master_config: DictConfig) -> None:
+        self._loader = config_loader
+        self._master = master_config
+        self._parser = OverridesParser.create(config_loader=config_loader)
+        self._bases: dict[tuple[str, ...], DictConfig] = {}
+
+    def _is_group(self, override: Override) -> bool:
+        return self._loader.repository.group_exists(override.key_or_group)
+
+    def compose(self, overrides: Sequence[str]) -> DictConfig:
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+        parsed = self._parser.parse_overrides(list(overrides))
+        groups = tuple(o.input_line for o in parsed if self._is_group(o))
+        if groups not in self._bases:
+            full = self._loader.load_sweep_config(self._master, list(groups))
+            with open_dict(full):
+                del full["hydra"]
+            self._bases[groups] = full
+        cfg = copy.deepcopy(self._bases[groups])
+        values = [o for o in parsed if not self._is_group(o)]
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        return cfg
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    job: Job
+    key: RunKey
+    cfg: DictConfig = field(repr=False, compare=False)
+
+    @property
+    def cell(self) -> tuple[str, ...]:
+        """The job's overrides without its seed: the condition ordered within a seed."""
+        return tuple(o for o in self.job.overrides if not o.lstrip("+~").startswith("seed="))
+
+
+def plan_runs(jobs: Sequence[Job], composer: CellComposer) -> list[PlannedRun]:
+    """Compose and validate every job; any invalid one fails the campaign before it starts."""
+    planned, errors = [], []
+    for job in jobs:
+        try:
+            cfg = composer.compose(job.overrides)
+            validate_config(cfg, check_root=False)
+            key = run_key(cfg)
+            prereg_plan_hash(key.question)
+        except (ValueError, HydraException, OmegaConfBaseException) as err:
+            errors.append(f"[{' '.join(job.overrides)}] {err}".replace("\n", " "))
+            continue
+        planned.append(PlannedRun(job, key, cfg))
+    if errors:
+        shown = "\n  ".join(errors[:MAX_LISTED])
+        more = f"\n  ... and {len(errors) - MAX_LISTED} more" if len(errors) > MAX_LISTED else ""
+        raise CampaignError(
+            f"{len(errors)} of {len(jobs)} cells are invalid; no run was started:\n  {shown}{more}"
+        )
+    return planned
+
+
+def williams_rows(n: int) -> list[list[int]]:
+    """Williams design: every condition once per position and once after each other one
+    (over n rows for even n, 2n rows for odd n)."""
+    first, low, high = [0], 1, n - 1
+    for i in range(1, n):
+        if i % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    rows = [[(c + r) % n for c in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
+def order_runs(runs: Sequence[PlannedRun], order: str) -> list[PlannedRun]:
+    """product: expansion order; seed_major: grouped by seed; balanced: grouped by seed,
+    the conditions of seed i in row i of a Williams design (cycled)."""
+    if order == "product":
+        return list(runs)
+    by_seed: dict[int, list[PlannedRun]] = {}
+    for run in runs:
+        by_seed.setdefault(run.key.seed, []).append(run)
+    out = []
+    for i, seed in enumerate(sorted(by_seed)):
+        group = by_seed[seed]
+        if order == "balanced" and len(group) > 1:
+            rows = williams_rows(len(group))
+            group = [group[c] for c in rows[i % len(rows)]]
+        out += group
+    return out
+
+
+def _unique(runs: Sequence[PlannedRun]) -> tuple[list[PlannedRun], int]:
+    seen, out = set(), []
+    for run in runs:
+        if run.key.run_id not in seen:
+            seen.add(run.key.run_id)
+            out.append(run)
+    return out, len(runs) - len(out)
+
+
+def _ledger_root(runs: Sequence[PlannedRun]) -> Path:
+    roots = sorted({str(r.cfg.ledger_root) for r in runs})
+    if len(roots) != 1:
+        raise CampaignError(f"ledger_root: a campaign writes to one ledger root, got {roots}")
+    if not all(r.cfg.write_ledgers for r in runs):
+        raise CampaignError("write_ledgers=false: a campaign records every run in the ledgers")
+    return check_ledger_root(roots[0])
+
+
+def _quoted(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def launch_overrides(run: PlannedRun, root: Path) -> list[str]:
+    """The job's overrides with the ledger root made absolute (workers may run elsewhere)."""
+    keep = [o for o in run.job.overrides if not o.lstrip("+~").startswith("ledger_root=")]
+    return [*keep, f"ledger_root={_quoted(str(root))}"]
+
+
+def prepare_workloads(runs: Sequence[PlannedRun]) -> None:
+    """Build the tokenized ShareGPT cache once here, not in every parallel worker."""
+    from experiments import sharegpt
+    from experiments.workload import default_cache_dir
+
+    tokenizers = sorted({str(r.cfg.workload.tokenizer) for r in runs
+                         if str(r.cfg.workload.source).lower() == "sharegpt"})
+    cache = default_cache_dir()
+    for tok in tokenizers:
+        if not (cache / f"sharegpt-{tok}-{sharegpt.pool_cache_key(tok)}.parquet").exists():
+            print(f"building the ShareGPT token cache for {tok} under {cache} (first use) ...",
+                  flush=True)
+            sharegpt.load_pool(tok, cache)
+            sharegpt.clear_memo()
+
+
+# ---------------------------------------------------------------- launching and the summary
+
+
+@dataclass
+class CampaignSummary:
+    campaigns: tuple[str, ...]
+    ledger_root: str
+    planned: int
+    done: int = 0
+    skipped: int = 0
+    failed: int = 0
+    merged_duplicates: int = 0
+    wall_seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        keys = ("campaigns", "ledger_root", "planned", "done", "skipped", "failed",
+                "merged_duplicates", "wall_seconds")
+        return {k: getattr(self, k) for k in keys}
+
+    def format(self) -> str:
+        lines = [
+            f"campaign {', '.join(self.campaigns)}: {self.planned} runs - {self.done} done, "
+            f"{self.skipped} skipped (already complete), {self.failed} failed; "
+            f"wall time {self.wall_seconds:.1f} s",
+            f"ledgers: {self.ledger_root}  (check: python -m ledgers.check {self.ledger_root})",
+        ]
+        if self.merged_duplicates:
+            lines.append(f"note: {self.merged_duplicates} duplicate cells ran once")
+        lines += [f"failed: {f}" for f in self.failures[:MAX_LISTED]]
+        if len(self.failures) > MAX_LISTED:
+            lines.append(f"failed: ... and {len(self.failures) - MAX_LISTED} more")
+        return "\n".join(lines)
+
+
+def _failure_reason(ret) -> str:
+    if ret is None:
+        return "the launcher raised before returning this job"
+    if ret.status == JobStatus.FAILED:
+        return f"{type(ret._return_value).__name__}: {ret._return_value}"
+    return "finished without a complete runs row"
+
+
+def _was_skipped(ret) -> bool:
+    if ret is None or ret.status != JobStatus.COMPLETED:
+        return False
+    value = ret._return_value
+    return isinstance(value, Mapping) and bool(value.get("skipped"))
+
+
+def launch_runs(launcher, runs: Sequence[PlannedRun], root: Path, batch_size: int | None,
+                progress) -> tuple[list, list[str]]:
+    """Launch in batches; returns one JobReturn (or None) per run and launcher-level errors."""
+    returns: list = []
+    errors: list[str] = []
+    reports_progress = hasattr(launcher, "progress")
+    if reports_progress:
+        launcher.progress = progress
+    size = batch_size or len(runs)
+    for start in range(0, len(runs), size):
+        batch = runs[start : start + size]
+        overrides = [launch_overrides(r, root) for r in batch]
+        try:
+            got = list(launcher.launch(overrides, initial_job_idx=start))
+        except Exception as err:  # submitit and Ray raise when a job process dies
+            errors.append(f"jobs {start}..{start + len(batch) - 1}: {type(err).__name__}: {err}")
+            got = [None] * len(batch)
+        returns += got
+        if not reports_progress:
+            progress.update(len(batch))
+    return returns, errors
+
+
+def run_campaign(spec: CampaignSpec, arguments: Sequence[str], *, config_loader,
+                 config: DictConfig, launcher) -> CampaignSummary:
+    """Plan, check, skip, launch and summarize one campaign; raise if any run failed."""
+    from tqdm import tqdm
+
+    from ledgers.writer import completed_run_ids
+
+    wall0 = time.perf_counter()
+    jobs = expand_jobs(spec, arguments, str(config.campaign_name))
+    planned = plan_runs(jobs, CellComposer(config_loader, config))
+    root = _ledger_root(planned)
+    planned, merged = _unique(order_runs(planned, spec.order))
+    complete = completed_run_ids(root) if spec.skip_complete else set()
+    todo = [r for r in planned if r.key.run_id not in complete]
+    campaigns = tuple(sorted({r.key.campaign for r in planned}))
+    summary = CampaignSummary(campaigns, str(root), len(planned), merged_duplicates=merged)
+    summary.skipped = len(planned) - len(todo)
+    print(f"campaign {', '.join(campaigns)}: {len(planned)} runs, {summary.skipped} already "
+          f"complete, {len(todo)} to run; ledgers {root}", flush=True)
+    if todo:
+        prepare_workloads(todo)
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(config, sweep_dir / "multirun.yaml")
+        with tqdm(total=len(todo), desc=" ".join(campaigns), unit="run", mininterval=0.5,
+                  dynamic_ncols=True) as progress:
+            returns, errors = launch_runs(launcher, todo, root, spec.max_batch_size, progress)
+        now_complete = completed_run_ids(root)
+        for run, ret in zip(todo, returns, strict=True):
+            if run.key.run_id in now_complete:
+                if _was_skipped(ret):
+                    summary.skipped += 1
+                else:
+                    summary.done += 1
+            else:
+                summary.failed += 1
+                cell = shlex.join(run.job.overrides)
+                summary.failures.append(f"run {run.key.run_id} [{cell}]: {_failure_reason(ret)}")
+        summary.failures += errors
+    summary.wall_seconds = time.perf_counter() - wall0
+    print(summary.format())
+    print(json.dumps(summary.as_dict()), flush=True)
+    if summary.failed:
+        raise CampaignError(f"{summary.failed} of {summary.planned} runs failed; rerunning the "
+                            "same command redoes only those (see the list above)")
+    return summary
+
+
+# ---------------------------------------------------------------- planning without running
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def plan_campaign(overrides: Sequence[str], config_dir: str | Path = CONF_DIR
+                  ) -> tuple[CampaignSpec, list[PlannedRun]]:
+    """The checked, ordered, de-duplicated runs a multirun with `overrides` would plan.
+
+    `overrides` are command-line overrides as for `python -m experiments.run -m`,
+    e.g. ["campaign=q1", "hydra.sweeper.smoke=true"].
+    """
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(config_dir)):
+        loader = GlobalHydra.instance().config_loader()
+        master = loader.load_configuration("config", list(overrides), RunMode.MULTIRUN)
+        spec = CampaignSpec.from_config(master.hydra.sweeper)
+        jobs = expand_jobs(spec, list(master.hydra.overrides.task), str(master.campaign_name))
+        runs = plan_runs(jobs, CellComposer(loader, master))
+    return spec, _unique(order_runs(runs, spec.order))[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m experiments.campaign campaign=q1 [overrides]`: list the runs, run nothing."""
+    import argparse
+
+    from ledgers.writer import completed_run_ids
+
+    parser = argparse.ArgumentParser(prog="python -m experiments.campaign",
+                                     description=main.__doc__)
+    parser.add_argument("overrides", nargs="+", help="overrides, as for experiments.run -m")
+    args = parser.parse_args(argv)
+    try:
+        spec, runs = plan_campaign(args.overrides)
+    except (ValueError, HydraException) as err:
+        print(f"error: {err}")
+        return 2
+    roots = {str(r.cfg.ledger_root) for r in runs}
+    complete = set().union(*(completed_run_ids(r) for r in roots if Path(r).is_dir()))
+    for i, run in enumerate(runs):
+        state = "complete" if run.key.run_id in complete else "to run"
+        print(f"{i:5d} {run.key.run_id} {run.key.campaign:>12} {run.job.block or '-':>12} "
+              f"{state:>8}  {' '.join(run.cell)} seed={run.key.seed}")
+    blocks: dict[str, int] = {}
+    for run in runs:
+        blocks[run.job.block or "-"] = blocks.get(run.job.block or "-", 0) + 1
+    todo = sum(r.key.run_id not in complete for r in runs)
+    print(f"{len(runs)} runs ({', '.join(f'{b}: {n}' for b, n in blocks.items())}); "
+          f"{todo} to run; order {spec.order}; ledgers {', '.join(sorted(roots))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

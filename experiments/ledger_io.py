@@ -1,0 +1,206 @@
+"""From a cell config and its CellResult to ledger rows: run identity, runs row, skip lookup.
+
+Identity: `config_hash` hashes the resolved cell config without seed and
+replicate (experiments.cell.config_hash over the identity keys), so it names
+the cell across seeds; `run_id` hashes (config_hash, seed, replicate). A run
+id whose runs row says complete is skipped; anything else is run again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from omegaconf import DictConfig
+
+from experiments.cell import CellResult, arm_of, cell_config, config_hash
+from experiments.provenance import code_version, environment, prereg_plan_hash
+from experiments.workload import normalize_load_config, normalize_workload_config
+from ledgers.schemas import SCHEMAS
+from ledgers.writer import WRITER_COLUMNS, table_dir
+from serving_core.geometry import geometry_from_config
+from serving_core.layout import normalize_org
+from serving_core.planner import parse_budget, plan_budget, units_for
+
+ARM_LABELS = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "s2_retention": "S2+Retention"}
+ORG_COLUMN = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "s2_retention": "S2_RETENTION"}
+LOCK_DIR = ".locks"  # under the ledger root; never matched by the catalog's globs
+# Runs columns echoed by a skipped run's last-line JSON (the rest of a summary is not stored).
+SKIP_SUMMARY_COLUMNS = (
+    "completed_requests", "failed_requests", "output_tokens", "throughput_ledger",
+    "throughput_span", "wall_seconds", "status", "adopted", "created_at",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RunKey:
+    """Who a run is: its id, the campaign partition it lives in, and what the id hashes."""
+
+    run_id: str
+    campaign: str
+    question: str
+    config_hash: str
+    seed: int
+    replicate: int
+
+
+def run_key(cfg: DictConfig) -> RunKey:
+    cell = cell_config(cfg)
+    seed = int(cell.pop("seed"))
+    replicate = int(cfg.replicate)
+    cell_hash = config_hash(cell)
+    run_id = hashlib.sha256(f"{cell_hash}:{seed}:{replicate}".encode()).hexdigest()[:16]
+    return RunKey(run_id, str(cfg.campaign_name), str(cfg.question), cell_hash, seed, replicate)
+
+
+def cell_columns(cfg: DictConfig) -> dict:
+    """Runs columns that follow from the config alone (what preregistered cells match on)."""
+    arm = arm_of(cfg.org)
+    workload = normalize_workload_config(cfg.workload)
+    load = normalize_load_config(cfg.load)
+    pinning = cfg.engine.pinning_k
+    return {
+        "question": str(cfg.question),
+        "arm": ARM_LABELS[arm],
+        "org": ORG_COLUMN[arm],
+        "budget": parse_budget(str(cfg.budget)).label,
+        "cap": int(cfg.engine.cap),
+        "rate": load["rate"],
+        "arrival": load["arrival"],
+        "q": workload["q"],
+        "f": float(cfg.engine.headroom),
+        "retention_k": int(cfg.retention.k) if arm == "s2_retention" else -1,
+        "pinning_k": -1 if pinning is None else int(pinning),
+        "d0_attention_fraction": (
+            float(cfg.model.d0_attention_fraction) if arm == "d0" else math.nan
+        ),
+        "reuse": workload["reuse"],
+        "seed": int(cfg.seed),
+        "replicate": int(cfg.replicate),
+        "trace": bool(cfg.trace),
+        "executor": f"sim:{cfg.executor.name}",
+        "model": str(cfg.model.name),
+    }
+
+
+def planned_units(cfg: DictConfig) -> dict[str, int]:
+    """Units per pool the budget gives the config's organization (no run needed)."""
+    plan = plan_budget(geometry_from_config(cfg.model), str(cfg.budget))
+    return units_for(plan, normalize_org(arm_of(cfg.org)))
+
+
+def _select_schema_columns(values: Mapping) -> dict:
+    columns = [c for c in SCHEMAS["runs"].names if c not in WRITER_COLUMNS]
+    missing = [c for c in columns if c not in values]
+    if missing:
+        raise ValueError(f"runs row: no value for schema columns {missing}")
+    return {c: values[c] for c in columns}
+
+
+def _provenance_columns(key: RunKey) -> dict:
+    return {
+        "run_id": key.run_id,
+        "campaign": key.campaign,
+        "config_hash": key.config_hash,
+        "prereg_plan_hash": prereg_plan_hash(key.question),
+        "code_version": code_version(),
+        "environment": environment(),
+    }
+
+
+def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, wall_seconds: float) -> dict:
+    """The complete runs row of a finished cell (adopted and created_at come from the writer)."""
+    s = result.summary
+    episode = result.identity["episode"]
+    values = {
+        **cell_columns(cfg),
+        **_provenance_columns(key),
+        "units": sum(result.units.values()),
+        "units_detail": result.units,
+        "episode_start_s": int(episode["episode_start_s"]),
+        "episode_end_s": int(episode["episode_end_s"]),
+        "span_start_s": float(episode["span_start_s"]),
+        "span_end_s": float(episode["span_end_s"]),
+        "completed_requests": int(s["completed"]),
+        "failed_requests": int(s["failed"]),
+        "output_tokens": int(s["output_tokens"]),
+        "throughput_ledger": float(s["throughput_ledger"]),
+        "throughput_span": float(s["throughput_span"]),
+        "status": "complete",
+        "wall_seconds": float(wall_seconds),
+    }
+    return _select_schema_columns(values)
+
+
+def failed_runs_row(cfg: DictConfig, key: RunKey, wall_seconds: float) -> dict:
+    """Runs row recording a cell that raised: no output, status failed (never counted)."""
+    units = planned_units(cfg)
+    values = {
+        **cell_columns(cfg),
+        **_provenance_columns(key),
+        "units": sum(units.values()),
+        "units_detail": units,
+        "episode_start_s": 0,
+        "episode_end_s": 0,
+        "span_start_s": math.nan,
+        "span_end_s": math.nan,
+        "completed_requests": 0,
+        "failed_requests": int(cfg.workload.num_requests),
+        "output_tokens": 0,
+        "throughput_ledger": math.nan,
+        "throughput_span": math.nan,
+        "status": "failed",
+        "wall_seconds": float(wall_seconds),
+    }
+    return _select_schema_columns(values)
+
+
+def completed_row(root: str | os.PathLike, key: RunKey) -> dict | None:
+    """The first complete runs row of `key.run_id` (by created_at), None if there is none.
+
+    Reads only this run's attempt files `<run_id>-<nonce>.parquet` of its campaign.
+    """
+    rows = []
+    for path in sorted(table_dir(root, "runs", key.campaign).glob(f"{key.run_id}-*.parquet")):
+        rows += [r for r in pq.read_table(path).to_pylist() if r["status"] == "complete"]
+    rows = [r for r in rows if r["run_id"] == key.run_id]
+    return min(rows, key=lambda r: r["created_at"]) if rows else None
+
+
+def skipped_summary(arm: str, row: Mapping) -> dict:
+    """Last-line JSON of a skipped run, from its ledger row."""
+    out = {"org": arm, "budget": row["budget"], "seed": row["seed"]}
+    out.update({c: row[c] for c in SKIP_SUMMARY_COLUMNS if c in row})
+    out.update({"run_id": row["run_id"], "campaign": row["campaign"], "skipped": True})
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+@contextlib.contextmanager
+def run_lock(root: str | os.PathLike, key: RunKey) -> Iterator[None]:
+    """Hold an exclusive lock on one run id, so concurrent campaigns never run it twice.
+
+    The lock is an flock on `<root>/.locks/<campaign>/<run_id>.lock`; the kernel
+    releases it when its holder dies, so a killed run never blocks a rerun.
+    """
+    path = Path(root) / LOCK_DIR / key.campaign / f"{key.run_id}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def json_line(data: Mapping) -> str:
+    """One-line JSON with NaN as null."""
+    clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in data.items()}
+    return json.dumps(clean, default=str)
