@@ -74,11 +74,6 @@ def _in_list(column: str, values: Sequence[str]) -> str:
     return f"{column} IN ({', '.join(map(_literal, values))})" if values else "FALSE"
 
 
-def _adopted(questions: Sequence[str]) -> str:
-    return (f"SELECT run_id FROM runs WHERE {_in_list('question', questions)}"
-            " AND status = 'complete' AND adopted")
-
-
 _REQUEST_METRICS = """
     SELECT run_id,
            quantile_cont(ttft_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(ttft_s))
@@ -131,11 +126,23 @@ class RunSet:
                 f"(an earlier adopted run is analysed)" for r in self.set_aside.itertuples()]
 
 
+RUN_IDS_VIEW = "analysis_run_ids"  # registered per query: the run set's run ids
+
+
 def query(con, sql: str, runset: RunSet) -> pd.DataFrame:
-    """Run `sql` with {campaigns} (the run set's campaigns) and {adopted} (its run ids) filled."""
-    text = sql.format(campaigns=_in_list("campaign", runset.campaigns),
-                      adopted=_adopted(runset.questions))
-    return con.execute(text).df()
+    """Run `sql` with {campaigns} (the run set's campaigns) and {adopted} (its run ids) filled.
+
+    The run ids are registered as a relation rather than re-selected from the runs
+    view, which would read every runs file again for each query.
+    """
+    ids = pd.concat([runset.runs["run_id"], runset.set_aside["run_id"]], ignore_index=True)
+    con.register(RUN_IDS_VIEW, pd.DataFrame({"run_id": ids.astype(str)}))
+    try:
+        text = sql.format(campaigns=_in_list("campaign", runset.campaigns),
+                          adopted=f"SELECT run_id FROM {RUN_IDS_VIEW}")
+        return con.execute(text).df()
+    finally:
+        con.unregister(RUN_IDS_VIEW)
 
 
 def load_runs(con, questions: Sequence[str]) -> RunSet:
@@ -146,8 +153,8 @@ def load_runs(con, questions: Sequence[str]) -> RunSet:
     upper-cased and reuse lower-cased (the plans compare them that way).
     """
     questions = tuple(questions)
-    runs = con.execute(f"SELECT * FROM runs WHERE run_id IN ({_adopted(questions)})"
-                       " ORDER BY campaign, seed, run_id").df()
+    runs = con.execute(f"SELECT * FROM runs WHERE {_in_list('question', questions)}"
+                       " AND status = 'complete' AND adopted ORDER BY campaign, seed, run_id").df()
     campaigns = tuple(sorted(runs["campaign"].unique()))
     runs["org"] = runs["org"].astype(str).str.strip().str.upper()
     runs["reuse"] = runs["reuse"].astype(str).str.strip().str.lower()

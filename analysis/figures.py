@@ -133,8 +133,8 @@ def load_curves(runs: pd.DataFrame, changes: pd.DataFrame, path: Path) -> Path |
         top.set_xlabel("offered load lambda (requests/s)")
         top.set_ylabel("throughput, ledger (tokens/s)")
         top.legend(fontsize=8)
-        part = changes[(changes.get("budget") == budget)
-                       & (changes.get("metric") == "throughput_ledger")] if len(changes) else []
+        part = (changes[(changes["budget"] == budget) & (changes["metric"] == "throughput_ledger")]
+                if len(changes) else changes)
         if len(part):
             part = part.sort_values("rate")
             low = (part["effect"] - part["ci_low"]).fillna(0).clip(lower=0)

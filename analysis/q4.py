@@ -77,7 +77,7 @@ def normalized_indices(runs: pd.DataFrame) -> pd.DataFrame:
 
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
     result, runset = readouts.begin(con, QUESTION, TITLE, READS)
-    fixed = fixed_values(prereg.load_plan(QUESTION, plan_dir or prereg.PLAN_DIR))
+    fixed = fixed_values(readouts.load_plan(QUESTION, plan_dir))
     settings = ", ".join(f"{k} {v}" for k, v in fixed.items())
     runs = fixed_settings(runset.runs, fixed) if not runset.empty else runset.runs
     if not runset.empty and runs.empty:

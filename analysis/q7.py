@@ -197,7 +197,7 @@ def containment_section(result: QuestionResult, runs: pd.DataFrame) -> pd.DataFr
 def gate(con, plan_dir=None, allow_changed_plan: bool = False) -> FamilyResult:
     """The Q7 containment family evaluated on the Q7 runs (Q8 borrows it)."""
     runset = load_runs(con, READS)
-    plan = prereg.load_plan(QUESTION, plan_dir or prereg.PLAN_DIR)
+    plan = readouts.load_plan(QUESTION, plan_dir)
     fam = next(f for f in plan.families if f.decision["method"] == "containment")
     return evaluate_family(plan, fam, runset.all_runs, allow_changed_plan=allow_changed_plan)
 
@@ -214,7 +214,7 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
     if not runset.empty:
         readouts.throughput_section(result, runset.runs)
         containment_section(result, runset.runs)
-    plan = prereg.load_plan(QUESTION, plan_dir or prereg.PLAN_DIR)
+    plan = readouts.load_plan(QUESTION, plan_dir)
     gate_names = tuple(f.name for f in plan.families if f.decision["method"] == "containment")
     gates = readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir,
                                      allow_changed_plan, only=gate_names)

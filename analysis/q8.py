@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis import figures, prereg, q7, readouts
+from analysis import figures, q7, readouts
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q8"
@@ -41,7 +41,7 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
                                  ("throughput_ledger", "throughput_span"), RETENTION)
     passed, how = gate_status(con, runs, plan_dir, allow_changed_plan)
     result.notes.append(f"Probe containment for depth: {how}.")
-    plan = prereg.load_plan(QUESTION, plan_dir or prereg.PLAN_DIR)
+    plan = readouts.load_plan(QUESTION, plan_dir)
     if not passed:
         reason = f"withheld: depth is analysed only after the probe containment passes ({how})"
         result.sections.append(Section("State depth", f"Depth analysis {reason}."))

@@ -77,7 +77,7 @@ KRET_TEXT = ("K_ret = 100 (exp(mean(d_SHARE - d_ISOLATE)) - 1) % with d_m(s) = "
 
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
     result, runset = readouts.begin(con, QUESTION, TITLE, READS)
-    plan = prereg.load_plan(QUESTION, plan_dir or prereg.PLAN_DIR)
+    plan = readouts.load_plan(QUESTION, plan_dir)
     if not runset.empty:
         readouts.throughput_section(result, runset.runs)
         table, accepted, notes = cell_table(plan, runset.all_runs, allow_changed_plan)

@@ -6,6 +6,7 @@ section; the question modules only choose which readouts and comparisons apply.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -59,11 +60,23 @@ def run_frame(runs: pd.DataFrame) -> pd.DataFrame:
     return runs[[c for c in RUN_COLUMNS if c in runs]]
 
 
+def load_plan(name: str, plan_dir: str | Path | None = None) -> prereg.Plan:
+    """prereg.load_plan, cached while the plan file is unchanged (one report loads each often)."""
+    path = Path(plan_dir or prereg.PLAN_DIR) / f"{name}.yaml"
+    stat = path.stat() if path.is_file() else None
+    return _cached_plan(str(path.resolve()), stat and (stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan(path: str, _version) -> prereg.Plan:
+    return prereg.load_plan(path)
+
+
 def attach_families(result: QuestionResult, runs: pd.DataFrame, plan_name: str,
                     plan_dir: str | Path | None, allow_changed_plan: bool,
                     only: Sequence[str] | None = None) -> list:
     """Evaluate the plan's families (or those named in `only`) and attach them."""
-    plan = prereg.load_plan(plan_name, plan_dir or prereg.PLAN_DIR)
+    plan = load_plan(plan_name, plan_dir)
     families = evaluate_plan(plan, runs, allow_changed_plan=allow_changed_plan)
     families = [f for f in families if only is None or f.name in only]
     result.families += families

@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 import ledgers
-from analysis import prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9
+from analysis import prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9, readouts
 from analysis.render import md_table
 
 QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9)
@@ -70,7 +70,7 @@ def plan_hashes(con, plan_dir: Path) -> pd.DataFrame:
     stamped = con.execute(_RUN_HASHES).df()
     rows = []
     for module in QUESTIONS:
-        plan = prereg.load_plan(module.QUESTION, plan_dir)
+        plan = readouts.load_plan(module.QUESTION, plan_dir)
         found = stamped[stamped["campaign"] == plan.campaign]
         carried = "; ".join(f"{(h or '<none>')[:12]} x{n}" for h, n in
                             zip(found["prereg_plan_hash"], found["runs"], strict=True))

@@ -33,7 +33,7 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.core.utils import JobStatus
-from hydra.errors import HydraException, OverrideParseException
+from hydra.errors import CompactHydraException, HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
@@ -46,8 +46,11 @@ SMOKE_SUFFIX = "_smoke"
 MAX_LISTED = 10  # invalid cells or failures listed in a message
 
 
-class CampaignError(ValueError):
-    """A campaign that cannot start (bad input) or that finished with failed runs."""
+class CampaignError(CompactHydraException, ValueError):
+    """A campaign that cannot start (bad input) or that finished with failed runs.
+
+    Hydra prints a CompactHydraException as its message alone, without a traceback.
+    """
 
 
 # ---------------------------------------------------------------- the sweep definition
@@ -89,7 +92,6 @@ class CampaignSpec:
     smoke: bool = False
     smoke_seeds: int = 3
     smoke_requests: int = 60
-    skip_complete: bool = True
     max_batch_size: int | None = None
 
     @classmethod
@@ -121,7 +123,6 @@ class CampaignSpec:
             smoke=_flag(raw.get("smoke", False), f"{at}.smoke"),
             smoke_seeds=_positive_int(raw.get("smoke_seeds", 3), f"{at}.smoke_seeds"),
             smoke_requests=_positive_int(raw.get("smoke_requests", 60), f"{at}.smoke_requests"),
-            skip_complete=_flag(raw.get("skip_complete", True), f"{at}.skip_complete"),
             max_batch_size=None if batch is None else _positive_int(batch, f"{at}.max_batch_size"),
         )
 
@@ -214,14 +215,25 @@ class CellComposer:
         self._master = master_config
         self._parser = OverridesParser.create(config_loader=config_loader)
         self._bases: dict[tuple[str, ...], DictConfig] = {}
+        self._parsed: dict[str, Override] = {}  # campaigns repeat a few dozen override lines
+        self._group_keys: dict[str, bool] = {}
 
     def _is_group(self, override: Override) -> bool:
-        return self._loader.repository.group_exists(override.key_or_group)
+        key = override.key_or_group
+        if key not in self._group_keys:
+            self._group_keys[key] = self._loader.repository.group_exists(key)
+        return self._group_keys[key]
+
+    def _parse(self, lines: Sequence[str]) -> list[Override]:
+        new = [line for line in dict.fromkeys(lines) if line not in self._parsed]
+        if new:
+            self._parsed.update(zip(new, self._parser.parse_overrides(new), strict=True))
+        return [self._parsed[line] for line in lines]
 
     def compose(self, overrides: Sequence[str]) -> DictConfig:
         from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-        parsed = self._parser.parse_overrides(list(overrides))
+        parsed = self._parse(overrides)
         groups = tuple(o.input_line for o in parsed if self._is_group(o))
         if groups not in self._bases:
             full = self._loader.load_sweep_config(self._master, list(groups))
@@ -248,7 +260,8 @@ class PlannedRun:
 
 def plan_runs(jobs: Sequence[Job], composer: CellComposer) -> list[PlannedRun]:
     """Compose and validate every job; any invalid one fails the campaign before it starts."""
-    planned, errors = [], []
+    planned: list[PlannedRun] = []
+    errors: dict[str, list[Job]] = {}  # message -> the jobs it rejects
     for job in jobs:
         try:
             cfg = composer.compose(job.overrides)
@@ -256,15 +269,17 @@ def plan_runs(jobs: Sequence[Job], composer: CellComposer) -> list[PlannedRun]:
             key = run_key(cfg)
             prereg_plan_hash(key.question)
         except (ValueError, HydraException, OmegaConfBaseException) as err:
-            errors.append(f"[{' '.join(job.overrides)}] {err}".replace("\n", " "))
+            errors.setdefault(" ".join(str(err).split()), []).append(job)
             continue
         planned.append(PlannedRun(job, key, cfg))
     if errors:
-        shown = "\n  ".join(errors[:MAX_LISTED])
-        more = f"\n  ... and {len(errors) - MAX_LISTED} more" if len(errors) > MAX_LISTED else ""
-        raise CampaignError(
-            f"{len(errors)} of {len(jobs)} cells are invalid; no run was started:\n  {shown}{more}"
-        )
+        num_bad = sum(len(v) for v in errors.values())
+        lines = [f"{msg} ({len(bad)} cells, e.g. [{' '.join(bad[0].overrides)}])"
+                 for msg, bad in list(errors.items())[:MAX_LISTED]]
+        if len(errors) > MAX_LISTED:
+            lines.append(f"... and {len(errors) - MAX_LISTED} more errors")
+        raise CampaignError(f"{num_bad} of {len(jobs)} cells are invalid; no run was started:\n  "
+                            + "\n  ".join(lines))
     return planned
 
 
@@ -316,7 +331,10 @@ def _ledger_root(runs: Sequence[PlannedRun]) -> Path:
         raise CampaignError(f"ledger_root: a campaign writes to one ledger root, got {roots}")
     if not all(r.cfg.write_ledgers for r in runs):
         raise CampaignError("write_ledgers=false: a campaign records every run in the ledgers")
-    return check_ledger_root(roots[0])
+    try:
+        return check_ledger_root(roots[0])
+    except ValueError as err:
+        raise CampaignError(str(err)) from err
 
 
 def _quoted(text: str) -> str:
@@ -430,7 +448,7 @@ def run_campaign(spec: CampaignSpec, arguments: Sequence[str], *, config_loader,
     planned = plan_runs(jobs, CellComposer(config_loader, config))
     root = _ledger_root(planned)
     planned, merged = _unique(order_runs(planned, spec.order))
-    complete = completed_run_ids(root) if spec.skip_complete else set()
+    complete = completed_run_ids(root)
     todo = [r for r in planned if r.key.run_id not in complete]
     campaigns = tuple(sorted({r.key.campaign for r in planned}))
     summary = CampaignSummary(campaigns, str(root), len(planned), merged_duplicates=merged)

@@ -141,4 +141,4 @@ def prereg_plan_hash(question: str) -> str:
     try:
         return load_plan(question).plan_hash
     except ValueError as err:
-        raise ValueError(f"question={question!r}: its preregistered plan is invalid: {err}") from err
+        raise ValueError(f"question={question!r}: invalid preregistered plan: {err}") from err

@@ -25,18 +25,25 @@ WORKLOAD = ("workload.source=synthetic", "workload.num_requests=36", "load.rate=
             "workload.synthetic_output_tokens=48")
 
 
-def write_cell(root: Path, campaign: str, plan_hash: str, *overrides: str) -> dict:
-    """Run one cell, write it under `root` stamped with `plan_hash`; return its runs row."""
+def write_cells(root: Path, campaign: str, plan_hash: str, overrides, seeds) -> list[dict]:
+    """Run one cell per seed, write each under `root` stamped with `plan_hash`; return rows.
+
+    The config is composed once and only its seed changes (composing dominates the cost).
+    """
     cfg = compose_config(f"ledger_root={root}", f"campaign_name={campaign}",
                          f"question={campaign}", *WORKLOAD, *overrides)
-    key = run_key(cfg)
-    result = run_cell(cfg)
-    row = {**runs_row(cfg, key, result, result.summary["wall_seconds"]),
-           "prereg_plan_hash": plan_hash}
-    tables = {name: cols for name, cols in result.tables.items()
-              if len(next(iter(cols.values())))}
-    write_run(root, key.campaign, key.run_id, tables, row)
-    return row
+    rows = []
+    for seed in seeds:
+        cfg.seed = int(seed)
+        key = run_key(cfg)
+        result = run_cell(cfg)
+        row = {**runs_row(cfg, key, result, result.summary["wall_seconds"]),
+               "prereg_plan_hash": plan_hash}
+        tables = {name: cols for name, cols in result.tables.items()
+                  if len(next(iter(cols.values())))}
+        write_run(root, key.campaign, key.run_id, tables, row)
+        rows.append(row)
+    return rows
 
 
 # Small plans over the test cells (rate 12, seeds 0-2), replacing q1, q4, q7, q8 and q9 of
@@ -233,7 +240,7 @@ def shared_ledger(tmp_path_factory) -> BuiltLedger:
         rows = []
         for campaign, seeds, cells in LEDGER_CELLS:
             plan_hash = prereg.load_plan(campaign, plan_dir).plan_hash
-            rows += [write_cell(base / "ledger", campaign, plan_hash, *cell, f"seed={seed}")
-                     for seed in seeds for cell in cells]
+            for cell in cells:
+                rows += write_cells(base / "ledger", campaign, plan_hash, cell, seeds)
         _BUILT["ledger"] = BuiltLedger(base / "ledger", plan_dir, rows)
     return _BUILT["ledger"]

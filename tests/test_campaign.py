@@ -3,6 +3,7 @@ rerun, crash resume after SIGKILL, and bad input rejected before any run."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -34,6 +35,7 @@ SYNTH = ("workload.source=synthetic", "workload.num_requests=20")
 QUESTIONS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9")
 
 
+@functools.cache
 def plan(*overrides: str):
     return camp.plan_campaign([*overrides, "ledger_root=/nonexistent/ledgers"])
 

@@ -121,7 +121,8 @@ def test_crashed_attempt_is_invisible_and_redone(make_cfg, tmp_path, monkeypatch
         runner.main_run(cfg)
     con = ledgers.connect(root)
     assert one(con, "SELECT count(*) FROM raw_requests") == 20
-    assert one(con, "SELECT count(*) FROM requests") == 0 and one(con, "SELECT count(*) FROM runs") == 0
+    assert one(con, "SELECT count(*) FROM requests") == 0
+    assert one(con, "SELECT count(*) FROM runs") == 0
     assert "incomplete runs" in problems(root)
 
     monkeypatch.setattr(writer, "write_atomic", real_write)

@@ -133,7 +133,7 @@ class ProcessLauncher(Launcher):
                     running[i] = (self._start(overrides, job_dir, cwd, hook),
                                   time.monotonic(), job_dir)
                 finished = [i for i, (p, _, _) in running.items() if p.poll() is not None]
-                for i, (proc, started, job_dir) in list(running.items()):
+                for i, (proc, started, _) in list(running.items()):
                     if (i not in finished and self.timeout_s is not None
                             and time.monotonic() - started > self.timeout_s):
                         proc.kill()

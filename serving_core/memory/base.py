@@ -177,7 +177,7 @@ class MemoryOrganization:
 
     def _invalidate(self, obj: StateObject, cause: int, taken: int = -1) -> None:
         assert obj.ref_count == 0 and obj.cached, f"evicting a referenced or uncached {obj}"
-        # INJECTED: self.cache.remove(obj) skipped
+        self.cache.remove(obj)
         self.events.on_loss(obj, cause)
         self._destroy(obj, cause, taken)
 

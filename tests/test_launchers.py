@@ -1,0 +1,154 @@
+"""Launchers: the default process launcher (isolation, failures, timeouts), submitit_local,
+the SLURM config, and Ray when its optional extra is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.utils import JobStatus
+from omegaconf import OmegaConf
+
+import ledgers
+from hydra_plugins.hsl_campaign import process_launcher
+from ledgers import check as ledger_check
+
+REPO = Path(__file__).resolve().parent.parent
+SYNTH = ("workload.source=synthetic", "workload.num_requests=20")
+
+# A stand-in job entry point: its behaviour is chosen by its `mode=` override.
+FAKE_JOB = textwrap.dedent("""
+    import json, os, signal, sys, time
+    mode = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("mode="))
+    if mode == "ok":
+        print("human summary")
+        print(json.dumps({"mode": mode, "argv": sys.argv[1:]}))
+    elif mode == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "exit3":
+        print("error: bad cell", file=sys.stderr)
+        sys.exit(3)
+    elif mode == "hang":
+        time.sleep(60)
+""")
+
+
+class Bar:
+    def __init__(self):
+        self.n = 0
+
+    def update(self, k):
+        self.n += k
+
+    def set_postfix(self, **_):
+        pass
+
+
+def fake_launcher(tmp_path: Path, **kwargs) -> process_launcher.ProcessLauncher:
+    (tmp_path / "fake_job.py").write_text(FAKE_JOB)
+    config = OmegaConf.create({"hydra": {
+        "sweep": {"dir": str(tmp_path / "sweep")},
+        "runtime": {"cwd": str(tmp_path), "config_sources": []},
+        "job": {"config_name": "config", "name": "fake_job"},
+        "overrides": {"hydra": ["hydra.verbose=false", "hydra/launcher=local",
+                                "hydra.launcher.n_jobs=2"]},
+    }})
+
+    def task(_cfg):
+        return None
+
+    task.__module__ = "fake_job"
+    launcher = process_launcher.ProcessLauncher(**kwargs)
+    launcher.setup(hydra_context=None, task_function=task, config=config)
+    return launcher
+
+
+def test_process_launcher_isolates_crashes_exits_and_timeouts(tmp_path):
+    launcher = fake_launcher(tmp_path, n_jobs=2, timeout_s=2)
+    launcher.progress = bar = Bar()
+    jobs = [["mode=ok", "x=1"], ["mode=crash"], ["mode=exit3"], ["mode=hang"], ["mode=ok"]]
+    rets = launcher.launch(jobs, initial_job_idx=10)
+    assert [r.status for r in rets] == [JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.FAILED,
+                                        JobStatus.FAILED, JobStatus.COMPLETED]
+    assert rets[0].return_value["argv"][-3:-1] == ["mode=ok", "x=1"]
+    assert rets[0].return_value["argv"][-1] == f"hydra.run.dir='{tmp_path / 'sweep' / '10'}'"
+    # the sweep's own hydra overrides stay with the sweep; the rest are forwarded
+    assert "hydra.verbose=false" in rets[0].return_value["argv"]
+    argv = rets[0].return_value["argv"]
+    assert not any(a.startswith(("hydra/launcher", "hydra.launcher")) for a in argv)
+    reasons = [str(r._return_value) for r in rets[1:4]]
+    # by module attribute: Hydra's plugin scan re-executes plugin modules in place
+    failed_type = process_launcher.JobProcessFailed
+    assert all(isinstance(r._return_value, failed_type) for r in rets[1:4])
+    assert reasons[0].startswith("killed by signal 9")
+    assert reasons[1].startswith("exit code 3: error: bad cell")
+    assert reasons[2].startswith("timed out after 2 s")
+    assert bar.n == 5
+    assert (tmp_path / "sweep" / "11" / "stdout.log").read_text().startswith("# ")
+
+
+def test_process_launcher_rejects_bad_settings():
+    with pytest.raises(ValueError, match=r"hydra\.launcher\.n_jobs=-1"):
+        process_launcher.ProcessLauncher(n_jobs=-1)
+    with pytest.raises(ValueError, match=r"hydra\.launcher\.timeout_s=0"):
+        process_launcher.ProcessLauncher(timeout_s=0)
+
+
+def run_multirun(tmp_path: Path, *overrides: str, timeout: float = 300):
+    cmd = [sys.executable, "-m", "experiments.run", "-m", *overrides, *SYNTH,
+           f"ledger_root={tmp_path / 'ledgers'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_failing_cell_does_not_poison_the_campaign(tmp_path):
+    # p7 passes planning but cannot hold one request of S2: the engine raises at run time.
+    proc = run_multirun(tmp_path, "campaign_name=iso", "org=s2", "budget=p7,p254")
+    assert proc.returncode == 1
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (summary["done"], summary["failed"]) == (1, 1)
+    assert "cannot hold one maximal request" in proc.stdout
+    con = ledgers.connect(tmp_path / "ledgers")
+    assert con.execute("SELECT budget, status FROM raw_runs ORDER BY budget").fetchall() == [
+        ("p254", "complete"), ("p7", "failed")]
+
+
+def test_submitit_local_tiny_multirun_writes_ledgers(tmp_path):
+    proc = run_multirun(tmp_path, "hydra/launcher=submitit_local", "campaign_name=sub",
+                        "org=s0,s2", "budget=b63")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    root = tmp_path / "ledgers"
+    con = ledgers.connect(root)
+    assert con.execute("SELECT org, count(*) FROM runs GROUP BY ALL ORDER BY ALL").fetchall() == [
+        ("S0", 1), ("S2", 1)]
+    assert con.execute("SELECT count(*) FROM requests").fetchall() == [(40,)]
+    assert ledger_check.check(root).ok
+    assert list((tmp_path / "sweep" / ".submitit").iterdir())  # submitit ran the jobs
+
+
+def test_slurm_config_composes_onto_submitit():
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        cfg = compose("config", ["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert (launcher.cpus_per_task, launcher.array_parallelism) == (1, 256)
+    assert "partition" in launcher and "submitit_folder" in launcher
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None,
+                    reason="optional extra: pip install -e '.[ray]'")
+def test_ray_launcher_tiny_multirun(tmp_path):
+    proc = run_multirun(tmp_path, "hydra/launcher=ray_cluster", "campaign_name=ray",
+                        "+hydra.launcher.ray.init.num_cpus=2",
+                        "+hydra.launcher.ray.init.include_dashboard=false",
+                        "org=s0,s2", "budget=b63", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    root = tmp_path / "ledgers"
+    assert ledgers.connect(root).execute("SELECT count(*) FROM runs").fetchall() == [(2,)]
+    assert ledger_check.check(root).ok
