@@ -20,7 +20,8 @@ import numpy as np
 import pandas as pd
 
 from analysis import prereg, stats
-from analysis.common import CONFIDENCE, METRICS, compare, summarize_d
+from analysis.common import METRICS
+from analysis.paired import CONFIDENCE, compare, diff_interval, summarize_d
 from analysis.render import md_table
 
 ROW_COLUMNS = ("test", "kind", "predicted", "cells", "n", "effect", "unit", "effect_pp",
@@ -89,15 +90,12 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
         result.reasons = [f"refused: {exc}"]
         return result
     result.accepted, result.plan_changed = check.accepted, check.plan_changed
-    if len(check.runs) == 0:
+    matched, notes = (check.runs, []) if check.accepted else relaxed_match(plan, fam, runs)
+    if len(matched) == 0:
         result.reasons = [f"no data: none of the {check.num_expected} planned runs "
                           f"({len(fam.cells)} cells) is in the ledger"]
         return result
-    result.reasons = check.reasons()
-    matched = check.runs
-    if not check.accepted:
-        matched, notes = relaxed_match(plan, fam, runs)
-        result.reasons += notes
+    result.reasons = check.reasons() + notes
     values = {cell.id: matched[matched["cell_id"] == cell.id].set_index("seed")
               for cell in fam.cells}
     per_seed = []
@@ -111,7 +109,7 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
             result.estimand_notes[estimand.name] = (f"{metric.name} ({estimand.role}): "
                                                     "no such readout in these runs")
             continue
-        table, seeds = _tests_table(fam, values, metric.name, result.accepted)
+        table, seeds = _tests_table(fam, values, metric.name)
         _decide(table, fam, estimand, result.accepted)
         result.tables[estimand.name] = table
         scale = "log ratio" if metric.scale == "log" else f"difference in {metric.unit}"
@@ -155,8 +153,8 @@ def _series(values: dict[str, pd.DataFrame], cell_id: str, metric: str) -> pd.Se
     return values[cell_id][metric].astype(float).sort_index()
 
 
-def _tests_table(fam: prereg.Family, values: dict[str, pd.DataFrame], metric: str,
-                 accepted: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _tests_table(fam: prereg.Family, values: dict[str, pd.DataFrame],
+                 metric: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     rows, per_seed = [], []
     confidence = float(fam.decision.get("confidence", CONFIDENCE))
     for test in fam.tests:
@@ -182,8 +180,6 @@ def _with_confidence(row: dict, d: pd.Series, scale: str, confidence: float) -> 
             interval = stats.paired_t_interval(d.to_numpy(), confidence)
             row.update(ci_low=interval.low_pct, ci_high=interval.high_pct)
         else:
-            from analysis.common import diff_interval
-
             row["ci_low"], row["ci_high"] = diff_interval(d.to_numpy(), confidence)
     return row
 

@@ -19,7 +19,7 @@ from analysis.common import METRICS, budget_rank, cell_order  # noqa: E402
 
 ORG_COLORS = {"S0": "#8c8c8c", "S1": "#4c72b0", "S2": "#55a868", "D0": "#c44e52",
               "S2_RETENTION": "#8172b2"}
-DPI = 120
+DPI = 100
 _JITTER = np.random.default_rng(0)
 
 
@@ -173,12 +173,15 @@ def relative_curves(changes: pd.DataFrame, path: Path, x: str, xlabel: str,
     rows = changes[changes["metric"] == "throughput_ledger"].copy()
     rows["arm"] = rows["treatment"].str.split().str[0] + " / " + rows["control"].str.split().str[0]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for arm, group in rows.groupby("arm", sort=False):
-        group = group.sort_values(x)
+    arms = list(dict.fromkeys(rows["arm"]))
+    span = float(rows[x].max() - rows[x].min()) or 1.0
+    for k, arm in enumerate(arms):  # a small horizontal dodge keeps equal series visible
+        group = rows[rows["arm"] == arm].sort_values(x)
         low = (group["effect"] - group["ci_low"]).fillna(0).clip(lower=0)
         high = (group["ci_high"] - group["effect"]).fillna(0).clip(lower=0)
-        ax.errorbar(group[x], 100 + group["effect"], yerr=[low, high], marker="o", capsize=3,
-                    color=_color(arm.split(" / ")[0]), label=arm)
+        dodge = (k - (len(arms) - 1) / 2) * 0.012 * span
+        ax.errorbar(group[x] + dodge, 100 + group["effect"], yerr=[low, high], marker="o",
+                    capsize=3, color=_color(arm.split(" / ")[0]), label=arm)
     ax.axhline(100, color="black", linewidth=0.8)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("relative throughput, within seed (% of control)")

@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 
 from analysis import figures, prereg, readouts, stats
-from analysis.common import budget_rank, cell_labels, seed_values
+from analysis.common import budget_rank, cell_labels
+from analysis.paired import seed_values
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q4"

@@ -18,8 +18,9 @@ import numpy as np
 import pandas as pd
 
 from analysis import figures, prereg, readouts, stats
-from analysis.common import DESIGN_COLUMNS, RunSet, cell_order, load_runs, query, seed_values
+from analysis.common import DESIGN_COLUMNS, RunSet, cell_order, load_runs, query
 from analysis.families import FamilyResult, evaluate_family, fam_description
+from analysis.paired import seed_values
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q7"
@@ -105,21 +106,23 @@ def depth_tables(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     if "episodes" not in runs:
         return pd.DataFrame(), pd.DataFrame()
     traced = runs[runs["trace"] & runs["episodes"].notna()]
+    names = (*CLASSES, NO_ENTRY)
     cells, classes = [], []
     for cell in cell_order(traced):
         group = traced[traced["cell"] == cell]
-        row = {"cell": cell, "n": len(group), "episodes": int(group["episodes"].sum()),
-               "unadmitted_entries": int(group["unadmitted_entries"].sum()),
-               "dropped": int(group["dropped"].sum()), "write_errors": int(group["write_errors"]
-                                                                           .sum())}
-        row.update({f"{v}_mean": float(group[f"{v}_mean"].mean()) for v in DEPTH_VALUES})
-        cells.append(row)
-        counts = {f"count_{c}": int(group.get(f"count_{c}", pd.Series(0)).fillna(0).sum())
-                  for c in (*CLASSES, NO_ENTRY)}
-        shares = {f"share_{c}": float(group.get(f"share_{c}", pd.Series(0.0, index=group.index))
-                                      .fillna(0.0).mean()) for c in (*CLASSES, NO_ENTRY)}
+        totals = {c: int(group[c].sum()) for c in ("episodes", "unadmitted_entries", "dropped",
+                                                    "write_errors")}
+        cells.append({"cell": cell, "n": len(group), **totals,
+                      **{f"{v}_mean": float(group[f"{v}_mean"].mean()) for v in DEPTH_VALUES}})
+        counts = {f"count_{c}": int(_column(group, f"count_{c}").sum()) for c in names}
+        shares = {f"share_{c}": float(_column(group, f"share_{c}").mean()) for c in names}
         classes.append({"cell": cell, "n": len(group), **counts, **shares})
     return pd.DataFrame(cells), pd.DataFrame(classes)
+
+
+def _column(group: pd.DataFrame, name: str) -> pd.Series:
+    """A class count/share column; a class no episode fell into counts as 0."""
+    return group[name].fillna(0) if name in group else pd.Series(0.0, index=group.index)
 
 
 def _display(cells: pd.DataFrame) -> pd.DataFrame:

@@ -13,15 +13,9 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import prereg
-from analysis.common import (
-    DESIGN_COLUMNS,
-    METRICS,
-    RunSet,
-    cell_summary,
-    load_runs,
-    paired_changes,
-)
+from analysis.common import DESIGN_COLUMNS, METRICS, RunSet, cell_summary, load_runs
 from analysis.families import evaluate_plan
+from analysis.paired import paired_changes
 from analysis.render import QuestionResult, Section, no_data_section
 
 RUN_COLUMNS = ("run_id", "cell", "seed", *DESIGN_COLUMNS, "throughput_ledger",

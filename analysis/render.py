@@ -20,7 +20,7 @@ MISSING = "n/a"
 
 
 def fmt(value) -> str:
-    """One table cell: NaN -> n/a, floats with 4 significant digits."""
+    """One table cell: NaN -> n/a, floats with 4 significant digits (whole numbers from 1e4)."""
     if value is None:
         return MISSING
     if isinstance(value, (bool, np.bool_)):
@@ -28,7 +28,9 @@ def fmt(value) -> str:
     if isinstance(value, (int, np.integer)):
         return str(int(value))
     if isinstance(value, (float, np.floating)):
-        return MISSING if math.isnan(value) else f"{float(value):.4g}"
+        if math.isnan(value):
+            return MISSING
+        return f"{float(value):.0f}" if abs(value) >= 1e4 else f"{float(value):.4g}"
     return str(value).replace("|", "\\|")
 
 
