@@ -175,7 +175,7 @@ def load_runs(con, questions: Sequence[str]) -> RunSet:
 LABEL_PREFIX = {"retention_k": "K", "pinning_k": "pin K", "d0_attention_fraction": "attn"}
 
 
-def _fmt_value(column: str, value) -> str:
+def fmt_value(column: str, value) -> str:
     """Label fragment of one design value ("" for an unset org-specific setting)."""
     if column == "trace":
         return "trace on" if bool(value) else "trace off"
@@ -206,7 +206,7 @@ def cell_labels(runs: pd.DataFrame) -> pd.Series:
         per_org[c].nunique(dropna=False).max() > 1
         or (c not in ORG_SETTINGS and runs[c].nunique(dropna=False) > 1))]
     labels = runs.apply(lambda r: " ".join(
-        [r["org"], *(t for c in varying if (t := _fmt_value(c, r[c])))]), axis=1)
+        [r["org"], *(t for c in varying if (t := fmt_value(c, r[c])))]), axis=1)
     identity = runs[list(IDENTITY_COLUMNS)].map(str).agg("|".join, axis=1)
     ambiguous = identity.groupby(labels).transform("nunique") > 1
     labels[ambiguous] = labels[ambiguous] + " [" + runs.loc[ambiguous, "units_detail"].map(

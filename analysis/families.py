@@ -92,8 +92,10 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
     result.accepted, result.plan_changed = check.accepted, check.plan_changed
     matched, notes = (check.runs, []) if check.accepted else relaxed_match(plan, fam, runs)
     if len(matched) == 0:
+        campaigns = sorted({str(c.keys["campaign"]) for c in fam.cells})
         result.reasons = [f"no data: none of the {check.num_expected} planned runs "
-                          f"({len(fam.cells)} cells) is in the ledger"]
+                          f"({len(fam.cells)} cells, campaign {', '.join(campaigns)}) "
+                          "is in the ledger"]
         return result
     result.reasons = check.reasons() + notes
     values = {cell.id: matched[matched["cell_id"] == cell.id].set_index("seed")

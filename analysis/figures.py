@@ -6,6 +6,7 @@ or None when the frames hold nothing to draw.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -99,7 +100,7 @@ def change_bars(changes: pd.DataFrame, seeds: pd.DataFrame, path: Path, title: s
     ax.axhline(0, color="black", linewidth=0.8)
     _label_x(ax, rows["comparison"].tolist())
     unit = "%" if scale == "log" else METRICS[metric].unit
-    ax.set_ylabel(f"paired change in {METRICS[metric].label} ({unit})")
+    ax.set_ylabel(textwrap.fill(f"paired change in {METRICS[metric].label} ({unit})", 40))
     ax.set_xlabel("treatment vs control (bar: effect, whiskers: 95% paired-t; dots: seeds)")
     ax.set_title(title)
     return _save(fig, path)
@@ -239,7 +240,8 @@ def depth_panels(depth_cells: pd.DataFrame, classes: pd.DataFrame, path: Path,
     _label_x(left, depth_cells["cell"].tolist())
     left.set_ylabel("depth per admission episode (tokens)")
     left.set_xlabel("cell (bars: means of run means; black: M0..M1 bracket)")
-    left.legend(fontsize=7, ncol=2)
+    left.set_ylim(0, 1.25 * max(left.get_ylim()[1], 1.0))  # headroom for the legend row
+    left.legend(fontsize=7, ncol=len(DEPTH_BARS), loc="upper center")
     bottom = np.zeros(len(classes))
     for name, color in CLASS_COLORS.items():
         column = f"share_{name}"
@@ -250,7 +252,7 @@ def depth_panels(depth_cells: pd.DataFrame, classes: pd.DataFrame, path: Path,
     _label_x(right, classes["cell"].tolist())
     right.set_ylabel("share of admission episodes (%)")
     right.set_xlabel("cell (entry depth vs adopted depth)")
-    right.legend(fontsize=7)
+    right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(title)
     return _save(fig, path)
 

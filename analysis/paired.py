@@ -113,7 +113,7 @@ def paired_changes(
                 for c_cell in control_cells:
                     row, d = compare(seed_values(runs, t_cell, metric),
                                      seed_values(runs, c_cell, metric), metric)
-                    name = f"{t_cell} vs {c_cell}"
+                    name = comparison_name(t_cell, c_cell, vary)
                     rows.append({"comparison": name, "treatment": t_cell, "control": c_cell,
                                  **dict(zip(keys, condition, strict=True)),
                                  "metric": metric, "unit": unit, **row})
@@ -127,9 +127,18 @@ def paired_changes(
     return table, pd.DataFrame(per_seed, columns=["comparison", "seed", "d"])
 
 
+def comparison_name(t_cell: str, c_cell: str, vary: str) -> str:
+    """"S1 vs S0 @ b63 rate 3" when two org cells share their condition, else both labels."""
+    t_org, _, t_rest = t_cell.partition(" ")
+    c_org, _, c_rest = c_cell.partition(" ")
+    if vary == "org" and t_rest == c_rest:
+        return f"{t_org} vs {c_org}" + (f" @ {t_rest}" if t_rest else "")
+    return f"{t_cell} vs {c_cell}"
+
+
 def _cells_with(group: pd.DataFrame, column: str, value) -> list[str]:
     if isinstance(value, float):
         mask = np.isclose(group[column].astype(float), value)
     else:
         mask = group[column] == value
-    return list(dict.fromkeys(group.loc[mask, "cell"]))
+    return sorted(set(group.loc[mask, "cell"]))

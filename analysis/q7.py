@@ -172,7 +172,8 @@ def containment_pairs(runs: pd.DataFrame) -> pd.DataFrame:
                 pair = pd.concat([seed_values(runs, on, "throughput_ledger").rename("on"),
                                   seed_values(runs, off, "throughput_ledger").rename("off")],
                                  axis=1, join="inner").dropna()
-                row = {"on": on, "off": off, "n": len(pair), "estimate_log_pct": np.nan,
+                row = {"campaign": group["campaign"].iloc[0], "on": on, "off": off,
+                       "n": len(pair), "estimate_log_pct": np.nan,
                        "low_log_pct": np.nan, "high_log_pct": np.nan, "passed": False}
                 if len(pair) >= 2:
                     check = stats.containment(pair["on"], pair["off"], MARGIN_PCT,
@@ -197,12 +198,15 @@ def containment_section(result: QuestionResult, runs: pd.DataFrame) -> pd.DataFr
     return pairs
 
 
-def gate(con, plan_dir=None, allow_changed_plan: bool = False) -> FamilyResult:
-    """The Q7 containment family evaluated on the Q7 runs (Q8 borrows it)."""
+def q7_gates(con, plan_dir=None, allow_changed_plan: bool = False) -> dict[str, tuple[bool, str]]:
+    """Depth gate of every Q7 campaign, and of the plan's campaign even without runs (Q8)."""
     runset = load_runs(con, READS)
     plan = readouts.load_plan(QUESTION, plan_dir)
-    fam = next(f for f in plan.families if f.decision["method"] == "containment")
-    return evaluate_family(plan, fam, runset.all_runs, allow_changed_plan=allow_changed_plan)
+    gates = [evaluate_family(plan, fam, runset.all_runs, allow_changed_plan=allow_changed_plan)
+             for fam in plan.families if fam.decision["method"] == "containment"]
+    pairs = containment_pairs(runset.runs) if not runset.empty else pd.DataFrame()
+    campaigns = sorted({plan.campaign, *runset.runs["campaign"]})
+    return campaign_gates(campaigns, pairs, plan, gates)
 
 
 def withheld(plan: prereg.Plan, reason: str, skip: tuple[str, ...]) -> list[FamilyResult]:
@@ -212,32 +216,69 @@ def withheld(plan: prereg.Plan, reason: str, skip: tuple[str, ...]) -> list[Fami
             for fam in plan.families if fam.name not in skip]
 
 
+def campaign_gates(campaigns, pairs: pd.DataFrame, plan: prereg.Plan,
+                   gates: list[FamilyResult]) -> dict[str, tuple[bool, str]]:
+    """Per campaign: may its depth be analysed, and how that was decided.
+
+    The plan's campaign needs its preregistered containment family to pass; any other
+    campaign (a smoke or demo run) needs every one of its own ON/OFF pairs (n >= 2) to
+    pass, and its depth results are exploratory.
+    """
+    out = {}
+    for campaign in campaigns:
+        if campaign == plan.campaign:
+            ok = bool(gates) and all(g.gate_passed for g in gates)
+            how = "preregistered containment family " + "; ".join(
+                f"{g.name}: {g.status}, gate {'passed' if g.gate_passed else 'not passed'}"
+                for g in gates)
+        else:
+            own = pairs[pairs["campaign"] == campaign] if len(pairs) else pairs
+            ok = bool(len(own)) and bool((own["n"] >= 2).all() and own["passed"].all())
+            how = (f"its own {len(own)} trace ON/OFF condition(s) "
+                   f"{'all pass' if ok else 'do not all pass (or n < 2)'}; exploratory")
+        out[campaign] = (ok, how)
+    return out
+
+
+def gate_notes(gates: dict[str, tuple[bool, str]]) -> list[str]:
+    return [f"campaign {c}: depth {'analysed' if ok else 'withheld'} ({how})"
+            for c, (ok, how) in gates.items()]
+
+
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
     result, runset = readouts.begin(con, QUESTION, TITLE, READS)
+    pairs = pd.DataFrame()
     if not runset.empty:
         readouts.throughput_section(result, runset.runs)
-        containment_section(result, runset.runs)
+        pairs = containment_section(result, runset.runs)
     plan = readouts.load_plan(QUESTION, plan_dir)
     gate_names = tuple(f.name for f in plan.families if f.decision["method"] == "containment")
     gates = readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir,
                                      allow_changed_plan, only=gate_names)
-    if not all(g.gate_passed for g in gates):
+    campaign_gate = campaign_gates(list(runset.campaigns), pairs, plan, gates)
+    passed = [c for c, (ok, _) in campaign_gate.items() if ok]
+    notes = gate_notes(campaign_gate)
+    result.notes += notes
+    if not passed:
         reason = ("withheld: depth is analysed only after the ON/OFF probe containment gate "
-                  f"passes; gate family {', '.join(gate_names)}: "
-                  + "; ".join(f"{g.status}, gate {'passed' if g.gate_passed else 'not passed'}"
-                              for g in gates))
+                  f"passes ({'; '.join(notes) or 'no runs'})")
         result.sections.append(Section("State depth", f"Depth analysis {reason}."))
-        result.families += withheld(plan, reason, gate_names)
-        return result
-    depth = run_depth(con, runset)
-    runs = with_depth(runset.runs, depth)
-    depth_section(result, runs)
-    traced = runs[runs["trace"]]
-    readouts.changes_section(result, traced, "depth_changes", "D0 vs S2 depth (trace ON)",
-                             DEPTH_CHANGE_METRICS, (("D0", "S2"),))
+    else:
+        depth = run_depth(con, runset)
+        runs = with_depth(runset.runs, depth)
+        runs = runs[runs["campaign"].isin(passed)]
+        depth_section(result, runs)
+        readouts.changes_section(result, runs[runs["trace"]], "depth_changes",
+                                 "D0 vs S2 depth (trace ON)", DEPTH_CHANGE_METRICS,
+                                 (("D0", "S2"),))
     others = tuple(f.name for f in plan.families if f.name not in gate_names)
-    readouts.attach_families(result, with_depth(runset.all_runs, depth), QUESTION, plan_dir,
-                             allow_changed_plan, only=others)
+    if plan.campaign in passed:
+        readouts.attach_families(result, with_depth(runset.all_runs, depth), QUESTION,
+                                 plan_dir, allow_changed_plan, only=others)
+    else:
+        result.families += withheld(plan, "withheld: depth is analysed only after the "
+                                          "preregistered ON/OFF probe containment gate passes",
+                                    gate_names)
     return result
 
 

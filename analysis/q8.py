@@ -1,13 +1,16 @@
 """Q8: does longer checkpoint lifetime restore reuse depth? S2 vs S2+Retention.
 
-Depth is analysed only once the trace probe is shown harmless: by Q8's own
-trace ON/OFF pairs when the ledger has them, otherwise by the Q7 containment
-family (the same recorder), which the report then states.
+Depth is analysed only once the trace probe is shown harmless, per campaign:
+by the campaign's own trace ON/OFF pairs when it has them, otherwise by the
+gate of the matching Q7 campaign (the same recorder; for campaign q8 that is
+the preregistered Q7 containment family). The report states which.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pandas as pd
 
 from analysis import figures, q7, readouts
 from analysis.render import QuestionResult, Section
@@ -18,44 +21,59 @@ READS = ("q8",)
 RETENTION = (("S2_RETENTION", "S2"),)
 
 
-def gate_status(con, runs, plan_dir, allow_changed_plan) -> tuple[bool, str]:
-    """(passed, how it was established)."""
-    own = q7.containment_pairs(runs) if not runs.empty else None
-    if own is not None and not own.empty and (own["n"] >= 2).all():
-        passed = bool(own["passed"].all())
-        return passed, (f"Q8's own trace ON/OFF pairs ({len(own)} conditions): "
-                        f"{'all pass' if passed else 'not all pass'}")
-    borrowed = q7.gate(con, plan_dir, allow_changed_plan)
-    return bool(borrowed.gate_passed), (
-        "Q8 has no trace ON/OFF pairs with n >= 2, so the Q7 containment family "
-        f"`{borrowed.name}` is used: {borrowed.status}, gate "
-        f"{'passed' if borrowed.gate_passed else 'not passed'}")
+def campaign_gates(con, runs, plan_dir, allow_changed_plan) -> dict[str, tuple[bool, str]]:
+    """Per Q8 campaign: its own ON/OFF pairs if it has them (n >= 2), else the gate of the
+    matching Q7 campaign (q8 -> q7, q8_smoke -> q7_smoke)."""
+    pairs = q7.containment_pairs(runs) if not runs.empty else pd.DataFrame()
+    borrowed = None
+    out = {}
+    for campaign in sorted(runs["campaign"].unique()):
+        own = pairs[pairs["campaign"] == campaign] if len(pairs) else pairs
+        if len(own) and (own["n"] >= 2).all():
+            ok = bool(own["passed"].all())
+            out[campaign] = (ok, f"its own {len(own)} trace ON/OFF condition(s) "
+                                 f"{'all pass' if ok else 'do not all pass'}")
+            continue
+        borrowed = borrowed or q7.q7_gates(con, plan_dir, allow_changed_plan)
+        source = q7.QUESTION + campaign[len(QUESTION):] if campaign.startswith(QUESTION) else ""
+        ok, how = borrowed.get(source, (False, "no such Q7 campaign in the ledger"))
+        out[campaign] = (ok, f"no trace ON/OFF pairs of its own; Q7 campaign "
+                             f"{source or '(none)'}: {how}")
+    return out
 
 
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
     result, runset = readouts.begin(con, QUESTION, TITLE, READS)
     runs = runset.runs
-    if not runset.empty:
-        readouts.throughput_section(result, runs)
-        readouts.changes_section(result, runs, "retention", "S2+Retention vs S2 throughput",
-                                 ("throughput_ledger", "throughput_span"), RETENTION)
-    passed, how = gate_status(con, runs, plan_dir, allow_changed_plan)
-    result.notes.append(f"Probe containment for depth: {how}.")
     plan = readouts.load_plan(QUESTION, plan_dir)
-    if not passed:
-        reason = f"withheld: depth is analysed only after the probe containment passes ({how})"
-        result.sections.append(Section("State depth", f"Depth analysis {reason}."))
-        result.families += q7.withheld(plan, reason, ())
+    if runset.empty:
+        result.families += q7.withheld(plan, "no data: depth needs traced Q8 runs", ())
         return result
-    depth = q7.run_depth(con, runset)
-    runs = q7.with_depth(runs, depth)
-    q7.depth_section(result, runs)
-    readouts.changes_section(result, runs[runs["trace"]], "depth_changes",
-                             "S2+Retention vs S2 depth (trace ON)",
-                             ("jadopt_tokens_mean", "gap_r_tokens_mean", "rmax_tokens_mean"),
-                             RETENTION)
-    readouts.attach_families(result, q7.with_depth(runset.all_runs, depth), QUESTION, plan_dir,
-                             allow_changed_plan)
+    readouts.throughput_section(result, runs)
+    readouts.changes_section(result, runs, "retention", "S2+Retention vs S2 throughput",
+                             ("throughput_ledger", "throughput_span"), RETENTION)
+    gates = campaign_gates(con, runs, plan_dir, allow_changed_plan)
+    result.notes += q7.gate_notes(gates)
+    passed = [c for c, (ok, _) in gates.items() if ok]
+    if not passed:
+        result.sections.append(Section("State depth", "Depth analysis withheld: depth is "
+                                       "analysed only after the probe containment passes."))
+    else:
+        depth = q7.run_depth(con, runset)
+        traced = q7.with_depth(runs, depth)
+        traced = traced[traced["campaign"].isin(passed)]
+        q7.depth_section(result, traced)
+        readouts.changes_section(result, traced[traced["trace"]], "depth_changes",
+                                 "S2+Retention vs S2 depth (trace ON)",
+                                 ("jadopt_tokens_mean", "gap_r_tokens_mean", "rmax_tokens_mean"),
+                                 RETENTION)
+    if plan.campaign in passed:
+        readouts.attach_families(result, q7.with_depth(runset.all_runs, depth), QUESTION,
+                                 plan_dir, allow_changed_plan)
+    else:
+        result.families += q7.withheld(plan, "withheld: depth is analysed only after the probe "
+                                             f"containment passes for campaign {plan.campaign}",
+                                       ())
     return result
 
 

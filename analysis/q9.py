@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import figures, prereg, readouts, stats
-from analysis.families import relaxed_match
+from analysis.common import DESIGN_COLUMNS, ORG_SETTINGS, fmt_value
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q9"
@@ -26,27 +26,43 @@ TIMEBASES = (("ledger", "throughput_ledger", "primary"), ("span", "throughput_sp
                                                           "sensitivity"))
 
 
-def cell_table(plan: prereg.Plan, runs: pd.DataFrame, allow_changed_plan: bool
-               ) -> tuple[pd.DataFrame, bool, list[str]]:
-    """(seed, policy, mode, throughput_*) of the K_ret family's cells; accepted; notes."""
+def family_table(plan: prereg.Plan, runs: pd.DataFrame,
+                 allow_changed_plan: bool) -> pd.DataFrame | None:
+    """(seed, policy, mode, throughput_*) of the accepted K_ret family's runs, else None."""
     fam = plan.primary_family
     check = prereg.check_family(plan, fam, runs, allow_changed_plan=allow_changed_plan)
-    matched, notes = (check.runs, []) if check.accepted else relaxed_match(plan, fam, runs)
+    if not check.accepted:
+        return None
     keys = {c.id: c.keys for c in fam.cells}
-    table = matched.assign(
-        policy=matched["cell_id"].map(lambda c: POLICY[str(keys[c]["org"]).upper()]),
-        mode=matched["cell_id"].map(lambda c: MODE[str(keys[c]["reuse"]).lower()]))
-    return table, check.accepted, notes
+    return check.runs.assign(
+        policy=check.runs["cell_id"].map(lambda c: POLICY[str(keys[c]["org"]).upper()]),
+        mode=check.runs["cell_id"].map(lambda c: MODE[str(keys[c]["reuse"]).lower()]))
+
+
+def condition_tables(runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """S2 / S2_RETENTION runs per condition (everything but org, reuse and K), labelled."""
+    runs = runs[runs["org"].isin(POLICY) & runs["reuse"].isin(MODE)]
+    if runs.empty:
+        return {}
+    keys = [c for c in DESIGN_COLUMNS if c not in ("org", "reuse", *ORG_SETTINGS)]
+    varying = [c for c in keys if c == "campaign" or runs[c].nunique(dropna=False) > 1]
+    out = {}
+    for values, group in runs.groupby(keys, dropna=False, sort=True):
+        row = dict(zip(keys, values, strict=True))
+        label = " ".join(t for c in varying if (t := fmt_value(c, row[c])))
+        out[label] = group.assign(policy=group["org"].map(POLICY), mode=group["reuse"].map(MODE))
+    return out
 
 
 def complete_seeds(table: pd.DataFrame) -> tuple[list[int], list[int]]:
-    """Seeds with all four policy x mode cells, and the incomplete ones."""
-    counts = table.groupby("seed")["cell_id"].nunique()
-    return sorted(int(s) for s in counts.index[counts == 4]), sorted(
-        int(s) for s in counts.index[counts < 4])
+    """Seeds with exactly one run in each of the four policy x mode cells, and the others."""
+    counts = table.groupby(["seed", "policy", "mode"]).size()
+    cells = counts[counts == 1].groupby("seed").size()
+    seeds = sorted(int(s) for s in cells.index[cells == 4])
+    return seeds, sorted(int(s) for s in set(table["seed"]) - set(seeds))
 
 
-def kret(table: pd.DataFrame, accepted: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+def kret(table: pd.DataFrame, condition: str, status: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Summary (timebase x estimand) and per-seed changes from stats.retention_interaction."""
     rows, per_seed = [], []
     for timebase, column, role in TIMEBASES:
@@ -56,15 +72,14 @@ def kret(table: pd.DataFrame, accepted: bool) -> tuple[pd.DataFrame, pd.DataFram
              "delta_isolate": result.d_isolate}
         for name, interval in (("K_ret", result.k_ret), ("delta_share", result.delta_share),
                                ("delta_isolate", result.delta_isolate)):
-            decision = result.decision if name == "K_ret" else "secondary"
-            rows.append({"timebase": timebase, "estimand": name,
-                         "role": role if name == "K_ret" else "secondary",
+            rows.append({"condition": condition, "status": status, "timebase": timebase,
+                         "estimand": name, "role": role if name == "K_ret" else "secondary",
                          "n": result.n, "effect_pct": interval.effect_pct,
                          "ci_low_pct": interval.low_pct, "ci_high_pct": interval.high_pct,
                          "n_pos": int((d[name] > 0).sum()), "n_neg": int((d[name] < 0).sum()),
-                         "decision": decision if accepted else "refused (exploratory)"})
-            per_seed += [{"timebase": timebase, "estimand": name, "seed": s,
-                          "change_pct": 100 * math.expm1(v)}
+                         "decision": result.decision if name == "K_ret" else ""})
+            per_seed += [{"condition": condition, "timebase": timebase, "estimand": name,
+                          "seed": s, "change_pct": 100 * math.expm1(v)}
                          for s, v in zip(result.seeds, d[name], strict=True)]
     return pd.DataFrame(rows), pd.DataFrame(per_seed)
 
@@ -72,7 +87,47 @@ def kret(table: pd.DataFrame, accepted: bool) -> tuple[pd.DataFrame, pd.DataFram
 KRET_TEXT = ("K_ret = 100 (exp(mean(d_SHARE - d_ISOLATE)) - 1) % with d_m(s) = "
              "ln(G(Ret, m)/G(S2, m)) per seed; 95% paired-t intervals (df = n - 1). "
              "Decision: CONFIRMED (interval above 0), DIRECTIONAL (every seed above 0, interval "
-             "includes 0), NOT_CONFIRMED. Ledger timebase primary; request span sensitivity.")
+             "includes 0), NOT_CONFIRMED. Ledger timebase primary; request span sensitivity. "
+             "Status `preregistered`: the accepted K_ret family's runs and seeds; `exploratory`: "
+             "every condition of the ledger over its complete seeds (its label is descriptive).")
+
+
+def kret_section(result: QuestionResult, plan: prereg.Plan, runs: pd.DataFrame,
+                 allow_changed_plan: bool) -> None:
+    """K_ret of the accepted family (if any) and of every condition with >= 2 complete seeds."""
+    summaries, seeds, notes = [], [], []
+    family = family_table(plan, runs, allow_changed_plan)
+    if family is not None:
+        summary, per_seed = kret(family, f"{plan.campaign} (plan)", "preregistered")
+        summaries.append(summary)
+        seeds.append(per_seed)
+    else:
+        notes.append("The K_ret family of the plan is refused (see below); no preregistered "
+                     "K_ret.")
+    for label, table in condition_tables(runs).items():
+        complete, incomplete = complete_seeds(table)
+        if incomplete:
+            notes.append(f"{label}: seeds without exactly one run per policy x mode cell are "
+                         f"left out: {incomplete}.")
+        if len(complete) < 2:
+            notes.append(f"No data for K_ret in {label}: {len(complete)} complete seed(s), "
+                         "needs 2.")
+            continue
+        table = table[table["seed"].isin(complete)]
+        if family is not None and set(table["run_id"]) == set(family["run_id"]):
+            continue  # the preregistered row above already is this condition
+        summary, per_seed = kret(table, label, "exploratory")
+        summaries.append(summary)
+        seeds.append(per_seed)
+    text = " ".join([KRET_TEXT, *notes])
+    if not summaries:
+        result.sections.append(Section("K_ret: retention x reuse interaction",
+                                       f"No data for K_ret. {text}"))
+        return
+    summary = result.add("kret", pd.concat(summaries, ignore_index=True))
+    result.add("kret_seeds", pd.concat(seeds, ignore_index=True))
+    result.sections.append(Section("K_ret: retention x reuse interaction", text,
+                                   [("", summary, None)]))
 
 
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
@@ -80,35 +135,27 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
     plan = readouts.load_plan(QUESTION, plan_dir)
     if not runset.empty:
         readouts.throughput_section(result, runset.runs)
-        table, accepted, notes = cell_table(plan, runset.all_runs, allow_changed_plan)
-        seeds, incomplete = complete_seeds(table)
-        text = KRET_TEXT
-        if incomplete:
-            text += f" Seeds without all four cells (left out): {incomplete}."
-        if not accepted:
-            text += " The K_ret family is refused (see below): this is exploratory."
-        text += "".join(f" {n}." for n in notes)
-        if len(seeds) >= 2:
-            summary, per_seed = kret(table[table["seed"].isin(seeds)], accepted)
-            result.add("kret", summary)
-            result.add("kret_seeds", per_seed)
-            result.sections.append(Section("K_ret: retention x reuse interaction", text,
-                                           [("", summary, None)]))
-        else:
-            result.sections.append(Section(
-                "K_ret: retention x reuse interaction",
-                f"No data for K_ret: {len(seeds)} seed(s) with all four policy x mode cells "
-                f"(needs 2). {text}"))
+        kret_section(result, plan, runset.all_runs, allow_changed_plan)
     readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
     return result
+
+
+def first_condition(summary, per_seed):
+    """(per-seed, summary) frames of the K_ret table's first condition (the plan's if any)."""
+    if summary is None or summary.empty:
+        return None, None
+    condition = summary["condition"].iloc[0]
+    return (per_seed[per_seed["condition"] == condition],
+            summary[summary["condition"] == condition])
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
     return figures.kept([
-        ("K_ret panel: per-seed retention effects in SHARE and ISOLATE and their difference "
-         "(dots), effects with 95% paired-t intervals (squares)",
-         figures.kret_panel(f.get("kret_seeds"), f.get("kret"), out_dir / "q9_kret.png")),
+        ("K_ret panel (first condition of the K_ret table): per-seed retention effects in SHARE "
+         "and ISOLATE and their difference (dots), effects with 95% paired-t intervals (squares)",
+         figures.kret_panel(*first_condition(f.get("kret"), f.get("kret_seeds")),
+                            out_dir / "q9_kret.png")),
         ("Throughput by cell: geometric mean (bars) and seeds (dots)",
          figures.throughput_bars(f.get("runs"), out_dir / "q9_throughput.png",
                                  "Q9 throughput by cell")),

@@ -39,7 +39,7 @@ _CAMPAIGN_COUNTS = """
     FROM raw_runs GROUP BY campaign ORDER BY campaign
 """
 _RUN_HASHES = """
-    SELECT campaign, prereg_plan_hash, count(*) AS runs
+    SELECT question, campaign, prereg_plan_hash, count(*) AS runs
     FROM runs WHERE status = 'complete' AND adopted GROUP BY ALL ORDER BY ALL
 """
 
@@ -66,14 +66,15 @@ def analysis_version() -> str:
 
 
 def plan_hashes(con, plan_dir: Path) -> pd.DataFrame:
-    """Per question: the plan's current hash and the hashes its runs carry."""
+    """Per question: the plan's current hash and the hashes its runs carry, per campaign."""
     stamped = con.execute(_RUN_HASHES).df()
     rows = []
     for module in QUESTIONS:
         plan = readouts.load_plan(module.QUESTION, plan_dir)
-        found = stamped[stamped["campaign"] == plan.campaign]
-        carried = "; ".join(f"{(h or '<none>')[:12]} x{n}" for h, n in
-                            zip(found["prereg_plan_hash"], found["runs"], strict=True))
+        found = stamped[stamped["question"] == module.QUESTION]
+        carried = "; ".join(f"{c}: {(h or '<none>')[:12]} x{n}" for c, h, n in
+                            zip(found["campaign"], found["prereg_plan_hash"], found["runs"],
+                                strict=True))
         status = ("no runs" if found.empty else "match"
                   if (found["prereg_plan_hash"] == plan.plan_hash).all() else "CHANGED")
         rows.append({"question": plan.question, "campaign": plan.campaign,

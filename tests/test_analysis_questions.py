@@ -285,9 +285,33 @@ def test_q7_depth_is_withheld_when_the_gate_family_is_refused(ledger, tmp_path):
     assert not depth.accepted and "withheld" in depth.reasons[0]
 
 
+def test_runs_outside_the_plan_campaign_are_analysed_as_exploratory(ledger, tmp_path):
+    """A smoke-like campaign: its own ON/OFF pairs gate its depth; K_ret is exploratory."""
+    plans = tmp_path / "plans"
+    shutil.copytree(ledger.plan_dir, plans)
+    for name in ("q7", "q9"):
+        path = plans / f"{name}.yaml"
+        path.write_text(path.read_text().replace(f"campaign: {name}", f"campaign: {name}_main"))
+    connection = ledgers.connect(ledger.root)
+    try:
+        r7 = q7.analyze(connection, plan_dir=plans)
+        r9 = q9.analyze(connection, plan_dir=plans)
+    finally:
+        connection.close()
+    assert "depth_cells" in r7.frames
+    assert any("campaign q7: depth analysed" in n and "exploratory" in n for n in r7.notes)
+    depth = next(f for f in r7.families if f.name == "depth")
+    assert not depth.accepted and "withheld" in depth.reasons[0]
+    kret = r9.frames["kret"]
+    assert set(kret["status"]) == {"exploratory"} and set(kret["condition"]) == {"q9"}
+    assert "no preregistered K_ret" in r9.markdown()
+
+
 def test_q8_depth_uses_the_q7_gate_and_compares_retention(analyzed, ledger):
     result = analyzed(q8)
-    assert any("Q7 containment family" in note for note in result.notes)
+    assert any("campaign q8: depth analysed" in note
+               and "Q7 campaign q7: preregistered containment family" in note
+               for note in result.notes)
     hand = depth_by_hand(ledger, "q8").join(raw(ledger, "runs", "q8").set_index("run_id")[
         ["org", "seed"]]).set_index(["org", "seed"])["jadopt"]
     diff = hand.loc["S2_RETENTION"] - hand.loc["S2"]
@@ -312,7 +336,8 @@ def test_q9_kret_matches_the_hand_computed_interaction(analyzed, ledger):
         d_share = g[("S2_RETENTION", "share")] - g[("S2", "share")]
         d_isolate = g[("S2_RETENTION", "isolate")] - g[("S2", "isolate")]
         k = (d_share - d_isolate).to_numpy()
-        kret = result.frames["kret"].set_index(["timebase", "estimand"])
+        kret = result.frames["kret"].query("status == 'preregistered'")
+        kret = kret.set_index(["timebase", "estimand"])
         row = kret.loc[(timebase, "K_ret")]
         assert row["n"] == 3
         assert row["effect_pct"] == pytest.approx(100 * math.expm1(k.mean()))
@@ -325,6 +350,7 @@ def test_q9_kret_matches_the_hand_computed_interaction(analyzed, ledger):
     seeds = result.frames["kret_seeds"]
     assert len(seeds) == 2 * 3 * 3
     fam = next(f for f in result.families if f.name == "k_ret")
+    assert set(result.frames["kret"]["status"]) == {"preregistered"}  # one condition: no repeat
     k_ledger = result.frames["kret"].set_index(["timebase", "estimand"]).loc[("ledger", "K_ret")]
     assert fam.tables["K_ret"].set_index("test").loc["K_ret", "effect"] == pytest.approx(
         k_ledger["effect_pct"])

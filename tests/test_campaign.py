@@ -283,3 +283,13 @@ def test_unwritable_ledger_root_fails_the_campaign_before_any_run(tmp_path):
     assert proc.returncode != 0
     assert "ledger_root=" in proc.stderr and "not a writable directory" in proc.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+def test_plan_listing_runs_nothing(tmp_path, capsys):
+    assert camp.main(["campaign=q8", f"ledger_root={tmp_path / 'ledgers'}"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 7 and lines[-1].startswith("6 runs (-: 6); 6 to run; order seed_major")
+    assert all(" q8 " in line and "to run" in line for line in lines[:6])
+    assert not (tmp_path / "ledgers").exists()
+    assert camp.main(["campaign=q8", "org=s7", f"ledger_root={tmp_path}"]) == 2
+    assert "org='s7'" in capsys.readouterr().out

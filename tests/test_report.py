@@ -56,7 +56,7 @@ def test_report_writes_index_pages_tables_and_prints_wall_time(drawn, ledger):
     assert str(ledger.root.resolve()) in index and "analysis sources sha256:" in index
     for campaign in ("q1", "q7", "q9"):
         plan_hash = prereg.load_plan(campaign, ledger.plan_dir).plan_hash[:12]
-        assert re.search(rf"\| {plan_hash} \| {plan_hash} x\d+ \| match \|", index)
+        assert re.search(rf"\| {plan_hash} \| {campaign}: {plan_hash} x\d+ \| match \|", index)
     counts = pd.Series([r["campaign"] for r in ledger.rows]).value_counts()
     for campaign, n in counts.items():
         assert re.search(rf"\| {campaign} \| {n} \| {n} \| {n} \| 0 \| {n} \|", index)
@@ -104,5 +104,5 @@ def test_partial_ledger_from_the_runner_names_missing_runs_and_states_allowance(
         assert f"No data for {question.upper()}" in (out / f"{question}.md").read_text()
     index = (out / "index.md").read_text()
     plan_hash = prereg.load_plan("q1").plan_hash[:12]
-    assert re.search(rf"\| Q1 \| q1 \| {plan_hash} \| {plan_hash} x2 \| match \|", index)
+    assert re.search(rf"\| Q1 \| q1 \| {plan_hash} \| q1: {plan_hash} x2 \| match \|", index)
     assert "--allow-changed-plan was given" in index

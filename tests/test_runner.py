@@ -242,3 +242,15 @@ def test_command_line_error_exits_2_with_the_field(tmp_path):
     assert proc.returncode == 2
     assert "error: org='s9': allowed values are" in proc.stderr
     assert not (tmp_path / "ledgers" / "runs").exists()
+
+
+def test_deliberate_replicate_is_kept_but_not_adopted(make_cfg, tmp_path):
+    first = make_cfg(*SMALL, "campaign_name=t5")
+    second = make_cfg(*SMALL, "campaign_name=t5", "replicate=1")
+    runner.main_run(first)
+    runner.main_run(second)
+    rows = ledgers.connect(tmp_path / "ledgers").execute(
+        "SELECT replicate, adopted, config_hash FROM runs ORDER BY replicate").fetchall()
+    assert [(r, a) for r, a, _ in rows] == [(0, True), (1, False)]
+    assert rows[0][2] == rows[1][2]  # same cell, same seed: one adoption key
+    assert ledger_check.check(tmp_path / "ledgers").ok
