@@ -217,6 +217,8 @@ def run_campaign(spec: CampaignSpec, arguments: Sequence[str], *, config_loader,
 
     from ledgers.writer import completed_run_ids
 
+    tqdm.monitor_interval = 0  # no monitor thread: the launcher forks job processes
+
     wall0 = time.perf_counter()
     jobs = expand_jobs(spec, arguments, str(config.campaign_name))
     planned = plan_runs(jobs, CellComposer(config_loader, config))
