@@ -26,7 +26,7 @@ test-all: setup ## run every test, slow end-to-end ones included
 	$(BIN)/python -m pytest
 
 lint: setup ## ruff checks
-	$(BIN)/ruff check serving_core experiments analysis ledgers tests bench
+	$(BIN)/ruff check serving_core experiments analysis ledgers tests bench hydra_plugins
 
 plan: setup ## print the budget planner table for b63, b83 and b108 (Falcon-H1-7B)
 	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b; echo; done

@@ -2,7 +2,7 @@
 
 `run_cell` is the plain function behind the Hydra entry point (experiments.run),
 testable without a command line. It returns the engine's tables, the summary the
-command prints, and the run's identity fields for the ledgers.
+command prints, and the episode bounds the ledgers record.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ _NON_IDENTITY_KEYS = ("ledger_root", "write_ledgers", "hydra", "campaign", "repl
 class CellResult:
     summary: dict
     tables: dict[str, dict[str, list]]
-    identity: dict[str, Any]
+    episode: dict[str, Any]  # ledger episode and request-span bounds (seconds)
     workload_meta: dict = field(default_factory=dict)
     units: dict[str, int] = field(default_factory=dict)
     memory: object = field(default=None, repr=False)  # final allocator state (inspection, tests)
@@ -120,17 +120,12 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
     summary = {"org": arm, "budget": str(cfg.budget), "seed": int(cfg.seed)}
     summary.update({k: result.summary[k] for k in SUMMARY_KEYS if k in result.summary})
     summary["wall_seconds"] = time.perf_counter() - wall0
-    identity = {
-        "arm": arm,
-        "org": org if arm != "s2_retention" else "S2_RETENTION",
-        "config_hash": config_hash(cfg),
-        "episode": {
-            k: result.summary[k]
-            for k in ("episode_start_s", "episode_end_s", "span_start_s", "span_end_s")
-        },
+    episode = {
+        k: result.summary[k]
+        for k in ("episode_start_s", "episode_end_s", "span_start_s", "span_end_s")
     }
     return CellResult(
-        summary, result.tables, identity, dict(workload.meta), pool_units, result.memory
+        summary, result.tables, episode, dict(workload.meta), pool_units, result.memory
     )
 
 

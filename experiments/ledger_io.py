@@ -119,7 +119,7 @@ def _provenance_columns(key: RunKey) -> dict:
 def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, wall_seconds: float) -> dict:
     """The complete runs row of a finished cell (adopted and created_at come from the writer)."""
     s = result.summary
-    episode = result.identity["episode"]
+    episode = result.episode
     values = {
         **cell_columns(cfg),
         **_provenance_columns(key),

@@ -111,19 +111,17 @@ def run_engine(
         if on_step is not None:
             on_step(sched, mem)  # debug / test hook: invariant checks after every step
         recorder.record_step(
-            (
-                sched.step,
-                t0,
-                dt,
-                len(plan),
-                len(sched.running),
-                len(sched.waiting),
-                initial,
-                resume,
-                decode,
-                num_preempted,
-                num_admitted,
-            )
+            step=sched.step,
+            t_start_s=t0,
+            duration_s=dt,
+            num_scheduled=len(plan),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            prefill_tokens_initial=initial,
+            prefill_tokens_resume=resume,
+            decode_tokens=decode,
+            num_preempted=num_preempted,
+            num_admitted=num_admitted,
         )
         while next_poll <= clock:
             recorder.sample(next_poll, sched, mem)

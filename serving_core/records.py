@@ -8,92 +8,17 @@ from __future__ import annotations
 
 import math
 
+from ledgers.schemas import ENGINE_SCHEMAS
 from serving_core.memory import Kind, MemoryEvents, StateObject
 
 _MASK64 = (1 << 64) - 1
 
-TRACE_COLUMNS = (
-    "seq",
-    "t_s",
-    "step",
-    "event",
-    "request_id",
-    "episode",
-    "kind",
-    "boundary",
-    "key",
-    "a_m0",
-    "rmax_m0",
-    "j_m0",
-    "a_m1",
-    "rmax_m1",
-    "j_m1",
-    "cause_request_id",
-    "need",
-    "free",
-    "pool",
-    "dropped",
-    "write_errors",
-)
-SLAB_COLUMNS = (
-    "seq",
-    "t_s",
-    "step",
-    "event",
-    "page",
-    "slot",
-    "request_id",
-    "occupancy",
-    "invalidated",
-)
-STEP_COLUMNS = (
-    "step",
-    "t_start_s",
-    "duration_s",
-    "num_scheduled",
-    "num_running",
-    "num_waiting",
-    "prefill_tokens_initial",
-    "prefill_tokens_resume",
-    "decode_tokens",
-    "num_preempted",
-    "num_admitted",
-)
-POLLER_COLUMNS = (
-    "t_s",
-    "pool",
-    "running",
-    "waiting",
-    "units_used",
-    "units_cached",
-    "units_free",
-    "units_total",
-    "usage_frac",
-    "preemptions_total",
-    "prompt_tokens_total",
-    "generation_tokens_total",
-    "prefix_hit_tokens_total",
-)
-REQUEST_COLUMNS = (
-    "request_id",
-    "arrival_s",
-    "start_s",
-    "first_token_s",
-    "finish_s",
-    "prompt_tokens",
-    "output_tokens",
-    "target_output_tokens",
-    "adopted_prefix_tokens",
-    "resume_adopted_tokens",
-    "preemptions",
-    "episodes",
-    "context_id",
-    "salt",
-    "ttft_s",
-    "e2e_s",
-    "tpot_s",
-    "status",
-)
+# Column names come from the ledger schemas: the engine emits exactly what is persisted.
+TRACE_COLUMNS = tuple(ENGINE_SCHEMAS["trace"].names)
+SLAB_COLUMNS = tuple(ENGINE_SCHEMAS["slab"].names)
+STEP_COLUMNS = tuple(ENGINE_SCHEMAS["steps"].names)
+POLLER_COLUMNS = tuple(ENGINE_SCHEMAS["poller"].names)
+REQUEST_COLUMNS = tuple(ENGINE_SCHEMAS["requests"].names)
 
 
 def format_key(key: int | None) -> str:
@@ -205,8 +130,10 @@ class Recorder(MemoryEvents):
         sl["invalidated"].append(invalidated)
 
     # ----- steps and poller -----------------------------------------------------------------
-    def record_step(self, row: tuple) -> None:
-        for col, value in zip(STEP_COLUMNS, row, strict=True):
+    def record_step(self, **row) -> None:
+        """One steps row, by column name (a missing or extra column raises)."""
+        assert row.keys() == self.steps.keys(), sorted(row.keys() ^ self.steps.keys())
+        for col, value in row.items():
             self.steps[col].append(value)
 
     def sample(self, t: int, sched, mem) -> None:
@@ -238,26 +165,26 @@ def request_columns(requests) -> dict[str, list]:
             if r.num_generated > 1
             else math.nan
         )
-        row = (
-            r.rid,
-            r.arrival_s,
-            r.start_s,
-            r.first_token_s,
-            r.finish_s,
-            r.num_prompt,
-            r.num_generated,
-            r.target_output,
-            r.adopted_first,
-            r.adopted_resume,
-            r.preemptions,
-            r.episodes,
-            int(r.spec.context_id),
-            r.spec.salt,
-            ttft,
-            e2e,
-            tpot,
-            "finished" if finished else "unfinished",
-        )
-        for col, value in zip(REQUEST_COLUMNS, row, strict=True):
-            cols[col].append(value)
+        row = {
+            "request_id": r.rid,
+            "arrival_s": r.arrival_s,
+            "start_s": r.start_s,
+            "first_token_s": r.first_token_s,
+            "finish_s": r.finish_s,
+            "prompt_tokens": r.num_prompt,
+            "output_tokens": r.num_generated,
+            "target_output_tokens": r.target_output,
+            "adopted_prefix_tokens": r.adopted_first,
+            "resume_adopted_tokens": r.adopted_resume,
+            "preemptions": r.preemptions,
+            "episodes": r.episodes,
+            "context_id": int(r.spec.context_id),
+            "salt": r.spec.salt,
+            "ttft_s": ttft,
+            "e2e_s": e2e,
+            "tpot_s": tpot,
+            "status": "finished" if finished else "unfinished",
+        }
+        for col in REQUEST_COLUMNS:
+            cols[col].append(row[col])
     return cols

@@ -29,14 +29,30 @@ def build_memory(
     cls = ORG_TO_CLASS[layout.org]
     expected = {"attention", "recurrent"} if layout.org == "D0" else {"shared"}
     if set(pool_units) != expected:
-        raise ValueError(f"pool_units for {layout.org} must name pools {sorted(expected)}, got {sorted(pool_units)}")
+        raise ValueError(
+            f"pool_units for {layout.org} must name pools {sorted(expected)}, "
+            f"got {sorted(pool_units)}"
+        )
     if layout.org == "D0" and not geometry.has_recurrent:
-        pool_units = {"attention": pool_units["attention"], "recurrent": max(1, pool_units["recurrent"])}
+        pool_units = {
+            "attention": pool_units["attention"],
+            "recurrent": max(1, pool_units["recurrent"]),
+        }
     return cls(layout, dict(pool_units), events)
 
 
 __all__ = [
-    "NO_SLOT", "NULL", "ORG_TO_CLASS", "D0DualPools", "Kind", "MemoryEvents", "MemoryOrganization",
-    "PrefixHit", "S0CoarsePages", "S1RecurrentPaging", "S2PagingConvSlots", "StateObject",
+    "NO_SLOT",
+    "NULL",
+    "ORG_TO_CLASS",
+    "D0DualPools",
+    "Kind",
+    "MemoryEvents",
+    "MemoryOrganization",
+    "PrefixHit",
+    "S0CoarsePages",
+    "S1RecurrentPaging",
+    "S2PagingConvSlots",
+    "StateObject",
     "build_memory",
 ]

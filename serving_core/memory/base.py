@@ -29,7 +29,9 @@ class MemoryOrganization:
     attention_pool = "shared"
     composite_pool = "shared"
 
-    def __init__(self, layout: OrgLayout, pool_units: dict[str, int], events: MemoryEvents | None = None):
+    def __init__(
+        self, layout: OrgLayout, pool_units: dict[str, int], events: MemoryEvents | None = None
+    ):
         self.layout = layout
         self.events = events or MemoryEvents()
         self.cache = PrefixCache()

@@ -21,4 +21,5 @@ class MemoryEvents:
     def on_slab(
         self, event: str, page: int, slot: int, request_id: int, occupancy: int, invalidated: int
     ) -> None:
-        """S2 slab lifecycle: SLAB_ALLOC, SLOT_ALLOC, SLOT_FREE, SLAB_RECLAIM, CROSS_INVALIDATE, SLAB_FREE."""
+        """S2 slab lifecycle: SLAB_ALLOC, SLOT_ALLOC, SLOT_FREE, SLAB_RECLAIM,
+        CROSS_INVALIDATE, SLAB_FREE."""

@@ -43,8 +43,18 @@ class StateObject:
     """
 
     __slots__ = (
-        "oid", "kind", "pool", "units", "slab_page", "slot", "ref_count",
-        "key", "boundary", "cached", "valid", "producer",
+        "oid",
+        "kind",
+        "pool",
+        "units",
+        "slab_page",
+        "slot",
+        "ref_count",
+        "key",
+        "boundary",
+        "cached",
+        "valid",
+        "producer",
     )
     is_null = False
 

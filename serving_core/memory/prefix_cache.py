@@ -73,7 +73,9 @@ class PrefixCache:
         table = self.checkpoints if checkpoint else self.attention
         return key in table or (m1 and (checkpoint, key) in self.lost)
 
-    def lookup(self, keys: list[int], block_tokens: int, interval: int, m1: bool = False) -> PrefixHit:
+    def lookup(
+        self, keys: list[int], block_tokens: int, interval: int, m1: bool = False
+    ) -> PrefixHit:
         """Depths for a prompt whose full-block chain keys are `keys`.
 
         With interval 0 (no recurrent state) the joint depth is the attention depth.
@@ -100,7 +102,9 @@ class PrefixCache:
                     break
         return PrefixHit(attention, amax, rmax, jadopt)
 
-    def record_demand(self, keys: list[int], block_tokens: int, interval: int, request_id: int) -> None:
+    def record_demand(
+        self, keys: list[int], block_tokens: int, interval: int, request_id: int
+    ) -> None:
         """Count `request_id` as a distinct requester of every checkpoint key of its prompt."""
         if interval == 0:
             return
