@@ -71,22 +71,26 @@ def run_engine(
     mem = build_memory(geometry, org, pool_units, recorder)
     check_feasible(mem, specs, org, budget_label)
     sched = Scheduler(mem, sched_cfg, recorder)
-    requests = [Request(s, mem.block_tokens) for s in specs]
-    n = len(requests)
-    limit = max_steps or 20 * sum(r.num_prompt + r.target_output for r in requests) + 1000
+    # Requests are materialized at arrival and drop their token lists when they finish,
+    # so memory follows the live set, not the workload size.
+    requests: list[Request] = []
+    arrivals = [float(s.arrival_s) for s in specs]
+    n = len(specs)
+    limit = max_steps or 20 * sum(len(s.prompt) + int(s.output_tokens) for s in specs) + 1000
 
     clock = 0.0
     next_arrival = 0
     next_poll = 0
     finished = 0
     while finished < n:
-        while next_arrival < n and requests[next_arrival].arrival_s <= clock:
-            req = requests[next_arrival]
+        while next_arrival < n and arrivals[next_arrival] <= clock:
+            req = Request(specs[next_arrival], mem.block_tokens)
+            requests.append(req)
             recorder.now = req.arrival_s
             sched.add_request(req, req.arrival_s)
             next_arrival += 1
         if not sched.running and not sched.waiting:
-            clock = max(clock, requests[next_arrival].arrival_s)  # idle: jump to the next arrival
+            clock = max(clock, arrivals[next_arrival])  # idle: jump to the next arrival
             while next_poll <= clock:
                 recorder.sample(next_poll, sched, mem)
                 next_poll += 1

@@ -68,8 +68,8 @@ class Request:
     def __init__(self, spec, block_tokens: int) -> None:
         self.spec = spec
         self.rid = int(spec.request_id)
-        self.tokens: list[int] = spec.prompt.tolist()
-        self.num_prompt = len(self.tokens)
+        self.tokens: list[int] | None = None  # materialized on first use (see _token_list)
+        self.num_prompt = len(spec.prompt)
         self.target_output = int(spec.output_tokens)
         if self.num_prompt < 1 or self.target_output < 1:
             raise ValueError(f"request {self.rid}: prompt and output must have >= 1 token")
@@ -104,7 +104,7 @@ class Request:
 
     def ensure_keys(self, num_blocks: int) -> list[int]:
         """Chain keys of the first `num_blocks` full blocks (computed once, extended lazily)."""
-        keys, tokens, bt = self.keys, self.tokens, self.block_tokens
+        keys, tokens, bt = self.keys, self._token_list(), self.block_tokens
         parent = keys[-1] if keys else self._root
         for i in range(len(keys), num_blocks):
             parent = hash((parent, *tokens[i * bt : (i + 1) * bt]))
@@ -116,7 +116,19 @@ class Request:
         n = (self.num_tokens - 1) // self.block_tokens
         return self.ensure_keys(n)[:n]
 
+    def _token_list(self) -> list[int]:
+        """Prompt + generated token ids as a list; built lazily so a long waiting queue
+        holds only the compact prompt arrays."""
+        if self.tokens is None:
+            self.tokens = self.spec.prompt.tolist()
+        return self.tokens
+
+    def release_tokens(self) -> None:
+        """Drop token ids and keys of a finished request (counts and timestamps stay)."""
+        self.tokens = []
+        self.keys = []
+
     def append_generated(self) -> None:
         j = self.num_generated
-        self.tokens.append((self.rid * 1_000_003 + j * 7_919 + 17) % GENERATED_TOKEN_SPACE)
+        self._token_list().append((self.rid * 1_000_003 + j * 7_919 + 17) % GENERATED_TOKEN_SPACE)
         self.num_generated += 1

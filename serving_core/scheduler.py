@@ -316,6 +316,7 @@ class Scheduler:
         self._release_all(req)
         req.status = Status.FINISHED
         req.finish_s = now
+        req.release_tokens()  # keep memory proportional to the live requests
         self.num_finished_step += 1
         self.running.remove(req)
         if self.trace:
