@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.ledger_io import RunKey
 from experiments.provenance import code_version, environment, prereg_plan_hash
+from ledgers.writer import atomic_open
 
 MANIFEST_DIR = "manifests"
 _EXCLUDED = ("hydra",)
@@ -73,18 +74,9 @@ def build_manifest(
 def write_manifest(root: str | os.PathLike, manifest: Mapping) -> Path:
     """Write a manifest atomically (temp file, fsync, rename)."""
     path = manifest_path(root, manifest["campaign"], manifest["run_id"])
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(manifest, indent=1, sort_keys=True, default=_plain, allow_nan=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "w") as fh:
+        fh.write(text + "\n")
     return path
 
 

@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 from collections.abc import Mapping
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -98,15 +99,17 @@ def _statistics_columns(table: pa.Table) -> list[str]:
     return [f.name for f in table.schema if not pa.types.is_floating(f.type)]
 
 
-def write_atomic(table: pa.Table, path: Path) -> None:
-    """Write `table` to `path` via a fsynced temp file and a rename."""
+@contextmanager
+def atomic_open(path: Path, mode: str = "wb"):
+    """Yield a handle on a temp sibling of `path`; on success fsync it, rename it over
+    `path` and fsync the directory. On any error the temp file is removed, so readers
+    only ever see complete files."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
+    encoding = None if "b" in mode else "utf-8"
     try:
-        with open(tmp, "wb") as fh:
-            pq.write_table(
-                table, fh, compression=_COMPRESSION, write_statistics=_statistics_columns(table)
-            )
+        with open(tmp, mode, encoding=encoding) as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -114,6 +117,14 @@ def write_atomic(table: pa.Table, path: Path) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def write_atomic(table: pa.Table, path: Path) -> None:
+    """Write `table` to `path` via a fsynced temp file and a rename."""
+    with atomic_open(path, "wb") as fh:
+        pq.write_table(
+            table, fh, compression=_COMPRESSION, write_statistics=_statistics_columns(table)
+        )
 
 
 def _with_keys(name: str, table: pa.Table, run_id: str, campaign: str) -> pa.Table:
