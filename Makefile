@@ -89,8 +89,7 @@ smoke: setup ## every question q1..q9 at smoke size, then check the ledgers
 demo: setup ## end-to-end demo: a few Q1 and Q9 cells (60 requests), check, report, ledger path
 	$(call campaign_run,demo)
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
-	@if [ -f analysis/report.py ]; then $(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT); \
-	else echo "(analysis/report.py not present yet: no report)"; fi
+	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT)
 	@echo "ledgers: $(abspath $(LEDGER_ROOT)) (campaigns demo_q1, demo_q9; DuckDB views: python -c 'import ledgers; ledgers.connect(\"$(LEDGER_ROOT)\")')"
 
 .PHONY: $(QUESTIONS) campaign campaign-plan smoke demo
