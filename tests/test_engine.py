@@ -230,3 +230,32 @@ def test_attention_only_geometry_runs():
     assert res.summary["completed"] == 60
     assert "checkpoint" not in set(res.tables["trace"]["kind"])
     assert res.summary["prefix_hit_tokens"] > 0
+
+
+def test_single_run_command_is_deterministic(tmp_path):
+    """The same command twice prints the same last-line JSON apart from wall_seconds."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "org=s2",
+        "budget=b63",
+        "seed=42000",
+        "write_ledgers=false",
+        "workload.num_requests=120",
+        f"hydra.run.dir={tmp_path}/h",
+    ]
+    outputs = []
+    for _ in range(2):
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=True)
+        last = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert last.pop("wall_seconds") > 0
+        outputs.append(last)
+    assert outputs[0] == outputs[1]
+    assert outputs[0]["completed"] == 120 and outputs[0]["org"] == "s2"

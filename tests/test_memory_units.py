@@ -120,7 +120,8 @@ def test_d0_composite_is_one_recurrent_unit(falcon):
 
 def test_attention_only_geometry_allocates_no_composite(attention_only):
     mem = build_memory(attention_only, "D0", {"attention": 4, "recurrent": 0})
-    assert mem.demand(2, 0) == {"attention": 2, "recurrent": 0}
+    assert list(mem.pools) == ["attention"]  # no recurrent state: a single attention pool
+    assert mem.demand(2, 0) == {"attention": 2}
     assert mem.lookup([1, 2]).jadopt == 0
     with pytest.raises(AssertionError):
         mem.allocate_composite(1)

@@ -34,10 +34,8 @@ def build_memory(
             f"got {sorted(pool_units)}"
         )
     if layout.org == "D0" and not geometry.has_recurrent:
-        pool_units = {
-            "attention": pool_units["attention"],
-            "recurrent": max(1, pool_units["recurrent"]),
-        }
+        # No recurrent state: D0 is a single attention pool.
+        pool_units = {"attention": pool_units["attention"]}
     return cls(layout, dict(pool_units), events)
 
 

@@ -68,7 +68,8 @@ class MemoryOrganization:
         """Units each pool must supply for new attention blocks and composites."""
         need = dict.fromkeys(self.pools, 0)
         need[self.attention_pool] += num_attention
-        need[self.composite_pool] += num_composites * self.units_per_composite()
+        if num_composites:
+            need[self.composite_pool] += num_composites * self.units_per_composite()
         return need
 
     def can_allocate(self, need: dict[str, int], extra: dict[str, int] | None = None) -> bool:
