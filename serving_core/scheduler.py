@@ -192,7 +192,7 @@ class Scheduler:
                     break
         req.attn = saved_attn
         if not mem.can_allocate(need, extra):
-            if not self.running and req.pin:
+            if not self.running and any(w.pin for w in self.waiting):
                 # Progress guarantee: with nothing running, pins must not block the head.
                 self._release_waiting_pins()
                 return self._try_admit(req, budget)

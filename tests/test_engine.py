@@ -259,3 +259,22 @@ def test_single_run_command_is_deterministic(tmp_path):
         outputs.append(last)
     assert outputs[0] == outputs[1]
     assert outputs[0]["completed"] == 120 and outputs[0]["org"] == "s2"
+
+
+def test_pinning_keeps_ownership_and_completes_in_a_tight_budget():
+    """Preemption-time pinning (K=1) under preemption: ownership invariants hold after
+    every step and every request completes."""
+    res = run_cell(
+        compose_config(
+            *SYNTH[:3],
+            "workload.synthetic_output_tokens=600",
+            "workload.num_requests=40",
+            "org=s2",
+            "budget=p14",
+            "load.rate=20",
+            "engine.pinning_k=1",
+        ),
+        on_step=check_ownership,
+    )
+    assert res.summary["completed"] == 40
+    assert res.summary["preemptions"] > 0
