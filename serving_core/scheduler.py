@@ -64,7 +64,6 @@ class Scheduler:
         self.now = 0.0
         self.num_preempted_step = 0
         self.num_admitted_step = 0
-        self.checkpoints_published_step = 0
         self.num_finished_step = 0
         # cumulative counters (poller)
         self.preemptions_total = 0
@@ -337,7 +336,6 @@ class Scheduler:
         mem, B, C = self.mem, self.B, self.C
         retention_k = self.cfg.retention_k
         initial = resume = decode = 0
-        self.checkpoints_published_step = 0
         self.num_finished_step = 0
         for item in plan:
             req, c0, n = item.req, item.context, item.num_new
@@ -386,7 +384,6 @@ class Scheduler:
             return
         produced = req.working
         mem.publish(produced, key, boundary)
-        self.checkpoints_published_step += 1
         req.working = dest
         if retention_k is not None and mem.cache.num_requesters(key) >= retention_k:
             req.retained.append(produced)  # producer keeps its reference until finish/preempt
