@@ -91,28 +91,23 @@ class Recorder(MemoryEvents):
 
     def on_publish(self, obj: StateObject) -> None:
         if self.trace_enabled:
-            kind = "checkpoint" if obj.kind == Kind.COMPOSITE else "attention"
-            self.event(
-                "PUBLISH",
-                self.now,
-                obj.producer,
-                kind=kind,
-                boundary=obj.boundary,
-                key=format_key(obj.key),
-            )
+            self._state_event("PUBLISH", obj, -1)
 
     def on_loss(self, obj: StateObject, cause_request: int) -> None:
         if self.trace_enabled:
-            kind = "checkpoint" if obj.kind == Kind.COMPOSITE else "attention"
-            self.event(
-                "LOSS",
-                self.now,
-                obj.producer,
-                kind=kind,
-                boundary=obj.boundary,
-                key=format_key(obj.key),
-                cause=cause_request,
-            )
+            self._state_event("LOSS", obj, cause_request)
+
+    def _state_event(self, event: str, obj: StateObject, cause: int) -> None:
+        kind = "checkpoint" if obj.kind == Kind.COMPOSITE else "attention"
+        self.event(
+            event,
+            self.now,
+            obj.producer,
+            kind=kind,
+            boundary=obj.boundary,
+            key=format_key(obj.key),
+            cause=cause,
+        )
 
     # ----- slab ---------------------------------------------------------------------------
     def on_slab(self, event, page, slot, request_id, occupancy, invalidated) -> None:
