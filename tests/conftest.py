@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from serving_core.geometry import load_geometry
+
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
@@ -24,3 +26,19 @@ def make_cfg(tmp_path):
         return compose_config(f"ledger_root={tmp_path / 'ledgers'}", *overrides)
 
     return _make
+
+
+@pytest.fixture(scope="session")
+def falcon():
+    """Falcon-H1-7B geometry (conf/model/falcon_h1_7b.yaml)."""
+    return load_geometry("falcon_h1_7b")
+
+
+@pytest.fixture(scope="session")
+def granite():
+    return load_geometry("granite")
+
+
+@pytest.fixture(scope="session")
+def attention_only():
+    return load_geometry("attention_only")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from serving_core.geometry import load_geometry
 from serving_core.memory import NO_SLOT, NULL, StateObject, build_memory
 from serving_core.memory.objects import Kind
 from serving_core.memory.s2 import decode_conv_line, encode_conv_line
@@ -18,11 +17,6 @@ from serving_core.memory.s2 import decode_conv_line, encode_conv_line
 KIB = 1024
 PAGE = 512 * KIB
 SLOT = 32 * KIB
-
-
-@pytest.fixture(scope="module")
-def falcon():
-    return load_geometry("falcon_h1_7b")
 
 
 def fragmented(geometry, org: str, num_units: int, free_order: list[int]):

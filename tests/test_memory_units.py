@@ -11,26 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from serving_core.geometry import load_geometry
 from serving_core.memory import NO_SLOT, MemoryEvents, build_memory
 from serving_core.memory.invariants import check_invariants
 
 KIB = 1024
-
-
-@pytest.fixture(scope="module")
-def falcon():
-    return load_geometry("falcon_h1_7b")
-
-
-@pytest.fixture(scope="module")
-def granite():
-    return load_geometry("granite")
-
-
-@pytest.fixture(scope="module")
-def attention_only():
-    return load_geometry("attention_only")
 
 
 class Losses(MemoryEvents):

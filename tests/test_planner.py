@@ -22,16 +22,6 @@ from serving_core.planner import (
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def falcon():
-    return load_geometry("falcon_h1_7b")
-
-
-@pytest.fixture(scope="module")
-def granite():
-    return load_geometry("granite")
-
-
 # Falcon: U = 1,605,632 B; S0 page 1,594,368; S1/S2 page 524,288 (U = 3.0625 pages);
 # D0 attention unit 16,384, composite 1,594,368, split 0.527383 / 0.472617.
 #

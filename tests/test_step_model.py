@@ -41,11 +41,6 @@ def raw_yaml(name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def falcon():
-    return load_geometry("falcon_h1_7b")
-
-
-@pytest.fixture(scope="module")
 def a100(falcon):
     return StepTimeModel(falcon, load_device_profile("a100"), "s2")
 

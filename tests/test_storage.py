@@ -28,16 +28,6 @@ MIB = 1024 * KIB
 BUDGET_100_MIB = 100 * MIB  # 104,857,600 B = 102,400 KiB
 
 
-@pytest.fixture(scope="module")
-def falcon():
-    return load_geometry("falcon_h1_7b")
-
-
-@pytest.fixture(scope="module")
-def granite():
-    return load_geometry("granite")
-
-
 def test_spec_example_one_block_one_checkpoint(falcon):
     costs = all_costs(falcon, 1, 1, slabs=1)
     # S0 1,557 KiB x 2 = 3,114 KiB = 3.041016 MiB
