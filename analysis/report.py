@@ -184,6 +184,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if not Path(args.ledgers).is_dir():
+        print(f"error: --ledgers={args.ledgers!r}: no such directory", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     summary = write_report(args.ledgers, args.out, allow_changed_plan=args.allow_changed_plan,
                            plan_dir=args.plans)

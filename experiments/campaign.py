@@ -28,6 +28,7 @@ from experiments.ledger_io import RunKey, run_key
 from experiments.provenance import prereg_plan_hash
 from experiments.sweeps import CampaignError, CampaignSpec, Job, expand_jobs, williams_rows
 from experiments.validation import check_ledger_root, validate_config
+from ledgers.commands import module_command
 
 MAX_LISTED = 10  # invalid cells or failures listed in a message
 
@@ -162,7 +163,8 @@ class CampaignSummary:
             f"campaign {', '.join(self.campaigns)}: {self.planned} runs - {self.done} done, "
             f"{self.skipped} skipped (already complete), {self.failed} failed; "
             f"wall time {self.wall_seconds:.1f} s",
-            f"ledgers: {self.ledger_root}  (check: python -m ledgers.check {self.ledger_root})",
+            f"ledgers: {self.ledger_root}  "
+            f"(check: {module_command('ledgers.check', self.ledger_root)})",
         ]
         if self.merged_duplicates:
             lines.append(f"note: {self.merged_duplicates} duplicate cells ran once")
@@ -215,7 +217,7 @@ def run_campaign(spec: CampaignSpec, arguments: Sequence[str], *, config_loader,
     """Plan, check, skip, launch and summarize one campaign; raise if any run failed."""
     from tqdm import tqdm
 
-    from ledgers.writer import completed_run_ids
+    from ledgers.integrity import quarantine_damage, scan_root
 
     tqdm.monitor_interval = 0  # no monitor thread: the launcher forks job processes
 
@@ -224,9 +226,14 @@ def run_campaign(spec: CampaignSpec, arguments: Sequence[str], *, config_loader,
     planned = plan_runs(jobs, CellComposer(config_loader, config))
     root = _ledger_root(planned)
     planned, merged = _unique(order_runs(planned, spec.order))
-    complete = completed_run_ids(root)
-    todo = [r for r in planned if r.key.run_id not in complete]
     campaigns = tuple(sorted({r.key.campaign for r in planned}))
+    # Damaged runs (a file missing, unreadable or not matching its checksum) are moved
+    # aside first, so they are not complete and run again below.
+    moved = quarantine_damage(scan_root(root, campaigns, deep=True))
+    if moved.moved:
+        print(moved.format(), flush=True)
+    complete = scan_root(root, campaigns).complete_runs
+    todo = [r for r in planned if (r.key.campaign, r.key.run_id) not in complete]
     summary = CampaignSummary(campaigns, str(root), len(planned), merged_duplicates=merged)
     summary.skipped = len(planned) - len(todo)
     print(f"campaign {', '.join(campaigns)}: {len(planned)} runs, {summary.skipped} already "
@@ -239,9 +246,9 @@ def run_campaign(spec: CampaignSpec, arguments: Sequence[str], *, config_loader,
         with tqdm(total=len(todo), desc=" ".join(campaigns), unit="run", mininterval=0.5,
                   dynamic_ncols=True) as progress:
             returns, errors = launch_runs(launcher, todo, root, spec.max_batch_size, progress)
-        now_complete = completed_run_ids(root)
+        now_complete = scan_root(root, campaigns).complete_runs
         for run, ret in zip(todo, returns, strict=True):
-            if run.key.run_id in now_complete:
+            if (run.key.campaign, run.key.run_id) in now_complete:
                 if _was_skipped(ret):
                     summary.skipped += 1
                 else:
@@ -289,9 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m experiments.campaign campaign=q1 [overrides]`: list the runs, run nothing."""
     import argparse
 
-    from ledgers.writer import completed_run_ids
+    from ledgers.integrity import scan_root
 
-    parser = argparse.ArgumentParser(prog="python -m experiments.campaign",
+    parser = argparse.ArgumentParser(prog=module_command("experiments.campaign"),
                                      description=main.__doc__)
     parser.add_argument("overrides", nargs="+", help="overrides, as for experiments.run -m")
     args = parser.parse_args(argv)
@@ -301,15 +308,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}")
         return 2
     roots = {str(r.cfg.ledger_root) for r in runs}
-    complete = set().union(*(completed_run_ids(r) for r in roots if Path(r).is_dir()))
+    complete, damaged = set(), set()
+    for root in roots:
+        if Path(root).is_dir():
+            scan = scan_root(root)
+            complete |= scan.complete_runs
+            damaged |= {(r["campaign"], r["run_id"]) for r in scan.runs
+                        if r["attempt"] in scan.damaged}
     for i, run in enumerate(runs):
-        state = "complete" if run.key.run_id in complete else "to run"
+        pair = (run.key.campaign, run.key.run_id)
+        state = "complete" if pair in complete else "damaged" if pair in damaged else "to run"
         print(f"{i:5d} {run.key.run_id} {run.key.campaign:>12} {run.job.block or '-':>12} "
               f"{state:>8}  {' '.join(run.cell)} seed={run.key.seed}")
     blocks: dict[str, int] = {}
     for run in runs:
         blocks[run.job.block or "-"] = blocks.get(run.job.block or "-", 0) + 1
-    todo = sum(r.key.run_id not in complete for r in runs)
+    todo = sum((r.key.campaign, r.key.run_id) not in complete for r in runs)
     print(f"{len(runs)} runs ({', '.join(f'{b}: {n}' for b, n in blocks.items())}); "
           f"{todo} to run; order {spec.order}; ledgers {', '.join(sorted(roots))}")
     return 0

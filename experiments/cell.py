@@ -3,6 +3,11 @@
 `run_cell` is the plain function behind the Hydra entry point (experiments.run),
 testable without a command line. It returns the engine's tables, the summary the
 command prints, and the episode bounds the ledgers record.
+
+Timings: `engine_seconds` is the engine loop alone, `run_seconds` the whole cell
+(workload build plus engine; no process start-up, no ledger writes). In
+`CellResult.summary` the engine time keeps the engine's own key `wall_seconds`;
+`last_line` gives the command's output its one shape with the unambiguous names.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +53,11 @@ SUMMARY_KEYS = (
     "sim_seconds",
     "wall_seconds",
 )
+# The command's last-line JSON: the same keys whether the run ran or was skipped.
+LAST_LINE_KEYS = (
+    *(k for k in SUMMARY_KEYS if k != "wall_seconds"),
+    "engine_seconds", "run_seconds", "run_id", "skipped",
+)
 # Keys that define a cell's identity (what the run_id hashes); bookkeeping keys are excluded.
 _NON_IDENTITY_KEYS = ("ledger_root", "write_ledgers", "hydra", "campaign", "replicate", "progress")
 
@@ -59,6 +70,11 @@ class CellResult:
     workload_meta: dict = field(default_factory=dict)
     units: dict[str, int] = field(default_factory=dict)
     memory: object = field(default=None, repr=False)  # final allocator state (inspection, tests)
+    run_seconds: float = float("nan")  # workload build + engine
+
+    @property
+    def engine_seconds(self) -> float:
+        return float(self.summary["wall_seconds"])
 
 
 def arm_of(org: str) -> str:
@@ -96,6 +112,7 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
 
     `on_step(scheduler, memory)` is the engine's per-step hook (invariant checks in tests).
     """
+    run0 = time.perf_counter()
     arm = arm_of(cfg.org)
     org = normalize_org(arm)
     geometry = geometry_from_config(cfg.model)
@@ -125,12 +142,21 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
         for k in ("episode_start_s", "episode_end_s", "span_start_s", "span_end_s")
     }
     return CellResult(
-        summary, result.tables, episode, dict(workload.meta), pool_units, result.memory
+        summary, result.tables, episode, dict(workload.meta), pool_units, result.memory,
+        run_seconds=time.perf_counter() - run0,
     )
 
 
-def format_summary(summary: dict) -> str:
-    """A short human summary of one run."""
+def last_line(summary: Mapping, *, run_id: str, skipped: bool, engine_seconds: float,
+              run_seconds: float) -> dict:
+    """The command's last-line JSON, keys LAST_LINE_KEYS (a key the summary lacks is None)."""
+    values = {**summary, "engine_seconds": engine_seconds, "run_seconds": run_seconds,
+              "run_id": run_id, "skipped": skipped}
+    return {k: values.get(k) for k in LAST_LINE_KEYS}
+
+
+def format_summary(summary: Mapping) -> str:
+    """A short human summary of one run (from its `last_line`)."""
     s = summary
     return "\n".join(
         [
@@ -144,6 +170,6 @@ def format_summary(summary: dict) -> str:
             f"  preemptions  {s['preemptions']}   prefix-hit tokens {s['prefix_hit_tokens']}   "
             f"prefill computed {s['prefill_tokens_computed']}   max running/waiting "
             f"{s['max_running']}/{s['max_waiting']}",
-            f"  engine wall  {s['wall_seconds']:.2f} s",
+            f"  wall clock   engine {s['engine_seconds']:.2f} s, cell {s['run_seconds']:.2f} s",
         ]
     )

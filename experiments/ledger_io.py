@@ -18,14 +18,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
-from experiments.cell import CellResult, arm_of, cell_config, config_hash
+from experiments.cell import CellResult, arm_of, cell_config, config_hash, last_line
 from experiments.provenance import code_version, environment, prereg_plan_hash
 from experiments.workload import normalize_load_config, normalize_workload_config
+from ledgers.integrity import Quarantine, quarantine_damage, scan_root
 from ledgers.schemas import SCHEMAS
-from ledgers.writer import WRITER_COLUMNS, table_dir
+from ledgers.writer import WRITER_COLUMNS
 from serving_core.geometry import geometry_from_config
 from serving_core.layout import normalize_org
 from serving_core.planner import parse_budget, plan_budget, units_for
@@ -33,12 +33,13 @@ from serving_core.planner import parse_budget, plan_budget, units_for
 ARM_LABELS = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "s2_retention": "S2+Retention"}
 ORG_COLUMN = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "s2_retention": "S2_RETENTION"}
 LOCK_DIR = ".locks"  # under the ledger root; never matched by the catalog's globs
-# Runs columns echoed by a skipped run's last-line JSON (the rest of a summary is not stored).
-SKIP_SUMMARY_COLUMNS = (
-    "completed_requests", "failed_requests", "output_tokens", "throughput_ledger",
-    "throughput_span", "wall_seconds", "status", "adopted", "created_at",
-)
-
+# Last-line keys the runs row holds (column names where they differ).
+ROW_SUMMARY_COLUMNS = {
+    "completed": "completed_requests", "failed": "failed_requests",
+    "output_tokens": "output_tokens", "throughput_ledger": "throughput_ledger",
+    "throughput_span": "throughput_span", "engine_seconds": "engine_seconds",
+    "run_seconds": "run_seconds",
+}
 
 @dataclass(frozen=True, slots=True)
 class RunKey:
@@ -116,7 +117,7 @@ def _provenance_columns(key: RunKey) -> dict:
     }
 
 
-def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, wall_seconds: float) -> dict:
+def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, run_seconds: float) -> dict:
     """The complete runs row of a finished cell (adopted and created_at come from the writer)."""
     s = result.summary
     episode = result.episode
@@ -135,12 +136,13 @@ def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, wall_seconds: flo
         "throughput_ledger": float(s["throughput_ledger"]),
         "throughput_span": float(s["throughput_span"]),
         "status": "complete",
-        "wall_seconds": float(wall_seconds),
+        "run_seconds": float(run_seconds),
+        "engine_seconds": result.engine_seconds,
     }
     return _select_schema_columns(values)
 
 
-def failed_runs_row(cfg: DictConfig, key: RunKey, wall_seconds: float) -> dict:
+def failed_runs_row(cfg: DictConfig, key: RunKey, run_seconds: float) -> dict:
     """Runs row recording a cell that raised: no output, status failed (never counted)."""
     units = planned_units(cfg)
     values = {
@@ -158,28 +160,36 @@ def failed_runs_row(cfg: DictConfig, key: RunKey, wall_seconds: float) -> dict:
         "throughput_ledger": math.nan,
         "throughput_span": math.nan,
         "status": "failed",
-        "wall_seconds": float(wall_seconds),
+        "run_seconds": float(run_seconds),
+        "engine_seconds": math.nan,
     }
     return _select_schema_columns(values)
 
 
-def completed_row(root: str | os.PathLike, key: RunKey) -> dict | None:
-    """The first complete runs row of `key.run_id` (by created_at), None if there is none.
+def completed_row(root: str | os.PathLike, key: RunKey) -> tuple[dict | None, Quarantine]:
+    """The first complete runs row of `key` (by created_at) whose files are all intact, or
+    None; damaged attempts of this run (unreadable runs file, a listed file missing or not
+    matching its checksum) are moved to the quarantine first, so the run is redone.
 
-    Reads only this run's attempt files `<run_id>-<nonce>.parquet` of its campaign.
+    Reads only this run's attempt files `<run_id>-<nonce>.parquet`.
     """
-    rows = []
-    for path in sorted(table_dir(root, "runs", key.campaign).glob(f"{key.run_id}-*.parquet")):
-        rows += [r for r in pq.read_table(path).to_pylist() if r["status"] == "complete"]
-    rows = [r for r in rows if r["run_id"] == key.run_id]
-    return min(rows, key=lambda r: r["created_at"]) if rows else None
+    scan = scan_root(root, key.campaign, deep=True, run_id=key.run_id)
+    moved = quarantine_damage(scan)
+    rows = [r for r in scan.complete_attempts if r["run_id"] == key.run_id]
+    return (min(rows, key=lambda r: r["created_at"]) if rows else None), moved
 
 
-def skipped_summary(arm: str, row: Mapping) -> dict:
-    """Last-line JSON of a skipped run, from its ledger row."""
-    out = {"org": arm, "budget": row["budget"], "seed": row["seed"]}
-    out.update({c: row[c] for c in SKIP_SUMMARY_COLUMNS if c in row})
-    out.update({"run_id": row["run_id"], "campaign": row["campaign"], "skipped": True})
+def skipped_line(cfg: DictConfig, row: Mapping, manifest: Mapping | None) -> dict:
+    """Last-line JSON of a skipped run, read back from the ledger: the runs row, and the
+    run's manifest for the summary keys the runs row does not hold."""
+    summary = dict((manifest or {}).get("summary") or {})
+    if manifest is None or manifest.get("config_hash") != row["config_hash"]:
+        summary = {}
+    summary.update({"org": arm_of(cfg.org), "budget": str(cfg.budget), "seed": int(cfg.seed)})
+    summary.update({k: row[c] for k, c in ROW_SUMMARY_COLUMNS.items() if row.get(c) is not None})
+    out = last_line(summary, run_id=row["run_id"], skipped=True,
+                    engine_seconds=summary.get("engine_seconds"),
+                    run_seconds=summary.get("run_seconds"))
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 

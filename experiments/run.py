@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from experiments.cell import CellResult, arm_of, format_summary, run_cell
+from experiments.cell import CellResult, format_summary, last_line, run_cell
 from experiments.ledger_io import (
     RunKey,
     completed_row,
@@ -30,59 +30,77 @@ from experiments.ledger_io import (
     run_key,
     run_lock,
     runs_row,
-    skipped_summary,
+    skipped_line,
 )
-from experiments.manifest import build_manifest, write_manifest
+from experiments.manifest import build_manifest, read_manifest, write_manifest
 from experiments.validation import check_ledger_root, validate_config
 from ledgers.writer import write_run
 
 
-def _record(cfg: DictConfig, root: Path, key: RunKey) -> CellResult:
+def _ran_line(key: RunKey, result: CellResult) -> dict:
+    return last_line(result.summary, run_id=key.run_id, skipped=False,
+                     engine_seconds=result.engine_seconds, run_seconds=result.run_seconds)
+
+
+def _record(cfg: DictConfig, root: Path, key: RunKey) -> dict:
     """Run the cell and persist it; a raising cell leaves a failed runs row behind."""
-    wall0 = time.perf_counter()
+    run0 = time.perf_counter()
     try:
         result = run_cell(cfg)
     except Exception as err:
-        wall = time.perf_counter() - wall0
+        elapsed = time.perf_counter() - run0
         write_manifest(root, build_manifest(cfg, key, status="failed", error=repr(err)))
-        write_run(root, key.campaign, key.run_id, {}, failed_runs_row(cfg, key, wall))
+        write_run(root, key.campaign, key.run_id, {}, failed_runs_row(cfg, key, elapsed))
         raise
-    row = runs_row(cfg, key, result, time.perf_counter() - wall0)
+    line = _ran_line(key, result)
+    row = runs_row(cfg, key, result, result.run_seconds)
     manifest = build_manifest(
-        cfg, key, status="complete", summary=result.summary,
+        cfg, key, status="complete", summary=line,
         workload_meta=result.workload_meta, units=result.units,
     )
     write_manifest(root, manifest)
     # Empty tables (trace when off, slab outside S2) are not written.
     tables = {name: cols for name, cols in result.tables.items() if len(next(iter(cols.values())))}
     write_run(root, key.campaign, key.run_id, tables, row)
-    return result
+    return line
+
+
+def _manifest_or_none(root: Path, key: RunKey) -> dict | None:
+    try:
+        return read_manifest(root, key.campaign, key.run_id)
+    except (OSError, ValueError):
+        return None
 
 
 def main_run(cfg: DictConfig) -> dict:
-    """Validate, skip or run the cell, print the summary and last-line JSON; return it."""
+    """Validate, skip or run the cell, print the summary and last-line JSON; return it.
+
+    The last line has the same keys (experiments.cell.LAST_LINE_KEYS) whether the run
+    ran or was skipped as complete.
+    """
     validate_config(cfg)
-    if not cfg.write_ledgers:
-        result = run_cell(cfg)
-        print(format_summary(result.summary))
-        print(json_line(result.summary), flush=True)
-        return result.summary
-    root = check_ledger_root(cfg.ledger_root)
     key = run_key(cfg)
+    if not cfg.write_ledgers:
+        line = _ran_line(key, run_cell(cfg))
+        print(format_summary(line))
+        print(json_line(line), flush=True)
+        return line
+    root = check_ledger_root(cfg.ledger_root)
     with run_lock(root, key):
-        done = completed_row(root, key)
-        if done is None:
-            result = _record(cfg, root, key)
+        done, moved = completed_row(root, key)
+        if moved.moved:
+            print(f"run {key.run_id}: {moved.format()}")
+        line = _record(cfg, root, key) if done is None else None
     if done is not None:
-        out = skipped_summary(arm_of(cfg.org), done)
+        line = skipped_line(cfg, done, _manifest_or_none(root, key))
         print(f"skipped: run {key.run_id} ({key.campaign}, {cfg.org} {cfg.budget} seed "
               f"{key.seed}) is already complete in {root}")
-        print(json_line(out), flush=True)
-        return out
-    print(format_summary(result.summary))
+        print(json_line(line), flush=True)
+        return line
+    print(format_summary(line))
     print(f"  ledger       run {key.run_id} written to {root} (campaign {key.campaign})")
-    print(json_line(result.summary), flush=True)
-    return result.summary
+    print(json_line(line), flush=True)
+    return line
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -13,6 +13,12 @@ call create_views) to refresh. Every view starts from an empty relation typed
 by the schema, so columns and types are fixed even for a table with no files.
 Everything is TEMP: nothing is stored in a database file passed to connect.
 
+Damage: the views read an explicit list of the files that pass the Parquet
+probe (ledgers.integrity); an unreadable file is skipped with a LedgerWarning
+naming it, and a complete run whose listed files are missing, unreadable or of
+the wrong size is not canonical (a second warning names it and its files).
+`connect(root, deep=True)` also compares checksums.
+
 Cost: union_by_name reads every file footer whenever a view is bound, so the
 Parquet metadata cache is switched on; for many queries over a large root,
 materialize what you need once (CREATE TEMP TABLE ... AS SELECT ...).
@@ -21,12 +27,23 @@ materialize what you need once (CREATE TEMP TABLE ... AS SELECT ...).
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 
+from ledgers.commands import module_command
+from ledgers.integrity import LedgerScan, damage_lines, scan_root
 from ledgers.schemas import SCHEMAS, TABLES
-from ledgers.writer import CANONICAL_ORDER, committed_files, table_glob
+from ledgers.writer import CANONICAL_ORDER
+
+MAX_WARNED = 10  # files or runs named in one warning
+
+
+class LedgerWarning(UserWarning):
+    """Ledger files were skipped (unreadable) or runs not counted (files missing/damaged)."""
 
 _SQL_TYPES = {
     pa.int64(): "BIGINT",
@@ -45,42 +62,74 @@ def _typed_empty(table: str) -> str:
     return f"SELECT {', '.join(columns)}, CAST(NULL AS VARCHAR) AS attempt WHERE false"
 
 
-def raw_sql(root: str | os.PathLike, table: str) -> str:
-    """SELECT over every committed file of `table`, with its attempt column."""
+def _file_list(files: Sequence[Path]) -> str:
+    return "[" + ", ".join(_quote(f.resolve().as_posix()) for f in files) + "]"
+
+
+def raw_sql(table: str, files: Sequence[Path]) -> str:
+    """SELECT over the given committed files of `table`, with its attempt column."""
     sql = _typed_empty(table)
-    if committed_files(root, table):
+    if files:
         sql += (
             " UNION ALL BY NAME SELECT * EXCLUDE (filename),"
             " parse_filename(filename, true) AS attempt"
-            f" FROM read_parquet({_quote(table_glob(root, table))}, hive_partitioning = true,"
+            f" FROM read_parquet({_file_list(files)}, hive_partitioning = true,"
             " union_by_name = true, filename = true, hive_types = {'campaign': VARCHAR})"
         )
     return sql
 
 
-def create_views(con: duckdb.DuckDBPyConnection, root: str | os.PathLike) -> None:
-    """(Re)create the raw_* views, the canonical_attempts snapshot and the public views."""
+def _warn(scan: LedgerScan) -> None:
+    if not scan.root.is_dir():
+        warnings.warn(f"ledger root {scan.root} does not exist: no runs", LedgerWarning,
+                      stacklevel=4)
+    elif scan.num_files == 0:
+        warnings.warn(f"ledger root {scan.root} is empty: no ledger files", LedgerWarning,
+                      stacklevel=4)
+    files, runs = damage_lines(scan)
+    for what, lines in (("skipped unreadable files", files),
+                        ("complete runs not counted, their files are missing or damaged", runs)):
+        if lines:
+            shown = "; ".join(lines[:MAX_WARNED])
+            more = f"; ... and {len(lines) - MAX_WARNED} more" if len(lines) > MAX_WARNED else ""
+            warnings.warn(f"ledger root {scan.root}: {len(lines)} {what}: {shown}{more} "
+                          f"(details: {module_command('ledgers.check', str(scan.root))})",
+                          LedgerWarning, stacklevel=4)
+
+
+def create_views(con: duckdb.DuckDBPyConnection, root: str | os.PathLike, *,
+                 deep: bool = False) -> LedgerScan:
+    """(Re)create the raw_* views, the canonical_attempts snapshot and the public views over
+    the readable files of `root`; warn about skipped files and runs; return the scan."""
+    scan = scan_root(root, deep=deep)
+    _warn(scan)
     for table in TABLES:
-        con.execute(f"CREATE OR REPLACE TEMP VIEW raw_{table} AS {raw_sql(root, table)}")
+        sql = raw_sql(table, scan.readable.get(table, []))
+        con.execute(f"CREATE OR REPLACE TEMP VIEW raw_{table} AS {sql}")
+    damaged = sorted(scan.damaged) or [""]
     con.execute(
         "CREATE OR REPLACE TEMP TABLE canonical_attempts AS"
         " SELECT run_id, campaign, attempt FROM raw_runs WHERE status = 'complete'"
+        " AND attempt NOT IN (SELECT unnest(?::VARCHAR[]))"
         " QUALIFY row_number() OVER"
-        f" (PARTITION BY campaign, run_id ORDER BY {', '.join(CANONICAL_ORDER)}) = 1"
+        f" (PARTITION BY campaign, run_id ORDER BY {', '.join(CANONICAL_ORDER)}) = 1",
+        [damaged],
     )
     for table in TABLES:
         con.execute(
             f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT * EXCLUDE (attempt)"
             f" FROM raw_{table} WHERE attempt IN (SELECT attempt FROM canonical_attempts)"
         )
+    return scan
 
 
-def connect(root: str | os.PathLike, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
+def connect(root: str | os.PathLike, database: str = ":memory:", *,
+            deep: bool = False) -> duckdb.DuckDBPyConnection:
     """DuckDB connection with the ledger views over `root` (which may not exist yet)."""
     con = duckdb.connect(database)
     con.execute("SET parquet_metadata_cache = true")  # views re-read footers at every bind
-    create_views(con, root)
+    create_views(con, root, deep=deep)
     return con
 
 
-__all__ = ["connect", "create_views", "raw_sql"]
+__all__ = ["LedgerWarning", "connect", "create_views", "raw_sql"]

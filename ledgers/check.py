@@ -1,13 +1,18 @@
 """Audit a ledger root: `python -m ledgers.check ROOT`.
 
-Exit 0 when clean, 1 when any problem is found, 2 when ROOT does not exist.
-Problems: incomplete runs, traced runs whose END is missing or not last,
+Exit 0 when clean, 1 when any problem is found or ROOT holds no ledger file
+(reported as EMPTY), 2 when ROOT does not exist.
+Problems: unreadable files (each named, with why), complete runs whose files
+are missing or damaged (presence, Parquet probe, size, sha256 and row count
+against the runs row's file record), incomplete runs, traced runs whose END is missing or not last,
 trace sequence gaps, dropped or write-error counts, duplicate complete run
 ids, orphan and mislabeled rows, adoption keys without exactly one adopted
 run. A run is identified by (campaign, run_id). Notes (never failing):
 superseded attempts of runs that later completed, run ids complete in several
 campaigns (distinct runs, each counted in its own campaign), stale temp files
-left by a killed writer.
+left by a killed writer, complete runs written without a file record.
+A later campaign (or single run) moves damaged files to <ROOT>/quarantine/ and
+redoes their runs.
 """
 
 from __future__ import annotations
@@ -15,15 +20,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
 
-from ledgers.catalog import connect
+from ledgers.catalog import LedgerWarning, create_views
+from ledgers.commands import module_command
+from ledgers.integrity import LedgerScan, damage_lines
 from ledgers.schemas import TABLES
-from ledgers.writer import ADOPTION_KEY, TEMP_SUFFIX, attempt_run_id, committed_files
+from ledgers.writer import ADOPTION_KEY, TEMP_SUFFIX, attempt_run_id
 
 MAX_LISTED = 20  # detail lines printed per category
 
@@ -34,15 +42,22 @@ class CheckReport:
 
     root: str
     num_complete_runs: int = 0
+    num_files: int = 0
     problems: dict[str, list[str]] = field(default_factory=dict)
     notes: dict[str, list[str]] = field(default_factory=dict)
 
     @property
+    def empty(self) -> bool:
+        return self.num_files == 0
+
+    @property
     def ok(self) -> bool:
-        return not any(self.problems.values())
+        return not any(self.problems.values()) and not self.empty
 
 
 PROBLEMS = (
+    "unreadable files",
+    "complete runs with missing or damaged files",
     "incomplete runs",
     "traced runs without a final END",
     "trace sequence gaps",
@@ -52,7 +67,8 @@ PROBLEMS = (
     "mislabeled rows",
     "adoption keys without exactly one adopted run",
 )
-NOTES = ("superseded attempts", "run ids complete in several campaigns", "stale temp files")
+NOTES = ("superseded attempts", "run ids complete in several campaigns", "stale temp files",
+         "complete runs without a file record")
 
 
 def _rows(con: duckdb.DuckDBPyConnection, sql: str) -> list[tuple]:
@@ -78,23 +94,25 @@ def _materialize(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(f"CREATE TEMP TABLE c_raw_keys AS {keys}")
 
 
-def _attempt_files(root: str) -> dict[str, tuple[str, list[str]]]:
-    """attempt -> (campaign, tables holding a file of it), from file names only."""
+def _attempt_files(scan: LedgerScan) -> dict[str, tuple[str, list[str]]]:
+    """attempt -> (campaign, tables holding a readable file of it), damaged attempts left
+    out (they have their own category), from file names only."""
     found: dict[str, tuple[str, list[str]]] = {}
     for table in TABLES:
-        for path in committed_files(root, table):
-            campaign = path.parent.name.removeprefix("campaign=")
-            found.setdefault(path.stem, (campaign, []))[1].append(table)
+        for path in scan.readable.get(table, []):
+            if path.stem not in scan.damaged:
+                campaign = path.parent.name.removeprefix("campaign=")
+                found.setdefault(path.stem, (campaign, []))[1].append(table)
     return found
 
 
-def _incomplete_and_superseded(con, root: str) -> tuple[list[str], list[str]]:
+def _incomplete_and_superseded(con, scan: LedgerScan) -> tuple[list[str], list[str]]:
     complete = set(_rows(con, "SELECT campaign, run_id FROM canonical_attempts"))
     canonical = {r[0] for r in _rows(con, "SELECT attempt FROM canonical_attempts")}
     status = dict(_rows(con, "SELECT attempt, status FROM c_raw_runs"))
     by_run: dict[tuple[str, str], list[str]] = defaultdict(list)
     superseded = []
-    for attempt, (campaign, tables) in sorted(_attempt_files(root).items()):
+    for attempt, (campaign, tables) in sorted(_attempt_files(scan).items()):
         run = (campaign, attempt_run_id(attempt))
         state = f"runs row says {status[attempt]}" if attempt in status else "no runs row"
         line = f"attempt {attempt}: {state}; files: {', '.join(tables)}"
@@ -223,17 +241,28 @@ def _stale_temp_files(root: str) -> list[str]:
 
 
 def check(root: str | os.PathLike) -> CheckReport:
-    """Run every audit over the ledger root."""
+    """Run every audit over the ledger root (checksums included)."""
     root = str(root)
     report = CheckReport(root=root)
-    con = connect(root)
+    con = duckdb.connect()
+    con.execute("SET parquet_metadata_cache = true")
     try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LedgerWarning)  # reported below, file by file
+            scan = create_views(con, root, deep=True)
+        report.num_files = scan.num_files
         _materialize(con)
         report.num_complete_runs = _rows(con, "SELECT count(*) FROM c_runs")[0][0]
-        incomplete, superseded = _incomplete_and_superseded(con, root)
+        incomplete, superseded = _incomplete_and_superseded(con, scan)
         orphans, mislabeled = _orphans_and_mislabeled(con)
         shared = _shared_across_campaigns(con)
+        unreadable, damaged = damage_lines(scan)
+        by_attempt = {r["attempt"]: r for r in scan.runs}
+        unrecorded = [f"run {by_attempt[a]['run_id']} (campaign {by_attempt[a]['campaign']}, "
+                      f"attempt {a})" for a in sorted(scan.unrecorded)]
         found = (
+            unreadable,
+            damaged,
             incomplete,
             _trace_end(con),
             _trace_gaps(con),
@@ -246,7 +275,8 @@ def check(root: str | os.PathLike) -> CheckReport:
     finally:
         con.close()
     report.problems = dict(zip(PROBLEMS, found, strict=True))
-    report.notes = dict(zip(NOTES, (superseded, shared, _stale_temp_files(root)), strict=True))
+    report.notes = dict(zip(NOTES, (superseded, shared, _stale_temp_files(root), unrecorded),
+                            strict=True))
     return report
 
 
@@ -262,7 +292,9 @@ def format_report(report: CheckReport) -> str:
             lines.append(f"    ... and {len(items) - MAX_LISTED} more")
     failing = {k: len(v) for k, v in report.problems.items() if v}
     num_notes = sum(len(v) for v in report.notes.values())
-    if failing:
+    if report.empty:
+        lines.append(f"summary: EMPTY, no ledger files under {report.root}")
+    elif failing:
         detail = ", ".join(f"{k}: {n}" for k, n in failing.items())
         lines.append(
             f"summary: FAIL, problems found ({detail}); "
@@ -275,12 +307,12 @@ def format_report(report: CheckReport) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ledgers.check", description=__doc__.split("\n")[0]
+        prog=module_command("ledgers.check"), description=__doc__.split("\n")[0]
     )
     parser.add_argument("root", help="ledger root directory")
     args = parser.parse_args(argv)
     if not Path(args.root).is_dir():
-        print(f"ledger root {args.root!r} is not a directory", file=sys.stderr)
+        print(f"error: ledger root={args.root!r}: no such directory", file=sys.stderr)
         return 2
     report = check(args.root)
     print(format_report(report))

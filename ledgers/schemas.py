@@ -190,8 +190,13 @@ _RUNS = [
     _f("throughput_span", _F, "tokens/s", "output_tokens / request span seconds (sensitivity)."),
     _f("status", _S, "", "Run outcome; only complete runs count.", RUN_STATUSES),
     _f("adopted", _B, "", "Whether this run is the one analysed for its (cell, seed) key."),
-    _f("wall_seconds", _F, "s", "Wall-clock duration of the run."),
+    _f("run_seconds", _F, "s",
+       "Wall-clock seconds of the cell: workload build plus engine (no start-up, no writes)."),
     _f("created_at", _S, "", "UTC wall-clock write time, ISO 8601 (excluded from determinism)."),
+    _f("engine_seconds", _F, "s", "Wall-clock seconds of the engine loop alone (NaN: failed)."),
+    _f("files", _S, "",
+       'JSON object: per table file of this attempt, {"rows", "bytes", "sha256"}; '
+       "a run counts only while every listed file is present and whole."),
 ]
 
 ENGINE_SCHEMAS: dict[str, pa.Schema] = {

@@ -20,6 +20,12 @@ run of a key is adopted, and any later complete run of that key (a deliberate
 replicate, or an accidental duplicate) is written with adopted=false, so adding
 replicates never silently changes what is analysed. `adopt_run` moves the
 adoption explicitly by rewriting the runs rows of that key.
+
+Integrity: the runs row lists every table file of its attempt with its row
+count, size and sha256 (column `files`), so a file deleted, truncated or
+overwritten later is detected (ledgers.integrity) and its run stops counting.
+The table files are fsynced one by one and their directories once each, all
+before the runs row is written: the row never commits a file not yet durable.
 """
 
 from __future__ import annotations
@@ -33,18 +39,18 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ledgers.files import digest_bytes, read_rows
 from ledgers.schemas import RUN_TABLES, SCHEMAS, TABLES, to_stored_table, to_table
 
 TEMP_SUFFIX = ".tmp"
 NONCE_HEX = 16  # hex digits of an attempt's nonce
 ADOPTION_KEY = ("campaign", "config_hash", "seed")  # one adopted complete run per key
 CANONICAL_ORDER = ("created_at", "attempt")  # first complete attempt of (campaign, run_id) counts
-WRITER_COLUMNS = ("adopted", "created_at")  # runs columns the writer sets
-JSON_COLUMNS = ("units_detail", "environment")
+WRITER_COLUMNS = ("adopted", "created_at", "files")  # runs columns the writer sets
+JSON_COLUMNS = ("units_detail", "environment", "files")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _COMPRESSION = "zstd"
 
@@ -100,10 +106,10 @@ def _statistics_columns(table: pa.Table) -> list[str]:
 
 
 @contextmanager
-def atomic_open(path: Path, mode: str = "wb"):
+def atomic_open(path: Path, mode: str = "wb", *, sync_dir: bool = True):
     """Yield a handle on a temp sibling of `path`; on success fsync it, rename it over
-    `path` and fsync the directory. On any error the temp file is removed, so readers
-    only ever see complete files."""
+    `path` and (unless the caller batches it, `sync_dir=False`) fsync the directory. On
+    any error the temp file is removed, so readers only ever see complete files."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     encoding = None if "b" in mode else "utf-8"
@@ -116,15 +122,21 @@ def atomic_open(path: Path, mode: str = "wb"):
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    if sync_dir:
+        _fsync_dir(path.parent)
 
 
-def write_atomic(table: pa.Table, path: Path) -> None:
-    """Write `table` to `path` via a fsynced temp file and a rename."""
-    with atomic_open(path, "wb") as fh:
-        pq.write_table(
-            table, fh, compression=_COMPRESSION, write_statistics=_statistics_columns(table)
-        )
+def write_atomic(table: pa.Table, path: Path, *, sync_dir: bool = True) -> dict:
+    """Write `table` to `path` via a fsynced temp file and a rename; return its file record
+    {"rows", "bytes", "sha256"} (what the runs row lists for each table file)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(
+        table, sink, compression=_COMPRESSION, write_statistics=_statistics_columns(table)
+    )
+    data = sink.getvalue()
+    with atomic_open(path, "wb", sync_dir=sync_dir) as fh:
+        fh.write(data)
+    return {"rows": table.num_rows, "bytes": data.size, "sha256": digest_bytes(data)}
 
 
 def _with_keys(name: str, table: pa.Table, run_id: str, campaign: str) -> pa.Table:
@@ -143,14 +155,16 @@ def _json_text(column: str, value) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def _runs_table(run_id: str, campaign: str, runs_row: Mapping, adopted: bool) -> pa.Table:
+def _runs_table(run_id: str, campaign: str, runs_row: Mapping, adopted: bool,
+                files: Mapping) -> pa.Table:
     owned = [c for c in WRITER_COLUMNS if c in runs_row]
     if owned:
         raise ValueError(f"runs row: columns {owned} are set by the writer")
     for key, value in (("run_id", run_id), ("campaign", campaign)):
         if key in runs_row and runs_row[key] != value:
             raise ValueError(f"runs row: {key}={runs_row[key]!r} differs from {value!r}")
-    row = {**runs_row, "run_id": run_id, "campaign": campaign, "adopted": adopted}
+    row = {**runs_row, "run_id": run_id, "campaign": campaign, "adopted": adopted,
+           "files": dict(files)}
     row["created_at"] = datetime.now(UTC).isoformat(timespec="microseconds")
     for column in JSON_COLUMNS:
         if column in row:
@@ -166,40 +180,25 @@ def _runs_files(root: str | os.PathLike, campaign: str | None) -> list[Path]:
 
 
 def read_raw_runs(root: str | os.PathLike, campaign: str | None = None) -> list[dict]:
-    """Every runs row (any status, duplicates included) with its attempt and file path."""
-    files = _runs_files(root, campaign)
-    if not files:
-        return []
-    with duckdb.connect() as con:
-        rel = con.execute(
-            "SELECT *, parse_filename(filename, true) AS attempt FROM "
-            "read_parquet(?, union_by_name = true, filename = true)",
-            [[f.as_posix() for f in files]],
-        )
-        names = [d[0] for d in rel.description]
-        return [dict(zip(names, r, strict=True)) for r in rel.fetchall()]
+    """Every readable runs row (any status, duplicates included) with its attempt and file
+    path (`filename`); unreadable runs files are left out (ledgers.integrity names them)."""
+    return read_rows(_runs_files(root, campaign))[0]
 
 
 def _complete_keys(root: str | os.PathLike, campaign: str | None) -> list[tuple]:
-    """(run_id, *ADOPTION_KEY) of complete runs rows.
-
-    Hot path (every write and every skip decision): columns present since the
-    first schema only, so union_by_name and its footer pass are not needed.
-    """
-    files = _runs_files(root, campaign)
-    if not files:
-        return []
-    with duckdb.connect() as con:
-        return con.execute(
-            f"SELECT run_id, {', '.join(ADOPTION_KEY)} FROM read_parquet(?)"
-            " WHERE status = 'complete'",
-            [[f.as_posix() for f in files]],
-        ).fetchall()
+    """(run_id, *ADOPTION_KEY) of complete runs rows (hot path: every write)."""
+    rows, _ = read_rows(_runs_files(root, campaign), f"run_id, status, {', '.join(ADOPTION_KEY)}")
+    return [
+        (r["run_id"], *(r[k] for k in ADOPTION_KEY)) for r in rows if r["status"] == "complete"
+    ]
 
 
 def completed_run_ids(root: str | os.PathLike, campaign: str | None = None) -> set[str]:
-    """run_ids with a complete runs row (the runner skips these)."""
-    return {row[0] for row in _complete_keys(root, campaign)}
+    """run_ids of complete runs whose table files are all present and whole (size and Parquet
+    probe); the runner skips these. ledgers.integrity.verify_root also compares checksums."""
+    from ledgers.integrity import scan_root
+
+    return {run_id for _, run_id in scan_root(root, campaign).complete_runs}
 
 
 def _key_has_complete_run(root: str | os.PathLike, campaign: str, row: Mapping) -> bool:
@@ -232,18 +231,18 @@ def write_run(
         for name in RUN_TABLES
         if name in tables
     }
-    runs = _runs_table(run_id, campaign, runs_row, adopted=False)  # validate before writing
+    _runs_table(run_id, campaign, runs_row, adopted=False, files={})  # validate before writing
     stem = f"{run_id}-{secrets.token_hex(NONCE_HEX // 2)}"
+    files = {}
     for name, table in stored.items():
-        write_atomic(table, table_dir(root, name, campaign) / f"{stem}.parquet")
+        path = table_dir(root, name, campaign) / f"{stem}.parquet"
+        files[name] = write_atomic(table, path, sync_dir=False)
+    for directory in sorted({table_dir(root, name, campaign) for name in stored}):
+        _fsync_dir(directory)  # one directory fsync per table, all before the runs row
     # Decide adoption as late as possible, right before the runs row commits the run.
-    row = runs.to_pylist()[0]
-    if row["status"] == "complete" and not _key_has_complete_run(root, campaign, row):
-        runs = runs.set_column(
-            runs.schema.get_field_index("adopted"),
-            SCHEMAS["runs"].field("adopted"),
-            pa.array([True]),
-        )
+    adopted = runs_row["status"] == "complete" and not _key_has_complete_run(
+        root, campaign, {**runs_row, "campaign": campaign})
+    runs = _runs_table(run_id, campaign, runs_row, adopted=adopted, files=files)
     write_atomic(runs, table_dir(root, "runs", campaign) / f"{stem}.parquet")
 
 

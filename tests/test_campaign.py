@@ -207,6 +207,42 @@ def test_smoke_campaign_writes_ledgers_and_rerun_adds_nothing(tmp_path):
     assert time.perf_counter() - t0 < 30
     assert one(ledgers.connect(root), "SELECT count(*) FROM raw_runs") == 8
 
+    # Damage: one run loses its requests file, another's steps file is truncated, and a
+    # garbage file sits among the poller files. The rerun moves all of it to the
+    # quarantine and redoes exactly the two damaged runs.
+    part = "campaign=q1_smoke"
+    requests_files = sorted((root / "requests" / part).glob("*.parquet"))
+    steps_files = sorted((root / "steps" / part).glob("*.parquet"))
+    lost, cut = requests_files[0], steps_files[-1]
+    damaged_runs = {lost.stem[:16], cut.stem[:16]}
+    assert len(damaged_runs) == 2
+    lost.unlink()
+    cut.write_bytes(cut.read_bytes()[:100])
+    (root / "poller" / part / "garbage.parquet").write_bytes(b"not parquet" * 20)
+    assert ledger_check.main([str(root)]) == 1
+    listing = subprocess.run([sys.executable, "-m", "experiments.campaign", *args,
+                              f"ledger_root={root}"], cwd=REPO, capture_output=True, text=True)
+    assert listing.returncode == 0, listing.stderr
+    assert sum(" damaged " in line for line in listing.stdout.splitlines()) == 2
+
+    repaired = multirun(tmp_path, *args)
+    assert repaired.returncode == 0, repaired.stderr[-2000:]
+    assert summary_of(repaired)["done"] == 2 and summary_of(repaired)["skipped"] == 6
+    (quarantine,) = (root / "quarantine").iterdir()
+    moved = sorted(quarantine.rglob("*.parquet"))
+    assert f"quarantined {len(moved)} damaged ledger files (runs to redo: 2)" in repaired.stdout
+    assert {p.stem[:16] for p in moved if p.name != "garbage.parquet"} == damaged_runs
+    assert (quarantine / "poller" / part / "garbage.parquet").is_file()
+    assert (quarantine / "steps" / part / cut.name).stat().st_size == 100
+    assert not (quarantine / "requests" / part / lost.name).exists()  # it was gone already
+    assert ledger_check.main([str(root)]) == 0
+    con = ledgers.connect(root)
+    assert one(con, "SELECT count(*) FROM runs") == 8
+    redone = {r[0] for r in con.execute(
+        "SELECT run_id FROM runs WHERE created_at > (SELECT min(created_at) FROM runs)"
+        " QUALIFY rank() OVER (ORDER BY created_at DESC) <= 2").fetchall()}
+    assert redone == damaged_runs
+
 
 def _live_pids_mentioning(text: str) -> list[int]:
     pids = []

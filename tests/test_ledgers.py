@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +16,8 @@ import pytest
 
 import ledgers
 from ledgers import check as ledger_check
-from ledgers import writer
+from ledgers import integrity, writer
+from ledgers.catalog import LedgerWarning
 from ledgers.schemas import ENGINE_SCHEMAS, SCHEMAS, TABLES, field_doc, to_table
 
 CAMPAIGN = "q1"
@@ -181,7 +185,8 @@ def runs_row(
         "throughput_ledger": 12.5,
         "throughput_span": 250 / 19.4,
         "status": status,
-        "wall_seconds": 0.3,
+        "run_seconds": 0.3,
+        "engine_seconds": 0.2,
     }
 
 
@@ -320,10 +325,10 @@ def test_crashed_attempt_is_invisible_listed_and_superseded_by_rerun(tmp_path, m
     write(tmp_path, "runA")
     real = writer.write_atomic
 
-    def crash_on_runs(table, path):
+    def crash_on_runs(table, path, **kwargs):
         if path.parent.parent.name == "runs":
             raise KeyboardInterrupt("killed before the runs row")
-        real(table, path)
+        return real(table, path, **kwargs)
 
     monkeypatch.setattr(writer, "write_atomic", crash_on_runs)
     with pytest.raises(KeyboardInterrupt):
@@ -495,7 +500,8 @@ def test_first_complete_run_of_a_cell_seed_is_adopted(tmp_path, monkeypatch):
 @pytest.mark.parametrize("exists", [True, False])
 def test_empty_root_gives_typed_empty_views(tmp_path, exists):
     root = tmp_path if exists else tmp_path / "missing"
-    con = ledgers.connect(root)
+    with pytest.warns(LedgerWarning, match="is empty" if exists else "does not exist"):
+        con = ledgers.connect(root)
     for table in TABLES:
         rel = con.execute(f"SELECT * FROM {table}")
         assert [d[0] for d in rel.description] == SCHEMAS[table].names
@@ -504,7 +510,11 @@ def test_empty_root_gives_typed_empty_views(tmp_path, exists):
             SCHEMAS[table].types
         )
     assert writer.completed_run_ids(root) == set()
-    assert ledger_check.main([str(root)]) == (0 if exists else 2)
+    assert ledger_check.main([str(root)]) == (1 if exists else 2)
+    report = ledger_check.check(root)
+    assert report.empty and not report.ok
+    assert ledger_check.format_report(report).splitlines()[-1] == (
+        f"summary: EMPTY, no ledger files under {root}")
 
 
 def test_writes_leave_no_temp_files_and_temp_names_never_match(tmp_path, monkeypatch):
@@ -575,3 +585,147 @@ def test_check_cli_exit_codes(tmp_path):
         .splitlines()[-1]
         .startswith("summary: FAIL, problems found (traced runs without a final END: 1)")
     )
+
+
+# --- damaged ledgers ---------------------------------------------------------------------------
+
+
+def attempt_file(root: Path, table: str, run_id: str, campaign: str = CAMPAIGN) -> Path:
+    (path,) = writer.table_dir(root, table, campaign).glob(f"{run_id}-*.parquet")
+    return path
+
+
+def connect_warned(root: Path) -> tuple[object, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        con = ledgers.connect(root)
+    return con, [str(w.message) for w in caught if issubclass(w.category, LedgerWarning)]
+
+
+def test_runs_row_records_every_table_file_with_rows_size_and_checksum(tmp_path):
+    write(tmp_path, "runA", trace=trace_columns(2))
+    ((text,),) = ledgers.connect(tmp_path).execute("SELECT files FROM runs").fetchall()
+    record = json.loads(text)
+    assert sorted(record) == ["poller", "requests", "slab", "steps", "trace"]
+    for table, entry in record.items():
+        path = attempt_file(tmp_path, table, "runA")
+        data = path.read_bytes()
+        assert entry == {"rows": pq.read_metadata(path).num_rows, "bytes": len(data),
+                         "sha256": hashlib.sha256(data).hexdigest()}
+    assert record["requests"]["rows"] == 10 and record["trace"]["rows"] == 9
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "flip"])
+def test_damaged_table_file_fails_the_check_and_the_run_stops_counting(tmp_path, damage):
+    write(tmp_path, "runA")
+    write(tmp_path, "runB", org="s0")
+    victim = attempt_file(tmp_path, "requests", "runA")
+    rel = victim.relative_to(tmp_path).as_posix()
+    data = victim.read_bytes()
+    if damage == "truncate":
+        victim.write_bytes(data[:100])
+    elif damage == "delete":
+        victim.unlink()
+    else:  # same size, one byte changed in the middle: only the checksum sees it
+        middle = len(data) // 2
+        victim.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:])
+    expected = {"truncate": "no Parquet magic bytes", "delete": "missing",
+                "flip": "checksum differs"}[damage]
+    report = ledger_check.check(tmp_path)
+    (line,) = report.problems["complete runs with missing or damaged files"]
+    assert line.startswith("run runA (campaign q1, attempt runA-") and f"{rel}: {expected}" in line
+    assert report.num_complete_runs == 1 and not report.ok
+    assert not report.problems["incomplete runs"]  # reported once, in its own category
+    assert (report.problems["unreadable files"] != []) == (damage == "truncate")
+    text = ledger_check.format_report(report)
+    assert text.splitlines()[-1].startswith("summary: FAIL") and rel in text
+
+    if damage == "flip":  # the cheap catalog check sees nothing wrong, the deep one does
+        assert writer.completed_run_ids(tmp_path) == {"runA", "runB"}
+        assert integrity.scan_root(tmp_path, deep=True).complete_runs == {("q1", "runB")}
+        return
+    con, warned = connect_warned(tmp_path)
+    assert count(con, "SELECT count(*) FROM runs") == 1
+    assert con.execute("SELECT DISTINCT run_id FROM requests").fetchall() == [("runB",)]
+    assert any("not counted" in w and rel in w for w in warned)
+    assert writer.completed_run_ids(tmp_path) == {"runB"}
+
+
+def test_garbage_and_truncated_files_are_skipped_with_a_warning_naming_them(tmp_path):
+    write(tmp_path, "runA")
+    garbage = writer.table_dir(tmp_path, "poller", CAMPAIGN) / "garbage.parquet"
+    garbage.write_bytes(b"this is not parquet at all" * 10)
+    bad_runs = writer.table_dir(tmp_path, "runs", "q2") / f"runX-{'0' * 16}.parquet"
+    bad_runs.parent.mkdir(parents=True)
+    bad_runs.write_bytes(attempt_file(tmp_path, "runs", "runA").read_bytes()[:100])
+    con, warned = connect_warned(tmp_path)
+    assert count(con, "SELECT count(*) FROM runs") == 1
+    assert count(con, "SELECT count(*) FROM raw_poller") == 20
+    (warning,) = warned
+    assert "2 skipped unreadable files" in warning
+    assert "poller/campaign=q1/garbage.parquet" in warning and "runs/campaign=q2/runX-" in warning
+    assert writer.completed_run_ids(tmp_path) == {"runA"}
+    assert [r["run_id"] for r in writer.read_raw_runs(tmp_path)] == ["runA"]
+    report = ledger_check.check(tmp_path)
+    assert sorted(line.split(":")[0] for line in report.problems["unreadable files"]) == [
+        "poller/campaign=q1/garbage.parquet", f"runs/campaign=q2/runX-{'0' * 16}.parquet"]
+    assert report.num_complete_runs == 1
+
+
+def test_file_damaged_inside_despite_its_magic_bytes_costs_only_itself(tmp_path):
+    write(tmp_path, "runA")
+    write(tmp_path, "runB", org="s0")
+    victim = attempt_file(tmp_path, "runs", "runB")
+    data = bytearray(victim.read_bytes())
+    data[4:200] = b"\xff" * 196  # column chunks overwritten, magic bytes and footer intact
+    victim.write_bytes(bytes(data))
+    rows, bad = ledgers.files.read_rows(sorted(writer.committed_files(tmp_path, "runs")))
+    assert [r["run_id"] for r in rows] == ["runA"] and list(bad) == [victim]
+    assert writer.completed_run_ids(tmp_path) == {"runA"}
+
+
+def test_quarantine_moves_damage_aside_and_a_rewrite_repairs_the_run(tmp_path):
+    write(tmp_path, "runA")
+    write(tmp_path, "runB", org="s0")
+    attempt_file(tmp_path, "steps", "runA").unlink()
+    garbage = writer.table_dir(tmp_path, "requests", CAMPAIGN) / "garbage.parquet"
+    garbage.write_bytes(b"PAR1 no")
+    before = {p.name: p.read_bytes() for p in tmp_path.rglob("*.parquet")}
+
+    moved = integrity.quarantine_damage(integrity.scan_root(tmp_path, deep=True))
+    assert moved.runs == ["q1/runA"]
+    assert len(moved.moved) == 1 + 4  # the garbage, runA's runs row and its three left files
+    assert moved.directory.parent == tmp_path / integrity.QUARANTINE_DIR
+    kept = {p.name: p.read_bytes() for p in tmp_path.rglob("*.parquet")}
+    assert kept == before  # nothing deleted, nothing changed: only moved
+    reasons = (moved.directory / integrity.REASONS_FILE).read_text()
+    assert "requests/campaign=q1/garbage.parquet: 7 bytes, too short for a Parquet" in reasons
+    assert "steps/campaign=q1/runA-" in reasons and ": missing" in reasons
+    assert writer.completed_run_ids(tmp_path) == {"runB"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LedgerWarning)  # nothing left to warn about
+        assert count(ledgers.connect(tmp_path), "SELECT count(*) FROM runs") == 1
+
+    write(tmp_path, "runA")  # what a rerun does
+    report = ledger_check.check(tmp_path)
+    assert report.ok and report.num_complete_runs == 2
+    assert integrity.quarantine_damage(integrity.scan_root(tmp_path, deep=True)).moved == []
+
+
+def test_report_skips_damaged_files_with_a_warning_and_refuses_a_missing_root(tmp_path):
+    from analysis import report
+
+    root = tmp_path / "ledgers"
+    write(root, "runA")
+    write(root, "runB", org="s0")
+    victim = attempt_file(root, "requests", "runB")
+    victim.write_bytes(b"\0" * 100)
+    (writer.table_dir(root, "steps", CAMPAIGN) / "garbage.parquet").write_bytes(b"x" * 64)
+    with pytest.warns(LedgerWarning) as caught:
+        assert report.main(["--ledgers", str(root), "--out", str(tmp_path / "out")]) == 0
+    text = " ".join(str(w.message) for w in caught)
+    assert victim.relative_to(root).as_posix() in text and "steps/campaign=q1/garbage" in text
+    assert (tmp_path / "out" / "index.md").is_file()
+    assert report.main(["--ledgers", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 2
+    with pytest.warns(LedgerWarning, match="is empty"):
+        ledgers.connect(tmp_path / "out")

@@ -14,7 +14,7 @@ import pytest
 
 import ledgers
 from analysis import prereg
-from experiments import ledger_io, manifest, provenance
+from experiments import cell, ledger_io, manifest, provenance
 from experiments import run as runner
 from ledgers import check as ledger_check
 from ledgers import writer
@@ -64,13 +64,42 @@ def test_run_writes_every_table_then_skips_on_rerun(make_cfg, tmp_path, capsys):
     assert one(con, "SELECT count(*) FROM trace WHERE event = 'END'") == 1
     assert not problems(root)
 
+    assert list(summary) == list(cell.LAST_LINE_KEYS) and summary["skipped"] is False
+    assert summary["run_id"] == key.run_id
+    assert 0 < summary["engine_seconds"] <= summary["run_seconds"]
+    assert row.engine_seconds == summary["engine_seconds"]
+    assert row.run_seconds == summary["run_seconds"]
+
     runner.main_run(cfg)
     again = capsys.readouterr().out
     assert again.startswith(f"skipped: run {key.run_id}")
     skipped = last_json(again)
-    assert skipped["skipped"] and skipped["run_id"] == key.run_id
-    assert skipped["output_tokens"] == summary["output_tokens"]
+    # same keys, same values read back from the ledger; only the skipped flag differs
+    assert skipped == json.loads(json.dumps(summary)) | {"skipped": True}
     assert one(ledgers.connect(root), "SELECT count(*) FROM raw_runs") == 1
+
+    manifest.manifest_path(root, "t1", key.run_id).unlink()  # summary keys beyond the runs row
+    runner.main_run(cfg)
+    bare = last_json(capsys.readouterr().out)
+    assert list(bare) == list(cell.LAST_LINE_KEYS) and bare["ttft_p99"] is None
+    assert bare["output_tokens"] == summary["output_tokens"] and bare["skipped"] is True
+
+
+def test_damaged_complete_run_is_quarantined_and_redone(make_cfg, tmp_path, capsys):
+    cfg = make_cfg(*SMALL, "campaign_name=t6")
+    root = tmp_path / "ledgers"
+    first = runner.main_run(cfg)
+    (victim,) = (root / "requests" / "campaign=t6").glob("*.parquet")
+    victim.write_bytes(victim.read_bytes()[:100])
+    capsys.readouterr()
+    again = runner.main_run(cfg)
+    out = capsys.readouterr().out
+    assert f"run {first['run_id']}: quarantined " in out and "runs to redo: 1" in out
+    assert again["skipped"] is False and again["output_tokens"] == first["output_tokens"]
+    (moved,) = (root / "quarantine").glob("*/requests/campaign=t6/*.parquet")
+    assert moved.name == victim.name and moved.stat().st_size == 100
+    assert ledger_check.check(root).ok
+    assert one(ledgers.connect(root), "SELECT count(*) FROM requests") == 20
 
 
 def test_run_id_hashes_identity_not_bookkeeping(make_cfg, tmp_path):
@@ -111,10 +140,10 @@ def test_crashed_attempt_is_invisible_and_redone(make_cfg, tmp_path, monkeypatch
     root = tmp_path / "ledgers"
     real_write = writer.write_atomic
 
-    def die_before_runs_row(table, path):
+    def die_before_runs_row(table, path, **kwargs):
         if path.parent.parent.name == "runs":
             raise KeyboardInterrupt("killed before the runs row")
-        real_write(table, path)
+        return real_write(table, path, **kwargs)
 
     monkeypatch.setattr(writer, "write_atomic", die_before_runs_row)
     with pytest.raises(KeyboardInterrupt):
