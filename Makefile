@@ -42,16 +42,32 @@ report: setup ## regenerate reports/ from the ledgers
 .PHONY: report
 
 # ---- campaigns (conf/campaign/): Hydra multiruns through the campaign sweeper -------------
-# SMOKE=1: 3 seeds per block, 60 requests per run, campaign <name>_smoke.
+# SMOKE=1|true|yes: 3 seeds per block, 60 requests per run, campaign <name>_smoke
+# (SMOKE=0|false|no or unset: full size).
 # LEDGER_ROOT=dir: ledger root. JOBS=n: parallel runs of the local launcher (default: cores).
 # LAUNCHER=submitit_local|slurm|ray_cluster: another launcher. ARGS='...': more overrides.
 SMOKE ?=
 JOBS ?=
 LAUNCHER ?=
 ARGS ?=
+# Checked before anything runs; anything else stops make with one line and exit code 2.
+SMOKE_ON := 1 true yes
+SMOKE_OFF := 0 false no
+LAUNCHERS := local submitit_local slurm ray_cluster
+ifneq ($(filter-out $(SMOKE_ON) $(SMOKE_OFF),$(SMOKE)),)
+$(error SMOKE=$(SMOKE): allowed 1, true, yes (smoke size) or 0, false, no, empty (full size))
+endif
+ifneq ($(JOBS),)
+ifneq ($(shell printf '%s' '$(JOBS)' | grep -Ex '[1-9][0-9]*'),$(JOBS))
+$(error JOBS=$(JOBS): allowed whole numbers >= 1 (parallel runs), or empty for one per core)
+endif
+endif
+ifneq ($(filter-out $(LAUNCHERS),$(LAUNCHER)),)
+$(error LAUNCHER=$(LAUNCHER): allowed $(LAUNCHERS), or empty for local)
+endif
 QUESTIONS := q1 q2 q3 q4 q5 q6 q7 q8 q9
 campaign_run = $(BIN)/python -m experiments.run -m campaign=$(1) ledger_root=$(LEDGER_ROOT) \
-	$(if $(filter 1 true yes,$(SMOKE)),hydra.sweeper.smoke=true) \
+	$(if $(filter $(SMOKE_ON),$(SMOKE)),hydra.sweeper.smoke=true) \
 	$(if $(LAUNCHER),hydra/launcher=$(LAUNCHER)) $(if $(JOBS),hydra.launcher.n_jobs=$(JOBS)) $(ARGS)
 
 q1: setup ## Q1 S0->S1->S2 at b63/b83/b108 (+D0, D0 split, q=0, Exp 1b): 306 runs
@@ -80,7 +96,7 @@ campaign: setup ## any campaign by name: make campaign C=caps (d0_split, caps, b
 campaign-plan: setup ## list the runs of C=<campaign> (and whether complete) without running
 	@test -n "$(C)" || { echo "usage: make campaign-plan C=<name of conf/campaign/*.yaml>"; exit 2; }
 	$(BIN)/python -m experiments.campaign campaign=$(C) ledger_root=$(LEDGER_ROOT) \
-		$(if $(filter 1 true yes,$(SMOKE)),hydra.sweeper.smoke=true) $(ARGS)
+		$(if $(filter $(SMOKE_ON),$(SMOKE)),hydra.sweeper.smoke=true) $(ARGS)
 
 smoke: setup ## every question q1..q9 at smoke size, then check the ledgers
 	@for q in $(QUESTIONS); do $(MAKE) --no-print-directory $$q SMOKE=1 || exit 1; done

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from experiments.bad_input import EXIT_BAD_INPUT, bad_input_message
 from experiments.composer import CellComposer
 from experiments.ledger_io import RunKey, run_key
 from experiments.provenance import prereg_plan_hash
@@ -34,6 +36,12 @@ MAX_LISTED = 10  # invalid cells or failures listed in a message
 
 __all__ = ["CampaignError", "CampaignSpec", "CellComposer", "Job", "expand_jobs",
            "plan_campaign", "plan_runs", "order_runs", "run_campaign", "williams_rows"]
+
+
+class CampaignFailed(CampaignError):
+    """The campaign ran but some runs failed (not bad input: exit code 1)."""
+
+    bad_input = False
 
 
 @dataclass(frozen=True)
@@ -63,11 +71,13 @@ def plan_runs(jobs: Sequence[Job], composer: CellComposer) -> list[PlannedRun]:
             continue
         planned.append(PlannedRun(job, key, cfg))
     if errors:
-        num_bad = sum(len(v) for v in errors.values())
-        lines = [f"{msg} ({len(bad)} cells, e.g. [{' '.join(bad[0].overrides)}])"
+        lines = [f"{msg} ({len(bad)} of {len(jobs)} cells, e.g. [{' '.join(bad[0].overrides)}])"
                  for msg, bad in list(errors.items())[:MAX_LISTED]]
+        if len(errors) == 1:
+            raise CampaignError(f"{lines[0]}; no run was started")
         if len(errors) > MAX_LISTED:
             lines.append(f"... and {len(errors) - MAX_LISTED} more errors")
+        num_bad = sum(len(v) for v in errors.values())
         raise CampaignError(f"{num_bad} of {len(jobs)} cells are invalid; no run was started:\n  "
                             + "\n  ".join(lines))
     return planned
@@ -262,7 +272,7 @@ def run_campaign(spec: CampaignSpec, arguments: Sequence[str], *, config_loader,
     print(summary.format())
     print(json.dumps(summary.as_dict()), flush=True)
     if summary.failed:
-        raise CampaignError(f"{summary.failed} of {summary.planned} runs failed; rerunning the "
+        raise CampaignFailed(f"{summary.failed} of {summary.planned} runs failed; rerunning the "
                             "same command redoes only those (see the list above)")
     return summary
 
@@ -304,9 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec, runs = plan_campaign(args.overrides)
-    except (ValueError, HydraException) as err:
-        print(f"error: {err}")
-        return 2
+    except (ValueError, HydraException, OmegaConfBaseException) as err:
+        message = bad_input_message(err)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     roots = {str(r.cfg.ledger_root) for r in runs}
     complete, damaged = set(), set()
     for root in roots:

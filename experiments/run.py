@@ -12,7 +12,6 @@ that raises is recorded with status failed. `-m campaign=q1` runs a campaign
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
+from experiments.bad_input import bad_input_message, exit_bad_input, report_bad_input
 from experiments.cell import CellResult, format_summary, last_line, run_cell
 from experiments.ledger_io import (
     RunKey,
@@ -106,13 +107,18 @@ def main_run(cfg: DictConfig) -> dict:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> dict:
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        return main_run(cfg)  # the launcher records a raising job as failed
+        return main_run(cfg)  # an in-process launcher records a raising job as failed
     try:
         return main_run(cfg)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except (ValueError, OmegaConfBaseException) as err:  # bad input: one line, exit 2
+        exit_bad_input(bad_input_message(err) or str(err))
+
+
+def cli() -> None:
+    """The command: Hydra's main with bad input reported in one line, exit code 2."""
+    report_bad_input()
+    main()
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -37,13 +37,13 @@ class CampaignError(CompactHydraException, ValueError):
 
 def _positive_int(value: Any, field_name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CampaignError(f"{field_name}={value!r}: expected an integer >= 1")
+        raise CampaignError(f"{field_name}={value!r}: allowed integers >= 1")
     return value
 
 
 def _flag(value: Any, field_name: str) -> bool:
     if not isinstance(value, bool):
-        raise CampaignError(f"{field_name}={value!r}: expected true or false")
+        raise CampaignError(f"{field_name}={value!r}: allowed true, false")
     return value
 
 

@@ -8,6 +8,7 @@ campaign can check all of its cells before launching the first one.
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import re
@@ -25,10 +26,27 @@ from serving_core.planner import plan_budget
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # the ledger writer's campaign names
 
 
+SECTIONS = ("engine", "retention", "load", "workload", "model", "executor")
+
+
 def _integer(value, field: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{field}={value!r}: expected an integer >= {low}")
+        raise ValueError(f"{field}={value!r}: allowed integers >= {low}")
     return int(value)
+
+
+def _flag(value, field: str) -> bool:
+    """Booleans are exactly true or false (`maybe`, `no`, `off`, `1` are refused)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}={value!r}: allowed true, false")
+    return value
+
+
+def _positive_finite(value, field: str) -> float:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{field}={value!r}: allowed finite numbers > 0")
+    return float(value)
 
 
 def _optional_integer(value, field: str, low: int) -> int | None:
@@ -36,8 +54,8 @@ def _optional_integer(value, field: str, low: int) -> int | None:
 
 
 def _number(value, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{field}={value!r}: expected a number")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{field}={value!r}: allowed finite numbers")
     return float(value)
 
 
@@ -62,11 +80,15 @@ def check_ledger_root(root: str | os.PathLike) -> Path:
 
 def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     """Raise ValueError naming the first bad field of a cell config."""
+    for section in SECTIONS:
+        if not isinstance(cfg.get(section), DictConfig):
+            raise ValueError(f"{section}={cfg.get(section)!r}: allowed a config group or "
+                             f"{section}.<key>=value overrides, not a value")
     arm = arm_of(cfg.org)
     _integer(cfg.seed, "seed", 0)
     _integer(cfg.replicate, "replicate", 0)
-    if not isinstance(cfg.trace, bool):
-        raise ValueError(f"trace={cfg.trace!r}: expected true or false")
+    _flag(cfg.trace, "trace")
+    _flag(cfg.write_ledgers, "write_ledgers")
     name = cfg.campaign_name
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(
@@ -86,6 +108,12 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     _integer(cfg.retention.k, "retention.k", 1)
     scheduler_config(cfg, arm, device)  # range checks (headroom in [0, 1), ...)
     normalize_workload_config(cfg.workload)
+    for key in ("rate", "on_s"):  # rate=inf would put every arrival at t = 0
+        if key in cfg.load:
+            _positive_finite(cfg.load[key], f"load.{key}")
+    off = cfg.load.get("off_s", 0.0)
+    if isinstance(off, numbers.Real) and not math.isfinite(off):
+        raise ValueError(f"load.off_s={off!r}: allowed finite numbers >= 0")
     normalize_load_config(cfg.load)
     if check_root and cfg.write_ledgers:
         check_ledger_root(cfg.ledger_root)

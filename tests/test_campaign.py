@@ -295,7 +295,7 @@ def test_sigkill_mid_campaign_then_rerun_leaves_no_duplicate_or_partial_run(tmp_
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (("campaign=q99",), "campaign/q99"),
+        (("campaign=q99",), "campaign=q99: allowed"),
         (("campaign=q1", "org=s0,s9"), "org='s9'"),
         (("campaign=q1", "engine.capp=3"), "engine.capp"),
         (("campaign=q1", "engine.cap=="), "engine.cap=="),
@@ -328,4 +328,4 @@ def test_plan_listing_runs_nothing(tmp_path, capsys):
     assert all(" q8 " in line and "to run" in line for line in lines[:6])
     assert not (tmp_path / "ledgers").exists()
     assert camp.main(["campaign=q8", "org=s7", f"ledger_root={tmp_path}"]) == 2
-    assert "org='s7'" in capsys.readouterr().out
+    assert "error: org='s7'" in capsys.readouterr().err

@@ -70,10 +70,10 @@ class ProcessLauncher(Launcher):
     def __init__(self, n_jobs: int = 0, timeout_s: float | None = None,
                  poll_s: float = 0.05) -> None:
         if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs < 0:
-            raise ValueError(f"hydra.launcher.n_jobs={n_jobs!r}: expected an integer >= 0 "
+            raise ValueError(f"hydra.launcher.n_jobs={n_jobs!r}: allowed integers >= 0 "
                              "(0: one job per CPU core)")
         if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"hydra.launcher.timeout_s={timeout_s!r}: expected > 0 or null")
+            raise ValueError(f"hydra.launcher.timeout_s={timeout_s!r}: allowed numbers > 0 or null")
         self.n_jobs = n_jobs or os.cpu_count() or 1
         self.timeout_s = timeout_s
         self.poll_s = poll_s

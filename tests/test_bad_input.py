@@ -1,0 +1,187 @@
+"""Bad input, from the command line: one line `error: field=value: ...` on stderr, exit code 2,
+nothing written. Hydra-level errors (unknown keys, group options, unparsable overrides)
+included; plus the Makefile variables and the app's --help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.cell import ARMS
+from experiments.workload import ARRIVALS, REUSE_MODES
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ("workload.source=synthetic", "workload.num_requests=5")
+RUN = (sys.executable, "-m", "experiments.run")
+
+# (command-line arguments, the exact start of the one stderr line)
+SINGLE = [
+    (("write_ledgers=maybe",), "error: write_ledgers='maybe': allowed true, false"),
+    (("write_ledgers=no",), "error: write_ledgers='no': allowed true, false"),
+    (("write_ledgers=off",), "error: write_ledgers='off': allowed true, false"),
+    (("trace=yes",), "error: trace='yes': allowed true, false"),
+    (("trace=1",), "error: trace=1: allowed true, false"),
+    (("load.rate=inf",), "error: load.rate=inf: allowed finite numbers > 0"),
+    (("load.rate=0",), "error: load.rate=0: allowed finite numbers > 0"),
+    (("load.rate=-2",), "error: load.rate=-2: allowed finite numbers > 0"),
+    (("load.arrival=bursty",), "error: load.arrival='bursty': allowed"),
+    (("org=s9",), "error: org='s9': allowed values are s0, s1, s2, d0, s2_retention"),
+    (("budget=q12",), "error: budget='q12'"),
+    (("engine.cap=0",), "error: engine.cap=0: allowed integers >= 1"),
+    (("engine.cap=many",), "error: engine.cap='many': allowed integers >= 1"),
+    (("workload.q=1.5",), "error: workload.q=1.5"),
+    (("workload.reuse=maybe",), "error: workload.reuse='maybe': allowed"),
+    (("seed=-1",), "error: seed=-1: allowed integers >= 0"),
+    (("replicate=-1",), "error: replicate=-1: allowed integers >= 0"),
+    (("campaign_name=bad/name",), "error: campaign_name='bad/name': use letters"),
+    (("engine.capp=3",), "error: engine.capp=3: unknown key; allowed keys of engine: cap, "),
+    (("foo=1",), "error: foo=1: unknown key; allowed keys: org, budget, seed"),
+    (("model=foo",), "error: model=foo: allowed attention_only, falcon_h1_7b, granite"),
+    (("executor=tpu",), "error: executor=tpu: allowed a100, h200"),
+    (("engine.cap==",), "error: engine.cap==: cannot parse this override"),
+    (("org=s0,s1",), "error: org=s0,s1: a sweep needs -m (multirun)"),
+    (("engine=3",), "error: engine=3: allowed a config group or engine.<key>=value"),
+    (("~org",), "error: org: required, it cannot be removed"),
+]
+MULTI = [
+    (("campaign=q99",), "error: campaign=q99: allowed bursts, caps, d0_split, demo"),
+    (("campaign=q9", "org=s0,s9"), "error: org='s9': allowed values are s0, s1, s2, d0"),
+    (("campaign=q9", "hydra.sweeper.order=shuffled"),
+     "error: hydra.sweeper.order='shuffled': allowed values are product, seed_major, balanced"),
+    (("campaign=q9", "hydra.sweeper.smoke=maybe"),
+     "error: hydra.sweeper.smoke='maybe': allowed true, false"),
+    (("campaign=q9", "hydra.launcher.n_jobs=-1"),
+     "error: hydra.launcher.n_jobs=-1: allowed integers >= 0"),
+    (("campaign=q9", "write_ledgers=false"),
+     "error: write_ledgers=false: a campaign records every run in the ledgers"),
+    (("campaign=q9", "hydra/launcher=nope"), "error: hydra/launcher=nope: allowed basic, local"),
+    (("campaign=q9", "engine.capp=3"), "error: engine.capp=3: unknown key"),
+    (("campaign=q9", "load.rate=inf"), "error: load.rate=inf: allowed finite numbers > 0"),
+]
+CASES = [(("run", *a), m) for a, m in SINGLE] + [(("multirun", *a), m) for a, m in MULTI]
+CASES += [
+    (("check", "{tmp}/missing"), "error: ledger root='{tmp}/missing': no such directory"),
+    (("report", "--ledgers", "{tmp}/missing", "--out", "{tmp}/out"),
+     "error: --ledgers='{tmp}/missing': no such directory"),
+    (("plan", "campaign=q9", "org=s7"), "error: org='s7': allowed values are s0, s1"),
+    (("run", "ledger_root={tmp}/a-file/ledgers"), "error: ledger_root='{tmp}/a-file/ledgers': "
+                                                  "not a writable directory"),
+]
+
+
+def _command(kind: str, args: tuple[str, ...], tmp: Path) -> list[str]:
+    args = tuple(a.format(tmp=tmp) for a in args)
+    if kind == "run":
+        own_root = any(a.startswith("ledger_root=") for a in args)
+        return [*RUN, *args, *SMALL, *([] if own_root else [f"ledger_root={tmp}/ledgers"])]
+    if kind == "multirun":
+        return [*RUN, "-m", *args, *SMALL, f"ledger_root={tmp}/ledgers",
+                f"hydra.sweep.dir={tmp}/sweep"]
+    if kind == "check":
+        return [sys.executable, "-m", "ledgers.check", *args]
+    if kind == "report":
+        return [sys.executable, "-m", "analysis.report", *args]
+    return [sys.executable, "-m", "experiments.campaign", *args, f"ledger_root={tmp}/ledgers"]
+
+
+def _listing(path: Path) -> set[str]:
+    return {p.relative_to(path).as_posix() for p in path.rglob("*")} if path.exists() else set()
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Every case at once (the machine's cores overlap their start-up); REPO listings around."""
+    base = tmp_path_factory.mktemp("bad")
+    watched = (REPO / "outputs", REPO / "ledgers" / "data", REPO / "reports")
+    before = {p: _listing(p) for p in watched}
+    procs = []
+    for i, (args, _) in enumerate(CASES):
+        tmp = base / str(i)
+        tmp.mkdir()
+        (tmp / "a-file").write_text("a file, not a directory")
+        cmd = _command(args[0], args[1:], tmp)
+        procs.append((tmp, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True)))
+    results = []
+    for tmp, proc in procs:
+        out, err = proc.communicate(timeout=300)
+        results.append((tmp, proc.returncode, out, err))
+    after = {p: _listing(p) for p in watched}
+    return results, before, after
+
+
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_gives_one_line_exit_2_and_writes_nothing(outcomes, index):
+    results, _, _ = outcomes
+    tmp, code, out, err = results[index]
+    expected = CASES[index][1].format(tmp=tmp)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith(expected), err
+    assert out == ""
+    assert sorted(p.name for p in tmp.iterdir()) == ["a-file"]  # no ledgers, no sweep dir
+
+
+def test_bad_input_writes_nothing_in_the_repository(outcomes):
+    _, before, after = outcomes
+    assert after == before
+
+
+def _make(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", "--no-print-directory", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("variable", "message"),
+    [("SMOKE=on", "SMOKE=on: allowed 1, true, yes (smoke size) or 0, false, no, empty"),
+     ("SMOKE=2", "SMOKE=2: allowed 1, true, yes"),
+     ("JOBS=two", "JOBS=two: allowed whole numbers >= 1"),
+     ("JOBS=0", "JOBS=0: allowed whole numbers >= 1"),
+     ("LAUNCHER=nope", "LAUNCHER=nope: allowed local submitit_local slurm ray_cluster")],
+)
+def test_makefile_variables_are_checked_before_anything_runs(variable, message):
+    proc = _make("-n", "q9", variable)  # -n: even a valid run would only be printed
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert message in line and line.endswith("Stop.")
+
+
+@pytest.mark.parametrize("smoke", ["1", "true", "yes", "0", "false", "no", ""])
+def test_makefile_smoke_values_of_the_documented_set(smoke):
+    proc = _make("-n", "q9", f"SMOKE={smoke}", "LEDGER_ROOT=/nonexistent")
+    assert proc.returncode == 0, proc.stderr
+    assert ("hydra.sweeper.smoke=true" in proc.stdout) == (smoke in ("1", "true", "yes"))
+
+
+def test_help_lists_groups_and_the_allowed_values_the_code_accepts():
+    proc = subprocess.run([*RUN, "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+
+    def allowed(prefix: str) -> set[str]:
+        (line,) = [line for line in lines if line.startswith(prefix)]
+        return set(line[len(prefix):].split()[0].split("|"))
+
+    assert allowed("org=") == set(ARMS)
+    assert allowed("workload.reuse=") == set(REUSE_MODES)
+    assert allowed("load.arrival=") == set(ARRIVALS)
+    for group in ("model", "executor"):
+        options = {p.stem for p in (REPO / "conf" / group).glob("*.yaml")}
+        assert allowed(f"{group}=") == options
+        assert f"{group}: {', '.join(sorted(options))}" in lines
+    assert any(line.startswith("budget=bN|pN") for line in lines)
+    assert any("--cfg job --resolve" in line for line in lines)
+    assert all("python -m" not in line or ".venv/bin/python -m" in line for line in lines)
+
+
+def test_cfg_job_resolve_shows_resolved_values():
+    proc = subprocess.run([*RUN, "--cfg", "job", "--resolve", "ledger_root=/x/y"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ledger_root: /x/y" in proc.stdout and "${" not in proc.stdout
