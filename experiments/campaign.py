@@ -133,8 +133,9 @@ def launch_overrides(run: PlannedRun, root: Path) -> list[str]:
 
 
 def prepare_workloads(runs: Sequence[PlannedRun]) -> None:
-    """Build the tokenized ShareGPT cache once here, not in every parallel worker."""
-    from experiments import sharegpt
+    """Build the tokenized ShareGPT cache once here, not in every parallel worker, and keep
+    it loaded, with the provenance every runs row stamps: forked runs inherit all of it."""
+    from experiments import provenance, sharegpt
     from experiments.workload import default_cache_dir
 
     tokenizers = sorted({str(r.cfg.workload.tokenizer) for r in runs
@@ -144,8 +145,11 @@ def prepare_workloads(runs: Sequence[PlannedRun]) -> None:
         if not (cache / f"sharegpt-{tok}-{sharegpt.pool_cache_key(tok)}.parquet").exists():
             print(f"building the ShareGPT token cache for {tok} under {cache} (first use) ...",
                   flush=True)
-            sharegpt.load_pool(tok, cache)
-            sharegpt.clear_memo()
+        sharegpt.load_pool(tok, cache)
+    provenance.code_version()
+    provenance.environment()
+    for question in sorted({r.key.question for r in runs}):
+        provenance.prereg_plan_hash(question)
 
 
 # ---------------------------------------------------------------- launching and the summary

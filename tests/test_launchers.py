@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -152,3 +153,76 @@ def test_ray_launcher_tiny_multirun(tmp_path):
     root = tmp_path / "ledgers"
     assert ledgers.connect(root).execute("SELECT count(*) FROM runs").fetchall() == [(2,)]
     assert ledger_check.check(root).ok
+
+
+# ---------------------------------------------------------------- forked jobs
+
+TOUCHED: list[str] = []  # a forked job appends here; the launching process must not see it
+
+
+def forked_task(cfg):
+    import os
+    import signal
+    import time
+
+    TOUCHED.append(cfg.mode)
+    if cfg.mode == "ok":
+        print("human summary")
+        print(json.dumps({"mode": cfg.mode, "pid": os.getpid()}))
+    elif cfg.mode == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif cfg.mode == "exit3":
+        print("error: bad cell", file=sys.stderr)
+        sys.exit(3)
+    elif cfg.mode == "hang":
+        time.sleep(60)
+    elif cfg.mode == "bad":
+        raise ValueError("org='s9': allowed values are s0, s1")
+    elif cfg.mode == "bug":
+        raise RuntimeError("engine bug")
+
+
+def test_forked_jobs_are_isolated_processes_with_the_commands_exit_codes(tmp_path):
+    from types import SimpleNamespace
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        config = compose("config", [f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                         return_hydra_config=True)
+    launcher = process_launcher.ProcessLauncher(n_jobs=2, timeout_s=2, start="fork")
+    launcher.setup(hydra_context=SimpleNamespace(config_loader=None),
+                   task_function=forked_task, config=config)
+    launcher.compose = lambda overrides: OmegaConf.create(
+        {"mode": overrides[0].split("=", 1)[1]})
+    assert launcher.forks
+    modes = ["ok", "crash", "exit3", "hang", "bad", "bug", "ok"]
+    rets = launcher.launch([[f"mode={m}"] for m in modes], initial_job_idx=0)
+    assert [r.status for r in rets] == [JobStatus.COMPLETED] + [JobStatus.FAILED] * 5 + [
+        JobStatus.COMPLETED]
+    reasons = [str(r._return_value) for r in rets[1:6]]
+    assert reasons[0].startswith("killed by signal 9")
+    assert reasons[1].startswith("exit code 3: error: bad cell")
+    assert reasons[2].startswith("timed out after 2 s")
+    assert reasons[3].startswith("exit code 2: error: org='s9': allowed values are s0, s1")
+    assert reasons[4].startswith("exit code 1: RuntimeError: engine bug")
+    pids = {rets[0].return_value["pid"], rets[6].return_value["pid"]}
+    assert len(pids) == 2 and os.getpid() not in pids  # one fresh process per job
+    assert TOUCHED == []  # nothing a job did leaked into the launching process
+    log = (tmp_path / "sweep" / "0" / "stdout.log").read_text().splitlines()
+    job_dir = tmp_path / "sweep" / "0"
+    assert log[0].startswith(f"# {sys.executable} -m ")
+    assert log[0].endswith(f"mode=ok hydra.run.dir='{job_dir}'")  # the command to rerun by hand
+    with pytest.raises(ValueError, match=r"hydra\.launcher\.start='spawn': allowed fork, exec"):
+        process_launcher.ProcessLauncher(start="spawn")
+
+
+def test_forked_and_exec_runs_write_identical_tables(tmp_path):
+    files = {}
+    for start in ("fork", "exec"):
+        proc = run_multirun(tmp_path / start, f"hydra.launcher.start={start}", "campaign_name=eq",
+                            "org=s0,s2", "budget=b63", "trace=true")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        con = ledgers.connect(tmp_path / start / "ledgers")
+        files[start] = dict(con.execute("SELECT run_id, files FROM runs").fetchall())
+    assert len(files["fork"]) == 2 and files["fork"].keys() == files["exec"].keys()
+    for run_id, text in files["fork"].items():  # same rows, byte for byte (sha256)
+        assert json.loads(text) == json.loads(files["exec"][run_id])

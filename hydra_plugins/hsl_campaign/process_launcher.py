@@ -1,15 +1,21 @@
-"""Process launcher: every job in a fresh `python -m <entry module> <overrides>` process,
-`n_jobs` at a time (0: one per CPU core).
+"""Process launcher: every job in its own process, `n_jobs` at a time (0: one per CPU core).
 
-Why one command-line process per job rather than a process pool: a job that
-kills its interpreter (segfault, out-of-memory kill) fails only itself, where a
-ProcessPoolExecutor marks every pending future broken; no task function or
-Hydra state is pickled; and each job is the command a user could rerun by hand
-(its log starts with it). Children get PR_SET_PDEATHSIG on Linux, so a
-SIGKILLed campaign leaves no orphan still writing ledgers.
+Two ways to start a job process (`start`):
+- fork (default on Linux): the campaign process, which has already imported
+  everything and composed every job's config, forks one child per job; the child
+  runs the task on its config and exits. No interpreter start-up, imports or
+  Hydra composition per run (about 70 % of a run's wall time otherwise).
+- exec: a fresh `python -m <entry module> <overrides>` process per job.
+
+Either way one process per job, not a pool: a job that kills its interpreter
+(segfault, out-of-memory kill) fails only itself, where a ProcessPoolExecutor
+marks every pending future broken; nothing is pickled; and each job's log starts
+with the command a user could rerun by hand. Children get PR_SET_PDEATHSIG on
+Linux, so a SIGKILLed campaign leaves no orphan still writing ledgers.
 
 Each job's output goes to `<sweep dir>/<job number>/stdout.log` and
 `stderr.log`; its last stdout line (the runner's JSON) is the job's return value.
+A forked job reports bad input as the command would: one `error:` line, exit 2.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
@@ -66,15 +74,70 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+STARTS = ("fork", "exec")
+
+
+class ForkedJob:
+    """A forked job process, with the part of Popen's interface the launch loop uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def run_forked_task(task_function: TaskFunction, cfg: DictConfig) -> int:
+    """Inside a forked job: run the task, return the exit code the command would give."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from experiments.bad_input import EXIT_BAD_INPUT, bad_input_message
+
+    try:
+        task_function(cfg)
+        return 0
+    except SystemExit as ex:
+        return ex.code if isinstance(ex.code, int) else 1
+    except (ValueError, OmegaConfBaseException) as ex:
+        print(f"error: {bad_input_message(ex) or ex}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
 class ProcessLauncher(Launcher):
     def __init__(self, n_jobs: int = 0, timeout_s: float | None = None,
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, start: str = "fork") -> None:
         if isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs < 0:
             raise ValueError(f"hydra.launcher.n_jobs={n_jobs!r}: allowed integers >= 0 "
                              "(0: one job per CPU core)")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"hydra.launcher.timeout_s={timeout_s!r}: allowed numbers > 0 or null")
+        if start not in STARTS:
+            raise ValueError(f"hydra.launcher.start={start!r}: allowed {', '.join(STARTS)}")
         self.n_jobs = n_jobs or os.cpu_count() or 1
+        self.start = start
+        self.hydra_context: HydraContext | None = None
+        self._composer = None
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.progress: Any = None  # a tqdm bar set by the campaign sweeper
@@ -85,6 +148,20 @@ class ProcessLauncher(Launcher):
               config: DictConfig) -> None:
         self.config = config
         self.task_function = task_function
+        self.hydra_context = hydra_context
+
+    @property
+    def forks(self) -> bool:
+        """Whether jobs are forked (needs os.fork and Hydra's config loader to compose)."""
+        return self.start == "fork" and hasattr(os, "fork") and self.hydra_context is not None
+
+    def compose(self, overrides: Sequence[str]) -> DictConfig:
+        """A job's config, composed as Hydra would (experiments.composer)."""
+        if self._composer is None:
+            from experiments.composer import CellComposer
+
+            self._composer = CellComposer(self.hydra_context.config_loader, self.config)
+        return self._composer.compose(list(overrides))
 
     # ------------------------------------------------------------ the job command
 
@@ -122,7 +199,7 @@ class ProcessLauncher(Launcher):
         cwd = str(self.config.hydra.runtime.cwd)
         hook = _die_with_parent_hook()
         pending = deque(enumerate(job_overrides))
-        running: dict[int, tuple[subprocess.Popen, float, Path]] = {}
+        running: dict[int, tuple[subprocess.Popen | ForkedJob, float, Path]] = {}
         returns: dict[int, JobReturn] = {}
         num_failed = 0
         try:
@@ -156,14 +233,42 @@ class ProcessLauncher(Launcher):
                 proc.wait()
         return [returns[i] for i in range(len(job_overrides))]
 
-    def _start(self, overrides: Sequence[str], job_dir: Path, cwd: str, hook) -> subprocess.Popen:
+    def _start(self, overrides: Sequence[str], job_dir: Path, cwd: str, hook):
         job_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command(overrides, job_dir)
+        cfg = self.compose(overrides) if self.forks else None
         with open(job_dir / "stdout.log", "w") as out, open(job_dir / "stderr.log", "w") as err:
             out.write(f"# {' '.join(cmd)}\n")
             out.flush()
-            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    cwd=cwd, preexec_fn=hook)
+            if cfg is None:
+                return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                        cwd=cwd, preexec_fn=hook)
+            return self._fork(cfg, out.fileno(), err.fileno(), cwd, hook)
+
+    def _fork(self, cfg: DictConfig, out: int, err: int, cwd: str, hook) -> ForkedJob:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            return ForkedJob(pid)
+        code = 1
+        try:  # the child: never returns into the campaign's code
+            if hook is not None:
+                hook()
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            for fd, target in ((devnull, 0), (out, 1), (err, 2)):
+                os.dup2(fd, target)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            os.chdir(cwd)
+            HydraConfig.instance().set_config(self.config)  # the sweep's (mode MULTIRUN)
+            code = run_forked_task(self.task_function, cfg)
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
 
     def _job_return(self, overrides: Sequence[str], job_dir: Path, code: int,
                     elapsed: float) -> JobReturn:
