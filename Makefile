@@ -31,8 +31,14 @@ lint: setup ## ruff checks
 plan: setup ## print the budget planner table for b63, b83 and b108 (Falcon-H1-7B)
 	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b; echo; done
 
-bench: setup ## engine benchmarks: default S2 b63 cell, 3,000 and 30,000 requests, profile
-	$(BIN)/python -m bench.engine_bench
+BENCH ?= engine single campaign ledger
+BENCH_PARTS := engine single campaign ledger
+ifneq ($(filter-out $(BENCH_PARTS),$(BENCH)),)
+$(error BENCH=$(BENCH): allowed any of $(BENCH_PARTS) (default all))
+endif
+
+bench: setup ## benchmarks; BENCH="engine single campaign ledger" (default all) picks parts
+	$(BIN)/python -m bench $(BENCH)
 
 .PHONY: help setup test test-all lint plan bench
 

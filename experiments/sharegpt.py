@@ -315,7 +315,8 @@ def _write_atomic(table: pa.Table, path: Path) -> None:
 
 def _read_pool(path: Path) -> ShareGPTPool:
     # ParquetFile rather than read_table: the latter imports pyarrow.dataset (and pandas).
-    table = pq.ParquetFile(path).read(columns=["prompt", "output_tokens", "corpus"])
+    table = pq.ParquetFile(path).read(columns=["prompt", "output_tokens", "corpus"],
+                                      use_threads=False)  # threads only contend on 2 cores
     meta = json.loads(table.schema.metadata[b"hsl_meta"])
     prompt_values, prompt_offsets = _token_rows(table.column("prompt"))
     # Corpus rows are only ever used concatenated, so keep the flat values.

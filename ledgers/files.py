@@ -13,8 +13,6 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import duckdb
-
 MAGIC = b"PAR1"
 _MIN_SIZE = 12  # magic, footer length, magic
 
@@ -65,7 +63,7 @@ def split_readable(paths: Iterable[Path]) -> tuple[list[Path], dict[Path, str]]:
     return good, bad
 
 
-def _fetch(con: duckdb.DuckDBPyConnection, select: str, files: Sequence[Path]) -> list[dict]:
+def _fetch(con, select: str, files: Sequence[Path]) -> list[dict]:
     rel = con.execute(
         f"SELECT {select}, parse_filename(filename, true) AS attempt, filename FROM "
         "read_parquet(?, union_by_name = true, filename = true)",
@@ -81,6 +79,8 @@ def read_rows(files: Sequence[Path], select: str = "*") -> tuple[list[dict], dic
     good, bad = split_readable(files)
     if not good:
         return [], bad
+    import duckdb  # here: a run that writes but never reads back does not import it
+
     with duckdb.connect() as con:
         try:
             return _fetch(con, select, good), bad

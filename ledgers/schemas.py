@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 TABLES = ("runs", "requests", "poller", "trace", "slab", "steps")
 RUN_TABLES = TABLES[1:]  # per-run tables the engine produces; runs is written last
@@ -242,6 +241,8 @@ def _to_array(table: str, field: pa.Field, values) -> pa.Array:
     allowed = field.metadata.get(b"values")
     if allowed is not None and len(arr):
         allowed_values = pa.array(allowed.decode().split("|"))
+        import pyarrow.compute as pc  # here: its import costs as much as a short run's writes
+
         bad = pc.filter(arr, pc.invert(pc.is_in(arr, value_set=allowed_values)))
         if len(bad):
             shown = sorted(set(bad.to_pylist()))[:5]

@@ -1,0 +1,128 @@
+"""Campaign speed (P2): Q1 Exp 1a (S0, S1, S2 x b63, b83, b108 x 12 seeds = 108 runs of 300
+requests) with 2 workers plus its analysis, and one whole `experiments.run` process.
+
+Targets: campaign + analysis <= 90 s; one run process <= 1.0 s. Both are wall times
+on a machine others may be loading too, so the load average is printed next to each.
+Writes bench/results/campaign.json. `--part campaign|single` runs one part only;
+`--start exec` times the fresh-process launcher for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+EXP1A = ("campaign=q1", "hydra.sweeper.only=[exp1a]", "org=s0,s1,s2")
+PARTS = ("campaign", "single")
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.1f}/{five:.1f} (1/5 min, {os.cpu_count()} cores)"
+
+
+def time_campaign(workers: int, start: str) -> dict:
+    """Q1 Exp 1a into a fresh ledger root, then the Q1 analysis (tables and figures)."""
+    with tempfile.TemporaryDirectory(prefix="hsl-bench-") as tmp:
+        root = Path(tmp) / "ledgers"
+        cmd = [sys.executable, "-m", "experiments.run", "-m", *EXP1A, f"ledger_root={root}",
+               f"hydra.sweep.dir={tmp}/sweep", f"hydra.launcher.n_jobs={workers}",
+               f"hydra.launcher.start={start}"]
+        before = load()
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        campaign_s = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"campaign failed: {proc.stderr[-2000:]}")
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        t1 = time.perf_counter()
+        analysis = subprocess.run(
+            [sys.executable, "-c", "import sys; from bench.campaign_bench import analyse; "
+             "analyse(sys.argv[1], sys.argv[2])", str(root), f"{tmp}/report"],
+            cwd=ROOT, capture_output=True, text=True)
+        analysis_s = time.perf_counter() - t1
+        if analysis.returncode != 0:
+            raise RuntimeError(f"analysis failed: {analysis.stderr[-2000:]}")
+        return {"runs": summary["planned"], "done": summary["done"], "workers": workers,
+                "start": start, "campaign_s": campaign_s, "analysis_s": analysis_s,
+                "total_s": campaign_s + analysis_s, "load_before": before, "load_after": load()}
+
+
+def analyse(root: str, out: str) -> None:
+    """The Q1 analysis as the report runs it: catalog, readouts, families, figures."""
+    import ledgers
+    from analysis import q1
+
+    con = ledgers.connect(root)
+    result = q1.analyze(con)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    q1.draw(result, Path(out))
+    con.close()
+
+
+def time_single(repeats: int) -> dict:
+    """A whole `python -m experiments.run` process for the default cell (300 requests),
+    writing its ledgers to a fresh root, as a user types it."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory(prefix="hsl-bench-") as tmp:
+            cmd = [sys.executable, "-m", "experiments.run", f"ledger_root={tmp}/ledgers"]
+            used0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            walls.append(time.perf_counter() - t0)
+            used = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpus.append(used.ru_utime + used.ru_stime - used0.ru_utime - used0.ru_stime)
+            if proc.returncode != 0:
+                raise RuntimeError(f"run failed: {proc.stderr[-2000:]}")
+            last = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"process_s": statistics.median(walls), "process_all_s": walls,
+            "process_cpu_s": statistics.median(cpus),
+            "engine_seconds": last["engine_seconds"], "run_seconds": last["run_seconds"],
+            "load": load()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.campaign_bench",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=PARTS, action="append",
+                        help="run only this part (repeatable; default: both)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--start", choices=("fork", "exec"), default="fork",
+                        help="how the launcher starts each run (default fork)")
+    parser.add_argument("--repeats", type=int, default=5, help="single-process repeats")
+    args = parser.parse_args(argv)
+    parts = args.part or list(PARTS)
+    rows: dict = {}
+    if "single" in parts:
+        rows["single"] = s = time_single(args.repeats)
+        print(f"P2 single experiments.run process (default cell, 300 requests, ledgers): "
+              f"{s['process_s']:.2f} s median of {args.repeats} (target <= 1.0 s; CPU "
+              f"{s['process_cpu_s']:.2f} s); engine "
+              f"{s['engine_seconds']:.2f} s, cell {s['run_seconds']:.2f} s; {s['load']}",
+              flush=True)
+    if "campaign" in parts:
+        rows["campaign"] = c = time_campaign(args.workers, args.start)
+        print(f"P2 Q1 Exp 1a: {c['runs']} runs ({c['done']} done) with {c['workers']} workers "
+              f"({c['start']}): campaign {c['campaign_s']:.1f} s + analysis "
+              f"{c['analysis_s']:.1f} s = {c['total_s']:.1f} s (target <= 90 s); "
+              f"{c['load_before']} before, {c['load_after']} after", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "campaign.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**old, **rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
