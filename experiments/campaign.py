@@ -307,7 +307,8 @@ def plan_campaign(overrides: Sequence[str], config_dir: str | Path = CONF_DIR
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m experiments.campaign campaign=q1 [overrides]`: list the runs, run nothing."""
+    """`.venv/bin/python -m experiments.campaign campaign=q1 [overrides]`: list the runs, run
+    nothing."""
     import argparse
 
     from ledgers.integrity import scan_root

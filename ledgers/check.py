@@ -1,4 +1,4 @@
-"""Audit a ledger root: `python -m ledgers.check ROOT`.
+"""Audit a ledger root: `.venv/bin/python -m ledgers.check ROOT`.
 
 Exit 0 when clean, 1 when any problem is found or ROOT holds no ledger file
 (reported as EMPTY), 2 when ROOT does not exist.

@@ -185,3 +185,24 @@ def test_cfg_job_resolve_shows_resolved_values():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "ledger_root: /x/y" in proc.stdout and "${" not in proc.stdout
+
+
+def test_no_config_file_sets_the_run_mode():
+    """experiments.run reads hydra.mode from overrides only; a config file must not set it."""
+    import yaml
+
+    def mentions_mode(node) -> bool:
+        if isinstance(node, dict):
+            hydra = node.get("hydra")
+            if isinstance(hydra, dict) and "mode" in hydra:
+                return True
+            return any(mentions_mode(v) for v in node.values())
+        return False
+
+    files = sorted((REPO / "conf").rglob("*.yaml"))
+    assert len(files) > 20
+    assert [f for f in files if mentions_mode(yaml.safe_load(f.read_text()) or {})] == []
+    proc = subprocess.run([*RUN, "hydra.mode=MULTIRUN", "campaign=q9", *SMALL,
+                           "hydra.sweeper.only=[nope]"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "hydra.sweeper.only=['nope']: unknown blocks" in proc.stderr
