@@ -1,7 +1,7 @@
 """DuckDB catalog: one view per ledger table over the whole ledger root.
 
-raw_<table> views read every committed file (hive partitions, union by name)
-and add `attempt`, the file's basename stem `<run_id>-<nonce>`. The table
+raw_<table> views read every committed file found at connect time (hive
+partitions, union by name) and add `attempt`, the file's basename stem `<run_id>-<nonce>`. The table
 canonical_attempts holds, per (campaign, run_id), the first complete attempt
 (ordered by created_at, then attempt). The public views runs, requests, poller, trace,
 slab and steps keep only rows of canonical attempts: a crashed attempt's

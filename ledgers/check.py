@@ -10,7 +10,8 @@ ids, orphan and mislabeled rows, adoption keys without exactly one adopted
 run. A run is identified by (campaign, run_id). Notes (never failing):
 superseded attempts of runs that later completed, run ids complete in several
 campaigns (distinct runs, each counted in its own campaign), stale temp files
-left by a killed writer, complete runs written without a file record.
+left by a killed writer, complete runs written without a file record, Parquet
+files outside the ledger layout (read by no view).
 A later campaign (or single run) moves damaged files to <ROOT>/quarantine/ and
 redoes their runs.
 """
@@ -29,7 +30,7 @@ import duckdb
 
 from ledgers.catalog import LedgerWarning, create_views
 from ledgers.commands import module_command
-from ledgers.integrity import LedgerScan, damage_lines
+from ledgers.integrity import LedgerScan, damage_lines, stray_files
 from ledgers.schemas import TABLES
 from ledgers.writer import ADOPTION_KEY, TEMP_SUFFIX, attempt_run_id
 
@@ -68,7 +69,7 @@ PROBLEMS = (
     "adoption keys without exactly one adopted run",
 )
 NOTES = ("superseded attempts", "run ids complete in several campaigns", "stale temp files",
-         "complete runs without a file record")
+         "complete runs without a file record", "Parquet files outside the ledger layout")
 
 
 def _rows(con: duckdb.DuckDBPyConnection, sql: str) -> list[tuple]:
@@ -275,8 +276,9 @@ def check(root: str | os.PathLike) -> CheckReport:
     finally:
         con.close()
     report.problems = dict(zip(PROBLEMS, found, strict=True))
-    report.notes = dict(zip(NOTES, (superseded, shared, _stale_temp_files(root), unrecorded),
-                            strict=True))
+    stray = [str(p) for p in stray_files(root)]
+    report.notes = dict(zip(NOTES, (superseded, shared, _stale_temp_files(root), unrecorded,
+                                    stray), strict=True))
     return report
 
 

@@ -151,6 +151,18 @@ def scan_root(root: str | os.PathLike, campaigns: str | Iterable[str] | None = N
     return scan
 
 
+def stray_files(root: str | os.PathLike) -> list[Path]:
+    """Parquet files under `root` outside the ledger layout (and outside the quarantine):
+    no view reads them, so they are listed rather than silently ignored."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    layout = {p for table in TABLES for p in committed_files(root, table)}
+    quarantine = root / QUARANTINE_DIR
+    return sorted(p for p in root.rglob("*.parquet")
+                  if p not in layout and quarantine not in p.parents)
+
+
 def damage_lines(scan: LedgerScan) -> tuple[list[str], list[str]]:
     """Readable lines: (unreadable files, complete runs with missing or damaged files)."""
     files = [f"{scan.relative(p)}: {why}" for p, why in sorted(scan.unreadable.items())]
@@ -212,4 +224,4 @@ def quarantine_damage(scan: LedgerScan) -> Quarantine:
 
 
 __all__ = ["LedgerScan", "Quarantine", "damage_lines", "quarantine_damage", "scan_root",
-           "verify_attempt"]
+           "stray_files", "verify_attempt"]

@@ -666,10 +666,15 @@ def test_garbage_and_truncated_files_are_skipped_with_a_warning_naming_them(tmp_
     assert "poller/campaign=q1/garbage.parquet" in warning and "runs/campaign=q2/runX-" in warning
     assert writer.completed_run_ids(tmp_path) == {"runA"}
     assert [r["run_id"] for r in writer.read_raw_runs(tmp_path)] == ["runA"]
+    (tmp_path / "stray.parquet").write_bytes(b"junk")
+    (tmp_path / "requests" / "nested").mkdir()
+    (tmp_path / "requests" / "nested" / "deep.parquet").write_bytes(b"junk")
     report = ledger_check.check(tmp_path)
     assert sorted(line.split(":")[0] for line in report.problems["unreadable files"]) == [
         "poller/campaign=q1/garbage.parquet", f"runs/campaign=q2/runX-{'0' * 16}.parquet"]
     assert report.num_complete_runs == 1
+    assert report.notes["Parquet files outside the ledger layout"] == [
+        str(tmp_path / "requests" / "nested" / "deep.parquet"), str(tmp_path / "stray.parquet")]
 
 
 def test_file_damaged_inside_despite_its_magic_bytes_costs_only_itself(tmp_path):
