@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['engine_seconds']:.2f} s, cell {s['run_seconds']:.2f} s; {s['load']}",
               flush=True)
     if "campaign" in parts:
-        rows["campaign"] = c = time_campaign(args.workers, args.start)
+        key = "campaign" if args.start == "fork" else f"campaign_{args.start}"
+        rows[key] = c = time_campaign(args.workers, args.start)
         print(f"P2 Q1 Exp 1a: {c['runs']} runs ({c['done']} done) with {c['workers']} workers "
               f"({c['start']}): campaign {c['campaign_s']:.1f} s + analysis "
               f"{c['analysis_s']:.1f} s = {c['total_s']:.1f} s (target <= 90 s); "

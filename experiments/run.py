@@ -1,13 +1,17 @@
 """Single-run entry point: `python -m experiments.run org=s2 budget=b63 seed=42000`.
 
-Prints a short human summary and, as its last line, one JSON object.
+Prints a short human summary and, as its last line, one JSON object whose keys
+(experiments.cell.LAST_LINE_KEYS) are the same whether the run ran or was skipped.
 
 With ledgers on (the default) the run is recorded under `ledger_root=`
-(default $LEDGER_ROOT or ledgers/data): a run whose run_id is already complete
-is skipped, and its last line then comes from its ledger row; anything else is
-(re)run, its manifest written, then its tables and, last, its runs row. A cell
-that raises is recorded with status failed. `-m campaign=q1` runs a campaign
-(conf/campaign/) through the campaign sweeper and the configured launcher.
+(default $LEDGER_ROOT or ledgers/data): a run whose run_id is already complete,
+its files intact, is skipped, and its last line is read back from its runs row
+and manifest; a complete run whose files are damaged is moved to the quarantine
+(ledgers.integrity) and redone; anything else is (re)run, its manifest written,
+then its tables and, last, its runs row. A cell that raises is recorded with
+status failed. Bad input ends with one line and exit code 2 (experiments.bad_input).
+`-m campaign=q1` runs a campaign (conf/campaign/) through the campaign sweeper
+and the configured launcher.
 """
 
 from __future__ import annotations

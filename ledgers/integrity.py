@@ -214,9 +214,12 @@ def quarantine_damage(scan: LedgerScan) -> Quarantine:
     for path in order:
         target = directory / path.relative_to(root)
         target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target)
+        try:
+            os.replace(path, target)
+        except FileNotFoundError:  # another process moved it first
+            continue
         moved.append(path.relative_to(root).as_posix())
-    lines = [f"{p.relative_to(root).as_posix()}: {reasons[p]}" for p in order]
+    lines = [f"{p}: {reasons[root / p]}" for p in moved]
     lines += [f"damaged {line}" for line in damage_lines(scan)[1]]
     (directory / REASONS_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
     runs = sorted(f"{c}/{attempt_run_id(a)}" for c, a in attempts if attempt_run_id(a))
