@@ -142,7 +142,8 @@ def _make(*args: str) -> subprocess.CompletedProcess:
      ("SMOKE=2", "SMOKE=2: allowed 1, true, yes"),
      ("JOBS=two", "JOBS=two: allowed whole numbers >= 1"),
      ("JOBS=0", "JOBS=0: allowed whole numbers >= 1"),
-     ("LAUNCHER=nope", "LAUNCHER=nope: allowed local submitit_local slurm ray_cluster")],
+     ("LAUNCHER=nope", "LAUNCHER=nope: allowed local submitit_local slurm ray_cluster"),
+     ("BENCH=speed", "BENCH=speed: allowed any of engine single campaign ledger")],
 )
 def test_makefile_variables_are_checked_before_anything_runs(variable, message):
     proc = _make("-n", "q9", variable)  # -n: even a valid run would only be printed
@@ -206,3 +207,11 @@ def test_no_config_file_sets_the_run_mode():
                            "hydra.sweeper.only=[nope]"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "hydra.sweeper.only=['nope']: unknown blocks" in proc.stderr
+
+
+def test_bench_parts_are_checked(capsys):
+    from bench.__main__ import main as bench_main
+
+    assert bench_main(["ledger", "speed"]) == 2  # checked before any part runs
+    assert capsys.readouterr().err.strip() == (
+        "error: part=speed: allowed engine, single, campaign, ledger")
