@@ -92,7 +92,7 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     name = cfg.campaign_name
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(
-            f"campaign_name={name!r}: use letters, digits, '_', '.', '-' (not leading)"
+            f"campaign_name={name!r}: allowed letters, digits, '_', '.', '-' (not leading)"
         )
     if not isinstance(cfg.question, str):
         raise ValueError(f"question={cfg.question!r}: expected a string")

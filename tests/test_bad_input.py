@@ -36,7 +36,7 @@ SINGLE = [
     (("workload.reuse=maybe",), "error: workload.reuse='maybe': allowed"),
     (("seed=-1",), "error: seed=-1: allowed integers >= 0"),
     (("replicate=-1",), "error: replicate=-1: allowed integers >= 0"),
-    (("campaign_name=bad/name",), "error: campaign_name='bad/name': use letters"),
+    (("campaign_name=bad/name",), "error: campaign_name='bad/name': allowed letters"),
     (("engine.capp=3",), "error: engine.capp=3: unknown key; allowed keys of engine: cap, "),
     (("foo=1",), "error: foo=1: unknown key; allowed keys: org, budget, seed"),
     (("model=foo",), "error: model=foo: allowed attention_only, falcon_h1_7b, granite"),
