@@ -88,6 +88,10 @@ def scheduler_config(cfg, arm: str, device) -> SchedulerConfig:
         headroom=float(eng.headroom),
         retention_k=int(cfg.retention.k) if arm == "s2_retention" else None,
         pinning_k=None if eng.pinning_k is None else int(eng.pinning_k),
+        admission=str(eng.get("admission", "full_prompt")),
+        checkpoint_placement=eng.get("checkpoint_placement"),
+        align_chunks=eng.get("align_chunks"),
+        slab_policy=str(eng.get("slab_policy", "write_once")),
     )
 
 

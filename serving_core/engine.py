@@ -68,7 +68,7 @@ def run_engine(
     if not specs:
         raise ValueError("workload.num_requests must be >= 1")
     recorder = Recorder(trace=trace, slab=org == "S2")
-    mem = build_memory(geometry, org, pool_units, recorder)
+    mem = build_memory(geometry, org, pool_units, recorder, sched_cfg.slab_policy)
     check_feasible(mem, specs, org, budget_label)
     sched = Scheduler(mem, sched_cfg, recorder)
     # Requests are materialized at arrival and drop their token lists when they finish,
