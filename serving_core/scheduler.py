@@ -433,6 +433,23 @@ class Scheduler:
             return 0
         return sum(len(self._boundaries(i.context, i.context + i.num_new)) for i in plan)
 
+    def plan_columns(self, plan: list[Scheduled]) -> dict[str, int]:
+        """Steps-ledger columns describing the batch (what a step-time fit needs)."""
+        num_decode = decode_ctx = pairs = 0
+        for item in plan:
+            n, c = item.num_new, item.context
+            if n == 1:
+                num_decode += 1
+                decode_ctx += c
+            else:
+                pairs += n * c + n * (n + 1) // 2
+        return {
+            "num_decode_seqs": num_decode,
+            "decode_context_tokens": decode_ctx,
+            "prefill_attention_pairs": pairs,
+            "checkpoint_writes": self.boundaries_crossed(plan),
+        }
+
     # ----- after the executor ran the step ------------------------------------------------------
     def complete_step(self, plan: list[Scheduled], now: float) -> tuple[int, int, int]:
         """Publish what the step computed, sample tokens, finish requests.

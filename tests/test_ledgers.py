@@ -15,6 +15,7 @@ import ledgers
 from ledgers import check as ledger_check
 from ledgers import writer
 from ledgers.schemas import ENGINE_SCHEMAS, SCHEMAS, TABLES, field_doc, to_table
+from serving_core.records import mechanism_absent
 
 CAMPAIGN = "q1"
 
@@ -134,6 +135,10 @@ def steps_columns(n: int) -> dict:
         "decode_tokens": s % 4,
         "num_preempted": np.zeros(n, dtype=np.int64),
         "num_admitted": s % 2,
+        "num_decode_seqs": s % 4,
+        "decode_context_tokens": (s % 4) * 100,
+        "prefill_attention_pairs": np.zeros(n, dtype=np.int64),
+        "checkpoint_writes": np.zeros(n, dtype=np.int64),
     }
 
 
@@ -182,6 +187,7 @@ def runs_row(
         "throughput_span": 250 / 19.4,
         "status": status,
         "wall_seconds": 0.3,
+        **mechanism_absent(),
     }
 
 
