@@ -143,7 +143,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            want = self._chunk(req.num_computed, req.num_tokens, budget)
+            want = req.num_tokens - req.num_computed
+            if want > 1:  # decode (one token) needs no chunking
+                want = self._chunk(req.num_computed, req.num_tokens, budget)
             if not want:
                 i += 1  # an aligned chunk needs more budget than is left this step
                 continue
@@ -240,8 +242,10 @@ class Scheduler:
         servable boundary if short; 0 means preemption is needed."""
         start = req.num_computed
         end = start + want
-        if -(-end // self.B) <= len(req.attn) and not self._boundaries(start, end):
-            return want  # fast path (most decode steps): no new block, no boundary
+        if -(-end // self.B) <= len(req.attn):
+            C = self.C  # fast path (most decode steps): no new block, no boundary
+            if not C or (end % C if self.step_end else end // C == start // C):
+                return want
         if self.mem.can_allocate(self._chunk_demand(req, start, want, 0)):
             self._allocate(req, start, want, False)
             return want
@@ -429,9 +433,12 @@ class Scheduler:
 
     def boundaries_crossed(self, plan: list[Scheduled]) -> int:
         """Checkpoint boundaries the planned chunks cross (each writes one extra composite)."""
-        if not self.C:
+        C = self.C
+        if not C:
             return 0
-        return sum(len(self._boundaries(i.context, i.context + i.num_new)) for i in plan)
+        if self.step_end:
+            return sum(1 for i in plan if not (i.context + i.num_new) % C)
+        return sum((i.context + i.num_new) // C - i.context // C for i in plan)
 
     def plan_columns(self, plan: list[Scheduled]) -> dict[str, int]:
         """Steps-ledger columns describing the batch (what a step-time fit needs)."""
