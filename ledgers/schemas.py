@@ -194,7 +194,7 @@ _RUNS = [
     _f("throughput_ledger", _F, "tokens/s", "output_tokens / ledger episode seconds (primary)."),
     _f("throughput_span", _F, "tokens/s", "output_tokens / request span seconds (sensitivity)."),
     _f("c_once_tokens", _I, "tokens",
-       "C_once: prompt tokens minus the prefix adopted at first admission (resume excluded; -1: failed run)."),
+       "C_once: prompt minus prefix adopted at first admission, summed (-1: failed run)."),
     _f("h_tokens", _I, "tokens", "H = C_once + output tokens."),
     _f("engine_steps", _I, "count", "K: engine steps of the run."),
     _f("h_per_step", _F, "tokens", "H / K."),

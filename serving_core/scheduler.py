@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from serving_core.memory import NULL, MemoryOrganization
 from serving_core.request import Request, Status
 
-
 ADMISSION_GATES = ("full_prompt", "first_chunk")
 CHECKPOINT_PLACEMENTS = ("step_end", "every_boundary")
 # Per-organization defaults (placement, aligned chunks): the modified paths (S0/S1/S2,

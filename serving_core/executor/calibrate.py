@@ -157,8 +157,9 @@ def _median_gauge(poller: dict, key: str) -> float:
 
 def simulate(cell: Cell, seed: int, profile: DeviceProfile, extra: list[str] = ()) -> RunStats:
     """One run of `cell` at `seed` under `profile`; anchor metrics and feature sums."""
-    from experiments.cell import run_cell
     from omegaconf import OmegaConf
+
+    from experiments.cell import run_cell
 
     cfg = _compose([*cell.overrides(), f"seed={seed}", *extra])
     OmegaConf.set_struct(cfg, False)
@@ -530,8 +531,9 @@ def calibrate_steps(args, log) -> int:
         print(f"{f:22} {getattr(fitted, f):.6g}")
     print(f"rows {n}  rms relative residual {fit['residuals']['rms_rel_error']:.3g}")
     if args.out:
-        write_profile(fitted, args.out, fit, PROFILE_HEADER.replace(
-            "CALIBRATED to the measured system (conf/calibration/)", "CALIBRATED to a steps ledger"))
+        header = PROFILE_HEADER.replace(
+            "CALIBRATED to the measured system (conf/calibration/)", "CALIBRATED to a steps ledger")
+        write_profile(fitted, args.out, fit, header)
         log(f"wrote {args.out}")
     return 0
 

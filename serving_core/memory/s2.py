@@ -23,7 +23,6 @@ import math
 from serving_core.memory.base import MemoryOrganization
 from serving_core.memory.objects import NO_SLOT, Kind, StateObject
 
-
 SLAB_POLICIES = ("write_once", "refill")
 
 
