@@ -400,7 +400,7 @@ def calibrate_anchors(args, log) -> int:
     anchors = load_anchors(args.anchors)
     mixed = load_mixed(args.mixed)
     profile = load_device_profile(args.start)
-    if profile.step_model != "additive":
+    if profile.step_model != "additive" and args.iterations:
         profile = replace(profile, step_model="additive", name="a100-calibrated")
     extra = list(args.override)
     fit_sections = set("ABC")
@@ -486,6 +486,43 @@ def calibrate_anchors(args, log) -> int:
     return 0
 
 
+# One rule at a time switched back to the earlier engine (the first_chunk preset's value).
+ABLATIONS = {
+    "paper": [],
+    "admission=first_chunk": ["engine.admission=first_chunk"],
+    "placement=every_boundary": ["engine.checkpoint_placement=every_boundary",
+                                 "engine.align_chunks=false"],
+    "slab=refill": ["engine.slab_policy=refill"],
+    "outputs=raw": ["workload.output_rule=raw"],
+    "step=roofline": [],  # the datasheet roofline profile instead of the calibrated one
+}
+ABLATION_METRICS = ("throughput", "c_once", "preemptions", "k", "waiting_median", "event_s",
+                    "prompt_replay", "ttft_p99")
+
+
+def ablation(args, log) -> int:
+    """Relative error of each anchor with one rule at a time switched back."""
+    anchors = [a for a in load_anchors(args.anchors) if a.metric in ABLATION_METRICS]
+    cells = sorted({a.cell for a in anchors if a.section in "ABCD"}, key=str)
+    results = {}
+    for name, overrides in ABLATIONS.items():
+        profile = load_device_profile("a100_roofline" if name == "step=roofline" else args.start)
+        runs = simulate_cells(cells, args.seeds, profile, [*args.override, *overrides])
+        results[name] = {(r[0], r[1], r[2], r[3]): r for r in compare(anchors, runs)}
+        log(f"  ablation {name} done")
+    names = list(ABLATIONS)
+    head = f"{'sec':3} {'point':9} {'org':3} {'metric':15} {'anchor':>12} " + " ".join(
+        f"{n[:14]:>14}" for n in names)
+    print(head)
+    for key, row in results["paper"].items():
+        cols = []
+        for n in names:
+            err = results[n][key][6] if key in results[n] else math.nan
+            cols.append(f"{'' if math.isnan(err) else f'{100 * err:+.1f}%':>14}")
+        print(f"{key[0]:3} {key[1]:9} {key[2]:3} {key[3]:15} {row[4]:12,.1f} " + " ".join(cols))
+    return 0
+
+
 def calibrate_steps(args, log) -> int:
     """Linear least squares on every row of a steps ledger."""
     import pyarrow.parquet as pq
@@ -553,6 +590,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--tolerance", type=float, default=0.01)
     p.add_argument("--skip-output-fit", action="store_true")
+    p.add_argument("--ablation", action="store_true",
+                   help="no fit: anchor errors with one engine rule at a time switched back")
+    p.add_argument("--compare-only", action="store_true",
+                   help="no fit: the anchor table for the --start profile")
     p.add_argument("--override", action="append", default=[],
                    help="Hydra override applied to every simulated run (repeatable)")
     args = p.parse_args(argv)
@@ -575,6 +616,11 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    if args.ablation:
+        return ablation(args, log)
+    if args.compare_only:
+        args.iterations = 0
+        args.out = None
     if args.steps is not None:
         if not args.steps.exists():
             print(f"--steps={args.steps}: no such file or directory", file=sys.stderr)
