@@ -57,10 +57,9 @@ class Recording:
 
 def test_steps_ledger_columns_carry_the_model_features(falcon):
     """Feature sums rebuilt from the steps ledger equal those of the timed batches."""
+    from experiments.workload import build_workload
     from serving_core.engine import run_engine
     from serving_core.scheduler import SchedulerConfig
-
-    from experiments.workload import build_workload
 
     profile = known_profile()
     model = AdditiveStepModel(falcon, profile, "S2")
