@@ -149,12 +149,6 @@ class RunStats:
     features: np.ndarray = field(repr=False)
 
 
-def _median_gauge(poller: dict, key: str) -> float:
-    times, values = poller["t_s"], poller[key]
-    keep = [values[i] for i in range(len(times)) if i == 0 or times[i] != times[i - 1]]
-    return float(np.median(keep)) if keep else math.nan
-
-
 def simulate(cell: Cell, seed: int, profile: DeviceProfile, extra: list[str] = ()) -> RunStats:
     """One run of `cell` at `seed` under `profile`; anchor metrics and feature sums."""
     from omegaconf import OmegaConf
@@ -486,7 +480,8 @@ def calibrate_anchors(args, log) -> int:
     return 0
 
 
-# One rule at a time switched back to the earlier engine (the first_chunk preset's value).
+# One rule at a time switched back to the earlier engine (the first_chunk preset's value);
+# the last variant instead gives D0 the S-organizations' step_end placement and alignment.
 ABLATIONS = {
     "paper": [],
     "admission=first_chunk": ["engine.admission=first_chunk"],
@@ -495,6 +490,7 @@ ABLATIONS = {
     "slab=refill": ["engine.slab_policy=refill"],
     "outputs=raw": ["workload.output_rule=raw"],
     "step=roofline": [],  # the datasheet roofline profile instead of the calibrated one
+    "d0=aligned": ["engine.checkpoint_placement=step_end", "engine.align_chunks=true"],
 }
 ABLATION_METRICS = ("throughput", "c_once", "preemptions", "k", "waiting_median", "event_s",
                     "prompt_replay", "ttft_p99")

@@ -38,6 +38,17 @@ from serving_core.layout import normalize_org
 INDIRECT_ORGS = frozenset(("S1", "S2"))
 
 
+def _indirection(value: Any) -> float:
+    """A validated indirection overhead fraction (finite, >= 0)."""
+    try:
+        overhead = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"indirection_overhead={value!r} must be a number") from None
+    if not math.isfinite(overhead) or overhead < 0:
+        raise ValueError(f"indirection_overhead={overhead} must be finite and >= 0")
+    return overhead
+
+
 def _is_int(value: Any) -> bool:
     return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
 
@@ -80,14 +91,7 @@ class StepTimeModel:
         self.geometry = geometry
         self.device = load_device_profile(device)
         self.org = normalize_org(org)
-        try:
-            overhead = float(indirection_overhead)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"indirection_overhead={indirection_overhead!r} must be a number"
-            ) from None
-        if not math.isfinite(overhead) or overhead < 0:
-            raise ValueError(f"indirection_overhead={overhead} must be finite and >= 0")
+        overhead = _indirection(indirection_overhead)
         self.indirection_overhead = overhead
         self.effective_indirection = overhead if self.org in INDIRECT_ORGS else 0.0
         self.costs = costs = model_costs(geometry)
@@ -322,14 +326,7 @@ class AdditiveStepModel:
         self.geometry = geometry
         self.device = dev = load_device_profile(device)
         self.org = normalize_org(org)
-        try:
-            extra = float(extra_indirection)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"indirection_overhead={extra_indirection!r} must be a number"
-            ) from None
-        if not math.isfinite(extra) or extra < 0:
-            raise ValueError(f"indirection_overhead={extra} must be finite and >= 0")
+        extra = _indirection(extra_indirection)
         self.indirection = dev.indirection_overhead + extra if self.org in INDIRECT_ORGS else 0.0
         self.costs = c = model_costs(geometry)
         bw, peak = dev.hbm_bytes_per_s, dev.peak_flops
