@@ -104,7 +104,12 @@ class Scheduler:
         self.headroom = {p: math.floor(cfg.headroom * n) for p, n in mem.total_units().items()}
         placement, align = ORG_SEMANTICS.get(mem.org, ("every_boundary", False))
         self.step_end = (cfg.checkpoint_placement or placement) == "step_end"
-        self.align = bool(self.C) and (align if cfg.align_chunks is None else cfg.align_chunks)
+        # Aligned chunks need a token budget that reaches a boundary (else nothing progresses).
+        self.align = (
+            bool(self.C)
+            and cfg.max_num_batched_tokens >= self.C
+            and (align if cfg.align_chunks is None else cfg.align_chunks)
+        )
         self.full_prompt = cfg.admission == "full_prompt"
         self.step = 0
         self.now = 0.0

@@ -349,16 +349,23 @@ def compare(anchors: list[Anchor], runs: dict) -> list[tuple]:
             continue
         ours = index.get(a.cell, math.nan) if a.metric == "throughput_index" else cell_mean(
             runs[a.cell], a.metric)
-        err = (ours / a.value - 1) if a.value else (math.nan if ours else 0.0)
+        err = (ours / a.value - 1) if a.value else math.nan
         table.append((a.section, a.cell.point, a.cell.org, a.metric, a.value, ours, err))
     return table
+
+
+def _err_text(anchor: float, ours: float, err: float) -> str:
+    """Relative error, or the difference itself against a zero anchor."""
+    if anchor == 0:
+        return f"{ours - anchor:+.1f} abs"
+    return "" if math.isnan(err) else f"{100 * err:+.1f}%"
 
 
 def format_table(rows: list[tuple]) -> str:
     lines = [f"{'sec':3} {'point':9} {'org':3} {'metric':16} {'anchor':>14} {'ours':>14} "
              f"{'rel err':>8}"]
     for sec, point, org, metric, anchor, ours, err in rows:
-        e = "" if math.isnan(err) else f"{100 * err:+7.1f}%"
+        e = _err_text(anchor, ours, err)
         lines.append(f"{sec:3} {point:9} {org:3} {metric:16} {anchor:14,.3f} {ours:14,.3f} "
                      f"{e:>8}")
     return "\n".join(lines)
@@ -513,8 +520,8 @@ def ablation(args, log) -> int:
     for key, row in results["paper"].items():
         cols = []
         for n in names:
-            err = results[n][key][6] if key in results[n] else math.nan
-            cols.append(f"{'' if math.isnan(err) else f'{100 * err:+.1f}%':>14}")
+            got = results[n].get(key)
+            cols.append(f"{_err_text(got[4], got[5], got[6]) if got else '':>14}")
         print(f"{key[0]:3} {key[1]:9} {key[2]:3} {key[3]:15} {row[4]:12,.1f} " + " ".join(cols))
     return 0
 
