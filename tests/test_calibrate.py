@@ -120,7 +120,8 @@ def test_anchor_fit_end_to_end_on_a_tiny_subset(tmp_path, capsys):
     profile = load_device_profile(data)
     assert profile.step_model == "additive"
     assert set(data["fit"]["fitted"]) == set(cal.FITTED)
-    assert len(data["fit"]["residuals_device"]) == 2 + 2  # two event rows, two mixed steps
+    # two event rows, two throughput rows, two mixed steps
+    assert len(data["fit"]["residuals"]) == 2 + 2 + 2
     assert data["fit"]["data"]["anchors_sha256"] == cal._sha(anchors)
     printed = capsys.readouterr().out
     for metric in ("event_s", "throughput", "c_once"):

@@ -376,4 +376,4 @@ def test_calibrated_a100_is_the_default_and_the_roofline_stays_available(falcon)
     fit = raw_yaml("a100")["fit"]
     for key in ("memory_efficiency", "matmul_efficiency", "mixed_step_s", "per_step_overhead_s"):
         assert fit["fitted"][key] == getattr(calibrated, key)
-    assert fit["residuals_device"] and fit["data"]["anchors_sha256"]
+    assert fit["residuals"] and fit["data"]["anchors_sha256"]

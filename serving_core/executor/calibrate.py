@@ -224,63 +224,64 @@ def cell_mean(runs: list[RunStats], metric: str) -> float:
 
 
 # ----- fits ---------------------------------------------------------------------------------
-def fit_device(runs: dict, anchors: list[Anchor], mixed: list, profile: DeviceProfile):
-    """Least squares of (1/eff_mem, 1/eff_mm, mixed_step_s, indirection) on event seconds
-    and mixed-step savings (relative residuals). Returns (profile, residual rows)."""
+def fit_constants(runs: dict, anchors: list[Anchor], mixed: list, profile: DeviceProfile):
+    """Joint least squares of the five free constants on relative residuals of
+    (a) section C's summed forward seconds (device time of the simulated steps),
+    (b) the mixed-step split savings (exactly mixed_step_s for a D0 step), and
+    (c) the throughput anchors of sections A-C: each run's request span moved by the
+        change of its steps' device time plus K x the change of the host per-step time
+        (the trajectory held fixed; the caller re-simulates and repeats).
+    Returns (profile, residual rows (label, measured, fitted, relative error))."""
     from scipy.optimize import least_squares
 
-    rows = []  # (features mean, paged?, target, label)
+    rows = []  # (label, target, [(features, paged, output, span, k)], kind)
     for a in anchors:
-        if a.metric == "event_s" and a.cell in runs:
-            feats = np.mean([r.features for r in runs[a.cell]], axis=0)
-            rows.append((feats, a.cell.org in ("S1", "S2"), a.value, f"event_s {a.cell.point} "
-                         f"{a.cell.org}"))
+        if a.cell not in runs or a.section not in "ABC":
+            continue
+        paged = a.cell.org in ("S1", "S2")
+        per_run = [(r.features, paged, r.metrics["output_tokens"], r.metrics["span_s"],
+                    r.metrics["k"]) for r in runs[a.cell]]
+        if a.metric in ("event_s", "throughput"):
+            rows.append((f"{a.metric} {a.section} {a.cell.point} {a.cell.org}", a.value,
+                         per_run, a.metric))
+
+    def device(theta, feats, paged):
+        inv_mem, inv_mm, mix, x, _ = theta
+        return (feats[0] * inv_mem + feats[1] * inv_mm + feats[2] + feats[3] * mix) * (
+            1 + (x if paged else 0.0))
+
+    theta0 = np.array([1 / profile.memory_efficiency, 1 / profile.matmul_efficiency,
+                       profile.mixed_step_s, profile.indirection_overhead,
+                       profile.per_step_overhead_s])
+
+    def predictions(theta):
+        out = []
+        for _, _, per_run, kind in rows:
+            if kind == "event_s":
+                out.append(np.mean([device(theta, f, p) for f, p, *_ in per_run]))
+            else:
+                out.append(np.mean([
+                    o / (span + device(theta, f, p) - device(theta0, f, p)
+                         + k * (theta[4] - theta0[4]))
+                    for f, p, o, span, k in per_run]))
+        out.extend(theta[2] for _ in mixed)  # split saving of a D0 step: mixed_step_s
+        return np.array(out)
+
+    targets = np.array([r[1] for r in rows] + [m[2] for m in mixed])
 
     def residuals(theta):
-        inv_mem, inv_mm, mix, x = theta
-        res = []
-        for feats, paged, target, _ in rows:
-            pred = (feats[0] * inv_mem + feats[1] * inv_mm + feats[2] + feats[3] * mix) * (
-                1 + (x if paged else 0.0))
-            res.append(pred / target - 1)
-        for _, _, saving in mixed:
-            res.append(mix / saving - 1)  # split saving of a D0 step: exactly mixed_step_s
-        return np.array(res)
+        return predictions(theta) / targets - 1
 
-    theta0 = [1 / profile.memory_efficiency, 1 / profile.matmul_efficiency,
-              max(profile.mixed_step_s, 1e-3), profile.indirection_overhead]
-    sol = least_squares(residuals, theta0, bounds=([1, 1, 0, 0], [20, 20, 0.1, 0.5]))
-    inv_mem, inv_mm, mix, x = sol.x
+    sol = least_squares(residuals, np.maximum(theta0, [1, 1, 1e-4, 0, 0]),
+                        bounds=([1, 1, 0, 0, 0], [20, 20, 0.1, 0.5, 0.05]))
+    inv_mem, inv_mm, mix, x, host = sol.x
     fitted = replace(profile, memory_efficiency=float(1 / inv_mem),
                      matmul_efficiency=float(1 / inv_mm), mixed_step_s=float(mix),
-                     indirection_overhead=float(x))
-    labels = [r[3] for r in rows] + [f"mixed split saving {c} + {d}" for c, d, _ in mixed]
-    targets = [r[2] for r in rows] + [s for _, _, s in mixed]
-    res = residuals(sol.x)
-    return fitted, [(lab, t, t * (1 + e), e) for lab, t, e in zip(labels, targets, res,
-                                                                  strict=True)]
-
-
-def fit_host(runs: dict, anchors: list[Anchor], profile: DeviceProfile):
-    """per_step_overhead_s by least squares of the throughput relative errors, each run's
-    span moved by K x (change of the per-step time) (one Newton step on simulated runs)."""
-    from scipy.optimize import minimize_scalar
-
-    terms = []
-    for a in anchors:
-        if a.metric == "throughput" and a.cell in runs and a.section in "ABC":
-            for r in runs[a.cell]:
-                m = r.metrics
-                terms.append((m["output_tokens"], m["span_s"], m["k"], a.value))
-    h0 = profile.per_step_overhead_s
-
-    def loss(h):
-        return sum(((out / (span + k * (h - h0))) / target - 1) ** 2
-                   for out, span, k, target in terms)
-
-    best = minimize_scalar(loss, bounds=(0.0, 0.02), method="bounded",
-                           options={"xatol": 1e-7})
-    return replace(profile, per_step_overhead_s=float(best.x))
+                     indirection_overhead=float(x), per_step_overhead_s=float(host))
+    labels = [r[0] for r in rows] + [f"mixed split saving {c} + {d}" for c, d, _ in mixed]
+    pred = predictions(sol.x)
+    return fitted, [(lab, float(t), float(p), float(p / t - 1))
+                    for lab, t, p in zip(labels, targets, pred, strict=True)]
 
 
 def fit_output_ratio(base: float, log=None) -> tuple[float, dict]:
@@ -413,8 +414,7 @@ def calibrate_anchors(args, log) -> int:
     for it in range(args.iterations):
         runs = simulate_cells(fit_cells, args.seeds, profile, extra)
         before = profile
-        profile, device_res = fit_device(runs, anchors, mixed, profile)
-        profile = fit_host(runs, anchors, profile)
+        profile, device_res = fit_constants(runs, anchors, mixed, profile)
         change = max(abs(getattr(profile, f) - getattr(before, f))
                      / max(abs(getattr(before, f)), CHANGE_FLOOR[f]) for f in FITTED)
         log(f"iteration {it + 1}: " + ", ".join(f"{f}={getattr(profile, f):.6g}"
@@ -432,10 +432,10 @@ def calibrate_anchors(args, log) -> int:
         "step_model": "device = memory_s/memory_efficiency + dense_s/matmul_efficiency + "
                       "fixed_s + mixed_step_s [mixed]; step = device (1 + indirection [S1,S2]) "
                       "+ per_step_overhead_s + per_seq_overhead_s B",
-        "residuals_device": [
+        "residuals": [
             {"data": lab, "measured": float(t), "fitted": float(p), "rel_error": float(e)}
             for lab, t, p, e in device_res],
-        "residuals_throughput": [
+        "resimulated_throughput": [
             {"data": f"{r[0]} {r[1]} {r[2]}", "measured": r[4], "simulated": float(r[5]),
              "rel_error": float(r[6])} for r in tp],
         "data": {
@@ -463,7 +463,7 @@ def calibrate_anchors(args, log) -> int:
     print("\n== fitted constants (profile " + profile.name + ")")
     for f in FITTED:
         print(f"  {f:22} {getattr(profile, f):.6g}")
-    print("  device-time residuals:")
+    print("  fit residuals (event seconds, throughput with the last trajectory, mixed steps):")
     for lab, t, p, e in device_res:
         print(f"    {lab:34} measured {t:10.4f}  fitted {p:10.4f}  {100 * e:+6.1f}%")
     print("\n== workload")
@@ -636,4 +636,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["Anchor", "Cell", "compare", "fit_device", "fit_host", "main"]
+__all__ = ["Anchor", "Cell", "compare", "fit_constants", "main"]
