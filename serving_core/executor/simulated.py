@@ -351,6 +351,11 @@ class AdditiveStepModel:
         self, new_tokens: Sequence[int], context_tokens: Sequence[int], checkpoint_writes: int = 0
     ) -> tuple[float, float, float, int]:
         """(memory_s, dense_s, fixed_s, mixed) of one step from its batch."""
+        if len(new_tokens) != len(context_tokens):
+            raise ValueError("new_tokens and context_tokens differ in length")
+        if max(new_tokens) == 1:  # decode-only step (most steps): builtin sums
+            n = len(new_tokens)
+            return self.features(n, n, sum(context_tokens), 0, 0, checkpoint_writes)
         num_decode = decode_ctx = prefill_tokens = pairs = 0
         for n, c in zip(new_tokens, context_tokens, strict=True):
             if n == 1:
