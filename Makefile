@@ -31,6 +31,9 @@ lint: setup ## ruff checks
 plan: setup ## print the budget planner table for b63, b83 and b108 (Falcon-H1-7B)
 	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b; echo; done
 
+calibrate: setup ## fit the A100 step model to conf/calibration/ anchors; anchor table (~3 min)
+	$(BIN)/python -m serving_core.executor.calibrate $(ARGS)
+
 BENCH ?= engine single campaign ledger
 BENCH_PARTS := engine single campaign ledger
 ifneq ($(filter-out $(BENCH_PARTS),$(BENCH)),)
@@ -40,7 +43,7 @@ endif
 bench: setup ## benchmarks; BENCH="engine single campaign ledger" (default all) picks parts
 	$(BIN)/python -m bench $(BENCH)
 
-.PHONY: help setup test test-all lint plan bench
+.PHONY: help setup test test-all lint plan bench calibrate
 
 report: setup ## regenerate reports/ from the ledgers
 	$(BIN)/python -m analysis.report --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)

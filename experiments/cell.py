@@ -24,10 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.workload import build_workload
 from serving_core.engine import run_engine
 from serving_core.executor.profiles import load_device_profile
-from serving_core.executor.simulated import StepTimeModel
+from serving_core.executor.simulated import build_step_model
 from serving_core.geometry import geometry_from_config
 from serving_core.layout import normalize_org
 from serving_core.planner import plan_budget, units_for
+from serving_core.records import MECHANISM_KEYS
 from serving_core.scheduler import SchedulerConfig
 
 ARMS = ("s0", "s1", "s2", "d0", "s2_retention")
@@ -50,6 +51,7 @@ SUMMARY_KEYS = (
     "prefill_tokens_computed",
     "max_running",
     "max_waiting",
+    *MECHANISM_KEYS,
     "sim_seconds",
     "wall_seconds",
 )
@@ -104,6 +106,10 @@ def scheduler_config(cfg, arm: str, device) -> SchedulerConfig:
         headroom=float(eng.headroom),
         retention_k=int(cfg.retention.k) if arm == "s2_retention" else None,
         pinning_k=None if eng.pinning_k is None else int(eng.pinning_k),
+        admission=str(eng.get("admission", "full_prompt")),
+        checkpoint_placement=eng.get("checkpoint_placement"),
+        align_chunks=eng.get("align_chunks"),
+        slab_policy=str(eng.get("slab_policy", "write_once")),
     )
 
 
@@ -119,7 +125,7 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
     plan = plan_budget(geometry, str(cfg.budget))
     device = load_device_profile(cfg.executor)
     sched_cfg = scheduler_config(cfg, arm, device)
-    step_model = StepTimeModel(geometry, device, org, cfg.engine.indirection_overhead)
+    step_model = build_step_model(geometry, device, org, cfg.engine.indirection_overhead)
     workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
     wall0 = time.perf_counter()
     pool_units = units_for(plan, org)

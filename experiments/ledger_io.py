@@ -29,6 +29,7 @@ from ledgers.writer import WRITER_COLUMNS
 from serving_core.geometry import geometry_from_config
 from serving_core.layout import normalize_org
 from serving_core.planner import parse_budget, plan_budget, units_for
+from serving_core.records import MECHANISM_KEYS, mechanism_absent
 
 ARM_LABELS = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "s2_retention": "S2+Retention"}
 ORG_COLUMN = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "s2_retention": "S2_RETENTION"}
@@ -138,6 +139,7 @@ def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, run_seconds: floa
         "status": "complete",
         "run_seconds": float(run_seconds),
         "engine_seconds": result.engine_seconds,
+        **{k: s[k] for k in MECHANISM_KEYS},
     }
     return _select_schema_columns(values)
 
@@ -162,6 +164,7 @@ def failed_runs_row(cfg: DictConfig, key: RunKey, run_seconds: float) -> dict:
         "status": "failed",
         "run_seconds": float(run_seconds),
         "engine_seconds": math.nan,
+        **mechanism_absent(),
     }
     return _select_schema_columns(values)
 

@@ -51,6 +51,7 @@ from experiments import sharegpt
 
 SOURCES = ("sharegpt", "synthetic")
 REUSE_MODES = ("share", "isolate")
+OUTPUT_RULES = ("tokenizer_ratio", "raw")
 ARRIVALS = ("poisson", "onoff")
 UNIQUE_PREFIX_TOKENS = 16  # smallest cache unit (D0 attention block, serving_core.layout)
 
@@ -60,11 +61,15 @@ WORKLOAD_DEFAULTS = {
     "q": 1.0,
     "reuse": "share",
     "num_contexts": 8,
-    "mean_input_tokens": 3332,
-    "context_spread": 0.25,  # context k spans mean * (1 -/+ spread), linearly over k
+    "mean_input_tokens": 3365,  # measured mean input (PAPER_ANCHORS.md section E)
+    # context k spans mean * (1 -/+ spread), linearly over k; 0.035 keeps every shared
+    # context within [3,072, 3,583] tokens: exactly six full 512-token blocks, as measured
+    "context_spread": 0.035,
     "max_output_tokens": 1024,
     "max_model_len": 8192,
     "tokenizer": "llama3",
+    "output_rule": "tokenizer_ratio",  # tokenizer_ratio | raw (see scaled_outputs)
+    "output_ratio": 0.83,  # fitted by `make calibrate` to the measured mean outputs
     "synthetic_prompt_tokens": 600,  # context + question
     "synthetic_context_tokens": 512,
     "synthetic_output_tokens": 32,
@@ -126,6 +131,8 @@ def normalize_workload_config(cfg) -> dict:
             f"workload.tokenizer={out['tokenizer']!r}: allowed values are "
             f"{', '.join(sharegpt.TOKENIZERS)}"
         )
+    out["output_rule"] = _choice(out["output_rule"], OUTPUT_RULES, "workload.output_rule")
+    out["output_ratio"] = _number(out["output_ratio"], "workload.output_ratio", 0.0, 4.0, True)
     out["q"] = _number(out["q"], "workload.q", low=0.0, high=1.0)
     out["context_spread"] = _number(out["context_spread"], "workload.context_spread", 0.0, 0.9)
     for key in ("num_requests", "num_contexts", "mean_input_tokens", "max_output_tokens"):
@@ -348,7 +355,7 @@ def plan_contexts(pool: sharegpt.ShareGPTPool, wcfg: dict) -> tuple[np.ndarray, 
     questions, which lowers the mean question length. A few rounds settle it.
     """
     prompt_lens = pool.prompt_lens
-    outputs = np.minimum(pool.output_tokens, wcfg["max_output_tokens"])
+    outputs = scaled_outputs(pool.output_tokens, wcfg)
     usable = (prompt_lens >= 1) & (outputs >= 1)
     target, limit = wcfg["mean_input_tokens"], wcfg["max_model_len"]
     eligible = usable
@@ -371,6 +378,23 @@ def plan_contexts(pool: sharegpt.ShareGPTPool, wcfg: dict) -> tuple[np.ndarray, 
             break
         mean_context = updated
     return lengths, np.flatnonzero(eligible)
+
+
+def scaled_outputs(raw: np.ndarray, wcfg: dict) -> np.ndarray:
+    """Output lengths a workload asks for, capped at max_output_tokens.
+
+    `raw`: the first model turn's token count under the workload tokenizer.
+    `tokenizer_ratio`: round(output_ratio x raw), kept >= 1 for a reply that has
+    tokens: one ratio for every request and cell, standing for the token-count
+    ratio between the measured model's tokenizer and ours on model replies
+    (`make calibrate` fits it to the measured mean outputs). A zero stays zero
+    (no exchange). `raw`: the counts unchanged.
+    """
+    raw = np.asarray(raw, dtype=np.int64)
+    if wcfg["output_rule"] == "tokenizer_ratio":
+        scaled = np.rint(raw * wcfg["output_ratio"]).astype(np.int64)
+        raw = np.where(raw > 0, np.maximum(scaled, 1), 0)
+    return np.minimum(raw, wcfg["max_output_tokens"])
 
 
 def _sharegpt_material(pool: sharegpt.ShareGPTPool, wcfg: dict, seed: int) -> _Material:
@@ -401,9 +425,7 @@ def _sharegpt_material(pool: sharegpt.ShareGPTPool, wcfg: dict, seed: int) -> _M
     }
     return _Material(
         questions=[pool.prompt(int(c)) for c in chosen],
-        output_tokens=np.minimum(pool.output_tokens[chosen], wcfg["max_output_tokens"]).astype(
-            np.int64
-        ),
+        output_tokens=scaled_outputs(pool.output_tokens[chosen], wcfg).astype(np.int64),
         slots=slots,
         shared_contexts=shared_contexts,
         unique_contexts=unique_contexts,

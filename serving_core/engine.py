@@ -15,7 +15,7 @@ import numpy as np
 
 from serving_core.geometry import Geometry
 from serving_core.memory import MemoryOrganization, build_memory
-from serving_core.records import Recorder, request_columns
+from serving_core.records import Recorder, mechanism_summary, request_columns
 from serving_core.request import Request, Status
 from serving_core.scheduler import Scheduler, SchedulerConfig
 
@@ -68,7 +68,7 @@ def run_engine(
     if not specs:
         raise ValueError("workload.num_requests must be >= 1")
     recorder = Recorder(trace=trace, slab=org == "S2")
-    mem = build_memory(geometry, org, pool_units, recorder)
+    mem = build_memory(geometry, org, pool_units, recorder, sched_cfg.slab_policy)
     check_feasible(mem, specs, org, budget_label)
     sched = Scheduler(mem, sched_cfg, recorder)
     # Requests are materialized at arrival and drop their token lists when they finish,
@@ -126,6 +126,7 @@ def run_engine(
             decode_tokens=decode,
             num_preempted=num_preempted,
             num_admitted=num_admitted,
+            **sched.plan_columns(plan),
         )
         while next_poll <= clock:
             recorder.sample(next_poll, sched, mem)
@@ -144,6 +145,9 @@ def run_engine(
         "steps": recorder.steps,
     }
     summary = summarize(requests, sched, clock, wall)
+    summary.update(
+        mechanism_summary(requests, sched.step, recorder.poller, sched.prefix_hit_tokens_self)
+    )
     return EngineResult(tables, summary, requests, mem)
 
 

@@ -183,3 +183,69 @@ def request_columns(requests) -> dict[str, list]:
         for col in REQUEST_COLUMNS:
             cols[col].append(row[col])
     return cols
+
+
+MECHANISM_KEYS = (
+    "c_once_tokens",
+    "h_tokens",
+    "engine_steps",
+    "h_per_step",
+    "running_median",
+    "running_mean",
+    "running_max",
+    "waiting_median",
+    "waiting_mean",
+    "waiting_max",
+    "prefix_hit_tokens_cross",
+    "prefix_hit_tokens_self",
+)
+
+
+def _gauge(values: list[int]) -> tuple[float, float, float]:
+    if not values:
+        return math.nan, math.nan, math.nan
+    ordered = sorted(values)
+    n = len(ordered)
+    mid = n // 2
+    median = ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return float(median), sum(ordered) / n, float(ordered[-1])
+
+
+def mechanism_summary(requests, num_steps: int, poller: dict, hit_self: int) -> dict:
+    """Work and concurrency readouts of one run.
+
+    C_once: prompt tokens minus the prefix adopted at each request's FIRST admission
+    (resume recomputation excluded); H = C_once + output tokens; K = engine steps.
+    Running / waiting gauges are the poller's 1-s samples (one row per sample instant).
+    Prefix hits split into cross-request reuse (first admissions) and a request
+    re-adopting its own prefix on resume.
+    """
+    c_once = sum(r.num_prompt - r.adopted_first for r in requests)
+    h = c_once + sum(r.num_generated for r in requests)
+    times, running, waiting = poller["t_s"], poller["running"], poller["waiting"]
+    keep = [i for i in range(len(times)) if i == 0 or times[i] != times[i - 1]]
+    run = _gauge([running[i] for i in keep])
+    wait = _gauge([waiting[i] for i in keep])
+    return {
+        "c_once_tokens": c_once,
+        "h_tokens": h,
+        "engine_steps": num_steps,
+        "h_per_step": h / num_steps if num_steps else math.nan,
+        "running_median": run[0],
+        "running_mean": run[1],
+        "running_max": run[2],
+        "waiting_median": wait[0],
+        "waiting_mean": wait[1],
+        "waiting_max": wait[2],
+        "prefix_hit_tokens_cross": sum(r.adopted_first for r in requests),
+        "prefix_hit_tokens_self": hit_self,
+    }
+
+
+_MECHANISM_COUNTS = ("c_once_tokens", "h_tokens", "engine_steps", "prefix_hit_tokens_cross",
+                     "prefix_hit_tokens_self")
+
+
+def mechanism_absent() -> dict:
+    """Mechanism readouts of a run that produced none: -1 for counts, NaN otherwise."""
+    return {k: (-1 if k in _MECHANISM_COUNTS else math.nan) for k in MECHANISM_KEYS}

@@ -19,6 +19,7 @@ from ledgers import check as ledger_check
 from ledgers import integrity, writer
 from ledgers.catalog import LedgerWarning
 from ledgers.schemas import ENGINE_SCHEMAS, SCHEMAS, TABLES, field_doc, to_table
+from serving_core.records import mechanism_absent
 
 CAMPAIGN = "q1"
 
@@ -138,6 +139,10 @@ def steps_columns(n: int) -> dict:
         "decode_tokens": s % 4,
         "num_preempted": np.zeros(n, dtype=np.int64),
         "num_admitted": s % 2,
+        "num_decode_seqs": s % 4,
+        "decode_context_tokens": (s % 4) * 100,
+        "prefill_attention_pairs": np.zeros(n, dtype=np.int64),
+        "checkpoint_writes": np.zeros(n, dtype=np.int64),
     }
 
 
@@ -187,6 +192,7 @@ def runs_row(
         "status": status,
         "run_seconds": 0.3,
         "engine_seconds": 0.2,
+        **mechanism_absent(),
     }
 
 

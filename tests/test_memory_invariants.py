@@ -409,7 +409,7 @@ class Driver:
             units = list(pool.evictable)
             slab_pages = [u for u in units if isinstance(mem.owner_of(pool.name, u), Slab)]
             unit = rng.choice(slab_pages if slab_pages and rng.random() < 0.7 else units)
-            pool.evictable.move_to_end(unit, last=False)
+            pool.make_least_recent(unit)
         elif not fill:
             return
         rid, self.next_rid = self.next_rid, self.next_rid + 1
@@ -576,7 +576,7 @@ def test_partial_hit_is_a_miss(config: Config) -> None:
         assert pool.num_free == 0 and pool.num_evictable == num_units
         units = list(obj.units) + ([obj.slab_page] if config.org == "S2" else [])
         taken = units[victim]
-        pool.evictable.move_to_end(taken, last=False)  # make it the least recently used
+        pool.make_least_recent(taken)  # make it the least recently used
         block = mem.allocate_attention(request_id=2)
         assert block.units == [taken]
         assert mem.lookup([77]).rmax == 0 and mem.cached_checkpoint(77) is None
@@ -827,7 +827,7 @@ def test_slab_reclaim_invalidates_every_cached_checkpoint_on_it() -> None:
         mem.release(obj)
     pool = mem.pools["shared"]
     assert list(pool.evictable) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0]  # the slab page released last
-    pool.evictable.move_to_end(0, last=False)
+    pool.make_least_recent(0)
     block = mem.allocate_attention(request_id=2)
     assert block.units == [0]
     cross = [e for e in recorder.slab_events if e[0] == "CROSS_INVALIDATE"]

@@ -129,7 +129,7 @@ def test_demand_by_organization(falcon):
 
 
 def test_s2_demand_counts_free_slots_by_what_they_cost(falcon):
-    mem = build_memory(falcon, "S2", {"shared": 64})
+    mem = build_memory(falcon, "S2", {"shared": 64}, slab_policy="refill")
     held = mem.allocate_composite(1)  # slab 0 referenced, 15 free slots
     assert mem.demand(0, 15) == {"shared": 45}  # free slots of a referenced slab cost nothing
     assert mem.demand(0, 16) == {"shared": 48 + 1}

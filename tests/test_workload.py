@@ -189,8 +189,41 @@ def test_lengths_respect_caps_and_model_length(shared_q1, cache_dir):
 @pytest.mark.parametrize("seed", [SEED, SEED + 1, SEED + 2])
 def test_mean_input_is_close_to_the_target(cache_dir, seed):
     wl = build_workload({}, {}, seed, cache_dir)
-    assert abs(wl.meta["mean_input_tokens"] / 3332 - 1) < 0.05
+    assert abs(wl.meta["mean_input_tokens"] / 3365.3 - 1) < 0.02  # measured mean input
     assert wl.meta["mean_output_tokens"] > 0
+
+
+def test_every_shared_context_is_exactly_six_full_blocks(shared_q1):
+    """As measured: each shared context yields six full 512-token blocks (3,072-3,583)."""
+    lengths = shared_q1.meta["context_lengths"]
+    assert len(lengths) == 8 and all(3072 <= n <= 3583 for n in lengths), lengths
+    firsts = {}
+    for req in shared_q1.requests:  # requests of one context agree on all its tokens
+        first = firsts.setdefault(req.context_id, req)
+        n = lengths[req.context_id]
+        assert np.array_equal(req.prompt[:n], first.prompt[:n])
+    assert len(firsts) == 8
+
+
+def test_output_rule_rescales_by_one_ratio_and_raw_keeps_lengths():
+    raw = np.array([0, 1, 3, 10, 601, 2000])
+    ratio = workload.normalize_workload_config({"output_ratio": 0.83})
+    unscaled = workload.normalize_workload_config({"output_rule": "raw"})
+    # 0 stays 0 (no exchange); 0.83 -> 1 (at least one token); 2.49 -> 2; 8.3 -> 8;
+    # 498.83 -> 499; 1,660 -> capped at 1,024
+    assert workload.scaled_outputs(raw, ratio).tolist() == [0, 1, 2, 8, 499, 1024]
+    assert workload.scaled_outputs(raw, unscaled).tolist() == [0, 1, 3, 10, 601, 1024]
+
+
+def test_output_rule_moves_mean_output_and_the_workload_hash(cache_dir):
+    scaled = build_workload({"q": 0.0}, {}, SEED, cache_dir)
+    raw = build_workload({"q": 0.0, "output_rule": "raw"}, {}, SEED, cache_dir)
+    assert scaled.meta["config_hash"] != raw.meta["config_hash"]
+    other = workload.workload_config_hash({"output_ratio": 0.9}, {}, SEED)
+    assert other != scaled.meta["config_hash"]
+    ratio = scaled.meta["workload"]["output_ratio"]
+    assert scaled.meta["mean_output_tokens"] / raw.meta["mean_output_tokens"] == pytest.approx(
+        ratio, rel=0.05)
 
 
 def test_unique_contexts_stay_distinct_when_the_corpus_wraps(cache_dir):
@@ -311,6 +344,8 @@ def test_synthetic_accepts_omegaconf_and_partial_configs():
         ({"num_requests": 2.5}, {}, "workload.num_requests"),
         ({"max_output_tokens": -1}, {}, "workload.max_output_tokens"),
         ({"colour": "red"}, {}, "workload.colour"),
+        ({"output_rule": "halve"}, {}, "workload.output_rule"),
+        ({"output_ratio": 0}, {}, "workload.output_ratio"),
         ({**SYNTHETIC, "synthetic_context_tokens": 600}, {}, "workload.synthetic_context_tokens"),
         ({**SYNTHETIC, "synthetic_prompt_tokens": 9000}, {}, "workload.synthetic_prompt_tokens"),
         (SYNTHETIC, {"rate": -1.0}, "load.rate"),

@@ -9,9 +9,18 @@ from serving_core.executor.profiles import (
     load_device_profile,
     model_costs,
 )
-from serving_core.executor.simulated import INDIRECT_ORGS, StepTimeModel
+from serving_core.executor.simulated import (
+    FEATURES,
+    INDIRECT_ORGS,
+    AdditiveStepModel,
+    StepTimeModel,
+    build_step_model,
+)
 
 __all__ = [
+    "FEATURES",
+    "AdditiveStepModel",
+    "build_step_model",
     "INDIRECT_ORGS",
     "SSD_CHUNK_TOKENS",
     "DeviceProfile",

@@ -10,7 +10,7 @@ them by per-step token sums.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ EXECUTOR_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "executor"
 # Tokens per chunk of the Mamba-2 chunked scan (SSD): the `chunk_size` default of the
 # Mamba2 layer in the reference mamba_ssm implementation (Dao & Gu, 2024).
 SSD_CHUNK_TOKENS = 256
+
+STEP_MODELS = ("roofline", "additive")
 
 # Profile fields that are fractions of a peak, in (0, 1].
 _EFFICIENCY_FIELDS = (
@@ -48,8 +50,16 @@ class DeviceProfile:
     per_seq_overhead_s: float  # host time per scheduled sequence per step
     max_num_batched_tokens: int  # engine token budget per step
     hbm_capacity_bytes: int  # device memory
+    step_model: str = "roofline"  # roofline (max of memory and compute) | additive
+    mixed_step_s: float = 0.0  # additive: extra seconds of a step mixing prefill and decode
+    indirection_overhead: float = 0.0  # additive: S1/S2 fraction added to device time
+    calibration: str = "datasheet"  # how the constants were obtained (provenance)
 
     def __post_init__(self) -> None:
+        if self.step_model not in STEP_MODELS:
+            raise ValueError(
+                f"step_model={self.step_model!r}: allowed values are {', '.join(STEP_MODELS)}"
+            )
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name={self.name!r} must be a non-empty string")
         for f in ("hbm_bytes_per_s", "peak_flops", "hbm_capacity_bytes"):
@@ -60,7 +70,8 @@ class DeviceProfile:
             value = getattr(self, f)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{f}={value} must lie in (0, 1]")
-        for f in ("per_step_overhead_s", "per_seq_overhead_s"):
+        for f in ("per_step_overhead_s", "per_seq_overhead_s", "mixed_step_s",
+                  "indirection_overhead"):
             value = getattr(self, f)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{f}={value} must be finite and >= 0")
@@ -86,7 +97,12 @@ _PROFILE_CASTS = {
     "per_seq_overhead_s": float,
     "max_num_batched_tokens": int,
     "hbm_capacity_bytes": int,
+    "step_model": str,
+    "mixed_step_s": float,
+    "indirection_overhead": float,
+    "calibration": str,
 }
+_OPTIONAL_FIELDS = {f.name for f in fields(DeviceProfile) if f.default is not MISSING}
 assert set(_PROFILE_CASTS) == {f.name for f in fields(DeviceProfile)}
 
 
@@ -97,15 +113,18 @@ def available_devices() -> list[str]:
 def device_profile_from_config(cfg: Any) -> DeviceProfile:
     """Build a profile from a mapping (dict, OmegaConf node); every field is required."""
     data = dict(cfg.items())
+    data.pop("fit", None)  # a calibrated profile's fit report: provenance, not a parameter
     allowed = sorted(_PROFILE_CASTS)
     unknown = sorted(set(data) - set(_PROFILE_CASTS))
     if unknown:
         raise ValueError(f"executor config: unknown fields {unknown}; allowed fields are {allowed}")
-    missing = sorted(set(_PROFILE_CASTS) - set(data))
+    missing = sorted(set(_PROFILE_CASTS) - set(data) - _OPTIONAL_FIELDS)
     if missing:
         raise ValueError(f"executor config: missing fields {missing}")
     values = {}
     for key, cast in _PROFILE_CASTS.items():
+        if key not in data:
+            continue
         raw = data[key]
         # Reject bools (an int subclass) and fractional values of integer fields.
         if isinstance(raw, bool) or (

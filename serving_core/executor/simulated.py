@@ -38,6 +38,17 @@ from serving_core.layout import normalize_org
 INDIRECT_ORGS = frozenset(("S1", "S2"))
 
 
+def _indirection(value: Any) -> float:
+    """A validated indirection overhead fraction (finite, >= 0)."""
+    try:
+        overhead = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"indirection_overhead={value!r} must be a number") from None
+    if not math.isfinite(overhead) or overhead < 0:
+        raise ValueError(f"indirection_overhead={overhead} must be finite and >= 0")
+    return overhead
+
+
 def _is_int(value: Any) -> bool:
     return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
 
@@ -80,14 +91,7 @@ class StepTimeModel:
         self.geometry = geometry
         self.device = load_device_profile(device)
         self.org = normalize_org(org)
-        try:
-            overhead = float(indirection_overhead)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"indirection_overhead={indirection_overhead!r} must be a number"
-            ) from None
-        if not math.isfinite(overhead) or overhead < 0:
-            raise ValueError(f"indirection_overhead={overhead} must be finite and >= 0")
+        overhead = _indirection(indirection_overhead)
         self.indirection_overhead = overhead
         self.effective_indirection = overhead if self.org in INDIRECT_ORGS else 0.0
         self.costs = costs = model_costs(geometry)
@@ -272,3 +276,140 @@ class StepTimeModel:
             + intra_pairs * self._scan_s_per_intra_pair,
             self._step_overhead_s + num_seqs * self._seq_overhead_s,
         )
+
+
+# ----- additive step model ------------------------------------------------------------------
+# Names of the per-step features the additive model is linear in (device seconds at
+# efficiency 1 for the two fitted efficiencies; seconds at the profile's fixed attention and
+# scan efficiencies; a 0/1 mixed-step indicator). `calibrate` fits against these.
+FEATURES = ("memory_s", "dense_s", "fixed_s", "mixed")
+
+
+class AdditiveStepModel:
+    """Step time as a sum of terms (measured steps add up; they do not overlap as a max).
+
+        device = memory_s / eff_mem + dense_s / eff_mm + fixed_s + mixed_step_s [mixed]
+        step   = device (1 + x_org) + per_step_overhead + per_seq_overhead B
+
+    memory_s: the weights, streamed once by a step with decode sequences, plus per
+    decode sequence its KV read ((c + 1) tokens) and its composite read and write, plus
+    per prefill sequence its composite read and write, plus one composite per published
+    checkpoint; all at the peak bandwidth. dense_s: 2 P FLOPs per prefill token at peak;
+    fixed_s: causal attention pairs of the prefill chunks and the SSD scan per prefill
+    token (full chunks of Q), at the profile's attention and scan efficiencies.
+    A step is mixed when it carries both prefill and decode sequences. x_org is the
+    profile's indirection overhead (plus `extra_indirection`) for S1/S2, else 0.
+    A sequence with one new token is a decode sequence.
+    """
+
+    __slots__ = (
+        "geometry",
+        "device",
+        "org",
+        "indirection",
+        "costs",
+        "_w",
+        "_kv",
+        "_state",
+        "_dense",
+        "_attn",
+        "_scan",
+        "_inv_mem",
+        "_inv_mm",
+        "_mixed",
+        "_scale",
+        "_step_s",
+        "_seq_s",
+    )
+
+    def __init__(self, geometry: Geometry, device, org: str, extra_indirection: float = 0.0):
+        self.geometry = geometry
+        self.device = dev = load_device_profile(device)
+        self.org = normalize_org(org)
+        extra = _indirection(extra_indirection)
+        self.indirection = dev.indirection_overhead + extra if self.org in INDIRECT_ORGS else 0.0
+        self.costs = c = model_costs(geometry)
+        bw, peak = dev.hbm_bytes_per_s, dev.peak_flops
+        self._w = c.weight_bytes / bw
+        self._kv = c.kv_bytes_per_token / bw
+        self._state = c.state_bytes_per_composite / bw
+        self._dense = c.dense_flops_per_token / peak
+        self._attn = c.attention_flops_per_pair / (peak * dev.attention_efficiency)
+        q = c.ssd_chunk_tokens
+        scan_per_token = (
+            c.scan_flops_per_token + c.scan_flops_per_intra_pair * q + c.scan_flops_per_chunk / q
+        )
+        self._scan = scan_per_token / (peak * dev.scan_efficiency)
+        self._inv_mem = 1.0 / dev.memory_efficiency
+        self._inv_mm = 1.0 / dev.matmul_efficiency
+        self._mixed = dev.mixed_step_s
+        self._scale = 1.0 + self.indirection
+        self._step_s = dev.per_step_overhead_s
+        self._seq_s = dev.per_seq_overhead_s
+
+    def plan_features(
+        self, new_tokens: Sequence[int], context_tokens: Sequence[int], checkpoint_writes: int = 0
+    ) -> tuple[float, float, float, int]:
+        """(memory_s, dense_s, fixed_s, mixed) of one step from its batch."""
+        if len(new_tokens) != len(context_tokens):
+            raise ValueError("new_tokens and context_tokens differ in length")
+        if max(new_tokens) == 1:  # decode-only step (most steps): builtin sums
+            n = len(new_tokens)
+            return self.features(n, n, sum(context_tokens), 0, 0, checkpoint_writes)
+        num_decode = decode_ctx = prefill_tokens = pairs = 0
+        for n, c in zip(new_tokens, context_tokens, strict=True):
+            if n == 1:
+                num_decode += 1
+                decode_ctx += c
+            else:
+                prefill_tokens += n
+                pairs += n * c + n * (n + 1) // 2
+        return self.features(
+            len(new_tokens), num_decode, decode_ctx, prefill_tokens, pairs, checkpoint_writes
+        )
+
+    def features(
+        self,
+        num_seqs: int,
+        num_decode: int,
+        decode_context: int,
+        prefill_tokens: int,
+        attention_pairs: int,
+        checkpoint_writes: int,
+    ) -> tuple[float, float, float, int]:
+        """(memory_s, dense_s, fixed_s, mixed) from step totals (also a steps-ledger row)."""
+        memory = (
+            (self._w if num_decode else 0.0)
+            + (decode_context + num_decode) * self._kv
+            + (2 * num_seqs + checkpoint_writes) * self._state
+        )
+        dense = prefill_tokens * self._dense
+        fixed = attention_pairs * self._attn + prefill_tokens * self._scan
+        mixed = 1 if num_decode and num_decode < num_seqs else 0
+        return memory, dense, fixed, mixed
+
+    def device_seconds(self, features: tuple[float, float, float, int]) -> float:
+        memory, dense, fixed, mixed = features
+        return (
+            memory * self._inv_mem + dense * self._inv_mm + fixed + mixed * self._mixed
+        ) * self._scale
+
+    def step_seconds(
+        self,
+        new_tokens: Sequence[int],
+        context_tokens: Sequence[int],
+        checkpoint_writes: int = 0,
+    ) -> float:
+        """Seconds of one engine step (same call as the roofline model)."""
+        if not new_tokens:
+            raise ValueError("new_tokens is empty: a step schedules at least one sequence")
+        feats = self.plan_features(new_tokens, context_tokens, checkpoint_writes)
+        return self.device_seconds(feats) + self._step_s + self._seq_s * len(new_tokens)
+
+
+def build_step_model(geometry: Geometry, device, org: str, extra_indirection: float = 0.0):
+    """The profile's step model: additive (calibrated profiles) or the datasheet roofline."""
+    profile = load_device_profile(device)
+    if profile.step_model == "additive":
+        return AdditiveStepModel(geometry, profile, org, extra_indirection)
+    return StepTimeModel(geometry, profile, org, extra_indirection)

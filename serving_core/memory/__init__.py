@@ -11,7 +11,7 @@ from serving_core.memory.objects import NO_SLOT, NULL, Kind, StateObject
 from serving_core.memory.prefix_cache import PrefixHit
 from serving_core.memory.s0 import S0CoarsePages
 from serving_core.memory.s1 import S1RecurrentPaging
-from serving_core.memory.s2 import S2PagingConvSlots
+from serving_core.memory.s2 import SLAB_POLICIES, S2PagingConvSlots
 
 ORG_TO_CLASS: dict[str, type[MemoryOrganization]] = {
     "S0": S0CoarsePages,
@@ -22,9 +22,15 @@ ORG_TO_CLASS: dict[str, type[MemoryOrganization]] = {
 
 
 def build_memory(
-    geometry: Geometry, org: str, pool_units: dict[str, int], events: MemoryEvents | None = None
+    geometry: Geometry,
+    org: str,
+    pool_units: dict[str, int],
+    events: MemoryEvents | None = None,
+    slab_policy: str = "write_once",
 ) -> MemoryOrganization:
-    """The runtime allocator of `org` with pools sized by the planner ({pool: units})."""
+    """The runtime allocator of `org` with pools sized by the planner ({pool: units}).
+
+    `slab_policy` (S2 only): write_once | refill (see memory.s2)."""
     layout = org_layout(geometry, org)
     cls = ORG_TO_CLASS[layout.org]
     expected = {"attention", "recurrent"} if layout.org == "D0" else {"shared"}
@@ -36,6 +42,12 @@ def build_memory(
     if layout.org == "D0" and not geometry.has_recurrent:
         # No recurrent state: D0 is a single attention pool.
         pool_units = {"attention": pool_units["attention"]}
+    if cls is S2PagingConvSlots:
+        return cls(layout, dict(pool_units), events, slab_policy=slab_policy)
+    if slab_policy not in SLAB_POLICIES:
+        raise ValueError(
+            f"engine.slab_policy={slab_policy!r}: allowed values are {', '.join(SLAB_POLICIES)}"
+        )
     return cls(layout, dict(pool_units), events)
 
 
@@ -48,6 +60,7 @@ __all__ = [
     "MemoryEvents",
     "MemoryOrganization",
     "PrefixHit",
+    "SLAB_POLICIES",
     "S0CoarsePages",
     "S1RecurrentPaging",
     "S2PagingConvSlots",

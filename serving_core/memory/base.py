@@ -137,9 +137,10 @@ class MemoryOrganization:
             self._on_referenced(obj)
         obj.ref_count += 1
 
-    def release(self, obj: StateObject) -> None:
+    def release(self, obj: StateObject, producer: bool = False) -> None:
         """Drop one reference. Last release keeps a published entry cached (evictable);
-        an unpublished object's storage is freed at once."""
+        an unpublished object's storage is freed at once. `producer` marks the producing
+        request's own release (S2 write-once slabs count it as a write)."""
         assert obj.ref_count > 0, f"release of unreferenced {obj}"
         obj.ref_count -= 1
         if obj.ref_count:

@@ -209,11 +209,20 @@ def _check_slabs(mem: MemoryOrganization) -> None:
                 assert (obj.slab_page, obj.slot) == (page, slot), (
                     f"invariant 3: slab {page} slot {slot} holds {obj} located elsewhere"
                 )
-        if len(used) < per:
+        if mem.write_once:
+            assert all(obj is None for obj in slab.slots[slab.next_slot :]), (
+                f"write-once slab {page} has a used slot beyond its cursor {slab.next_slot}"
+            )
+            assert slab is mem._newest or slab.next_slot == per, (
+                f"write-once slab {page} is not the newest but has unwritten slots"
+            )
+        elif len(used) < per:
             with_free.add(page)
     assert mem._slabs_with_free == with_free, (
         f"slabs with a free slot {sorted(mem._slabs_with_free)} != {sorted(with_free)}"
     )
+    newest = getattr(mem, "_newest", None)
+    assert newest is None or slabs.get(newest.page) is newest, "the newest slab was freed"
 
 
 def check_invariants(mem: MemoryOrganization) -> None:

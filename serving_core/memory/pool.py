@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import deque
 
 
 class UnitPool:
     """Units [0, num_units) of `unit_bytes` each.
 
     A unit is in exactly one of three states: free (in `free`), cached and
-    unreferenced (in `evictable`, least recently released first), or in use.
-    Allocation takes free units first; only then does the owner evict the LRU
-    unit. Freed units go to the tail of the free queue, so reuse order is
+    unreferenced (in `evictable`), or in use. Allocation takes free units first;
+    only then does the owner evict the least recent evictable unit. Recency is a
+    stamp from the pool's clock: by default the instant the unit became evictable,
+    or an earlier stamp the owner supplies (an S2 write-once slab keeps the stamp of
+    its last write). Freed units go to the tail of the free queue, so reuse order is
     deterministic.
     """
 
-    __slots__ = ("name", "num_units", "unit_bytes", "free", "evictable")
+    __slots__ = ("name", "num_units", "unit_bytes", "free", "evictable", "_heap", "clock")
 
     def __init__(self, name: str, num_units: int, unit_bytes: int) -> None:
         if num_units <= 0:
@@ -24,7 +27,9 @@ class UnitPool:
         self.num_units = num_units
         self.unit_bytes = unit_bytes
         self.free: deque[int] = deque(range(num_units))
-        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.evictable: dict[int, int] = {}  # unit -> recency stamp
+        self._heap: list[tuple[int, int]] = []  # (stamp, unit); stale entries skipped lazily
+        self.clock = 0
 
     @property
     def num_free(self) -> int:
@@ -43,6 +48,11 @@ class UnitPool:
     def num_used(self) -> int:
         return self.num_units - len(self.free) - len(self.evictable)
 
+    def tick(self) -> int:
+        """A fresh recency stamp (later than every earlier one)."""
+        self.clock += 1
+        return self.clock
+
     def pop_free(self) -> int:
         return self.free.popleft() if self.free else -1
 
@@ -50,14 +60,28 @@ class UnitPool:
         assert unit not in self.evictable, f"unit {unit} freed while still evictable"
         self.free.append(unit)
 
-    def add_evictable(self, unit: int) -> None:
-        """Append at the MRU end (or move there if already present)."""
-        self.evictable[unit] = None
-        self.evictable.move_to_end(unit)
+    def add_evictable(self, unit: int, stamp: int | None = None) -> None:
+        """Make `unit` evictable with recency `stamp` (default: now, the MRU end)."""
+        if stamp is None:
+            stamp = self.tick()
+        self.evictable[unit] = stamp
+        heapq.heappush(self._heap, (stamp, unit))
+        if len(self._heap) > 4 * len(self.evictable) + 64:
+            self._heap = [(s, u) for u, s in self.evictable.items()]
+            heapq.heapify(self._heap)
 
     def discard_evictable(self, unit: int) -> None:
         self.evictable.pop(unit, None)
 
+    def make_least_recent(self, unit: int) -> None:
+        """Move an evictable unit to the LRU end (the next eviction takes it)."""
+        assert unit in self.evictable, f"unit {unit} is not evictable"
+        self.add_evictable(unit, -self.tick())
+
     def pop_lru(self) -> int:
-        unit, _ = self.evictable.popitem(last=False)
-        return unit
+        heap, evictable = self._heap, self.evictable
+        while True:
+            stamp, unit = heapq.heappop(heap)
+            if evictable.get(unit) == stamp:
+                del evictable[unit]
+                return unit

@@ -5,6 +5,15 @@ A slab page holds `slots_per_slab` conv slots (16 for Falcon-H1). Conv line ids 
 line is the "no conv state" sentinel. A slab page joins the LRU when none of its
 slots is referenced; reclaiming it invalidates every cached checkpoint with a
 slot in it (cross-invalidation). An empty slab page returns to the free queue.
+
+Slab policy (SLAB_POLICIES):
+- `write_once` (default, as measured): conv slots are taken only from the newest
+  slab page, a freed slot is never refilled, and a slab page's LRU recency is its
+  last write (a slot allocated, or its producer releasing it); adoption references
+  protect a slab but do not refresh it. Hot shared checkpoints end up alone on old
+  slabs that age out and are reclaimed together.
+- `refill`: the first free slot of any slab (referenced slabs first) is reused and
+  every last release refreshes the slab's recency.
 """
 
 from __future__ import annotations
@@ -14,17 +23,21 @@ import math
 from serving_core.memory.base import MemoryOrganization
 from serving_core.memory.objects import NO_SLOT, Kind, StateObject
 
+SLAB_POLICIES = ("write_once", "refill")
+
 
 class Slab:
     """One shared page carved into conv slots."""
 
-    __slots__ = ("page", "slots", "num_used", "num_referenced")
+    __slots__ = ("page", "slots", "num_used", "num_referenced", "next_slot", "last_write")
 
     def __init__(self, page: int, num_slots: int) -> None:
         self.page = page
         self.slots: list[StateObject | None] = [None] * num_slots
         self.num_used = 0
         self.num_referenced = 0
+        self.next_slot = 0  # write-once cursor: slots below it have been written
+        self.last_write = 0  # recency stamp of the last write (write_once policy)
 
     def first_free(self) -> int:
         return self.slots.index(None)
@@ -46,17 +59,27 @@ def decode_conv_line(line: int, slots_per_slab: int) -> tuple[int, int]:
 class S2PagingConvSlots(MemoryOrganization):
     org = "S2"
 
-    def __init__(self, layout, pool_units, events=None):
+    def __init__(self, layout, pool_units, events=None, slab_policy: str = "write_once"):
+        if slab_policy not in SLAB_POLICIES:
+            raise ValueError(
+                f"engine.slab_policy={slab_policy!r}: allowed values are {', '.join(SLAB_POLICIES)}"
+            )
         super().__init__(layout, pool_units, events)
+        self.slab_policy = slab_policy
+        self.write_once = slab_policy == "write_once"
         self.slabs: dict[int, Slab] = {}
-        self._slabs_with_free: set[int] = set()
+        self._slabs_with_free: set[int] = set()  # refill: slabs with a free slot
+        self._newest: Slab | None = None  # write_once: the slab slots are taken from
 
     def units_per_composite(self) -> int:
         return self.layout.ssm_members
 
     # ----- demand -------------------------------------------------------------------------
     def num_free_slots(self) -> int:
+        """Slots a composite can take without a new slab page."""
         per = self.layout.slots_per_slab
+        if self.write_once:
+            return per - self._newest.next_slot if self._newest is not None else 0
         return sum(per - self.slabs[p].num_used for p in self._slabs_with_free)
 
     def _slab_preference(self, page: int) -> tuple[bool, int]:
@@ -76,6 +99,12 @@ class S2PagingConvSlots(MemoryOrganization):
         per = self.layout.slots_per_slab
         missing = num_composites
         pages = 0
+        if self.write_once:
+            newest = self._newest
+            if newest is not None and newest.next_slot < per:
+                pages += newest.num_referenced == 0
+                missing -= per - newest.next_slot
+            return pages + (math.ceil(missing / per) if missing > 0 else 0)
         for page in sorted(self._slabs_with_free, key=self._slab_preference):
             if missing <= 0:
                 break
@@ -111,18 +140,30 @@ class S2PagingConvSlots(MemoryOrganization):
         self._assign(obj, self.units_per_composite())
         return obj
 
+    def _new_slab(self, request_id: int) -> Slab:
+        page = self._take_unit("shared", request_id)
+        slab = Slab(page, self.layout.slots_per_slab)
+        self.slabs[page] = slab
+        self._owner["shared"][page] = slab
+        self.events.on_slab("SLAB_ALLOC", page, NO_SLOT, request_id, 0, 0)
+        return slab
+
     def _alloc_slot(self, obj: StateObject, request_id: int) -> None:
-        if self._slabs_with_free:
-            page = min(self._slabs_with_free, key=self._slab_preference)
-            slab = self.slabs[page]
+        if self.write_once:
+            slab = self._newest
+            if slab is None or slab.next_slot == len(slab.slots):
+                slab = self._newest = self._new_slab(request_id)
+            slot = slab.next_slot
+            slab.next_slot += 1
+            slab.last_write = self.pools["shared"].tick()
         else:
-            page = self._take_unit("shared", request_id)
-            slab = Slab(page, self.layout.slots_per_slab)
-            self.slabs[page] = slab
-            self._owner["shared"][page] = slab
-            self._slabs_with_free.add(page)
-            self.events.on_slab("SLAB_ALLOC", page, NO_SLOT, request_id, 0, 0)
-        slot = slab.first_free()
+            if self._slabs_with_free:
+                slab = self.slabs[min(self._slabs_with_free, key=self._slab_preference)]
+            else:
+                slab = self._new_slab(request_id)
+                self._slabs_with_free.add(slab.page)
+            slot = slab.first_free()
+        page = slab.page
         slab.slots[slot] = obj
         slab.num_used += 1
         if slab.num_referenced == 0:
@@ -142,6 +183,8 @@ class S2PagingConvSlots(MemoryOrganization):
         obj.slab_page = obj.slot = NO_SLOT
         self.events.on_slab("SLOT_FREE", page, slot, cause, slab.num_used, 0)
         if slab.num_used == 0:
+            if slab is self._newest:
+                self._newest = None
             del self.slabs[page]
             self._slabs_with_free.discard(page)
             self._owner["shared"][page] = None
@@ -149,7 +192,7 @@ class S2PagingConvSlots(MemoryOrganization):
             pool.discard_evictable(page)
             pool.push_free(page)
             self.events.on_slab("SLAB_FREE", page, NO_SLOT, cause, 0, 0)
-        else:
+        elif not self.write_once:
             self._slabs_with_free.add(page)
 
     # ----- reference transitions include the slab page ------------------------------------
@@ -167,7 +210,17 @@ class S2PagingConvSlots(MemoryOrganization):
             slab = self.slabs[obj.slab_page]
             slab.num_referenced -= 1
             if slab.num_referenced == 0:
-                self.pools["shared"].add_evictable(slab.page)
+                self._slab_evictable(slab)
+
+    def _slab_evictable(self, slab: Slab) -> None:
+        """An unreferenced slab joins the LRU: at its last write (write_once) or now (refill)."""
+        self.pools["shared"].add_evictable(slab.page, slab.last_write if self.write_once else None)
+
+    def release(self, obj: StateObject, producer: bool = False) -> None:
+        """Drop one reference; the producer's release counts as a write of its slab."""
+        if producer and self.write_once and obj.slab_page != NO_SLOT:
+            self.slabs[obj.slab_page].last_write = self.pools["shared"].tick()
+        super().release(obj)
 
     def _destroy(self, obj: StateObject, cause: int, taken: int = -1) -> None:
         if obj.slab_page != NO_SLOT:
@@ -181,7 +234,7 @@ class S2PagingConvSlots(MemoryOrganization):
             self._free_slot(obj, cause)
             if last_reference and page in self.slabs:
                 # the cached neighbours left on the slab are unreferenced now: the page is evictable
-                self.pools["shared"].add_evictable(page)
+                self._slab_evictable(self.slabs[page])
         super()._destroy(obj, cause, taken)
 
     # ----- eviction: a slab page is reclaimed whole ---------------------------------------
@@ -200,6 +253,8 @@ class S2PagingConvSlots(MemoryOrganization):
             self._invalidate(obj, cause)
         del self.slabs[unit]
         self._slabs_with_free.discard(unit)
+        if slab is self._newest:
+            self._newest = None
         self._owner[pool_name][unit] = None
         self.events.on_slab("SLAB_RECLAIM", unit, NO_SLOT, cause, 0, len(victims))
 

@@ -1,0 +1,137 @@
+"""Calibration of the additive step model: steps-ledger features, exact recovery of known
+constants from a steps ledger, and the anchor fit end to end on a tiny subset."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from conftest import compose_config
+
+from experiments.cell import run_cell
+from serving_core.executor import AdditiveStepModel, load_device_profile
+from serving_core.executor import calibrate as cal
+
+KNOWN = {
+    "name": "known",
+    "step_model": "additive",
+    "memory_efficiency": 0.7,
+    "matmul_efficiency": 0.55,
+    "mixed_step_s": 0.003,
+    "indirection_overhead": 0.05,
+    "per_step_overhead_s": 0.0007,
+}
+SYNTH = ("workload.source=synthetic", "workload.synthetic_prompt_tokens=1400",
+         "workload.synthetic_context_tokens=1200", "workload.synthetic_output_tokens=200",
+         "workload.num_requests=40", "org=s2", "budget=b30", "load.rate=4")
+
+
+def known_profile():
+    base = asdict(load_device_profile("a100_roofline"))
+    return load_device_profile({**base, **KNOWN})
+
+
+def run_with(profile, *overrides):
+    from omegaconf import OmegaConf
+
+    cfg = compose_config(*SYNTH, *overrides)
+    OmegaConf.set_struct(cfg, False)
+    cfg.executor = OmegaConf.create(asdict(profile))
+    return run_cell(cfg)
+
+
+class Recording:
+    """Delegates to a model and keeps every batch it timed."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def step_seconds(self, new, ctx, writes=0):
+        self.calls.append((list(new), list(ctx), writes))
+        return self.model.step_seconds(new, ctx, writes)
+
+
+def test_steps_ledger_columns_carry_the_model_features(falcon):
+    """Feature sums rebuilt from the steps ledger equal those of the timed batches."""
+    from experiments.workload import build_workload
+    from serving_core.engine import run_engine
+    from serving_core.scheduler import SchedulerConfig
+
+    profile = known_profile()
+    model = AdditiveStepModel(falcon, profile, "S2")
+    rec = Recording(model)
+    cfg = compose_config(*SYNTH)
+    wl = build_workload(cfg.workload, cfg.load, 42000)
+    res = run_engine(falcon, "S2", {"shared": 30}, SchedulerConfig(max_num_batched_tokens=2048),
+                     wl.requests, rec)
+    from_ledger = cal.step_feature_sums(model, res.tables["steps"])
+    from_batches = [sum(x) for x in zip(*(model.plan_features(*c) for c in rec.calls),
+                                         strict=True)]
+    assert from_ledger.tolist() == pytest.approx(from_batches, rel=1e-12)
+    assert sum(res.tables["steps"]["duration_s"]) == pytest.approx(
+        sum(model.step_seconds(*c) for c in rec.calls), rel=1e-12)
+    assert from_ledger[3] > 0 and from_ledger[1] > 0  # mixed and prefill steps occur
+
+
+def test_fit_to_a_steps_ledger_recovers_known_constants(tmp_path):
+    res = run_with(known_profile())
+    steps = tmp_path / "steps.parquet"
+    pq.write_table(pa.table(res.tables["steps"]), steps)
+    start = tmp_path / "start.yaml"
+    start.write_text(yaml.safe_dump({**asdict(load_device_profile("a100_roofline")),
+                                     "step_model": "additive", "indirection_overhead": 0.05}))
+    out = tmp_path / "fitted.yaml"
+    assert cal.main(["--steps", str(steps), "--org", "S2", "--start", str(start),
+                     "--out", str(out)]) == 0
+    fitted = load_device_profile(yaml.safe_load(out.read_text()))
+    for key in ("memory_efficiency", "matmul_efficiency", "mixed_step_s", "per_step_overhead_s"):
+        assert getattr(fitted, key) == pytest.approx(KNOWN[key], rel=1e-6), key
+    fit = yaml.safe_load(out.read_text())["fit"]
+    assert fit["residuals"]["rows"] == len(res.tables["steps"]["step"])
+    assert fit["residuals"]["max_abs_rel_error"] < 1e-9
+
+
+def test_anchor_fit_end_to_end_on_a_tiny_subset(tmp_path, capsys):
+    """Two cells of 40 requests: the fit runs, writes a loadable profile with residuals and
+    data provenance, and prints every anchor with its relative error."""
+    anchors = tmp_path / "anchors.csv"
+    rows = [
+        ("C", "L", "b63", "3.0", "63", "1.0", "0-2", "D0", "event_s", "30.0"),
+        ("C", "L", "b63", "3.0", "63", "1.0", "0-2", "S2", "event_s", "28.0"),
+        ("C", "L", "b63", "3.0", "63", "1.0", "0-2", "D0", "throughput", "400.0"),
+        ("C", "L", "b63", "3.0", "63", "1.0", "0-2", "S2", "throughput", "420.0"),
+        ("C", "L", "b63", "3.0", "63", "1.0", "0-2", "S2", "c_once", "100000"),
+    ]
+    with anchors.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["section", "point", "budget", "rate", "cap", "q", "seeds", "org", "metric",
+                    "value"])
+        w.writerows(rows)
+    out = tmp_path / "a100.yaml"
+    code = cal.main(["--anchors", str(anchors), "--seeds", "1", "--iterations", "1",
+                     "--skip-output-fit", "--out", str(out),
+                     "--override", "workload.num_requests=40"])
+    assert code == 0
+    data = yaml.safe_load(out.read_text())
+    profile = load_device_profile(data)
+    assert profile.step_model == "additive"
+    assert set(data["fit"]["fitted"]) == set(cal.FITTED)
+    # two event rows, two throughput rows, two mixed steps
+    assert len(data["fit"]["residuals"]) == 2 + 2 + 2
+    assert data["fit"]["data"]["anchors_sha256"] == cal._sha(anchors)
+    printed = capsys.readouterr().out
+    for metric in ("event_s", "throughput", "c_once"):
+        assert metric in printed
+    assert "rel err" in printed
+
+
+def test_bad_arguments_exit_2(tmp_path, capsys):
+    assert cal.main(["--seeds", "0"]) == 2
+    assert cal.main(["--steps", str(tmp_path / "missing.parquet")]) == 2
+    assert cal.main(["--start", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--seeds" in err and "missing.parquet" in err and "tpu" in err
