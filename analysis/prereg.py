@@ -2,6 +2,10 @@
 
 A plan declares, per family, its role, estimands, seeds, cells (run-column
 values such as org, budget, cap, rate, q, f, reuse), tests and decision rule.
+A cell names every design column (plan-level `defaults`, then the family's, then
+its own), so a run matches a cell only when all of them agree; `campaign` may be
+a list when the cell's seeds were collected by more than one campaign (a run
+reused from another campaign keeps that campaign's name).
 The plan hash is sha256 of the plan's canonical JSON (sorted keys, no
 whitespace), so comments and layout do not change it; the runner stamps it into
 every run. `check_family` refuses a family whose cells or seeds are missing,
@@ -30,7 +34,11 @@ TEST_KINDS = ("paired", "interaction", "containment")
 PREDICTIONS = ("positive", "negative", "none")
 ORG_VALUES = ("S0", "S1", "S2", "D0", "S2_RETENTION")
 REUSE_VALUES = ("share", "isolate")
-CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "q", "f", "reuse")
+CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "arrival", "q", "f", "reuse", "pinning_k",
+                      "trace", "model", "executor")
+# Org-specific design columns: required for that org, sentinel for the others.
+ORG_REQUIRED_KEYS = {"D0": ("d0_attention_fraction",), "S2_RETENTION": ("retention_k",)}
+STATISTICS = ("log_ratio", "relative_pct")
 # Decision methods and the fields each needs besides `method` and `rule`.
 DECISION_FIELDS = {
     "sign_flip_holm": (),
@@ -76,6 +84,11 @@ class PlannedTest:
     kind: str
     cells: Mapping[str, str]
     predicted: str
+    label: str = ""  # the paper's name of the contrast (legacy ID or row), "" if none
+
+    @property
+    def shown_id(self) -> str:
+        return f"{self.id} ({self.label})" if self.label else self.id
 
 
 @dataclass(frozen=True)
@@ -161,7 +174,9 @@ def parse_plan(raw: Any, path: Path | None = None) -> Plan:
     question = _string(top, "question", where)
     campaign = _string(top, "campaign", where)
     alpha = _alpha(top.get("alpha"), f"{where}: alpha")
-    families = [_family(f, i, campaign, alpha, where)
+    plan_defaults = _scalar_mapping(top.get("defaults", {}), f"{where}: defaults",
+                                    allow=("campaign",))
+    families = [_family(f, i, campaign, alpha, plan_defaults, where)
                 for i, f in enumerate(_nonempty_list(top, "families", where))]
     names = [f.name for f in families]
     _unique(names, f"{where}: families[].name")
@@ -171,14 +186,16 @@ def parse_plan(raw: Any, path: Path | None = None) -> Plan:
     return Plan(question, campaign, alpha, tuple(families), plan_hash(top), top, path)
 
 
-def _family(raw: Any, index: int, campaign: str, plan_alpha: float, where: str) -> Family:
+def _family(raw: Any, index: int, campaign: str, plan_alpha: float, plan_defaults: Mapping,
+            where: str) -> Family:
     top = _mapping(raw, f"{where}: families[{index}]")
     name = _string(top, "name", f"{where}: families[{index}]")
     at = f"{where}: family {name!r}"
     role = _choice(top.get("role"), FAMILY_ROLES, f"{at}: role")
     alpha = _alpha(top["alpha"], f"{at}: alpha") if "alpha" in top else plan_alpha
     seeds = _seeds(top.get("seeds"), f"{at}: seeds")
-    defaults = _scalar_mapping(top.get("defaults", {}), f"{at}: defaults")
+    defaults = {**plan_defaults, **_scalar_mapping(top.get("defaults", {}), f"{at}: defaults",
+                                                   allow=("campaign",))}
     cells = [_cell(c, i, defaults, seeds, campaign, at)
              for i, c in enumerate(_nonempty_list(top, "cells", at))]
     _unique([c.id for c in cells], f"{at}: cells[].id")
@@ -198,7 +215,7 @@ def _family(raw: Any, index: int, campaign: str, plan_alpha: float, where: str) 
 
 def _cell(raw: Any, index: int, defaults: Mapping, seeds: tuple[int, ...], campaign: str,
           at: str) -> Cell:
-    own = _scalar_mapping(raw, f"{at}: cells[{index}]", allow=("seeds",))
+    own = _scalar_mapping(raw, f"{at}: cells[{index}]", allow=("seeds", "campaign"))
     cell_id = _string(own, "id", f"{at}: cells[{index}]")
     where = f"{at}: cell {cell_id!r}"
     keys = {"campaign": campaign, **defaults,
@@ -209,8 +226,33 @@ def _cell(raw: Any, index: int, defaults: Mapping, seeds: tuple[int, ...], campa
                          f"{list(CELL_REQUIRED_KEYS)}")
     _choice(keys["org"], ORG_VALUES, f"{where}: org")
     _choice(keys["reuse"], REUSE_VALUES, f"{where}: reuse")
+    own_keys = ORG_REQUIRED_KEYS.get(str(keys["org"]), ())
+    absent = [k for k in own_keys if k not in keys]
+    if absent:
+        raise ValueError(f"{where}: org {keys['org']} needs keys {absent}")
+    keys = {k: v for k, v in keys.items()
+            if k not in _ORG_SPECIFIC or k in own_keys}  # family defaults for other orgs
+    keys["campaign"] = _campaigns(keys["campaign"], f"{where}: campaign")
     cell_seeds = _seeds(own["seeds"], f"{where}: seeds") if "seeds" in own else seeds
     return Cell(cell_id, keys, cell_seeds)
+
+
+_ORG_SPECIFIC = {k for keys in ORG_REQUIRED_KEYS.values() for k in keys}
+
+
+def _campaigns(value: Any, where: str) -> str | tuple[str, ...]:
+    """A campaign name, or a tuple of names (a cell whose seeds span campaigns)."""
+    if isinstance(value, str) and value:
+        return value
+    if (isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)):
+        _unique(list(value), where)
+        return tuple(value)
+    raise ValueError(f"{where}: expected a campaign name or a list of names, got {value!r}")
+
+
+def cell_campaigns(cell: Cell) -> tuple[str, ...]:
+    value = cell.keys["campaign"]
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _estimand(raw: Any, index: int, at: str) -> Estimand:
@@ -226,6 +268,17 @@ def _decision(raw: Any, where: str) -> dict[str, Any]:
     missing = [k for k in (*DECISION_FIELDS[method], "rule") if k not in top]
     if missing:
         raise ValueError(f"{where}: method {method!r} needs fields {missing}")
+    for key in ("statistic", "sensitivity_statistic"):
+        if key in top:
+            _choice(top[key], STATISTICS, f"{where}: {key}")
+    if "first_look_seeds" in top:
+        _seeds(top["first_look_seeds"], f"{where}: first_look_seeds")
+    if "bootstrap" in top:
+        boot = _mapping(top["bootstrap"], f"{where}: bootstrap")
+        for key in ("resamples", "seed"):
+            value = boot.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{where}: bootstrap.{key}={value!r}: expected an integer >= 0")
     for key, low, high in (("confidence", 0.0, 1.0), ("margin_pct", 0.0, float("inf"))):
         value = top.get(key)
         if key in top and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -240,6 +293,9 @@ def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTe
     where = f"{at}: test {test_id!r}"
     kind = _choice(top.get("kind"), TEST_KINDS, f"{where}: kind")
     predicted = _choice(top.get("predicted", "none"), PREDICTIONS, f"{where}: predicted")
+    label = top.get("label", "")
+    if not isinstance(label, str):
+        raise ValueError(f"{where}: label={label!r} must be a string")
     refs = {}
     for role in TEST_CELL_ROLES[kind]:
         node: Any = top
@@ -253,7 +309,7 @@ def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTe
     if len(seed_sets) != 1:
         raise ValueError(f"{where}: compared cells {sorted(set(refs.values()))} must share "
                          f"their seeds (arms are paired by seed)")
-    return PlannedTest(test_id, kind, refs, predicted)
+    return PlannedTest(test_id, kind, refs, predicted, label)
 
 
 # Small typed readers: each names the field and the allowed values on failure.
@@ -479,7 +535,8 @@ def _budget_label(value: Any) -> str:
 def _cell_mask(runs: pd.DataFrame, cell: Cell) -> pd.Series:
     """Runs whose columns equal the cell's keys.
 
-    Numbers compare with a 1e-9 relative tolerance (3 == 3.0), strings ignore
+    Numbers compare with a 1e-9 relative tolerance (3 == 3.0), a tuple of campaigns matches
+    any of them, strings ignore
     case (org "s2" == "S2", reuse "SHARE" == "share"), budgets compare by
     canonical planner label.
     """
@@ -488,7 +545,9 @@ def _cell_mask(runs: pd.DataFrame, cell: Cell) -> pd.Series:
         if key not in runs.columns:
             return pd.Series(False, index=runs.index)
         col = runs[key]
-        if isinstance(value, bool):
+        if isinstance(value, tuple):  # campaign: any of these names
+            mask &= col.astype(str).isin(value)
+        elif isinstance(value, bool):
             mask &= col.map(lambda v, want=value: isinstance(v, (bool, np.bool_))
                             and bool(v) == want)
         elif isinstance(value, (int, float)):
