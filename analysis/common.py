@@ -49,6 +49,25 @@ METRICS = {m.name: m for m in (
     Metric("poller_running_mean", "requests", "diff", "running requests (poller mean)"),
     Metric("poller_waiting_mean", "requests", "diff", "waiting requests (poller mean)"),
     Metric("preemptions", "count", "diff", "preemptions per run"),
+    Metric("ttft_p50", "s", "log", "TTFT p50 (run-level)"),
+    Metric("e2e_p50", "s", "log", "E2E p50 (run-level)"),
+    Metric("tpot_p99", "s", "log", "request-TPOT p99 (run-level)"),
+    Metric("requests_per_s", "requests/s", "log", "completed requests per second, request span"),
+    Metric("c_once_tokens", "tokens", "log", "C_once: prompt minus first-admission prefix"),
+    Metric("h_tokens", "tokens", "log", "H = C_once + output tokens"),
+    Metric("engine_steps", "count", "log", "K: engine steps (steps-ledger rows)"),
+    Metric("h_per_k", "tokens/step", "log", "H/K per run"),
+    Metric("running_median", "requests", "diff", "running gauge, run median"),
+    Metric("running_max", "requests", "diff", "running gauge, run maximum"),
+    Metric("waiting_median", "requests", "diff", "waiting gauge, run median"),
+    Metric("waiting_max", "requests", "diff", "waiting gauge, run maximum"),
+    Metric("waiting_p99", "requests", "diff", "waiting gauge, run p99"),
+    Metric("jadopt_initial_mean", "tokens", "diff", "Jadopt, INITIAL admissions"),
+    Metric("rmax_m1_initial_mean", "tokens", "diff", "Rmax (M1), INITIAL admissions"),
+    Metric("amax_m1_initial_mean", "tokens", "diff", "Amax (M1), INITIAL admissions"),
+    Metric("rmax_m0_initial_mean", "tokens", "diff", "Rmax (M0), INITIAL admissions"),
+    Metric("amax_m0_initial_mean", "tokens", "diff", "Amax (M0), INITIAL admissions"),
+    Metric("gap_r_initial_mean", "tokens", "diff", "GapR = Rmax (M1) - Jadopt, INITIAL"),
     Metric("jadopt_tokens_mean", "tokens", "diff", "adopted joint depth Jadopt"),
     Metric("jenter_tokens_mean", "tokens", "diff", "joint depth at queue entry"),
     Metric("amax_tokens_mean", "tokens", "diff", "attention depth Amax (M0)"),
@@ -77,18 +96,30 @@ _REQUEST_METRICS = """
                AS ttft_p99,
            quantile_cont(e2e_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(e2e_s))
                AS e2e_p99,
+           quantile_cont(ttft_s, 0.5) FILTER (WHERE status = 'finished' AND NOT isnan(ttft_s))
+               AS ttft_p50,
+           quantile_cont(e2e_s, 0.5) FILTER (WHERE status = 'finished' AND NOT isnan(e2e_s))
+               AS e2e_p50,
+           quantile_cont(tpot_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(tpot_s))
+               AS tpot_p99,
            count(*) FILTER (WHERE status = 'finished') AS finished_requests,
-           sum(preemptions) AS preemptions
+           sum(preemptions) AS preemptions,
+           sum(prompt_tokens - adopted_prefix_tokens) FILTER (WHERE NOT isnan(start_s))
+               AS c_once_tokens,
+           sum(output_tokens) AS request_output_tokens
     FROM requests WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id
 """
 _STEP_METRICS = """
     SELECT run_id, sum(prefill_tokens_initial) AS prefill_tokens_initial,
-           sum(prefill_tokens_resume) AS prefill_tokens_resume
+           sum(prefill_tokens_resume) AS prefill_tokens_resume, count(*) AS engine_steps
     FROM steps WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id
 """
 # D0 samples two pools per second with the same running/waiting gauges: one value per second.
 _POLLER_METRICS = """
-    SELECT run_id, avg(running) AS poller_running_mean, avg(waiting) AS poller_waiting_mean
+    SELECT run_id, avg(running) AS poller_running_mean, avg(waiting) AS poller_waiting_mean,
+           median(running) AS running_median, max(running) AS running_max,
+           median(waiting) AS waiting_median, max(waiting) AS waiting_max,
+           quantile_cont(waiting, 0.99) AS waiting_p99
     FROM (SELECT run_id, t_s, max(running) AS running, max(waiting) AS waiting
           FROM poller WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id, t_s)
     GROUP BY run_id
@@ -160,11 +191,25 @@ def load_runs(con, questions: Sequence[str]) -> RunSet:
     for sql in (_REQUEST_METRICS, _STEP_METRICS, _POLLER_METRICS):
         runs = runs.merge(query(con, sql, staged), on="run_id", how="left")
     runs["prefill_tokens_computed"] = runs["prefill_tokens_initial"] + runs["prefill_tokens_resume"]
+    add_work_readouts(runs)
     runs["cell"] = cell_labels(runs)
     ordered = runs.sort_values(["created_at", "run_id"], kind="stable")
     extra = ordered.duplicated(["cell", "seed"], keep="first")
     return RunSet(questions, campaigns, ordered[~extra].sort_index().reset_index(drop=True),
                   ordered[extra].reset_index(drop=True))
+
+
+def add_work_readouts(runs: pd.DataFrame) -> None:
+    """H = C_once + output tokens, H/K, and completed requests per request-span second.
+
+    C_once (PAPER_DESIGN 2.4) is the sum over admitted requests of prompt tokens minus the
+    prefix adopted at their FIRST admission (requests ledger); K is the number of engine
+    steps (steps ledger rows). The engine counts every step, so K is a step count here.
+    """
+    runs["h_tokens"] = runs["c_once_tokens"] + runs["request_output_tokens"]
+    runs["h_per_k"] = runs["h_tokens"] / runs["engine_steps"]
+    span = runs["span_end_s"].astype(float) - runs["span_start_s"].astype(float)
+    runs["requests_per_s"] = runs["completed_requests"].astype(float) / span.where(span > 0)
 
 
 # ---------------------------------------------------------------------------

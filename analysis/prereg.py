@@ -560,14 +560,21 @@ def _cell_mask(runs: pd.DataFrame, cell: Cell) -> pd.Series:
     return mask
 
 
+def home_campaign(campaign: str) -> str:
+    """The campaign whose plan a smoke (`q1_smoke`) or demo (`demo_q1`) campaign ran under."""
+    campaign = campaign.removesuffix("_smoke")
+    return campaign.removeprefix("demo_")
+
+
 def _changed_plans(plan: Plan, found: pd.DataFrame, hash_column: str) -> tuple[ChangedPlan, ...]:
     """Run hashes that differ from the plan of the campaign each run was collected in."""
     changed = []
     plan_dir = plan.path.parent if plan.path else PLAN_DIR
     for campaign, rows in found.groupby("campaign", sort=True):
         campaign = str(campaign)
+        home = home_campaign(campaign)
         expected = (plan.plan_hash if campaign == plan.campaign
-                    else load_plan(campaign, plan_dir).plan_hash)
+                    else load_plan(home, plan_dir).plan_hash)
         hashes = rows[hash_column].map(lambda h: "<none>" if pd.isna(h) or h == "" else str(h))
         changed += [ChangedPlan(campaign, h, expected, int(k))
                     for h, k in sorted(hashes.value_counts().items()) if h != expected]

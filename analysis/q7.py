@@ -29,6 +29,7 @@ READS = ("q7",)
 MARGIN_PCT, CONTAINMENT_CONFIDENCE = 3.0, 0.90
 CLASSES = ("zero->zero", "positive-equal", "zero->positive", "deeper", "shallower")
 NO_ENTRY = "no entry record"
+INITIAL_EPISODE = 1  # the trace numbers a request's admission episodes from 1 (INITIAL)
 DEPTH_VALUES = ("jenter", "jadopt", "j_m0", "j_m1", "a_m0", "a_m1", "rmax_m0", "rmax_m1",
                 "gap_m0", "gap_m1")
 # Run-level metric names of the plans' depth estimands (M0 is the bracket the adoption used).
@@ -88,6 +89,12 @@ def run_depth(con, runset: RunSet) -> pd.DataFrame:
     per_run["episodes"] = counts.sum(axis=1)
     for value, metric in RUN_METRICS.items():
         per_run[metric] = per_run[f"{value}_mean"]
+    initial = episodes[episodes["episode"] == INITIAL_EPISODE]
+    per_run = per_run.join(initial.groupby("run_id").agg(
+        jadopt_initial_mean=("jadopt", "mean"), rmax_m1_initial_mean=("rmax_m1", "mean"),
+        amax_m1_initial_mean=("a_m1", "mean"), rmax_m0_initial_mean=("rmax_m0", "mean"),
+        amax_m0_initial_mean=("a_m0", "mean"), initial_episodes=("jadopt", "size")))
+    per_run["gap_r_initial_mean"] = per_run["rmax_m1_initial_mean"] - per_run["jadopt_initial_mean"]
     per_run = per_run.reset_index().merge(health, on="run_id", how="left")
     per_run["unadmitted_entries"] = per_run["entries"] - per_run["episodes"]
     return per_run

@@ -106,8 +106,9 @@ class QuestionResult:
                f"Runs of question(s) {', '.join(self.reads)} from campaign(s) "
                f"{', '.join(self.campaigns) or 'none'}; adopted complete runs: "
                f"{self.num_runs}.", ""]
-        out += [f"> {note}" for note in self.notes]
-        if self.notes:
+        refused = [line for fam in self.families if (line := fam.headline())]
+        out += [f"> {line}" for line in [*refused, *self.notes]]
+        if self.notes or refused:
             out.append("")
         for section in self.sections:
             out.append(section.markdown())

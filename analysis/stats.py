@@ -326,6 +326,19 @@ def bootstrap_interval(
     )
 
 
+def bootstrap_mean_interval(values, n_resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
+                            confidence: float = 0.95) -> tuple[float, float]:
+    """Seed-level percentile bootstrap of the plain mean of `values` (e.g. seedwise % changes)."""
+    arr = _as_sample(values, "values", min_n=2)
+    conf = _as_confidence(confidence)
+    if int(n_resamples) < 1:
+        raise ValueError(f"n_resamples={n_resamples!r}: allowed values are integers >= 1")
+    rng = np.random.default_rng(seed)
+    means = arr[rng.integers(0, arr.size, size=(int(n_resamples), arr.size))].mean(axis=1)
+    low, high = np.quantile(means, [0.5 - conf / 2.0, 0.5 + conf / 2.0])
+    return float(low), float(high)
+
+
 # ---------------------------------------------------------------------------
 # Composite estimands
 # ---------------------------------------------------------------------------

@@ -48,6 +48,10 @@ def write_cells(root: Path, campaign: str, plan_hash: str, overrides, seeds) -> 
 
 # Small plans over the test cells (rate 12, seeds 0-2), replacing q1, q4, q7, q8 and q9 of
 # conf/prereg in a temporary plan directory; the other questions keep their real plans.
+# Every design column a cell does not name: the test cells' own values.
+_DEFAULTS = ("defaults: {arrival: poisson, trace: false, model: falcon_h1_7b, "
+             "executor: 'sim:a100', pinning_k: -1, d0_attention_fraction: 0.527383, "
+             "retention_k: 2}")
 _PAIRED = "{{id: {0}_vs_{1}, kind: paired, treatment: {0}, control: {1}, predicted: {2}}}"
 TEST_PLANS = {
     "q1": f"""
@@ -55,6 +59,7 @@ question: Q1
 campaign: q1
 title: test steps
 alpha: 0.05
+{{DEFAULTS}}
 families:
   - name: steps
     role: primary
@@ -95,6 +100,7 @@ question: Q4
 campaign: q4
 title: test four orgs
 alpha: 0.05
+{{DEFAULTS}}
 families:
   - name: d0_vs_s2
     role: primary
@@ -114,6 +120,7 @@ question: Q7
 campaign: q7
 title: test depth
 alpha: 0.05
+{DEFAULTS}
 families:
   - name: probe_containment
     role: gate
@@ -150,6 +157,7 @@ question: Q8
 campaign: q8
 title: test retention depth
 alpha: 0.05
+{DEFAULTS}
 families:
   - name: retention_depth
     role: primary
@@ -171,6 +179,7 @@ question: Q9
 campaign: q9
 title: test K_ret
 alpha: 0.05
+{DEFAULTS}
 families:
   - name: k_ret
     role: primary
@@ -191,6 +200,9 @@ families:
          predicted: positive}
 """,
 }
+
+
+TEST_PLANS = {name: text.replace("{DEFAULTS}", _DEFAULTS) for name, text in TEST_PLANS.items()}
 
 
 def write_plans(plan_dir: Path) -> Path:

@@ -91,12 +91,14 @@ def test_partial_ledger_from_the_runner_names_missing_runs_and_states_allowance(
     root = tmp_path / "ledger"
     for org in ("s0", "s1"):  # two Exp 1a cells of the real Q1 plan, one seed each
         main_run(compose_config(f"ledger_root={root}", "campaign_name=q1", "question=q1",
-                                *WORKLOAD[:2], f"org={org}", "budget=b63", "seed=42000"))
+                                *WORKLOAD[:2], f"org={org}", "budget=b63", "seed=42000",
+                                "engine.pinning_k=2"))
     out = tmp_path / "report"
     summary = report.write_report(root, out, allow_changed_plan=True)
     assert not summary.errors
     q1_page = (out / "q1.md").read_text()
-    assert "Family `exp1a_steps` (primary, sign_flip_holm): refused" in q1_page
+    assert "Family `EXT-22` (primary, sign_flip_holm, m = 22): refused" in q1_page
+    assert q1_page.index("> Family `EXT-22` refused: missing runs") < q1_page.index("## ")
     assert re.search(r"missing runs: S0_b63 \(.*\) seeds \[42001, 42002", q1_page)
     assert re.search(r"missing runs: S2_b63 \(.*\) seeds \[42000, 42001", q1_page)
     assert "S1 vs S0" in q1_page  # the descriptive step change over the seed present
