@@ -20,7 +20,7 @@ import pandas as pd
 
 from analysis import stats
 
-DESIGN_COLUMNS = ("campaign", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
+DESIGN_COLUMNS = ("stage", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
                   "retention_k", "pinning_k", "d0_attention_fraction", "trace")
 # Settings that only one org has (-1 / NaN elsewhere): never part of a pairing condition.
 ORG_SETTINGS = ("retention_k", "d0_attention_fraction")
@@ -177,7 +177,7 @@ def load_runs(con, questions: Sequence[str]) -> RunSet:
     """Adopted complete runs whose `question` is one of `questions`, with readouts and cells.
 
     Runs of every campaign serving the question count (q1, q1_smoke, demo_q1); the
-    campaign is a design column, so campaigns never pool into one cell. org is
+    collection stage (main, smoke, demo) is a design column, so stages never pool. org is
     upper-cased and reuse lower-cased (the plans compare them that way).
     """
     questions = tuple(questions)
@@ -187,6 +187,7 @@ def load_runs(con, questions: Sequence[str]) -> RunSet:
     runs["org"] = runs["org"].astype(str).str.strip().str.upper()
     runs["reuse"] = runs["reuse"].astype(str).str.strip().str.lower()
     runs["trace"] = runs["trace"].astype(bool)
+    runs["stage"] = runs["campaign"].map(stage_of)
     staged = RunSet(questions, campaigns, runs, runs.head(0))
     for sql in (_REQUEST_METRICS, _STEP_METRICS, _POLLER_METRICS):
         runs = runs.merge(query(con, sql, staged), on="run_id", how="left")
@@ -217,6 +218,21 @@ def add_work_readouts(runs: pd.DataFrame) -> None:
 # ---------------------------------------------------------------------------
 
 
+MAIN_STAGE = "main"
+
+
+def stage_of(campaign: str) -> str:
+    """Collection stage of a campaign: main, smoke (`<c>_smoke`) or demo (`demo_<c>`).
+
+    Runs reused across campaigns pool into one cell (the campaign that collected a run
+    is not a condition); stages never pool.
+    """
+    campaign = str(campaign)
+    if campaign.endswith("_smoke"):
+        return "smoke"
+    return "demo" if campaign.startswith("demo_") else MAIN_STAGE
+
+
 LABEL_PREFIX = {"retention_k": "K", "pinning_k": "pin K", "d0_attention_fraction": "attn"}
 
 
@@ -224,6 +240,8 @@ def fmt_value(column: str, value) -> str:
     """Label fragment of one design value ("" for an unset org-specific setting)."""
     if column == "trace":
         return "trace on" if bool(value) else "trace off"
+    if column == "stage":
+        return "" if value == MAIN_STAGE else str(value)
     if column in ("campaign", "budget", "reuse", "arrival"):
         return str(value)
     if pd.isna(value) or (column in LABEL_PREFIX and float(value) < 0):

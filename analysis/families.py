@@ -52,6 +52,7 @@ class FamilyResult:
     estimand_notes: dict[str, str] = field(default_factory=dict)
     per_seed: pd.DataFrame = field(default_factory=pd.DataFrame)
     gate_passed: bool | None = None  # containment families only
+    m: int = 0  # tests in the family (Holm's m), also when only some rows are shown
 
     @property
     def status(self) -> str:
@@ -71,7 +72,7 @@ class FamilyResult:
 
     def markdown(self) -> str:
         status = SMOKE_STATUS if self.smoke and self.accepted else self.status
-        m = len(next(iter(self.tables.values()))) if self.tables else 0
+        m = self.m or (len(next(iter(self.tables.values()))) if self.tables else 0)
         out = [f"### Family `{self.name}` ({self.role}, {self.method}, m = {m}): {status}", ""]
         if self.description:
             out += [self.description, ""]
@@ -156,21 +157,31 @@ def evaluate_plan(plan: prereg.Plan, runs: pd.DataFrame, *,
 def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *,
                     allow_changed_plan: bool = False) -> FamilyResult:
     result = FamilyResult(plan.question, fam.name, fam.role, fam.decision["method"],
-                          " ".join(str(fam_description(plan, fam)).split()), False, [])
+                          " ".join(str(fam_description(plan, fam)).split()), False, [],
+                          m=len(fam.tests))
     try:
         check = prereg.check_family(plan, fam, runs, allow_changed_plan=allow_changed_plan)
     except ValueError as exc:  # runs lack a column the cells name
         result.reasons = [f"refused: {exc}"]
         return result
     result.accepted, result.plan_changed = check.accepted, check.plan_changed
-    matched, notes = (check.runs, []) if check.accepted else relaxed_match(plan, fam, runs)
+    order_notes = []
+    if check.accepted and plan.raw.get("run_order") == "balanced":
+        order_notes = [f"run order not balanced: {v}"
+                       for v in prereg.run_order_violations(check.runs)]
+        if order_notes and not fam.name.endswith(SMOKE_TAG):
+            result.accepted = False
+        elif order_notes:
+            order_notes = [f"{n} (smoke runs: noted, not enforced)" for n in order_notes]
+    matched, notes = ((check.runs, []) if result.accepted
+                      else relaxed_match(plan, fam, runs))
     if len(matched) == 0:
         campaigns = sorted({str(c.keys["campaign"]) for c in fam.cells})
         result.reasons = [f"no data: none of the {check.num_expected} planned runs "
                           f"({len(fam.cells)} cells, campaign {', '.join(campaigns)}) "
                           "is in the ledger"]
         return result
-    result.reasons = check.reasons() + notes
+    result.reasons = check.reasons() + order_notes + notes
     values = {cell.id: matched[matched["cell_id"] == cell.id].set_index("seed")
               for cell in fam.cells}
     per_seed = []
@@ -199,7 +210,8 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
 
 
 def fam_description(plan: prereg.Plan, fam: prereg.Family) -> str:
-    raw = next((f for f in plan.raw.get("families", []) if f.get("name") == fam.name), {})
+    name = fam.name.removesuffix(SMOKE_TAG)
+    raw = next((f for f in plan.raw.get("families", []) if f.get("name") == name), {})
     return raw.get("description", "")
 
 

@@ -579,3 +579,31 @@ def _changed_plans(plan: Plan, found: pd.DataFrame, hash_column: str) -> tuple[C
         changed += [ChangedPlan(campaign, h, expected, int(k))
                     for h, k in sorted(hashes.value_counts().items()) if h != expected]
     return tuple(changed)
+
+
+def run_order_violations(runs: pd.DataFrame, order_column: str = "created_at") -> list[str]:
+    """Departures of a family's runs from a balanced order (the plan's `run_order: balanced`).
+
+    Within each seed the conditions run in the order their runs were written; over every
+    block of n consecutive seeds (n conditions) each condition must take each position
+    once, and in a last, partial block no position twice (a Williams design, cycled, as
+    the campaign's `balanced` order plans it). The write order is the completion order:
+    a campaign whose order matters runs with one job at a time.
+    """
+    if runs.empty or order_column not in runs:
+        return []
+    seeds = sorted(int(s) for s in runs["seed"].unique())
+    cells = sorted(runs["cell_id"].unique())
+    n = len(cells)
+    orders = {s: tuple(runs[runs["seed"] == s].sort_values(order_column)["cell_id"])
+              for s in seeds}
+    problems = []
+    for start in range(0, len(seeds), n):
+        block = seeds[start:start + n]
+        for pos in range(n):
+            taken = [orders[s][pos] for s in block if pos < len(orders[s])]
+            repeated = sorted({c for c in taken if taken.count(c) > 1})
+            if repeated:
+                problems.append(f"seeds {block[0]}-{block[-1]}: position {pos + 1} is taken "
+                                f"more than once by {repeated}")
+    return problems

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import figures, prereg, readouts, stats
+from analysis import paper_figures as pf
 from analysis.common import DESIGN_COLUMNS, RunSet, cell_order, load_runs, query
 from analysis.families import FamilyResult, evaluate_family, fam_description
 from analysis.paired import seed_values
@@ -192,6 +193,35 @@ def containment_pairs(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+INITIAL_COLUMNS = {"jadopt_initial_mean": "jadopt", "rmax_m1_initial_mean": "rmax_m1",
+                   "rmax_m0_initial_mean": "rmax_m0", "amax_m1_initial_mean": "amax_m1",
+                   "amax_m0_initial_mean": "amax_m0", "gap_r_initial_mean": "gap_r",
+                   "initial_episodes": "initial_episodes"}
+
+
+def initial_depth(runs: pd.DataFrame, by: str) -> pd.DataFrame:
+    """Per traced run: means over its INITIAL admissions (PAPER_DESIGN 2.5), M1 for Rmax and
+    Amax as plotted, M0 kept for the brackets; GapR = Rmax(M1) - Jadopt."""
+    if "jadopt_initial_mean" not in runs:
+        return pd.DataFrame()
+    traced = runs[runs["trace"] & runs["jadopt_initial_mean"].notna()]
+    keep = ["stage", "org", by, "seed", *INITIAL_COLUMNS]
+    return traced[[c for c in dict.fromkeys(keep) if c in traced]].rename(
+        columns=INITIAL_COLUMNS).sort_values(["stage", "org", by, "seed"]).reset_index(drop=True)
+
+
+def initial_section(result: QuestionResult, runs: pd.DataFrame, by: str) -> pd.DataFrame:
+    table = result.add("initial_depth", initial_depth(runs, by))
+    if table.empty:
+        return table
+    result.sections.append(Section(
+        "Depth over INITIAL admissions, per seed",
+        "Means over each run's INITIAL admissions (RESUME episodes excluded), in tokens per "
+        "request: Jadopt, Rmax and Amax at the M1 bracket (M0 alongside), GapR = Rmax(M1) - "
+        "Jadopt. Descriptive: no test, no interval over seeds.", [("", table, None)]))
+    return table
+
+
 def containment_section(result: QuestionResult, runs: pd.DataFrame) -> pd.DataFrame:
     pairs = result.add("containment", containment_pairs(runs))
     text = (f"Throughput (ledger) of trace ON vs OFF runs paired by seed: "
@@ -275,6 +305,7 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
         runs = with_depth(runset.runs, depth)
         runs = runs[runs["campaign"].isin(passed)]
         depth_section(result, runs)
+        initial_section(result, runs, "f")
         readouts.changes_section(result, runs[runs["trace"]], "depth_changes",
                                  "D0 vs S2 depth (trace ON)", DEPTH_CHANGE_METRICS,
                                  (("D0", "S2"),))
@@ -291,7 +322,17 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
+    table = f.get("initial_depth")
+    if table is not None and len(table):
+        table = table[(table["org"] == "S2") & (table["stage"] == table["stage"].iloc[0])]
+        table = table.assign(f=table["f"].map(lambda v: f"f = {v:g}"))
     return figures.kept([
+        ("Fig. 7(a) Q7 state availability: S2 per seed, open f = 0, filled f = 0.19",
+         pf.depth_per_seed(table, out_dir / "q7_fig7a_state.png",
+                           "Q7 state availability: S2, b83, λ 3, cap 63, q 1, pin K 1; "
+                           "INITIAL admissions", "f",
+                           (("jadopt", "Jadopt", "o"), ("rmax_m1", "Rmax (M1)", "^"),
+                            ("amax_m1", "Amax (M1)", "s")), "f = 0")),
         ("State depth per cell with M0/M1 brackets, and entry vs adopted depth classes",
          figures.depth_panels(f.get("depth_cells"), f.get("depth_classes"),
                               out_dir / "q7_depth.png", "Q7 joint reuse depth (trace ON)")),

@@ -95,10 +95,10 @@ class QuestionResult:
 
     def tables(self) -> dict[str, pd.DataFrame]:
         """Every CSV table: the frames and each family's estimand tables."""
-        out = dict(self.frames)
+        out = {k: v for k, v in self.frames.items() if not k.startswith("_")}
         for fam in self.families:
             for estimand, frame in fam.tables.items():
-                out[f"family_{fam.name}_{estimand}"] = frame
+                out[f"family_{slug(fam.name)}_{estimand}"] = frame
         return out
 
     def markdown(self, relative_to: Path | None = None) -> str:

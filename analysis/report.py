@@ -23,11 +23,12 @@ from pathlib import Path
 import pandas as pd
 
 import ledgers
-from analysis import prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9, readouts
+from analysis import prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9, readouts, supporting
 from analysis.render import md_table
 
-QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9)
-OWNED_GLOBS = ("index.md", "q[1-9].md", "tables/*.csv", "figures/*.png")
+QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES)
+OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
+               "tables/*.csv", "figures/*.png", "figures/*.svg")
 
 _CAMPAIGN_COUNTS = """
     SELECT campaign, count(*) AS runs_rows, count(DISTINCT run_id) AS run_ids,
