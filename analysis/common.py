@@ -26,6 +26,7 @@ DESIGN_COLUMNS = ("stage", "org", "budget", "cap", "rate", "arrival", "q", "f", 
 ORG_SETTINGS = ("retention_k", "d0_attention_fraction")
 IDENTITY_COLUMNS = (*DESIGN_COLUMNS, "model", "executor", "units_detail")
 ORG_ORDER = ("S0", "S1", "S2", "D0", "S2_RETENTION")
+ORG_NAMES = {"S2_RETENTION": "S2+Retention"}  # display names where the column value differs
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +270,8 @@ def cell_labels(runs: pd.DataFrame) -> pd.Series:
         per_org[c].nunique(dropna=False).max() > 1
         or (c not in ORG_SETTINGS and runs[c].nunique(dropna=False) > 1))]
     labels = runs.apply(lambda r: " ".join(
-        [r["org"], *(t for c in varying if (t := fmt_value(c, r[c])))]), axis=1)
+        [ORG_NAMES.get(r["org"], r["org"]), *(t for c in varying if (t := fmt_value(c, r[c])))]),
+        axis=1)
     identity = runs[list(IDENTITY_COLUMNS)].map(str).agg("|".join, axis=1)
     ambiguous = identity.groupby(labels).transform("nunique") > 1
     labels[ambiguous] = labels[ambiguous] + " [" + runs.loc[ambiguous, "units_detail"].map(

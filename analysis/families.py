@@ -61,6 +61,10 @@ class FamilyResult:
         return "accepted (plan changed; --allow-changed-plan)" if self.plan_changed else ACCEPTED
 
     @property
+    def no_data(self) -> bool:
+        return not self.accepted and any(r.startswith("no data") for r in self.reasons)
+
+    @property
     def smoke(self) -> bool:
         return self.name.endswith(SMOKE_TAG)
 
@@ -149,8 +153,11 @@ def evaluate_plan(plan: prereg.Plan, runs: pd.DataFrame, *,
     present = set(runs["campaign"].astype(str)) if len(runs) else set()
     smoke = smoke_plan(plan, present)
     if smoke is not None:
-        out += [evaluate_family(smoke, fam, runs, allow_changed_plan=allow_changed_plan)
-                for fam in smoke.families]
+        checked = [evaluate_family(smoke, fam, runs, allow_changed_plan=allow_changed_plan)
+                   for fam in smoke.families]
+        covered = {f.name.removesuffix(SMOKE_TAG) for f in checked}
+        # a family with no main-stage run at all is shown through its smoke counterpart
+        out = [f for f in out if not (f.name in covered and f.no_data)] + checked
     return out
 
 
@@ -313,7 +320,11 @@ def _contrast(values, test: prereg.PlannedTest, metric: str,
     names = list(test.cells.values())
     text = (f"{names[0]} vs {names[1]}" if test.kind == "paired" else
             f"({names[0]} vs {names[1]}) - ({names[2]} vs {names[3]})")
-    unit = METRICS[metric].unit if scale != "log" else ("%" if test.kind == "paired" else "pp")
+    decision = fam.decision
+    back = decision.get("display") == "back_transformed" or (
+        decision["method"] == "paired_t_interval" and "display" not in decision)
+    unit = (METRICS[metric].unit if scale != "log" else
+            "%" if test.kind == "paired" else "% (ratio of ratios)" if back else "pp")
     row: dict = {"cells": text, "unit": unit, "n": len(frame)}
     if scale == "log" and (frame <= 0).any().any():
         row["note"] = "nonpositive values"
@@ -322,7 +333,6 @@ def _contrast(values, test: prereg.PlannedTest, metric: str,
         row["note"] = "no paired seeds"
         return row, pd.Series(dtype=float)
     per = seedwise(frame, test.kind, scale)
-    decision = fam.decision
     statistic = decision.get("statistic", "log_ratio")
     d = per["pct"] if statistic == "relative_pct" and scale == "log" else per["log"]
     other = per["log"] if d is per["pct"] else per["pct"]
@@ -333,8 +343,6 @@ def _contrast(values, test: prereg.PlannedTest, metric: str,
                min_seed=float(per["pct"].min()), max_seed=float(per["pct"].max()))
     if "sensitivity_statistic" in decision and scale == "log":
         row["p_sensitivity"] = _sign_flip_p(other, first_look)[0]
-    back = decision.get("display") == "back_transformed" or (
-        decision["method"] == "paired_t_interval" and "display" not in decision)
     if scale == "log" and back:
         row["effect"] = 100 * math.expm1(float(per["log"].mean()))
     else:

@@ -38,10 +38,14 @@ def _color(org: str) -> str:
 
 
 def _save(fig, path: Path) -> Path:
+    """PNG and SVG; the next figure starts a fresh jitter generator (one per figure)."""
+    global _JITTER
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
+    fig.savefig(path.with_suffix(".svg"))
     plt.close(fig)
+    _JITTER = np.random.default_rng(0)
     return path
 
 
@@ -54,7 +58,8 @@ def _dots(ax, x: float, values, color="black") -> None:
 
 def _label_x(ax, labels: list[str]) -> None:
     ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels, rotation=40, ha="right", fontsize=8)
+    ax.set_xticklabels([textwrap.fill(str(label), 14) for label in labels], rotation=0,
+                       fontsize=7)
 
 
 def throughput_bars(runs: pd.DataFrame, path: Path, title: str,

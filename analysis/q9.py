@@ -196,7 +196,4 @@ def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
          "and ISOLATE and their difference (dots), effects with 95% paired-t intervals (squares)",
          figures.kret_panel(*first_condition(f.get("kret"), f.get("kret_seeds")),
                             out_dir / "q9_kret.png")),
-        ("Throughput by cell: geometric mean (bars) and seeds (dots)",
-         figures.throughput_bars(f.get("runs"), out_dir / "q9_throughput.png",
-                                 "Q9 throughput by cell")),
     ])
