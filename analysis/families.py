@@ -155,9 +155,8 @@ def evaluate_plan(plan: prereg.Plan, runs: pd.DataFrame, *,
     if smoke is not None:
         checked = [evaluate_family(smoke, fam, runs, allow_changed_plan=allow_changed_plan)
                    for fam in smoke.families]
-        covered = {f.name.removesuffix(SMOKE_TAG) for f in checked}
-        # a family with no main-stage run at all is shown through its smoke counterpart
-        out = [f for f in out if not (f.name in covered and f.no_data)] + checked
+        # with smoke or demo runs present, a family without any main-stage run is left out
+        out = [f for f in out if not f.no_data] + checked
     return out
 
 

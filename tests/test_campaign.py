@@ -128,7 +128,7 @@ def test_supporting_sweeps_couple_caps_to_budgets():
     assert {cell_columns(r.cfg)["arrival"] for r in bursts} == {"poisson", "onoff"}
     # plan coverage and cross-campaign reuse: tests/test_campaign_plans.py
     _, demo = plan("campaign=demo")
-    assert Counter(r.key.campaign for r in demo) == {"demo_q1": 9, "demo_q9": 12}
+    assert Counter(r.key.campaign for r in demo) == {"demo_q1": 18, "demo_q9": 12}
 
 
 def test_fast_composition_equals_hydra_composition():
