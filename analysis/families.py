@@ -153,8 +153,9 @@ def evaluate_plan(plan: prereg.Plan, runs: pd.DataFrame, *,
     present = set(runs["campaign"].astype(str)) if len(runs) else set()
     smoke = smoke_plan(plan, present)
     if smoke is not None:
-        checked = [evaluate_family(smoke, fam, runs, allow_changed_plan=allow_changed_plan)
-                   for fam in smoke.families]
+        checked = [f for fam in smoke.families
+                   if not (f := evaluate_family(smoke, fam, runs,
+                                                allow_changed_plan=allow_changed_plan)).no_data]
         # with smoke or demo runs present, a family without any main-stage run is left out
         out = [f for f in out if not f.no_data] + checked
     return out

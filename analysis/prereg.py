@@ -15,8 +15,10 @@ duplicated among adopted runs, or were collected under a different plan hash
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -480,17 +482,22 @@ def check_family(
     """
     fam = plan.family(family) if isinstance(family, str) else family
     usable = _usable_runs(runs, fam, plan_hash_column)
-    matched, missing, duplicated = [], [], []
+    missing, duplicated, rows, ids = [], [], [], []
+    columns = _Columns(usable)
+    seeds = pd.to_numeric(usable["seed"], errors="coerce").to_numpy()
     for cell in fam.cells:
-        rows = usable[_cell_mask(usable, cell)]
-        counts = rows["seed"].value_counts()
-        absent = tuple(s for s in cell.seeds if s not in counts.index)
+        index = np.flatnonzero(_cell_mask(usable, cell, columns))
+        counts = Counter(int(s) for s in seeds[index] if not np.isnan(s))
+        absent = tuple(s for s in cell.seeds if s not in counts)
         if absent:
             missing.append(MissingRuns(cell.id, dict(cell.keys), absent))
-        duplicated += [DuplicatedRuns(cell.id, s, int(counts[s]))
+        duplicated += [DuplicatedRuns(cell.id, s, counts[s])
                        for s in cell.seeds if counts.get(s, 0) > 1]
-        matched.append(rows[rows["seed"].isin(cell.seeds)].assign(cell_id=cell.id))
-    found = pd.concat(matched, ignore_index=True) if matched else usable.head(0)
+        keep = index[np.isin(seeds[index], cell.seeds)]
+        rows.append(keep)
+        ids += [cell.id] * len(keep)
+    taken = np.concatenate(rows) if rows else np.zeros(0, dtype=int)
+    found = usable.iloc[taken].assign(cell_id=ids).reset_index(drop=True)
     changed = _changed_plans(plan, found, plan_hash_column)
     return FamilyCheck(plan.question, fam.name, plan.plan_hash,
                        sum(len(c.seeds) for c in fam.cells), tuple(missing), tuple(duplicated),
@@ -522,6 +529,7 @@ def _usable_runs(runs: pd.DataFrame, fam: Family, hash_column: str) -> pd.DataFr
     return runs[keep]
 
 
+@functools.lru_cache(maxsize=1024)
 def _budget_label(value: Any) -> str:
     """Canonical budget label ("254 pages" -> "p254"); unparsable text is kept as is."""
     from serving_core.planner import parse_budget
@@ -532,31 +540,51 @@ def _budget_label(value: Any) -> str:
         return str(value).strip().casefold()
 
 
-def _cell_mask(runs: pd.DataFrame, cell: Cell) -> pd.Series:
+class _Columns:
+    """The runs' design columns normalized once per check: numbers as floats, budgets as
+    planner labels, other text stripped and case-folded, booleans as booleans."""
+
+    def __init__(self, runs: pd.DataFrame):
+        self.runs = runs
+        self.cache: dict[tuple[str, str], np.ndarray] = {}
+
+    def get(self, key: str, kind: str) -> np.ndarray:
+        if (key, kind) not in self.cache:
+            col = self.runs[key]
+            if kind == "bool":
+                value = col.map(lambda v: bool(v) if isinstance(v, (bool, np.bool_)) else None)
+            elif kind == "number":
+                value = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
+            elif key == "budget":
+                value = col.map(_budget_label)
+            else:
+                value = col.astype(str).str.strip().str.casefold()
+            self.cache[(key, kind)] = np.asarray(value)
+        return self.cache[(key, kind)]
+
+
+def _cell_mask(runs: pd.DataFrame, cell: Cell, columns: _Columns | None = None) -> np.ndarray:
     """Runs whose columns equal the cell's keys.
 
     Numbers compare with a 1e-9 relative tolerance (3 == 3.0), a tuple of campaigns matches
-    any of them, strings ignore
-    case (org "s2" == "S2", reuse "SHARE" == "share"), budgets compare by
-    canonical planner label.
+    any of them, strings ignore case (org "s2" == "S2", reuse "SHARE" == "share"), budgets
+    compare by canonical planner label.
     """
-    mask = pd.Series(True, index=runs.index)
+    columns = columns or _Columns(runs)
+    mask = np.ones(len(runs), dtype=bool)
     for key, value in cell.keys.items():
         if key not in runs.columns:
-            return pd.Series(False, index=runs.index)
-        col = runs[key]
+            return np.zeros(len(runs), dtype=bool)
         if isinstance(value, tuple):  # campaign: any of these names
-            mask &= col.astype(str).isin(value)
+            mask &= np.isin(columns.get(key, "text"), [v.casefold() for v in value])
         elif isinstance(value, bool):
-            mask &= col.map(lambda v, want=value: isinstance(v, (bool, np.bool_))
-                            and bool(v) == want)
+            mask &= columns.get(key, "bool") == value
         elif isinstance(value, (int, float)):
-            numeric = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
-            mask &= np.isclose(numeric, float(value), rtol=1e-9, atol=1e-12)
+            mask &= np.isclose(columns.get(key, "number"), float(value), rtol=1e-9, atol=1e-12)
         elif key == "budget":
-            mask &= col.map(_budget_label) == _budget_label(value)
+            mask &= columns.get(key, "text") == _budget_label(value)
         else:
-            mask &= col.astype(str).str.strip().str.casefold() == str(value).casefold()
+            mask &= columns.get(key, "text") == str(value).casefold()
     return mask
 
 

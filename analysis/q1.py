@@ -32,18 +32,20 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
         result.add("exp1a_runs", readouts.run_frame(main))
         result.add("exp1b_runs", readouts.run_frame(low))
         table = result.add("exp1a", readouts.means_table(main, ["budget", "org"], MAIN))
-        result.sections.append(Section(
-            "Exp 1a: main load", "Arithmetic means over runs (seeds) of request-span "
-            "throughput (primary, output tokens/s), ledger throughput (sensitivity), and run-level "
-            "E2E/TTFT p99 (s). Stepwise effects and decisions: family EXT-22 below.",
-            [("", table, None)]))
+        if len(table):
+            result.sections.append(Section(
+                "Exp 1a: main load", "Arithmetic means over runs (seeds) of request-span "
+                "throughput (primary, output tokens/s), ledger throughput (sensitivity), and "
+                "run-level E2E/TTFT p99 (s). Stepwise effects and decisions: family EXT-22 "
+                "below.", [("", table, None)]))
         low_table = result.add("exp1b", readouts.means_table(low, ["budget", "cap", "org"], LOW,
                                                               ranges=("waiting_max",)))
-        result.sections.append(Section(
-            "Exp 1b: low load", "Lambda 0.8, seeds 0-2. Arithmetic means of run values; "
-            "`waiting_max_range` is the range across runs of each run's maximum sampled "
-            "waiting count (the micro-tables of Fig. 2(c, d)). Descriptive.",
-            [("", low_table, None)]))
+        if len(low_table):
+            result.sections.append(Section(
+                "Exp 1b: low load", "Lambda 0.8, seeds 0-2. Arithmetic means of run values; "
+                "`waiting_max_range` is the range across runs of each run's maximum sampled "
+                "waiting count (the micro-tables of Fig. 2(c, d)). Descriptive.",
+                [("", low_table, None)]))
     readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
     return result
 
