@@ -53,11 +53,16 @@ class FamilyResult:
     per_seed: pd.DataFrame = field(default_factory=pd.DataFrame)
     gate_passed: bool | None = None  # containment families only
     m: int = 0  # tests in the family (Holm's m), also when only some rows are shown
+    fill: list[str] = field(default_factory=list)  # commands that collect missing runs
 
     @property
     def status(self) -> str:
+        if self.no_data:
+            return "no data"
         if not self.accepted:
             return "refused"
+        if self.smoke:
+            return SMOKE_STATUS
         return "accepted (plan changed; --allow-changed-plan)" if self.plan_changed else ACCEPTED
 
     @property
@@ -72,10 +77,15 @@ class FamilyResult:
         """One line for the top of the question's page when the family is refused."""
         if self.accepted:
             return ""
-        return f"Family `{self.name}` refused: {'; '.join(self.reasons) or 'no reason recorded'}"
+        why = self.reasons[0] if len(self.reasons) == 1 else (
+            f"{len(self.reasons)} problems, first: {self.reasons[0]}" if self.reasons
+            else "no reason recorded")
+        fill = f"; fill with `{' && '.join(self.fill)}`" if self.fill else ""
+        why = why.removeprefix(f"{self.status}: ")
+        return f"Family `{self.name}` {self.status}: {why}{fill}"
 
     def markdown(self) -> str:
-        status = SMOKE_STATUS if self.smoke and self.accepted else self.status
+        status = self.status
         m = self.m or (len(next(iter(self.tables.values()))) if self.tables else 0)
         out = [f"### Family `{self.name}` ({self.role}, {self.method}, m = {m}): {status}", ""]
         if self.description:
@@ -182,8 +192,9 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
             order_notes = [f"{n} (smoke runs: noted, not enforced)" for n in order_notes]
     matched, notes = ((check.runs, []) if result.accepted
                       else relaxed_match(plan, fam, runs))
+    result.fill = fill_commands(check.missing, fam.name.endswith(SMOKE_TAG))
     if len(matched) == 0:
-        campaigns = sorted({str(c.keys["campaign"]) for c in fam.cells})
+        campaigns = sorted({c for cell in fam.cells for c in prereg.cell_campaigns(cell)})
         result.reasons = [f"no data: none of the {check.num_expected} planned runs "
                           f"({len(fam.cells)} cells, campaign {', '.join(campaigns)}) "
                           "is in the ledger"]
@@ -214,6 +225,24 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
                                       and (table["decision"] == "PASS").all())
     result.per_seed = pd.concat(per_seed, ignore_index=True) if per_seed else pd.DataFrame()
     return result
+
+
+QUESTION_TARGETS = tuple(f"q{i}" for i in range(1, 10))
+
+
+def fill_commands(missing, smoke: bool) -> list[str]:
+    """`make` commands that collect the missing runs (each home campaign once; the last
+    campaign named by a cell is the one that collects its remaining seeds)."""
+    homes = []
+    for m in missing:
+        value = m.keys["campaign"]
+        names = (value,) if isinstance(value, str) else tuple(value)
+        home = prereg.home_campaign(names[-1])
+        if home not in homes and not home.startswith("("):
+            homes.append(home)
+    suffix = " SMOKE=1" if smoke else ""
+    return [f"make {h}{suffix}" if h in QUESTION_TARGETS else f"make campaign C={h}{suffix}"
+            for h in homes]
 
 
 def fam_description(plan: prereg.Plan, fam: prereg.Family) -> str:

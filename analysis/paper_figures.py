@@ -142,7 +142,7 @@ def low_load(runs: pd.DataFrame, path: Path, title: str) -> Path | None:
         ax.set_xlabel("organization")
         ax.set_ylabel("throughput, request span (output tokens/s)")
         right.set_ylabel("latency p99, mean of run p99s (s)")
-        right.set_ylim(bottom=0)
+        right.set_ylim(0, 1.35 * right.get_ylim()[1])
         ax.text(0.02, 0.98, "Waiting gauge · run maxima\n" + "\n".join(rows),
                 transform=ax.transAxes, va="top", fontsize=7,
                 bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "#999999"})
@@ -154,9 +154,8 @@ def low_load(runs: pd.DataFrame, path: Path, title: str) -> Path | None:
                       label="E2E p99"),
                *[Line2D([], [], marker="s", color=_color(o), linestyle="", label=org_name(o))
                  for o in orgs]]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+    axes[0][-1].legend(handles=handles, loc="upper right", ncol=2, fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.subplots_adjust(bottom=0.2)
     return save(fig, path)
 
 
