@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import prereg, stats
-from analysis.common import METRICS
+from analysis.common import METRICS, seeds_text
 from analysis.paired import CONFIDENCE, diff_interval, summarize_d
 from analysis.render import md_table
 
@@ -54,6 +54,7 @@ class FamilyResult:
     gate_passed: bool | None = None  # containment families only
     m: int = 0  # tests in the family (Holm's m), also when only some rows are shown
     fill: list[str] = field(default_factory=list)  # commands that collect missing runs
+    summary: str = ""  # one line: what is missing
 
     @property
     def status(self) -> str:
@@ -77,9 +78,7 @@ class FamilyResult:
         """One line for the top of the question's page when the family is refused."""
         if self.accepted:
             return ""
-        why = self.reasons[0] if len(self.reasons) == 1 else (
-            f"{len(self.reasons)} problems, first: {self.reasons[0]}" if self.reasons
-            else "no reason recorded")
+        why = self.summary or (self.reasons[0] if self.reasons else "no reason recorded")
         fill = f"; fill with `{' && '.join(self.fill)}`" if self.fill else ""
         why = why.removeprefix(f"{self.status}: ")
         return f"Family `{self.name}` {self.status}: {why}{fill}"
@@ -193,6 +192,12 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
     matched, notes = ((check.runs, []) if result.accepted
                       else relaxed_match(plan, fam, runs))
     result.fill = fill_commands(check.missing, fam.name.endswith(SMOKE_TAG))
+    if check.missing:
+        absent = sum(len(m.seeds) for m in check.missing)
+        named = ", ".join(f"{m.cell_id} seeds {seeds_text(m.seeds)}" for m in check.missing[:3])
+        more = f" and {len(check.missing) - 3} more cells" if len(check.missing) > 3 else ""
+        result.summary = (f"missing {absent} of {check.num_expected} planned runs: "
+                          f"{named}{more}")
     if len(matched) == 0:
         campaigns = sorted({c for cell in fam.cells for c in prereg.cell_campaigns(cell)})
         result.reasons = [f"no data: none of the {check.num_expected} planned runs "
