@@ -308,7 +308,11 @@ def depth_per_seed(table: pd.DataFrame, path: Path, title: str, by: str,
     ax.set_xlabel("workload seed")
     ax.set_ylabel("mean depth over INITIAL admissions (tokens/request)")
     ax.legend(handles=handles, fontsize=8, loc="best")
-    ax.set_title(title, fontsize=10)
+    count = ""
+    if "initial_episodes" in table:
+        low, high = int(table["initial_episodes"].min()), int(table["initial_episodes"].max())
+        count = f"; n = {low}{'' if low == high else f'-{high}'} INITIAL requests per point"
+    ax.set_title(f"{title}{count}", fontsize=9)
     return save(fig, path)
 
 
