@@ -20,7 +20,7 @@ import pandas as pd
 from analysis import figures, prereg, readouts, stats
 from analysis import paper_figures as pf
 from analysis.common import DESIGN_COLUMNS, RunSet, cell_order, load_runs, query
-from analysis.families import FamilyResult, evaluate_family, fam_description
+from analysis.families import NOT_INFORMATIVE, FamilyResult, evaluate_family, fam_description
 from analysis.paired import seed_values
 from analysis.render import QuestionResult, Section
 
@@ -293,6 +293,10 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
     gates = readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir,
                                      allow_changed_plan, only=gate_names)
     campaign_gate = campaign_gates(list(runset.campaigns), pairs, plan, gates)
+    probe_rows = [table for g in gates for table in g.tables.values()]
+    if probe_rows and all((table["note"] == NOT_INFORMATIVE).all() for table in probe_rows):
+        result.notes.append(f"Probe containment {NOT_INFORMATIVE}; the gate is passed "
+                            "formally, it is not evidence that tracing is harmless.")
     passed = [c for c, (ok, _) in campaign_gate.items() if ok]
     notes = gate_notes(campaign_gate)
     result.notes += notes

@@ -348,9 +348,11 @@ def bootstrap_mean_interval(values, n_resamples: int = BOOTSTRAP_RESAMPLES, seed
 class InteractionResult:
     """Difference of two paired effects, per seed in log space.
 
-    `effect_pp` = effect_a_pct - effect_b_pct (percentage points, the display);
-    `ratio_pct` = 100 (exp(mean(d_a - d_b)) - 1); `test` is the sign-flip test
-    on the per-seed differences d_a - d_b.
+    `effect_pp` = mean over seeds of [e_a(s) - e_b(s)] with e = 100 (exp(d) - 1) the
+    seedwise percent change (percentage points, the paper's display, PAPER_DESIGN 2.2; not
+    the difference of back-transformed effects, which `effect_a_pct - effect_b_pct` gives);
+    `ratio_pct` = 100 (exp(mean(d_a - d_b)) - 1); `test` is the sign-flip test on the
+    per-seed differences d_a - d_b.
     """
 
     effect_pp: float
@@ -365,7 +367,8 @@ def interaction(d_a, d_b) -> InteractionResult:
     x, y = _as_pairs(d_a, d_b, ("d_a", "d_b"))
     a_pct, b_pct = effect_pct(x), effect_pct(y)
     diff = x - y
-    return InteractionResult(a_pct - b_pct, a_pct, b_pct, effect_pct(diff), sign_flip_test(diff))
+    pp = float(np.mean(100.0 * np.expm1(x) - 100.0 * np.expm1(y)))
+    return InteractionResult(pp, a_pct, b_pct, effect_pct(diff), sign_flip_test(diff))
 
 
 @dataclass(frozen=True, slots=True)
