@@ -11,6 +11,7 @@ model, executor and pool sizes (which separate D0 pool splits).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -174,7 +175,33 @@ def query(con, sql: str, runset: RunSet) -> pd.DataFrame:
         con.unregister(RUN_IDS_VIEW)
 
 
+_RUN_CACHE: dict | None = None  # set while a report runs: one load per set of questions
+
+
+@contextlib.contextmanager
+def cached_runs():
+    """Within the block, `load_runs` loads each (connection, questions) once."""
+    global _RUN_CACHE
+    _RUN_CACHE = {}
+    try:
+        yield
+    finally:
+        _RUN_CACHE = None
+
+
 def load_runs(con, questions: Sequence[str]) -> RunSet:
+    """`_load_runs`, memoized inside `cached_runs()` (the frames are copied out)."""
+    if _RUN_CACHE is None:
+        return _load_runs(con, questions)
+    key = (id(con), tuple(questions))
+    if key not in _RUN_CACHE:
+        _RUN_CACHE[key] = _load_runs(con, questions)
+    runset = _RUN_CACHE[key]
+    return RunSet(runset.questions, runset.campaigns, runset.runs.copy(),
+                  runset.set_aside.copy())
+
+
+def _load_runs(con, questions: Sequence[str]) -> RunSet:
     """Adopted complete runs whose `question` is one of `questions`, with readouts and cells.
 
     Runs of every campaign serving the question count (q1, q1_smoke, demo_q1); the

@@ -158,15 +158,22 @@ def plan_hash(plan: Mapping[str, Any]) -> str:
 
 
 def load_plan(name_or_path: str | Path, plan_dir: str | Path = PLAN_DIR) -> Plan:
-    """Load "q1" (from `plan_dir`) or a path to a plan YAML, validated."""
+    """Load "q1" (from `plan_dir`) or a path to a plan YAML, validated (cached while the
+    file is unchanged)."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = Path(plan_dir) / f"{name_or_path}.yaml"
     if not path.is_file():
         raise ValueError(f"plan={str(name_or_path)!r}: no plan file at {path}")
-    with path.open(encoding="utf-8") as fh:
+    stat = path.stat()
+    return _load_file(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=128)
+def _load_file(path: str, _mtime_ns: int, _size: int) -> Plan:
+    with open(path, encoding="utf-8") as fh:
         raw = yaml.safe_load(fh)
-    return parse_plan(raw, path)
+    return parse_plan(raw, Path(path))
 
 
 def parse_plan(raw: Any, path: Path | None = None) -> Plan:

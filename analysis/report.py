@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 import ledgers
-from analysis import prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9, readouts, supporting
+from analysis import common, prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9, readouts, supporting
 from analysis.render import md_table
 
 QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES)
@@ -134,8 +134,9 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
     summary = ReportSummary(out)
     con = ledgers.connect(root)
     try:
-        rows = [_question_page(m, con, out, plan_dir, allow_changed_plan, summary)
-                for m in QUESTIONS]
+        with common.cached_runs():
+            rows = [_question_page(m, con, out, plan_dir, allow_changed_plan, summary)
+                    for m in QUESTIONS]
         index = index_markdown(con, root, plan_dir, allow_changed_plan, pd.DataFrame(rows),
                                summary)
     finally:
