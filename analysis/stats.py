@@ -311,11 +311,7 @@ def bootstrap_interval(
     """Resample seeds with replacement; percentile interval of 100 (exp(mean d) - 1)."""
     arr = _as_sample(d, "d", min_n=2)
     conf = _as_confidence(confidence)
-    if int(n_resamples) < 1:
-        raise ValueError(f"n_resamples={n_resamples!r}: allowed values are integers >= 1")
-    rng = np.random.default_rng(seed)
-    means = arr[rng.integers(0, arr.size, size=(int(n_resamples), arr.size))].mean(axis=1)
-    low, high = np.quantile(means, [0.5 - conf / 2.0, 0.5 + conf / 2.0])
+    low, high = _bootstrap_quantiles(arr, n_resamples, seed, conf)
     return BootstrapInterval(
         effect_pct=100.0 * math.expm1(float(arr.mean())),
         low_pct=100.0 * math.expm1(float(low)),
@@ -330,7 +326,12 @@ def bootstrap_mean_interval(values, n_resamples: int = BOOTSTRAP_RESAMPLES, seed
                             confidence: float = 0.95) -> tuple[float, float]:
     """Seed-level percentile bootstrap of the plain mean of `values` (e.g. seedwise % changes)."""
     arr = _as_sample(values, "values", min_n=2)
-    conf = _as_confidence(confidence)
+    return _bootstrap_quantiles(arr, n_resamples, seed, _as_confidence(confidence))
+
+
+def _bootstrap_quantiles(arr: np.ndarray, n_resamples: int, seed: int,
+                         conf: float) -> tuple[float, float]:
+    """Percentile interval of the mean over seeded resamples of the seeds (with replacement)."""
     if int(n_resamples) < 1:
         raise ValueError(f"n_resamples={n_resamples!r}: allowed values are integers >= 1")
     rng = np.random.default_rng(seed)

@@ -11,9 +11,12 @@ four runs per seed are written in the campaign's balanced (Williams) order.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import compose_config  # noqa: E402
@@ -28,6 +31,15 @@ WORKLOAD = ("workload.source=synthetic", "workload.num_requests=36",
             "workload.synthetic_prompt_tokens=2400", "workload.synthetic_context_tokens=2048",
             "workload.synthetic_output_tokens=48")
 SMOKE_SEEDS = 3
+
+
+def brute_sign_flip(d) -> float:
+    """Reference two-sided sign-flip p by listing every sign assignment (itertools)."""
+    d = np.asarray(d, dtype=float)
+    observed = abs(d.mean())
+    hits = [abs(np.mean(d * np.array(signs))) >= observed - 1e-12
+            for signs in itertools.product((1, -1), repeat=d.size)]
+    return sum(hits) / len(hits)
 
 
 def cell_overrides(keys) -> list[str]:

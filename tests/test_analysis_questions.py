@@ -7,7 +7,6 @@ statsmodels), never through the catalog or the analysis code.
 
 from __future__ import annotations
 
-import itertools
 import math
 import shutil
 
@@ -15,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from analysis_ledgers import shared_ledger
+from analysis_ledgers import brute_sign_flip, shared_ledger
 from statsmodels.stats.multitest import multipletests
 
 import ledgers
@@ -60,14 +59,6 @@ def by_seed(runs: pd.DataFrame, column: str = "throughput_span", **keys) -> pd.S
     for key, value in keys.items():
         mask &= np.isclose(runs[key], value) if isinstance(value, float) else runs[key] == value
     return runs[mask].set_index("seed")[column].sort_index()
-
-
-def brute_sign_flip(d) -> float:
-    d = np.asarray(d, dtype=float)
-    observed = abs(d.mean())
-    hits = [abs(np.mean(d * np.array(signs))) >= observed - 1e-12
-            for signs in itertools.product((1, -1), repeat=d.size)]
-    return sum(hits) / len(hits)
 
 
 def family(result, name):
