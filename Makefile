@@ -70,7 +70,8 @@ q7: setup ## Q7 reuse depth, D0/S2 x f 0/.19 x trace OFF/ON: 24 runs
 	$(call campaign_run,q7)
 q8: setup ## Q8 S2 vs S2+Retention at 254 pages, trace ON: 6 runs
 	$(call campaign_run,q8)
-q9: setup ## Q9 retention x reuse (SHARE/ISOLATE), balanced order: 24 runs
+q9: JOBS := $(or $(JOBS),$(if $(LAUNCHER),,1))
+q9: setup ## Q9 retention x reuse (SHARE/ISOLATE), balanced order, one run at a time: 24 runs
 	$(call campaign_run,q9)
 
 campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, pinning, orig5)

@@ -183,7 +183,8 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
     result.accepted, result.plan_changed = check.accepted, check.plan_changed
     order_notes = []
     if check.accepted and plan.raw.get("run_order") == "balanced":
-        order_notes = [f"run order not balanced: {v}"
+        order_notes = [f"run order not balanced: {v} (runs are written in completion order; "
+                       "`make q9` runs one job at a time)"
                        for v in prereg.run_order_violations(check.runs)]
         if order_notes and not fam.name.endswith(SMOKE_TAG):
             result.accepted = False
