@@ -20,7 +20,13 @@ import pandas as pd
 from analysis import figures, prereg, readouts, stats
 from analysis import paper_figures as pf
 from analysis.common import DESIGN_COLUMNS, RunSet, cell_order, load_runs, query
-from analysis.families import NOT_INFORMATIVE, FamilyResult, evaluate_family, fam_description
+from analysis.families import (
+    NOT_INFORMATIVE,
+    FamilyResult,
+    evaluate_family,
+    fam_description,
+    smoke_campaigns,
+)
 from analysis.paired import seed_values
 from analysis.render import QuestionResult, Section
 
@@ -249,7 +255,8 @@ def q7_gates(con, plan_dir=None, allow_changed_plan: bool = False) -> dict[str, 
 def withheld(plan: prereg.Plan, reason: str, skip: tuple[str, ...]) -> list[FamilyResult]:
     """The plan's families other than `skip`, refused because the depth gate has not passed."""
     return [FamilyResult(plan.question, fam.name, fam.role, fam.decision["method"],
-                         " ".join(fam_description(plan, fam).split()), False, [reason])
+                         " ".join(fam_description(plan, fam).split()), False, [reason],
+                         m=len(fam.tests))
             for fam in plan.families if fam.name not in skip]
 
 
@@ -314,14 +321,28 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
                                  "D0 vs S2 depth (trace ON)", DEPTH_CHANGE_METRICS,
                                  (("D0", "S2"),))
     others = tuple(f.name for f in plan.families if f.name not in gate_names)
-    if plan.campaign in passed:
-        readouts.attach_families(result, with_depth(runset.all_runs, depth), QUESTION,
-                                 plan_dir, allow_changed_plan, only=others)
-    else:
-        result.families += withheld(plan, "withheld: depth is analysed only after the "
-                                          "preregistered ON/OFF probe containment gate passes",
-                                    gate_names)
+    attach_gated(result, plan, passed, lambda: with_depth(runset.all_runs, depth), plan_dir,
+                 allow_changed_plan, others,
+                 "withheld: depth is analysed only after the preregistered ON/OFF probe "
+                 "containment gate passes", gate_names)
     return result
+
+
+def attach_gated(result: QuestionResult, plan: prereg.Plan, passed: list[str], runs,
+                 plan_dir, allow_changed_plan: bool, only, reason: str, skip) -> None:
+    """Attach the depth families whose stage passed its gate: the main families when the
+    plan's campaign passed, their smoke counterparts when a smoke or demo campaign did; the
+    main families are otherwise listed as withheld."""
+    main_ok = plan.campaign in passed
+    smoke_ok = any(c in passed for c in smoke_campaigns(plan.campaign))
+    if main_ok or smoke_ok:
+        families = readouts.attach_families(result, runs(), plan.campaign, plan_dir,
+                                            allow_changed_plan, only=only)
+        dropped = [f for f in families if (f.smoke and not smoke_ok)
+                   or (not f.smoke and not main_ok)]
+        result.families = [f for f in result.families if f not in dropped]
+    if not main_ok and (plan.campaign in result.campaigns or not smoke_ok):
+        result.families += withheld(plan, reason, skip)
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:

@@ -102,13 +102,10 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
                                  "S2+Retention vs S2 depth (trace ON)",
                                  ("jadopt_tokens_mean", "gap_r_tokens_mean", "rmax_tokens_mean"),
                                  RETENTION)
-    if plan.campaign in passed:
-        readouts.attach_families(result, q7.with_depth(runset.all_runs, depth), QUESTION,
-                                 plan_dir, allow_changed_plan)
-    else:
-        result.families += q7.withheld(plan, "withheld: depth is analysed only after the probe "
-                                             f"containment passes for campaign {plan.campaign}",
-                                       ())
+    q7.attach_gated(result, plan, passed, lambda: q7.with_depth(runset.all_runs, depth),
+                    plan_dir, allow_changed_plan, None,
+                    "withheld: depth is analysed only after the probe containment passes for "
+                    f"campaign {plan.campaign}", ())
     return result
 
 
