@@ -90,10 +90,12 @@ def run_depth(con, runset: RunSet) -> pd.DataFrame:
     if episodes.empty:
         return health
     means = episodes.groupby("run_id")[list(DEPTH_VALUES)].mean().add_suffix("_mean")
-    counts = pd.crosstab(episodes["run_id"], episodes["depth_class"])
+    # depth classes over INITIAL episodes (Tab. C-2; AMBIGUOUS A15), counts per run
+    first = episodes[episodes["episode"] == INITIAL_EPISODE]
+    counts = pd.crosstab(first["run_id"], first["depth_class"])
     shares = (100 * counts.div(counts.sum(axis=1), axis=0)).add_prefix("share_")
     per_run = pd.concat([means, counts.add_prefix("count_"), shares], axis=1)
-    per_run["episodes"] = counts.sum(axis=1)
+    per_run["episodes"] = episodes.groupby("run_id").size()
     for value, metric in RUN_METRICS.items():
         per_run[metric] = per_run[f"{value}_mean"]
     initial = episodes[episodes["episode"] == INITIAL_EPISODE]
@@ -170,8 +172,8 @@ def depth_section(result: QuestionResult, runs: pd.DataFrame) -> None:
                      *(f"share_{c}" for c in CLASSES)]
     result.sections.append(Section("State depth", DEPTH_TEXT, [
         ("depth per cell", _display(cells), None),
-        ("entry vs adopted depth per admission episode: pooled counts and mean run-level "
-         "shares (%)", classes, class_columns)]))
+        ("entry vs adopted depth per INITIAL admission episode: pooled counts and mean "
+         "run-level shares (%)", classes, class_columns)]))
 
 
 def containment_pairs(runs: pd.DataFrame) -> pd.DataFrame:

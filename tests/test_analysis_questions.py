@@ -188,6 +188,10 @@ def test_q7_gate_is_not_informative_in_simulation_and_depth_uses_initial_admissi
         got = table[(table.org == org) & np.isclose(table.f, f) & (table.seed == seed)].iloc[0]
         assert got["jadopt"] == pytest.approx(row["jadopt"])
         assert got["gap_r"] == pytest.approx(row["rmax_m1"] - row["jadopt"])
+    classes = result.frames["depth_classes"]
+    counted = classes[[c for c in classes if c.startswith("count_")]].to_numpy().sum()
+    trace = raw(ledger, "trace", "q7")
+    assert counted == ((trace.event == "ADOPT") & (trace.episode == 1)).sum()  # INITIAL only
     depth = family(result, "depth")
     change = depth.tables["jadopt"].set_index("test").loc["S2_f19_vs_f0_depth"]
     j = hand.join(runs[["org", "f", "seed"]])
