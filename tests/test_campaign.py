@@ -121,7 +121,8 @@ def test_q9_runs_balanced_within_each_seed():
 def test_supporting_sweeps_couple_caps_to_budgets():
     _, caps = plan("campaign=caps")
     pairs = {(cell_columns(r.cfg)["budget"], cell_columns(r.cfg)["cap"]) for r in caps}
-    assert pairs == {("b63", c) for c in (3, 5, 6, 8)} | {("b108", c) for c in (5, 8, 10, 13)}
+    assert pairs == ({("b63", c) for c in (3, 5, 6, 8, 63)}  # cap 63/109: the Q5 references
+                     | {("b108", c) for c in (5, 8, 10, 13, 109)})
     _, pins = plan("campaign=pinning")
     assert {cell_columns(r.cfg)["pinning_k"] for r in pins} == {-1, 1, 2, 3}
     _, bursts = plan("campaign=bursts")
