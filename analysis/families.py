@@ -30,7 +30,10 @@ ROW_COLUMNS = ("test", "label", "kind", "predicted", "cells", "n", "effect", "un
                "statistic", "p6", "p9", "p_exact", "p_sensitivity", "p_holm", "decision", "note")
 TEXT_COLUMNS = ("label", "kind", "predicted", "cells", "unit", "interval", "statistic",
                 "decision", "note")
-# The trace probe costs nothing in simulation: ON and OFF runs are identical.
+# The trace probe costs nothing in simulation: ON and OFF runs are identical, and so are
+# S2 and S2+Retention under ISOLATE. Such checks are reported as uninformative, never passed.
+UNINFORMATIVE = "not informative in simulation"
+IDENTICAL = "identical runs: every seedwise difference is 0 (not informative in simulation)"
 NOT_INFORMATIVE = ("not informative in simulation: ON and OFF runs are identical (the trace "
                    "probe has no cost in the simulator)")
 ACCEPTED, REFUSED = "accepted", "refused"
@@ -96,7 +99,12 @@ class FamilyResult:
             out += ["Exploratory only (family refused): effects over the seeds present, "
                     "unadjusted sign-flip p, no Holm adjustment, no decisions.", ""]
         if self.gate_passed is not None:
-            out += [f"Gate: {'PASSED' if self.gate_passed else 'NOT PASSED'}.", ""]
+            uninformative = any((table["decision"] == UNINFORMATIVE).all()
+                                for table in self.tables.values())
+            verdict = ("not informative in simulation (trace ON and OFF runs identical); depth "
+                       "may be analysed" if self.gate_passed and uninformative else
+                       "PASSED" if self.gate_passed else "NOT PASSED")
+            out += [f"Gate: {verdict}.", ""]
         for estimand, table in self.tables.items():
             shown = [c for c in ROW_COLUMNS if c in table and not _blank(table[c])]
             out += [f"_Estimand {estimand}: {self.estimand_notes.get(estimand, '')}_", "",
@@ -228,7 +236,7 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
         per_seed.append(seeds.assign(estimand=estimand.name))
         if fam.decision["method"] == "containment" and estimand.role == "primary":
             result.gate_passed = bool(result.accepted and len(table)
-                                      and (table["decision"] == "PASS").all())
+                                      and table["decision"].isin(("PASS", UNINFORMATIVE)).all())
     result.per_seed = pd.concat(per_seed, ignore_index=True) if per_seed else pd.DataFrame()
     return result
 
@@ -384,6 +392,8 @@ def _contrast(values, test: prereg.PlannedTest, metric: str,
         row["effect"] = float(per["pct"].mean())
     self_comparison = test.kind == "paired" and test.cells["treatment"] == test.cells["control"]
     row.update(_interval(per, scale, decision, self_comparison))
+    if not self_comparison and len(d) and float(np.abs(per["log"]).max()) == 0.0:
+        row["note"] = IDENTICAL
     return row, d
 
 
@@ -429,8 +439,8 @@ def _containment(values, test, metric, decision) -> tuple[dict, pd.Series]:
         row.update(effect=check.estimate_log_pct, ci_low=check.low_log_pct,
                    ci_high=check.high_log_pct, decision="PASS" if check.passed else "FAIL",
                    interval=f"{100 * check.confidence:g}% paired-t, margin +-{check.margin_pct:g}")
-        if float(np.abs(d).max()) == 0.0:
-            row["note"] = NOT_INFORMATIVE
+        if float(np.abs(d).max()) == 0.0:  # no probe cost at all: the check says nothing
+            row.update(note=NOT_INFORMATIVE, decision=UNINFORMATIVE)
     else:
         row["note"] = "containment needs n >= 2 ON/OFF pairs"
     return {"cells": f"{on} vs {off}", **row}, d

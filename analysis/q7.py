@@ -22,6 +22,7 @@ from analysis import paper_figures as pf
 from analysis.common import DESIGN_COLUMNS, RunSet, cell_order, load_runs, query
 from analysis.families import (
     NOT_INFORMATIVE,
+    UNINFORMATIVE,
     FamilyResult,
     evaluate_family,
     fam_description,
@@ -196,7 +197,8 @@ def containment_pairs(runs: pd.DataFrame) -> pd.DataFrame:
                                               CONTAINMENT_CONFIDENCE)
                     row.update(estimate_log_pct=check.estimate_log_pct,
                                low_log_pct=check.low_log_pct, high_log_pct=check.high_log_pct,
-                               passed=check.passed)
+                               passed=check.passed,
+                               informative=bool((pair["on"] != pair["off"]).any()))
                 rows.append(row)
     return pd.DataFrame(rows)
 
@@ -275,15 +277,23 @@ def campaign_gates(campaigns, pairs: pd.DataFrame, plan: prereg.Plan,
         if campaign == plan.campaign:
             ok = bool(gates) and all(g.gate_passed for g in gates)
             how = "preregistered containment family " + "; ".join(
-                f"{g.name}: {g.status}, gate {'passed' if g.gate_passed else 'not passed'}"
-                for g in gates)
+                f"{g.name}: {g.status}, gate {_gate_word(g)}" for g in gates)
         else:
             own = pairs[pairs["campaign"] == campaign] if len(pairs) else pairs
             ok = bool(len(own)) and bool((own["n"] >= 2).all() and own["passed"].all())
-            how = (f"its own {len(own)} trace ON/OFF condition(s) "
-                   f"{'all pass' if ok else 'do not all pass (or n < 2)'}; exploratory")
+            same = ok and "informative" in own and not own["informative"].any()
+            verdict = ("are not informative in simulation (ON and OFF identical)" if same else
+                       "all pass" if ok else "do not all pass (or n < 2)")
+            how = f"its own {len(own)} trace ON/OFF condition(s) {verdict}; exploratory"
         out[campaign] = (ok, how)
     return out
+
+
+def _gate_word(gate: FamilyResult) -> str:
+    if not gate.gate_passed:
+        return "not passed"
+    same = any((table["decision"] == UNINFORMATIVE).all() for table in gate.tables.values())
+    return "not informative in simulation (ON and OFF identical)" if same else "passed"
 
 
 def gate_notes(gates: dict[str, tuple[bool, str]]) -> list[str]:
@@ -304,8 +314,8 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
     campaign_gate = campaign_gates(list(runset.campaigns), pairs, plan, gates)
     probe_rows = [table for g in gates for table in g.tables.values()]
     if probe_rows and all((table["note"] == NOT_INFORMATIVE).all() for table in probe_rows):
-        result.notes.append(f"Probe containment {NOT_INFORMATIVE}; the gate is passed "
-                            "formally, it is not evidence that tracing is harmless.")
+        result.notes.append(f"Probe containment {NOT_INFORMATIVE}; depth may be analysed, "
+                            "but the check is no evidence that tracing is harmless.")
     passed = [c for c, (ok, _) in campaign_gate.items() if ok]
     notes = gate_notes(campaign_gate)
     result.notes += notes

@@ -178,8 +178,11 @@ def test_q7_gate_is_not_informative_in_simulation_and_depth_uses_initial_admissi
     result = analyzed(q7)
     gate = family(result, "probe_containment")
     assert gate.accepted and gate.gate_passed
-    assert gate.tables["probe_effect"]["note"].str.startswith(
-        "not informative in simulation").all()
+    probes = gate.tables["probe_effect"]
+    assert probes["note"].str.startswith("not informative in simulation").all()
+    assert (probes["decision"] == "not informative in simulation").all()  # never "PASS"
+    assert "Gate: not informative in simulation" in result.markdown()
+    assert "passed" not in " ".join(result.notes)
     hand = initial_by_hand(ledger, "q7")
     table = result.frames["initial_depth"]
     runs = raw(ledger, "runs", "q7").set_index("run_id")
@@ -230,14 +233,22 @@ def test_q9_kret_label_only_on_the_primary_and_isolate_note(analyzed, ledger):
     assert kret.loc[("ledger", "K_ret"), "effect_pct"] == pytest.approx(
         100 * math.expm1(k.mean()))
     assert kret.loc[("ledger", "K_ret"), "decision"] != ""
+    if identical_isolate(runs):
+        row = family(result, "within_mode").tables["delta"].set_index("test").loc[
+            "delta_isolate"]
+        assert row["note"].startswith("identical runs") and row["effect"] == 0
     assert (kret.drop(index=("ledger", "K_ret"))["decision"] == "").all()
     fam = family(result, "k_ret")
     assert fam.accepted  # written in the balanced order
     assert (fam.tables["K_ret_span"]["decision"] == "").all()
     assert (family(result, "within_mode").tables["delta"]["decision"] == "").all()
-    identical = (by_seed(runs, "throughput_ledger", org="S2", reuse="isolate")
-                 == by_seed(runs, "throughput_ledger", org="S2_RETENTION", reuse="isolate")).all()
-    assert (q9.ISOLATE_NOTE in result.notes) == bool(identical)
+    assert (q9.ISOLATE_NOTE in result.notes) == identical_isolate(runs)
+
+
+def identical_isolate(runs: pd.DataFrame) -> bool:
+    return bool((by_seed(runs, "throughput_ledger", org="S2", reuse="isolate")
+                 == by_seed(runs, "throughput_ledger", org="S2_RETENTION", reuse="isolate"))
+                .all())
 
 
 def test_q9_out_of_order_runs_are_refused(ledger, tmp_path):
