@@ -9,6 +9,7 @@ None when the frames hold nothing to draw.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -147,8 +148,8 @@ def low_load(runs: pd.DataFrame, path: Path, title: str) -> Path | None:
                 transform=ax.transAxes, va="top", fontsize=7,
                 bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "#999999"})
         ax.set_ylim(0, 1.35 * max(ax.get_ylim()[1], 1.0))
-        ax.set_title(f"Low load · {budget}: {conditions(part)}; "
-                     f"{n_text(part, ['org'])} per bar", fontsize=9)
+        ax.set_title(textwrap.fill(f"Low load · {budget}: {conditions(part)}; "
+                                   f"{n_text(part, ['org'])} per bar", 60), fontsize=9)
     handles = [Line2D([], [], marker="D", color="black", linestyle="", label="TTFT p99"),
                Line2D([], [], marker="o", markerfacecolor="white", color="black", linestyle="",
                       label="E2E p99"),
@@ -265,8 +266,8 @@ def curves(runs: pd.DataFrame, x: str, xlabel: str, path: Path, title: str,
         ax.set_xticks(sorted(part[x].unique()))
         ax.set_xlabel(xlabel)
         ax.set_ylabel("throughput, request span (output tokens/s)")
-        ax.set_title(f"({chr(97 + k)}) {budget}: {conditions(part, skip=(x,))}; "
-                     f"{n_text(part, ['org', x])} per point", fontsize=9)
+        ax.set_title(textwrap.fill(f"({chr(97 + k)}) {budget}: {conditions(part, skip=(x,))}; "
+                                   f"{n_text(part, ['org', x])} per point", 56), fontsize=9)
         handles, labels = ax.get_legend_handles_labels()
         if rings:
             handles.append(Line2D([], [], marker="o", markersize=11, markerfacecolor="none",
@@ -312,7 +313,7 @@ def depth_per_seed(table: pd.DataFrame, path: Path, title: str, by: str,
     if "initial_episodes" in table:
         low, high = int(table["initial_episodes"].min()), int(table["initial_episodes"].max())
         count = f"; n = {low}{'' if low == high else f'-{high}'} INITIAL requests per point"
-    ax.set_title(f"{title}{count}", fontsize=9)
+    ax.set_title(textwrap.fill(f"{title}{count}", 80), fontsize=9)
     return save(fig, path)
 
 
