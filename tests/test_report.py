@@ -108,7 +108,7 @@ def test_every_figure_is_a_labelled_png_and_svg_stating_its_conditions(drawn):
         page = (out / f"{path.name.split('_')[0]}.md").read_text()
         assert f"(figures/{path.name})" in page
     for name in PAPER_FIGURES:
-        titles = " ".join(seen[name]["titles"])
+        titles = " ".join(" ".join(seen[name]["titles"]).split())  # wrapped lines joined
         assert "n = " in titles, (name, titles)  # every paper figure states n
         assert "S2_RETENTION" not in titles and "S2_RETENTION" not in str(
             [ax.get_legend_handles_labels()[1] for _, _, ax in seen[name]["axes"]])
