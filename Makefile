@@ -79,15 +79,15 @@ campaign_run = $(BIN)/python -m experiments.run -m campaign=$(1) ledger_root=$(L
 	$(if $(filter $(SMOKE_ON),$(SMOKE)),hydra.sweeper.smoke=true) \
 	$(if $(LAUNCHER),hydra/launcher=$(LAUNCHER)) $(if $(JOBS),hydra.launcher.n_jobs=$(JOBS)) $(ARGS)
 
-q1: setup ## Q1 S0->S1->S2 at b63/b83/b108 (+D0, D0 split, q=0, Exp 1b): 306 runs
+q1: setup ## Q1 S0->S1->S2: Exp 1a at b63/b83/b108 (108) and Exp 1b low load (18): 126 runs
 	$(call campaign_run,q1)
-q2: setup ## Q2 work/state changes: mechanism b63/b108 seeds 0-2, control b83 q=0: 54 runs
+q2: setup ## Q2 anchors 2a/2b (18) + Exp 2c = Q3's q=0 runs (36, reused): 54 runs
 	$(call campaign_run,q2)
-q3: setup ## Q3 org x sharing: S0,S1,S2,D0 x q 0/.5/1 at b83: 144 runs
+q3: setup ## Q3 org x sharing at b83: 144 runs (q=1 reused from Q1/Q4; 96 fresh)
 	$(call campaign_run,q3)
-q4: setup ## Q4 all four orgs across budget (Q1's Exp 1a runs, skipped after make q1)
+q4: setup ## Q4 four orgs across budget: D0 (36) + Q1's Exp 1a (108, reused)
 	$(call campaign_run,q4)
-q5: setup ## Q5 D0 vs S2 over offered load at b63 and b108, seeds 0-2: 72 runs
+q5: setup ## Q5 D0 vs S2 load curves at b63 and b108, seeds 0-2: 66 runs
 	$(call campaign_run,q5)
 q6: setup ## Q6 admission headroom f x budget, D0 and S2: 360 runs
 	$(call campaign_run,q6)
@@ -95,10 +95,11 @@ q7: setup ## Q7 reuse depth, D0/S2 x f 0/.19 x trace OFF/ON: 24 runs
 	$(call campaign_run,q7)
 q8: setup ## Q8 S2 vs S2+Retention at 254 pages, trace ON: 6 runs
 	$(call campaign_run,q8)
-q9: setup ## Q9 retention x reuse (SHARE/ISOLATE), balanced order: 24 runs
+q9: JOBS := $(or $(JOBS),$(if $(LAUNCHER),,1))
+q9: setup ## Q9 retention x reuse (SHARE/ISOLATE), balanced order, one run at a time: 24 runs
 	$(call campaign_run,q9)
 
-campaign: setup ## any campaign by name: make campaign C=caps (d0_split, caps, bursts, pinning)
+campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, pinning, orig5)
 	@test -n "$(C)" || { echo "usage: make campaign C=<name of conf/campaign/*.yaml>"; exit 2; }
 	$(call campaign_run,$(C))
 
@@ -111,10 +112,11 @@ smoke: setup ## every question q1..q9 at smoke size, then check the ledgers
 	@for q in $(QUESTIONS); do $(MAKE) --no-print-directory $$q SMOKE=1 || exit 1; done
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
 
-demo: setup ## end-to-end demo: a few Q1 and Q9 cells (60 requests), check, report, ledger path
+demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs), check, report
 	$(call campaign_run,demo)
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
 	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT)
 	@echo "ledgers: $(abspath $(LEDGER_ROOT)) (campaigns demo_q1, demo_q9; DuckDB views: python -c 'import ledgers; ledgers.connect(\"$(LEDGER_ROOT)\")')"
+	@echo "report: $(abspath $(REPORT_DIR))/index.md"
 
 .PHONY: $(QUESTIONS) campaign campaign-plan smoke demo

@@ -11,6 +11,7 @@ model, executor and pool sizes (which separate D0 pool splits).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -20,12 +21,13 @@ import pandas as pd
 
 from analysis import stats
 
-DESIGN_COLUMNS = ("campaign", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
+DESIGN_COLUMNS = ("stage", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
                   "retention_k", "pinning_k", "d0_attention_fraction", "trace")
 # Settings that only one org has (-1 / NaN elsewhere): never part of a pairing condition.
 ORG_SETTINGS = ("retention_k", "d0_attention_fraction")
 IDENTITY_COLUMNS = (*DESIGN_COLUMNS, "model", "executor", "units_detail")
 ORG_ORDER = ("S0", "S1", "S2", "D0", "S2_RETENTION")
+ORG_NAMES = {"S2_RETENTION": "S2+Retention"}  # display names where the column value differs
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,25 @@ METRICS = {m.name: m for m in (
     Metric("poller_running_mean", "requests", "diff", "running requests (poller mean)"),
     Metric("poller_waiting_mean", "requests", "diff", "waiting requests (poller mean)"),
     Metric("preemptions", "count", "diff", "preemptions per run"),
+    Metric("ttft_p50", "s", "log", "TTFT p50 (run-level)"),
+    Metric("e2e_p50", "s", "log", "E2E p50 (run-level)"),
+    Metric("tpot_p99", "s", "log", "request-TPOT p99 (run-level)"),
+    Metric("requests_per_s", "requests/s", "log", "completed requests per second, request span"),
+    Metric("c_once_tokens", "tokens", "log", "C_once: prompt minus first-admission prefix"),
+    Metric("h_tokens", "tokens", "log", "H = C_once + output tokens"),
+    Metric("engine_steps", "count", "log", "K: engine steps (steps-ledger rows)"),
+    Metric("h_per_k", "tokens/step", "log", "H/K per run"),
+    Metric("running_median", "requests", "diff", "running gauge, run median"),
+    Metric("running_max", "requests", "diff", "running gauge, run maximum"),
+    Metric("waiting_median", "requests", "diff", "waiting gauge, run median"),
+    Metric("waiting_max", "requests", "diff", "waiting gauge, run maximum"),
+    Metric("waiting_p99", "requests", "diff", "waiting gauge, run p99"),
+    Metric("jadopt_initial_mean", "tokens", "diff", "Jadopt, INITIAL admissions"),
+    Metric("rmax_m1_initial_mean", "tokens", "diff", "Rmax (M1), INITIAL admissions"),
+    Metric("amax_m1_initial_mean", "tokens", "diff", "Amax (M1), INITIAL admissions"),
+    Metric("rmax_m0_initial_mean", "tokens", "diff", "Rmax (M0), INITIAL admissions"),
+    Metric("amax_m0_initial_mean", "tokens", "diff", "Amax (M0), INITIAL admissions"),
+    Metric("gap_r_initial_mean", "tokens", "diff", "GapR = Rmax (M1) - Jadopt, INITIAL"),
     Metric("jadopt_tokens_mean", "tokens", "diff", "adopted joint depth Jadopt"),
     Metric("jenter_tokens_mean", "tokens", "diff", "joint depth at queue entry"),
     Metric("amax_tokens_mean", "tokens", "diff", "attention depth Amax (M0)"),
@@ -77,18 +98,30 @@ _REQUEST_METRICS = """
                AS ttft_p99,
            quantile_cont(e2e_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(e2e_s))
                AS e2e_p99,
+           quantile_cont(ttft_s, 0.5) FILTER (WHERE status = 'finished' AND NOT isnan(ttft_s))
+               AS ttft_p50,
+           quantile_cont(e2e_s, 0.5) FILTER (WHERE status = 'finished' AND NOT isnan(e2e_s))
+               AS e2e_p50,
+           quantile_cont(tpot_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(tpot_s))
+               AS tpot_p99,
            count(*) FILTER (WHERE status = 'finished') AS finished_requests,
-           sum(preemptions) AS preemptions
+           sum(preemptions) AS preemptions,
+           sum(prompt_tokens - adopted_prefix_tokens) FILTER (WHERE NOT isnan(start_s))
+               AS c_once_tokens,
+           sum(output_tokens) AS request_output_tokens
     FROM requests WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id
 """
 _STEP_METRICS = """
     SELECT run_id, sum(prefill_tokens_initial) AS prefill_tokens_initial,
-           sum(prefill_tokens_resume) AS prefill_tokens_resume
+           sum(prefill_tokens_resume) AS prefill_tokens_resume, count(*) AS engine_steps
     FROM steps WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id
 """
 # D0 samples two pools per second with the same running/waiting gauges: one value per second.
 _POLLER_METRICS = """
-    SELECT run_id, avg(running) AS poller_running_mean, avg(waiting) AS poller_waiting_mean
+    SELECT run_id, avg(running) AS poller_running_mean, avg(waiting) AS poller_waiting_mean,
+           median(running) AS running_median, max(running) AS running_max,
+           median(waiting) AS waiting_median, max(waiting) AS waiting_max,
+           quantile_cont(waiting, 0.99) AS waiting_p99
     FROM (SELECT run_id, t_s, max(running) AS running, max(waiting) AS waiting
           FROM poller WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id, t_s)
     GROUP BY run_id
@@ -142,11 +175,37 @@ def query(con, sql: str, runset: RunSet) -> pd.DataFrame:
         con.unregister(RUN_IDS_VIEW)
 
 
+_RUN_CACHE: dict | None = None  # set while a report runs: one load per set of questions
+
+
+@contextlib.contextmanager
+def cached_runs():
+    """Within the block, `load_runs` loads each (connection, questions) once."""
+    global _RUN_CACHE
+    _RUN_CACHE = {}
+    try:
+        yield
+    finally:
+        _RUN_CACHE = None
+
+
 def load_runs(con, questions: Sequence[str]) -> RunSet:
+    """`_load_runs`, memoized inside `cached_runs()` (the frames are copied out)."""
+    if _RUN_CACHE is None:
+        return _load_runs(con, questions)
+    key = (id(con), tuple(questions))
+    if key not in _RUN_CACHE:
+        _RUN_CACHE[key] = _load_runs(con, questions)
+    runset = _RUN_CACHE[key]
+    return RunSet(runset.questions, runset.campaigns, runset.runs.copy(),
+                  runset.set_aside.copy())
+
+
+def _load_runs(con, questions: Sequence[str]) -> RunSet:
     """Adopted complete runs whose `question` is one of `questions`, with readouts and cells.
 
     Runs of every campaign serving the question count (q1, q1_smoke, demo_q1); the
-    campaign is a design column, so campaigns never pool into one cell. org is
+    collection stage (main, smoke, demo) is a design column, so stages never pool. org is
     upper-cased and reuse lower-cased (the plans compare them that way).
     """
     questions = tuple(questions)
@@ -156,10 +215,12 @@ def load_runs(con, questions: Sequence[str]) -> RunSet:
     runs["org"] = runs["org"].astype(str).str.strip().str.upper()
     runs["reuse"] = runs["reuse"].astype(str).str.strip().str.lower()
     runs["trace"] = runs["trace"].astype(bool)
+    runs["stage"] = runs["campaign"].map(stage_of)
     staged = RunSet(questions, campaigns, runs, runs.head(0))
     for sql in (_REQUEST_METRICS, _STEP_METRICS, _POLLER_METRICS):
         runs = runs.merge(query(con, sql, staged), on="run_id", how="left")
     runs["prefill_tokens_computed"] = runs["prefill_tokens_initial"] + runs["prefill_tokens_resume"]
+    add_work_readouts(runs)
     runs["cell"] = cell_labels(runs)
     ordered = runs.sort_values(["created_at", "run_id"], kind="stable")
     extra = ordered.duplicated(["cell", "seed"], keep="first")
@@ -167,9 +228,37 @@ def load_runs(con, questions: Sequence[str]) -> RunSet:
                   ordered[extra].reset_index(drop=True))
 
 
+def add_work_readouts(runs: pd.DataFrame) -> None:
+    """H = C_once + output tokens, H/K, and completed requests per request-span second.
+
+    C_once (PAPER_DESIGN 2.4) is the sum over admitted requests of prompt tokens minus the
+    prefix adopted at their FIRST admission (requests ledger); K is the number of engine
+    steps (steps ledger rows). The engine counts every step, so K is a step count here.
+    """
+    runs["h_tokens"] = runs["c_once_tokens"] + runs["request_output_tokens"]
+    runs["h_per_k"] = runs["h_tokens"] / runs["engine_steps"]
+    span = runs["span_end_s"].astype(float) - runs["span_start_s"].astype(float)
+    runs["requests_per_s"] = runs["completed_requests"].astype(float) / span.where(span > 0)
+
+
 # ---------------------------------------------------------------------------
 # Cells
 # ---------------------------------------------------------------------------
+
+
+MAIN_STAGE = "main"
+
+
+def stage_of(campaign: str) -> str:
+    """Collection stage of a campaign: main, smoke (`<c>_smoke`) or demo (`demo_<c>`).
+
+    Runs reused across campaigns pool into one cell (the campaign that collected a run
+    is not a condition); stages never pool.
+    """
+    campaign = str(campaign)
+    if campaign.endswith("_smoke"):
+        return "smoke"
+    return "demo" if campaign.startswith("demo_") else MAIN_STAGE
 
 
 LABEL_PREFIX = {"retention_k": "K", "pinning_k": "pin K", "d0_attention_fraction": "attn"}
@@ -179,6 +268,8 @@ def fmt_value(column: str, value) -> str:
     """Label fragment of one design value ("" for an unset org-specific setting)."""
     if column == "trace":
         return "trace on" if bool(value) else "trace off"
+    if column == "stage":
+        return "" if value == MAIN_STAGE else str(value)
     if column in ("campaign", "budget", "reuse", "arrival"):
         return str(value)
     if pd.isna(value) or (column in LABEL_PREFIX and float(value) < 0):
@@ -206,7 +297,8 @@ def cell_labels(runs: pd.DataFrame) -> pd.Series:
         per_org[c].nunique(dropna=False).max() > 1
         or (c not in ORG_SETTINGS and runs[c].nunique(dropna=False) > 1))]
     labels = runs.apply(lambda r: " ".join(
-        [r["org"], *(t for c in varying if (t := fmt_value(c, r[c])))]), axis=1)
+        [ORG_NAMES.get(r["org"], r["org"]), *(t for c in varying if (t := fmt_value(c, r[c])))]),
+        axis=1)
     identity = runs[list(IDENTITY_COLUMNS)].map(str).agg("|".join, axis=1)
     ambiguous = identity.groupby(labels).transform("nunique") > 1
     labels[ambiguous] = labels[ambiguous] + " [" + runs.loc[ambiguous, "units_detail"].map(

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.common import METRICS, budget_rank, cell_order  # noqa: E402
+from analysis.common import METRICS, cell_order  # noqa: E402
 
 ORG_COLORS = {"S0": "#8c8c8c", "S1": "#4c72b0", "S2": "#55a868", "D0": "#c44e52",
               "S2_RETENTION": "#8172b2"}
@@ -38,10 +38,14 @@ def _color(org: str) -> str:
 
 
 def _save(fig, path: Path) -> Path:
+    """PNG and SVG; the next figure starts a fresh jitter generator (one per figure)."""
+    global _JITTER
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
+    fig.savefig(path.with_suffix(".svg"))
     plt.close(fig)
+    _JITTER = np.random.default_rng(0)
     return path
 
 
@@ -54,7 +58,8 @@ def _dots(ax, x: float, values, color="black") -> None:
 
 def _label_x(ax, labels: list[str]) -> None:
     ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels, rotation=40, ha="right", fontsize=8)
+    ax.set_xticklabels([textwrap.fill(str(label), 14) for label in labels], rotation=0,
+                       fontsize=7)
 
 
 def throughput_bars(runs: pd.DataFrame, path: Path, title: str,
@@ -103,113 +108,6 @@ def change_bars(changes: pd.DataFrame, seeds: pd.DataFrame, path: Path, title: s
     ax.set_ylabel(textwrap.fill(f"paired change in {METRICS[metric].label} ({unit})", 40))
     ax.set_xlabel("treatment vs control (bar: effect, whiskers: 95% paired-t; dots: seeds)")
     ax.set_title(title)
-    return _save(fig, path)
-
-
-def _budget_panels(runs: pd.DataFrame, rows: int = 1):
-    budgets = sorted(runs["budget"].unique(), key=budget_rank)
-    fig, axes = plt.subplots(rows, len(budgets), figsize=(4.8 * len(budgets), 3.8 * rows),
-                             squeeze=False)
-    return fig, axes, budgets
-
-
-def _curve(ax, runs: pd.DataFrame, x: str, metric: str) -> None:
-    """Per org: mean of run values at each x (line) and the seeds (dots)."""
-    for org, group in runs.groupby("org", sort=False):
-        by_x = group.groupby(x)[metric].mean().sort_index()
-        ax.plot(by_x.index, by_x.values, marker="o", color=_color(org), label=org)
-        ax.scatter(group[x], group[metric], s=10, color=_color(org), alpha=0.5)
-
-
-def load_curves(runs: pd.DataFrame, changes: pd.DataFrame, path: Path) -> Path | None:
-    """Throughput vs offered load per budget (top) and the D0/S2 effect vs load (bottom)."""
-    if _missing(runs):
-        return None
-    changes = pd.DataFrame() if changes is None else changes
-    fig, axes, budgets = _budget_panels(runs, rows=2)
-    for j, budget in enumerate(budgets):
-        top, bottom = axes[0][j], axes[1][j]
-        _curve(top, runs[runs["budget"] == budget], "rate", "throughput_ledger")
-        top.set_title(f"budget {budget}")
-        top.set_xlabel("offered load lambda (requests/s)")
-        top.set_ylabel("throughput, ledger (tokens/s)")
-        top.legend(fontsize=8)
-        part = (changes[(changes["budget"] == budget) & (changes["metric"] == "throughput_ledger")]
-                if len(changes) else changes)
-        if len(part):
-            part = part.sort_values("rate")
-            low = (part["effect"] - part["ci_low"]).fillna(0).clip(lower=0)
-            high = (part["ci_high"] - part["effect"]).fillna(0).clip(lower=0)
-            bottom.errorbar(part["rate"], part["effect"], yerr=[low, high], marker="o",
-                            capsize=3, color=_color("D0"))
-        bottom.axhline(0, color="black", linewidth=0.8)
-        bottom.set_xlabel("offered load lambda (requests/s)")
-        bottom.set_ylabel("D0 vs S2 throughput change (%)")
-    return _save(fig, path)
-
-
-def headroom_curves(runs: pd.DataFrame, path: Path) -> Path | None:
-    """Throughput (top) and TTFT p99 (bottom) vs admission headroom f, per budget."""
-    if _missing(runs):
-        return None
-    fig, axes, budgets = _budget_panels(runs, rows=2)
-    for j, budget in enumerate(budgets):
-        part = runs[runs["budget"] == budget]
-        _curve(axes[0][j], part, "f", "throughput_ledger")
-        axes[0][j].set_title(f"budget {budget}")
-        axes[0][j].set_ylabel("throughput, ledger (tokens/s)")
-        axes[0][j].legend(fontsize=8)
-        _curve(axes[1][j], part, "f", "ttft_p99")
-        axes[1][j].set_ylabel("TTFT p99, mean of run p99s (s)")
-        for ax in axes[:, j]:
-            ax.set_xlabel("admission headroom f (fraction of units held back)")
-    return _save(fig, path)
-
-
-def relative_curves(changes: pd.DataFrame, path: Path, x: str, xlabel: str,
-                    title: str) -> Path | None:
-    """Within-seed relative throughput of each treatment vs its control, against `x`."""
-    if _missing(changes):
-        return None
-    rows = changes[changes["metric"] == "throughput_ledger"].copy()
-    rows["arm"] = rows["treatment"].str.split().str[0] + " / " + rows["control"].str.split().str[0]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    arms = list(dict.fromkeys(rows["arm"]))
-    span = float(rows[x].max() - rows[x].min()) or 1.0
-    for k, arm in enumerate(arms):  # a small horizontal dodge keeps equal series visible
-        group = rows[rows["arm"] == arm].sort_values(x)
-        low = (group["effect"] - group["ci_low"]).fillna(0).clip(lower=0)
-        high = (group["ci_high"] - group["effect"]).fillna(0).clip(lower=0)
-        dodge = (k - (len(arms) - 1) / 2) * 0.012 * span
-        ax.errorbar(group[x] + dodge, 100 + group["effect"], yerr=[low, high], marker="o",
-                    capsize=3, color=_color(arm.split(" / ")[0]), label=arm)
-    ax.axhline(100, color="black", linewidth=0.8)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("relative throughput, within seed (% of control)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
-
-
-def work_bars(cells: pd.DataFrame, path: Path) -> Path | None:
-    """Recorded input work (stacked prefill initial/resume) and queue gauges per cell."""
-    if _missing(cells):
-        return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(max(9.0, 0.9 * len(cells) + 4), 4.6))
-    x = np.arange(len(cells))
-    left.bar(x, cells["prefill_tokens_initial_mean"], color="#4c72b0", label="first admission")
-    left.bar(x, cells["prefill_tokens_resume_mean"], bottom=cells["prefill_tokens_initial_mean"],
-             color="#dd8452", label="recomputed on resume")
-    left.set_ylabel("prefill tokens computed per run (tokens)")
-    left.legend(fontsize=8)
-    width = 0.4
-    right.bar(x - width / 2, cells["poller_running_mean_mean"], width, label="running")
-    right.bar(x + width / 2, cells["poller_waiting_mean_mean"], width, label="waiting")
-    right.set_ylabel("poller mean (requests)")
-    right.legend(fontsize=8)
-    for ax in (left, right):
-        _label_x(ax, cells["cell"].tolist())
-        ax.set_xlabel("cell (means over seeds)")
     return _save(fig, path)
 
 

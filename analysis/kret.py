@@ -2,10 +2,12 @@
 
     python -m analysis.kret --csv FILE [--timebase ledger|span] [--seeds 88001,...]
     python -m analysis.kret --ledgers ROOT --campaign q9 [--timebase ledger|span]
+        [--allow-changed-plan]
 
 Prints a per-seed table, the three estimands with paired-t 95% intervals and
 the decision; the LAST line is one JSON object for machines. Incomplete or
-duplicated policy x mode pairs exit with status 2 and name the seeds.
+duplicated policy x mode pairs, and ledger runs collected under another plan hash
+(unless --allow-changed-plan), exit with status 2 and say what is wrong.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ LEDGER_ORG_TO_POLICY = {"S2": "S2", "S2_RETENTION": "Ret"}
 LEDGER_REUSE_TO_MODE = {"share": "SHARE", "isolate": "ISOLATE"}
 _LEDGER_QUERY = """
     SELECT seed, upper(trim(org)) AS org, lower(trim(reuse)) AS reuse,
-           throughput_ledger, throughput_span
+           throughput_ledger, throughput_span, prereg_plan_hash
     FROM runs
     WHERE campaign = ? AND status = 'complete' AND adopted
       AND upper(trim(org)) IN ('S2', 'S2_RETENTION')
@@ -64,8 +66,28 @@ def read_csv(path: str | Path, timebase: str) -> pd.DataFrame:
     return select_throughput(frame, timebase)
 
 
-def read_ledgers(root: str | Path, campaign: str, timebase: str) -> pd.DataFrame:
-    """Adopted complete S2 / S2_RETENTION runs of `campaign` from the DuckDB catalog."""
+def check_plan_hash(runs: pd.DataFrame, campaign: str, allow_changed_plan: bool) -> None:
+    """The runs must carry the hash of the plan they were collected under (conf/prereg/<q>
+    of the campaign, `q9` for q9_smoke and demo_q9); ValueError names the hashes."""
+    from analysis import prereg
+
+    home = prereg.home_campaign(campaign)
+    if not (prereg.PLAN_DIR / f"{home}.yaml").is_file():
+        raise ValueError(f"campaign={campaign!r}: no preregistered plan conf/prereg/{home}.yaml")
+    expected = prereg.load_plan(home).plan_hash
+    found = runs["prereg_plan_hash"].fillna("").astype(str).value_counts()
+    other = {h or "<none>": int(n) for h, n in found.items() if h != expected}
+    if other and not allow_changed_plan:
+        shown = ", ".join(f"{h[:12]} x{n}" for h, n in other.items())
+        raise ValueError(f"prereg_plan_hash: runs of campaign {campaign!r} carry {shown}; the "
+                         f"plan {home} now hashes to {expected[:12]} (plan changed after "
+                         "collection; --allow-changed-plan accepts it)")
+
+
+def read_ledgers(root: str | Path, campaign: str, timebase: str,
+                 allow_changed_plan: bool = False) -> pd.DataFrame:
+    """Adopted complete S2 / S2_RETENTION runs of `campaign` from the DuckDB catalog, after
+    checking their plan hash."""
     import ledgers  # imported here only: the CSV path must not need the ledger stack
 
     connection = ledgers.connect(root)
@@ -76,6 +98,7 @@ def read_ledgers(root: str | Path, campaign: str, timebase: str) -> pd.DataFrame
     if runs.empty:
         raise ValueError(f"campaign={campaign!r}: no adopted complete S2/S2_RETENTION runs "
                          f"under {root}")
+    check_plan_hash(runs, campaign, allow_changed_plan)
     bad = sorted(set(runs["reuse"].astype(str)) - set(LEDGER_REUSE_TO_MODE))
     if bad:
         raise ValueError(f"reuse: values {bad} not allowed; allowed values are "
@@ -86,12 +109,18 @@ def read_ledgers(root: str | Path, campaign: str, timebase: str) -> pd.DataFrame
 
 
 def plan_seeds(campaign: str) -> tuple[int, ...] | None:
-    """Seeds of the campaign's primary preregistered family, if a plan exists."""
+    """Seeds of the campaign's primary preregistered family, if a plan exists (the first
+    three for a smoke or demo campaign)."""
     from analysis import prereg
+    from analysis.families import SMOKE_SEEDS
 
-    if not (prereg.PLAN_DIR / f"{campaign}.yaml").is_file():
+    home = prereg.home_campaign(campaign)
+    if not (prereg.PLAN_DIR / f"{home}.yaml").is_file():
         return None
-    plan = prereg.load_plan(campaign)
+    plan = prereg.load_plan(home)
+    if home != campaign:
+        return tuple(sorted({s for c in plan.primary_family.cells
+                             for s in c.seeds[:SMOKE_SEEDS]}))
     return tuple(sorted({s for c in plan.primary_family.cells for s in c.seeds}))
 
 
@@ -142,6 +171,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--campaign", default="q9", help="campaign in the ledgers (default q9)")
     parser.add_argument("--timebase", choices=TIMEBASES, default="ledger",
                         help="ledger (primary) or span (sensitivity)")
+    parser.add_argument("--allow-changed-plan", action="store_true",
+                        help="accept ledger runs whose plan hash differs from the plan's now")
     parser.add_argument("--seeds", help="comma-separated seeds that must all be present "
                                         "(default with --ledgers: the campaign's plan seeds)")
     return parser
@@ -161,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             table = read_csv(args.csv, args.timebase)
             expected = _parse_seeds(args.seeds) if args.seeds else None
         else:
-            table = read_ledgers(args.ledgers, args.campaign, args.timebase)
+            table = read_ledgers(args.ledgers, args.campaign, args.timebase,
+                                 args.allow_changed_plan)
             expected = _parse_seeds(args.seeds) if args.seeds else plan_seeds(args.campaign)
         result = stats.retention_interaction(table, "throughput", expected_seeds=expected)
     except (ValueError, OSError) as exc:

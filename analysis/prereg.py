@@ -2,6 +2,10 @@
 
 A plan declares, per family, its role, estimands, seeds, cells (run-column
 values such as org, budget, cap, rate, q, f, reuse), tests and decision rule.
+A cell names every design column (plan-level `defaults`, then the family's, then
+its own), so a run matches a cell only when all of them agree; `campaign` may be
+a list when the cell's seeds were collected by more than one campaign (a run
+reused from another campaign keeps that campaign's name).
 The plan hash is sha256 of the plan's canonical JSON (sorted keys, no
 whitespace), so comments and layout do not change it; the runner stamps it into
 every run. `check_family` refuses a family whose cells or seeds are missing,
@@ -11,8 +15,10 @@ duplicated among adopted runs, or were collected under a different plan hash
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +36,11 @@ TEST_KINDS = ("paired", "interaction", "containment")
 PREDICTIONS = ("positive", "negative", "none")
 ORG_VALUES = ("S0", "S1", "S2", "D0", "S2_RETENTION")
 REUSE_VALUES = ("share", "isolate")
-CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "q", "f", "reuse")
+CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "arrival", "q", "f", "reuse", "pinning_k",
+                      "trace", "model", "executor")
+# Org-specific design columns: required for that org, sentinel for the others.
+ORG_REQUIRED_KEYS = {"D0": ("d0_attention_fraction",), "S2_RETENTION": ("retention_k",)}
+STATISTICS = ("log_ratio", "relative_pct")
 # Decision methods and the fields each needs besides `method` and `rule`.
 DECISION_FIELDS = {
     "sign_flip_holm": (),
@@ -76,6 +86,11 @@ class PlannedTest:
     kind: str
     cells: Mapping[str, str]
     predicted: str
+    label: str = ""  # the paper's name of the contrast (legacy ID or row), "" if none
+
+    @property
+    def shown_id(self) -> str:
+        return f"{self.id} ({self.label})" if self.label else self.id
 
 
 @dataclass(frozen=True)
@@ -143,15 +158,22 @@ def plan_hash(plan: Mapping[str, Any]) -> str:
 
 
 def load_plan(name_or_path: str | Path, plan_dir: str | Path = PLAN_DIR) -> Plan:
-    """Load "q1" (from `plan_dir`) or a path to a plan YAML, validated."""
+    """Load "q1" (from `plan_dir`) or a path to a plan YAML, validated (cached while the
+    file is unchanged)."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = Path(plan_dir) / f"{name_or_path}.yaml"
     if not path.is_file():
         raise ValueError(f"plan={str(name_or_path)!r}: no plan file at {path}")
-    with path.open(encoding="utf-8") as fh:
+    stat = path.stat()
+    return _load_file(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=128)
+def _load_file(path: str, _mtime_ns: int, _size: int) -> Plan:
+    with open(path, encoding="utf-8") as fh:
         raw = yaml.safe_load(fh)
-    return parse_plan(raw, path)
+    return parse_plan(raw, Path(path))
 
 
 def parse_plan(raw: Any, path: Path | None = None) -> Plan:
@@ -161,7 +183,9 @@ def parse_plan(raw: Any, path: Path | None = None) -> Plan:
     question = _string(top, "question", where)
     campaign = _string(top, "campaign", where)
     alpha = _alpha(top.get("alpha"), f"{where}: alpha")
-    families = [_family(f, i, campaign, alpha, where)
+    plan_defaults = _scalar_mapping(top.get("defaults", {}), f"{where}: defaults",
+                                    allow=("campaign",))
+    families = [_family(f, i, campaign, alpha, plan_defaults, where)
                 for i, f in enumerate(_nonempty_list(top, "families", where))]
     names = [f.name for f in families]
     _unique(names, f"{where}: families[].name")
@@ -171,14 +195,16 @@ def parse_plan(raw: Any, path: Path | None = None) -> Plan:
     return Plan(question, campaign, alpha, tuple(families), plan_hash(top), top, path)
 
 
-def _family(raw: Any, index: int, campaign: str, plan_alpha: float, where: str) -> Family:
+def _family(raw: Any, index: int, campaign: str, plan_alpha: float, plan_defaults: Mapping,
+            where: str) -> Family:
     top = _mapping(raw, f"{where}: families[{index}]")
     name = _string(top, "name", f"{where}: families[{index}]")
     at = f"{where}: family {name!r}"
     role = _choice(top.get("role"), FAMILY_ROLES, f"{at}: role")
     alpha = _alpha(top["alpha"], f"{at}: alpha") if "alpha" in top else plan_alpha
     seeds = _seeds(top.get("seeds"), f"{at}: seeds")
-    defaults = _scalar_mapping(top.get("defaults", {}), f"{at}: defaults")
+    defaults = {**plan_defaults, **_scalar_mapping(top.get("defaults", {}), f"{at}: defaults",
+                                                   allow=("campaign",))}
     cells = [_cell(c, i, defaults, seeds, campaign, at)
              for i, c in enumerate(_nonempty_list(top, "cells", at))]
     _unique([c.id for c in cells], f"{at}: cells[].id")
@@ -198,7 +224,7 @@ def _family(raw: Any, index: int, campaign: str, plan_alpha: float, where: str) 
 
 def _cell(raw: Any, index: int, defaults: Mapping, seeds: tuple[int, ...], campaign: str,
           at: str) -> Cell:
-    own = _scalar_mapping(raw, f"{at}: cells[{index}]", allow=("seeds",))
+    own = _scalar_mapping(raw, f"{at}: cells[{index}]", allow=("seeds", "campaign"))
     cell_id = _string(own, "id", f"{at}: cells[{index}]")
     where = f"{at}: cell {cell_id!r}"
     keys = {"campaign": campaign, **defaults,
@@ -209,8 +235,33 @@ def _cell(raw: Any, index: int, defaults: Mapping, seeds: tuple[int, ...], campa
                          f"{list(CELL_REQUIRED_KEYS)}")
     _choice(keys["org"], ORG_VALUES, f"{where}: org")
     _choice(keys["reuse"], REUSE_VALUES, f"{where}: reuse")
+    own_keys = ORG_REQUIRED_KEYS.get(str(keys["org"]), ())
+    absent = [k for k in own_keys if k not in keys]
+    if absent:
+        raise ValueError(f"{where}: org {keys['org']} needs keys {absent}")
+    keys = {k: v for k, v in keys.items()
+            if k not in _ORG_SPECIFIC or k in own_keys}  # family defaults for other orgs
+    keys["campaign"] = _campaigns(keys["campaign"], f"{where}: campaign")
     cell_seeds = _seeds(own["seeds"], f"{where}: seeds") if "seeds" in own else seeds
     return Cell(cell_id, keys, cell_seeds)
+
+
+_ORG_SPECIFIC = {k for keys in ORG_REQUIRED_KEYS.values() for k in keys}
+
+
+def _campaigns(value: Any, where: str) -> str | tuple[str, ...]:
+    """A campaign name, or a tuple of names (a cell whose seeds span campaigns)."""
+    if isinstance(value, str) and value:
+        return value
+    if (isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)):
+        _unique(list(value), where)
+        return tuple(value)
+    raise ValueError(f"{where}: expected a campaign name or a list of names, got {value!r}")
+
+
+def cell_campaigns(cell: Cell) -> tuple[str, ...]:
+    value = cell.keys["campaign"]
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _estimand(raw: Any, index: int, at: str) -> Estimand:
@@ -226,6 +277,17 @@ def _decision(raw: Any, where: str) -> dict[str, Any]:
     missing = [k for k in (*DECISION_FIELDS[method], "rule") if k not in top]
     if missing:
         raise ValueError(f"{where}: method {method!r} needs fields {missing}")
+    for key in ("statistic", "sensitivity_statistic"):
+        if key in top:
+            _choice(top[key], STATISTICS, f"{where}: {key}")
+    if "first_look_seeds" in top:
+        _seeds(top["first_look_seeds"], f"{where}: first_look_seeds")
+    if "bootstrap" in top:
+        boot = _mapping(top["bootstrap"], f"{where}: bootstrap")
+        for key in ("resamples", "seed"):
+            value = boot.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{where}: bootstrap.{key}={value!r}: expected an integer >= 0")
     for key, low, high in (("confidence", 0.0, 1.0), ("margin_pct", 0.0, float("inf"))):
         value = top.get(key)
         if key in top and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -240,6 +302,9 @@ def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTe
     where = f"{at}: test {test_id!r}"
     kind = _choice(top.get("kind"), TEST_KINDS, f"{where}: kind")
     predicted = _choice(top.get("predicted", "none"), PREDICTIONS, f"{where}: predicted")
+    label = top.get("label", "")
+    if not isinstance(label, str):
+        raise ValueError(f"{where}: label={label!r} must be a string")
     refs = {}
     for role in TEST_CELL_ROLES[kind]:
         node: Any = top
@@ -253,7 +318,7 @@ def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTe
     if len(seed_sets) != 1:
         raise ValueError(f"{where}: compared cells {sorted(set(refs.values()))} must share "
                          f"their seeds (arms are paired by seed)")
-    return PlannedTest(test_id, kind, refs, predicted)
+    return PlannedTest(test_id, kind, refs, predicted, label)
 
 
 # Small typed readers: each names the field and the allowed values on failure.
@@ -424,17 +489,22 @@ def check_family(
     """
     fam = plan.family(family) if isinstance(family, str) else family
     usable = _usable_runs(runs, fam, plan_hash_column)
-    matched, missing, duplicated = [], [], []
+    missing, duplicated, rows, ids = [], [], [], []
+    columns = _Columns(usable)
+    seeds = pd.to_numeric(usable["seed"], errors="coerce").to_numpy()
     for cell in fam.cells:
-        rows = usable[_cell_mask(usable, cell)]
-        counts = rows["seed"].value_counts()
-        absent = tuple(s for s in cell.seeds if s not in counts.index)
+        index = np.flatnonzero(_cell_mask(usable, cell, columns))
+        counts = Counter(int(s) for s in seeds[index] if not np.isnan(s))
+        absent = tuple(s for s in cell.seeds if s not in counts)
         if absent:
             missing.append(MissingRuns(cell.id, dict(cell.keys), absent))
-        duplicated += [DuplicatedRuns(cell.id, s, int(counts[s]))
+        duplicated += [DuplicatedRuns(cell.id, s, counts[s])
                        for s in cell.seeds if counts.get(s, 0) > 1]
-        matched.append(rows[rows["seed"].isin(cell.seeds)].assign(cell_id=cell.id))
-    found = pd.concat(matched, ignore_index=True) if matched else usable.head(0)
+        keep = index[np.isin(seeds[index], cell.seeds)]
+        rows.append(keep)
+        ids += [cell.id] * len(keep)
+    taken = np.concatenate(rows) if rows else np.zeros(0, dtype=int)
+    found = usable.iloc[taken].assign(cell_id=ids).reset_index(drop=True)
     changed = _changed_plans(plan, found, plan_hash_column)
     return FamilyCheck(plan.question, fam.name, plan.plan_hash,
                        sum(len(c.seeds) for c in fam.cells), tuple(missing), tuple(duplicated),
@@ -466,6 +536,7 @@ def _usable_runs(runs: pd.DataFrame, fam: Family, hash_column: str) -> pd.DataFr
     return runs[keep]
 
 
+@functools.lru_cache(maxsize=1024)
 def _budget_label(value: Any) -> str:
     """Canonical budget label ("254 pages" -> "p254"); unparsable text is kept as is."""
     from serving_core.planner import parse_budget
@@ -476,29 +547,58 @@ def _budget_label(value: Any) -> str:
         return str(value).strip().casefold()
 
 
-def _cell_mask(runs: pd.DataFrame, cell: Cell) -> pd.Series:
+class _Columns:
+    """The runs' design columns normalized once per check: numbers as floats, budgets as
+    planner labels, other text stripped and case-folded, booleans as booleans."""
+
+    def __init__(self, runs: pd.DataFrame):
+        self.runs = runs
+        self.cache: dict[tuple[str, str], np.ndarray] = {}
+
+    def get(self, key: str, kind: str) -> np.ndarray:
+        if (key, kind) not in self.cache:
+            col = self.runs[key]
+            if kind == "bool":
+                value = col.map(lambda v: bool(v) if isinstance(v, (bool, np.bool_)) else None)
+            elif kind == "number":
+                value = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
+            elif key == "budget":
+                value = col.map(_budget_label)
+            else:
+                value = col.astype(str).str.strip().str.casefold()
+            self.cache[(key, kind)] = np.asarray(value)
+        return self.cache[(key, kind)]
+
+
+def _cell_mask(runs: pd.DataFrame, cell: Cell, columns: _Columns | None = None) -> np.ndarray:
     """Runs whose columns equal the cell's keys.
 
-    Numbers compare with a 1e-9 relative tolerance (3 == 3.0), strings ignore
-    case (org "s2" == "S2", reuse "SHARE" == "share"), budgets compare by
-    canonical planner label.
+    Numbers compare with a 1e-9 relative tolerance (3 == 3.0), a tuple of campaigns matches
+    any of them, strings ignore case (org "s2" == "S2", reuse "SHARE" == "share"), budgets
+    compare by canonical planner label.
     """
-    mask = pd.Series(True, index=runs.index)
+    columns = columns or _Columns(runs)
+    mask = np.ones(len(runs), dtype=bool)
     for key, value in cell.keys.items():
         if key not in runs.columns:
-            return pd.Series(False, index=runs.index)
-        col = runs[key]
-        if isinstance(value, bool):
-            mask &= col.map(lambda v, want=value: isinstance(v, (bool, np.bool_))
-                            and bool(v) == want)
+            return np.zeros(len(runs), dtype=bool)
+        if isinstance(value, tuple):  # campaign: any of these names
+            mask &= np.isin(columns.get(key, "text"), [v.casefold() for v in value])
+        elif isinstance(value, bool):
+            mask &= columns.get(key, "bool") == value
         elif isinstance(value, (int, float)):
-            numeric = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
-            mask &= np.isclose(numeric, float(value), rtol=1e-9, atol=1e-12)
+            mask &= np.isclose(columns.get(key, "number"), float(value), rtol=1e-9, atol=1e-12)
         elif key == "budget":
-            mask &= col.map(_budget_label) == _budget_label(value)
+            mask &= columns.get(key, "text") == _budget_label(value)
         else:
-            mask &= col.astype(str).str.strip().str.casefold() == str(value).casefold()
+            mask &= columns.get(key, "text") == str(value).casefold()
     return mask
+
+
+def home_campaign(campaign: str) -> str:
+    """The campaign whose plan a smoke (`q1_smoke`) or demo (`demo_q1`) campaign ran under."""
+    campaign = campaign.removesuffix("_smoke")
+    return campaign.removeprefix("demo_")
 
 
 def _changed_plans(plan: Plan, found: pd.DataFrame, hash_column: str) -> tuple[ChangedPlan, ...]:
@@ -507,9 +607,38 @@ def _changed_plans(plan: Plan, found: pd.DataFrame, hash_column: str) -> tuple[C
     plan_dir = plan.path.parent if plan.path else PLAN_DIR
     for campaign, rows in found.groupby("campaign", sort=True):
         campaign = str(campaign)
+        home = home_campaign(campaign)
         expected = (plan.plan_hash if campaign == plan.campaign
-                    else load_plan(campaign, plan_dir).plan_hash)
+                    else load_plan(home, plan_dir).plan_hash)
         hashes = rows[hash_column].map(lambda h: "<none>" if pd.isna(h) or h == "" else str(h))
         changed += [ChangedPlan(campaign, h, expected, int(k))
                     for h, k in sorted(hashes.value_counts().items()) if h != expected]
     return tuple(changed)
+
+
+def run_order_violations(runs: pd.DataFrame, order_column: str = "created_at") -> list[str]:
+    """Departures of a family's runs from a balanced order (the plan's `run_order: balanced`).
+
+    Within each seed the conditions run in the order their runs were written; over every
+    block of n consecutive seeds (n conditions) each condition must take each position
+    once, and in a last, partial block no position twice (a Williams design, cycled, as
+    the campaign's `balanced` order plans it). The write order is the completion order:
+    a campaign whose order matters runs with one job at a time.
+    """
+    if runs.empty or order_column not in runs:
+        return []
+    seeds = sorted(int(s) for s in runs["seed"].unique())
+    cells = sorted(runs["cell_id"].unique())
+    n = len(cells)
+    orders = {s: tuple(runs[runs["seed"] == s].sort_values(order_column)["cell_id"])
+              for s in seeds}
+    problems = []
+    for start in range(0, len(seeds), n):
+        block = seeds[start:start + n]
+        for pos in range(n):
+            taken = [orders[s][pos] for s in block if pos < len(orders[s])]
+            repeated = sorted({c for c in taken if taken.count(c) > 1})
+            if repeated:
+                problems.append(f"seeds {block[0]}-{block[-1]}: position {pos + 1} is taken "
+                                f"more than once by {repeated}")
+    return problems

@@ -1,36 +1,65 @@
-"""Q1: does S0 -> S1 -> S2 improve serving? Throughput, paired step changes, TTFT/E2E p99."""
+"""Q1: does S0 -> S1 -> S2 improve serving? (PAPER_DESIGN Q1)
+
+Exp 1a (main load): arithmetic run means of request-span throughput and mean run-level
+E2E p99 per organization and budget; the six stepwise contrasts are EXT-22 rows 1-6,
+shown here with the whole 22-test family. Exp 1b (low load): throughput, TTFT/E2E p50
+and p99 (run-level, averaged) and the waiting gauge's run maxima; descriptive.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from analysis import figures, readouts
-from analysis.render import QuestionResult
+from analysis import paper_figures as pf
+from analysis import readouts
+from analysis.render import QuestionResult, Section
 
 QUESTION = "q1"
 TITLE = "Does S0 -> S1 -> S2 improve serving?"
-READS = ("q1",)
-STEPS = (("S1", "S0"), ("S2", "S1"))
-STEP_METRICS = ("throughput_ledger", "throughput_span", "ttft_p99", "e2e_p99")
+STEP_ORGS = ("S0", "S1", "S2")
+MAIN = ("throughput_span", "throughput_ledger", "e2e_p99", "ttft_p99")
+LOW = ("throughput_span", "throughput_ledger", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99",
+       "preemptions")
 
 
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
-    result, runset = readouts.begin(con, QUESTION, TITLE, READS)
-    if not runset.empty:
-        readouts.throughput_section(result, runset.runs)
-        readouts.changes_section(result, runset.runs, "steps", "Paired step changes S0 -> S1 -> S2",
-                                 STEP_METRICS, STEPS)
+    result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
+    runs = runset.runs
+    if not runs.empty:
+        main = readouts.family_runs(plan, "EXT-22", runs)
+        main = main[main["org"].isin(STEP_ORGS) & (main["q"] == 1.0)]
+        low = readouts.family_runs(plan, "exp1b_low_load", runs)
+        result.add("exp1a_runs", readouts.run_frame(main))
+        result.add("exp1b_runs", readouts.run_frame(low))
+        table = result.add("exp1a", readouts.means_table(main, ["budget", "org"], MAIN))
+        if len(table):
+            result.sections.append(Section(
+                "Exp 1a: main load", "Arithmetic means over runs (seeds) of request-span "
+                "throughput (primary, output tokens/s), ledger throughput (sensitivity), and "
+                "run-level E2E/TTFT p99 (s). Stepwise effects and decisions: family EXT-22 "
+                "below.", [("", table, None)]))
+        low_table = result.add("exp1b", readouts.means_table(low, ["budget", "cap", "org"], LOW,
+                                                              ranges=("waiting_max",)))
+        if len(low_table):
+            result.sections.append(Section(
+                "Exp 1b: low load", "Lambda 0.8, seeds 0-2. Arithmetic means of run values; "
+                "`waiting_max_range` is the range across runs of each run's maximum sampled "
+                "waiting count (the micro-tables of Fig. 2(c, d)). Descriptive.",
+                [("", low_table, None)]))
     readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
     return result
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
-    return figures.kept([
-        ("Throughput by cell: geometric mean over seeds (bars) and seeds (dots)",
-         figures.throughput_bars(f.get("runs"), out_dir / "q1_throughput.png",
-                                 "Q1 throughput by cell")),
-        ("Paired step changes in throughput (ledger timebase), 95% paired-t intervals",
-         figures.change_bars(f.get("steps"), f.get("steps_seeds"), out_dir / "q1_steps.png",
-                             "Q1 step changes S0 -> S1 -> S2")),
-    ])
+    main, low = f.get("exp1a_runs"), f.get("exp1b_runs")
+    return [(c, p) for c, p in (
+        ("Fig. 2(a) main throughput: bars by organization within budget",
+         pf.grouped_bars(main, "throughput_span", "throughput, request span (output tokens/s)",
+                         "Main throughput (Exp 1a)", out_dir / "q1_fig2a_throughput.png")),
+        ("Fig. 2(b) main E2E p99: mean of run-level p99",
+         pf.grouped_bars(main, "e2e_p99", "E2E p99, mean of run p99s (s)",
+                         "Main E2E p99 (Exp 1a)", out_dir / "q1_fig2b_e2e_p99.png")),
+        ("Fig. 2(c, d) low load: throughput bars, TTFT/E2E p99 markers, waiting run maxima",
+         pf.low_load(low, out_dir / "q1_fig2cd_low_load.png", "Low load (Exp 1b)")),
+    ) if p is not None]

@@ -1,55 +1,88 @@
-"""Q2: what work and state changes accompany the Q1 steps?
+"""Q2: what work and state changes accompany the Q1 steps? (PAPER_DESIGN Q2, 2.4)
 
-Recorded input work is the prefill tokens computed per run (steps view: first
-admissions + recomputation on resume); gauges are run means of the 1-s poller
-samples; preemptions are per-run counts (requests view).
+Computed per run from the ledger tables: C_once = sum over admitted requests of prompt
+tokens minus the prefix adopted at FIRST admission (requests), H = C_once + output tokens,
+K = engine steps (steps rows), H/K per run, and per-run median, mean and maximum of the
+1-s running/waiting gauges (poller). Cell values are means over runs (AMBIGUOUS A16: per-run
+medians averaged over the runs). Exp 2c: the S0-normalized throughput index at q = 0,
+formed within seed (I_S1 = mean r1, I_S2 = mean r1 r2).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from analysis import figures, readouts
-from analysis.common import cell_summary
+import pandas as pd
+
+from analysis import paper_figures as pf
+from analysis import readouts, stats
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q2"
 TITLE = "What work and state changes accompany the Q1 steps?"
-READS = ("q2",)
-STEPS = (("S1", "S0"), ("S2", "S1"))
-WORK_METRICS = ("prefill_tokens_initial", "prefill_tokens_resume", "prefill_tokens_computed",
-                "poller_running_mean", "poller_waiting_mean", "preemptions")
-CHANGE_METRICS = ("prefill_tokens_computed", "prefill_tokens_resume", "poller_running_mean",
-                  "poller_waiting_mean", "preemptions", "throughput_ledger")
+CHAIN = ("S0", "S1", "S2")
+WORK = ("throughput_span", "throughput_ledger", "c_once_tokens", "h_tokens", "engine_steps",
+        "h_per_k", "running_median", "running_max", "waiting_median", "waiting_max",
+        "poller_running_mean", "poller_waiting_mean", "preemptions")
+POINTS = {"b63": "2a: b63/cap63, λ 3.0", "b108": "2b: b108/cap109, λ 4.5"}
+
+
+def s0_index(runs: pd.DataFrame) -> pd.DataFrame:
+    """Within-seed S0-normalized throughput index and C_once ratio per org (seeds with all
+    three organizations)."""
+    rows = []
+    for stage, part in runs.groupby("stage", sort=False):
+        wide = part.pivot_table(index="seed", columns="org", values="throughput_span")
+        work = part.pivot_table(index="seed", columns="org", values="c_once_tokens")
+        if not set(CHAIN) <= set(wide.columns):
+            continue
+        wide, work = wide[list(CHAIN)].dropna(), work[list(CHAIN)].loc[wide.index]
+        if wide.empty:
+            continue
+        index = stats.normalized_index(wide.to_numpy())
+        for k, org in enumerate(CHAIN):
+            rows.append({"stage": stage, "org": org, "n": len(wide), "t_index": index.mean[k],
+                         "c_once_index": float((work[org] / work["S0"]).mean())})
+    return pd.DataFrame(rows)
 
 
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
-    result, runset = readouts.begin(con, QUESTION, TITLE, READS)
-    if not runset.empty:
-        readouts.throughput_section(result, runset.runs)
-        work = result.add("work", cell_summary(runset.runs, WORK_METRICS))
-        text = ("Means over seeds of run values: prefill tokens computed per run (tokens), "
-                "poller means of running and waiting requests (requests), preemptions per run.")
-        result.sections.append(Section("Recorded input work, gauges and preemptions", text,
-                                       [("", work, ["cell", "n", "seeds",
-                                                    *(f"{m}_mean" for m in WORK_METRICS)])]))
-        readouts.changes_section(result, runset.runs, "steps",
-                                 "Paired step changes in work, state and throughput",
-                                 CHANGE_METRICS, STEPS)
+    result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
+    runs = runset.runs
+    if not runs.empty:
+        anchors = readouts.family_runs(plan, "anchors", runs)
+        anchors = anchors.assign(point=anchors["budget"].map(POINTS))
+        result.add("anchor_runs", readouts.run_frame(anchors))
+        cells = result.add("anchors", readouts.means_table(anchors, ["point", "org"], WORK))
+        result.sections.append(Section(
+            "Anchors 2a and 2b: work, gauges and throughput",
+            "Means over runs (seeds 0-2). C_once, H in tokens per run; K engine steps; H/K the "
+            "mean of per-run ratios; gauges per-run median and maximum of the 1-s samples. "
+            "Paired changes per step (means of same-seed relative changes): family `anchors`.",
+            [("", cells, None)]))
+        control = readouts.family_runs(plan, "exp2c_no_sharing", runs)
+        result.add("exp2c", readouts.means_table(control, ["org"], WORK))
+        index = result.add("s0_index", s0_index(control))
+        result.sections.append(Section(
+            "Exp 2c: no sharing (b83, q = 0)",
+            "The Q3 q = 0 runs. `t_index`: mean over seeds of the within-seed throughput ratio "
+            "to S0 (I_S2 = mean r1 r2, not the product of averaged steps); `c_once_index`: mean "
+            "within-seed C_once ratio to S0.",
+            [("cell means", result.frames["exp2c"], None), ("S0-normalized index", index, None)]))
     readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
     return result
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
-    return figures.kept([
-        ("Recorded input work (prefill tokens per run) and poller gauges by cell",
-         figures.work_bars(f.get("work"), out_dir / "q2_work.png")),
-        ("Paired step changes in prefill tokens computed, 95% paired-t intervals",
-         figures.change_bars(f.get("steps"), f.get("steps_seeds"), out_dir / "q2_work_steps.png",
-                             "Q2 step changes in recorded input work",
-                             metric="prefill_tokens_computed")),
-        ("Throughput by cell: geometric mean over seeds (bars) and seeds (dots)",
-         figures.throughput_bars(f.get("runs"), out_dir / "q2_throughput.png",
-                                 "Q2 throughput by cell")),
-    ])
+    index = f.get("s0_index")
+    if index is not None and len(index):
+        index = index[index["stage"] == index["stage"].iloc[0]]
+    return [(c, p) for c, p in (
+        ("Fig. 3(a) C_once per run (bars) and throughput (hollow symbols) at anchors 2a, 2b",
+         pf.c_once_bars(f.get("anchors"), out_dir / "q2_fig3a_c_once.png",
+                        "Recorded initial input C_once and throughput")),
+        ("Fig. 3(b) normalized C_once and the S0-normalized throughput index at b83, q = 0",
+         pf.index_panel(index, out_dir / "q2_fig3b_index.png",
+                        "No sharing: b83, q = 0, λ 3, cap 63")),
+    ) if p is not None]

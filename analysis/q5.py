@@ -1,34 +1,39 @@
-"""Q5: does the D0/S2 ranking change with offered load? Throughput curves and contrasts."""
+"""Q5: does the D0/S2 ranking change with offered load? (PAPER_DESIGN Q5)
+
+Load curves: arithmetic means of request-span throughput over seeds 0-2 at the paper's
+grid (b63/cap63: λ 0.8, 1.3, 1.7, 2.2, 3.0; b108/cap109: the same plus 4.5); the D0/S2 gap
+as the mean seedwise percent change (family `load_curves`, descriptive). The enlarged
+high-load tests are family ORIG-5 (page orig5).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from analysis import figures, readouts
-from analysis.render import QuestionResult
+from analysis import paper_figures as pf
+from analysis import readouts
+from analysis.render import QuestionResult, Section
 
 QUESTION = "q5"
 TITLE = "Does the D0/S2 ranking change with offered load?"
-READS = ("q5",)
-CONTRAST = (("D0", "S2"),)
 
 
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
-    result, runset = readouts.begin(con, QUESTION, TITLE, READS)
-    if not runset.empty:
-        readouts.throughput_section(result, runset.runs, "Throughput curves: cells by load")
-        readouts.changes_section(result, runset.runs, "d0_vs_s2",
-                                 "D0/S2 paired contrast by budget and load",
-                                 ("throughput_ledger", "throughput_span", "ttft_p99", "e2e_p99"),
-                                 CONTRAST)
+    result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
+    runs = runset.runs
+    if not runs.empty:
+        curves = readouts.family_runs(plan, "load_curves", runs)
+        result.add("curve_runs", readouts.run_frame(curves))
+        cells = result.add("curves", readouts.means_table(
+            curves, ["budget", "cap", "rate", "org"],
+            ("throughput_span", "throughput_ledger", "e2e_p99")))
+        result.sections.append(Section("Load curves", "Arithmetic means over runs (seeds).",
+                                       [("", cells, None)]))
     readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
     return result
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
-    f = result.frames
-    return figures.kept([
-        ("Throughput against offered load per budget (lines: means, dots: seeds) and the "
-         "D0 vs S2 change with 95% paired-t intervals",
-         figures.load_curves(f.get("runs"), f.get("d0_vs_s2"), out_dir / "q5_load_curves.png")),
-    ])
+    path = pf.curves(result.frames.get("curve_runs"), "rate", "arrival rate λ (requests/s)",
+                     out_dir / "q5_fig5_load_curves.png", "Throughput against offered load")
+    return [("Fig. 5(a, b) load curves, D0 and S2", path)] if path is not None else []

@@ -1,41 +1,54 @@
-"""Q6: does admission headroom change the ranking? Headroom curves and D0/S2 contrasts."""
+"""Q6: does admission headroom change the ranking? (PAPER_DESIGN Q6, 3.4)
+
+Family Q6-17 decides (Holm over 17, seed-level bootstrap display intervals); the
+headroom curves, completed requests/s and TTFT/E2E/request-TPOT p99 per cell (Tab. B-8)
+are descriptive. Fig. 6 rings the preselected f of each organization and budget.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from analysis import figures, readouts
-from analysis.render import QuestionResult
+import pandas as pd
+
+from analysis import paper_figures as pf
+from analysis import readouts
+from analysis.render import QuestionResult, Section
 
 QUESTION = "q6"
 TITLE = "Does admission headroom change the ranking?"
-READS = ("q6",)
-CONTRAST = (("D0", "S2"),)
-METRICS = ("throughput_ledger", "throughput_span", "ttft_p99", "e2e_p99")
+CELL_METRICS = ("throughput_span", "throughput_ledger", "requests_per_s", "ttft_p99", "e2e_p99",
+                "tpot_p99")
 
 
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
-    result, runset = readouts.begin(con, QUESTION, TITLE, READS)
-    if not runset.empty:
-        runs = runset.runs
-        readouts.throughput_section(result, runs, "Headroom curves: cells by headroom f")
-        readouts.changes_section(result, runs, "d0_vs_s2", "D0/S2 paired contrast by budget and f",
-                                 METRICS, CONTRAST)
-        headroom = [(f, 0.0) for f in sorted(runs["f"].unique()) if f > 0]
-        readouts.changes_section(result, runs, "headroom",
-                                 "Headroom effect: each f > 0 against f = 0, per org and budget",
-                                 METRICS, headroom, vary="f")
+    result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
+    runs = runset.runs
+    if not runs.empty:
+        curves = readouts.family_runs(plan, "headroom_curves", runs)
+        result.add("curve_runs", readouts.run_frame(curves))
+        cells = result.add("cells", readouts.means_table(curves, ["budget", "f", "org"],
+                                                         CELL_METRICS))
+        preselected = plan.raw.get("preselected_f", {})
+        result.frames["_preselected"] = pd.DataFrame(
+            [{"budget": b, "org": org, "f": float(f)} for b, v in preselected.items()
+             for org, f in v.items()], columns=["budget", "org", "f"])
+        chosen = ", ".join(f"{b}: D0 {v['D0']:g} / S2 {v['S2']:g}"
+                           for b, v in preselected.items())
+        result.sections.append(Section(
+            "Headroom curves and Tab. B-8", "Arithmetic means over runs: throughput (request "
+            "span primary), completed requests/s (request span), mean run-level TTFT, E2E and "
+            f"request-TPOT p99 (s). Preselected f: {chosen}.", [("", cells, None)]))
     readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
     return result
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
-    f = result.frames
-    return figures.kept([
-        ("Headroom curves: throughput and TTFT p99 against f per budget (lines: means over "
-         "seeds, dots: seeds)", figures.headroom_curves(f.get("runs"),
-                                                        out_dir / "q6_headroom.png")),
-        ("D0/S2 paired throughput contrast per budget and f, 95% paired-t intervals",
-         figures.change_bars(f.get("d0_vs_s2"), f.get("d0_vs_s2_seeds"),
-                             out_dir / "q6_d0_vs_s2.png", "Q6 D0 vs S2 by budget and headroom")),
-    ])
+    chosen = result.frames.get("_preselected")
+    rings = ({} if chosen is None else
+             {(r.budget, r.org): r.f for r in chosen.itertuples(index=False)})
+    path = pf.curves(result.frames.get("curve_runs"), "f", "admission headroom f",
+                     out_dir / "q6_fig6_headroom.png", "Throughput against admission headroom",
+                     rings=rings)
+    return [("Fig. 6(a-c) headroom curves; open rings mark the preselected f",
+             path)] if path is not None else []

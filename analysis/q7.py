@@ -18,8 +18,16 @@ import numpy as np
 import pandas as pd
 
 from analysis import figures, prereg, readouts, stats
+from analysis import paper_figures as pf
 from analysis.common import DESIGN_COLUMNS, RunSet, cell_order, load_runs, query
-from analysis.families import FamilyResult, evaluate_family, fam_description
+from analysis.families import (
+    NOT_INFORMATIVE,
+    UNINFORMATIVE,
+    FamilyResult,
+    evaluate_family,
+    fam_description,
+    smoke_campaigns,
+)
 from analysis.paired import seed_values
 from analysis.render import QuestionResult, Section
 
@@ -29,6 +37,7 @@ READS = ("q7",)
 MARGIN_PCT, CONTAINMENT_CONFIDENCE = 3.0, 0.90
 CLASSES = ("zero->zero", "positive-equal", "zero->positive", "deeper", "shallower")
 NO_ENTRY = "no entry record"
+INITIAL_EPISODE = 1  # the trace numbers a request's admission episodes from 1 (INITIAL)
 DEPTH_VALUES = ("jenter", "jadopt", "j_m0", "j_m1", "a_m0", "a_m1", "rmax_m0", "rmax_m1",
                 "gap_m0", "gap_m1")
 # Run-level metric names of the plans' depth estimands (M0 is the bracket the adoption used).
@@ -82,12 +91,20 @@ def run_depth(con, runset: RunSet) -> pd.DataFrame:
     if episodes.empty:
         return health
     means = episodes.groupby("run_id")[list(DEPTH_VALUES)].mean().add_suffix("_mean")
-    counts = pd.crosstab(episodes["run_id"], episodes["depth_class"])
+    # depth classes over INITIAL episodes (Tab. C-2; AMBIGUOUS A15), counts per run
+    first = episodes[episodes["episode"] == INITIAL_EPISODE]
+    counts = pd.crosstab(first["run_id"], first["depth_class"])
     shares = (100 * counts.div(counts.sum(axis=1), axis=0)).add_prefix("share_")
     per_run = pd.concat([means, counts.add_prefix("count_"), shares], axis=1)
-    per_run["episodes"] = counts.sum(axis=1)
+    per_run["episodes"] = episodes.groupby("run_id").size()
     for value, metric in RUN_METRICS.items():
         per_run[metric] = per_run[f"{value}_mean"]
+    initial = episodes[episodes["episode"] == INITIAL_EPISODE]
+    per_run = per_run.join(initial.groupby("run_id").agg(
+        jadopt_initial_mean=("jadopt", "mean"), rmax_m1_initial_mean=("rmax_m1", "mean"),
+        amax_m1_initial_mean=("a_m1", "mean"), rmax_m0_initial_mean=("rmax_m0", "mean"),
+        amax_m0_initial_mean=("a_m0", "mean"), initial_episodes=("jadopt", "size")))
+    per_run["gap_r_initial_mean"] = per_run["rmax_m1_initial_mean"] - per_run["jadopt_initial_mean"]
     per_run = per_run.reset_index().merge(health, on="run_id", how="left")
     per_run["unadmitted_entries"] = per_run["entries"] - per_run["episodes"]
     return per_run
@@ -156,8 +173,8 @@ def depth_section(result: QuestionResult, runs: pd.DataFrame) -> None:
                      *(f"share_{c}" for c in CLASSES)]
     result.sections.append(Section("State depth", DEPTH_TEXT, [
         ("depth per cell", _display(cells), None),
-        ("entry vs adopted depth per admission episode: pooled counts and mean run-level "
-         "shares (%)", classes, class_columns)]))
+        ("entry vs adopted depth per INITIAL admission episode: pooled counts and mean "
+         "run-level shares (%)", classes, class_columns)]))
 
 
 def containment_pairs(runs: pd.DataFrame) -> pd.DataFrame:
@@ -180,9 +197,39 @@ def containment_pairs(runs: pd.DataFrame) -> pd.DataFrame:
                                               CONTAINMENT_CONFIDENCE)
                     row.update(estimate_log_pct=check.estimate_log_pct,
                                low_log_pct=check.low_log_pct, high_log_pct=check.high_log_pct,
-                               passed=check.passed)
+                               passed=check.passed,
+                               informative=bool((pair["on"] != pair["off"]).any()))
                 rows.append(row)
     return pd.DataFrame(rows)
+
+
+INITIAL_COLUMNS = {"jadopt_initial_mean": "jadopt", "rmax_m1_initial_mean": "rmax_m1",
+                   "rmax_m0_initial_mean": "rmax_m0", "amax_m1_initial_mean": "amax_m1",
+                   "amax_m0_initial_mean": "amax_m0", "gap_r_initial_mean": "gap_r",
+                   "initial_episodes": "initial_episodes"}
+
+
+def initial_depth(runs: pd.DataFrame, by: str) -> pd.DataFrame:
+    """Per traced run: means over its INITIAL admissions (PAPER_DESIGN 2.5), M1 for Rmax and
+    Amax as plotted, M0 kept for the brackets; GapR = Rmax(M1) - Jadopt."""
+    if "jadopt_initial_mean" not in runs:
+        return pd.DataFrame()
+    traced = runs[runs["trace"] & runs["jadopt_initial_mean"].notna()]
+    keep = ["stage", "org", by, "seed", *INITIAL_COLUMNS]
+    return traced[[c for c in dict.fromkeys(keep) if c in traced]].rename(
+        columns=INITIAL_COLUMNS).sort_values(["stage", "org", by, "seed"]).reset_index(drop=True)
+
+
+def initial_section(result: QuestionResult, runs: pd.DataFrame, by: str) -> pd.DataFrame:
+    table = result.add("initial_depth", initial_depth(runs, by))
+    if table.empty:
+        return table
+    result.sections.append(Section(
+        "Depth over INITIAL admissions, per seed",
+        "Means over each run's INITIAL admissions (RESUME episodes excluded), in tokens per "
+        "request: Jadopt, Rmax and Amax at the M1 bracket (M0 alongside), GapR = Rmax(M1) - "
+        "Jadopt. Descriptive: no test, no interval over seeds.", [("", table, None)]))
+    return table
 
 
 def containment_section(result: QuestionResult, runs: pd.DataFrame) -> pd.DataFrame:
@@ -212,7 +259,8 @@ def q7_gates(con, plan_dir=None, allow_changed_plan: bool = False) -> dict[str, 
 def withheld(plan: prereg.Plan, reason: str, skip: tuple[str, ...]) -> list[FamilyResult]:
     """The plan's families other than `skip`, refused because the depth gate has not passed."""
     return [FamilyResult(plan.question, fam.name, fam.role, fam.decision["method"],
-                         " ".join(fam_description(plan, fam).split()), False, [reason])
+                         " ".join(fam_description(plan, fam).split()), False, [reason],
+                         m=len(fam.tests))
             for fam in plan.families if fam.name not in skip]
 
 
@@ -229,15 +277,23 @@ def campaign_gates(campaigns, pairs: pd.DataFrame, plan: prereg.Plan,
         if campaign == plan.campaign:
             ok = bool(gates) and all(g.gate_passed for g in gates)
             how = "preregistered containment family " + "; ".join(
-                f"{g.name}: {g.status}, gate {'passed' if g.gate_passed else 'not passed'}"
-                for g in gates)
+                f"{g.name}: {g.status}, gate {_gate_word(g)}" for g in gates)
         else:
             own = pairs[pairs["campaign"] == campaign] if len(pairs) else pairs
             ok = bool(len(own)) and bool((own["n"] >= 2).all() and own["passed"].all())
-            how = (f"its own {len(own)} trace ON/OFF condition(s) "
-                   f"{'all pass' if ok else 'do not all pass (or n < 2)'}; exploratory")
+            same = ok and "informative" in own and not own["informative"].any()
+            verdict = ("are not informative in simulation (ON and OFF identical)" if same else
+                       "all pass" if ok else "do not all pass (or n < 2)")
+            how = f"its own {len(own)} trace ON/OFF condition(s) {verdict}; exploratory"
         out[campaign] = (ok, how)
     return out
+
+
+def _gate_word(gate: FamilyResult) -> str:
+    if not gate.gate_passed:
+        return "not passed"
+    same = any((table["decision"] == UNINFORMATIVE).all() for table in gate.tables.values())
+    return "not informative in simulation (ON and OFF identical)" if same else "passed"
 
 
 def gate_notes(gates: dict[str, tuple[bool, str]]) -> list[str]:
@@ -256,6 +312,10 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
     gates = readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir,
                                      allow_changed_plan, only=gate_names)
     campaign_gate = campaign_gates(list(runset.campaigns), pairs, plan, gates)
+    probe_rows = [table for g in gates for table in g.tables.values()]
+    if probe_rows and all((table["note"] == NOT_INFORMATIVE).all() for table in probe_rows):
+        result.notes.append(f"Probe containment {NOT_INFORMATIVE}; depth may be analysed, "
+                            "but the check is no evidence that tracing is harmless.")
     passed = [c for c, (ok, _) in campaign_gate.items() if ok]
     notes = gate_notes(campaign_gate)
     result.notes += notes
@@ -268,23 +328,48 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
         runs = with_depth(runset.runs, depth)
         runs = runs[runs["campaign"].isin(passed)]
         depth_section(result, runs)
+        initial_section(result, runs, "f")
         readouts.changes_section(result, runs[runs["trace"]], "depth_changes",
                                  "D0 vs S2 depth (trace ON)", DEPTH_CHANGE_METRICS,
                                  (("D0", "S2"),))
     others = tuple(f.name for f in plan.families if f.name not in gate_names)
-    if plan.campaign in passed:
-        readouts.attach_families(result, with_depth(runset.all_runs, depth), QUESTION,
-                                 plan_dir, allow_changed_plan, only=others)
-    else:
-        result.families += withheld(plan, "withheld: depth is analysed only after the "
-                                          "preregistered ON/OFF probe containment gate passes",
-                                    gate_names)
+    attach_gated(result, plan, passed, lambda: with_depth(runset.all_runs, depth), plan_dir,
+                 allow_changed_plan, others,
+                 "withheld: depth is analysed only after the preregistered ON/OFF probe "
+                 "containment gate passes", gate_names)
     return result
+
+
+def attach_gated(result: QuestionResult, plan: prereg.Plan, passed: list[str], runs,
+                 plan_dir, allow_changed_plan: bool, only, reason: str, skip) -> None:
+    """Attach the depth families whose stage passed its gate: the main families when the
+    plan's campaign passed, their smoke counterparts when a smoke or demo campaign did; the
+    main families are otherwise listed as withheld."""
+    main_ok = plan.campaign in passed
+    smoke_ok = any(c in passed for c in smoke_campaigns(plan.campaign))
+    if main_ok or smoke_ok:
+        families = readouts.attach_families(result, runs(), plan.campaign, plan_dir,
+                                            allow_changed_plan, only=only)
+        dropped = [f for f in families if (f.smoke and not smoke_ok)
+                   or (not f.smoke and not main_ok)]
+        result.families = [f for f in result.families if f not in dropped]
+    if not main_ok and (plan.campaign in result.campaigns or not smoke_ok):
+        result.families += withheld(plan, reason, skip)
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
+    table = f.get("initial_depth")
+    if table is not None and len(table):
+        table = table[(table["org"] == "S2") & (table["stage"] == table["stage"].iloc[0])]
+        table = table.assign(f=table["f"].map(lambda v: f"f = {v:g}"))
     return figures.kept([
+        ("Fig. 7(a) Q7 state availability: S2 per seed, open f = 0, filled f = 0.19",
+         pf.depth_per_seed(table, out_dir / "q7_fig7a_state.png",
+                           "Q7 state availability: S2, b83, λ 3, cap 63, q 1, pin K 1; "
+                           "INITIAL admissions", "f",
+                           (("jadopt", "Jadopt", "o"), ("rmax_m1", "Rmax (M1)", "^"),
+                            ("amax_m1", "Amax (M1)", "s")), "f = 0")),
         ("State depth per cell with M0/M1 brackets, and entry vs adopted depth classes",
          figures.depth_panels(f.get("depth_cells"), f.get("depth_classes"),
                               out_dir / "q7_depth.png", "Q7 joint reuse depth (trace ON)")),

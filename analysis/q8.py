@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import figures, q7, readouts
+from analysis import paper_figures as pf
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q8"
@@ -42,6 +43,31 @@ def campaign_gates(con, runs, plan_dir, allow_changed_plan) -> dict[str, tuple[b
     return out
 
 
+def retention_brackets(initial: pd.DataFrame) -> pd.DataFrame:
+    """Per seed and mean: dJadopt, dRmax(M1), dAmax(M1), the dAmax bracket
+    [A_M0(Ret) - A_M1(S2), A_M1(Ret) - A_M0(S2)] and dGapR from M0 to M1 (Ret - S2)."""
+    if initial.empty or not {"S2", "S2_RETENTION"} <= set(initial["org"]):
+        return pd.DataFrame()
+    rows = []
+    for stage, part in initial.groupby("stage", sort=False):
+        s2 = part[part["org"] == "S2"].set_index("seed")
+        ret = part[part["org"] == "S2_RETENTION"].set_index("seed")
+        seeds = sorted(set(s2.index) & set(ret.index))
+        for seed in seeds:
+            a, b = ret.loc[seed], s2.loc[seed]
+            gap_m0 = (a["rmax_m0"] - a["jadopt"]) - (b["rmax_m0"] - b["jadopt"])
+            gap_m1 = (a["rmax_m1"] - a["jadopt"]) - (b["rmax_m1"] - b["jadopt"])
+            rows.append({"stage": stage, "seed": seed, "d_jadopt": a["jadopt"] - b["jadopt"],
+                         "d_rmax_m1": a["rmax_m1"] - b["rmax_m1"],
+                         "d_amax_m1": a["amax_m1"] - b["amax_m1"],
+                         "d_amax_low": a["amax_m0"] - b["amax_m1"],
+                         "d_amax_high": a["amax_m1"] - b["amax_m0"],
+                         "d_gap_r_m0": gap_m0, "d_gap_r_m1": gap_m1})
+    table = pd.DataFrame(rows)
+    means = table.drop(columns="seed").groupby("stage", sort=False).mean().reset_index()
+    return pd.concat([table, means.assign(seed="mean")], ignore_index=True)
+
+
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
     result, runset = readouts.begin(con, QUESTION, TITLE, READS)
     runs = runset.runs
@@ -63,23 +89,40 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
         traced = q7.with_depth(runs, depth)
         traced = traced[traced["campaign"].isin(passed)]
         q7.depth_section(result, traced)
+        initial = q7.initial_section(result, traced, "org")
+        brackets = result.add("amax_bracket", retention_brackets(initial))
+        if len(brackets):
+            result.sections.append(Section(
+                "Retention changes with M0/M1 brackets",
+                "S2+Retention minus S2 per seed and their mean (tokens/request, INITIAL "
+                "admissions): dAmax bracket [A_M0(Ret) - A_M1(S2), A_M1(Ret) - A_M0(S2)] "
+                "(d_amax_low, d_amax_high); dGapR from M0 to M1. Brackets, not intervals.",
+                [("", brackets, None)]))
         readouts.changes_section(result, traced[traced["trace"]], "depth_changes",
                                  "S2+Retention vs S2 depth (trace ON)",
                                  ("jadopt_tokens_mean", "gap_r_tokens_mean", "rmax_tokens_mean"),
                                  RETENTION)
-    if plan.campaign in passed:
-        readouts.attach_families(result, q7.with_depth(runset.all_runs, depth), QUESTION,
-                                 plan_dir, allow_changed_plan)
-    else:
-        result.families += q7.withheld(plan, "withheld: depth is analysed only after the probe "
-                                             f"containment passes for campaign {plan.campaign}",
-                                       ())
+    q7.attach_gated(result, plan, passed, lambda: q7.with_depth(runset.all_runs, depth),
+                    plan_dir, allow_changed_plan, None,
+                    "withheld: depth is analysed only after the probe containment passes for "
+                    f"campaign {plan.campaign}", ())
     return result
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
+    table = f.get("initial_depth")
+    if table is not None and len(table):
+        table = table[table["stage"] == table["stage"].iloc[0]]
+        table = table.assign(org=table["org"].map(pf.org_name))
     return figures.kept([
+        ("Fig. 7(b) Q8 checkpoint retention per seed: open S2, filled S2+Retention; Rmax at "
+         "M1 with a bar down to M0",
+         pf.depth_per_seed(table, out_dir / "q8_fig7b_retention.png",
+                           "Q8 checkpoint retention: 254 S2 pages, λ 3, cap 63, f 0, SHARE, "
+                           "pin K 1; INITIAL admissions", "org",
+                           (("jadopt", "Jadopt", "o"), ("rmax_m1", "Rmax (M1; bar to M0)", "^"),
+                            ("amax_m1", "Amax (M1)", "s")), "S2")),
         ("State depth of S2 and S2+Retention with M0/M1 brackets, and depth classes",
          figures.depth_panels(f.get("depth_cells"), f.get("depth_classes"),
                               out_dir / "q8_depth.png", "Q8 reuse depth with retention")),

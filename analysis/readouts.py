@@ -13,13 +13,24 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import prereg
-from analysis.common import DESIGN_COLUMNS, METRICS, RunSet, cell_summary, load_runs
-from analysis.families import evaluate_plan
+from analysis.common import (
+    DESIGN_COLUMNS,
+    METRICS,
+    ORG_ORDER,
+    RunSet,
+    budget_rank,
+    cell_summary,
+    load_runs,
+)
+from analysis.families import SMOKE_TAG, evaluate_plan, relaxed_match, smoke_plan
 from analysis.paired import paired_changes
 from analysis.render import QuestionResult, Section, no_data_section
 
-RUN_COLUMNS = ("run_id", "cell", "seed", *DESIGN_COLUMNS, "throughput_ledger",
-               "throughput_span", "ttft_p99", "e2e_p99", "finished_requests",
+RUN_COLUMNS = ("run_id", "campaign", "cell", "seed", *DESIGN_COLUMNS, "throughput_ledger",
+               "throughput_span", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "tpot_p99",
+               "requests_per_s", "finished_requests", "c_once_tokens", "h_tokens",
+               "engine_steps", "h_per_k", "running_median", "running_max", "waiting_median",
+               "waiting_max", "waiting_p99",
                "prefill_tokens_initial", "prefill_tokens_resume", "prefill_tokens_computed",
                "poller_running_mean", "poller_waiting_mean", "preemptions",
                "prereg_plan_hash", "code_version")
@@ -49,6 +60,45 @@ def begin(con, question: str, title: str,
     return result, runset
 
 
+def plan_reads(plan: prereg.Plan) -> tuple[str, ...]:
+    """The questions (campaign names) whose runs the plan's cells name, its own first."""
+    homes = {c for fam in plan.families for cell in fam.cells
+             for c in prereg.cell_campaigns(cell)}
+    return (plan.campaign, *sorted(homes - {plan.campaign}))
+
+
+def in_plan(plan: prereg.Plan, runs: pd.DataFrame) -> pd.DataFrame:
+    """Runs that fall in some cell of the plan (any seed), in its main or smoke campaigns."""
+    if runs.empty:
+        return runs
+    plans = [plan]
+    smoke = smoke_plan(plan, set(runs["campaign"].astype(str)))
+    if smoke is not None:
+        plans.append(smoke)
+    ids: set[str] = set()
+    for each in plans:
+        for fam in each.families:
+            ids |= set(relaxed_match(each, fam, runs)[0].get("run_id", []))
+    return runs[runs["run_id"].isin(ids)].copy()
+
+
+def begin_plan(con, question: str, title: str, plan_dir=None
+               ) -> tuple[QuestionResult, RunSet, prereg.Plan]:
+    """`begin` over the campaigns the question's plan names, restricted to its cells."""
+    plan = load_plan(question, plan_dir)
+    runset = load_runs(con, plan_reads(plan))
+    kept = in_plan(plan, runset.runs)
+    runset = RunSet(runset.questions, tuple(sorted(kept["campaign"].unique())), kept,
+                    runset.set_aside)
+    result = QuestionResult(question, title, runset.questions, runset.campaigns, len(kept))
+    result.notes += runset.notes()
+    if runset.empty:
+        result.sections.append(no_data_section(question, runset.questions))
+    else:
+        result.add("runs", run_frame(kept))
+    return result, runset, plan
+
+
 def run_frame(runs: pd.DataFrame) -> pd.DataFrame:
     """The per-run CSV table: identity, design, readouts and provenance columns."""
     return runs[[c for c in RUN_COLUMNS if c in runs]]
@@ -72,7 +122,7 @@ def attach_families(result: QuestionResult, runs: pd.DataFrame, plan_name: str,
     """Evaluate the plan's families (or those named in `only`) and attach them."""
     plan = load_plan(plan_name, plan_dir)
     families = evaluate_plan(plan, runs, allow_changed_plan=allow_changed_plan)
-    families = [f for f in families if only is None or f.name in only]
+    families = [f for f in families if only is None or f.name.removesuffix(SMOKE_TAG) in only]
     result.families += families
     return families
 
@@ -117,3 +167,65 @@ def changes_section(result: QuestionResult, runs: pd.DataFrame, name: str, title
             section.tables.append((caption, part, list(CHANGE_COLUMNS)))
     result.sections.append(section)
     return frame
+
+
+def borrow_rows(result: QuestionResult, con, plan_name: str, family: str,
+                tests: Sequence[str], plan_dir, allow_changed_plan: bool) -> list:
+    """Show some rows of another plan's family (decided there, over all its tests).
+
+    EXT-22 decides the Q3, Q4 and split contrasts: their pages show its rows with the
+    p-values adjusted over all 22, never a second decision.
+    """
+    plan = load_plan(plan_name, plan_dir)
+    runset = load_runs(con, plan_reads(plan))
+    families = [f for f in evaluate_plan(plan, runset.all_runs,
+                                         allow_changed_plan=allow_changed_plan)
+                if f.name in (family, family + SMOKE_TAG)]
+    for fam in families:
+        m = fam.m
+        fam.tables = {k: v[v["test"].isin(tests)].reset_index(drop=True)
+                      for k, v in fam.tables.items()}
+        fam.per_seed = (fam.per_seed[fam.per_seed["test"].isin(tests)]
+                        if len(fam.per_seed) else fam.per_seed)
+        fam.description = (f"Rows {', '.join(tests)} of family {family} "
+                           f"(conf/prereg/{plan_name}.yaml), decided there: Holm over all "
+                           f"{m or 'its'} tests. " + fam.description)
+    result.families += families
+    return families
+
+
+def family_runs(plan: prereg.Plan, name: str, runs: pd.DataFrame) -> pd.DataFrame:
+    """Runs in the cells of one family of the plan (any seed; main and smoke stages), with
+    the family's `cell_id`."""
+    if runs.empty:
+        return runs.assign(cell_id=pd.Series(dtype=object))
+    parts = [relaxed_match(plan, plan.family(name), runs)[0]]
+    smoke = smoke_plan(plan, set(runs["campaign"].astype(str)))
+    if smoke is not None and any(f.name == name + SMOKE_TAG for f in smoke.families):
+        parts.append(relaxed_match(smoke, smoke.family(name + SMOKE_TAG), runs)[0])
+    found = pd.concat([p for p in parts if len(p)], ignore_index=True) if any(
+        len(p) for p in parts) else runs.head(0).assign(cell_id=pd.Series(dtype=object))
+    return found.drop_duplicates("run_id").reset_index(drop=True)
+
+
+def means_table(runs: pd.DataFrame, by: Sequence[str], metrics: Sequence[str],
+                ranges: Sequence[str] = ()) -> pd.DataFrame:
+    """Arithmetic means over runs per group (PAPER_DESIGN 2.2), n seeds, and min-max
+    ranges across runs of the `ranges` metrics (e.g. the waiting gauge's run maxima)."""
+    if runs.empty:
+        return pd.DataFrame()
+    rows = []
+    keys = ["stage", *by]
+    for values, group in runs.groupby(keys, sort=False, dropna=False):
+        row = dict(zip(keys, values, strict=True))
+        row["n"] = int(group["seed"].nunique())
+        row.update({m: float(group[m].astype(float).mean()) for m in metrics if m in group})
+        for m in ranges:
+            row[f"{m}_range"] = f"{group[m].min():g}-{group[m].max():g}"
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    order = {o: i for i, o in enumerate(ORG_ORDER)}
+    rank = {"budget": budget_rank, "org": lambda o: order.get(o, len(order))}
+    sort = [c for c in keys if c in ("stage", "budget", "org", "rate", "f", "q", "cap")]
+    return table.sort_values(sort, key=lambda s: s.map(rank[s.name]) if s.name in rank else s,
+                             kind="stable").reset_index(drop=True)

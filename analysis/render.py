@@ -95,10 +95,10 @@ class QuestionResult:
 
     def tables(self) -> dict[str, pd.DataFrame]:
         """Every CSV table: the frames and each family's estimand tables."""
-        out = dict(self.frames)
+        out = {k: v for k, v in self.frames.items() if not k.startswith("_")}
         for fam in self.families:
             for estimand, frame in fam.tables.items():
-                out[f"family_{fam.name}_{estimand}"] = frame
+                out[f"family_{slug(fam.name)}_{estimand}"] = frame
         return out
 
     def markdown(self, relative_to: Path | None = None) -> str:
@@ -106,8 +106,9 @@ class QuestionResult:
                f"Runs of question(s) {', '.join(self.reads)} from campaign(s) "
                f"{', '.join(self.campaigns) or 'none'}; adopted complete runs: "
                f"{self.num_runs}.", ""]
-        out += [f"> {note}" for note in self.notes]
-        if self.notes:
+        refused = [line for fam in self.families if (line := fam.headline())]
+        out += [f"> {line}" for line in [*refused, *self.notes]]
+        if self.notes or refused:
             out.append("")
         for section in self.sections:
             out.append(section.markdown())

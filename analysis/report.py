@@ -23,11 +23,12 @@ from pathlib import Path
 import pandas as pd
 
 import ledgers
-from analysis import prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9, readouts
+from analysis import common, prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9, readouts, supporting
 from analysis.render import md_table
 
-QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9)
-OWNED_GLOBS = ("index.md", "q[1-9].md", "tables/*.csv", "figures/*.png")
+QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES)
+OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
+               "tables/*.csv", "figures/*.png", "figures/*.svg")
 
 _CAMPAIGN_COUNTS = """
     SELECT campaign, count(*) AS runs_rows, count(DISTINCT run_id) AS run_ids,
@@ -133,8 +134,9 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
     summary = ReportSummary(out)
     con = ledgers.connect(root)
     try:
-        rows = [_question_page(m, con, out, plan_dir, allow_changed_plan, summary)
-                for m in QUESTIONS]
+        with common.cached_runs():
+            rows = [_question_page(m, con, out, plan_dir, allow_changed_plan, summary)
+                    for m in QUESTIONS]
         index = index_markdown(con, root, plan_dir, allow_changed_plan, pd.DataFrame(rows),
                                summary)
     finally:

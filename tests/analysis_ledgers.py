@@ -1,222 +1,86 @@
-"""Small real ledgers for the analysis tests, written through the runner's own API.
+"""Small real ledgers for the analysis tests, built from the REAL preregistered plans.
 
-Each cell runs with `experiments.cell.run_cell` on a short synthetic workload
-loaded enough (12 requests/s, long shared prompts) for the organizations to
-differ; its runs row comes from `experiments.ledger_io.runs_row` and is written
-with `ledgers.write_run`, exactly as `experiments.run` records a run, except
-that the plan hash can be chosen (tests use their own small plans).
+Every cell of the chosen families (conf/prereg) is turned into the overrides of a run and
+run with `experiments.cell.run_cell` on a short synthetic workload; its runs row comes from
+`experiments.ledger_io.runs_row` (stamped with the real plan hash of the campaign that
+collects it) and is written with `ledgers.write_run`, as `experiments.run` records a run.
+Main-stage families are written at their planned seeds; smoke-stage ones under
+`<campaign>_smoke` at the first three seeds, as `make <q> SMOKE=1` collects them. Q9's
+four runs per seed are written in the campaign's balanced (Williams) order.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import compose_config  # noqa: E402
 
+from analysis import prereg  # noqa: E402
 from experiments.cell import run_cell  # noqa: E402
 from experiments.ledger_io import run_key, runs_row  # noqa: E402
+from experiments.sweeps import williams_rows  # noqa: E402
 from ledgers import write_run  # noqa: E402
 
-WORKLOAD = ("workload.source=synthetic", "workload.num_requests=36", "load.rate=12",
+WORKLOAD = ("workload.source=synthetic", "workload.num_requests=36",
             "workload.synthetic_prompt_tokens=2400", "workload.synthetic_context_tokens=2048",
             "workload.synthetic_output_tokens=48")
+SMOKE_SEEDS = 3
 
 
-def write_cells(root: Path, campaign: str, plan_hash: str, overrides, seeds) -> list[dict]:
-    """Run one cell per seed, write each under `root` stamped with `plan_hash`; return rows.
-
-    The config is composed once and only its seed changes (composing dominates the cost).
-    """
-    cfg = compose_config(f"ledger_root={root}", f"campaign_name={campaign}",
-                         f"question={campaign}", *WORKLOAD, *overrides)
-    rows = []
-    for seed in seeds:
-        cfg.seed = int(seed)
-        key = run_key(cfg)
-        result = run_cell(cfg)
-        row = {**runs_row(cfg, key, result, result.summary["wall_seconds"]),
-               "prereg_plan_hash": plan_hash}
-        tables = {name: cols for name, cols in result.tables.items()
-                  if len(next(iter(cols.values())))}
-        write_run(root, key.campaign, key.run_id, tables, row)
-        rows.append(row)
-    return rows
+def brute_sign_flip(d) -> float:
+    """Reference two-sided sign-flip p by listing every sign assignment (itertools)."""
+    d = np.asarray(d, dtype=float)
+    observed = abs(d.mean())
+    hits = [abs(np.mean(d * np.array(signs))) >= observed - 1e-12
+            for signs in itertools.product((1, -1), repeat=d.size)]
+    return sum(hits) / len(hits)
 
 
-# Small plans over the test cells (rate 12, seeds 0-2), replacing q1, q4, q7, q8 and q9 of
-# conf/prereg in a temporary plan directory; the other questions keep their real plans.
-_PAIRED = "{{id: {0}_vs_{1}, kind: paired, treatment: {0}, control: {1}, predicted: {2}}}"
-TEST_PLANS = {
-    "q1": f"""
-question: Q1
-campaign: q1
-title: test steps
-alpha: 0.05
-families:
-  - name: steps
-    role: primary
-    seeds: [0, 1, 2]
-    defaults: {{budget: b63, cap: 63, rate: 12.0, q: 1.0, f: 0.0, reuse: share}}
-    cells:
-      - {{id: S0, org: S0}}
-      - {{id: S1, org: S1}}
-      - {{id: S2, org: S2}}
-      - {{id: D0, org: D0, d0_attention_fraction: 0.527383}}
-    estimands:
-      - {{name: throughput, metric: throughput_ledger, role: primary}}
-      - {{name: ttft_p99, metric: ttft_p99, role: secondary}}
-    decision: {{method: sign_flip_holm, rule: exact sign-flip, Holm}}
-    tests:
-      - {_PAIRED.format("S1", "S0", "positive")}
-      - {_PAIRED.format("S2", "S1", "positive")}
-      - {_PAIRED.format("D0", "S2", "none")}
-      - {{id: S2_vs_S1_minus_S1_vs_S0, kind: interaction, a: {{treatment: S2, control: S1}},
-         b: {{treatment: S1, control: S0}}, predicted: none}}
-  - name: more_seeds
-    role: secondary
-    seeds: [0, 1, 2, 3]
-    defaults: {{budget: b63, cap: 63, rate: 12.0, q: 1.0, f: 0.0, reuse: share}}
-    cells:
-      - {{id: S0, org: S0}}
-      - {{id: S1, org: S1}}
-      - {{id: S1_b83, org: S1, budget: b83}}
-    estimands:
-      - {{name: throughput, metric: throughput_ledger, role: primary}}
-    decision: {{method: sign_flip_holm, rule: exact sign-flip, Holm}}
-    tests:
-      - {_PAIRED.format("S1", "S0", "positive")}
-      - {_PAIRED.format("S1_b83", "S0", "positive")}
-""",
-    "q4": f"""
-question: Q4
-campaign: q4
-title: test four orgs
-alpha: 0.05
-families:
-  - name: d0_vs_s2
-    role: primary
-    seeds: [0, 1, 2]
-    defaults: {{campaign: q1, budget: b63, cap: 63, rate: 12.0, q: 1.0, f: 0.0, reuse: share}}
-    cells:
-      - {{id: S2, org: S2}}
-      - {{id: D0, org: D0, d0_attention_fraction: 0.527383}}
-    estimands:
-      - {{name: throughput, metric: throughput_ledger, role: primary}}
-    decision: {{method: sign_flip_holm, rule: exact sign-flip, Holm}}
-    tests:
-      - {_PAIRED.format("D0", "S2", "none")}
-""",
-    "q7": """
-question: Q7
-campaign: q7
-title: test depth
-alpha: 0.05
-families:
-  - name: probe_containment
-    role: gate
-    seeds: [0, 1, 2]
-    defaults: {budget: b83, cap: 63, rate: 12.0, q: 1.0, f: 0.0, reuse: share}
-    cells:
-      - {id: S2_off, org: S2, trace: false}
-      - {id: S2_on, org: S2, trace: true}
-      - {id: D0_off, org: D0, trace: false}
-      - {id: D0_on, org: D0, trace: true}
-    estimands:
-      - {name: probe_effect, metric: throughput_ledger, role: primary}
-    decision: {method: containment, margin_pct: 3.0, confidence: 0.9, rule: within 3}
-    tests:
-      - {id: probe_S2, kind: containment, probe_on: S2_on, probe_off: S2_off, predicted: none}
-      - {id: probe_D0, kind: containment, probe_on: D0_on, probe_off: D0_off, predicted: none}
-  - name: depth
-    role: primary
-    seeds: [0, 1, 2]
-    defaults: {budget: b83, cap: 63, rate: 12.0, q: 1.0, f: 0.0, reuse: share, trace: true}
-    cells:
-      - {id: S2_on, org: S2}
-      - {id: D0_on, org: D0}
-    estimands:
-      - {name: jadopt_mean, metric: jadopt_tokens_mean, role: primary}
-      - {name: gap_r_mean, metric: gap_r_tokens_mean, role: secondary}
-      - {name: depth_classes, metric: entry_vs_adopted_class_shares, role: secondary}
-    decision: {method: descriptive, rule: effects only}
-    tests:
-      - {id: D0_vs_S2_depth, kind: paired, treatment: D0_on, control: S2_on, predicted: none}
-""",
-    "q8": """
-question: Q8
-campaign: q8
-title: test retention depth
-alpha: 0.05
-families:
-  - name: retention_depth
-    role: primary
-    seeds: [0, 1, 2]
-    defaults: {budget: p80, cap: 63, rate: 12.0, q: 1.0, f: 0.0, reuse: share, trace: true}
-    cells:
-      - {id: S2, org: S2}
-      - {id: S2_RETENTION, org: S2_RETENTION, retention_k: 2}
-    estimands:
-      - {name: jadopt_mean, metric: jadopt_tokens_mean, role: primary}
-      - {name: throughput, metric: throughput_ledger, role: secondary}
-    decision: {method: descriptive, rule: effects only}
-    tests:
-      - {id: retention_vs_S2, kind: paired, treatment: S2_RETENTION, control: S2,
-         predicted: positive}
-""",
-    "q9": """
-question: Q9
-campaign: q9
-title: test K_ret
-alpha: 0.05
-families:
-  - name: k_ret
-    role: primary
-    seeds: [0, 1, 2]
-    defaults: {budget: p80, cap: 63, rate: 12.0, q: 1.0, f: 0.0}
-    cells:
-      - {id: S2_share, org: S2, reuse: share}
-      - {id: Ret_share, org: S2_RETENTION, reuse: share, retention_k: 2}
-      - {id: S2_isolate, org: S2, reuse: isolate}
-      - {id: Ret_isolate, org: S2_RETENTION, reuse: isolate, retention_k: 2}
-    estimands:
-      - {name: K_ret, metric: throughput_ledger, role: primary}
-    decision: {method: paired_t_interval, confidence: 0.95, rule: paired-t}
-    tests:
-      - {id: K_ret, kind: interaction, a: {treatment: Ret_share, control: S2_share},
-         b: {treatment: Ret_isolate, control: S2_isolate}, predicted: positive}
-      - {id: delta_share, kind: paired, treatment: Ret_share, control: S2_share,
-         predicted: positive}
-""",
-}
+def cell_overrides(keys) -> list[str]:
+    """The run overrides that reproduce a plan cell's design columns."""
+    pin = int(keys["pinning_k"])
+    out = [f"model={keys['model']}", f"org={str(keys['org']).lower()}",
+           f"budget={keys['budget']}", f"engine.cap={keys['cap']}", f"load.rate={keys['rate']}",
+           f"load.arrival={keys['arrival']}", f"workload.q={keys['q']}",
+           f"engine.headroom={keys['f']}", f"workload.reuse={keys['reuse']}",
+           f"engine.pinning_k={'null' if pin < 0 else pin}",
+           f"trace={str(bool(keys['trace'])).lower()}",
+           f"executor={str(keys['executor']).split(':', 1)[1]}"]
+    if "d0_attention_fraction" in keys:
+        out.append(f"model.d0_attention_fraction={keys['d0_attention_fraction']}")
+    if "retention_k" in keys:
+        out.append(f"retention.k={keys['retention_k']}")
+    return out
 
 
-def write_plans(plan_dir: Path) -> Path:
-    """conf/prereg copied to `plan_dir`, with TEST_PLANS written over it."""
-    from analysis import prereg
+@dataclass(frozen=True)
+class Part:
+    """Cells of one plan family to write: `stage` main or smoke, optionally some cells."""
 
-    plan_dir.mkdir(parents=True, exist_ok=True)
-    for path in sorted(prereg.PLAN_DIR.glob("q*.yaml")):
-        (plan_dir / path.name).write_text(path.read_text())
-    for name, text in TEST_PLANS.items():
-        (plan_dir / f"{name}.yaml").write_text(text.lstrip())
-    return plan_dir
+    plan: str
+    family: str
+    stage: str = "main"
+    cells: tuple[str, ...] = ()
+    balanced: bool = False
 
 
-# (campaign, seeds, cells): each cell is a tuple of overrides.
-LEDGER_CELLS = (
-    ("q1", (0, 1, 2), [(f"org={o}", "budget=b63") for o in ("s0", "s1", "s2", "d0")]),
-    ("q7", (0, 1, 2), [(f"org={o}", "budget=b83", f"trace={t}")
-                       for o in ("s2", "d0") for t in ("true", "false")]),
-    ("q8", (0, 1, 2), [(f"org={o}", "budget=p80", "trace=true") for o in ("s2", "s2_retention")]),
-    ("q9", (0, 1, 2), [(f"org={o}", "budget=p80", f"workload.reuse={m}")
-                       for o in ("s2", "s2_retention") for m in ("share", "isolate")]),
-    ("q5", (0, 1), [(f"org={o}", "budget=b63", f"load.rate={r}")
-                    for o in ("s2", "d0") for r in ("6", "12")]),
-    ("q6", (0, 1), [(f"org={o}", "budget=b63", f"engine.headroom={f}")
-                    for o in ("s2", "d0") for f in ("0.0", "0.19")]),
+PARTS = (
+    Part("q9", "k_ret", balanced=True),
+    Part("q7", "probe_containment"),
+    Part("q8", "retention_depth"),
+    Part("q1", "exp1b_low_load"),
+    Part("q2", "anchors"),
+    Part("q1", "EXT-22", "smoke"),
+    Part("q3", "sharing_levels", "smoke"),
+    Part("q5", "load_curves", cells=("S2_b63_r0p8", "D0_b63_r0p8", "S2_b63_r3", "D0_b63_r3")),
+    Part("q6", "Q6-17", "smoke", cells=("D0_b63_f0", "S2_b63_f0", "D0_b63_f19", "S2_b63_f19",
+                                         "S2_b63_f27")),
 )
 
 
@@ -224,23 +88,59 @@ LEDGER_CELLS = (
 class BuiltLedger:
     root: Path
     plan_dir: Path
-    rows: list[dict]
+    rows: list[dict] = field(default_factory=list)
+
+
+def _jobs(part: Part) -> list[tuple[prereg.Cell, int, str]]:
+    fam = prereg.load_plan(part.plan).family(part.family)
+    cells = [c for c in fam.cells if not part.cells or c.id in part.cells]
+    jobs = []
+    for cell in cells:
+        home = prereg.cell_campaigns(cell)[-1]
+        campaign = home + ("_smoke" if part.stage == "smoke" else "")
+        seeds = cell.seeds[:SMOKE_SEEDS] if part.stage == "smoke" else cell.seeds
+        jobs += [(cell, seed, campaign) for seed in seeds]
+    if part.balanced:  # each seed's conditions in row i of a Williams design
+        seeds = sorted({s for _, s, _ in jobs})
+        rows = williams_rows(len(cells))
+        jobs = [next(j for j in jobs if j[1] == seed and j[0].id == cells[k].id)
+                for i, seed in enumerate(seeds) for k in rows[i % len(rows)]]
+    return jobs
+
+
+def build(root: Path, parts=PARTS) -> BuiltLedger:
+    """Write every part's runs once (a cell shared by two families is written once)."""
+    built = BuiltLedger(root, prereg.PLAN_DIR)
+    written: set[str] = set()
+    configs: dict[tuple, object] = {}
+    for part in parts:
+        for cell, seed, campaign in _jobs(part):
+            home = prereg.home_campaign(campaign)
+            key_id = (cell.id, campaign, home, tuple(sorted(cell.keys.items(), key=str)))
+            if key_id not in configs:
+                configs[key_id] = compose_config(
+                    f"ledger_root={root}", f"campaign_name={campaign}", f"question={home}",
+                    *WORKLOAD, *cell_overrides(cell.keys))
+            cfg = configs[key_id]
+            cfg.seed = int(seed)
+            key = run_key(cfg)
+            if key.run_id in written:
+                continue
+            written.add(key.run_id)
+            result = run_cell(cfg)
+            row = runs_row(cfg, key, result, result.summary["wall_seconds"])
+            tables = {name: cols for name, cols in result.tables.items()
+                      if len(next(iter(cols.values())))}
+            write_run(root, key.campaign, key.run_id, tables, row)
+            built.rows.append(row)
+    return built
 
 
 _BUILT: dict[str, BuiltLedger] = {}
 
 
 def shared_ledger(tmp_path_factory) -> BuiltLedger:
-    """The test ledger (built once per session) and its plan directory."""
+    """The test ledger (built once per session)."""
     if "ledger" not in _BUILT:
-        base = tmp_path_factory.mktemp("analysis_ledger")
-        plan_dir = write_plans(base / "plans")
-        from analysis import prereg
-
-        rows = []
-        for campaign, seeds, cells in LEDGER_CELLS:
-            plan_hash = prereg.load_plan(campaign, plan_dir).plan_hash
-            for cell in cells:
-                rows += write_cells(base / "ledger", campaign, plan_hash, cell, seeds)
-        _BUILT["ledger"] = BuiltLedger(base / "ledger", plan_dir, rows)
+        _BUILT["ledger"] = build(tmp_path_factory.mktemp("analysis_ledger") / "ledger")
     return _BUILT["ledger"]

@@ -1,12 +1,12 @@
-"""Per-question analyses on a small real ledger, checked against the raw Parquet tables.
+"""Per-question analyses on a small real ledger built from the real plans, checked against
+the raw Parquet tables.
 
-Expectations are computed here from the files themselves (pyarrow, numpy,
-itertools, scipy, statsmodels), never through the catalog or analysis code.
+Expectations are computed here from the files themselves (pyarrow, numpy, itertools,
+statsmodels), never through the catalog or the analysis code.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import shutil
 
@@ -14,12 +14,12 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from analysis_ledgers import shared_ledger
-from scipy import stats as scipy_stats
+from analysis_ledgers import brute_sign_flip, shared_ledger
 from statsmodels.stats.multitest import multipletests
 
 import ledgers
-from analysis import common, q1, q2, q3, q4, q5, q6, q7, q8, q9
+from analysis import common, q1, q2, q3, q4, q5, q6, q7, q8, q9, report
+from analysis.families import SMOKE_STATUS
 
 QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9)
 
@@ -37,365 +37,277 @@ def con(ledger):
 
 
 @pytest.fixture(scope="module")
-def analyzed(con, ledger):
-    """Each question's result on the test ledger, computed once."""
+def analyzed(con):
     cache = {}
 
     def get(module):
         if module not in cache:
-            cache[module] = module.analyze(con, plan_dir=ledger.plan_dir)
+            cache[module] = module.analyze(con)
         return cache[module]
 
     return get
 
 
-def raw(ledger, table: str, campaign: str) -> pd.DataFrame:
-    files = sorted((ledger.root / table / f"campaign={campaign}").glob("*.parquet"))
+def raw(ledger, table: str, *campaigns: str) -> pd.DataFrame:
+    files = [f for c in campaigns
+             for f in sorted((ledger.root / table / f"campaign={c}").glob("*.parquet"))]
     return pd.concat([pq.read_table(f).to_pandas() for f in files], ignore_index=True)
 
 
-def by_seed(runs: pd.DataFrame, column: str = "throughput_ledger", **keys) -> pd.Series:
+def by_seed(runs: pd.DataFrame, column: str = "throughput_span", **keys) -> pd.Series:
     mask = pd.Series(True, index=runs.index)
     for key, value in keys.items():
-        mask &= runs[key] == value
+        mask &= np.isclose(runs[key], value) if isinstance(value, float) else runs[key] == value
     return runs[mask].set_index("seed")[column].sort_index()
 
 
-def brute_sign_flip(d) -> float:
-    d = np.asarray(d, dtype=float)
-    observed = abs(d.mean())
-    hits = [abs(np.mean(d * np.array(signs))) >= observed - 1e-12
-            for signs in itertools.product((1, -1), repeat=d.size)]
-    return sum(hits) / len(hits)
+def family(result, name):
+    return next(f for f in result.families if f.name == name)
 
 
-def t_interval_pct(d, confidence=0.95) -> tuple[float, float]:
-    d = np.asarray(d, dtype=float)
-    half = scipy_stats.t.ppf(0.5 + confidence / 2, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size)
-    return 100 * math.expm1(d.mean() - half), 100 * math.expm1(d.mean() + half)
+# --- run-level readouts -------------------------------------------------------------------
 
 
-# --- Q1: throughput tables, latency, step changes, the family --------------------------
+def test_work_and_gauge_readouts_match_the_raw_tables(con, ledger):
+    """C_once, H, K, H/K, gauges, percentiles and requests/s from requests/steps/poller."""
+    runs = common.load_runs(con, ["q2"]).runs.set_index("run_id")
+    requests = raw(ledger, "requests", "q2").groupby("run_id")
+    steps = raw(ledger, "steps", "q2").groupby("run_id")
+    poller = raw(ledger, "poller", "q2").groupby(["run_id", "t_s"])[["running", "waiting"]].max()
+    assert len(runs) == 18
+    for run_id, row in runs.iterrows():
+        req = requests.get_group(run_id)
+        started = req[req["start_s"].notna()]
+        c_once = int((started["prompt_tokens"] - started["adopted_prefix_tokens"]).sum())
+        assert row["c_once_tokens"] == c_once
+        assert row["h_tokens"] == c_once + req["output_tokens"].sum()
+        assert row["engine_steps"] == len(steps.get_group(run_id))
+        assert row["h_per_k"] == pytest.approx(row["h_tokens"] / len(steps.get_group(run_id)))
+        gauges = poller.loc[run_id]
+        assert row["running_median"] == pytest.approx(gauges["running"].median())
+        assert row["waiting_max"] == gauges["waiting"].max()
+        assert row["running_max"] == gauges["running"].max()
+        done = req[req["status"] == "finished"]
+        assert row["ttft_p50"] == pytest.approx(np.percentile(done["ttft_s"], 50))
+        assert row["tpot_p99"] == pytest.approx(np.percentile(done["tpot_s"].dropna(), 99))
+        span = row["span_end_s"] - row["span_start_s"]
+        assert row["requests_per_s"] == pytest.approx(row["completed_requests"] / span)
 
 
-def test_q1_cells_hold_arithmetic_and_geometric_means_per_org(analyzed, ledger):
+def test_q1_low_load_table_means_and_waiting_run_maxima(analyzed, ledger):
     result = analyzed(q1)
+    table = result.frames["exp1b"].set_index(["budget", "org"])
     runs = raw(ledger, "runs", "q1")
-    cells = result.frames["cells"].set_index("cell")
-    assert sorted(cells.index) == ["D0", "S0", "S1", "S2"]
-    for org, group in runs.groupby("org"):
-        values = group["throughput_ledger"].to_numpy()
-        assert cells.loc[org, "n"] == 3
-        assert cells.loc[org, "throughput_ledger_mean"] == pytest.approx(values.mean())
-        assert cells.loc[org, "throughput_ledger_geomean"] == pytest.approx(
-            math.exp(np.log(values).mean()))
-        span = group["throughput_span"].to_numpy()
-        assert cells.loc[org, "throughput_span_geomean"] == pytest.approx(
-            math.exp(np.log(span).mean()))
+    poller = raw(ledger, "poller", "q1").groupby(["run_id", "t_s"])["waiting"].max()
+    maxima = poller.groupby("run_id").max()
+    for (budget, org), row in table.iterrows():
+        cell = runs[(runs.budget == budget) & (runs.org == org) & (runs.rate == 0.8)]
+        assert row["n"] == 3
+        assert row["throughput_span"] == pytest.approx(cell["throughput_span"].mean())
+        peaks = maxima.loc[cell["run_id"]]
+        assert row["waiting_max_range"] == f"{peaks.min():g}-{peaks.max():g}"
+    fam = family(result, "exp1b_low_load")  # a secondary, descriptive family: no labels
+    assert fam.accepted and (fam.tables["throughput_span"]["decision"] == "").all()
+    assert fam.tables["ttft_p99"]["p_exact"].notna().all()
 
 
-def test_q1_latency_is_the_mean_of_run_level_p99s(analyzed, ledger):
-    cells = analyzed(q1).frames["cells"].set_index("cell")
-    runs = raw(ledger, "runs", "q1").set_index("run_id")
-    requests = raw(ledger, "requests", "q1")
-    finished = requests[requests["status"] == "finished"]
-    for metric, column in (("ttft_p99", "ttft_s"), ("e2e_p99", "e2e_s")):
-        p99 = finished.groupby("run_id")[column].apply(lambda x: np.percentile(x, 99))
-        per_org = p99.groupby(runs.loc[p99.index, "org"].to_numpy()).mean()
-        for org, value in per_org.items():
-            assert cells.loc[org, f"{metric}_mean"] == pytest.approx(value)
-
-
-def test_q1_step_changes_match_hand_computed_effects_signs_and_exact_p(analyzed, ledger):
+def test_ext22_smoke_is_the_real_family_over_four_campaigns(analyzed, ledger):
     result = analyzed(q1)
-    steps = result.frames["steps"]
-    runs = raw(ledger, "runs", "q1")
-    for treatment, control in q1.STEPS:
-        for metric in ("throughput_ledger", "throughput_span"):
-            d = np.log(by_seed(runs, metric, org=treatment)) - np.log(by_seed(runs, metric,
-                                                                             org=control))
-            row = steps[(steps["comparison"] == f"{treatment} vs {control}")
-                        & (steps["metric"] == metric)].iloc[0]
-            assert row["n"] == 3
-            assert row["effect"] == pytest.approx(100 * math.expm1(d.mean()))
-            assert (row["n_pos"], row["n_neg"], row["n_zero"]) == (
-                int((d > 0).sum()), int((d < 0).sum()), int((d == 0).sum()))
-            assert row["p_exact"] == pytest.approx(brute_sign_flip(d.to_numpy()))
-            low, high = t_interval_pct(d.to_numpy())
-            assert (row["ci_low"], row["ci_high"]) == pytest.approx((low, high))
-            seeds = result.frames["steps_seeds"]
-            shown = seeds[(seeds["comparison"] == row["comparison"]) & (seeds["metric"] == metric)]
-            assert shown["d"].to_numpy() == pytest.approx(d.to_numpy())
+    fam = family(result, "EXT-22 (smoke)")
+    assert fam.accepted and fam.status == SMOKE_STATUS and fam.m == 22
+    table = fam.tables["throughput_span"].set_index("test")
+    assert len(table) == 22 and list(table["label"]) == [f"row {i}" for i in range(1, 23)]
+    runs = raw(ledger, "runs", "q1_smoke", "q3_smoke", "q4_smoke", "d0_split_smoke")
+    main = runs[runs.q == 1.0]
+    t = {o: by_seed(main, org=o, budget="b83") for o in ("S0", "S1")}
+    t0 = {o: by_seed(runs, org=o, budget="b83", q=0.0) for o in ("S0", "S1")}
+    d_step = np.log(t["S1"] / t["S0"])
+    assert table.loc["S1_vs_S0_b83", "p_exact"] == pytest.approx(brute_sign_flip(d_step))
+    assert table.loc["S1_vs_S0_b83", "effect"] == pytest.approx(
+        (100 * (t["S1"] / t["S0"] - 1)).mean())
+    d_inter = d_step - np.log(t0["S1"] / t0["S0"])
+    row = table.loc["S1_vs_S0_b83_q1_minus_q0"]
+    assert row["p_exact"] == pytest.approx(brute_sign_flip(d_inter))
+    pp = 100 * (t["S1"] / t["S0"] - 1) - 100 * (t0["S1"] / t0["S0"] - 1)
+    assert row["effect"] == pytest.approx(pp.mean()) and row["unit"] == "pp"
+    split = by_seed(runs, org="D0", budget="b63", d0_attention_fraction=0.427383)
+    default = by_seed(runs[runs.campaign == "q4_smoke"], org="D0", budget="b63")
+    assert table.loc["D0_RM10_vs_default_b63", "p_exact"] == pytest.approx(
+        brute_sign_flip(np.log(split / default)))
+    p = table["p_exact"].to_numpy()
+    assert table["p_holm"].to_numpy() == pytest.approx(multipletests(p, method="holm")[1])
 
 
-def test_q1_family_is_holm_adjusted_within_the_declared_family(analyzed, ledger):
-    result = analyzed(q1)
-    fam = next(f for f in result.families if f.name == "steps")
-    assert fam.accepted and fam.reasons == []
-    table = fam.tables["throughput"].set_index("test")
-    assert list(table.index) == ["S1_vs_S0", "S2_vs_S1", "D0_vs_S2", "S2_vs_S1_minus_S1_vs_S0"]
-    runs = raw(ledger, "runs", "q1")
-    g = {org: np.log(by_seed(runs, org=org)) for org in ("S0", "S1", "S2", "D0")}
-    d = {"S1_vs_S0": g["S1"] - g["S0"], "S2_vs_S1": g["S2"] - g["S1"],
-         "D0_vs_S2": g["D0"] - g["S2"]}
-    d["S2_vs_S1_minus_S1_vs_S0"] = d["S2_vs_S1"] - d["S1_vs_S0"]
-    p = [brute_sign_flip(d[t].to_numpy()) for t in table.index]
-    assert table["p_exact"].to_numpy() == pytest.approx(p)
-    reject, adjusted, _, _ = multipletests(p, alpha=0.05, method="holm")
-    assert table["p_holm"].to_numpy() == pytest.approx(adjusted)
-    assert [s.startswith("reject") for s in table["decision"]] == list(reject)
-    pp = 100 * math.expm1(d["S2_vs_S1"].mean()) - 100 * math.expm1(d["S1_vs_S0"].mean())
-    assert table.loc["S2_vs_S1_minus_S1_vs_S0", "effect_pp"] == pytest.approx(pp)
-    assert (fam.tables["ttft_p99"]["decision"] == "secondary: no decision").all()
+def test_q3_and_q4_show_ext22_rows_decided_over_all_22(analyzed):
+    ext = family(analyzed(q1), "EXT-22 (smoke)").tables["throughput_span"].set_index("test")
+    for module, rows in ((q3, q3.ENDPOINT_ROWS), (q4, q4.D0_ROWS)):
+        borrowed = family(analyzed(module), "EXT-22 (smoke)")
+        table = borrowed.tables["throughput_span"].set_index("test")
+        assert list(table.index) == list(rows) and borrowed.m == 22
+        assert table["p_holm"].to_numpy() == pytest.approx(ext.loc[list(rows), "p_holm"])
+        assert "decided there: Holm over all 22" in borrowed.description
 
 
-def test_refused_family_names_missing_cells_and_seeds_and_stays_exploratory(analyzed):
-    result = analyzed(q1)
-    fam = next(f for f in result.families if f.name == "more_seeds")
-    assert not fam.accepted and fam.status == "refused"
-    reasons = " ".join(fam.reasons)
-    assert "missing runs: S0 " in reasons and "seeds [3]" in reasons
-    assert "S1_b83" in reasons and "seeds [0, 1, 2, 3]" in reasons
-    table = fam.tables["throughput"].set_index("test")
-    assert (table["decision"] == "refused").all() and table["p_holm"].isna().all()
-    assert table.loc["S1_vs_S0", "n"] == 3 and table.loc["S1_b83_vs_S0", "n"] == 0
-    markdown = result.markdown()
-    assert "Exploratory only (family refused)" in markdown and "seeds [3]" in markdown
+def test_q2_exp2c_s0_index_is_formed_within_seed(analyzed, ledger):
+    result = analyzed(q2)
+    runs = raw(ledger, "runs", "q3_smoke")
+    q0 = runs[runs.q == 0.0]
+    t = {o: by_seed(q0, org=o) for o in ("S0", "S1", "S2")}
+    index = result.frames["s0_index"].set_index("org")
+    assert index.loc["S0", "t_index"] == 1.0
+    assert index.loc["S2", "t_index"] == pytest.approx(
+        ((t["S1"] / t["S0"]) * (t["S2"] / t["S1"])).mean())
+    assert family(result, "anchors").accepted
+    anchors = family(result, "anchors").tables["c_once"].set_index("test")
+    assert anchors.loc["S1_vs_S0_2a", "unit"] == "%"
+
+
+# --- Q7/Q8: containment gate, then depth over INITIAL admissions ---------------------------
+
+
+def initial_by_hand(ledger, campaign: str) -> pd.DataFrame:
+    """Per run: means over ADOPT events of episode 1 (INITIAL) from the raw trace."""
+    trace = raw(ledger, "trace", campaign)
+    adopt = trace[(trace.event == "ADOPT") & (trace.episode == 1)]
+    return adopt.groupby("run_id").agg(jadopt=("boundary", "mean"), rmax_m1=("rmax_m1", "mean"),
+                                       amax_m1=("a_m1", "mean"), amax_m0=("a_m0", "mean"))
+
+
+def test_q7_gate_is_not_informative_in_simulation_and_depth_uses_initial_admissions(
+        analyzed, ledger):
+    result = analyzed(q7)
+    gate = family(result, "probe_containment")
+    assert gate.accepted and gate.gate_passed
+    probes = gate.tables["probe_effect"]
+    assert probes["note"].str.startswith("not informative in simulation").all()
+    assert (probes["decision"] == "not informative in simulation").all()  # never "PASS"
+    assert "Gate: not informative in simulation" in result.markdown()
+    assert "passed" not in " ".join(result.notes)
+    hand = initial_by_hand(ledger, "q7")
+    table = result.frames["initial_depth"]
+    runs = raw(ledger, "runs", "q7").set_index("run_id")
+    for run_id, row in hand.iterrows():
+        org, f, seed = runs.loc[run_id, ["org", "f", "seed"]]
+        got = table[(table.org == org) & np.isclose(table.f, f) & (table.seed == seed)].iloc[0]
+        assert got["jadopt"] == pytest.approx(row["jadopt"])
+        assert got["gap_r"] == pytest.approx(row["rmax_m1"] - row["jadopt"])
+    classes = result.frames["depth_classes"]
+    counted = classes[[c for c in classes if c.startswith("count_")]].to_numpy().sum()
+    trace = raw(ledger, "trace", "q7")
+    assert counted == ((trace.event == "ADOPT") & (trace.episode == 1)).sum()  # INITIAL only
+    depth = family(result, "depth")
+    change = depth.tables["jadopt"].set_index("test").loc["S2_f19_vs_f0_depth"]
+    j = hand.join(runs[["org", "f", "seed"]])
+    s2 = j[j.org == "S2"].set_index(["f", "seed"])["jadopt"]
+    assert change["effect"] == pytest.approx((s2.loc[0.19] - s2.loc[0.0]).mean())
+
+
+def test_q8_amax_bracket_from_m0_and_m1(analyzed, ledger):
+    result = analyzed(q8)
+    hand = initial_by_hand(ledger, "q8").join(raw(ledger, "runs", "q8").set_index("run_id")[
+        ["org", "seed"]]).set_index(["org", "seed"])
+    ret, s2 = hand.loc["S2_RETENTION"], hand.loc["S2"]
+    brackets = result.frames["amax_bracket"]
+    rows = brackets[brackets.seed != "mean"].set_index("seed")
+    for seed in s2.index:
+        assert rows.loc[seed, "d_amax_low"] == pytest.approx(
+            ret.loc[seed, "amax_m0"] - s2.loc[seed, "amax_m1"])
+        assert rows.loc[seed, "d_amax_high"] == pytest.approx(
+            ret.loc[seed, "amax_m1"] - s2.loc[seed, "amax_m0"])
+        assert rows.loc[seed, "d_jadopt"] == pytest.approx(
+            ret.loc[seed, "jadopt"] - s2.loc[seed, "jadopt"])
+    assert family(result, "retention_depth").accepted
+
+
+# --- Q9 ------------------------------------------------------------------------------------
+
+
+def test_q9_kret_label_only_on_the_primary_and_isolate_note(analyzed, ledger):
+    result = analyzed(q9)
+    runs = raw(ledger, "runs", "q9")
+    g = {(o, r): np.log(by_seed(runs, "throughput_ledger", org=o, reuse=r))
+         for o in ("S2", "S2_RETENTION") for r in ("share", "isolate")}
+    k = ((g[("S2_RETENTION", "share")] - g[("S2", "share")])
+         - (g[("S2_RETENTION", "isolate")] - g[("S2", "isolate")]))
+    kret = result.frames["kret"].set_index(["timebase", "estimand"])
+    assert kret.loc[("ledger", "K_ret"), "effect_pct"] == pytest.approx(
+        100 * math.expm1(k.mean()))
+    assert kret.loc[("ledger", "K_ret"), "decision"] != ""
+    if identical_isolate(runs):
+        row = family(result, "within_mode").tables["delta"].set_index("test").loc[
+            "delta_isolate"]
+        assert row["note"].startswith("identical runs") and row["effect"] == 0
+    assert (kret.drop(index=("ledger", "K_ret"))["decision"] == "").all()
+    fam = family(result, "k_ret")
+    assert fam.accepted  # written in the balanced order
+    assert (fam.tables["K_ret_span"]["decision"] == "").all()
+    assert (family(result, "within_mode").tables["delta"]["decision"] == "").all()
+    assert (q9.ISOLATE_NOTE in result.notes) == identical_isolate(runs)
+
+
+def identical_isolate(runs: pd.DataFrame) -> bool:
+    return bool((by_seed(runs, "throughput_ledger", org="S2", reuse="isolate")
+                 == by_seed(runs, "throughput_ledger", org="S2_RETENTION", reuse="isolate"))
+                .all())
+
+
+def test_q9_out_of_order_runs_are_refused(ledger, tmp_path):
+    root = tmp_path / "ledger"
+    shutil.copytree(ledger.root, root)
+    for path in (root / "runs" / "campaign=q9").glob("*.parquet"):
+        table = pq.read_table(path).to_pandas()
+        table["created_at"] = "2026-01-01T00:00:00." + table["org"].map(
+            {"S2": "000001", "S2_RETENTION": "000002"}) + table["reuse"].map(
+            {"share": "1", "isolate": "2"})
+        table.to_parquet(path, index=False)
+    connection = ledgers.connect(root)
+    try:
+        result = q9.analyze(connection)
+    finally:
+        connection.close()
+    fam = family(result, "k_ret")
+    assert not fam.accepted
+    assert any(r.startswith("run order not balanced") for r in fam.reasons)
+
+
+# --- partial families: one-line reasons and fill commands ---------------------------------
+
+
+def test_partial_families_say_what_is_missing_and_how_to_fill_it(analyzed):
+    r5, r6 = analyzed(q5), analyzed(q6)
+    page = r5.markdown()
+    assert "> Family `load_curves` refused: missing 54 of 66 planned runs" in page
+    assert "fill with `make q5`" in page
+    assert "fill with `make q6 SMOKE=1`" in r6.markdown()
+    assert "curve_runs" in r5.frames and len(r5.frames["curve_runs"]) == 12
 
 
 def test_changed_plan_is_refused_unless_allowed(ledger, tmp_path):
-    changed = tmp_path / "plans"
-    shutil.copytree(ledger.plan_dir, changed)
-    path = changed / "q1.yaml"
-    path.write_text(path.read_text().replace("title: test steps", "title: edited later"))
-    connection = ledgers.connect(ledger.root)
-    try:
-        strict = q1.analyze(connection, plan_dir=changed)
-        allowed = q1.analyze(connection, plan_dir=changed, allow_changed_plan=True)
-    finally:
-        connection.close()
-    strict_fam = next(f for f in strict.families if f.name == "steps")
-    assert not strict_fam.accepted and "plan changed after collection (refused)" in " ".join(
-        strict_fam.reasons)
-    allowed_fam = next(f for f in allowed.families if f.name == "steps")
-    assert allowed_fam.accepted and allowed_fam.plan_changed
-    assert "--allow-changed-plan" in allowed_fam.status
-    assert not allowed_fam.tables["throughput"]["p_holm"].isna().any()
+    from analysis import prereg
 
-
-# --- run-level readouts (Q2's measures) ---------------------------------------------------
-
-
-def test_run_level_work_gauges_and_preemptions_match_raw_tables(con, ledger):
-    runs = common.load_runs(con, ["q1"]).runs.set_index("run_id")
-    steps = raw(ledger, "steps", "q1").groupby("run_id")
-    poller = raw(ledger, "poller", "q1").groupby(["run_id", "t_s"])[["running", "waiting"]].max()
-    requests = raw(ledger, "requests", "q1").groupby("run_id")
-    assert len(runs) == 12
-    for run_id, row in runs.iterrows():
-        initial = steps.get_group(run_id)["prefill_tokens_initial"].sum()
-        resume = steps.get_group(run_id)["prefill_tokens_resume"].sum()
-        assert (row["prefill_tokens_initial"], row["prefill_tokens_resume"]) == (initial, resume)
-        assert row["prefill_tokens_computed"] == initial + resume
-        gauges = poller.loc[run_id]
-        assert row["poller_running_mean"] == pytest.approx(gauges["running"].mean())
-        assert row["poller_waiting_mean"] == pytest.approx(gauges["waiting"].mean())
-        assert row["preemptions"] == requests.get_group(run_id)["preemptions"].sum()
-
-
-def test_q2_without_runs_says_no_data_and_names_its_refused_families(analyzed, ledger):
-    result = analyzed(q2)
-    markdown = result.markdown()
-    assert result.num_runs == 0 and "No data for Q2" in markdown
-    assert all(not f.accepted for f in result.families)
-    assert "none of the 36 planned runs" in markdown
-
-
-# --- Q7/Q8: containment gate, then state depth ---------------------------------------------
-
-
-def depth_by_hand(ledger, campaign: str) -> pd.DataFrame:
-    """Per run: mean adopted depth and entry-vs-adopted class counts from the raw trace."""
-    trace = raw(ledger, "trace", campaign)
-    rows = []
-    for run_id, events in trace.groupby("run_id"):
-        entries = {}
-        classes = dict.fromkeys(q7.CLASSES, 0)
-        adopted = []
-        for e in events.sort_values("seq").itertuples():
-            if e.event == "ENTER_WAITING":
-                entries[(e.request_id, e.episode)] = e.j_m0
-            elif e.event == "ADOPT":
-                entry, depth = entries[(e.request_id, e.episode)], e.boundary
-                adopted.append(depth)
-                if entry == 0:
-                    classes["zero->zero" if depth == 0 else "zero->positive"] += 1
-                elif depth == entry:
-                    classes["positive-equal"] += 1
-                else:
-                    classes["deeper" if depth > entry else "shallower"] += 1
-        rows.append({"run_id": run_id, "jadopt": np.mean(adopted), **classes})
-    return pd.DataFrame(rows).set_index("run_id")
-
-
-def test_q7_gate_passes_then_depth_matches_the_trace(analyzed, ledger):
-    result = analyzed(q7)
-    gate = next(f for f in result.families if f.name == "probe_containment")
-    assert gate.accepted and gate.gate_passed
-    runs = raw(ledger, "runs", "q7")
-    on = by_seed(runs, org="S2", trace=True)
-    off = by_seed(runs, org="S2", trace=False)
-    d = 100 * (np.log(on) - np.log(off))
-    half = scipy_stats.t.ppf(0.95, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size)
-    probe = gate.tables["probe_effect"].set_index("test").loc["probe_S2"]
-    assert probe["effect"] == pytest.approx(d.mean())
-    assert (probe["ci_low"], probe["ci_high"]) == pytest.approx((d.mean() - half,
-                                                                d.mean() + half), abs=1e-9)
-    hand = depth_by_hand(ledger, "q7").join(runs.set_index("run_id")[["org"]])
-    cells = result.frames["depth_cells"].set_index("cell")
-    classes = result.frames["depth_classes"].set_index("cell")
-    for org, group in hand.groupby("org"):
-        cell = f"{org} trace on"
-        assert cells.loc[cell, "jadopt_mean"] == pytest.approx(group["jadopt"].mean())
-        for name in q7.CLASSES:
-            assert classes.loc[cell, f"count_{name}"] == group[name].sum()
-    assert cells["episodes"].sum() == sum(hand[list(q7.CLASSES)].sum())
-    depth = next(f for f in result.families if f.name == "depth")
-    assert depth.accepted
-    jadopt = hand.join(runs.set_index("run_id")[["seed"]]).set_index(["org", "seed"])["jadopt"]
-    diff = jadopt.loc["D0"] - jadopt.loc["S2"]
-    assert depth.tables["jadopt_mean"].iloc[0]["effect"] == pytest.approx(diff.mean())
-    assert "[M0; M1]" in result.markdown()
-
-
-def test_q7_depth_is_withheld_when_the_gate_family_is_refused(ledger, tmp_path):
     plans = tmp_path / "plans"
-    shutil.copytree(ledger.plan_dir, plans)
-    path = plans / "q7.yaml"
-    path.write_text(path.read_text().replace("seeds: [0, 1, 2]", "seeds: [0, 1, 2, 5]", 1))
+    shutil.copytree(prereg.PLAN_DIR, plans)
+    path = plans / "q9.yaml"
+    path.write_text(path.read_text().replace("title: Is the retention", "title: Was the"))
     connection = ledgers.connect(ledger.root)
     try:
-        result = q7.analyze(connection, plan_dir=plans, allow_changed_plan=True)
+        strict = q9.analyze(connection, plan_dir=plans)
+        allowed = q9.analyze(connection, plan_dir=plans, allow_changed_plan=True)
     finally:
         connection.close()
-    assert "depth_cells" not in result.frames
-    markdown = result.markdown()
-    assert "Depth analysis withheld" in markdown and "seeds [5]" in markdown
-    depth = next(f for f in result.families if f.name == "depth")
-    assert not depth.accepted and "withheld" in depth.reasons[0]
+    assert not family(strict, "k_ret").accepted
+    assert "plan changed after collection (refused)" in " ".join(family(strict, "k_ret").reasons)
+    assert family(allowed, "k_ret").accepted and family(allowed, "k_ret").plan_changed
 
 
-def test_runs_outside_the_plan_campaign_are_analysed_as_exploratory(ledger, tmp_path):
-    """A smoke-like campaign: its own ON/OFF pairs gate its depth; K_ret is exploratory."""
-    plans = tmp_path / "plans"
-    shutil.copytree(ledger.plan_dir, plans)
-    for name in ("q7", "q9"):
-        path = plans / f"{name}.yaml"
-        path.write_text(path.read_text().replace(f"campaign: {name}", f"campaign: {name}_main"))
-    connection = ledgers.connect(ledger.root)
-    try:
-        r7 = q7.analyze(connection, plan_dir=plans)
-        r9 = q9.analyze(connection, plan_dir=plans)
-    finally:
-        connection.close()
-    assert "depth_cells" in r7.frames
-    assert any("campaign q7: depth analysed" in n and "exploratory" in n for n in r7.notes)
-    depth = next(f for f in r7.families if f.name == "depth")
-    assert not depth.accepted and "withheld" in depth.reasons[0]
-    kret = r9.frames["kret"]
-    assert set(kret["status"]) == {"exploratory"} and set(kret["condition"]) == {"q9"}
-    assert "no preregistered K_ret" in r9.markdown()
-
-
-def test_q8_depth_uses_the_q7_gate_and_compares_retention(analyzed, ledger):
-    result = analyzed(q8)
-    assert any("campaign q8: depth analysed" in note
-               and "Q7 campaign q7: preregistered containment family" in note
-               for note in result.notes)
-    hand = depth_by_hand(ledger, "q8").join(raw(ledger, "runs", "q8").set_index("run_id")[
-        ["org", "seed"]]).set_index(["org", "seed"])["jadopt"]
-    diff = hand.loc["S2_RETENTION"] - hand.loc["S2"]
-    changes = result.frames["depth_changes"]
-    row = changes[changes["metric"] == "jadopt_tokens_mean"].iloc[0]
-    assert row["effect"] == pytest.approx(diff.mean())
-    assert row["n_pos"] == int((diff > 0).sum())
-    fam = result.families[0]
-    assert fam.accepted and fam.tables["jadopt_mean"].iloc[0]["effect"] == pytest.approx(
-        diff.mean())
-
-
-# --- Q9: K_ret ---------------------------------------------------------------------------
-
-
-def test_q9_kret_matches_the_hand_computed_interaction(analyzed, ledger):
-    result = analyzed(q9)
-    runs = raw(ledger, "runs", "q9")
-    for timebase, column in (("ledger", "throughput_ledger"), ("span", "throughput_span")):
-        g = {(org, reuse): np.log(by_seed(runs, column, org=org, reuse=reuse))
-             for org in ("S2", "S2_RETENTION") for reuse in ("share", "isolate")}
-        d_share = g[("S2_RETENTION", "share")] - g[("S2", "share")]
-        d_isolate = g[("S2_RETENTION", "isolate")] - g[("S2", "isolate")]
-        k = (d_share - d_isolate).to_numpy()
-        kret = result.frames["kret"].query("status == 'preregistered'")
-        kret = kret.set_index(["timebase", "estimand"])
-        row = kret.loc[(timebase, "K_ret")]
-        assert row["n"] == 3
-        assert row["effect_pct"] == pytest.approx(100 * math.expm1(k.mean()))
-        assert (row["ci_low_pct"], row["ci_high_pct"]) == pytest.approx(t_interval_pct(k))
-        expected = ("CONFIRMED" if t_interval_pct(k)[0] > 0 else
-                    "DIRECTIONAL" if (k > 0).all() else "NOT_CONFIRMED")
-        assert row["decision"] == expected
-        share = kret.loc[(timebase, "delta_share")]
-        assert share["effect_pct"] == pytest.approx(100 * math.expm1(d_share.mean()))
-    seeds = result.frames["kret_seeds"]
-    assert len(seeds) == 2 * 3 * 3
-    fam = next(f for f in result.families if f.name == "k_ret")
-    assert set(result.frames["kret"]["status"]) == {"preregistered"}  # one condition: no repeat
-    k_ledger = result.frames["kret"].set_index(["timebase", "estimand"]).loc[("ledger", "K_ret")]
-    assert fam.tables["K_ret"].set_index("test").loc["K_ret", "effect"] == pytest.approx(
-        k_ledger["effect_pct"])
-
-
-# --- Q4/Q5/Q6: D0/S2 contrasts by budget, load and headroom -------------------------------
-
-
-def test_q4_reuses_q1_runs_for_the_d0_s2_contrast_and_indices(analyzed, ledger):
-    result = analyzed(q4)
-    runs = raw(ledger, "runs", "q1")
-    d = np.log(by_seed(runs, org="D0")) - np.log(by_seed(runs, org="S2"))
-    row = result.frames["d0_vs_s2"].query("metric == 'throughput_ledger'").iloc[0]
-    assert row["effect"] == pytest.approx(100 * math.expm1(d.mean()))
-    index = result.frames["normalized_index"].set_index("arm")
-    chain = (by_seed(runs, org="S2") / by_seed(runs, org="S0"))
-    assert index.loc["S2", "index_mean"] == pytest.approx(chain.mean())
-    assert index.loc["D0", "index_geomean"] == pytest.approx(
-        math.exp(np.log(by_seed(runs, org="D0") / by_seed(runs, org="S0")).mean()))
-    assert result.families[0].accepted
-
-
-def test_q5_and_q6_contrast_per_load_and_headroom(analyzed, ledger):
-    r5 = analyzed(q5)
-    runs = raw(ledger, "runs", "q5")
-    contrast = r5.frames["d0_vs_s2"].query("metric == 'throughput_ledger'").set_index("rate")
-    for rate in (6.0, 12.0):
-        d = (np.log(by_seed(runs, org="D0", rate=rate))
-             - np.log(by_seed(runs, org="S2", rate=rate)))
-        assert contrast.loc[rate, "effect"] == pytest.approx(100 * math.expm1(d.mean()))
-    r6 = analyzed(q6)
-    runs = raw(ledger, "runs", "q6")
-    headroom = r6.frames["headroom"].query("metric == 'throughput_ledger'").set_index("org")
-    for org in ("S2", "D0"):
-        d = np.log(by_seed(runs, org=org, f=0.19)) - np.log(by_seed(runs, org=org, f=0.0))
-        assert headroom.loc[org, "effect"] == pytest.approx(100 * math.expm1(d.mean()))
-        assert headroom.loc[org, "n"] == 2
-
-
-def test_every_question_on_an_empty_ledger_says_no_data(tmp_path):
+def test_every_page_on_an_empty_ledger_says_no_data(tmp_path):
     connection = ledgers.connect(tmp_path / "nothing")
     try:
-        for module in QUESTIONS:
+        for module in report.QUESTIONS:
             result = module.analyze(connection)
             assert result.num_runs == 0
             assert f"No data for {module.QUESTION.upper()}" in result.markdown()
+            assert all(f.no_data or (not f.accepted and "withheld" in f.reasons[0])
+                       for f in result.families)
     finally:
         connection.close()

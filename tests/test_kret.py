@@ -13,7 +13,7 @@ import duckdb
 import pandas as pd
 import pytest
 
-from analysis import kret
+from analysis import kret, prereg
 
 REPO = Path(__file__).resolve().parent.parent
 SEEDS = list(range(88001, 88007))
@@ -117,7 +117,8 @@ def _ledger_runs() -> pd.DataFrame:
     runs = pd.DataFrame([
         {"seed": r["seed"], "org": org[r["policy"]], "reuse": r["mode"].lower(),
          "throughput_ledger": r["throughput_ledger"], "throughput_span": r["throughput_span"],
-         "status": "complete", "adopted": True, "campaign": "q9"}
+         "status": "complete", "adopted": True, "campaign": "q9",
+         "prereg_plan_hash": prereg.load_plan("q9").plan_hash}
         for r in _rows()
     ])
     noise = runs.iloc[[0, 1, 2]].copy()
@@ -166,3 +167,14 @@ def test_ledgers_path_names_a_planned_seed_that_never_ran(fake_ledgers, capsys, 
     assert kret.main(["--ledgers", str(tmp_path), "--campaign", "q9"]) == 2
     err = capsys.readouterr().err
     assert "[88006]" in err and "missing S2/SHARE" in err
+
+
+def test_ledgers_path_checks_the_plan_hash(fake_ledgers, capsys, tmp_path):
+    runs = fake_ledgers["runs"].copy()
+    runs.loc[runs.index[:4], "prereg_plan_hash"] = "0" * 64
+    fake_ledgers["runs"] = runs
+    assert kret.main(["--ledgers", str(tmp_path), "--campaign", "q9"]) == 2
+    err = capsys.readouterr().err
+    assert "prereg_plan_hash" in err and "000000000000 x4" in err and "plan changed" in err
+    assert kret.main(["--ledgers", str(tmp_path), "--campaign", "q9",
+                      "--allow-changed-plan"]) == 0

@@ -30,8 +30,10 @@ def _cell_keys(family: dict) -> dict[str, dict]:
 
 
 def _complete_runs(plan: prereg.Plan, family: str) -> pd.DataFrame:
+    """The family's runs, each stamped with the plan hash of the campaign that collects it."""
     runs = prereg.expected_runs(plan, family).drop(columns="cell_id")
-    return runs.assign(prereg_plan_hash=plan.plan_hash, status="complete", adopted=True)
+    hashes = runs["campaign"].map(lambda c: prereg.load_plan(c).plan_hash)
+    return runs.assign(prereg_plan_hash=hashes, status="complete", adopted=True)
 
 
 # --- the declared plans -----------------------------------------------------------
@@ -67,40 +69,85 @@ def test_plan_hash_ignores_layout_but_not_content(tmp_path):
     assert prereg.plan_hash(changed) != prereg.plan_hash(raw)
 
 
-def test_q1_extension_family_has_22_tests_by_category():
-    fam = _raw_family("q1", "extension")
-    cells = _cell_keys(fam)
-    tests = fam["tests"]
-    assert len(tests) == 22
-
-    def orgs(t):
-        return cells[t["treatment"]]["org"], cells[t["control"]]["org"]
-
-    def differs(t, key):
-        return cells[t["a"]["treatment"]][key] != cells[t["b"]["treatment"]][key]
-
-    paired = [t for t in tests if t["kind"] == "paired"]
-    inter = [t for t in tests if t["kind"] == "interaction"]
-    stepwise = [t for t in paired if orgs(t) in (("S1", "S0"), ("S2", "S1"))]
-    d0_s2 = [t for t in paired if orgs(t) == ("D0", "S2")]
-    split = [t for t in paired if orgs(t) == ("D0", "D0")
-             and cells[t["treatment"]]["d0_attention_fraction"]
-             != cells[t["control"]]["d0_attention_fraction"]]
-    budget_inter = [t for t in inter if differs(t, "budget")]
-    sharing_inter = [t for t in inter if differs(t, "q")]
-    counts = [len(x) for x in (stepwise, d0_s2, budget_inter, split, sharing_inter)]
-    assert counts == [6, 3, 2, 8, 3]
-    assert sum(counts) == 22
-    assert {cells[t["treatment"]]["budget"] for t in d0_s2} == {"b63", "b83", "b108"}
+EXT22 = ["S1_vs_S0_b63", "S1_vs_S0_b83", "S1_vs_S0_b108", "S2_vs_S1_b63", "S2_vs_S1_b83",
+         "S2_vs_S1_b108", "D0_vs_S2_b63", "D0_vs_S2_b83", "D0_vs_S2_b108",
+         "D0_vs_S2_b108_minus_b63", "D0_vs_S2_b83_minus_b63",
+         "D0_RM10_vs_default_b63", "D0_RM05_vs_default_b63", "D0_RP05_vs_default_b63",
+         "D0_RP10_vs_default_b63", "D0_RM10_vs_default_b108", "D0_RM05_vs_default_b108",
+         "D0_RP05_vs_default_b108", "D0_RP10_vs_default_b108",
+         "S1_vs_S0_b83_q1_minus_q0", "S2_vs_S1_b83_q1_minus_q0", "D0_vs_S2_b83_q1_minus_q0"]
 
 
-def test_q6_confirmation_family_has_17_comparisons():
-    fam = _raw_family("q6", "confirmation")
-    assert len(fam["tests"]) == 17
-    assert fam["seeds"] == list(range(76400, 76412))
-    cells = _cell_keys(fam)
-    assert {(c["budget"], c["f"]) for c in cells.values()} == {
-        (b, f) for b in ("b63", "b83", "b108") for f in (0.0, 0.10, 0.19, 0.27, 0.35)}
+def test_ext22_membership_by_name_and_category():
+    plan = prereg.load_plan("q1")
+    fam = plan.primary_family
+    assert fam.name == "EXT-22" and fam.decision["statistic"] == "log_ratio"
+    assert [t.id for t in fam.tests] == EXT22
+    assert [t.label for t in fam.tests] == [f"row {i}" for i in range(1, 23)]
+    keys = {c.id: c.keys for c in fam.cells}
+
+    def of(test, role):
+        return keys[test.cells[role]]
+
+    for test in fam.tests[11:19]:  # split rows: D0 at r against D0 at 0.527383, same budget
+        t, c = of(test, "treatment"), of(test, "control")
+        assert (t["org"], c["org"], c["d0_attention_fraction"]) == ("D0", "D0", 0.527383)
+        assert t["campaign"] == "d0_split" and c["campaign"] == "q4"
+    fractions = sorted({of(t, "treatment")["d0_attention_fraction"] for t in fam.tests[11:19]})
+    assert fractions == [0.427383, 0.477383, 0.577383, 0.627383]
+    for test in fam.tests[19:]:  # sharing endpoints at b83: q = 1 (Q1/Q4) minus q = 0 (Q3)
+        assert of(test, "a.treatment")["q"] == 1.0 and of(test, "b.treatment")["q"] == 0.0
+        assert of(test, "b.control")["campaign"] == "q3"
+    assert {c.keys["cap"] for c in fam.cells} == {63}
+    assert {c.keys["pinning_k"] for c in fam.cells} == {2}
+    assert fam.seeds == tuple(range(42000, 42012))
+    assert fam.primary_estimand.metric == "throughput_span"
+
+
+Q6_17 = ["P0_b63", "P19_b63", "PT_b63", "ID_b63", "IS_b63", "P0_b83", "P19_b83", "PT_b83",
+         "ID_b83", "IS_b83", "P0_b108", "P19_b108", "PT_b108", "ID_b108", "IS_b108",
+         "P0_b108_minus_b63", "PT_b108_minus_b63"]
+
+
+def test_q6_17_membership_preselected_f_and_self_comparisons():
+    plan = prereg.load_plan("q6")
+    fam = plan.primary_family
+    assert fam.name == "Q6-17" and [t.id for t in fam.tests] == Q6_17
+    assert fam.seeds == tuple(range(76400, 76412))
+    keys = {c.id: c.keys for c in fam.cells}
+    chosen = {}
+    for test in fam.tests:
+        if test.id.startswith("PT_b") and "minus" not in test.id:
+            t, c = keys[test.cells["treatment"]], keys[test.cells["control"]]
+            chosen[t["budget"]] = (t["f"], c["f"])
+    assert chosen == {"b63": (0.0, 0.27), "b83": (0.10, 0.35), "b108": (0.10, 0.0)}
+    selves = [t.id for t in fam.tests if t.kind == "paired"
+              and t.cells["treatment"] == t.cells["control"]]
+    assert selves == ["ID_b63", "IS_b108"]
+    assert fam.decision["bootstrap"] == {"resamples": 10000, "seed": 76400}
+    assert {c.keys["pinning_k"] for c in fam.cells} == {1}
+
+
+def test_orig5_and_pin2_membership():
+    fam = prereg.load_plan("orig5").primary_family
+    assert fam.name == "ORIG-5" and fam.decision["statistic"] == "relative_pct"
+    assert fam.decision["first_look_seeds"] == list(range(6))
+    assert [t.label for t in fam.tests] == ["#1", "#2", "#3", "#4", "#5"]
+    comparators = [fam.cell(t.cells["control"]).keys["org"] for t in fam.tests]
+    assert comparators == ["S2", "S2", "S2", "S2", "S0"]
+    seeds = [len(fam.cell(t.cells["treatment"]).seeds) for t in fam.tests]
+    assert seeds == [6, 9, 9, 9, 9]
+    conditions = [(c.keys["budget"], c.keys["rate"], c.keys["cap"], c.keys["arrival"])
+                  for c in (fam.cell(t.cells["treatment"]) for t in fam.tests)]
+    assert conditions == [("b63", 3.0, 63, "poisson"), ("b108", 4.5, 109, "poisson"),
+                          ("b63", 1.7, 8, "poisson"), ("b63", 1.7, 63, "onoff"),
+                          ("b160", 8.0, 136, "poisson")]
+    pin = prereg.load_plan("pinning").primary_family
+    assert pin.name == "PIN-2" and [t.id for t in pin.tests] == ["gap_A_R0_to_R2",
+                                                                 "gap_B_R0_to_R2"]
+    ks = {(pin.cell(t.cells["a.treatment"]).keys["pinning_k"],
+           pin.cell(t.cells["b.treatment"]).keys["pinning_k"]) for t in pin.tests}
+    assert ks == {(1, 3)} and pin.decision["sensitivity_statistic"] == "log_ratio"
 
 
 def test_q9_k_ret_is_primary_on_fresh_seeds():
@@ -125,10 +172,10 @@ def test_primary_seeds_follow_the_campaign_map(q, seeds):
 
 
 def test_expected_runs_lists_cells_times_seeds():
-    runs = prereg.expected_runs(prereg.load_plan("q1"), "extension")
+    runs = prereg.expected_runs(prereg.load_plan("q1"), "EXT-22")
     assert len(runs) == 24 * 12
     assert runs.groupby("cell_id").seed.nunique().eq(12).all()
-    assert set(runs.campaign) == {"q1"}
+    assert set(runs.campaign) == {"q1", "q3", "q4", "d0_split"}
 
 
 # --- checking runs against a plan ---------------------------------------------------
@@ -181,20 +228,21 @@ def test_changed_plan_refused_unless_allowed():
 
 
 def test_reused_runs_are_checked_against_their_own_campaign_plan():
-    q1, q4 = prereg.load_plan("q1"), prereg.load_plan("q4")
-    runs = prereg.expected_runs(q4, "d0_vs_s2").drop(columns="cell_id")
-    runs = runs.assign(status="complete", adopted=True, prereg_plan_hash=q1.plan_hash)
-    assert prereg.check_family(q4, "d0_vs_s2", runs).accepted
-    stamped_q4 = runs.assign(prereg_plan_hash=q4.plan_hash)
-    check = prereg.check_family(q4, "d0_vs_s2", stamped_q4)
-    assert not check.accepted and check.changed[0].expected_hash == q1.plan_hash
+    q1, q3 = prereg.load_plan("q1"), prereg.load_plan("q3")
+    runs = _complete_runs(q3, "sharing_levels")
+    assert set(runs.campaign) == {"q1", "q3", "q4"}
+    assert prereg.check_family(q3, "sharing_levels", runs).accepted
+    stamped_q3 = runs.assign(prereg_plan_hash=q3.plan_hash)
+    check = prereg.check_family(q3, "sharing_levels", stamped_q3)
+    assert not check.accepted
+    assert {c.campaign: c.expected_hash for c in check.changed}["q1"] == q1.plan_hash
 
 
 def test_numeric_cell_values_match_across_types_and_splits_stay_apart():
     plan = prereg.load_plan("q1")
-    runs = _complete_runs(plan, "extension")
+    runs = _complete_runs(plan, "EXT-22")
     runs["rate"] = runs["rate"].astype(int)  # 3 in the ledger, 3.0 in the plan
-    check = prereg.check_family(plan, "extension", runs)
+    check = prereg.check_family(plan, "EXT-22", runs)
     assert check.accepted
     assert check.runs.groupby("cell_id").size().eq(12).all()
 

@@ -13,6 +13,8 @@ from analysis_ledgers import WORKLOAD, shared_ledger
 from conftest import compose_config
 
 from analysis import figures, prereg, report
+from analysis import paper_figures as pf
+from analysis.families import SMOKE_STATUS
 from experiments.run import main_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -25,24 +27,35 @@ def ledger(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def drawn(tmp_path_factory, ledger):
-    """Run the report CLI once, recording the axes of every figure it saves."""
+    """Run the report CLI once, recording the axes and titles of every figure it saves."""
     out = tmp_path_factory.mktemp("report")
-    axes = {}
-    save = figures._save
+    seen = {}
+    saves = {figures: "_save", pf: "save"}
+    originals = {module: getattr(module, name) for module, name in saves.items()}
 
-    def recording_save(fig, path):
-        axes[path.name] = [(ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes if ax.has_data()]
-        return save(fig, path)
+    def recorder(original):
+        def recording_save(fig, path):
+            seen[path.name] = {
+                "axes": [(ax.get_xlabel(), ax.get_ylabel(), ax) for ax in fig.axes
+                         if ax.has_data()],
+                "titles": [ax.get_title() for ax in fig.axes]
+                + [fig._suptitle.get_text() if fig._suptitle else ""],
+                "rotations": [label.get_rotation() for ax in fig.axes
+                              for label in ax.get_xticklabels()],
+            }
+            return original(fig, path)
+        return recording_save
 
-    figures._save = recording_save
+    for module, name in saves.items():
+        setattr(module, name, recorder(originals[module]))
     stdout = io.StringIO()
     try:
         with contextlib.redirect_stdout(stdout):
-            code = report.main(["--ledgers", str(ledger.root), "--out", str(out),
-                                "--plans", str(ledger.plan_dir)])
+            code = report.main(["--ledgers", str(ledger.root), "--out", str(out)])
     finally:
-        figures._save = save
-    return out, code, stdout.getvalue(), axes
+        for module, name in saves.items():
+            setattr(module, name, originals[module])
+    return out, code, stdout.getvalue(), seen
 
 
 def test_report_writes_index_pages_tables_and_prints_wall_time(drawn, ledger):
@@ -54,52 +67,71 @@ def test_report_writes_index_pages_tables_and_prints_wall_time(drawn, ledger):
         assert f"]({module.QUESTION}.md)" in index
         assert (out / f"{module.QUESTION}.md").is_file()
     assert str(ledger.root.resolve()) in index and "analysis sources sha256:" in index
-    for campaign in ("q1", "q7", "q9"):
-        plan_hash = prereg.load_plan(campaign, ledger.plan_dir).plan_hash[:12]
+    for campaign in ("q7", "q9"):
+        plan_hash = prereg.load_plan(campaign).plan_hash[:12]
         assert re.search(rf"\| {plan_hash} \| {campaign}: {plan_hash} x\d+ \| match \|", index)
     counts = pd.Series([r["campaign"] for r in ledger.rows]).value_counts()
     for campaign, n in counts.items():
         assert re.search(rf"\| {campaign} \| {n} \| {n} \| {n} \| 0 \| {n} \|", index)
     assert "plan-hash check: strict" in index
-    cells = pd.read_csv(out / "tables" / "q1_cells.csv")
-    assert set(cells["cell"]) == {"S0", "S1", "S2", "D0"}
-    family = pd.read_csv(out / "tables" / "q1_family_steps_throughput.csv")
-    assert list(family["test"])[:2] == ["S1_vs_S0", "S2_vs_S1"]
-    assert "No data for Q2" in (out / "q2.md").read_text()
-    assert "No data for Q3" in (out / "q3.md").read_text()
+    assert f"EXT-22 (smoke): {SMOKE_STATUS}" in index
+    low = pd.read_csv(out / "tables" / "q1_exp1b.csv")
+    assert len(low) == 6 and set(low["org"]) == {"S0", "S1", "S2"}
+    ext = pd.read_csv(out / "tables" / "q1_family_ext_22_smoke_throughput_span.csv")
+    assert len(ext) == 22 and list(ext["test"])[:2] == ["S1_vs_S0_b63", "S1_vs_S0_b83"]
+    assert "No data for CAPS" in (out / "caps.md").read_text()
+    for page in ("orig5", "pinning", "d0_split", "caps", "bursts"):
+        assert (out / f"{page}.md").is_file()
 
 
-def test_every_figure_is_a_valid_png_with_labelled_axes(drawn):
-    out, _, _, axes = drawn
+PAPER_FIGURES = {"q1_fig2a_throughput.png", "q1_fig2b_e2e_p99.png", "q1_fig2cd_low_load.png",
+                 "q2_fig3a_c_once.png", "q2_fig3b_index.png", "q3_fig4_endpoints.png",
+                 "q5_fig5_load_curves.png", "q6_fig6_headroom.png", "q7_fig7a_state.png",
+                 "q8_fig7b_retention.png", "q9_fig7c_kret.png"}
+
+
+def test_every_figure_is_a_labelled_png_and_svg_stating_its_conditions(drawn):
+    out, _, _, seen = drawn
     pngs = sorted((out / "figures").glob("*.png"))
-    expected = {"q1_throughput.png", "q1_steps.png", "q4_d0_vs_s2.png", "q5_load_curves.png",
-                "q6_headroom.png", "q7_depth.png", "q8_depth.png", "q9_kret.png"}
-    assert expected <= {p.name for p in pngs}
+    assert PAPER_FIGURES <= {p.name for p in pngs}
     for path in pngs:
         assert path.read_bytes()[:8] == PNG_SIGNATURE
+        assert path.with_suffix(".svg").read_text().lstrip().startswith("<?xml")
         height, width = mpimg.imread(path).shape[:2]
         assert height > 200 and width > 300
-        assert axes[path.name], path.name
-        for xlabel, ylabel in axes[path.name]:
-            assert xlabel and ylabel, (path.name, xlabel, ylabel)
+        record = seen[path.name]
+        assert record["axes"], path.name
+        assert any(xlabel for xlabel, _, _ in record["axes"]), path.name
+        for _, ylabel, _ in record["axes"]:
             assert "(" in ylabel, f"{path.name}: y label without a unit: {ylabel!r}"
+        assert set(record["rotations"]) <= {0.0}, path.name  # horizontal tick labels
         page = (out / f"{path.name.split('_')[0]}.md").read_text()
         assert f"(figures/{path.name})" in page
+    for name in PAPER_FIGURES:
+        titles = " ".join(" ".join(seen[name]["titles"]).split())  # wrapped lines joined
+        assert "n = " in titles, (name, titles)  # every paper figure states n
+        assert "S2_RETENTION" not in titles and "S2_RETENTION" not in str(
+            [ax.get_legend_handles_labels()[1] for _, _, ax in seen[name]["axes"]])
 
 
 def test_partial_ledger_from_the_runner_names_missing_runs_and_states_allowance(tmp_path):
     root = tmp_path / "ledger"
     for org in ("s0", "s1"):  # two Exp 1a cells of the real Q1 plan, one seed each
         main_run(compose_config(f"ledger_root={root}", "campaign_name=q1", "question=q1",
-                                *WORKLOAD[:2], f"org={org}", "budget=b63", "seed=42000"))
+                                *WORKLOAD[:2], f"org={org}", "budget=b63", "seed=42000",
+                                "engine.pinning_k=2"))
     out = tmp_path / "report"
     summary = report.write_report(root, out, allow_changed_plan=True)
     assert not summary.errors
     q1_page = (out / "q1.md").read_text()
-    assert "Family `exp1a_steps` (primary, sign_flip_holm): refused" in q1_page
+    assert "Family `EXT-22` (primary, sign_flip_holm, m = 22): refused" in q1_page
+    headline = ("> Family `EXT-22` refused: missing 286 of 288 planned runs: S0_b63 seeds "
+                "42001-42011, S1_b63 seeds 42001-42011, S2_b63 seeds 42000-42011 and 21 more "
+                "cells; fill with `make q1 && make q4 && make campaign C=d0_split && make q3`")
+    assert q1_page.index(headline) < q1_page.index("## ")
     assert re.search(r"missing runs: S0_b63 \(.*\) seeds \[42001, 42002", q1_page)
     assert re.search(r"missing runs: S2_b63 \(.*\) seeds \[42000, 42001", q1_page)
-    assert "S1 vs S0" in q1_page  # the descriptive step change over the seed present
+    assert "S1_vs_S0_b63" in q1_page  # exploratory row over the seed present
     for question in ("q2", "q3", "q5", "q6", "q7", "q8", "q9"):
         assert f"No data for {question.upper()}" in (out / f"{question}.md").read_text()
     index = (out / "index.md").read_text()

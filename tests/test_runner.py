@@ -204,7 +204,8 @@ def test_manifest_records_provenance_and_resolved_config(make_cfg, tmp_path):
 
 def test_prereg_plan_hash_only_for_questions_with_a_plan():
     assert provenance.prereg_plan_hash("q9") == prereg.load_plan("q9").plan_hash
-    assert provenance.prereg_plan_hash("caps") == provenance.prereg_plan_hash("") == ""
+    assert provenance.prereg_plan_hash("caps") == prereg.load_plan("caps").plan_hash
+    assert provenance.prereg_plan_hash("adhoc") == provenance.prereg_plan_hash("") == ""
 
 
 def _git_index(entries: list[tuple[str, bytes]]) -> bytes:

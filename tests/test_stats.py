@@ -241,7 +241,10 @@ def test_interaction_in_percentage_points():
     d_a, d_b = [0.2, 0.1, 0.3], [0.05, 0.0, 0.1]
     res = stats.interaction(d_a, d_b)
     assert res.effect_a_pct == pytest.approx(100 * math.expm1(0.2))
-    assert res.effect_pp == pytest.approx(100 * (math.exp(0.2) - math.exp(0.05)))
+    seedwise = [100 * (math.exp(a) - math.exp(b)) for a, b in zip(d_a, d_b, strict=True)]
+    assert res.effect_pp == pytest.approx(sum(seedwise) / 3)  # mean of seedwise pp
+    back_transformed = res.effect_a_pct - res.effect_b_pct  # the other definition differs
+    assert abs(res.effect_pp - back_transformed) > 0.05
     assert res.ratio_pct == pytest.approx(100 * math.expm1(0.15))
     assert res.test.pvalue == 0.25  # differences 0.15, 0.1, 0.2 all positive: 2 / 8
 
