@@ -218,7 +218,11 @@ def _load_runs(con, questions: Sequence[str]) -> RunSet:
     runs["stage"] = runs["campaign"].map(stage_of)
     staged = RunSet(questions, campaigns, runs, runs.head(0))
     for sql in (_REQUEST_METRICS, _STEP_METRICS, _POLLER_METRICS):
-        runs = runs.merge(query(con, sql, staged), on="run_id", how="left")
+        metrics = query(con, sql, staged)
+        # Readouts are recomputed from the raw tables; the runs row's own copies (written by
+        # newer engines) give way, so old and new ledgers are read the same way.
+        runs = runs.drop(columns=[c for c in metrics.columns if c != "run_id" and c in runs])
+        runs = runs.merge(metrics, on="run_id", how="left")
     runs["prefill_tokens_computed"] = runs["prefill_tokens_initial"] + runs["prefill_tokens_resume"]
     add_work_readouts(runs)
     runs["cell"] = cell_labels(runs)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import compose_config  # noqa: E402
@@ -42,6 +43,15 @@ def brute_sign_flip(d) -> float:
     return sum(hits) / len(hits)
 
 
+def executor_option(label: str) -> str:
+    """The conf/executor option whose profile name the ledger label `sim:<name>` carries."""
+    name = str(label).split(":", 1)[1]
+    for path in sorted((Path(__file__).resolve().parent.parent / "conf" / "executor").glob("*.yaml")):
+        if yaml.safe_load(path.read_text()).get("name") == name:
+            return path.stem
+    raise ValueError(f"executor={label!r}: no conf/executor profile is named {name!r}")
+
+
 def cell_overrides(keys) -> list[str]:
     """The run overrides that reproduce a plan cell's design columns."""
     pin = int(keys["pinning_k"])
@@ -51,7 +61,7 @@ def cell_overrides(keys) -> list[str]:
            f"engine.headroom={keys['f']}", f"workload.reuse={keys['reuse']}",
            f"engine.pinning_k={'null' if pin < 0 else pin}",
            f"trace={str(bool(keys['trace'])).lower()}",
-           f"executor={str(keys['executor']).split(':', 1)[1]}"]
+           f"executor={executor_option(keys['executor'])}"]
     if "d0_attention_fraction" in keys:
         out.append(f"model.d0_attention_fraction={keys['d0_attention_fraction']}")
     if "retention_k" in keys:
