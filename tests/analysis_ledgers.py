@@ -46,7 +46,8 @@ def brute_sign_flip(d) -> float:
 def executor_option(label: str) -> str:
     """The conf/executor option whose profile name the ledger label `sim:<name>` carries."""
     name = str(label).split(":", 1)[1]
-    for path in sorted((Path(__file__).resolve().parent.parent / "conf" / "executor").glob("*.yaml")):
+    profiles = Path(__file__).resolve().parent.parent / "conf" / "executor"
+    for path in sorted(profiles.glob("*.yaml")):
         if yaml.safe_load(path.read_text()).get("name") == name:
             return path.stem
     raise ValueError(f"executor={label!r}: no conf/executor profile is named {name!r}")
