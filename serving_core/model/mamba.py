@@ -93,14 +93,14 @@ def state_update(
     x (b, H, P), dt (b, H) discretized, B and C (b, G, N). Returns y (b, H, P) fp32.
     """
     b, h, p = x.shape
-    g, n = B.shape[1], B.shape[2]
+    g = B.shape[1]
     dtf = dt.float()[..., None, None]  # (b, h, 1, 1)
     dA = torch.exp(dtf * A.float()[None, :, None, None])
     Bh = B.float().repeat_interleave(h // g, dim=1)[:, :, None, :]  # (b, h, 1, n)
     Ch = C.float().repeat_interleave(h // g, dim=1)  # (b, h, n)
     dBx = (dtf * Bh) * x.float()[..., None]
     state.mul_(dA).add_(dBx)
-    y = torch.bmm(state.view(b * h, p, n), Ch.reshape(b * h, n, 1)).view(b, h, p)
+    y = torch.matmul(state, Ch[..., None]).view(b, h, p)  # state may be a strided arena view
     return y + x.float() * D.float()[None, :, None]
 
 
