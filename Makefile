@@ -34,7 +34,10 @@ plan: setup ## print the budget planner table for b63, b83 and b108 (Falcon-H1-7
 bench: setup ## engine benchmarks: default S2 b63 cell, 3,000 and 30,000 requests, profile
 	$(BIN)/python -m bench.engine_bench
 
-.PHONY: help setup test test-all lint plan bench
+tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1_tiny (offline)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny models/falcon_h1_tiny
+
+.PHONY: help setup test test-all lint plan bench tiny-model
 
 report: setup ## regenerate reports/ from the ledgers
 	$(BIN)/python -m analysis.report --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)
