@@ -27,11 +27,34 @@ from serving_core.executor.state_arena import StateArena
 from serving_core.request import Status
 
 
-class _DecodeIO:
+class PagedRecurrentIO:
+    """Recurrent state of a batch of composites, gathered through the page mapping and
+    written back to the same units (the paged decode update)."""
+
+    def __init__(self, arena: StateArena, composites) -> None:
+        self.arena = arena
+        self.loc = arena.locate(composites)
+        self.fp32 = arena.dtype == torch.float32
+        self._gathered = {}
+
+    def recurrent(self, layer):
+        conv, ssm, gathered = self.arena.gather(layer, self.loc)
+        self._gathered[layer] = gathered
+        if not self.fp32:
+            conv, ssm = conv.float(), ssm.float()
+        return conv, ssm
+
+    def store_recurrent(self, layer, conv, ssm):
+        gathered = self._gathered.pop(layer)
+        dtype = self.arena.dtype
+        self.arena.scatter(layer, self.loc, gathered, conv.to(dtype), ssm.to(dtype))
+
+
+class _DecodeIO(PagedRecurrentIO):
     """State access of a batch of one-token decodes, in place through the mapping."""
 
     def __init__(self, arena: StateArena, items) -> None:
-        self.arena = arena
+        super().__init__(arena, [it.req.working for it in items])
         dev = arena.device
         bt = arena.block_tokens
         ctx = [it.context for it in items]
@@ -46,9 +69,6 @@ class _DecodeIO:
         new = [r.attn[c // bt].units[0] for r, c in zip(reqs, ctx, strict=True)]
         self.new_units = torch.tensor(new, dtype=torch.long, device=dev)
         self.new_offsets = torch.tensor([c % bt for c in ctx], dtype=torch.long, device=dev)
-        self.loc = arena.locate([r.working for r in reqs]) if arena.mem.has_recurrent else None
-        self.fp32 = arena.dtype == torch.float32
-        self._gathered = {}
 
     def kv(self, layer):
         if not self.max_ctx:
@@ -61,17 +81,6 @@ class _DecodeIO:
     def store_kv(self, layer, k, v):
         self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
 
-    def recurrent(self, layer):
-        conv, ssm, gathered = self.arena.gather(layer, self.loc)
-        self._gathered[layer] = gathered
-        if not self.fp32:
-            conv, ssm = conv.float(), ssm.float()
-        return conv, ssm
-
-    def store_recurrent(self, layer, conv, ssm):
-        gathered = self._gathered.pop(layer)
-        dtype = self.arena.dtype
-        self.arena.scatter(layer, self.loc, gathered, conv.to(dtype), ssm.to(dtype))
 
 
 class _SegmentIO:
