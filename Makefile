@@ -34,16 +34,19 @@ plan: setup ## print the budget planner table for b63, b83 and b108 (Falcon-H1-7
 calibrate: setup ## fit the A100 step model to conf/calibration/ anchors; anchor table (~3 min)
 	$(BIN)/python -m serving_core.executor.calibrate $(ARGS)
 
-BENCH ?= engine single campaign ledger
-BENCH_PARTS := engine single campaign ledger
+BENCH ?= engine single campaign ledger kernel
+BENCH_PARTS := engine single campaign ledger kernel
 ifneq ($(filter-out $(BENCH_PARTS),$(BENCH)),)
 $(error BENCH=$(BENCH): allowed any of $(BENCH_PARTS) (default all))
 endif
 
-bench: setup ## benchmarks; BENCH="engine single campaign ledger" (default all) picks parts
+bench: setup ## benchmarks; BENCH="engine single campaign ledger kernel" (default all) picks parts
 	$(BIN)/python -m bench $(BENCH)
 
-.PHONY: help setup test test-all lint plan bench calibrate
+tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1_tiny (offline)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny models/falcon_h1_tiny
+
+.PHONY: help setup test test-all lint plan bench calibrate tiny-model
 
 report: setup ## regenerate reports/ from the ledgers
 	$(BIN)/python -m analysis.report --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)

@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.workload import build_workload
-from serving_core.engine import run_engine
+from serving_core.engine import run_engine, serve
 from serving_core.executor.profiles import load_device_profile
 from serving_core.executor.simulated import build_step_model
 from serving_core.geometry import geometry_from_config
@@ -113,33 +113,58 @@ def scheduler_config(cfg, arm: str, device) -> SchedulerConfig:
     )
 
 
+def _run_torch(cfg, geometry, org, pool_units, sched_cfg, specs, on_step):
+    """Serve the workload on the real executor: the model on the organization's arenas,
+    wall clock, arrivals released at their planned times."""
+    from serving_core.executor.torch_config import check_checkpoint, torch_executor_config
+    from serving_core.executor.torch_executor import build_torch_engine
+    from serving_core.model.falcon_h1 import FalconH1
+
+    tcfg = torch_executor_config(cfg.executor)
+    check_checkpoint(tcfg, geometry)
+    model = FalconH1.load(tcfg.checkpoint, tcfg.device, tcfg.dtype)
+    engine = build_torch_engine(
+        model, geometry, org, pool_units, sched_cfg, trace=bool(cfg.trace),
+        budget_label=str(cfg.budget), on_step=on_step,
+    )
+    engine.check_feasible(specs)  # before the clock matters
+    return serve(engine, specs)
+
+
 def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
-    """Run one cell in simulated time and return its records and summary.
+    """Run one cell (simulated time, or wall time with executor=torch) and return its
+    records and summary.
 
     `on_step(scheduler, memory)` is the engine's per-step hook (invariant checks in tests).
     """
+    from serving_core.executor.torch_config import is_torch_executor, torch_executor_config
+
     run0 = time.perf_counter()
     arm = arm_of(cfg.org)
     org = normalize_org(arm)
     geometry = geometry_from_config(cfg.model)
     plan = plan_budget(geometry, str(cfg.budget))
-    device = load_device_profile(cfg.executor)
+    real = is_torch_executor(cfg.executor)
+    device = torch_executor_config(cfg.executor) if real else load_device_profile(cfg.executor)
     sched_cfg = scheduler_config(cfg, arm, device)
-    step_model = build_step_model(geometry, device, org, cfg.engine.indirection_overhead)
     workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
     wall0 = time.perf_counter()
     pool_units = units_for(plan, org)
-    result = run_engine(
-        geometry,
-        org,
-        pool_units,
-        sched_cfg,
-        workload.requests,
-        step_model,
-        trace=bool(cfg.trace),
-        budget_label=str(cfg.budget),
-        on_step=on_step,
-    )
+    if real:
+        result = _run_torch(cfg, geometry, org, pool_units, sched_cfg, workload.requests, on_step)
+    else:
+        step_model = build_step_model(geometry, device, org, cfg.engine.indirection_overhead)
+        result = run_engine(
+            geometry,
+            org,
+            pool_units,
+            sched_cfg,
+            workload.requests,
+            step_model,
+            trace=bool(cfg.trace),
+            budget_label=str(cfg.budget),
+            on_step=on_step,
+        )
     summary = {"org": arm, "budget": str(cfg.budget), "seed": int(cfg.seed)}
     summary.update({k: result.summary[k] for k in SUMMARY_KEYS if k in result.summary})
     summary["wall_seconds"] = time.perf_counter() - wall0

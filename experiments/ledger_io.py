@@ -88,7 +88,10 @@ def cell_columns(cfg: DictConfig) -> dict:
         "seed": int(cfg.seed),
         "replicate": int(cfg.replicate),
         "trace": bool(cfg.trace),
-        "executor": f"sim:{cfg.executor.name}",
+        "executor": (
+            f"torch:{cfg.executor.device}" if cfg.executor.get("kind") == "torch"
+            else f"sim:{cfg.executor.name}"
+        ),
         "model": str(cfg.model.name),
     }
 

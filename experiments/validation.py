@@ -20,6 +20,11 @@ from omegaconf import DictConfig
 from experiments.cell import arm_of, scheduler_config
 from experiments.workload import normalize_load_config, normalize_workload_config
 from serving_core.executor.profiles import load_device_profile
+from serving_core.executor.torch_config import (
+    check_checkpoint,
+    is_torch_executor,
+    torch_executor_config,
+)
 from serving_core.geometry import geometry_from_config
 from serving_core.planner import plan_budget
 
@@ -98,7 +103,11 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
         raise ValueError(f"question={cfg.question!r}: expected a string")
     geometry = _prefixed("model", geometry_from_config, cfg.model)
     plan_budget(geometry, str(cfg.budget))
-    device = _prefixed("executor", load_device_profile, cfg.executor)
+    if is_torch_executor(cfg.executor):  # the real executor: its checkpoint must match the model
+        device = torch_executor_config(cfg.executor)
+        check_checkpoint(device, geometry)
+    else:
+        device = _prefixed("executor", load_device_profile, cfg.executor)
     eng = cfg.engine
     _integer(eng.cap, "engine.cap", 1)
     _optional_integer(eng.max_num_batched_tokens, "engine.max_num_batched_tokens", 1)

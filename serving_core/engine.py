@@ -1,15 +1,25 @@
-"""The serving engine loop on a virtual clock: arrivals, steps, executor time, records.
+"""The serving engine: a step-wise loop over scheduler, memory organization and executor.
 
-The loop is a pure function of its inputs: no wall-clock reads feed any record,
-so the same (config, seed) yields the same tables. Idle gaps jump to the next
-arrival; per-step work is proportional to the scheduled requests.
+`Engine` is the loop as an object: requests are added (planned arrivals are
+released when the clock reaches them), `step()` runs one engine step and
+reports the tokens it produced and the requests it finished. The clock is
+virtual for the simulated executor (advanced by the step-time model, idle gaps
+jump to the next arrival, so the same (config, seed) yields the same tables)
+and wall time for a real executor. `submit` may be called from another thread
+(an HTTP server) while a driver thread calls `step()` whenever `has_work()`.
+
+`run_engine` serves a whole workload and returns its tables and summary.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -17,7 +27,7 @@ from serving_core.geometry import Geometry
 from serving_core.memory import MemoryOrganization, build_memory
 from serving_core.records import Recorder, mechanism_summary, request_columns
 from serving_core.request import Request, Status
-from serving_core.scheduler import Scheduler, SchedulerConfig
+from serving_core.scheduler import Scheduled, Scheduler, SchedulerConfig
 
 
 @dataclass
@@ -26,6 +36,89 @@ class EngineResult:
     summary: dict
     requests: list[Request] = field(repr=False)
     memory: MemoryOrganization = field(repr=False)
+
+
+@dataclass(slots=True)
+class ExecutorOutput:
+    """What an executor returns for one step.
+
+    duration_s: modelled seconds (virtual clock); a wall-clock engine measures instead.
+    sampled: request id -> next token id for the scheduled requests that produce one;
+    a request missing here gets the workload's synthetic token (simulated runs).
+    """
+
+    duration_s: float = 0.0
+    sampled: dict[int, int] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    """Runs one scheduled step. `execute` sees the plan before publication;
+    `commit` (optional) runs after the scheduler published the step's entries."""
+
+    def execute(self, plan: list[Scheduled], checkpoint_writes: int) -> ExecutorOutput: ...
+
+
+class SimulatedExecutor:
+    """The step-time model as an executor: no data, only the step's duration."""
+
+    def __init__(self, step_model) -> None:
+        self.step_model = step_model
+
+    def execute(self, plan: list[Scheduled], checkpoint_writes: int) -> ExecutorOutput:
+        new_tokens = [item.num_new for item in plan]
+        contexts = [item.context for item in plan]
+        return ExecutorOutput(self.step_model.step_seconds(new_tokens, contexts, checkpoint_writes))
+
+
+class VirtualClock:
+    """Simulated time: moves only when a step's modelled duration or an idle jump moves it."""
+
+    wall = False
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+    def step_done(self, t0: float, modelled_s: float) -> float:
+        self.t = t0 + modelled_s
+        return self.t
+
+
+class WallClock:
+    """Wall time since the clock started; waiting sleeps, steps take what they take."""
+
+    wall = True
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def wait_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            time.sleep(delay)
+
+    def step_done(self, t0: float, modelled_s: float) -> float:
+        return self.now()
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """One engine step: when it ran, what it computed, which tokens it produced."""
+
+    step: int
+    t_start_s: float
+    duration_s: float
+    num_scheduled: int
+    produced: list[tuple[int, int]]  # (request id, token id) in plan order
+    finished: list[int]  # request ids that finished in this step
 
 
 def check_feasible(mem: MemoryOrganization, specs, org: str, budget: str) -> None:
@@ -48,73 +141,146 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(arr, q)) if arr.size else math.nan
 
 
-def run_engine(
-    geometry: Geometry,
-    org: str,
-    pool_units: dict[str, int],
-    sched_cfg: SchedulerConfig,
-    specs,
-    step_model,
-    trace: bool = False,
-    budget_label: str = "",
-    max_steps: int | None = None,
-    on_step=None,
-) -> EngineResult:
-    """Serve `specs` (RequestSpec, arrival order) and return the run's tables and summary.
+class Engine:
+    """Continuous batching over one memory organization, driven step by step.
 
     `on_step(scheduler, memory)` runs after every step when given (invariant checks).
     """
-    wall0 = time.perf_counter()
-    if not specs:
-        raise ValueError("workload.num_requests must be >= 1")
-    recorder = Recorder(trace=trace, slab=org == "S2")
-    mem = build_memory(geometry, org, pool_units, recorder, sched_cfg.slab_policy)
-    check_feasible(mem, specs, org, budget_label)
-    sched = Scheduler(mem, sched_cfg, recorder)
-    # Requests are materialized at arrival and drop their token lists when they finish,
-    # so memory follows the live set, not the workload size.
-    requests: list[Request] = []
-    arrivals = [float(s.arrival_s) for s in specs]
-    n = len(specs)
-    limit = max_steps or 20 * sum(len(s.prompt) + int(s.output_tokens) for s in specs) + 1000
 
-    clock = 0.0
-    next_arrival = 0
-    next_poll = 0
-    finished = 0
-    while finished < n:
-        while next_arrival < n and arrivals[next_arrival] <= clock:
-            req = Request(specs[next_arrival], mem.block_tokens)
-            requests.append(req)
-            recorder.now = req.arrival_s
-            sched.add_request(req, req.arrival_s)
-            next_arrival += 1
+    def __init__(
+        self,
+        geometry: Geometry,
+        org: str,
+        pool_units: dict[str, int],
+        sched_cfg: SchedulerConfig,
+        executor,
+        *,
+        clock=None,
+        trace: bool = False,
+        budget_label: str = "",
+        on_step=None,
+        recorder: Recorder | None = None,
+        memory: MemoryOrganization | None = None,
+    ) -> None:
+        self.geometry = geometry
+        self.org = org
+        self.budget_label = budget_label
+        self.recorder = recorder or Recorder(trace=trace, slab=org == "S2")
+        self.trace = self.recorder.trace_enabled
+        self.mem = memory or build_memory(
+            geometry, org, pool_units, self.recorder, sched_cfg.slab_policy
+        )
+        self.sched = Scheduler(self.mem, sched_cfg, self.recorder)
+        self.executor = executor
+        self.clock = clock or VirtualClock()
+        self.on_step = on_step
+        # Requests are materialized at arrival and drop their token lists when they finish,
+        # so memory follows the live set, not the workload size.
+        self.requests: list[Request] = []
+        self.num_finished = 0
+        self._planned: list[tuple[float, int, object]] = []  # (arrival, order, spec)
+        self._order = 0
+        self._inbox: deque = deque()  # specs submitted from other threads
+        self._cond = threading.Condition()
+        self._next_poll = 0
+        self._wall0 = time.perf_counter()
+
+    # ----- requests ---------------------------------------------------------------------------
+    def check_feasible(self, specs) -> None:
+        check_feasible(self.mem, specs, self.org, self.budget_label)
+
+    def add_request(self, spec) -> None:
+        """Plan a request: it enters the waiting queue when the clock reaches spec.arrival_s."""
+        bisect.insort(self._planned, (float(spec.arrival_s), self._order, spec))
+        self._order += 1
+
+    def submit(self, spec) -> None:
+        """Thread-safe: enqueue a request that arrives now (the clock at the next step)."""
+        self.check_feasible([spec])
+        with self._cond:
+            self._inbox.append(spec)
+            self._cond.notify_all()
+
+    def has_work(self) -> bool:
+        return bool(self.sched.running or self.sched.waiting or self._inbox or self._planned)
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until a request is submitted or planned (for a driver thread)."""
+        with self._cond:
+            return self._cond.wait_for(self.has_work, timeout)
+
+    def _enter(self, spec, arrival: float) -> Request:
+        req = Request(spec, self.mem.block_tokens)
+        req.arrival_s = arrival
+        self.requests.append(req)
+        self.recorder.now = arrival
+        self.sched.add_request(req, arrival)
+        return req
+
+    def _release_arrivals(self) -> None:
+        now = self.clock.now()
+        while self._inbox:
+            with self._cond:
+                spec = self._inbox.popleft()
+            self._enter(spec, now)
+        planned = self._planned
+        i = 0
+        while i < len(planned) and planned[i][0] <= now:
+            self._enter(planned[i][2], planned[i][0])
+            i += 1
+        if i:
+            del planned[:i]
+
+    def _poll(self) -> None:
+        now = self.clock.now()
+        while self._next_poll <= now:
+            self.recorder.sample(self._next_poll, self.sched, self.mem)
+            self._next_poll += 1
+
+    # ----- one step ---------------------------------------------------------------------------
+    def step(self) -> StepOutcome | None:
+        """Release due arrivals and run one step; None when idle (after waiting for the
+        next planned arrival, if there is one)."""
+        self._release_arrivals()
+        sched, rec = self.sched, self.recorder
         if not sched.running and not sched.waiting:
-            clock = max(clock, arrivals[next_arrival])  # idle: jump to the next arrival
-            while next_poll <= clock:
-                recorder.sample(next_poll, sched, mem)
-                next_poll += 1
-            continue
-        recorder.step, recorder.now = sched.step + 1, clock
-        plan = sched.schedule(clock)
+            if self._planned:
+                self.clock.wait_until(self._planned[0][0])  # idle: jump/sleep to the next arrival
+                self._poll()
+            return None
+        t0 = self.clock.now()
+        rec.step, rec.now = sched.step + 1, t0
+        plan = sched.schedule(t0)
         if not plan:
             raise RuntimeError(
                 f"step {sched.step}: nothing schedulable with {len(sched.waiting)} waiting"
             )
-        new_tokens = [item.num_new for item in plan]
-        contexts = [item.context for item in plan]
         crossings = sched.boundaries_crossed(plan)
         num_preempted, num_admitted = sched.num_preempted_step, sched.num_admitted_step
-        t0 = clock
-        dt = step_model.step_seconds(new_tokens, contexts, crossings)
-        clock = t0 + dt
+        out = self.executor.execute(plan, crossings)
+        produced = []
+        for item in plan:
+            req = item.req
+            if item.context + item.num_new == req.num_tokens:  # this step samples a token
+                token = out.sampled.get(req.rid)
+                if token is None:
+                    token = req.next_generated_token()
+                req.next_token = token
+                produced.append((req.rid, token))
+        t1 = self.clock.step_done(t0, out.duration_s)
         # Publication, sampled tokens and finishes become visible when the step completes.
-        recorder.now = clock
-        initial, resume, decode = sched.complete_step(plan, clock)
-        finished += sched.num_finished_step
-        if on_step is not None:
-            on_step(sched, mem)  # debug / test hook: invariant checks after every step
-        recorder.record_step(
+        rec.now = t1
+        initial, resume, decode = sched.complete_step(plan, t1)
+        commit = getattr(self.executor, "commit", None)
+        if commit is not None:
+            commit(plan)  # write the published states into their units
+        # A wall clock measures the step (commit included); a virtual one takes the model's.
+        dt = self.clock.now() - t0 if self.clock.wall else out.duration_s
+        finished = [item.req.rid for item in plan if item.req.status == Status.FINISHED]
+        self.num_finished += sched.num_finished_step
+        if self.on_step is not None:
+            self.on_step(sched, self.mem)  # debug / test hook: invariant checks after every step
+        rec.record_step(
             step=sched.step,
             t_start_s=t0,
             duration_s=dt,
@@ -128,34 +294,88 @@ def run_engine(
             num_admitted=num_admitted,
             **sched.plan_columns(plan),
         )
-        while next_poll <= clock:
-            recorder.sample(next_poll, sched, mem)
-            next_poll += 1
-        if sched.step > limit:
-            raise RuntimeError(f"no progress after {sched.step} steps: {finished}/{n} finished")
-    recorder.now = clock
-    if trace:
-        recorder.end(clock)
-    wall = time.perf_counter() - wall0
-    tables = {
-        "requests": request_columns(requests),
-        "poller": recorder.poller,
-        "trace": recorder.trace,
-        "slab": recorder.slab,
-        "steps": recorder.steps,
-    }
-    summary = summarize(requests, sched, clock, wall)
-    summary.update(
-        mechanism_summary(requests, sched.step, recorder.poller, sched.prefix_hit_tokens_self)
+        self._poll()
+        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished)
+
+    # ----- results ----------------------------------------------------------------------------
+    def result(self) -> EngineResult:
+        """Tables and summary of everything served so far (ends the trace)."""
+        clock = self.clock.now()
+        self.recorder.now = clock
+        if self.trace:
+            self.recorder.end(clock)
+        tables = {
+            "requests": request_columns(self.requests),
+            "poller": self.recorder.poller,
+            "trace": self.recorder.trace,
+            "slab": self.recorder.slab,
+            "steps": self.recorder.steps,
+        }
+        wall = time.perf_counter() - self._wall0
+        summary = summarize(self.requests, self.sched, clock, wall)
+        summary.update(
+            mechanism_summary(
+                self.requests, self.sched.step, self.recorder.poller,
+                self.sched.prefix_hit_tokens_self,
+            )
+        )
+        return EngineResult(tables, summary, self.requests, self.mem)
+
+
+def serve(engine: Engine, specs, max_steps: int | None = None) -> EngineResult:
+    """Plan every spec at its arrival time and step until all have finished."""
+    if not specs:
+        raise ValueError("workload.num_requests must be >= 1")
+    engine.check_feasible(specs)
+    for spec in specs:
+        engine.add_request(spec)
+    n = len(specs)
+    limit = max_steps or 20 * sum(len(s.prompt) + int(s.output_tokens) for s in specs) + 1000
+    while engine.num_finished < n:
+        engine.step()
+        if engine.sched.step > limit:
+            raise RuntimeError(
+                f"no progress after {engine.sched.step} steps: {engine.num_finished}/{n} finished"
+            )
+    return engine.result()
+
+
+def run_engine(
+    geometry: Geometry,
+    org: str,
+    pool_units: dict[str, int],
+    sched_cfg: SchedulerConfig,
+    specs,
+    step_model,
+    trace: bool = False,
+    budget_label: str = "",
+    max_steps: int | None = None,
+    on_step=None,
+) -> EngineResult:
+    """Serve `specs` (RequestSpec, arrival order) on the simulated executor.
+
+    `on_step(scheduler, memory)` runs after every step when given (invariant checks).
+    """
+    if not specs:
+        raise ValueError("workload.num_requests must be >= 1")
+    engine = Engine(
+        geometry,
+        org,
+        pool_units,
+        sched_cfg,
+        SimulatedExecutor(step_model),
+        trace=trace,
+        budget_label=budget_label,
+        on_step=on_step,
     )
-    return EngineResult(tables, summary, requests, mem)
+    return serve(engine, specs, max_steps)
 
 
 def summarize(requests: list[Request], sched: Scheduler, clock: float, wall: float) -> dict:
     done = [r for r in requests if r.status == Status.FINISHED]
     out = sum(r.num_generated for r in done)
     episode_end = math.ceil(max((r.finish_s for r in done), default=0.0))
-    span_start = min(r.arrival_s for r in requests)
+    span_start = min((r.arrival_s for r in requests), default=0.0)
     span_end = max((r.finish_s for r in done), default=span_start)
     ttft = [r.first_token_s - r.arrival_s for r in done]
     e2e = [r.finish_s - r.arrival_s for r in done]

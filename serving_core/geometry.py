@@ -21,6 +21,9 @@ MODEL_CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 TQ4_VECTOR_ELEMENTS = 256
 TQ4_VECTOR_BYTES = 130
 KV_CODECS = ("bf16", "tq4")
+# A preset may carry the remaining architecture fields of a real checkpoint under this key
+# (serving_core.model.make_tiny builds random-weight checkpoints from them).
+ARCHITECTURE_KEY = "architecture"
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ def geometry_from_config(cfg: Any, **overrides: Any) -> Geometry:
     """Build a Geometry from a mapping (dict, OmegaConf node) of model fields."""
     data = dict(cfg.items()) if hasattr(cfg, "items") else dict(cfg)
     data.update(overrides)
+    data.pop(ARCHITECTURE_KEY, None)  # checkpoint-building fields, not state geometry
     known = {f.name for f in fields(Geometry)}
     unknown = sorted(set(data) - known)
     if unknown:

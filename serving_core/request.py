@@ -63,6 +63,7 @@ class Request:
         "alloc_fail_logged",
         "memo_hit",
         "memo_version",
+        "next_token",
     )
 
     def __init__(self, spec, block_tokens: int) -> None:
@@ -97,6 +98,7 @@ class Request:
         self.alloc_fail_logged = False
         self.memo_hit = None  # last admission lookup and the cache version it saw
         self.memo_version = -1
+        self.next_token: int | None = None  # token a real executor sampled for this step
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +130,18 @@ class Request:
         self.tokens = []
         self.keys = []
 
-    def append_generated(self) -> None:
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + generated (what an executor feeds the model)."""
+        return self._token_list()[start:end]
+
+    def next_generated_token(self) -> int:
+        """The synthetic id of the next generated token (simulated executors)."""
         j = self.num_generated
-        self._token_list().append((self.rid * 1_000_003 + j * 7_919 + 17) % GENERATED_TOKEN_SPACE)
+        return (self.rid * 1_000_003 + j * 7_919 + 17) % GENERATED_TOKEN_SPACE
+
+    def append_generated(self) -> None:
+        """Append the token an executor sampled (`next_token`), else the synthetic one."""
+        token = self.next_token
+        self._token_list().append(self.next_generated_token() if token is None else token)
+        self.next_token = None
         self.num_generated += 1

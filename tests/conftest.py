@@ -42,3 +42,20 @@ def granite():
 @pytest.fixture(scope="session")
 def attention_only():
     return load_geometry("attention_only")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A random-weight tiny Falcon-H1 checkpoint (conf/model/falcon_h1_tiny.yaml), built once
+    per session offline with transformers' FalconH1 classes."""
+    from serving_core.model.make_tiny import build
+
+    return build(tmp_path_factory.mktemp("falcon_h1_tiny"), "falcon_h1_tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint):
+    """Our torch Falcon-H1 (fp32) loaded from the tiny checkpoint."""
+    from serving_core.model.falcon_h1 import FalconH1
+
+    return FalconH1.load(tiny_checkpoint)

@@ -1,0 +1,193 @@
+"""Model state stored in a memory organization's physical units.
+
+One torch arena per pool: (layers, units, unit elements), sized from the
+planner's units and the organization's unit bytes, so the bytes the planner
+budgets are the bytes the model uses. Typed views over it:
+
+- attention KV: the first `block_tokens` x (K, V, KV heads, head dim) elements of a
+  unit, addressed through the request's block table (one unit per block);
+- S0 / D0 composite: SSM state then conv window, contiguous in one unit;
+- S1 / S2 SSM state: split over the composite's member pages in member order,
+  address(b, j, u) = page_of(b, j) * page + offset(j, u), pages anywhere in the pool;
+- S1 conv window: the first elements of its dedicated conv page;
+- S2 conv window: a 32-KiB slot addressed by line id 16 p + s (the arena viewed
+  as lines); the negative "no conv state" sentinel is refused, never decoded.
+
+Locations always come from the memory organization (`ssm_member_pages`,
+`conv_line`); the arena keeps no mapping of its own, so an invalidated or
+reassigned unit can never be read as a stale copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serving_core.geometry import Geometry
+from serving_core.memory import MemoryOrganization
+from serving_core.memory.s2 import decode_conv_line
+
+STORAGE_DTYPES = {4: torch.float32, 2: torch.bfloat16}
+
+
+def storage_dtype(geometry: Geometry) -> torch.dtype:
+    if geometry.dtype_bytes not in STORAGE_DTYPES:
+        raise ValueError(
+            f"model.dtype_bytes={geometry.dtype_bytes}: the torch executor stores 4 (fp32) "
+            "or 2 (bf16)"
+        )
+    return STORAGE_DTYPES[geometry.dtype_bytes]
+
+
+class StateArena:
+    """The pools of one memory organization as torch tensors, with typed views."""
+
+    def __init__(self, mem: MemoryOrganization, geometry: Geometry, device="cpu") -> None:
+        if geometry.kv_codec != "bf16":
+            raise ValueError(f"kv_codec={geometry.kv_codec!r}: the torch executor stores plain KV")
+        self.mem = mem
+        self.org = mem.layout.org
+        self.dtype = storage_dtype(geometry)
+        self.device = torch.device(device)
+        elem = geometry.dtype_bytes
+        self.layers = geometry.num_layers
+        self.kv_heads, self.head_dim = geometry.num_kv_heads, geometry.head_dim
+        self.token_elems = geometry.attention_bytes_per_token // elem
+        self.block_tokens = mem.block_tokens
+        self.ssm_elems = geometry.ssm_bytes // elem
+        self.conv_elems = geometry.conv_bytes // elem
+        self.ssm_shape = (geometry.mamba_heads, geometry.mamba_head_dim, geometry.d_state)
+        self.conv_shape = (geometry.mamba_inner + 2 * geometry.n_groups * geometry.d_state,
+                           geometry.d_conv - 1)
+        self.pools: dict[str, torch.Tensor] = {}
+        for name, pool in mem.pools.items():
+            if pool.unit_bytes % elem:
+                raise ValueError(f"pool {name!r}: {pool.unit_bytes}-B unit is not whole elements")
+            self.pools[name] = torch.zeros(
+                self.layers, pool.num_units, pool.unit_bytes // elem, dtype=self.dtype,
+                device=self.device,
+            )
+        self.unit_elems = {name: t.shape[2] for name, t in self.pools.items()}
+        block_elems = self.block_tokens * self.token_elems
+        if block_elems > self.unit_elems[mem.attention_pool]:
+            raise ValueError("an attention block does not fit its unit")
+        if mem.has_recurrent:
+            self.rec_pool = mem.composite_pool
+            self.members = max(1, mem.layout.ssm_members)
+            unit = self.unit_elems[self.rec_pool]
+            if self.org in ("S0", "D0"):
+                fits = self.ssm_elems + self.conv_elems <= unit
+            else:
+                fits = self.ssm_elems <= self.members * unit and self.conv_elems <= unit
+            if not fits:
+                raise ValueError(f"{self.org}: a recurrent composite does not fit its units")
+            if self.org == "S2":
+                self.slot_elems = mem.layout.conv_slot_bytes // elem
+                self.slots_per_slab = mem.layout.slots_per_slab
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pools.values())
+
+    # ----- attention KV -----------------------------------------------------------------------
+    def kv_view(self, layer: int) -> torch.Tensor:
+        """(units, block_tokens, 2, KV heads, head dim) view of the attention pool."""
+        arena = self.pools[self.mem.attention_pool][layer]
+        n = self.block_tokens * self.token_elems
+        return arena[:, :n].view(arena.shape[0], self.block_tokens, 2, self.kv_heads,
+                                 self.head_dim)
+
+    def block_units(self, blocks) -> list[int]:
+        return [obj.units[0] for obj in blocks]
+
+    def gather_kv(self, layer: int, units: torch.Tensor, length: int):
+        """K and V of the first `length` tokens of each row of block units (b, nb)."""
+        view = self.kv_view(layer)
+        b, nb = units.shape
+        kv = view.index_select(0, units.reshape(-1)).view(b, nb * self.block_tokens, 2,
+                                                          self.kv_heads, self.head_dim)
+        kv = kv[:, :length]
+        return kv[:, :, 0], kv[:, :, 1]
+
+    def store_kv(self, layer: int, units: torch.Tensor, offsets: torch.Tensor, k, v) -> None:
+        """Write K, V (n, KVH, hd) at (unit, token offset) pairs."""
+        view = self.kv_view(layer)
+        view[units, offsets] = torch.stack([k, v], dim=1).to(self.dtype)
+
+    # ----- recurrent composites ---------------------------------------------------------------
+    def locate(self, objs) -> dict[str, torch.Tensor]:
+        """Physical addresses of composites, from the organization's mapping."""
+        mem = self.mem
+        pages = [mem.ssm_member_pages(obj) for obj in objs]
+        if any(len(p) != self.members for p in pages):
+            raise RuntimeError("a composite without all its SSM member pages was addressed")
+        loc = {"pages": torch.tensor(pages, dtype=torch.long, device=self.device)}
+        if self.org == "S1":
+            loc["conv"] = torch.tensor([mem.conv_line(o) for o in objs], dtype=torch.long,
+                                       device=self.device)
+        elif self.org == "S2":
+            lines = []
+            for obj in objs:
+                line = mem.conv_line(obj)
+                decode_conv_line(line, self.slots_per_slab)  # refuses the negative sentinel
+                lines.append(line)
+            loc["conv"] = torch.tensor(lines, dtype=torch.long, device=self.device)
+        return loc
+
+    def _conv_rows(self, layer: int) -> torch.Tensor:
+        arena = self.pools[self.rec_pool][layer]
+        if self.org == "S2":
+            return arena.view(-1, self.slot_elems)  # row = line id 16 p + s
+        return arena
+
+    def gather(self, layer: int, loc: dict[str, torch.Tensor]):
+        """Copies of (conv (b, Cd, K-1), ssm (b, H, P, N)) and the rows they came from."""
+        arena = self.pools[self.rec_pool][layer]
+        pages = loc["pages"]
+        b = pages.shape[0]
+        rows = arena.index_select(0, pages.reshape(-1))
+        if self.org in ("S0", "D0"):
+            ssm = rows[:, : self.ssm_elems].view(b, *self.ssm_shape)
+            conv = rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems]
+            return conv.view(b, *self.conv_shape), ssm, rows
+        flat = rows.view(b, -1)[:, : self.ssm_elems]
+        ssm = flat.view(b, *self.ssm_shape)
+        conv_rows = self._conv_rows(layer).index_select(0, loc["conv"])
+        conv = conv_rows[:, : self.conv_elems].view(b, *self.conv_shape)
+        return conv, ssm, (rows, conv_rows)
+
+    def scatter(self, layer: int, loc, gathered, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Write conv and ssm (as returned by `gather`, updated) back to their units."""
+        arena = self.pools[self.rec_pool][layer]
+        pages = loc["pages"]
+        b = pages.shape[0]
+        if self.org in ("S0", "D0"):
+            rows = gathered
+            if ssm.data_ptr() != rows.data_ptr():
+                rows[:, : self.ssm_elems] = ssm.reshape(b, -1)
+                rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems] = conv.reshape(b, -1)
+            arena.index_copy_(0, pages.reshape(-1), rows)
+            return
+        rows, conv_rows = gathered
+        flat = rows.view(b, -1)
+        if ssm.data_ptr() != flat.data_ptr():
+            flat[:, : self.ssm_elems] = ssm.reshape(b, -1)
+        arena.index_copy_(0, pages.reshape(-1), rows)
+        if conv.data_ptr() != conv_rows.data_ptr():
+            conv_rows[:, : self.conv_elems] = conv.reshape(b, -1)
+        self._conv_rows(layer).index_copy_(0, loc["conv"], conv_rows)
+
+    def read(self, obj) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (conv (1, Cd, K-1), ssm (1, H, P, N)) copies of one composite (fp32)."""
+        loc = self.locate([obj])
+        out = []
+        for layer in range(self.layers):
+            conv, ssm, _ = self.gather(layer, loc)
+            out.append((conv.float().clone(), ssm.float().clone()))
+        return out
+
+    def write(self, obj, states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store per-layer (conv, ssm) into one composite's units."""
+        loc = self.locate([obj])
+        for layer, (conv, ssm) in enumerate(states):
+            c, s, gathered = self.gather(layer, loc)
+            self.scatter(layer, loc, gathered, conv.to(self.dtype), ssm.to(self.dtype))

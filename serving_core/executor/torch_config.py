@@ -1,0 +1,67 @@
+"""Settings of the real (torch) executor and the checks run before a cell starts."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+
+from serving_core.geometry import Geometry
+from serving_core.model.config import check_geometry, read_config
+
+TORCH_KIND = "torch"
+_FIELDS = ("name", "kind", "checkpoint", "device", "dtype", "max_num_batched_tokens")
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class TorchExecutorConfig:
+    checkpoint: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_batched_tokens: int = 2048
+    name: str = TORCH_KIND
+
+
+def is_torch_executor(cfg) -> bool:
+    """True for an executor config node of kind torch (device profiles have no kind)."""
+    return hasattr(cfg, "get") and cfg.get("kind") == TORCH_KIND
+
+
+def torch_executor_config(cfg) -> TorchExecutorConfig:
+    """Parse and check an executor=torch node; ValueError names the field."""
+    data = dict(cfg.items())
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"executor: unknown fields {unknown}; allowed fields are {list(_FIELDS)}")
+    if not data.get("checkpoint"):
+        raise ValueError("executor.checkpoint: a checkpoint folder is required")
+    dtype = str(data.get("dtype", "float32"))
+    if dtype not in _DTYPES:
+        raise ValueError(f"executor.dtype={dtype!r}: allowed values are {list(_DTYPES)}")
+    device = str(data.get("device", "cpu"))
+    if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+        raise ValueError(f"executor.device={device!r}: allowed values are cpu, cuda, cuda:N")
+    tokens = data.get("max_num_batched_tokens", 2048)
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 1:
+        raise ValueError(f"executor.max_num_batched_tokens={tokens!r}: expected an integer >= 1")
+    return TorchExecutorConfig(str(data["checkpoint"]), device, dtype, int(tokens),
+                               str(data.get("name", TORCH_KIND)))
+
+
+def check_checkpoint(tcfg: TorchExecutorConfig, geometry: Geometry) -> dict:
+    """The checkpoint's config, after checking it has weights and matches the preset."""
+    try:
+        cfg = read_config(tcfg.checkpoint)
+    except ValueError as err:
+        raise ValueError(f"executor.{err}") from None
+    if not any(Path(tcfg.checkpoint).glob("*.safetensors")):
+        raise ValueError(
+            f"executor.checkpoint={tcfg.checkpoint!r}: no *.safetensors weights next to "
+            "config.json"
+        )
+    try:
+        check_geometry(cfg, geometry, tcfg.checkpoint)
+    except ValueError as err:
+        raise ValueError(f"executor.{err}") from None
+    return cfg

@@ -1,0 +1,250 @@
+"""The real executor: a Falcon-H1 model whose state lives in the organization's units.
+
+Per engine step:
+- decodes of running requests (one token, no checkpoint boundary) run as one batch
+  that gathers each request's working composite through the page mapping, updates
+  it and writes it back in place; their KV goes to the request's block table;
+- every other scheduled chunk (prefill, resume, the first step after adopting a
+  checkpoint, a token that lands on a boundary) starts from the adopted checkpoint
+  or the working composite (zeros at position 0), read into scratch, and runs
+  split at every interval boundary inside the chunk, keeping the state at each;
+- after the scheduler has published the step (`commit`), the state at each boundary
+  whose checkpoint was published is written into the composite that was published
+  there, and the chunk's final state into the request's working composite.
+Whatever the placement rule, only published composites receive boundary states, and
+scratch lives for one step only: no state outlives the units that hold it.
+Greedy decoding: the sampled token is the argmax of the last position's logits.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from serving_core.engine import ExecutorOutput
+from serving_core.executor.state_arena import StateArena
+from serving_core.request import Status
+
+
+class PagedRecurrentIO:
+    """Recurrent state of a batch of composites, gathered through the page mapping and
+    written back to the same units (the paged decode update)."""
+
+    def __init__(self, arena: StateArena, composites) -> None:
+        self.arena = arena
+        self.loc = arena.locate(composites)
+        self.fp32 = arena.dtype == torch.float32
+        self._gathered = {}
+
+    def recurrent(self, layer):
+        conv, ssm, gathered = self.arena.gather(layer, self.loc)
+        self._gathered[layer] = gathered
+        if not self.fp32:
+            conv, ssm = conv.float(), ssm.float()
+        return conv, ssm
+
+    def store_recurrent(self, layer, conv, ssm):
+        gathered = self._gathered.pop(layer)
+        dtype = self.arena.dtype
+        self.arena.scatter(layer, self.loc, gathered, conv.to(dtype), ssm.to(dtype))
+
+
+class _DecodeIO(PagedRecurrentIO):
+    """State access of a batch of one-token decodes, in place through the mapping."""
+
+    def __init__(self, arena: StateArena, items) -> None:
+        super().__init__(arena, [it.req.working for it in items])
+        dev = arena.device
+        bt = arena.block_tokens
+        ctx = [it.context for it in items]
+        self.max_ctx = max(ctx)
+        nb = max(1, -(-self.max_ctx // bt))
+        reqs = [it.req for it in items]
+        units = [arena.block_units(r.attn[: -(-c // bt)]) for r, c in zip(reqs, ctx, strict=True)]
+        self.units = torch.tensor([u + [0] * (nb - len(u)) for u in units], dtype=torch.long,
+                                  device=dev)  # padding rows are masked out
+        lengths = torch.tensor(ctx, device=dev)
+        self.valid = torch.arange(self.max_ctx, device=dev)[None, :] < lengths[:, None]
+        new = [r.attn[c // bt].units[0] for r, c in zip(reqs, ctx, strict=True)]
+        self.new_units = torch.tensor(new, dtype=torch.long, device=dev)
+        self.new_offsets = torch.tensor([c % bt for c in ctx], dtype=torch.long, device=dev)
+
+    def kv(self, layer):
+        if not self.max_ctx:
+            empty = torch.zeros(self.units.shape[0], 0, self.arena.kv_heads, self.arena.head_dim,
+                                dtype=self.arena.dtype, device=self.arena.device)
+            return empty, empty, None
+        k, v = self.arena.gather_kv(layer, self.units, self.max_ctx)
+        return k, v, self.valid
+
+    def store_kv(self, layer, k, v):
+        self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
+
+
+
+class _SegmentIO:
+    """State access of one request's segment [start, end): KV through its block table,
+    recurrent state in per-step scratch."""
+
+    def __init__(self, arena: StateArena, req, start: int, end: int, states) -> None:
+        self.arena = arena
+        dev = arena.device
+        bt = arena.block_tokens
+        self.start = start
+        blocks = arena.block_units(req.attn[: -(-start // bt)])
+        self.units = torch.tensor([blocks], dtype=torch.long, device=dev)
+        pos = range(start, end)
+        self.new_units = torch.tensor([req.attn[p // bt].units[0] for p in pos], dtype=torch.long,
+                                      device=dev)
+        self.new_offsets = torch.tensor([p % bt for p in pos], dtype=torch.long, device=dev)
+        self.states = states
+
+    def kv(self, layer):
+        if not self.start:
+            a = self.arena
+            empty = torch.zeros(1, 0, a.kv_heads, a.head_dim, dtype=a.dtype, device=a.device)
+            return empty, empty, None
+        k, v = self.arena.gather_kv(layer, self.units, self.start)
+        return k, v, None
+
+    def store_kv(self, layer, k, v):
+        self.arena.store_kv(layer, self.new_units, self.new_offsets, k[0], v[0])
+
+    def recurrent(self, layer):
+        return self.states[layer]
+
+    def store_recurrent(self, layer, conv, ssm):
+        pass  # scratch updated in place; committed after publication
+
+
+class TorchExecutor:
+    """Runs scheduled steps on a FalconH1 model over a StateArena."""
+
+    def __init__(self, model, arena: StateArena) -> None:
+        self.model = model
+        self.arena = arena
+        self.mem = arena.mem
+        self.interval = self.mem.checkpoint_interval
+        self._pending: list[tuple] = []
+
+    # ----- execution --------------------------------------------------------------------------
+    def _fast(self, item) -> bool:
+        req, c1 = item.req, item.context + item.num_new
+        return (
+            item.num_new == 1
+            and item.context > 0
+            and not req.adopted
+            and (not self.interval or c1 % self.interval)
+        )
+
+    def execute(self, plan, checkpoint_writes: int = 0) -> ExecutorOutput:
+        t0 = time.perf_counter()
+        fast = [it for it in plan if self._fast(it)]
+        slow = [it for it in plan if not self._fast(it)]
+        sampled: dict[int, int] = {}
+        if fast:
+            dev = self.model.device
+            ids = torch.tensor([it.req.token_ids(it.context, it.context + 1) for it in fast],
+                               device=dev)
+            pos = torch.tensor([[it.context] for it in fast], device=dev)
+            logits = self.model.forward(ids, pos, _DecodeIO(self.arena, fast))
+            tokens = logits.argmax(-1).tolist()
+            for it, tok in zip(fast, tokens, strict=True):
+                if it.context + 1 == it.req.num_tokens:
+                    sampled[it.req.rid] = tok
+        for it in slow:
+            token = self._run_chunk(it)
+            if it.context + it.num_new == it.req.num_tokens:
+                sampled[it.req.rid] = token
+        return ExecutorOutput(time.perf_counter() - t0, sampled)
+
+    def _initial_state(self, item):
+        req = item.req
+        if req.adopted:
+            return self.arena.read(req.adopted)
+        if item.context > 0:
+            return self.arena.read(req.working)
+        m = self.model
+        dev = m.device
+        return [
+            (torch.zeros(1, m.conv_dim, m.d_conv - 1, device=dev),
+             torch.zeros(1, m.m_heads, m.m_head_dim, m.d_state, device=dev))
+            for _ in range(m.num_layers)
+        ]
+
+    def _run_chunk(self, item) -> int:
+        req, c0, c1 = item.req, item.context, item.context + item.num_new
+        rec = self.mem.has_recurrent
+        states = self._initial_state(item) if rec else None
+        cuts = []
+        if rec and self.interval:
+            first = (c0 // self.interval + 1) * self.interval
+            cuts = list(range(first, c1 + 1, self.interval))
+        edges = [c0] + [b for b in cuts if b < c1] + [c1]
+        boundary_states = []
+        logits = None
+        dev = self.model.device
+        for s, e in zip(edges[:-1], edges[1:], strict=True):
+            ids = torch.tensor([req.token_ids(s, e)], device=dev)
+            pos = torch.arange(s, e, device=dev)[None]
+            logits = self.model.forward(ids, pos, _SegmentIO(self.arena, req, s, e, states),
+                                        logits=e == c1)
+            if rec and e in cuts:
+                boundary_states.append((e, [(c.clone(), m.clone()) for c, m in states]))
+        if rec:
+            self._pending.append((item, req.working, list(req.dests), boundary_states, states))
+        return int(logits[0].argmax())
+
+    # ----- after publication ------------------------------------------------------------------
+    def commit(self, plan) -> None:
+        """Write boundary states into the composites published there, final states into
+        the working composites (the scheduler has completed the step)."""
+        pending, self._pending = self._pending, []
+        for item, working, dests, boundary_states, final in pending:
+            req = item.req
+            cur, nxt = working, 0
+            for boundary, states in boundary_states:
+                if cur is not None and cur.valid and cur.cached and cur.boundary == boundary:
+                    self.arena.write(cur, states)  # the checkpoint published at `boundary`
+                    # The next state goes to this boundary's destination: the first one not
+                    # freed (a no-op publication frees its destination; so does a finish).
+                    while nxt < len(dests) and not dests[nxt].valid:
+                        nxt += 1
+                    cur = dests[nxt] if nxt < len(dests) else None
+                    nxt += 1
+            if req.status == Status.RUNNING:
+                if cur is not req.working:
+                    raise RuntimeError(f"request {req.rid}: working composite out of step")
+                self.arena.write(cur, final)
+
+
+def build_torch_engine(
+    model,
+    geometry,
+    org: str,
+    pool_units: dict[str, int],
+    sched_cfg,
+    *,
+    clock=None,
+    trace: bool = False,
+    budget_label: str = "",
+    on_step=None,
+):
+    """An Engine whose executor runs `model` on arenas of the organization's pools."""
+    from serving_core.engine import Engine, WallClock
+    from serving_core.layout import normalize_org
+    from serving_core.memory import build_memory
+    from serving_core.records import Recorder
+
+    org = normalize_org(org)
+    if not geometry.has_recurrent:
+        raise ValueError(f"model={geometry.name!r}: the torch executor serves hybrid models only")
+    recorder = Recorder(trace=trace, slab=org == "S2")
+    mem = build_memory(geometry, org, pool_units, recorder)
+    arena = StateArena(mem, geometry, model.device)
+    return Engine(
+        geometry, org, pool_units, sched_cfg, TorchExecutor(model, arena),
+        clock=clock or WallClock(), trace=trace, budget_label=budget_label, on_step=on_step,
+        recorder=recorder, memory=mem,
+    )

@@ -1,0 +1,281 @@
+"""The Falcon-H1 decoder in torch, with its state held by the caller.
+
+Per layer: RMSNorm, then attention and the Mamba2 mixer in parallel on the
+normed input (each with Falcon-H1's in/out multipliers), their sum added to the
+residual, then RMSNorm and the gated MLP. The model keeps no KV cache and no
+recurrent state: every forward reads and writes them through a `StateIO`
+(paged arenas in the executor, plain tensors in tests), so state lives only
+where the memory organization put it.
+
+A forward runs a batch of b segments of equal length T (one prefill segment,
+or b decode tokens) starting at per-sequence positions.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from serving_core.model import mamba
+from serving_core.model.config import head_dim, mamba_head_dim, mamba_inner, read_config
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16}
+ATTENTION_QUERY_BLOCK = 512  # queries per attention block in long prefills (bounds memory)
+
+
+class StateIO(Protocol):
+    """Where a forward finds and leaves the state of its b sequences, per layer."""
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Cached K and V before this segment (b, c, KVH, hd) and a (b, c) validity mask
+        (None when every sequence has all c positions)."""
+
+    def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K and V (b, T, KVH, hd) of the segment's tokens (after RoPE)."""
+
+    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Conv window (b, conv_dim, d_conv - 1) and SSM state (b, H, P, N), fp32."""
+
+    def store_recurrent(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """The updated window and state (the tensors `recurrent` returned, updated)."""
+
+
+def _json_float(value) -> float:
+    """A float as transformers writes it to config.json ({"__float__": "Infinity"} for inf)."""
+    if isinstance(value, dict):
+        value = value.get("__float__")
+    return float(value)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FalconH1:
+    """Weights and forward of a Falcon-H1 causal LM (inference only)."""
+
+    def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], device="cpu", dtype="float32"):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: allowed values are {sorted(DTYPES)}")
+        self.dtype = DTYPES[dtype]
+        self.num_layers = int(cfg["num_hidden_layers"])
+        self.hidden = int(cfg["hidden_size"])
+        self.heads = int(cfg["num_attention_heads"])
+        self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
+        self.head_dim = head_dim(cfg)
+        self.m_heads = int(cfg["mamba_n_heads"])
+        self.m_head_dim = mamba_head_dim(cfg)
+        self.d_inner = mamba_inner(cfg)
+        self.d_state = int(cfg["mamba_d_state"])
+        self.n_groups = int(cfg["mamba_n_groups"])
+        self.d_conv = int(cfg["mamba_d_conv"])
+        self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state
+        self.chunk = int(cfg.get("mamba_chunk_size") or 256)
+        self.eps = float(cfg.get("rms_norm_eps", 1e-5))
+        self.rms_gated = bool(cfg.get("mamba_rms_norm", False))
+        self.norm_before_gate = bool(cfg.get("mamba_norm_before_gate", True))
+        limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+        self.dt_limit = (_json_float(limit[0]), _json_float(limit[1]))
+        self.mult = {
+            k: float(cfg.get(k, 1.0) if cfg.get(k) is not None else 1.0)
+            for k in ("embedding_multiplier", "lm_head_multiplier", "key_multiplier",
+                      "attention_in_multiplier", "attention_out_multiplier",
+                      "ssm_in_multiplier", "ssm_out_multiplier")
+        }
+        self.mlp_mult = [float(v) for v in (cfg.get("mlp_multipliers") or [1.0, 1.0])]
+        rope = cfg.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type={rope.get('rope_type')!r}: only 'default' is supported")
+        self.inv_freq = 1.0 / (
+            theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim)
+        ).to(self.device)
+        self.w = {k: v.to(self.device, self.dtype) for k, v in weights.items()}
+        for k in ("A_log", "D", "dt_bias"):  # SSM parameters stay fp32
+            for i in range(self.num_layers):
+                name = f"model.layers.{i}.mamba.{k}"
+                self.w[name] = weights[name].to(self.device, torch.float32)
+        if "lm_head.weight" not in self.w:
+            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]  # tied
+        self.mup = self._mup_vector().to(self.device, self.dtype)
+        self.A = [
+            -torch.exp(self.w[f"model.layers.{i}.mamba.A_log"]) for i in range(self.num_layers)
+        ]
+
+    # ----- construction -----------------------------------------------------------------------
+    def _mup_vector(self) -> torch.Tensor:
+        m = [float(v) for v in (self.cfg.get("ssm_multipliers") or [1.0] * 5)]
+        i, gs = self.d_inner, self.n_groups * self.d_state
+        sizes = [i, i, gs, gs, self.m_heads]
+        return torch.cat([torch.full((n,), v) for n, v in zip(sizes, m, strict=True)])
+
+    @classmethod
+    def load(cls, folder: str | Path, device="cpu", dtype="float32") -> FalconH1:
+        """Load a Hugging Face-format folder (config.json + *.safetensors)."""
+        from safetensors.torch import load_file
+
+        cfg = read_config(folder)
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise ValueError(
+                f"checkpoint={str(folder)!r}: no *.safetensors weights next to config.json"
+            )
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            weights.update(load_file(str(f)))
+        missing = [k for k in cls.required_weights(cfg) if k not in weights]
+        if missing:
+            raise ValueError(
+                f"checkpoint={str(folder)!r}: weights missing {len(missing)} tensors "
+                f"(first: {missing[0]})"
+            )
+        return cls(cfg, weights, device, dtype)
+
+    @staticmethod
+    def required_weights(cfg: dict) -> list[str]:
+        names = ["model.embed_tokens.weight", "model.final_layernorm.weight"]
+        for i in range(int(cfg["num_hidden_layers"])):
+            p = f"model.layers.{i}."
+            names += [p + n for n in (
+                "input_layernorm.weight", "pre_ff_layernorm.weight",
+                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mamba.in_proj.weight", "mamba.conv1d.weight",
+                "mamba.out_proj.weight", "mamba.A_log", "mamba.D", "mamba.dt_bias",
+                "feed_forward.gate_proj.weight", "feed_forward.up_proj.weight",
+                "feed_forward.down_proj.weight")]
+            if cfg.get("mamba_rms_norm"):
+                names.append(p + "mamba.norm.weight")
+        if not cfg.get("tie_word_embeddings", False):
+            names.append("lm_head.weight")
+        return names
+
+    # ----- forward ----------------------------------------------------------------------------
+    def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, io: StateIO, logits: bool = True
+    ) -> torch.Tensor | None:
+        """ids (b, T) at positions (b, T); returns the last position's logits (b, V) fp32."""
+        h = F.embedding(ids, self.w["model.embed_tokens.weight"])
+        h = h * self.mult["embedding_multiplier"]
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype)[:, :, None], emb.sin().to(self.dtype)[:, :, None]
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            residual = h
+            x = rms_norm(h, self.w[p + "input_layernorm.weight"], self.eps)
+            m = self._mamba(i, x, io) * self.mult["ssm_out_multiplier"]
+            a = self._attention(i, x * self.mult["attention_in_multiplier"], cos, sin, io)
+            h = residual + (m + a * self.mult["attention_out_multiplier"])
+            residual = h
+            x = rms_norm(h, self.w[p + "pre_ff_layernorm.weight"], self.eps)
+            gate = F.silu(self._lin(x, p + "feed_forward.gate_proj") * self.mlp_mult[0])
+            y = self._lin(x, p + "feed_forward.up_proj") * gate
+            y = self._lin(y, p + "feed_forward.down_proj")
+            h = residual + y * self.mlp_mult[1]
+        if not logits:
+            return None
+        last = rms_norm(h[:, -1], self.w["model.final_layernorm.weight"], self.eps)
+        out = F.linear(last, self.w["lm_head.weight"]) * self.mult["lm_head_multiplier"]
+        return out.float()
+
+    def _attention(self, i, x, cos, sin, io: StateIO) -> torch.Tensor:
+        p = f"model.layers.{i}.self_attn."
+        b, t, _ = x.shape
+        q = self._lin(x, p + "q_proj").view(b, t, self.heads, self.head_dim)
+        k = self._lin(x, p + "k_proj").view(b, t, self.kv_heads, self.head_dim)
+        k = k * self.mult["key_multiplier"]
+        v = self._lin(x, p + "v_proj").view(b, t, self.kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_ctx, v_ctx, valid = io.kv(i)
+        io.store_kv(i, k, v)
+        c = k_ctx.shape[1]
+        keys = torch.cat([k_ctx.to(k.dtype), k], dim=1) if c else k
+        vals = torch.cat([v_ctx.to(v.dtype), v], dim=1) if c else v
+        rep = self.heads // self.kv_heads
+        keys = keys.repeat_interleave(rep, dim=2).transpose(1, 2)  # (b, H, c + t, d)
+        vals = vals.repeat_interleave(rep, dim=2).transpose(1, 2)
+        q = q.transpose(1, 2)  # (b, H, t, d)
+        scale = self.head_dim ** -0.5
+        outs = []
+        for s in range(0, t, ATTENTION_QUERY_BLOCK):
+            e = min(t, s + ATTENTION_QUERY_BLOCK)
+            span = c + e
+            scores = torch.matmul(q[:, :, s:e], keys[:, :, :span].transpose(2, 3)) * scale
+            qpos = torch.arange(s, e, device=x.device)[:, None] + c
+            mask = torch.arange(span, device=x.device)[None, :] > qpos  # causal
+            mask = mask[None, None].expand(b, 1, e - s, span)
+            if valid is not None:
+                pad = torch.ones(b, span - c, dtype=torch.bool, device=x.device)
+                mask = mask | ~torch.cat([valid, pad], dim=1)[:, None, None, :]
+            scores = scores.masked_fill(mask, -math.inf)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            outs.append(torch.matmul(probs, vals[:, :, :span]))
+        out = torch.cat(outs, dim=2).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return self._lin(out, p + "o_proj")
+
+    def _mamba(self, i, x, io: StateIO) -> torch.Tensor:
+        p = f"model.layers.{i}.mamba."
+        b, t, _ = x.shape
+        proj = self._lin(x * self.mult["ssm_in_multiplier"], p + "in_proj") * self.mup
+        gate, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.m_heads], dim=-1)
+        conv, ssm = io.recurrent(i)
+        w = self.w[p + "conv1d.weight"].squeeze(1)
+        xbc, window = mamba.conv_scan(conv, xbc, w, self.w.get(p + "conv1d.bias"))
+        conv.copy_(window.to(conv.dtype))
+        gs = self.n_groups * self.d_state
+        xs, B, C = xbc.split([self.d_inner, gs, gs], dim=-1)
+        dt = mamba.discretize_dt(dt, self.w[p + "dt_bias"], self.dt_limit)
+        D = self.w[p + "D"]
+        if t == 1:
+            y = mamba.state_update(
+                ssm, xs.view(b, self.m_heads, self.m_head_dim), dt.view(b, self.m_heads),
+                self.A[i], B.view(b, self.n_groups, self.d_state),
+                C.view(b, self.n_groups, self.d_state), D,
+            )[:, None]
+        else:
+            y, final = mamba.chunk_scan(
+                xs.view(b, t, self.m_heads, self.m_head_dim), dt, self.A[i],
+                B.view(b, t, self.n_groups, self.d_state),
+                C.view(b, t, self.n_groups, self.d_state),
+                D, self.chunk, ssm,
+            )
+            ssm.copy_(final)
+        io.store_recurrent(i, conv, ssm)
+        y = y.reshape(b, t, self.d_inner)
+        if self.rms_gated:
+            y = self._gated_norm(y, gate, self.w[p + "norm.weight"])
+        else:
+            y = y * F.silu(gate.float())
+        return self._lin(y.to(self.dtype), p + "out_proj")
+
+    def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor):
+        dtype = y.dtype
+        if not self.norm_before_gate:
+            y = y * F.silu(gate.float())
+        b, t, d = y.shape
+        h = y.float().view(b, t, self.n_groups, d // self.n_groups)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = (weight.view(self.n_groups, d // self.n_groups) * h).view(b, t, d)
+        if self.norm_before_gate:
+            h = h * F.silu(gate.float())
+        return h.to(dtype)

@@ -1,0 +1,127 @@
+"""The paged S1/S2 recurrent-state update equals the contiguous reference exactly.
+
+A decode step of the Mamba2 mixer (conv window and SSM state) is run twice on the same
+inputs: once on states gathered through the organization's page mapping (SSM members on
+shuffled pages, S1 conv pages, S2 conv slots by line id) and written back in place, once on
+contiguous per-sequence tensors. Outputs and destination states must be bit-identical, and
+no unit outside the batch's composites may change.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+import torch
+
+from serving_core.executor.state_arena import StateArena
+from serving_core.executor.torch_executor import PagedRecurrentIO
+from serving_core.geometry import load_geometry
+from serving_core.memory import NO_SLOT, build_memory
+from serving_core.model.dense_state import DenseState
+
+POOL_PAGES = 240  # 53 composites fit (S1: 4 pages each; S2: 3 + slabs), with pages to spare
+
+
+def _paged_batch(org: str, batch: int, seed: int):
+    """A memory organization whose free queue is shuffled (page 0 handed out early), its
+    arena filled with noise, and `batch` composites allocated on it."""
+    geometry = load_geometry("falcon_h1_tiny", num_layers=1)
+    mem = build_memory(geometry, org, {"shared": POOL_PAGES})
+    rng = random.Random(seed)
+    pages = list(range(1, POOL_PAGES))
+    rng.shuffle(pages)
+    pages.insert(rng.randrange(4), 0)  # page 0 is a valid page and is used
+    mem.pools["shared"].free = deque(pages)
+    arena = StateArena(mem, geometry)
+    gen = torch.Generator().manual_seed(seed)
+    for t in arena.pools.values():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    composites = [mem.allocate_composite(rid) for rid in range(batch)]
+    return mem, arena, composites, gen
+
+
+@pytest.mark.parametrize("org", ["S1", "S2"])
+@pytest.mark.parametrize("batch", [8, 32, 53])
+def test_paged_decode_update_equals_contiguous(tiny_model, org, batch):
+    model = tiny_model
+    mem, arena, composites, gen = _paged_batch(org, batch, seed=batch)
+    used = {u for obj in composites for u in obj.units} | {obj.slab_page for obj in composites}
+    assert 0 in used
+    members = [mem.ssm_member_pages(obj) for obj in composites]
+    assert any(p[1] != p[0] + 1 or p[2] != p[1] + 1 for p in members)  # not adjacent
+    if org == "S2":
+        assert all(mem.conv_line(obj) >= 0 for obj in composites)
+        assert len({obj.slab_page for obj in composites}) == -(-batch // 16)
+    before = {name: t.clone() for name, t in arena.pools.items()}
+
+    # Contiguous reference holding exactly the paged initial states.
+    dense = DenseState(model, batch)
+    for i, obj in enumerate(composites):
+        (conv, ssm), = arena.read(obj)
+        dense.conv[0][i] = conv[0]
+        dense.ssm[0][i] = ssm[0]
+    x = torch.randn(batch, 1, model.hidden, generator=gen)
+
+    y_paged = model._mamba(0, x, PagedRecurrentIO(arena, composites))
+    y_ref = model._mamba(0, x, dense)
+    assert torch.equal(y_paged, y_ref)
+    for i, obj in enumerate(composites):
+        (conv, ssm), = arena.read(obj)
+        assert torch.equal(conv[0], dense.conv[0][i])
+        assert torch.equal(ssm[0], dense.ssm[0][i])
+        assert not torch.equal(ssm[0], before["shared"][0, members[i][0]][:1])  # it moved
+
+    # Units outside the batch's composites are untouched.
+    pool = arena.pools["shared"][0]
+    untouched = [u for u in range(POOL_PAGES) if u not in used]
+    assert untouched and torch.equal(pool[untouched], before["shared"][0][untouched])
+    if org == "S2":  # free slots of the batch's slab pages are untouched too
+        slot = arena.slot_elems
+        lines = {mem.conv_line(obj) for obj in composites}
+        for page in {obj.slab_page for obj in composites}:
+            for s in range(16):
+                if 16 * page + s not in lines:
+                    seg = slice(s * slot, (s + 1) * slot)
+                    assert torch.equal(pool[page, seg], before["shared"][0, page, seg])
+
+
+@pytest.mark.parametrize("org", ["S0", "S1", "S2", "D0"])
+def test_composite_write_read_round_trip_is_exact(tiny_model, org):
+    geometry = load_geometry("falcon_h1_tiny")
+    units = {"attention": 64, "recurrent": 6} if org == "D0" else {"shared": 40}
+    mem = build_memory(geometry, org, units)
+    arena = StateArena(mem, geometry)
+    objs = [mem.allocate_composite(r) for r in range(3)]
+    gen = torch.Generator().manual_seed(7)
+    states = {
+        obj.oid: [
+            (torch.randn(1, *arena.conv_shape, generator=gen),
+             torch.randn(1, *arena.ssm_shape, generator=gen))
+            for _ in range(geometry.num_layers)
+        ]
+        for obj in objs
+    }
+    for obj in objs:
+        arena.write(obj, states[obj.oid])
+    for obj in objs:
+        for (c, s), (c2, s2) in zip(arena.read(obj), states[obj.oid], strict=True):
+            assert torch.equal(c, c2) and torch.equal(s, s2)
+
+
+def test_s2_sentinel_is_never_decoded(tiny_model):
+    mem, arena, composites, _ = _paged_batch("S2", 2, seed=1)
+    obj = composites[0]
+    obj.slab_page = NO_SLOT  # a composite without conv state
+    with pytest.raises(ValueError, match="sentinel"):
+        arena.locate([obj])
+
+
+def test_arena_bytes_equal_the_planned_units():
+    geometry = load_geometry("falcon_h1_tiny")
+    for org, units in (("S2", {"shared": 25}), ("D0", {"attention": 413, "recurrent": 3})):
+        mem = build_memory(geometry, org, units)
+        arena = StateArena(mem, geometry)
+        planned = sum(n * mem.pools[p].unit_bytes for p, n in units.items())
+        assert arena.num_bytes == planned * geometry.num_layers
