@@ -11,7 +11,7 @@ from conftest import compose_config
 from experiments.cell import run_cell, scheduler_config
 from experiments.workload import build_workload
 from serving_core.engine import Engine, SimulatedExecutor, WallClock
-from serving_core.executor import StepTimeModel
+from serving_core.executor.simulated import build_step_model
 from serving_core.executor.profiles import load_device_profile
 from serving_core.geometry import geometry_from_config
 from serving_core.planner import plan_budget, units_for
@@ -32,7 +32,7 @@ def _parts(cfg):
     device = load_device_profile(cfg.executor)
     units = units_for(plan_budget(geometry, str(cfg.budget)), "S2")
     sched_cfg = scheduler_config(cfg, "s2", device)
-    model = StepTimeModel(geometry, device, "S2")
+    model = build_step_model(geometry, device, "S2")
     specs = build_workload(cfg.workload, cfg.load, int(cfg.seed)).requests
     return geometry, units, sched_cfg, model, specs
 
