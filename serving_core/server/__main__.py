@@ -10,6 +10,7 @@ Bad arguments: one line on stderr, exit 2; a model that does not load: exit 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import signal
@@ -202,6 +203,18 @@ def serve(args) -> int:
         def handle_exit(self, sig, frame) -> None:
             runtime.begin_shutdown()  # finish: refuse new requests; abort: end streams now
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # A graceful shutdown exits 0: uvicorn's own handler re-raises the signal after
+            # shutting down (exit status -SIGTERM); ours only records that it came.
+            previous = {s: signal.signal(s, self.handle_exit)
+                        for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     server = Server(config)
