@@ -31,24 +31,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from experiments.workload import RequestSpec
+
 ORGS = ("s0", "s1", "s2", "d0")
 OFFSETS = ("C-1", "C", "C+1", "2C-1", "2C", "2C+1")
 _OFFSET_VALUES = {"C-1": (1, -1), "C": (1, 0), "C+1": (1, 1), "2C-1": (2, -1), "2C": (2, 0),
                   "2C+1": (2, 1)}
 VOCAB = 128_256
 INTERPOSER_TOKENS = 2
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A request as the engine reads it."""
-
-    request_id: int
-    arrival_s: float
-    prompt: np.ndarray
-    output_tokens: int
-    context_id: int = -1
-    salt: str = ""
 
 
 @dataclass
@@ -82,6 +72,10 @@ SCHEMA = pa.schema([
     ("cold_tokens", pa.string()), ("reload_tokens", pa.string()), ("host_saves", pa.int64()),
     ("reload_units_fresh", pa.bool_()), ("model", pa.string()), ("created_at", pa.string()),
 ])
+
+
+def _spec(rid: int, arrival: float, prompt: np.ndarray, output_tokens: int) -> RequestSpec:
+    return RequestSpec(rid, arrival, prompt, output_tokens, -1, "")
 
 
 def _generate(engine, specs, host=None) -> tuple[list[int], object]:
@@ -129,11 +123,11 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     n = k * C + d
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for _ in range(3)]
-    target = Spec(0, 0.0, prompts[0], output_tokens)
+    target = _spec(0, 0.0, prompts[0], output_tokens)
     host = HostTier()
     cold_tokens, _ = _generate(cold, [target], host)
     # Interposers: two other prompts through the same device (their own state published).
-    _generate(cold, [Spec(i, 0.0, prompts[i], INTERPOSER_TOKENS) for i in (1, 2)], host)
+    _generate(cold, [_spec(i, 0.0, prompts[i], INTERPOSER_TOKENS) for i in (1, 2)], host)
     saves = host.saves_completed
 
     warm = fresh_engine()  # device cache reset; the host tier is kept
@@ -143,7 +137,7 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     objs = restored.blocks + ([restored.checkpoint] if restored.checkpoint else [])
     # Fresh units: the reset device held nothing, and the reload's objects live there now.
     fresh = empty and all(o.valid and o.cached and warm.mem.live.get(o.oid) is o for o in objs)
-    again = Spec(0, 0.0, prompts[0], output_tokens)
+    again = _spec(0, 0.0, prompts[0], output_tokens)
     reload_tokens, req = _generate(warm, [again])
     mismatch = next((i for i, (a, b) in enumerate(zip(cold_tokens, reload_tokens,
                                                       strict=False)) if a != b), -1)

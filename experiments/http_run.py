@@ -20,11 +20,11 @@ import tempfile
 import time
 
 import httpx
-import numpy as np
 
 from experiments.http_client import ClientRecord, send_workload
 from experiments.poller import Poller
 from experiments.server_process import ServerError, ServerProcess
+from serving_core.engine import _percentile
 from serving_core.records import REQUEST_COLUMNS
 from serving_core.server.records_out import read_records
 
@@ -42,11 +42,6 @@ def _clock_offset(base_url: str, t0: float) -> float:
     b = time.perf_counter() - t0
     r.raise_for_status()
     return (a + b) / 2 - float(r.json()["clock_s"])
-
-
-def _percentile(values, q: float) -> float:
-    arr = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
-    return float(np.percentile(arr, q)) if arr.size else math.nan
 
 
 def _engine_id(server_id: str) -> int:

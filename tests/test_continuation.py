@@ -9,7 +9,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from experiments.continuation import ORGS, Spec, main
+from experiments.continuation import ORGS, main
+from experiments.workload import RequestSpec
 from serving_core.engine import VirtualClock
 from serving_core.executor.host_tier import HostTier
 from serving_core.executor.torch_executor import build_torch_engine
@@ -27,12 +28,18 @@ def _engine(model, org="S2"):
                               clock=VirtualClock())
 
 
-def test_a_save_counts_only_after_its_copy_completed(tiny_model):
-    eng = _engine(tiny_model)
-    spec = Spec(0, 0.0, np.arange(1, 600, dtype=np.int32), 2)
+def _served(model, prompt_tokens: int):
+    """An engine that has served one request of `prompt_tokens` tokens, and its spec."""
+    eng = _engine(model)
+    spec = RequestSpec(0, 0.0, np.arange(1, 1 + prompt_tokens, dtype=np.int32), 2, -1, "")
     eng.add_request(spec)
     while eng.num_finished < 1:
         eng.step()
+    return eng, spec
+
+
+def test_a_save_counts_only_after_its_copy_completed(tiny_model):
+    eng, spec = _served(tiny_model, 599)
     keys = Request(spec, eng.mem.block_tokens).lookup_keys()
     host = HostTier()
     started = host.save_published(eng.mem, eng.executor.arena)
@@ -47,11 +54,7 @@ def test_a_save_counts_only_after_its_copy_completed(tiny_model):
 def test_restore_goes_into_fresh_units_and_equals_the_saved_state(tiny_model):
     import torch
 
-    eng = _engine(tiny_model)
-    spec = Spec(0, 0.0, np.arange(1, 700, dtype=np.int32), 2)
-    eng.add_request(spec)
-    while eng.num_finished < 1:
-        eng.step()
+    eng, spec = _served(tiny_model, 699)
     host = HostTier()
     host.save_published(eng.mem, eng.executor.arena)
     host.complete()
