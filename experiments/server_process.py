@@ -139,12 +139,16 @@ class ServerProcess:
         except ProcessLookupError:
             pass
 
-    def stop(self) -> int | None:
-        """SIGTERM (graceful: records are written), SIGKILL after the grace period."""
+    def stop(self, abort: bool = False) -> int | None:
+        """SIGTERM (graceful: records are written), SIGKILL after the grace period.
+        `abort`: a second SIGTERM, so in-flight requests end now instead of finishing."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
+            if abort:
+                time.sleep(0.2)
+                self._signal_group(signal.SIGTERM)
             try:
                 self.proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
@@ -156,7 +160,7 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop(abort=exc_type is not None)  # after a failure nothing is worth finishing
         self._log.close()
         os.unlink(self._log.name)

@@ -178,6 +178,30 @@ def test_sigterm_finishes_in_flight_requests(tag, tmp_path):
     assert summary["completed"] == 1 and tables["trace"]["event"][-1] == "END"
 
 
+def test_abort_stop_ends_in_flight_requests(tag, tmp_path):
+    """stop(abort=True): a second SIGTERM ends the in-flight request at once; exit 0 and
+    the records show it unfinished."""
+    rec = tmp_path / "rec"
+    with ServerProcess(_sim_cmd(rec), health_timeout_s=60, stop_timeout_s=30) as srv:
+        out = {}
+
+        def request():
+            out["r"] = httpx.post(srv.base_url + "/v1/completions",
+                                  json={"prompt": [1, 2, 3], "max_tokens": 8000}, timeout=60)
+
+        t = threading.Thread(target=request)
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        assert srv.stop(abort=True) == 0
+        assert time.monotonic() - t0 < 10
+        t.join(30)
+    assert out["r"].status_code == 503
+    tables, summary = read_records(rec)
+    assert tables["requests"]["status"] == ["unfinished"] and summary["completed"] == 0
+    assert tables["trace"]["event"][-1] == "END"
+
+
 def test_killing_the_server_mid_run_fails_the_run(tag, tmp_path):
     """SIGKILL on the server while the client streams: a clear error, no process left."""
     rec = tmp_path / "rec"

@@ -3,7 +3,8 @@
 Loads the checkpoint, builds the engine over the organization's pools and serves
 it over HTTP on 127.0.0.1 (unless --host says otherwise). `--port 0` picks a free
 port. The first line on stdout is `listening on http://HOST:PORT`. SIGTERM/SIGINT
-shut down gracefully (`--drain finish|abort`) and write the records (--records).
+shut down gracefully (`--drain finish|abort`; a second signal aborts) and write the
+records (--records).
 Bad arguments: one line on stderr, exit 2; a model that does not load: exit 1.
 """
 
@@ -201,7 +202,8 @@ def serve(args) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            runtime.begin_shutdown()  # finish: refuse new requests; abort: end streams now
+            # finish: refuse new requests; abort (or a second signal): end streams now
+            runtime.begin_shutdown("abort" if self.should_exit else None)
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
