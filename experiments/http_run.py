@@ -24,9 +24,10 @@ import httpx
 from experiments.http_client import ClientRecord, send_workload
 from experiments.poller import Poller
 from experiments.server_process import ServerError, ServerProcess
+from ledgers.schemas import ENGINE_SCHEMAS
 from serving_core.engine import _percentile
 from serving_core.records import REQUEST_COLUMNS
-from serving_core.server.records_out import read_records
+from serving_core.server.records_out import RECORD_TABLES, read_records
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request or scrape
 
@@ -135,20 +136,39 @@ async def _episode(base_url: str, kind: str, specs, t0: float):
     return records, poller
 
 
-def serve_over_http(cmd: list[str], specs, *, kind: str = "hsl", records_dir: str,
+def _from_poller(columns: dict) -> dict:
+    """Engine-side summary keys as the poller saw them (servers without records)."""
+    def last(col):
+        return columns[col][-1] if columns[col] else 0
+
+    return {
+        "preemptions": last("preemptions_total"),
+        "prefix_hit_tokens": last("prefix_hit_tokens_total"),
+        "prefill_tokens_computed": last("prompt_tokens_total"),
+        "max_running": max(columns["running"], default=0),
+        "max_waiting": max(columns["waiting"], default=0),
+    }
+
+
+def serve_over_http(cmd: list[str], specs, *, kind: str = "hsl", records_dir: str | None,
                     health_timeout_s: float = 180.0):
-    """Run the workload against the server started by `cmd`; (tables, summary)."""
+    """Run the workload against the server started by `cmd`; (tables, summary).
+
+    With `records_dir` (our server) the engine's tables and counts come from its records;
+    without (another server kind) trace, slab and steps stay empty and the engine-side
+    counts come from the last /metrics sample."""
     wall0 = time.perf_counter()
     with ServerProcess(cmd, health_timeout_s=health_timeout_s) as srv:
         t0 = time.perf_counter()  # episode start: orchestration begins, boot excluded
-        offset = _clock_offset(srv.base_url, t0)
+        offset = _clock_offset(srv.base_url, t0) if records_dir else 0.0
         records, poller = asyncio.run(_episode(srv.base_url, kind, specs, t0))
         episode_end = math.ceil(time.perf_counter() - t0)
         failed = [r for r in records if not r.ok]
-        code = srv.stop()
+        died = srv.proc.poll()
+        code = srv.stop(abort=bool(failed))
         if failed:
             first = failed[0]
-            state = "running" if code is None else f"exited with code {code}"
+            state = f"exited with code {died}" if died is not None else "stopped"
             raise ServerError(
                 f"{len(failed)}/{len(records)} requests failed (server {state}); first: "
                 f"request {first.request_id}: {first.error or first.finish_reason or 'no finish'}"
@@ -156,7 +176,12 @@ def serve_over_http(cmd: list[str], specs, *, kind: str = "hsl", records_dir: st
             )
         if code != 0:
             raise ServerError(f"server exited with code {code} at shutdown: {srv.stderr_tail()}")
-    tables, server_summary = read_records(records_dir)
+    if records_dir:
+        tables, server_summary = read_records(records_dir)
+        engine_counts = {k: server_summary[k] for k in ENGINE_KEYS}
+    else:
+        tables = {name: {c: [] for c in ENGINE_SCHEMAS[name].names} for name in RECORD_TABLES}
+        engine_counts = _from_poller(poller.columns)
     ids = {_engine_id(r.server_id): r.request_id for r in records}
     out = {
         "requests": request_table(specs, records, tables["requests"], offset),
@@ -167,7 +192,7 @@ def serve_over_http(cmd: list[str], specs, *, kind: str = "hsl", records_dir: st
         "steps": _remap(tables["steps"], offset, {}, ("t_start_s",), ()),
     }
     summary = summarize_client(records, episode_end, time.perf_counter() - wall0)
-    summary.update({k: server_summary[k] for k in ENGINE_KEYS})
+    summary.update(engine_counts)
     summary["poller_errors"] = poller.errors
     return out, summary
 

@@ -7,6 +7,7 @@ runs the real tiny model through the runner."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -202,29 +203,62 @@ def test_abort_stop_ends_in_flight_requests(tag, tmp_path):
     assert tables["trace"]["event"][-1] == "END"
 
 
-def test_killing_the_server_mid_run_fails_the_run(tag, tmp_path):
+def test_run_over_http_measures_at_the_client(tag, tmp_path):
+    """serve_over_http against the paced simulated server: every request completes with its
+    planned tokens; client times are ordered; the poller saw the final counters; the
+    engine tables are mapped onto workload ids. Without records (another server kind) the
+    engine counts come from the poller."""
+    specs = _specs(6, 64, 20)
+    for records in (tmp_path / "rec", None):
+        cmd = _sim_cmd(tmp_path / "unused" if records is None else records)
+        if records is None:
+            i = cmd.index("--records")
+            del cmd[i:i + 2]
+        tables, summary = serve_over_http(cmd, specs, records_dir=records and str(records))
+        req = tables["requests"]
+        assert req["request_id"] == list(range(6)) and req["status"] == ["finished"] * 6
+        assert req["output_tokens"] == [20] * 6 and summary["output_tokens"] == 120
+        for a, f, e in zip(req["arrival_s"], req["first_token_s"], req["finish_s"], strict=True):
+            assert 0 <= a < f <= e <= summary["episode_end_s"]
+        assert summary["episode_end_s"] == math.ceil(summary["episode_end_s"])
+        poll = tables["poller"]
+        assert poll["t_s"][0] == 0 and poll["generation_tokens_total"][-1] == 120
+        assert summary["prefill_tokens_computed"] == 6 * 64
+        if records is None:
+            assert tables["trace"]["seq"] == [] and tables["steps"]["step"] == []
+        else:
+            finishes = [r for e, r in zip(tables["trace"]["event"], tables["trace"]["request_id"],
+                                          strict=True) if e == "FINISH"]
+            assert sorted(finishes) == list(range(6))
+            assert tables["trace"]["event"][-1] == "END"
+
+
+def test_killing_the_server_mid_run_fails_the_run(tag, tmp_path, monkeypatch):
     """SIGKILL on the server while the client streams: a clear error, no process left."""
+    import asyncio
+
+    import experiments.http_run as http_run
+
+    send = http_run.send_workload
+
+    async def send_then_kill(base_url, specs, t0, **kw):
+        async def kill_later():
+            await asyncio.sleep(1.0)  # the workload is streaming by now
+            (server,) = [p for p in _tagged(os.environ[TAG])
+                         if b"serving_core.server" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            os.kill(server, signal.SIGKILL)
+
+        killer = asyncio.create_task(kill_later())
+        try:
+            return await send(base_url, specs, t0, **kw)
+        finally:
+            await killer
+
+    monkeypatch.setattr(http_run, "send_workload", send_then_kill)
     rec = tmp_path / "rec"
-    cmd = _sim_cmd(rec)
-    errors = []
-
-    def killer():
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            pids = _tagged(os.environ[TAG])
-            servers = [p for p in pids if b"serving_core.server" in
-                       Path(f"/proc/{p}/cmdline").read_bytes()]
-            if servers:
-                time.sleep(2.0)  # booted and serving
-                os.kill(servers[0], signal.SIGKILL)
-                return
-            time.sleep(0.1)
-
-    threading.Thread(target=killer, daemon=True).start()
     with pytest.raises(ServerError) as err:
-        serve_over_http(cmd, _specs(16, 200, 3000), records_dir=str(rec))
-    errors.append(str(err.value))
-    assert "requests failed" in errors[0] and "exited with code -9" in errors[0]
+        serve_over_http(_sim_cmd(rec), _specs(16, 200, 3000), records_dir=str(rec))
+    assert "requests failed (server exited with code -9)" in str(err.value)
 
 
 def test_killing_the_client_stops_the_server(tag, tmp_path):
