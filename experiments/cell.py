@@ -39,6 +39,8 @@ SUMMARY_KEYS = (
     "e2e_p50",
     "e2e_p99",
     "tpot_p99",
+    "itl_p50",  # inter-token times at the client (runs over HTTP only)
+    "itl_p99",
     "preemptions",
     "prefix_hit_tokens",
     "prefill_tokens_computed",
