@@ -105,3 +105,31 @@ def test_every_org_and_length_continues_exactly(tiny_checkpoint, tmp_path, capsy
                  "--report-dir", str(tmp_path / "r"), "--output-tokens", "4"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and last == {"pairs": 24, "equal": 24, "B_equals_p": True}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["conv", "kv"])
+def test_damaged_host_state_changes_the_continuation(tiny_model, monkeypatch, part):
+    """The comparison can fail: zeroing the reloaded checkpoint's conv state, or the
+    reloaded attention blocks, changes the generated tokens while B = p still holds.
+    (Zeroing only the SSM state does not change this random tiny model's greedy tokens:
+    its SSM contribution at 512 tokens is below the argmax margins.)"""
+    import experiments.continuation as cont
+    from serving_core.geometry import load_geometry
+
+    restore = HostTier.restore
+
+    def damaged(self, mem, arena, keys):
+        if part == "conv":
+            for states in self.checkpoints.values():
+                for conv, _ssm in states:
+                    conv.zero_()
+        else:
+            for block in self.blocks.values():
+                block.zero_()
+        return restore(self, mem, arena, keys)
+
+    monkeypatch.setattr(HostTier, "restore", damaged)
+    row = cont.run_pair(tiny_model, load_geometry("falcon_h1_tiny"), "s2", "b63", "C+1", 6, 0)
+    assert row.restored_prefix_b == row.credited_prefix_p == 512
+    assert not row.tokens_equal and not row.ok
