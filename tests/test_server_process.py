@@ -144,13 +144,15 @@ def _specs(n: int, prompt: int, output: int):
                         -1, "") for i in range(n)]
 
 
-def test_graceful_stop_writes_records_with_end(tag, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_graceful_stop_writes_records_with_end(tag, tmp_path, sig):
     rec = tmp_path / "rec"
     with ServerProcess(_sim_cmd(rec), health_timeout_s=60) as srv:
         r = httpx.post(srv.base_url + "/v1/completions",
                        json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30)
         assert r.status_code == 200
-        assert srv.stop() == 0
+        os.kill(srv.pid, sig)
+        assert srv.proc.wait(60) == 0
     tables, summary = read_records(rec)
     assert tables["trace"]["event"][-1] == "END"
     assert summary["completed"] == 1 and summary["output_tokens"] == 4
