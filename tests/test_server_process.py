@@ -159,19 +159,25 @@ def test_graceful_stop_writes_records_with_end(tag, tmp_path, sig):
     assert len(tables["steps"]["step"]) == 4
 
 
+def _request_in_background(srv, max_tokens: int):
+    """A completion request in a thread, half a second under way; (thread, result dict)."""
+    out = {}
+
+    def request():
+        out["r"] = httpx.post(srv.base_url + "/v1/completions",
+                              json={"prompt": [1, 2, 3], "max_tokens": max_tokens}, timeout=60)
+
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(0.5)
+    return t, out
+
+
 def test_sigterm_finishes_in_flight_requests(tag, tmp_path):
     """--drain finish: a request in flight when SIGTERM arrives still completes."""
     rec = tmp_path / "rec"
     with ServerProcess(_sim_cmd(rec), health_timeout_s=60) as srv:
-        out = {}
-
-        def request():
-            out["r"] = httpx.post(srv.base_url + "/v1/completions",
-                                  json={"prompt": [1, 2, 3], "max_tokens": 600}, timeout=60)
-
-        t = threading.Thread(target=request)
-        t.start()
-        time.sleep(0.5)
+        t, out = _request_in_background(srv, 600)
         os.kill(srv.pid, signal.SIGTERM)
         t.join(60)
         assert srv.proc.wait(60) == 0
@@ -186,15 +192,7 @@ def test_abort_stop_ends_in_flight_requests(tag, tmp_path):
     the records show it unfinished."""
     rec = tmp_path / "rec"
     with ServerProcess(_sim_cmd(rec), health_timeout_s=60, stop_timeout_s=30) as srv:
-        out = {}
-
-        def request():
-            out["r"] = httpx.post(srv.base_url + "/v1/completions",
-                                  json={"prompt": [1, 2, 3], "max_tokens": 8000}, timeout=60)
-
-        t = threading.Thread(target=request)
-        t.start()
-        time.sleep(0.5)
+        t, out = _request_in_background(srv, 8000)
         t0 = time.monotonic()
         assert srv.stop(abort=True) == 0
         assert time.monotonic() - t0 < 10
