@@ -31,8 +31,9 @@ lint: setup ## ruff checks
 plan: setup ## print the budget planner table for b63, b83 and b108 (Falcon-H1-7B)
 	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b; echo; done
 
-bench: setup ## engine benchmarks: default S2 b63 cell, 3,000 and 30,000 requests, profile
+bench: setup ## engine benchmarks (S2 b63 cell, 3,000/30,000 requests, profile); paged-kernel and tiny-model tok/s
 	$(BIN)/python -m bench.engine_bench
+	$(BIN)/python -m bench.kernel_bench
 
 tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1_tiny (offline)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny models/falcon_h1_tiny

@@ -1,0 +1,220 @@
+"""Real-executor benchmarks on the tiny Falcon-H1 (CPU unless --device says otherwise).
+
+1. Paged vs contiguous decode step, batches 8 / 32 / 53, S1 and S2:
+   - "mixer": one Mamba2 mixer decode update (projections, conv window, SSM state), state
+     gathered through the page mapping and written back vs contiguous per-sequence tensors;
+   - "model": a whole-model decode step (every layer, paged KV by block table and paged
+     recurrent state) vs contiguous KV and state.
+   Ratio = paged / contiguous median seconds (target <= 1.10 on CPU).
+2. Tokens per second: our engine (S2, all requests at t=0, greedy, exact lengths) against
+   transformers' batched `generate` at the same batch size, prompt and output lengths.
+
+Prints a table and writes bench/results/kernels.json. Numbers, not assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from serving_core.engine import VirtualClock, serve
+from serving_core.executor.state_arena import StateArena
+from serving_core.executor.torch_executor import PagedRecurrentIO, build_torch_engine
+from serving_core.geometry import load_geometry
+from serving_core.memory import build_memory
+from serving_core.model.dense_state import DenseState
+from serving_core.model.falcon_h1 import FalconH1
+from serving_core.planner import plan_budget, units_for
+from serving_core.scheduler import SchedulerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+MODEL = "falcon_h1_tiny"
+BATCHES = (8, 32, 53)
+CONTEXT = 1024  # tokens of KV per sequence in the whole-model decode step
+
+
+@dataclass(frozen=True)
+class _Spec:
+    request_id: int
+    arrival_s: float
+    prompt: np.ndarray
+    output_tokens: int
+    context_id: int = -1
+    salt: str = ""
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _PagedDecode:
+    """A whole-model decode io over arenas: KV by block table, recurrent state paged."""
+
+    def __init__(self, arena, blocks, composites, context):
+        self.rec = PagedRecurrentIO(arena, composites)
+        self.arena = arena
+        bt = arena.block_tokens
+        self.units = torch.tensor([[b.units[0] for b in row] for row in blocks])
+        self.context = context
+        self.new_units = torch.tensor([row[context // bt].units[0] for row in blocks])
+        self.new_offsets = torch.full((len(blocks),), context % bt)
+
+    def kv(self, layer):
+        k, v = self.arena.gather_kv(layer, self.units, self.context)
+        return k, v, None
+
+    def store_kv(self, layer, k, v):
+        self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
+
+    def recurrent(self, layer):
+        return self.rec.recurrent(layer)
+
+    def store_recurrent(self, layer, conv, ssm):
+        self.rec.store_recurrent(layer, conv, ssm)
+
+
+def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
+    geometry = load_geometry(MODEL)
+    bt = 512
+    blocks_per_seq = CONTEXT // bt + 1
+    per_seq = blocks_per_seq + (4 if org == "S1" else 3) + 1
+    mem = build_memory(geometry, org, {"shared": batch * per_seq + 8})
+    rng = np.random.default_rng(batch)
+    free = list(mem.pools["shared"].free)
+    rng.shuffle(free)
+    mem.pools["shared"].free.clear()
+    mem.pools["shared"].free.extend(free)
+    arena = StateArena(mem, geometry, model.device)
+    for t in arena.pools.values():
+        t.normal_()
+    composites = [mem.allocate_composite(r) for r in range(batch)]
+    blocks = [[mem.allocate_attention(r) for _ in range(blocks_per_seq)] for r in range(batch)]
+    dense = DenseState(model, batch)
+    for layer in range(model.num_layers):
+        dense.k[layer] = torch.randn(batch, CONTEXT, model.kv_heads, model.head_dim)
+        dense.v[layer] = torch.randn(batch, CONTEXT, model.kv_heads, model.head_dim)
+        dense.conv[layer].normal_()
+        dense.ssm[layer].normal_()
+    dense.length = CONTEXT
+    x = torch.randn(batch, 1, model.hidden)
+    ids = torch.randint(0, 128_256, (batch, 1))
+    pos = torch.full((batch, 1), CONTEXT)
+
+    def mixer_paged():
+        with torch.inference_mode():
+            model._mamba(0, x, PagedRecurrentIO(arena, composites))
+
+    def mixer_dense():
+        with torch.inference_mode():
+            model._mamba(0, x, dense)
+
+    def model_paged():
+        model.forward(ids, pos, _PagedDecode(arena, blocks, composites, CONTEXT))
+
+    def model_dense():
+        saved = [(k, v) for k, v in zip(dense.k, dense.v, strict=True)]
+        model.forward(ids, pos, dense)
+        dense.k = [k for k, _ in saved]
+        dense.v = [v for _, v in saved]
+
+    out = {"org": org, "batch": batch}
+    for name, paged, contiguous in (("mixer", mixer_paged, mixer_dense),
+                                    ("model", model_paged, model_dense)):
+        p = _median_s(paged, repeats)
+        c = _median_s(contiguous, repeats)
+        out[f"{name}_paged_ms"] = 1000 * p
+        out[f"{name}_contiguous_ms"] = 1000 * c
+        out[f"{name}_ratio"] = p / c
+    return out
+
+
+def engine_vs_generate(model, checkpoint, batch: int, prompt_len: int, output: int) -> dict:
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 128_256, prompt_len).astype(np.int32) for _ in range(batch)]
+    geometry = load_geometry(MODEL)
+    units = units_for(plan_budget(geometry, "b63"), "S2")
+    engine = build_torch_engine(
+        model, geometry, "S2", units,
+        SchedulerConfig(cap=batch, max_num_batched_tokens=max(2048, prompt_len)),
+        clock=VirtualClock(),
+    )
+    specs = [_Spec(i, 0.0, p, output) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    serve(engine, specs)
+    ours = time.perf_counter() - t0
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import FalconH1ForCausalLM
+
+    net = FalconH1ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.tensor(np.stack(prompts), dtype=torch.long)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        net.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output,
+                     min_new_tokens=output, do_sample=False, pad_token_id=0)
+    theirs = time.perf_counter() - t0
+    tokens = batch * output
+    return {
+        "batch": batch, "prompt_tokens": prompt_len, "output_tokens": output,
+        "engine_s": ours, "engine_tok_s": tokens / ours,
+        "transformers_s": theirs, "transformers_tok_s": tokens / theirs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.kernel_bench", description=__doc__)
+    parser.add_argument("--checkpoint", default=str(ROOT / "models" / MODEL),
+                        help="tiny checkpoint folder (built in a temp dir when absent)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--gen-batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--output", type=int, default=64)
+    args = parser.parse_args(argv)
+    checkpoint = Path(args.checkpoint)
+    tmp = None
+    if not (checkpoint / "config.json").exists():
+        from serving_core.model.make_tiny import build
+
+        tmp = tempfile.TemporaryDirectory()
+        checkpoint = build(tmp.name, MODEL)
+    model = FalconH1.load(checkpoint)
+    rows = [paged_vs_contiguous(model, org, b, args.repeats) for org in ("S1", "S2")
+            for b in BATCHES]
+    print(f"{'org':4} {'batch':>5} {'mixer paged':>12} {'contig':>8} {'ratio':>6}"
+          f" {'model paged':>12} {'contig':>8} {'ratio':>6}   (ms, median)")
+    for r in rows:
+        print(f"{r['org']:4} {r['batch']:>5} {r['mixer_paged_ms']:>12.2f} "
+              f"{r['mixer_contiguous_ms']:>8.2f} {r['mixer_ratio']:>6.3f} "
+              f"{r['model_paged_ms']:>12.2f} {r['model_contiguous_ms']:>8.2f} "
+              f"{r['model_ratio']:>6.3f}")
+    gen = engine_vs_generate(model, checkpoint, args.gen_batch, args.prompt, args.output)
+    print(f"batch {gen['batch']}, {gen['prompt_tokens']} prompt + {gen['output_tokens']} output "
+          f"tokens: engine {gen['engine_tok_s']:.1f} tok/s ({gen['engine_s']:.2f} s), "
+          f"transformers generate {gen['transformers_tok_s']:.1f} tok/s "
+          f"({gen['transformers_s']:.2f} s)")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {"threads": torch.get_num_threads(), "paged_vs_contiguous": rows, "generate": gen}
+    (RESULTS / "kernels.json").write_text(json.dumps(out, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
