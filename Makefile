@@ -123,3 +123,27 @@ demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs), 
 	@echo "report: $(abspath $(REPORT_DIR))/index.md"
 
 .PHONY: $(QUESTIONS) campaign campaign-plan smoke demo
+
+# ---- the real core over HTTP (serving_core.server) -------------------------------------------
+TINY_MODEL ?= models/falcon_h1_tiny
+ORG ?= s2
+BUDGET ?= b63
+PORT ?= 8000
+
+$(TINY_MODEL)/config.json: | setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny $(TINY_MODEL)
+
+serve: setup $(TINY_MODEL)/config.json ## serve the tiny model on 127.0.0.1:$(PORT) (ORG=, BUDGET=, ARGS='--trace ...')
+	$(BIN)/python -m serving_core.server --model $(TINY_MODEL) --org $(ORG) --budget $(BUDGET) --port $(PORT) $(ARGS)
+
+http-smoke: setup $(TINY_MODEL)/config.json ## one run over HTTP on the tiny model (20 requests), then check the ledgers
+	$(BIN)/python -m experiments.run executor=torch executor.checkpoint=$(TINY_MODEL) model=falcon_h1_tiny \
+		org=$(ORG) budget=$(BUDGET) workload.source=synthetic workload.num_requests=20 load.rate=4 \
+		trace=true campaign_name=http_smoke ledger_root=$(LEDGER_ROOT) $(ARGS)
+	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
+
+continuation: setup $(TINY_MODEL)/config.json ## reload-from-host continuation check, S0/S1/S2/D0 x N around C (last line: JSON)
+	$(BIN)/python -m experiments.continuation --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) \
+		--report-dir $(REPORT_DIR) $(ARGS)
+
+.PHONY: serve http-smoke continuation

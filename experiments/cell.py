@@ -46,6 +46,8 @@ SUMMARY_KEYS = (
     "e2e_p50",
     "e2e_p99",
     "tpot_p99",
+    "itl_p50",  # inter-token times at the client (runs over HTTP only)
+    "itl_p99",
     "preemptions",
     "prefix_hit_tokens",
     "prefill_tokens_computed",
@@ -113,6 +115,18 @@ def scheduler_config(cfg, arm: str, device) -> SchedulerConfig:
     )
 
 
+INPROC_NAME = "torch_inproc"  # executor=torch_inproc: the engine in this process
+
+
+@dataclass
+class _Served:
+    """Tables and summary of a run served over HTTP (no allocator to inspect)."""
+
+    tables: dict
+    summary: dict
+    memory: object = None
+
+
 def _run_torch(cfg, geometry, org, pool_units, sched_cfg, specs, on_step):
     """Serve the workload on the real executor: the model on the organization's arenas,
     wall clock, arrivals released at their planned times."""
@@ -150,8 +164,14 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
     workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
     wall0 = time.perf_counter()
     pool_units = units_for(plan, org)
-    if real:
+    if real and device.name == INPROC_NAME:
         result = _run_torch(cfg, geometry, org, pool_units, sched_cfg, workload.requests, on_step)
+    elif real:  # the server in a subprocess, driven over HTTP (on_step does not cross it)
+        from experiments.http_run import run_cell_over_http
+
+        tables, served = run_cell_over_http(cfg, device, geometry, arm, sched_cfg,
+                                            workload.requests)
+        result = _Served(tables, served)
     else:
         step_model = build_step_model(geometry, device, org, cfg.engine.indirection_overhead)
         result = run_engine(

@@ -89,7 +89,7 @@ def cell_columns(cfg: DictConfig) -> dict:
         "replicate": int(cfg.replicate),
         "trace": bool(cfg.trace),
         "executor": (
-            f"torch:{cfg.executor.device}" if cfg.executor.get("kind") == "torch"
+            f"{cfg.executor.name}:{cfg.executor.device}" if cfg.executor.get("kind") == "torch"
             else f"sim:{cfg.executor.name}"
         ),
         "model": str(cfg.model.name),

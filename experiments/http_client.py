@@ -1,0 +1,105 @@
+"""The benchmark client: sends a workload at its planned arrival times to an
+OpenAI-compatible /v1/completions endpoint and measures each request at the client.
+
+Prompts go as token ids (the engine sees exactly the workload's tokens), with
+max_tokens = the planned output length, ignore_eos, streaming, and the request's
+cache_salt when it has one. Per request the client records send time, first-token
+time, every token's arrival (inter-token times) and the finish time, all in
+seconds since the episode start t0 (perf_counter based).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class ClientRecord:
+    request_id: int  # workload id
+    sent_s: float = math.nan
+    first_token_s: float = math.nan
+    finish_s: float = math.nan
+    token_times_s: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    server_id: str = ""  # the response id (cmpl-<engine request id> on our server)
+    finish_reason: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.finish_reason == "length"
+
+    def inter_token_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in zip(t[:-1], t[1:], strict=True)]
+
+
+def completion_payload(spec, model: str | None = None) -> dict:
+    """The request body of one workload request (same for our server and vLLM)."""
+    body = {
+        "prompt": [int(t) for t in spec.prompt],
+        "max_tokens": int(spec.output_tokens),
+        "ignore_eos": True,
+        "stream": True,
+    }
+    if spec.salt:
+        body["cache_salt"] = spec.salt
+    if model:
+        body["model"] = model
+    return body
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, spec, t0: float,
+                     model: str | None = None) -> ClientRecord:
+    """Send one request at t0 + arrival_s and read its SSE stream to the end."""
+    rec = ClientRecord(int(spec.request_id))
+    delay = t0 + float(spec.arrival_s) - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    rec.sent_s = time.perf_counter() - t0
+    try:
+        async with client.stream("POST", url, json=completion_payload(spec, model)) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")[:300]
+                rec.error = f"HTTP {resp.status_code}: {body}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                rec.server_id = chunk.get("id", rec.server_id)
+                for choice in chunk.get("choices", []):
+                    now = time.perf_counter() - t0
+                    ids = choice.get("token_ids")
+                    n = len(ids) if ids is not None else int(bool(choice.get("text")))
+                    if n:
+                        if math.isnan(rec.first_token_s):
+                            rec.first_token_s = now
+                        rec.token_times_s.extend([now] * n)
+                        rec.token_ids.extend(ids or [])
+                    if choice.get("finish_reason"):
+                        rec.finish_reason = choice["finish_reason"]
+        rec.finish_s = time.perf_counter() - t0
+    except (httpx.HTTPError, json.JSONDecodeError) as err:
+        rec.error = f"{type(err).__name__}: {err}"
+    return rec
+
+
+async def send_workload(base_url: str, specs, t0: float, *, model: str | None = None,
+                        read_timeout_s: float = 600.0) -> list[ClientRecord]:
+    """Every spec at its arrival time, concurrently; records in workload order."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(10.0, read=read_timeout_s)
+    url = base_url + "/v1/completions"
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        return list(await asyncio.gather(*(stream_one(client, url, s, t0, model)
+                                           for s in specs)))

@@ -1,0 +1,166 @@
+"""A serving process owned by the runner: start, wait until healthy, stop, never leak.
+
+`ServerProcess` is a context manager around one server subprocess (ours, or any
+OpenAI-compatible server started by a command). The process runs in its own
+session so a stop reaches its children too; leaving the context stops it
+(SIGTERM, then SIGKILL after a grace period) whatever happened inside, and our
+server also watches its parent (`--exit-with-parent`) in case the runner dies.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+_LISTENING = re.compile(r"listening on (http://\S+)")
+
+
+class ServerError(RuntimeError):
+    """The server did not start, did not become healthy, or died."""
+
+
+def hsl_server_command(*, checkpoint: str | None, preset: str, org: str, budget: str,
+                       cap: int, max_num_batched_tokens: int, headroom: float,
+                       retention_k: int | None, pinning_k: int | None, trace: bool,
+                       records: str, executor: str = "torch", device: str = "cpu",
+                       dtype: str = "float32", drain: str = "finish") -> list[str]:
+    """The command line of `python -m serving_core.server` for one cell, on a free port."""
+    cmd = [sys.executable, "-m", "serving_core.server", "--preset", preset, "--org", org,
+           "--budget", budget, "--cap", str(cap),
+           "--max-num-batched-tokens", str(max_num_batched_tokens),
+           "--headroom", repr(float(headroom)), "--executor", executor,
+           "--device", device, "--dtype", dtype, "--tokenizer", "none",
+           "--port", "0", "--records", records, "--drain", drain, "--exit-with-parent"]
+    if checkpoint:
+        cmd += ["--model", checkpoint]
+    if retention_k is not None:
+        cmd += ["--retention-k", str(retention_k)]
+    if pinning_k is not None:
+        cmd += ["--pinning-k", str(pinning_k)]
+    if trace:
+        cmd.append("--trace")
+    return cmd
+
+
+class ServerProcess:
+    """One server subprocess: `with ServerProcess(cmd) as srv: srv.base_url ...`.
+
+    The base URL comes from the server's `listening on URL` line (or `base_url=`
+    for servers that do not print one). `health_timeout_s` bounds the wait for
+    GET /health; `stop()` returns the exit code.
+    """
+
+    def __init__(self, cmd: list[str], *, base_url: str | None = None,
+                 health_path: str = "/health", health_timeout_s: float = 120.0,
+                 stop_timeout_s: float = 60.0, env: dict | None = None) -> None:
+        self.cmd = cmd
+        self.base_url = base_url
+        self.health_path = health_path
+        self.health_timeout_s = health_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="server-", suffix=".log",
+                                                delete=False)
+        self._lines: list[str] = []
+        self._url_seen = threading.Event()
+
+    # ----- start ----------------------------------------------------------------------------
+    def start(self) -> ServerProcess:
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            start_new_session=True, env=self.env,
+        )
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.append(line.rstrip("\n"))
+            m = _LISTENING.search(line)
+            if m and self.base_url is None:
+                self.base_url = m.group(1)
+                self._url_seen.set()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.health_timeout_s
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(f"server exited with code {code} before becoming healthy: "
+                                  f"{self.stderr_tail()}")
+            if self.base_url is not None:
+                try:
+                    r = httpx.get(self.base_url + self.health_path, timeout=2.0)
+                    if r.status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        raise ServerError(f"server not healthy after {self.health_timeout_s:g} s "
+                          f"(GET {self.base_url or '<no url yet>'}{self.health_path}); "
+                          f"command: {' '.join(self.cmd)}")
+
+    # ----- state ----------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stderr_tail(self, lines: int = 5) -> str:
+        self._log.flush()
+        text = Path(self._log.name).read_text(errors="replace").strip().splitlines()
+        return " | ".join(text[-lines:]) or "(no stderr)"
+
+    @property
+    def stdout_lines(self) -> list[str]:
+        return list(self._lines)
+
+    # ----- stop -----------------------------------------------------------------------------
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, abort: bool = False) -> int | None:
+        """SIGTERM (graceful: records are written), SIGKILL after the grace period.
+        `abort`: a second SIGTERM, so in-flight requests end now instead of finishing."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            if abort:
+                time.sleep(0.2)
+                self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.proc.wait()
+        self._signal_group(signal.SIGKILL)  # anything the server left in its session
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop(abort=exc_type is not None)  # after a failure nothing is worth finishing
+        self._log.close()
+        os.unlink(self._log.name)

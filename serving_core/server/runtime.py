@@ -1,0 +1,202 @@
+"""An Engine run by a driver thread for an async front end.
+
+`EngineRuntime` owns the engine: HTTP handlers `submit` requests (thread-safe) and
+read their tokens from a per-request `TokenStream`; the driver thread steps the
+engine whenever it has work and publishes a metrics snapshot after every step, so
+readers never touch the scheduler or the allocator while a step runs.
+
+Shutdown is either `finish` (reject new requests, serve the in-flight ones to
+completion) or `abort` (stop stepping now; in-flight streams end with
+finish_reason "abort"). Either way the engine's records end with END.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+
+DRAIN_MODES = ("finish", "abort")
+
+
+@dataclass(frozen=True, slots=True)
+class ServedSpec:
+    """What the engine reads of a request (the fields of a workload RequestSpec)."""
+
+    request_id: int
+    arrival_s: float
+    prompt: np.ndarray  # int32 token ids
+    output_tokens: int  # exact tokens to generate (EOS ignored)
+    context_id: int = -1
+    salt: str = ""
+
+
+class Rejected(Exception):
+    """A request the server does not take (shutting down or engine failed): HTTP 503."""
+
+
+class TokenStream:
+    """Tokens of one request, handed from the driver thread to an event loop.
+
+    Items are ("token", id), ("finish", "length") or ("finish", "abort"|"error")."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def push(self, kind: str, value) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        except RuntimeError:  # the consumer's loop is closed (client gone at shutdown)
+            pass
+
+    async def get(self):
+        return await self.queue.get()
+
+
+class EngineRuntime:
+    """Drives `engine` in a thread; `submit` from any thread, `snapshot` for metrics."""
+
+    def __init__(self, engine, *, max_model_len: int, drain: str = "finish",
+                 idle_poll_s: float = 0.05) -> None:
+        if drain not in DRAIN_MODES:
+            raise ValueError(f"drain={drain!r}: allowed values are {', '.join(DRAIN_MODES)}")
+        self.engine = engine
+        self.max_model_len = int(max_model_len)
+        self.drain = drain
+        self.idle_poll_s = idle_poll_s
+        self._lock = threading.Lock()
+        self._streams: dict[int, TokenStream] = {}
+        self._next_rid = 0
+        self._closing = False  # no new requests
+        self._stop = threading.Event()  # driver thread: leave the loop
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+        self.counters = {"requests_received": 0, "requests_finished": 0,
+                         "requests_aborted": 0, "requests_rejected": 0}
+        self._snapshot = self._take_snapshot()
+
+    # ----- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def begin_shutdown(self, mode: str | None = None) -> None:
+        """Stop taking requests; `abort` also stops the engine (streams end now)."""
+        mode = mode or self.drain
+        self._closing = True
+        if mode == "abort":
+            self._stop.set()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish (or abort) and join the driver thread."""
+        self.begin_shutdown()
+        if self._thread is None:
+            return
+        if self.drain == "finish":
+            # leaves the loop once no request is left
+            self._thread.join(timeout)
+        self._stop.set()
+        self._thread.join(timeout)
+
+    # ----- requests -----------------------------------------------------------------------
+    def submit(self, prompt: list[int], max_tokens: int, salt: str,
+               loop: asyncio.AbstractEventLoop) -> tuple[int, TokenStream]:
+        """Enqueue one request; ValueError for a request the engine cannot serve (400),
+        Rejected when the server no longer takes requests (503)."""
+        if self._closing or not self.healthy:
+            with self._lock:
+                self.counters["requests_rejected"] += 1
+            raise Rejected("server is shutting down" if self._closing else
+                           f"engine stopped: {self.error}")
+        total = len(prompt) + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"the model's max_model_len {self.max_model_len}"
+            )
+        stream = TokenStream(loop)
+        with self._lock:
+            rid = self._next_rid
+            spec = ServedSpec(rid, 0.0, np.asarray(prompt, dtype=np.int32), int(max_tokens),
+                              -1, salt)
+            self.engine.check_feasible([spec])  # ValueError: the budget cannot hold it
+            self._next_rid += 1
+            self._streams[rid] = stream
+            self.counters["requests_received"] += 1
+        self.engine.submit(spec)
+        return rid, stream
+
+    # ----- driver thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                if not eng.has_work():
+                    if self._closing:
+                        break  # drained
+                    eng.wait_for_work(self.idle_poll_s)
+                    self._publish()
+                    continue
+                out = eng.step()
+                if out is not None:
+                    self._dispatch(out)
+                self._publish()
+        except Exception as err:  # the engine failed: every open stream ends with an error
+            self.error = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
+        self._end_streams("error" if self.error else "abort")
+        self._publish()
+
+    def _dispatch(self, out) -> None:
+        with self._lock:
+            streams = self._streams
+            for rid, token in out.produced:
+                s = streams.get(rid)
+                if s is not None:
+                    s.push("token", token)
+            for rid in out.finished:
+                s = streams.pop(rid, None)
+                self.counters["requests_finished"] += 1
+                if s is not None:
+                    s.push("finish", "length")
+
+    def _end_streams(self, reason: str) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            self.counters["requests_aborted"] += len(streams)
+        for s in streams.values():
+            s.push("finish", reason)
+
+    # ----- metrics ------------------------------------------------------------------------
+    def _take_snapshot(self) -> dict:
+        eng = self.engine
+        sched = eng.sched
+        with self._lock:
+            counters = dict(self.counters)
+        return {
+            "clock_s": eng.clock.now(),
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + len(eng._inbox),
+            "pools": eng.mem.usage(),
+            "preemptions_total": sched.preemptions_total,
+            "prompt_tokens_total": sched.prompt_tokens_total,
+            "generation_tokens_total": sched.generation_tokens_total,
+            "prefix_hit_tokens_total": sched.prefix_hit_tokens_total,
+            "steps_total": sched.step,
+            **counters,
+        }
+
+    def _publish(self) -> None:
+        self._snapshot = self._take_snapshot()
+
+    def snapshot(self) -> dict:
+        """The state after the last step (a dict replaced atomically, never mutated)."""
+        return self._snapshot

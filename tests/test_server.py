@@ -1,0 +1,217 @@
+"""The HTTP server in process (FastAPI TestClient over the simulated executor on a wall
+clock): completions whole and streamed, bad requests, cache_salt, /health, /metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from experiments.poller import parse_metrics
+from serving_core.engine import Engine, SimulatedExecutor, WallClock
+from serving_core.executor.profiles import load_device_profile
+from serving_core.executor.simulated import StepTimeModel
+from serving_core.planner import plan_budget, units_for
+from serving_core.request import GENERATED_TOKEN_SPACE
+from serving_core.scheduler import SchedulerConfig
+from serving_core.server.app import create_app
+from serving_core.server.runtime import EngineRuntime
+
+VOCAB = GENERATED_TOKEN_SPACE
+
+
+def _engine(geometry, org="S2", budget="b63"):
+    units = units_for(plan_budget(geometry, budget), org)
+    model = StepTimeModel(geometry, load_device_profile("a100"), org, 0.0)
+    cfg = SchedulerConfig(cap=8, max_num_batched_tokens=2048, headroom=0.0)
+    return Engine(geometry, org, units, cfg, SimulatedExecutor(model), clock=WallClock(),
+                  budget_label=budget, trace=True)
+
+
+@pytest.fixture()
+def served(request):
+    from serving_core.geometry import load_geometry
+
+    org = getattr(request, "param", "S2")
+    engine = _engine(load_geometry("falcon_h1_tiny"), org)
+    runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len)
+    app = create_app(runtime, model_name="tiny", vocab_size=VOCAB)
+    with TestClient(app) as client:
+        yield client, engine, runtime
+    assert not runtime._thread.is_alive()  # the lifespan stopped the engine loop
+
+
+def _synthetic(rid: int, n: int) -> list[int]:
+    """The simulated executor's generated ids for engine request `rid`."""
+    return [(rid * 1_000_003 + j * 7_919 + 17) % VOCAB for j in range(n)]
+
+
+def _metrics(client) -> dict:
+    text = client.get("/metrics").text
+    return {row["pool"]: row for row in parse_metrics(text, "hsl")}
+
+
+def _sse(client, body):
+    events = []
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    return events
+
+
+def test_completion_whole_and_streamed(served):
+    client, engine, _ = served
+    r = client.post("/v1/completions", json={"prompt": list(range(1, 40)), "max_tokens": 7})
+    assert r.status_code == 200
+    body = r.json()
+    rid = int(body["id"].split("-")[1])
+    choice = body["choices"][0]
+    assert choice["token_ids"] == _synthetic(rid, 7)
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 39, "completion_tokens": 7, "total_tokens": 46}
+
+    events = _sse(client, {"prompt": list(range(5, 30)), "max_tokens": 5, "stream": True,
+                           "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    rid2 = int(chunks[0]["id"].split("-")[1])
+    assert rid2 == rid + 1
+    tokens = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
+    assert tokens == _synthetic(rid2, 5)
+    reasons = [ch["finish_reason"] for c in chunks for ch in c["choices"]]
+    assert reasons[-1] == "length" and reasons[:-1] == [None] * 5
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+    m = _metrics(client)["shared"]
+    assert m["generation_tokens_total"] == 12
+    assert m["prompt_tokens_total"] == 39 + 25
+    assert m["running"] == 0 and m["waiting"] == 0
+    assert client.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [1, 2], "max_tokens": -3}, "max_tokens"),
+        ({"prompt": [1, 2], "max_tokens": 2, "best_of": 2}, "unknown fields ['best_of']"),
+        ({"prompt": [1, VOCAB], "max_tokens": 2}, "outside the vocabulary"),
+        ({"prompt": [], "max_tokens": 2}, "at least one token"),
+        ({"max_tokens": 2}, "prompt"),
+        ({"prompt": [1] * 8000, "max_tokens": 500}, "max_model_len 8192"),
+        ({"prompt": [1, 2], "max_tokens": 2, "ignore_eos": False}, "ignore_eos"),
+        ({"prompt": [1, 2], "max_tokens": 2, "temperature": 0.7}, "temperature"),
+        ({"prompt": [1, 2], "max_tokens": 2, "cache_salt": 5}, "cache_salt"),
+        ({"prompt": "text", "max_tokens": 2}, "no tokenizer"),
+        ([1, 2], "JSON object"),
+    ],
+)
+def test_bad_requests_get_400_and_disturb_nothing(served, body, field):
+    client, _, _ = served
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400
+    assert field in r.json()["error"]["message"]
+    ok = client.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 3})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 3
+    m = _metrics(client)["shared"]
+    assert m["generation_tokens_total"] == 3 and m["prompt_tokens_total"] == 3
+
+
+def test_not_json_is_400(served):
+    client, _, _ = served
+    r = client.post("/v1/completions", content=b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_request_the_budget_cannot_hold_is_400(geometry_tiny_b4):
+    """Under b4 (12 units of S2) an 8,000-token request cannot fit: 400, and the server
+    keeps serving requests that fit."""
+    engine = geometry_tiny_b4
+    runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len)
+    with TestClient(create_app(runtime, model_name="tiny", vocab_size=VOCAB)) as client:
+        r = client.post("/v1/completions", json={"prompt": [7] * 8000, "max_tokens": 100})
+        assert r.status_code == 400
+        msg = r.json()["error"]["message"]
+        assert "budget='b4'" in msg and "has 12" in msg
+        ok = client.post("/v1/completions", json={"prompt": [7] * 600, "max_tokens": 4})
+        assert ok.status_code == 200
+
+
+@pytest.fixture()
+def geometry_tiny_b4():
+    from serving_core.geometry import load_geometry
+
+    return _engine(load_geometry("falcon_h1_tiny"), "S2", "b4")
+
+
+def test_prefix_hits_and_cache_salt(served):
+    """A repeated 1,100-token prompt restores C floor((N-1)/C) = 1,024 tokens (C = 512);
+    a different cache_salt isolates it."""
+    client, engine, _ = served
+    prompt = [(7 * i) % 5000 + 1 for i in range(1100)]
+    for _ in range(2):
+        assert client.post("/v1/completions",
+                           json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+    assert _metrics(client)["shared"]["prefix_hit_tokens_total"] == 1024
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2,
+                                             "cache_salt": "tenant-b"})
+    assert r.status_code == 200
+    m = _metrics(client)["shared"]
+    assert m["prefix_hit_tokens_total"] == 1024
+    assert m["prompt_tokens_total"] == 1100 + (1100 - 1024) + 1100
+
+
+def test_metrics_pools_match_the_allocator(served):
+    client, engine, _ = served
+    text = client.get("/metrics").text
+    for name in ("hsl:num_requests_running", "hsl:num_requests_waiting",
+                 "hsl:num_preemptions_total", "hsl:prompt_tokens_total",
+                 "hsl:generation_tokens_total", "hsl:prefix_cache_hit_tokens_total",
+                 'hsl:pool_units_free{pool="shared"}', 'hsl:pool_usage_perc{pool="shared"}'):
+        assert name in text
+    rows = _metrics(client)
+    totals = engine.mem.total_units()
+    assert {p: r["units_total"] for p, r in rows.items()} == totals
+    for row in rows.values():
+        assert row["units_used"] + row["units_cached"] + row["units_free"] == row["units_total"]
+
+
+@pytest.mark.parametrize("served", ["D0"], indirect=True)
+def test_metrics_per_pool_under_d0(served):
+    client, engine, _ = served
+    client.post("/v1/completions", json={"prompt": list(range(1, 600)), "max_tokens": 4})
+    rows = _metrics(client)
+    assert set(rows) == {"attention", "recurrent"}
+    assert rows["attention"]["units_cached"] > 0  # the finished prompt's blocks stay cached
+    for pool, row in rows.items():
+        assert row["units_total"] == engine.mem.total_units()[pool]
+
+
+def test_abort_on_shutdown_ends_open_streams(served):
+    """begin_shutdown('abort') stops the engine: an open request ends with 'abort', and
+    new requests get 503."""
+    client, engine, runtime = served
+    results = {}
+
+    def long_request():
+        results["r"] = client.post("/v1/completions",
+                                   json={"prompt": [1, 2, 3], "max_tokens": 5000})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    while runtime.snapshot()["generation_tokens_total"] < 5:
+        time.sleep(0.001)
+    runtime.begin_shutdown("abort")
+    t.join(30)
+    assert results["r"].status_code == 503 and "abort" in results["r"].json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+    assert r.status_code == 503
+    res = engine.result()
+    assert res.tables["trace"]["event"][-1] == "END"
+    assert res.tables["requests"]["status"] == ["unfinished"]

@@ -1,0 +1,287 @@
+"""Server processes: bad starts fail clearly and leave nothing running; killing either
+side of a run leaves no server behind; a graceful stop writes records ending in END.
+
+Servers here run the paced simulated executor (fast boot); the slow end-to-end test
+runs the real tiny model through the runner."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from experiments.http_run import serve_over_http
+from experiments.server_process import ServerError, ServerProcess, hsl_server_command
+from serving_core.server.records_out import read_records
+
+TAG = "HSL_TEST_SERVER_TAG"
+
+
+@pytest.fixture()
+def tag(monkeypatch):
+    """A unique environment marker inherited by every process a test starts; at the end
+    no process carrying it may be alive."""
+    value = uuid.uuid4().hex
+    monkeypatch.setenv(TAG, value)
+    yield value
+    deadline = time.monotonic() + 10
+    while _tagged(value) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _tagged(value), "a server process outlived its test"
+
+
+def _tagged(value: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries the tag."""
+    marker = f"{TAG}={value}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if marker in (proc / "environ").read_bytes().split(b"\0"):
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _sim_cmd(records: Path, **kw) -> list[str]:
+    args = dict(checkpoint=None, preset="falcon_h1_tiny", org="s2", budget="b63", cap=16,
+                max_num_batched_tokens=2048, headroom=0.0, retention_k=None, pinning_k=None,
+                trace=True, records=str(records), executor="simulated")
+    args.update(kw)
+    return hsl_server_command(**args)
+
+
+def _run(cmd, timeout=120):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_port_in_use_fails_with_exit_2(tag, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        cmd = _sim_cmd(tmp_path / "rec")
+        cmd[cmd.index("--port") + 1] = str(port)
+        res = _run(cmd)
+    assert res.returncode == 2
+    assert res.stderr.strip() == (f"error: --port={port}: address 127.0.0.1:{port} "
+                                  "is already in use")
+    assert not (tmp_path / "rec").exists()
+
+
+def test_bad_arguments_exit_2_with_one_line(tag, tmp_path):
+    res = _run(_sim_cmd(tmp_path / "rec", org="s7"))
+    assert res.returncode == 2
+    assert res.stderr.strip() == "error: --org='s7': allowed values are s0, s1, s2, d0, " \
+                                 "s2_retention"
+    res = _run([sys.executable, "-m", "serving_core.server", "--model", str(tmp_path / "none"),
+                "--preset", "falcon_h1_tiny", "--org", "s2", "--budget", "b63", "--port", "0"])
+    assert res.returncode == 2 and "not a directory" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_model_folder_that_does_not_load(tag, tmp_path, tiny_checkpoint):
+    """config.json matches the preset but the weights are damaged: exit 1, one clear
+    line, nothing left running."""
+    broken = tmp_path / "falcon_h1_tiny"
+    broken.mkdir()
+    (broken / "config.json").write_text((Path(tiny_checkpoint) / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)
+    res = _run([sys.executable, "-m", "serving_core.server", "--model", str(broken),
+                "--org", "s2", "--budget", "b63", "--port", "0"])
+    assert res.returncode == 1
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and "the checkpoint does not load" in err[0], res.stderr
+
+
+def test_server_that_never_becomes_healthy(tag, tmp_path):
+    """A process that listens but answers /health with 503: a clear timeout, then it is
+    stopped."""
+    script = textwrap.dedent("""
+        import http.server, socketserver
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(503); self.end_headers()
+            def log_message(self, *a): pass
+        with socketserver.TCPServer(("127.0.0.1", 0), H) as s:
+            print(f"listening on http://127.0.0.1:{s.server_address[1]}", flush=True)
+            s.serve_forever()
+    """)
+    srv = ServerProcess([sys.executable, "-c", script], health_timeout_s=1.5, stop_timeout_s=5)
+    with pytest.raises(ServerError, match=r"server not healthy after 1.5 s \(GET http://"):
+        srv.start()
+    assert not srv.alive()
+
+
+def test_server_that_exits_during_boot(tag, tmp_path):
+    srv = ServerProcess([sys.executable, "-c", "import sys; sys.exit(3)"], health_timeout_s=30)
+    with pytest.raises(ServerError, match="exited with code 3 before becoming healthy"):
+        srv.start()
+
+
+def _specs(n: int, prompt: int, output: int):
+    import numpy as np
+
+    from experiments.workload import RequestSpec
+
+    return [RequestSpec(i, 0.05 * i, np.arange(1 + i, 1 + i + prompt, dtype=np.int32), output,
+                        -1, "") for i in range(n)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_graceful_stop_writes_records_with_end(tag, tmp_path, sig):
+    rec = tmp_path / "rec"
+    with ServerProcess(_sim_cmd(rec), health_timeout_s=60) as srv:
+        r = httpx.post(srv.base_url + "/v1/completions",
+                       json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200
+        os.kill(srv.pid, sig)
+        assert srv.proc.wait(60) == 0
+    tables, summary = read_records(rec)
+    assert tables["trace"]["event"][-1] == "END"
+    assert summary["completed"] == 1 and summary["output_tokens"] == 4
+    assert len(tables["steps"]["step"]) == 4
+
+
+def _request_in_background(srv, max_tokens: int):
+    """A completion request in a thread, half a second under way; (thread, result dict)."""
+    out = {}
+
+    def request():
+        out["r"] = httpx.post(srv.base_url + "/v1/completions",
+                              json={"prompt": [1, 2, 3], "max_tokens": max_tokens}, timeout=60)
+
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(0.5)
+    return t, out
+
+
+def test_sigterm_finishes_in_flight_requests(tag, tmp_path):
+    """--drain finish: a request in flight when SIGTERM arrives still completes."""
+    rec = tmp_path / "rec"
+    with ServerProcess(_sim_cmd(rec), health_timeout_s=60) as srv:
+        t, out = _request_in_background(srv, 600)
+        os.kill(srv.pid, signal.SIGTERM)
+        t.join(60)
+        assert srv.proc.wait(60) == 0
+    assert out["r"].status_code == 200
+    assert len(out["r"].json()["choices"][0]["token_ids"]) == 600
+    tables, summary = read_records(rec)
+    assert summary["completed"] == 1 and tables["trace"]["event"][-1] == "END"
+
+
+def test_abort_stop_ends_in_flight_requests(tag, tmp_path):
+    """stop(abort=True): a second SIGTERM ends the in-flight request at once; exit 0 and
+    the records show it unfinished."""
+    rec = tmp_path / "rec"
+    with ServerProcess(_sim_cmd(rec), health_timeout_s=60, stop_timeout_s=30) as srv:
+        t, out = _request_in_background(srv, 8000)
+        t0 = time.monotonic()
+        assert srv.stop(abort=True) == 0
+        assert time.monotonic() - t0 < 10
+        t.join(30)
+    assert out["r"].status_code == 503
+    tables, summary = read_records(rec)
+    assert tables["requests"]["status"] == ["unfinished"] and summary["completed"] == 0
+    assert tables["trace"]["event"][-1] == "END"
+
+
+def test_run_over_http_measures_at_the_client(tag, tmp_path):
+    """serve_over_http against the paced simulated server: every request completes with its
+    planned tokens; client times are ordered; the poller saw the final counters; the
+    engine tables are mapped onto workload ids. Without records (another server kind) the
+    engine counts come from the poller."""
+    specs = _specs(6, 64, 20)
+    for records in (tmp_path / "rec", None):
+        cmd = _sim_cmd(tmp_path / "unused" if records is None else records)
+        if records is None:
+            i = cmd.index("--records")
+            del cmd[i:i + 2]
+        tables, summary = serve_over_http(cmd, specs, records_dir=records and str(records))
+        req = tables["requests"]
+        assert req["request_id"] == list(range(6)) and req["status"] == ["finished"] * 6
+        assert req["output_tokens"] == [20] * 6 and summary["output_tokens"] == 120
+        for a, f, e in zip(req["arrival_s"], req["first_token_s"], req["finish_s"], strict=True):
+            assert 0 <= a < f <= e <= summary["episode_end_s"]
+        assert summary["episode_end_s"] == math.ceil(summary["episode_end_s"])
+        poll = tables["poller"]
+        assert poll["t_s"][0] == 0 and poll["generation_tokens_total"][-1] == 120
+        assert summary["prefill_tokens_computed"] == 6 * 64
+        if records is None:
+            assert tables["trace"]["seq"] == [] and tables["steps"]["step"] == []
+        else:
+            finishes = [r for e, r in zip(tables["trace"]["event"], tables["trace"]["request_id"],
+                                          strict=True) if e == "FINISH"]
+            assert sorted(finishes) == list(range(6))
+            assert tables["trace"]["event"][-1] == "END"
+
+
+def test_killing_the_server_mid_run_fails_the_run(tag, tmp_path, monkeypatch):
+    """SIGKILL on the server while the client streams: a clear error, no process left."""
+    import asyncio
+
+    import experiments.http_run as http_run
+
+    send = http_run.send_workload
+
+    async def send_then_kill(base_url, specs, t0, **kw):
+        async def kill_later():
+            await asyncio.sleep(1.0)  # the workload is streaming by now
+            (server,) = [p for p in _tagged(os.environ[TAG])
+                         if b"serving_core.server" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            os.kill(server, signal.SIGKILL)
+
+        killer = asyncio.create_task(kill_later())
+        try:
+            return await send(base_url, specs, t0, **kw)
+        finally:
+            await killer
+
+    monkeypatch.setattr(http_run, "send_workload", send_then_kill)
+    rec = tmp_path / "rec"
+    with pytest.raises(ServerError) as err:
+        serve_over_http(_sim_cmd(rec), _specs(16, 200, 3000), records_dir=str(rec))
+    assert "requests failed (server exited with code -9)" in str(err.value)
+
+
+def test_killing_the_client_stops_the_server(tag, tmp_path):
+    """The runner dies (SIGKILL, no cleanup): its server notices and exits."""
+    rec = tmp_path / "rec"
+    script = textwrap.dedent(f"""
+        import json, sys, time
+        from experiments.server_process import ServerProcess
+        srv = ServerProcess({json.dumps(_sim_cmd(rec))}, health_timeout_s=60).start()
+        print(srv.pid, flush=True)
+        time.sleep(600)
+    """)
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(client.stdout.readline())
+        assert Path(f"/proc/{server_pid}").exists()
+        client.kill()
+        client.wait(10)
+        deadline = time.monotonic() + 15
+        while server_pid in _tagged(os.environ[TAG]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server_pid not in _tagged(os.environ[TAG])
+    finally:
+        client.kill()
+    _, summary = read_records(rec)  # it shut down gracefully: records written
+    assert summary["completed"] == 0
