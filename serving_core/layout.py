@@ -126,8 +126,9 @@ def n0_block_tokens(geometry: Geometry, alignment: int = N0_BLOCK_ALIGNMENT) -> 
         attn_block_size = kernel_block_alignment_size * cdiv(
             mamba_page_size, kernel_block_alignment_size * attn_page_size_1_token)
     with kernel_block_alignment_size = max(smallest kernel block, cache block_size);
-    `mamba_cache_mode == "align"` then sets mamba_block_size = block_size. (Releases
-    before it rounded to the Mamba2 SSD chunk instead, 256 tokens: 1,792 for Falcon-H1.)
+    `mamba_cache_mode == "align"` then sets mamba_block_size = block_size. (Earlier
+    releases' mamba_cache_mode "all" rounded up to lcm(Mamba2 chunk, alignment) tokens
+    instead: 1,792 for Falcon-H1, the unit of the paper's earlier uniform path.)
     An attention-only model keeps the default block of `alignment` tokens.
     """
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
