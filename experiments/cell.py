@@ -24,7 +24,7 @@ from serving_core.layout import normalize_org
 from serving_core.planner import plan_budget, units_for
 from serving_core.scheduler import SchedulerConfig
 
-ARMS = ("s0", "s1", "s2", "d0", "s2_retention")
+ARMS = ("s0", "s1", "s2", "d0", "n0", "s2_retention")
 SUMMARY_KEYS = (
     "org",
     "budget",

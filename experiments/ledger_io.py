@@ -30,8 +30,10 @@ from serving_core.geometry import geometry_from_config
 from serving_core.layout import normalize_org
 from serving_core.planner import parse_budget, plan_budget, units_for
 
-ARM_LABELS = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "s2_retention": "S2+Retention"}
-ORG_COLUMN = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "s2_retention": "S2_RETENTION"}
+ARM_LABELS = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "n0": "N0",
+              "s2_retention": "S2+Retention"}
+ORG_COLUMN = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "n0": "N0",
+              "s2_retention": "S2_RETENTION"}
 LOCK_DIR = ".locks"  # under the ledger root; never matched by the catalog's globs
 # Runs columns echoed by a skipped run's last-line JSON (the rest of a summary is not stored).
 SKIP_SUMMARY_COLUMNS = (

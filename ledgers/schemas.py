@@ -156,7 +156,7 @@ _RUNS = [
     *_KEY_FIELDS,
     _f("question", _S, "", "Paper question the run serves (q1..q9 or a supporting sweep)."),
     _f("arm", _S, "", "Arm label within the question (e.g. S2, S2+Retention)."),
-    _f("org", _S, "", "Memory organization (s0, s1, s2, d0, s2_retention)."),
+    _f("org", _S, "", "Memory organization (s0, s1, s2, d0, n0, s2_retention)."),
     _f("budget", _S, "", "Memory budget name (e.g. b63)."),
     _f("units", _I, "units", "Total units of the budget (both D0 pools summed)."),
     _f("units_detail", _S, "", "JSON object of units per pool."),
