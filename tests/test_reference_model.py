@@ -1,0 +1,160 @@
+"""Greedy generation through the engine on the tiny checkpoint equals transformers.
+
+The reference is transformers' own FalconH1ForCausalLM (fp32, torch-native path, its own
+cache) run token by token on each prompt alone. Our engine serves the same prompts with
+the model's KV and recurrent state in the organization's units, and must produce the same
+64 tokens for every request: for S0, S1, S2 and D0, when a later request adopts the
+shared-prefix checkpoint a first one published, when a tiny budget forces preemption and
+resumption, and when prefill is chunked at sizes that do not align with the interval.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from serving_core.engine import VirtualClock, serve
+from serving_core.executor.torch_executor import build_torch_engine
+from serving_core.geometry import load_geometry
+from serving_core.planner import plan_budget, units_for
+from serving_core.scheduler import SchedulerConfig
+
+OUTPUT_TOKENS = 64
+# Prompts: a shared document plus a question. S orgs: a 1,000-token document (checkpoints at
+# 512), decoding crosses the 1,024-token block and checkpoint boundary. D0: a 1,800-token
+# document (its checkpoint at 1,792).
+SHORT = (1000, (10, 15, 20))
+LONG = (1800, (10, 15))
+
+
+@dataclass(frozen=True)
+class Spec:
+    request_id: int
+    arrival_s: float
+    prompt: np.ndarray
+    output_tokens: int
+    context_id: int = 0
+    salt: str = ""
+
+
+def _prompt_set(seed, context, suffixes):
+    rng = np.random.default_rng(seed)
+    ctx = rng.integers(0, 128_256, context)
+    return [np.concatenate([ctx, rng.integers(0, 128_256, n)]).astype(np.int32) for n in suffixes]
+
+
+def _transformers_greedy(checkpoint, prompts):
+    """transformers' greedy continuation of each prompt alone (EOS ignored)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import FalconH1ForCausalLM
+
+    net = FalconH1ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            step = net(torch.tensor([prompt.tolist()]), use_cache=True)
+            tokens = []
+            for _ in range(OUTPUT_TOKENS):
+                tok = int(step.logits[0, -1].argmax())
+                tokens.append(tok)
+                step = net(torch.tensor([[tok]]), past_key_values=step.past_key_values,
+                           use_cache=True)
+            out.append(tokens)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return _prompt_set(2026, *SHORT)
+
+
+@pytest.fixture(scope="module")
+def long_prompts():
+    return _prompt_set(2027, *LONG)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint, prompts):
+    return _transformers_greedy(tiny_checkpoint, prompts)
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny_checkpoint, long_prompts):
+    return _transformers_greedy(tiny_checkpoint, long_prompts)
+
+
+def serve_greedy(model, org, budget, specs, max_tokens=2048, cap=4):
+    geometry = load_geometry("falcon_h1_tiny")
+    units = units_for(plan_budget(geometry, budget), org)
+    engine = build_torch_engine(
+        model, geometry, org, units, SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens),
+        clock=VirtualClock(),
+    )
+    produced: dict[int, list[int]] = {}
+    original = engine.step
+
+    def step():
+        out = original()
+        if out is not None:
+            for rid, tok in out.produced:
+                produced.setdefault(rid, []).append(tok)
+        return out
+
+    engine.step = step
+    result = serve(engine, specs)
+    return result, produced
+
+
+def _specs(prompts, which, arrivals):
+    return [Spec(i, a, prompts[w], OUTPUT_TOKENS) for i, (w, a) in enumerate(zip(which, arrivals,
+                                                                                   strict=True))]
+
+
+def _check_adoption(model, prompts, reference, org, adopted, max_tokens=2048):
+    # The second request arrives after the first finished: it adopts the shared prefix's
+    # deepest checkpoint (published by the first) and computes only the rest.
+    specs = _specs(prompts, (0, 1), (0.0, 1e6))
+    result, produced = serve_greedy(model, org, "b12", specs, max_tokens=max_tokens)
+    assert result.tables["requests"]["adopted_prefix_tokens"] == [0, adopted]
+    assert produced[0] == reference[0]
+    assert produced[1] == reference[1]
+    return result
+
+
+@pytest.mark.parametrize("org", ["S0", "S1", "S2"])
+def test_greedy_equals_transformers_and_adopted_prefix_continues_exactly(
+    tiny_model, prompts, reference, org
+):
+    _check_adoption(tiny_model, prompts, reference, org, 512)
+
+
+def test_d0_greedy_and_adoption_with_a_boundary_inside_a_chunk(
+    tiny_model, long_prompts, long_reference
+):
+    # 1,000-token chunks: the 1,792 boundary falls inside the second chunk.
+    result = _check_adoption(tiny_model, long_prompts, long_reference, "D0", 1792, 1000)
+    assert max(result.tables["steps"]["prefill_tokens_initial"]) == 1000
+
+
+def test_preemption_and_resume_continue_exactly(tiny_model, prompts, reference):
+    specs = _specs(prompts, (0, 1, 2), (0.0, 0.0, 0.0))
+    result, produced = serve_greedy(tiny_model, "S2", "p13", specs)
+    assert result.summary["preemptions"] >= 1
+    requests = result.tables["requests"]
+    resumed = [i for i, n in enumerate(requests["preemptions"]) if n]
+    assert resumed and all(requests["episodes"][i] >= 2 for i in resumed)
+    for i in range(3):
+        assert produced[i] == reference[i], f"request {i}"
+
+
+@pytest.mark.parametrize(("org", "chunk"), [("S1", 300), ("S2", 700)])
+def test_chunked_prefill_continues_exactly(tiny_model, prompts, reference, org, chunk):
+    specs = _specs(prompts, (2,), (0.0,))
+    result, produced = serve_greedy(tiny_model, org, "b12", specs, max_tokens=chunk)
+    prefill_steps = [n for n in result.tables["steps"]["prefill_tokens_initial"] if n]
+    assert max(prefill_steps) <= chunk and len(prefill_steps) == -(-len(prompts[2]) // chunk)
+    assert produced[0] == reference[2]
