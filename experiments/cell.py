@@ -15,6 +15,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.vllm_arm import (
+    check_vllm_cell,
+    is_vllm_executor,
+    run_cell_on_vllm,
+    vllm_executor_config,
+)
 from experiments.workload import build_workload
 from serving_core.engine import run_engine, serve
 from serving_core.executor.profiles import load_device_profile
@@ -59,6 +65,7 @@ class CellResult:
     workload_meta: dict = field(default_factory=dict)
     units: dict[str, int] = field(default_factory=dict)
     memory: object = field(default=None, repr=False)  # final allocator state (inspection, tests)
+    engine_config: dict = field(default_factory=dict)  # a real engine's effective settings
 
 
 def arm_of(org: str) -> str:
@@ -134,12 +141,21 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
     geometry = geometry_from_config(cfg.model)
     plan = plan_budget(geometry, str(cfg.budget))
     real = is_torch_executor(cfg.executor)
-    device = torch_executor_config(cfg.executor) if real else load_device_profile(cfg.executor)
+    vllm = is_vllm_executor(cfg.executor)
+    if vllm:
+        device = vllm_executor_config(cfg.executor)
+        check_vllm_cell(device, arm)
+    else:
+        device = (torch_executor_config(cfg.executor) if real
+                  else load_device_profile(cfg.executor))
     sched_cfg = scheduler_config(cfg, arm, device)
     workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
     wall0 = time.perf_counter()
     pool_units = units_for(plan, org)
-    if real and device.name == INPROC_NAME:
+    if vllm:  # real vLLM over HTTP: its own organization (N0), the blocks it allocated
+        result = run_cell_on_vllm(cfg, device, geometry, sched_cfg, workload.requests)
+        pool_units = result.units
+    elif real and device.name == INPROC_NAME:
         result = _run_torch(cfg, geometry, org, pool_units, sched_cfg, workload.requests, on_step)
     elif real:  # the server in a subprocess, driven over HTTP (on_step does not cross it)
         from experiments.http_run import run_cell_over_http
@@ -168,7 +184,8 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
         for k in ("episode_start_s", "episode_end_s", "span_start_s", "span_end_s")
     }
     return CellResult(
-        summary, result.tables, episode, dict(workload.meta), pool_units, result.memory
+        summary, result.tables, episode, dict(workload.meta), pool_units, result.memory,
+        getattr(result, "engine_config", {}),
     )
 
 

@@ -89,7 +89,8 @@ def cell_columns(cfg: DictConfig) -> dict:
         "replicate": int(cfg.replicate),
         "trace": bool(cfg.trace),
         "executor": (
-            f"{cfg.executor.name}:{cfg.executor.device}" if cfg.executor.get("kind") == "torch"
+            f"{cfg.executor.name}:{cfg.executor.device}"
+            if cfg.executor.get("kind") in ("torch", "vllm")
             else f"sim:{cfg.executor.name}"
         ),
         "model": str(cfg.model.name),
@@ -130,6 +131,7 @@ def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, wall_seconds: flo
         **_provenance_columns(key),
         "units": sum(result.units.values()),
         "units_detail": result.units,
+        "engine_config": json.dumps(result.engine_config, sort_keys=True),
         "episode_start_s": int(episode["episode_start_s"]),
         "episode_end_s": int(episode["episode_end_s"]),
         "span_start_s": float(episode["span_start_s"]),
@@ -153,6 +155,7 @@ def failed_runs_row(cfg: DictConfig, key: RunKey, wall_seconds: float) -> dict:
         **_provenance_columns(key),
         "units": sum(units.values()),
         "units_detail": units,
+        "engine_config": "{}",
         "episode_start_s": 0,
         "episode_end_s": 0,
         "span_start_s": math.nan,

@@ -179,6 +179,9 @@ _RUNS = [
     _f("prereg_plan_hash", _S, "", 'Hash of the campaign\'s preregistered plan ("": none).'),
     _f("code_version", _S, "", "Code version the run was produced with."),
     _f("environment", _S, "", "JSON object: package versions, CPU, Python."),
+    _f("engine_config", _S, "",
+       "JSON object: a real engine's effective settings (vLLM: version, block size, page "
+       "padding, cache mode, blocks, bytes, tables not applicable); {} otherwise."),
     _f("episode_start_s", _I, "s", "Ledger episode start (orchestration start, boot excluded)."),
     _f("episode_end_s", _I, "s", "Ledger episode end (completion polling done)."),
     _f("span_start_s", _F, "s", "First request arrival."),
