@@ -106,7 +106,7 @@ def vllm_executor_config(cfg) -> VllmExecutorConfig:
     device = str(data.get("device", "cpu"))
     if device not in ("cpu", "cuda"):
         raise ValueError(f"executor.device={device!r}: allowed values are cpu, cuda")
-    interval = data.get("retention_interval")
+    interval = data.get("retention_interval", BLOCK_RETENTION)
     if interval is not None and interval != BLOCK_RETENTION:
         interval = _int(interval, "retention_interval", 0)
     timeout = data.get("boot_timeout_s", 900.0)
