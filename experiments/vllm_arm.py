@@ -31,9 +31,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from experiments.http_client import send_workload
-from experiments.http_run import request_table, summarize_client
-from experiments.poller import Poller
+from experiments.http_run import request_table, run_episode, summarize_client
 from experiments.server_process import ServerError, ServerProcess
 
 VLLM_KIND = "vllm"
@@ -262,17 +260,6 @@ def request_extra() -> dict:
             "stream_options": {"include_usage": True}}
 
 
-async def _episode(base_url: str, specs, t0: float, model: str):
-    poller = Poller(base_url, VLLM_KIND, t0)
-    poll_task = asyncio.create_task(poller.run())
-    try:
-        records = await send_workload(base_url, specs, t0, model=model, extra=request_extra())
-    finally:
-        poller.stop()
-        await poll_task
-    return records, poller
-
-
 def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int,
                   max_num_batched_tokens: int, max_model_len: int, kv_bytes: int,
                   kv_token_bytes: int, num_layers: int, block_tokens: int) -> VllmServed:
@@ -291,7 +278,8 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
         version = httpx.get(base_url + "/version", timeout=10.0).json()["version"]
         info = cache_config_info(httpx.get(base_url + "/metrics", timeout=10.0).text)
         t0 = time.perf_counter()  # episode start: boot excluded
-        records, poller = asyncio.run(_episode(base_url, specs, t0, served_name))
+        records, poller = asyncio.run(run_episode(base_url, VLLM_KIND, specs, t0,
+                                                   model=served_name, extra=request_extra()))
         episode_end = math.ceil(time.perf_counter() - t0)
         failed = [r for r in records if not r.ok]
         log = srv.log_text() + "\n".join(srv.stdout_lines)
