@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -36,15 +34,9 @@ from experiments.vllm_arm import (
 )
 from serving_core.geometry import load_geometry
 from serving_core.planner import plan_budget
+from tests.test_n0_vllm import REPO, VLLM_PYTHON
+from tests.test_n0_vllm import pytestmark as needs_vllm  # skipped with the reason without vLLM
 from tests.test_server_process import tag  # noqa: F401  (fixture: no process outlives the test)
-
-REPO = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = Path(os.environ.get("HSL_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-needs_vllm = pytest.mark.skipif(
-    not VLLM_PYTHON.exists(),
-    reason=f"vLLM is not installed ({VLLM_PYTHON} missing): run `make setup-vllm` "
-    "or point HSL_VLLM_PYTHON at a vLLM venv's python",
-)
 
 KV_TOKEN = 2 * 2 * 64 * 4
 STATE = 12 * 64 * 512 * 4 + (768 + 2 * 512) * 3 * 4
