@@ -55,6 +55,7 @@ BLOCK_RETENTION = "block"
 _BLOCK_RE = re.compile(r"Setting attention block size to (\d+) tokens")
 _PAD_RE = re.compile(r"Padding mamba page size by ([0-9.]+)%")
 _MODE_RE = re.compile(r"Mamba cache mode is set to '(\w+)'")
+_ERROR_RE = re.compile(r"\b[A-Z]\w*(Error|Exception): ")
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,14 @@ def boot_log_facts(log: str) -> dict:
     }
 
 
+def first_error(log: str) -> str:
+    """The first exception line of the server log ("IndexError: ..."), "" if none."""
+    for line in log.splitlines():
+        if _ERROR_RE.search(line):
+            return line.strip()
+    return ""
+
+
 def effective_cache(info: dict, facts: dict, *, kv_bytes: int, kv_token_bytes: int,
                     num_layers: int) -> dict:
     """Block size, blocks, page bytes and allocated bytes as vLLM resolved them."""
@@ -275,6 +284,7 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
                         env=vllm_env(vcfg))
     with srv:
         boot_s = time.perf_counter() - wall0
+        boot_err, boot_out = len(srv.log_text()), len(srv.stdout_lines)
         version = httpx.get(base_url + "/version", timeout=10.0).json()["version"]
         info = cache_config_info(httpx.get(base_url + "/metrics", timeout=10.0).text)
         t0 = time.perf_counter()  # episode start: boot excluded
@@ -282,14 +292,16 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
                                                    model=served_name, extra=request_extra()))
         episode_end = math.ceil(time.perf_counter() - t0)
         failed = [r for r in records if not r.ok]
-        log = srv.log_text() + "\n".join(srv.stdout_lines)
+        err_text, out_lines = srv.log_text(), srv.stdout_lines
+        log = err_text + "\n".join(out_lines)
+        after_boot = err_text[boot_err:] + "\n".join(out_lines[boot_out:])
         code = srv.stop()
         if failed:
             first = failed[0]
             raise ServerError(
                 f"vLLM: {len(failed)}/{len(records)} requests failed; first: request "
                 f"{first.request_id}: {first.error or first.finish_reason or 'no finish'}; "
-                f"server stderr: {srv.stderr_tail()}")
+                f"server error: {first_error(after_boot) or srv.stderr_tail()}")
     facts = boot_log_facts(log)
     cache = effective_cache(info, facts, kv_bytes=kv_bytes, kv_token_bytes=kv_token_bytes,
                             num_layers=num_layers)

@@ -247,3 +247,16 @@ def test_cpu_prefix_caching_workaround_reuses_blocks_with_equal_outputs(tag, tin
     hits = [line for line in metrics.splitlines()
             if line.startswith("vllm:prefix_cache_hits_total")]
     assert float(hits[0].rsplit(" ", 1)[1]) == 2 * BLOCK
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_without_the_workaround_prefix_caching_crashes_on_cpu(tag, tmp_path, tiny_checkpoint):  # noqa: F811
+    """The defect the plugin works around: with it disabled, a 2,000-token prompt (longer
+    than one block) kills vLLM's engine; the run fails naming the error, no process is left."""
+    res = _run(tmp_path, "org=n0", f"executor.checkpoint={tiny_checkpoint}",
+               "workload.num_requests=3", "load.rate=1", "executor.cpu_mamba2_fix=false")
+    assert res.returncode != 0
+    # the worker's IndexError at varlen_states[last_chunk_indices_p], re-raised by vLLM
+    assert "requests failed" in res.stderr, res.stderr[-3000:]
+    assert "is out of bounds for dimension 0 with size 1" in res.stderr, res.stderr[-3000:]
