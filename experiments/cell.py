@@ -21,6 +21,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.vllm_arm import (
+    check_vllm_cell,
+    is_vllm_executor,
+    run_cell_on_vllm,
+    vllm_executor_config,
+)
 from experiments.workload import build_workload
 from serving_core.engine import run_engine, serve
 from serving_core.executor.profiles import load_device_profile
@@ -31,7 +37,7 @@ from serving_core.planner import plan_budget, units_for
 from serving_core.records import MECHANISM_KEYS
 from serving_core.scheduler import SchedulerConfig
 
-ARMS = ("s0", "s1", "s2", "d0", "s2_retention")
+ARMS = ("s0", "s1", "s2", "d0", "n0", "s2_retention")
 SUMMARY_KEYS = (
     "org",
     "budget",
@@ -79,6 +85,7 @@ class CellResult:
     @property
     def engine_seconds(self) -> float:
         return float(self.summary["wall_seconds"])
+    engine_config: dict = field(default_factory=dict)  # a real engine's effective settings
 
 
 def arm_of(org: str) -> str:
@@ -159,12 +166,21 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
     geometry = geometry_from_config(cfg.model)
     plan = plan_budget(geometry, str(cfg.budget))
     real = is_torch_executor(cfg.executor)
-    device = torch_executor_config(cfg.executor) if real else load_device_profile(cfg.executor)
+    vllm = is_vllm_executor(cfg.executor)
+    if vllm:
+        device = vllm_executor_config(cfg.executor)
+        check_vllm_cell(device, arm)
+    else:
+        device = (torch_executor_config(cfg.executor) if real
+                  else load_device_profile(cfg.executor))
     sched_cfg = scheduler_config(cfg, arm, device)
     workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
     wall0 = time.perf_counter()
     pool_units = units_for(plan, org)
-    if real and device.name == INPROC_NAME:
+    if vllm:  # real vLLM over HTTP: its own organization (N0), the blocks it allocated
+        result = run_cell_on_vllm(cfg, device, geometry, sched_cfg, workload.requests)
+        pool_units = result.units
+    elif real and device.name == INPROC_NAME:
         result = _run_torch(cfg, geometry, org, pool_units, sched_cfg, workload.requests, on_step)
     elif real:  # the server in a subprocess, driven over HTTP (on_step does not cross it)
         from experiments.http_run import run_cell_over_http
@@ -195,6 +211,7 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
     return CellResult(
         summary, result.tables, episode, dict(workload.meta), pool_units, result.memory,
         run_seconds=time.perf_counter() - run0,
+        engine_config=getattr(result, "engine_config", {}),
     )
 
 

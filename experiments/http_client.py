@@ -30,6 +30,7 @@ class ClientRecord:
     server_id: str = ""  # the response id (cmpl-<engine request id> on our server)
     finish_reason: str = ""
     error: str = ""
+    cached_prompt_tokens: int = -1  # the server's usage report (vLLM), -1 when absent
 
     @property
     def ok(self) -> bool:
@@ -40,8 +41,9 @@ class ClientRecord:
         return [b - a for a, b in zip(t[:-1], t[1:], strict=True)]
 
 
-def completion_payload(spec, model: str | None = None) -> dict:
-    """The request body of one workload request (same for our server and vLLM)."""
+def completion_payload(spec, model: str | None = None, extra: dict | None = None) -> dict:
+    """The request body of one workload request (same for our server and vLLM); `extra`
+    adds server-specific fields (vLLM: return_token_ids, stream_options)."""
     body = {
         "prompt": [int(t) for t in spec.prompt],
         "max_tokens": int(spec.output_tokens),
@@ -52,11 +54,13 @@ def completion_payload(spec, model: str | None = None) -> dict:
         body["cache_salt"] = spec.salt
     if model:
         body["model"] = model
+    if extra:
+        body.update(extra)
     return body
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, spec, t0: float,
-                     model: str | None = None) -> ClientRecord:
+                     model: str | None = None, extra: dict | None = None) -> ClientRecord:
     """Send one request at t0 + arrival_s and read its SSE stream to the end."""
     rec = ClientRecord(int(spec.request_id))
     delay = t0 + float(spec.arrival_s) - time.perf_counter()
@@ -64,7 +68,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, spec, t0: float,
         await asyncio.sleep(delay)
     rec.sent_s = time.perf_counter() - t0
     try:
-        async with client.stream("POST", url, json=completion_payload(spec, model)) as resp:
+        async with client.stream("POST", url, json=completion_payload(spec, model, extra)) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")[:300]
                 rec.error = f"HTTP {resp.status_code}: {body}"
@@ -77,6 +81,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, spec, t0: float,
                     break
                 chunk = json.loads(data)
                 rec.server_id = chunk.get("id", rec.server_id)
+                details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+                if "cached_tokens" in details:
+                    rec.cached_prompt_tokens = int(details["cached_tokens"] or 0)
                 for choice in chunk.get("choices", []):
                     now = time.perf_counter() - t0
                     ids = choice.get("token_ids")
@@ -95,11 +102,12 @@ async def stream_one(client: httpx.AsyncClient, url: str, spec, t0: float,
 
 
 async def send_workload(base_url: str, specs, t0: float, *, model: str | None = None,
+                        extra: dict | None = None,
                         read_timeout_s: float = 600.0) -> list[ClientRecord]:
     """Every spec at its arrival time, concurrently; records in workload order."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(10.0, read=read_timeout_s)
     url = base_url + "/v1/completions"
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        return list(await asyncio.gather(*(stream_one(client, url, s, t0, model)
+        return list(await asyncio.gather(*(stream_one(client, url, s, t0, model, extra)
                                            for s in specs)))

@@ -125,11 +125,13 @@ def summarize_client(records: list[ClientRecord], episode_end: int, wall: float)
     }
 
 
-async def _episode(base_url: str, kind: str, specs, t0: float):
+async def run_episode(base_url: str, kind: str, specs, t0: float, *, model: str | None = None,
+                      extra: dict | None = None):
+    """Send the workload while the poller samples; (client records, poller)."""
     poller = Poller(base_url, kind, t0)
     poll_task = asyncio.create_task(poller.run())
     try:
-        records = await send_workload(base_url, specs, t0)
+        records = await send_workload(base_url, specs, t0, model=model, extra=extra)
     finally:
         poller.stop()
         await poll_task
@@ -161,7 +163,7 @@ def serve_over_http(cmd: list[str], specs, *, kind: str = "hsl", records_dir: st
     with ServerProcess(cmd, health_timeout_s=health_timeout_s) as srv:
         t0 = time.perf_counter()  # episode start: orchestration begins, boot excluded
         offset = _clock_offset(srv.base_url, t0) if records_dir else 0.0
-        records, poller = asyncio.run(_episode(srv.base_url, kind, specs, t0))
+        records, poller = asyncio.run(run_episode(srv.base_url, kind, specs, t0))
         episode_end = math.ceil(time.perf_counter() - t0)
         failed = [r for r in records if not r.ok]
         died = srv.proc.poll()

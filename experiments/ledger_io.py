@@ -31,8 +31,10 @@ from serving_core.layout import normalize_org
 from serving_core.planner import parse_budget, plan_budget, units_for
 from serving_core.records import MECHANISM_KEYS, mechanism_absent
 
-ARM_LABELS = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "s2_retention": "S2+Retention"}
-ORG_COLUMN = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "s2_retention": "S2_RETENTION"}
+ARM_LABELS = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "n0": "N0",
+              "s2_retention": "S2+Retention"}
+ORG_COLUMN = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "n0": "N0",
+              "s2_retention": "S2_RETENTION"}
 LOCK_DIR = ".locks"  # under the ledger root; never matched by the catalog's globs
 # Last-line keys the runs row holds (column names where they differ).
 ROW_SUMMARY_COLUMNS = {
@@ -89,7 +91,8 @@ def cell_columns(cfg: DictConfig) -> dict:
         "replicate": int(cfg.replicate),
         "trace": bool(cfg.trace),
         "executor": (
-            f"{cfg.executor.name}:{cfg.executor.device}" if cfg.executor.get("kind") == "torch"
+            f"{cfg.executor.name}:{cfg.executor.device}"
+            if cfg.executor.get("kind") in ("torch", "vllm")
             else f"sim:{cfg.executor.name}"
         ),
         "model": str(cfg.model.name),
@@ -130,6 +133,7 @@ def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, run_seconds: floa
         **_provenance_columns(key),
         "units": sum(result.units.values()),
         "units_detail": result.units,
+        "engine_config": json.dumps(result.engine_config, sort_keys=True),
         "episode_start_s": int(episode["episode_start_s"]),
         "episode_end_s": int(episode["episode_end_s"]),
         "span_start_s": float(episode["span_start_s"]),
@@ -155,6 +159,7 @@ def failed_runs_row(cfg: DictConfig, key: RunKey, run_seconds: float) -> dict:
         **_provenance_columns(key),
         "units": sum(units.values()),
         "units_detail": units,
+        "engine_config": "{}",
         "episode_start_s": 0,
         "episode_end_s": 0,
         "span_start_s": math.nan,

@@ -128,6 +128,11 @@ class ServerProcess:
         text = Path(self._log.name).read_text(errors="replace").strip().splitlines()
         return " | ".join(text[-lines:]) or "(no stderr)"
 
+    def log_text(self) -> str:
+        """The whole stderr log so far (servers that report their configuration there)."""
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")
+
     @property
     def stdout_lines(self) -> list[str]:
         return list(self._lines)

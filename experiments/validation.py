@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from experiments.cell import arm_of, scheduler_config
+from experiments.vllm_arm import check_vllm_cell, is_vllm_executor, vllm_executor_config
 from experiments.workload import normalize_load_config, normalize_workload_config
 from serving_core.executor.profiles import load_device_profile
 from serving_core.executor.torch_config import (
@@ -105,6 +106,10 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     plan_budget(geometry, str(cfg.budget))
     if is_torch_executor(cfg.executor):  # the real executor: its checkpoint must match the model
         device = torch_executor_config(cfg.executor)
+        check_checkpoint(device, geometry)
+    elif is_vllm_executor(cfg.executor):  # real vLLM: N0, its interpreter, a matching checkpoint
+        device = vllm_executor_config(cfg.executor)
+        check_vllm_cell(device, arm)
         check_checkpoint(device, geometry)
     else:
         device = _prefixed("executor", load_device_profile, cfg.executor)

@@ -13,11 +13,17 @@ from dataclasses import dataclass
 
 from serving_core.geometry import Geometry
 
-ORGS = ("S0", "S1", "S2", "D0")
+ORGS = ("S0", "S1", "S2", "D0", "N0")
 PAGED_BLOCK_TOKENS = 512  # attention block and checkpoint interval of S0/S1/S2
 D0_BLOCK_TOKENS = 16  # attention unit of the native dual pools
 D0_CHECKPOINT_INTERVAL = 1792  # native recurrent checkpoint interval of D0
 HYBRID_PAGE_TOKEN_ROUNDING = 16  # uniform hybrid page rounds the composite to 16 tokens
+# N0 (vLLM's native uniform page): kernel block alignment of the attention backend. vLLM
+# 0.32 FlashAttention (the A100 arm) declares `[MultipleOf(16)]` and the default block is
+# 16 tokens; its CPU backend declares `[MultipleOf(32)]` with a default block of 128, so
+# the CPU alignment is max(32, 128) = 128 (platforms/cpu.py, check_and_update_config).
+N0_BLOCK_ALIGNMENT = 16
+N0_CPU_BLOCK_ALIGNMENT = 128
 
 
 def normalize_org(org: str) -> str:
@@ -26,7 +32,7 @@ def normalize_org(org: str) -> str:
     if key in ("S2_RETENTION", "S2+RETENTION", "S2RET"):
         return "S2"
     if key not in ORGS:
-        raise ValueError(f"org={org!r}: allowed values are s0, s1, s2, d0, s2_retention")
+        raise ValueError(f"org={org!r}: allowed values are s0, s1, s2, d0, n0, s2_retention")
     return key
 
 
@@ -40,6 +46,7 @@ class OrgLayout:
 
     For S0/S1/S2 every unit is a page of `page_bytes` in one shared pool.
     For D0 attention units and recurrent composites live in two static pools.
+    For N0 an attention block and a (padded) composite each take one page of one pool.
     """
 
     org: str
@@ -55,7 +62,7 @@ class OrgLayout:
     @property
     def pages_per_composite(self) -> int:
         """Whole pages one recurrent composite takes (S2 excludes its conv slot)."""
-        if self.org == "S0":
+        if self.org in ("S0", "N0"):
             return 1 if self.checkpoint_interval else 0
         if self.org in ("S1", "S2"):
             return self.ssm_members + self.conv_pages
@@ -66,6 +73,8 @@ def org_layout(geometry: Geometry, org: str) -> OrgLayout:
     org = normalize_org(org)
     tok = geometry.attention_bytes_per_token
     rec = geometry.has_recurrent
+    if org == "N0":
+        return n0_layout(geometry)
     if org == "D0":
         return OrgLayout(
             org="D0",
@@ -107,3 +116,47 @@ def uniform_page_bytes(geometry: Geometry) -> int:
     tokens = math.ceil(geometry.composite_bytes / tok)
     tokens = math.ceil(tokens / HYBRID_PAGE_TOKEN_ROUNDING) * HYBRID_PAGE_TOKEN_ROUNDING
     return tokens * tok
+
+
+def n0_block_tokens(geometry: Geometry, alignment: int = N0_BLOCK_ALIGNMENT) -> int:
+    """Attention block of vLLM's native hybrid page: the smallest multiple of `alignment`
+    tokens whose per-layer KV bytes hold one recurrent composite.
+
+    vLLM 0.32, platforms/interface.py `_align_hybrid_block_size`:
+        attn_block_size = kernel_block_alignment_size * cdiv(
+            mamba_page_size, kernel_block_alignment_size * attn_page_size_1_token)
+    with kernel_block_alignment_size = max(smallest kernel block, cache block_size);
+    `mamba_cache_mode == "align"` then sets mamba_block_size = block_size. (Earlier
+    releases' mamba_cache_mode "all" rounded up to lcm(Mamba2 chunk, alignment) tokens
+    instead: 1,792 for Falcon-H1, the unit of the paper's earlier uniform path.)
+    An attention-only model keeps the default block of `alignment` tokens.
+    """
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"alignment={alignment!r} must be a positive integer (tokens)")
+    if not geometry.has_recurrent:
+        return alignment
+    per_block = alignment * geometry.attention_bytes_per_token
+    return alignment * math.ceil(geometry.composite_bytes / per_block)
+
+
+def n0_layout(geometry: Geometry, alignment: int = N0_BLOCK_ALIGNMENT) -> OrgLayout:
+    """N0: one page size for attention and Mamba, as vLLM's hybrid allocator derives it.
+
+    The attention page is `n0_block_tokens` x KV bytes per token; the composite is
+    padded to that page (vLLM: "Padding mamba page size ... to ensure that mamba page
+    size and attention page size are exactly equal"), so `recurrent_unit_bytes` is the
+    page and `n0_padding_bytes` says how much of it the state leaves unused. Mamba
+    prefix caching ("align" mode) keeps a state only at block boundaries, so the
+    checkpoint interval is the block.
+    """
+    block = n0_block_tokens(geometry, alignment)
+    page = block * geometry.attention_bytes_per_token
+    interval = block if geometry.has_recurrent else 0
+    return OrgLayout("N0", block, interval, page, 1 if interval else 0, 0, 0, 0, page)
+
+
+def n0_padding_bytes(geometry: Geometry, alignment: int = N0_BLOCK_ALIGNMENT) -> int:
+    """Bytes of one N0 page a recurrent composite leaves unused (0 without recurrent state)."""
+    if not geometry.has_recurrent:
+        return 0
+    return n0_layout(geometry, alignment).page_bytes - geometry.composite_bytes

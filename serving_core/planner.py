@@ -4,7 +4,8 @@ A label `bN` means N uniform hybrid pages (N x layout.uniform_page_bytes); a
 label `pN` (or "N pages") means exactly N S1/S2 pages, and the other
 organizations get the same nominal bytes. Each organization keeps its own
 rounding, so arms are planner-matched, not byte-equal; the plan reports the
-difference to nominal for that reason.
+difference to nominal for that reason. N0 rounds as vLLM sizes its block pool:
+floor(nominal / page) pages, one of which is vLLM's reserved null block.
 """
 
 from __future__ import annotations
@@ -62,16 +63,18 @@ def parse_budget(label: str) -> Budget:
 
 @dataclass(frozen=True, slots=True)
 class PoolPlan:
-    """Whole units of one pool: `num_units` units of `unit_bytes` each."""
+    """Whole units of one pool: `num_units` usable units of `unit_bytes` each, plus
+    `num_reserved` units the pool allocates but never hands out (N0's null block)."""
 
     org: str
-    pool: str  # "shared" for S0/S1/S2; "attention" or "recurrent" for D0
+    pool: str  # "shared" for S0/S1/S2/N0; "attention" or "recurrent" for D0
     num_units: int
     unit_bytes: int
+    num_reserved: int = 0
 
     @property
     def num_bytes(self) -> int:
-        return self.num_units * self.unit_bytes
+        return (self.num_units + self.num_reserved) * self.unit_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,7 @@ class BudgetPlan:
 
 
 def units_for(plan: BudgetPlan, org: str) -> dict[str, int]:
-    """{"shared": pages} for S0/S1/S2, {"attention": n, "recurrent": m} for D0."""
+    """{"shared": pages} for S0/S1/S2/N0, {"attention": n, "recurrent": m} for D0."""
     return {p.pool: p.num_units for p in plan.pools_of(org)}
 
 
@@ -142,6 +145,20 @@ def _d0_pools(geometry: Geometry, nominal: int) -> tuple[PoolPlan, PoolPlan]:
     )
 
 
+def _n0_pool(geometry: Geometry, nominal: int) -> PoolPlan:
+    """vLLM's block count for the same per-layer bytes, less its null block.
+
+    vLLM 0.32, v1/core/kv_cache_utils.py `get_kv_cache_config_from_groups`:
+    `num_blocks = available_memory // bytes_per_block`, bytes_per_block being the page
+    times the layers of a group (the attention and Mamba groups alias the same
+    tensors), so per layer it is floor(nominal / page); v1/core/block_pool.py then
+    takes `self.null_block = self.free_block_queue.popleft()`, which no request gets.
+    """
+    page = org_layout(geometry, "N0").page_bytes
+    total = nominal // page
+    return PoolPlan("N0", "shared", max(total - 1, 0), page, min(total, 1))
+
+
 def _min_units(geometry: Geometry, org: str, pool: str) -> int:
     """Fewest units of a pool that hold one checkpoint (one block without recurrent state)."""
     layout = org_layout(geometry, org)
@@ -156,8 +173,9 @@ def _min_units(geometry: Geometry, org: str, pool: str) -> int:
 
 def _build_pools(geometry: Geometry, budget: Budget) -> tuple[int, tuple[PoolPlan, ...]]:
     nominal = _nominal_bytes(geometry, budget)
-    pools = [_shared_pool(geometry, org, nominal) for org in ORGS if org != "D0"]
+    pools = [_shared_pool(geometry, org, nominal) for org in ORGS if org not in ("D0", "N0")]
     pools.extend(_d0_pools(geometry, nominal))
+    pools.append(_n0_pool(geometry, nominal))
     return nominal, tuple(pools)
 
 
@@ -213,6 +231,7 @@ def plan_to_dict(plan: BudgetPlan) -> dict:
     for org in ORGS:
         entries = {
             p.pool: {"units": p.num_units, "unit_bytes": p.unit_bytes, "bytes": p.num_bytes}
+            | ({"reserved_units": p.num_reserved} if p.num_reserved else {})
             for p in plan.pools_of(org)
         }
         if org == "D0":
@@ -239,8 +258,9 @@ def format_plan(plan: BudgetPlan) -> str:
         pools = plan.pools_of(org)
         for p in pools:
             diff = f"{plan.diff_bytes(org):+,}" if len(pools) == 1 else ""
+            units = f"{p.num_units:,}" + (f"+{p.num_reserved} null" if p.num_reserved else "")
             rows.append(
-                (org, p.pool, f"{p.num_units:,}", f"{p.unit_bytes:,}", f"{p.num_bytes:,}",
+                (org, p.pool, units, f"{p.unit_bytes:,}", f"{p.num_bytes:,}",
                  _mib(p.num_bytes), diff)
             )
         if len(pools) > 1:

@@ -5,7 +5,9 @@ recurrent checkpoints. S0/S1/S2 charge whole pages of one shared pool; S2 also
 charges slab pages holding the conv slots. D0 stores the same logical state in
 its native units (512 / 16 attention units per block, one composite per
 checkpoint) in two static pools, each checked alone against its share of the
-budget. Every size comes from `layout.org_layout`.
+budget. N0 holds the xA x 512 attention tokens as one contiguous prefix in its
+own (larger) blocks, ceil(512 xA / block) pages, and one padded page per
+checkpoint, all in one pool. Every size comes from `layout.org_layout`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ def min_slabs(geometry: Geometry, checkpoints: int) -> int:
     return math.ceil(checkpoints / org_layout(geometry, "S2").slots_per_slab)
 
 
+def n0_attention_pages(geometry: Geometry, attention_blocks: int) -> int:
+    """N0 pages holding `attention_blocks` 512-token blocks as one contiguous prefix."""
+    _check_count("attention_blocks", attention_blocks)
+    block = org_layout(geometry, "N0").block_tokens
+    return math.ceil(attention_blocks * PAGED_BLOCK_TOKENS / block)
+
+
 def d0_units_per_block(geometry: Geometry) -> int:
     """D0 attention units holding one 512-token paged attention block."""
     return PAGED_BLOCK_TOKENS // D0_BLOCK_TOKENS
@@ -96,6 +105,9 @@ def allocation_cost(
     if org == "D0":
         attention = layout.page_bytes * d0_units_per_block(geometry) * attention_blocks
         return AllocationCost(org, attention, layout.recurrent_unit_bytes * checkpoints, 0)
+    if org == "N0":
+        attention = layout.page_bytes * n0_attention_pages(geometry, attention_blocks)
+        return AllocationCost(org, attention, layout.page_bytes * checkpoints, 0)
     attention = layout.page_bytes * attention_blocks
     recurrent = layout.page_bytes * layout.pages_per_composite * checkpoints
     if org != "S2":
@@ -190,9 +202,17 @@ def _check_mix(geometry: Geometry, mix: tuple[int, int]) -> None:
 def _shared_capacity(geometry: Geometry, org: str, mix: tuple[int, int], budget: int) -> int:
     """Largest z with cost(z aA, z aR) <= M, by bisection (cost never decreases with z)."""
     # One copy's S2 slab page costs at most its member pages, so cost(z copies)
-    # >= z x cost(one copy) / 2 and `high` below is already over budget.
-    per_copy = cost(geometry, org, *mix)
-    low, high = 0, 2 * budget // per_copy + 1  # invariant: cost(low) <= M < cost(high)
+    # >= z x cost(one copy) / 2 and `high` below is already over budget. N0 packs
+    # copies' attention into shared blocks, so z copies cost at least z x (their
+    # attention bytes + checkpoint pages); that bound is used instead.
+    if org == "N0":
+        layout = org_layout(geometry, org)
+        per_token = layout.page_bytes // layout.block_tokens
+        floor_per_copy = mix[0] * PAGED_BLOCK_TOKENS * per_token + mix[1] * layout.page_bytes
+        high = budget // floor_per_copy + 1
+    else:
+        high = 2 * budget // cost(geometry, org, *mix) + 1
+    low = 0  # invariant: cost(low) <= M < cost(high)
     while high - low > 1:
         mid = (low + high) // 2
         fits = cost(geometry, org, mix[0] * mid, mix[1] * mid) <= budget
@@ -302,7 +322,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Allocation cost of a logical state set, or capacity of a repeated mix.",
     )
     parser.add_argument("--model", required=True, help=f"one of {available_models()}")
-    parser.add_argument("--attention-blocks", type=int, help="xA: 512-token attention blocks")
+    parser.add_argument(
+        "--attention-blocks", type=int,
+        help="xA: 512-token attention blocks (N0 holds them contiguously in its own blocks)",
+    )
     parser.add_argument("--checkpoints", type=int, help="xR: recurrent checkpoints")
     parser.add_argument("--slabs", type=int, help="S2 slab pages (default: ideal packing)")
     parser.add_argument("--capacity-mib", help="budget M in MiB for capacity mode")

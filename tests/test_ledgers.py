@@ -180,6 +180,7 @@ def runs_row(
         "prereg_plan_hash": "",
         "code_version": "0.1.0",
         "environment": {"python": "3.11"},
+        "engine_config": "{}",
         "episode_start_s": 0,
         "episode_end_s": 20,
         "span_start_s": 0.1,

@@ -72,6 +72,10 @@ CONFIGS = [
     Config("S2-granite", "granite", "S2", (("shared", 16),)),  # 1 member page, 32 slots/slab
     Config("S2-attention-only", "attention_only", "S2", (("shared", 12),)),
     Config("D0-attention-only", "attention_only", "D0", (("attention", 14), ("recurrent", 1))),
+    # N0: 1,568-token blocks and padded composites, one page each, one pool
+    Config("N0-falcon", "falcon_h1_7b", "N0", (("shared", 12),)),
+    Config("N0-granite", "granite", "N0", (("shared", 9),), max_running=3),
+    Config("N0-attention-only", "attention_only", "N0", (("shared", 12),)),
 ]
 CONFIG_IDS = [c.name for c in CONFIGS]
 CONFIG = {c.name: c for c in CONFIGS}
@@ -561,7 +565,7 @@ def _one_cached_checkpoint(config: Config, num_units: int):
 
 @pytest.mark.parametrize(
     "config",
-    [CONFIG[n] for n in ("S0-falcon", "S1-falcon", "S2-falcon", "S2-granite")],
+    [CONFIG[n] for n in ("S0-falcon", "S1-falcon", "S2-falcon", "S2-granite", "N0-falcon")],
     ids=lambda c: c.name,
 )
 def test_partial_hit_is_a_miss(config: Config) -> None:
@@ -571,7 +575,7 @@ def test_partial_hit_is_a_miss(config: Config) -> None:
     num_units = num_members + (1 if config.org == "S2" else 0)  # + the slab page
     for victim in range(num_units):
         mem, recorder, obj = _one_cached_checkpoint(config, num_units)
-        assert mem.lookup([77]).rmax == 512
+        assert mem.lookup([77]).rmax == mem.checkpoint_interval  # 512; N0: 1,568
         pool = mem.pools["shared"]
         assert pool.num_free == 0 and pool.num_evictable == num_units
         units = list(obj.units) + ([obj.slab_page] if config.org == "S2" else [])

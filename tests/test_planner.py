@@ -178,7 +178,7 @@ def test_units_for_rejects_unknown_org(falcon):
 def test_plan_to_dict_shape(falcon):
     data = plan_to_dict(plan_budget(falcon, "b63"))
     assert set(data) == {"model", "budget", "nominal_bytes", "orgs"}
-    assert set(data["orgs"]) == {"S0", "S1", "S2", "D0"}
+    assert set(data["orgs"]) == {"S0", "S1", "S2", "D0", "N0"}
     assert data["orgs"]["S1"] == {"units": 193, "unit_bytes": 524_288, "bytes": 101_187_584}
     d0 = data["orgs"]["D0"]
     assert d0["attention"] == {"units": 3_256, "unit_bytes": 16_384, "bytes": 53_346_304}

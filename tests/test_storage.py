@@ -192,7 +192,7 @@ def test_cli_cost_json():
     result = _cli("--attention-blocks", "16", "--checkpoints", "16", "--slabs", "1", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert set(data) == {"S0", "S1", "S2", "D0"}
+    assert set(data) == {"S0", "S1", "S2", "D0", "N0"}
     assert data["S0"] == {"bytes": 51_019_776, "mib": 48.65625}
     assert data["S1"] == {"bytes": 41_943_040, "mib": 40.0}
     assert data["S2"] == {"bytes": 34_078_720, "mib": 32.5, "slabs": 1}

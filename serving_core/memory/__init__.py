@@ -7,6 +7,7 @@ from serving_core.layout import org_layout
 from serving_core.memory.base import MemoryOrganization
 from serving_core.memory.d0 import D0DualPools
 from serving_core.memory.events import MemoryEvents
+from serving_core.memory.n0 import N0UniformPages
 from serving_core.memory.objects import NO_SLOT, NULL, Kind, StateObject
 from serving_core.memory.prefix_cache import PrefixHit
 from serving_core.memory.s0 import S0CoarsePages
@@ -18,6 +19,7 @@ ORG_TO_CLASS: dict[str, type[MemoryOrganization]] = {
     "S1": S1RecurrentPaging,
     "S2": S2PagingConvSlots,
     "D0": D0DualPools,
+    "N0": N0UniformPages,
 }
 
 
@@ -59,6 +61,7 @@ __all__ = [
     "Kind",
     "MemoryEvents",
     "MemoryOrganization",
+    "N0UniformPages",
     "PrefixHit",
     "SLAB_POLICIES",
     "S0CoarsePages",
