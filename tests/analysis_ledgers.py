@@ -147,6 +147,27 @@ def build(root: Path, parts=PARTS) -> BuiltLedger:
     return built
 
 
+def write_cells(root: Path, campaign: str, plan_hash: str, overrides, seeds) -> list[dict]:
+    """Run one ad-hoc cell per seed and write it under `root` stamped with `plan_hash`.
+
+    For analyses outside the preregistered plans (e.g. the vLLM-arm page); the config is
+    composed once and only its seed changes.
+    """
+    cfg = compose_config(f"ledger_root={root}", f"campaign_name={campaign}",
+                         f"question={campaign}", *WORKLOAD, *overrides)
+    rows = []
+    for seed in seeds:
+        cfg.seed = int(seed)
+        key = run_key(cfg)
+        result = run_cell(cfg)
+        row = {**runs_row(cfg, key, result, result.run_seconds), "prereg_plan_hash": plan_hash}
+        tables = {name: cols for name, cols in result.tables.items()
+                  if len(next(iter(cols.values())))}
+        write_run(root, key.campaign, key.run_id, tables, row)
+        rows.append(row)
+    return rows
+
+
 _BUILT: dict[str, BuiltLedger] = {}
 
 
