@@ -24,7 +24,20 @@ import pandas as pd
 
 import ledgers
 from analysis import (
-    common, prereg, q1, q2, q3, q4, q5, q6, q7, q8, q9, readouts, supporting, vllm_arm,
+    common,
+    prereg,
+    q1,
+    q2,
+    q3,
+    q4,
+    q5,
+    q6,
+    q7,
+    q8,
+    q9,
+    readouts,
+    supporting,
+    vllm_arm,
 )
 from analysis.render import md_table
 

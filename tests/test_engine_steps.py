@@ -11,8 +11,8 @@ from conftest import compose_config
 from experiments.cell import run_cell, scheduler_config
 from experiments.workload import build_workload
 from serving_core.engine import Engine, SimulatedExecutor, WallClock
-from serving_core.executor.simulated import build_step_model
 from serving_core.executor.profiles import load_device_profile
+from serving_core.executor.simulated import build_step_model
 from serving_core.geometry import geometry_from_config
 from serving_core.planner import plan_budget, units_for
 
