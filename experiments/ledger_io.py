@@ -29,7 +29,7 @@ from ledgers.writer import WRITER_COLUMNS
 from serving_core.geometry import geometry_from_config
 from serving_core.layout import normalize_org
 from serving_core.planner import parse_budget, plan_budget, units_for
-from serving_core.records import MECHANISM_KEYS, mechanism_absent
+from serving_core.records import mechanism_absent
 
 ARM_LABELS = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "n0": "N0",
               "s2_retention": "S2+Retention"}
@@ -146,7 +146,8 @@ def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, run_seconds: floa
         "status": "complete",
         "run_seconds": float(run_seconds),
         "engine_seconds": result.engine_seconds,
-        **{k: s[k] for k in MECHANISM_KEYS},
+        # A client-side (HTTP) summary lacks the engine's mechanism readouts: recorded absent.
+        **{k: s.get(k, v) for k, v in mechanism_absent().items()},
     }
     return _select_schema_columns(values)
 
