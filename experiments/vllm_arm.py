@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from experiments.http_run import request_table, run_episode, summarize_client
 from experiments.server_process import ServerError, ServerProcess
+from serving_core.executor.torch_config import checked_model_fields
 
 VLLM_KIND = "vllm"
 VLLM_ORG = "n0"
@@ -47,7 +48,6 @@ NOT_APPLICABLE = ("trace", "slab", "steps")  # tables vLLM has no records for
 _FIELDS = ("name", "kind", "checkpoint", "python", "device", "dtype", "max_num_batched_tokens",
            "prefix_caching", "cpu_mamba2_fix", "retention_interval", "enforce_eager",
            "boot_timeout_s")
-_DTYPES = ("float32", "bfloat16")
 # retention_interval=block: a checkpoint at every block boundary, as N0 in the simulator
 # (vLLM's default 0 keeps only "semantic" checkpoints: replay boundaries, shared-prefix
 # junctions found when a second request arrives).
@@ -93,15 +93,7 @@ def _int(value, name: str, low: int) -> int:
 
 def vllm_executor_config(cfg) -> VllmExecutorConfig:
     """Parse and check an executor=vllm node; ValueError names the field."""
-    data = dict(cfg.items())
-    unknown = sorted(set(data) - set(_FIELDS))
-    if unknown:
-        raise ValueError(f"executor: unknown fields {unknown}; allowed fields are {list(_FIELDS)}")
-    if not data.get("checkpoint"):
-        raise ValueError("executor.checkpoint: a checkpoint folder is required")
-    dtype = str(data.get("dtype", "float32"))
-    if dtype not in _DTYPES:
-        raise ValueError(f"executor.dtype={dtype!r}: allowed values are {list(_DTYPES)}")
+    data, dtype = checked_model_fields(cfg, _FIELDS)
     device = str(data.get("device", "cpu"))
     if device not in ("cpu", "cuda"):
         raise ValueError(f"executor.device={device!r}: allowed values are cpu, cuda")

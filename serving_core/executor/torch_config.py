@@ -28,17 +28,24 @@ def is_torch_executor(cfg) -> bool:
     return hasattr(cfg, "get") and cfg.get("kind") == TORCH_KIND
 
 
-def torch_executor_config(cfg) -> TorchExecutorConfig:
-    """Parse and check an executor=torch node; ValueError names the field."""
+def checked_model_fields(cfg, fields) -> tuple[dict, str]:
+    """A real executor node's fields (only `fields` allowed), a checkpoint and its dtype;
+    ValueError names the field. Shared by every executor that runs a checkpoint."""
     data = dict(cfg.items())
-    unknown = sorted(set(data) - set(_FIELDS))
+    unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"executor: unknown fields {unknown}; allowed fields are {list(_FIELDS)}")
+        raise ValueError(f"executor: unknown fields {unknown}; allowed fields are {list(fields)}")
     if not data.get("checkpoint"):
         raise ValueError("executor.checkpoint: a checkpoint folder is required")
     dtype = str(data.get("dtype", "float32"))
     if dtype not in _DTYPES:
         raise ValueError(f"executor.dtype={dtype!r}: allowed values are {list(_DTYPES)}")
+    return data, dtype
+
+
+def torch_executor_config(cfg) -> TorchExecutorConfig:
+    """Parse and check an executor=torch node; ValueError names the field."""
+    data, dtype = checked_model_fields(cfg, _FIELDS)
     device = str(data.get("device", "cpu"))
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
         raise ValueError(f"executor.device={device!r}: allowed values are cpu, cuda, cuda:N")
