@@ -169,8 +169,12 @@ http-smoke: setup $(TINY_MODEL)/config.json ## one run over HTTP on the tiny mod
 		trace=true campaign_name=http_smoke ledger_root=$(LEDGER_ROOT) $(ARGS)
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
 
+fidelity: setup $(TINY_MODEL)/config.json ## simulator vs real: 24 real tiny-model runs over HTTP, fitted profile, 24 simulated, table
+	$(BIN)/python -m experiments.fidelity --ledger-root $(LEDGER_ROOT) $(ARGS)
+	$(BIN)/python -m analysis.fidelity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)
+
 continuation: setup $(TINY_MODEL)/config.json ## reload-from-host continuation check, S0/S1/S2/D0 x N around C (last line: JSON)
 	$(BIN)/python -m experiments.continuation --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) \
 		--report-dir $(REPORT_DIR) $(ARGS)
 
-.PHONY: serve http-smoke continuation
+.PHONY: serve http-smoke continuation fidelity

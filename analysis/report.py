@@ -25,6 +25,7 @@ import pandas as pd
 import ledgers
 from analysis import (
     common,
+    fidelity,
     prereg,
     q1,
     q2,
@@ -43,7 +44,8 @@ from analysis.render import md_table
 
 QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES)
 OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
-               "tables/*.csv", "figures/*.png", "figures/*.svg", vllm_arm.PAGE)
+               "tables/*.csv", "figures/*.png", "figures/*.svg", vllm_arm.PAGE,
+               fidelity.PAGE)
 
 _CAMPAIGN_COUNTS = """
     SELECT campaign, count(*) AS runs_rows, count(DISTINCT run_id) AS run_ids,
@@ -155,12 +157,17 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
         vllm_page = vllm_arm.write_page(con, out)  # real vLLM arm, when its campaign ran
         if vllm_page is not None:
             summary.pages.append(vllm_page)
+        fidelity_page = fidelity.write_page(con, out)  # simulator vs real, when it ran
+        if fidelity_page is not None:
+            summary.pages.append(fidelity_page[0])
         index = index_markdown(con, root, plan_dir, allow_changed_plan, pd.DataFrame(rows),
                                summary)
     finally:
         con.close()
     if vllm_page is not None:
         index += f"\n## Real vLLM arm\n\n[{vllm_arm.PAGE}]({vllm_arm.PAGE})\n"
+    if fidelity_page is not None:
+        index += f"\n## Simulator versus real\n\n[{fidelity.PAGE}]({fidelity.PAGE})\n"
     (out / "index.md").write_text(index, encoding="utf-8")
     summary.pages.insert(0, out / "index.md")
     return summary

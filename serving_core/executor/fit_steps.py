@@ -1,0 +1,135 @@
+"""Fit an additive step-time profile to measured engine steps (bounded least squares).
+
+Each row of a steps ledger (a real run's, on any device) is one equation
+
+    duration = (t_m M + t_p P + t_a A + mixed_s X) (1 + x [S1/S2]) + step_s + seq_s B
+
+where M, P and A are the step's memory, prefill-token (dense and scan) and attention-pair
+seconds under the starting profile (serving_core.executor.simulated.AdditiveStepModel), X
+marks a step mixing prefill and decode, B is the number of scheduled sequences and x the
+paged organizations' indirection. The scales t_m, t_p, t_a divide the starting profile's
+efficiencies (dense and scan share t_p: both grow with prefill tokens alone, so the data
+cannot tell them apart); they are bounded so every efficiency stays in (0, 1], and the
+seconds terms and x are bounded at 0. Rows of several organizations fit one profile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from serving_core.executor.profiles import DeviceProfile, load_device_profile
+from serving_core.executor.simulated import INDIRECT_ORGS, AdditiveStepModel
+from serving_core.geometry import Geometry
+
+STEP_COLUMNS = ("num_scheduled", "num_decode_seqs", "decode_context_tokens",
+                "prefill_tokens_initial", "prefill_tokens_resume", "decode_tokens",
+                "prefill_attention_pairs", "checkpoint_writes", "duration_s")
+PARAMETERS = ("memory_scale", "prefill_scale", "attention_scale", "mixed_step_s",
+              "per_step_overhead_s", "per_seq_overhead_s", "indirection_overhead")
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """A fitted profile with its parameters, residuals and the data it came from."""
+
+    profile: DeviceProfile
+    parameters: dict
+    rows: int
+    rms_rel_error: float
+    total_rel_error: dict  # per org: (sum of fitted - sum of measured) / sum of measured
+    data: dict
+
+
+def design(model: AdditiveStepModel, steps: Mapping[str, Sequence]) -> dict[str, np.ndarray]:
+    """Per-row feature columns of a steps table under `model`'s starting profile."""
+    c = {k: np.asarray(steps[k], dtype=np.float64) for k in STEP_COLUMNS}
+    num, dec = c["num_scheduled"], c["num_decode_seqs"]
+    prefill = (c["prefill_tokens_initial"] + c["prefill_tokens_resume"] + c["decode_tokens"]
+               - dec)
+    memory = (model._w * (dec > 0) + model._kv * (c["decode_context_tokens"] + dec)
+              + model._state * (2 * num + c["checkpoint_writes"])) * model._inv_mem
+    return {
+        "memory": memory,
+        "prefill": prefill * (model._dense * model._inv_mm + model._scan),
+        "attention": c["prefill_attention_pairs"] * model._attn,
+        "mixed": ((dec > 0) & (dec < num)).astype(np.float64),
+        "seqs": num,
+        "duration": c["duration_s"],
+    }
+
+
+def _predict(theta: np.ndarray, f: Mapping[str, np.ndarray], paged: np.ndarray) -> np.ndarray:
+    t_m, t_p, t_a, mixed, step_s, seq_s, x = theta
+    device = t_m * f["memory"] + t_p * f["prefill"] + t_a * f["attention"] + mixed * f["mixed"]
+    return device * (1.0 + x * paged) + step_s + seq_s * f["seqs"]
+
+
+def fit_steps(geometry: Geometry, start: DeviceProfile | str,
+              runs: Sequence[tuple[str, Mapping[str, Sequence]]], *, name: str | None = None,
+              source: str = "steps ledgers") -> StepFit:
+    """Fit one additive profile to the steps of `runs`, a list of (org, steps table)."""
+    from scipy.optimize import least_squares
+
+    prior = replace(load_device_profile(start), step_model="additive", indirection_overhead=0.0,
+                    mixed_step_s=0.0)
+    if not runs:
+        raise ValueError("fit_steps: no runs to fit")
+    cols: dict[str, list] = {}
+    paged, orgs = [], []
+    for org, steps in runs:
+        model = AdditiveStepModel(geometry, prior, org)
+        f = design(model, steps)
+        for key, value in f.items():
+            cols.setdefault(key, []).append(value)
+        n = len(f["duration"])
+        paged.append(np.full(n, float(model.org in INDIRECT_ORGS)))
+        orgs.extend([model.org] * n)
+    f = {k: np.concatenate(v) for k, v in cols.items()}
+    paged_arr = np.concatenate(paged)
+    y = f["duration"]
+    if len(y) < len(PARAMETERS):
+        raise ValueError(f"fit_steps: {len(y)} steps cannot identify {len(PARAMETERS)} parameters")
+    # Scales divide efficiencies: eff / t <= 1 needs t >= eff.
+    lower = np.array([prior.memory_efficiency,
+                      max(prior.matmul_efficiency, prior.scan_efficiency),
+                      prior.attention_efficiency, 0.0, 0.0, 0.0, 0.0])
+    x0 = np.maximum(lower, [1.0, 1.0, 1.0, 0.0, prior.per_step_overhead_s,
+                            prior.per_seq_overhead_s, 0.0])
+    # Columns differ by orders of magnitude: scale by each parameter's typical contribution.
+    typical = np.array([f["memory"].mean(), f["prefill"].mean(), f["attention"].mean(),
+                        f["mixed"].mean(), 1.0, f["seqs"].mean(), 0.1 * y.mean()])
+    x_scale = np.where(typical > 0, y.mean() / np.maximum(typical, 1e-300), 1.0)
+    res = least_squares(lambda th: _predict(th, f, paged_arr) - y, x0,
+                        bounds=(lower, np.full(len(lower), np.inf)), x_scale=x_scale,
+                        method="trf", xtol=1e-12, ftol=1e-12, gtol=1e-12, max_nfev=2000)
+    theta = res.x
+    pred = _predict(theta, f, paged_arr)
+    rel = (pred - y) / np.maximum(y, 1e-12)
+    org_arr = np.array(orgs)
+    totals = {str(org): float(pred[org_arr == org].sum() / y[org_arr == org].sum() - 1.0)
+              for org in sorted(set(orgs))}
+    params = dict(zip(PARAMETERS, (float(v) for v in theta), strict=True))
+    digest = hashlib.sha256(np.round(theta, 12).tobytes()).hexdigest()[:8]
+    profile = replace(
+        prior,
+        name=name or f"{prior.name}-fit-{digest}",
+        memory_efficiency=float(min(1.0, prior.memory_efficiency / theta[0])),
+        matmul_efficiency=float(min(1.0, prior.matmul_efficiency / theta[1])),
+        scan_efficiency=float(min(1.0, prior.scan_efficiency / theta[1])),
+        attention_efficiency=float(min(1.0, prior.attention_efficiency / theta[2])),
+        mixed_step_s=params["mixed_step_s"],
+        per_step_overhead_s=params["per_step_overhead_s"],
+        per_seq_overhead_s=params["per_seq_overhead_s"],
+        indirection_overhead=params["indirection_overhead"],
+        calibration=f"fitted to {len(y)} steps of {len(runs)} runs ({source})",
+    )
+    return StepFit(profile=profile, parameters=params, rows=len(y),
+                   rms_rel_error=float(np.sqrt(np.mean(rel ** 2))), total_rel_error=totals,
+                   data={"runs": len(runs), "source": source, "start": prior.name})
+
+
+__all__ = ["PARAMETERS", "STEP_COLUMNS", "StepFit", "design", "fit_steps"]

@@ -1,0 +1,85 @@
+"""The bounded steps fit: it recovers a known CPU-like profile from simulated steps ledgers
+of a plain and a paged organization, keeps efficiencies in (0, 1], and refuses too little
+data."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+from conftest import compose_config
+
+from experiments.cell import run_cell
+from serving_core.executor import load_device_profile
+from serving_core.executor.fit_steps import design, fit_steps
+from serving_core.executor.simulated import AdditiveStepModel
+from serving_core.geometry import load_geometry
+
+KNOWN = {"memory_efficiency": 0.02, "matmul_efficiency": 0.05, "scan_efficiency": 0.01,
+         "attention_efficiency": 0.025, "mixed_step_s": 0.02, "per_step_overhead_s": 0.03,
+         "per_seq_overhead_s": 0.004, "indirection_overhead": 0.08, "name": "known-cpu"}
+SYNTH = ("model=falcon_h1_tiny", "workload.source=synthetic", "workload.num_requests=16",
+         "workload.synthetic_prompt_tokens=1100", "workload.synthetic_context_tokens=1024",
+         "workload.synthetic_output_tokens=24", "workload.num_contexts=2", "load.rate=4",
+         "budget=b8")
+
+
+def _steps(org: str):
+    from omegaconf import OmegaConf
+
+    cfg = compose_config(*SYNTH, f"org={org}")
+    OmegaConf.set_struct(cfg, False)
+    cfg.executor = OmegaConf.create({**asdict(load_device_profile("cpu")), **KNOWN})
+    return run_cell(cfg).tables["steps"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return [(org, _steps(org)) for org in ("s0", "s2", "d0")]
+
+
+def test_fit_recovers_the_profile_that_timed_the_steps(runs):
+    fit = fit_steps(load_geometry("falcon_h1_tiny"), "cpu", runs)
+    p = fit.profile
+    # Dense and scan share one scale, so the start's ratio of the two is kept: check the
+    # per-token time, not each efficiency.
+    start = load_device_profile("cpu")
+    assert p.matmul_efficiency / p.scan_efficiency == pytest.approx(
+        start.matmul_efficiency / start.scan_efficiency)
+    for key in ("memory_efficiency", "attention_efficiency", "mixed_step_s",
+                "per_step_overhead_s", "per_seq_overhead_s", "indirection_overhead"):
+        assert getattr(p, key) == pytest.approx(KNOWN[key], rel=1e-4), key
+    assert fit.rows == sum(len(s["step"]) for _, s in runs)
+    assert all(abs(v) < 0.02 for v in fit.total_rel_error.values())
+
+
+def test_fitted_profile_predicts_each_step(runs):
+    geometry = load_geometry("falcon_h1_tiny")
+    fit = fit_steps(geometry, "cpu", runs)
+    for org, steps in runs:
+        model = AdditiveStepModel(geometry, fit.profile, org)
+        f = design(model, steps)
+        device = f["memory"] + f["prefill"] + f["attention"] + model._mixed * f["mixed"]
+        pred = device * model._scale + model._step_s + model._seq_s * f["seqs"]
+        assert np.allclose(pred, steps["duration_s"], rtol=2e-3), org
+
+
+def test_efficiencies_stay_bounded_when_the_machine_beats_the_start():
+    """Steps faster than the start's peaks allow pin the efficiencies at 1, never above."""
+    geometry = load_geometry("falcon_h1_tiny")
+    steps = _steps("s2")
+    fast = dict(steps, duration_s=[d * 1e-3 for d in steps["duration_s"]])
+    p = fit_steps(geometry, "cpu", [("s2", fast)]).profile
+    for key in ("memory_efficiency", "matmul_efficiency", "attention_efficiency",
+                "scan_efficiency"):
+        assert 0 < getattr(p, key) <= 1.0, key
+
+
+def test_too_few_steps_are_refused():
+    steps = _steps("s2")
+    short = {k: v[:3] for k, v in steps.items()}
+    with pytest.raises(ValueError, match="cannot identify"):
+        fit_steps(load_geometry("falcon_h1_tiny"), "cpu", [("s2", short)])
+    with pytest.raises(ValueError, match="no runs"):
+        fit_steps(load_geometry("falcon_h1_tiny"), "cpu", [])
