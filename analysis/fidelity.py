@@ -189,7 +189,7 @@ def draw(real: pd.DataFrame, sim: pd.DataFrame, path: Path) -> Path | None:
     rng = np.random.default_rng(0)
     for ax, budget in zip(axes[0], budgets, strict=True):
         for i, org in enumerate(orgs):
-            for k, (name, frame, hatch) in enumerate((("real", real, ""), ("sim", sim, "//"))):
+            for k, (frame, hatch) in enumerate(((real, ""), (sim, "//"))):
                 vals = frame[(frame["budget"] == budget) & (frame["org"] == org)][RANK_METRIC]
                 vals = vals.astype(float).dropna()
                 x = i + (k - 0.5) * 0.38
