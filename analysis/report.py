@@ -25,6 +25,7 @@ import pandas as pd
 import ledgers
 from analysis import (
     common,
+    n0_native,
     prereg,
     q1,
     q2,
@@ -43,7 +44,8 @@ from analysis.render import md_table
 
 QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES)
 OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
-               "tables/*.csv", "figures/*.png", "figures/*.svg", vllm_arm.PAGE)
+               "tables/*.csv", "figures/*.png", "figures/*.svg", vllm_arm.PAGE,
+               n0_native.PAGE)
 
 _CAMPAIGN_COUNTS = """
     SELECT campaign, count(*) AS runs_rows, count(DISTINCT run_id) AS run_ids,
@@ -155,15 +157,34 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
         vllm_page = vllm_arm.write_page(con, out)  # real vLLM arm, when its campaign ran
         if vllm_page is not None:
             summary.pages.append(vllm_page)
+        _n0_page(con, out, summary)
         index = index_markdown(con, root, plan_dir, allow_changed_plan, pd.DataFrame(rows),
                                summary)
     finally:
         con.close()
     if vllm_page is not None:
         index += f"\n## Real vLLM arm\n\n[{vllm_arm.PAGE}]({vllm_arm.PAGE})\n"
+    index += (f"\n## vLLM's native organization (N0) at A100 scale\n\n"
+              f"[{n0_native.PAGE}]({n0_native.PAGE})\n")
     (out / "index.md").write_text(index, encoding="utf-8")
     summary.pages.insert(0, out / "index.md")
     return summary
+
+
+def _n0_page(con, out: Path, summary: ReportSummary) -> None:
+    """The N0 page (always written: without runs it names the command that fills it)."""
+    page_path = out / n0_native.PAGE
+    try:
+        page = n0_native.write_page(con, out)
+    except Exception:  # like a question page: an error page, the rest still written
+        text = traceback.format_exc()
+        summary.errors[n0_native.QUESTION] = text.strip().splitlines()[-1]
+        page_path.write_text(f"# N0 page: analysis failed\n\n```\n{text}```\n",
+                             encoding="utf-8")
+    else:
+        summary.tables += n0_native.table_paths(out, page)
+        summary.figures += page.figures
+    summary.pages.append(page_path)
 
 
 def index_markdown(con, root: Path, plan_dir: Path, allow_changed_plan: bool,
