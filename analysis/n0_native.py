@@ -188,6 +188,12 @@ def _setting(runs: pd.DataFrame, column: str) -> str:
     return ", ".join(sorted(map(str, runs[column].unique())))
 
 
+def _requests(runs: pd.DataFrame) -> str:
+    sizes = (runs["completed_requests"] + runs["failed_requests"]).astype(int)
+    low, high = sizes.min(), sizes.max()
+    return f"{low}" if low == high else f"{low}-{high}"
+
+
 def _figure(runs: pd.DataFrame, stage: str, figures: Path) -> tuple[Path | None, str]:
     """The throughput figure of one stage, or None and the reason it is not drawn."""
     if runs.groupby(["org", "budget"])["cell"].nunique().max() > 1:
@@ -236,7 +242,8 @@ def build(con, figures: Path | None = None) -> Page:
         out += [f"## Stage {stage}: campaign {campaigns}", "",
                 f"{len(part)} runs, seeds {common.seeds_text(part['seed'].unique())}; "
                 f"model {_setting(part, 'model')}, executor {_setting(part, 'executor')}"
-                + (f", {conditions}" if conditions else "") + ".", "",
+                + (f", {conditions}" if conditions else "")
+                + f", reuse {_setting(part, 'reuse')}, {_requests(part)} requests per run.", "",
                 "### Per organization", "",
                 "Mean over seeds [Student-t 95% interval over seeds]: output tokens/s over the "
                 "request span and over the ledger episode, run-level TTFT and E2E p99 over "

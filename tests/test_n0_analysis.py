@@ -138,6 +138,7 @@ def test_page_is_descriptive_with_both_stages_and_a_figure_each(written):
     assert "no preregistered plan" in text and "No complete runs" not in text
     assert "## Stage main: campaign n0_a100" in text
     assert "## Stage smoke: campaign n0_a100_smoke" in text
+    assert "30 runs, seeds 0-2; model falcon_h1_7b" in text and "36 requests per run" in text
     assert "| b63 | N0 (vLLM native) | 3 |" in text and "| b108 | N0 vs D0 | 3 |" in text
     assert "| all | N0 vs S2 | 2 |" in text  # smoke: one budget, so no budget in the label
     for name in ("n0_a100_throughput.png", "n0_a100_smoke_throughput.png"):
@@ -189,3 +190,9 @@ def test_grouped_bars_legend_names_an_org_missing_from_the_first_budget(tmp_path
     finally:
         pf.save = original
     assert labels == ["S2", "N0 (vLLM native)"]
+
+
+def test_cli_refuses_a_missing_ledger_root_in_one_line(tmp_path, capsys):
+    assert n0_native.main(["--ledgers", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --ledgers=")
