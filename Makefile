@@ -129,6 +129,11 @@ q9: JOBS := $(or $(JOBS),$(if $(LAUNCHER),,1))
 q9: setup ## Q9 retention x reuse (SHARE/ISOLATE), balanced order, one run at a time: 24 runs
 	$(call campaign_run,q9)
 
+n0: setup ## N0 (vLLM native, simulated) next to S0/S1/S2/D0 at b63/b83/b108: 180 runs, then the report
+	$(call campaign_run,n0_a100)
+	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT)
+	@echo "N0 page: $(abspath $(REPORT_DIR))/n0_native.md"
+
 campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, pinning, orig5)
 	@test -n "$(C)" || { echo "usage: make campaign C=<name of conf/campaign/*.yaml>"; exit 2; }
 	$(call campaign_run,$(C))
@@ -149,7 +154,7 @@ demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs), 
 	@echo "ledgers: $(abspath $(LEDGER_ROOT)) (campaigns demo_q1, demo_q9; DuckDB views: python -c 'import ledgers; ledgers.connect(\"$(LEDGER_ROOT)\")')"
 	@echo "report: $(abspath $(REPORT_DIR))/index.md"
 
-.PHONY: $(QUESTIONS) campaign campaign-plan smoke demo
+.PHONY: $(QUESTIONS) n0 campaign campaign-plan smoke demo
 
 # ---- the real core over HTTP (serving_core.server) -------------------------------------------
 TINY_MODEL ?= models/falcon_h1_tiny

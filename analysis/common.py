@@ -26,7 +26,8 @@ DESIGN_COLUMNS = ("stage", "org", "budget", "cap", "rate", "arrival", "q", "f", 
 # Settings that only one org has (-1 / NaN elsewhere): never part of a pairing condition.
 ORG_SETTINGS = ("retention_k", "d0_attention_fraction")
 IDENTITY_COLUMNS = (*DESIGN_COLUMNS, "model", "executor", "units_detail")
-ORG_ORDER = ("S0", "S1", "S2", "D0", "S2_RETENTION")
+# N0: vLLM's native uniform-page organization (last, so the other pages' orders stay put).
+ORG_ORDER = ("S0", "S1", "S2", "D0", "S2_RETENTION", "N0")
 ORG_NAMES = {"S2_RETENTION": "S2+Retention"}  # display names where the column value differs
 
 

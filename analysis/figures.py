@@ -19,7 +19,7 @@ import pandas as pd  # noqa: E402
 from analysis.common import METRICS, cell_order  # noqa: E402
 
 ORG_COLORS = {"S0": "#8c8c8c", "S1": "#4c72b0", "S2": "#55a868", "D0": "#c44e52",
-              "S2_RETENTION": "#8172b2"}
+              "S2_RETENTION": "#8172b2", "N0": "#937860"}
 DPI = 100
 _JITTER = np.random.default_rng(0)
 

@@ -23,9 +23,10 @@ from matplotlib.lines import Line2D  # noqa: E402
 
 from analysis.common import budget_rank  # noqa: E402
 
-ORG_NAMES = {"S0": "S0", "S1": "S1", "S2": "S2", "D0": "D0", "S2_RETENTION": "S2+Retention"}
+ORG_NAMES = {"S0": "S0", "S1": "S1", "S2": "S2", "D0": "D0", "S2_RETENTION": "S2+Retention",
+             "N0": "N0 (vLLM native)"}
 ORG_COLORS = {"S0": "#8c8c8c", "S1": "#4c72b0", "S2": "#55a868", "D0": "#c44e52",
-              "S2_RETENTION": "#8172b2"}
+              "S2_RETENTION": "#8172b2", "N0": "#937860"}
 DPI = 100
 JITTER_SEED = 0  # each figure starts its own generator from this seed
 CONDITION_COLUMNS = (("cap", "cap {:g}"), ("rate", "λ {:g}"), ("q", "q {:g}"), ("f", "f {:g}"),
@@ -100,12 +101,13 @@ def grouped_bars(runs: pd.DataFrame, metric: str, ylabel: str, title: str,
     width = 0.8 / len(orgs)
     fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(budgets) + 2), 4.4))
     for j, org in enumerate(orgs):
+        label = org_name(org)  # on the org's first drawn bar (it may lack the first budget)
         for i, budget in enumerate(budgets):
             values = runs[(runs["org"] == org) & (runs["budget"] == budget)][metric].dropna()
             x = i + (j - (len(orgs) - 1) / 2) * width
             if len(values):
-                ax.bar(x, values.mean(), width, color=_color(org), alpha=0.8,
-                       label=org_name(org) if i == 0 else None)
+                ax.bar(x, values.mean(), width, color=_color(org), alpha=0.8, label=label)
+                label = None
                 _dots(ax, rng, x, values, width=width / 4)
     ax.set_xticks(range(len(budgets)), budgets)
     ax.set_xlabel("budget (bars: arithmetic mean over runs; dots: runs)")

@@ -26,6 +26,7 @@ import ledgers
 from analysis import (
     common,
     fidelity,
+    n0_native,
     prereg,
     q1,
     q2,
@@ -45,7 +46,7 @@ from analysis.render import md_table
 QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES)
 OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
                "tables/*.csv", "figures/*.png", "figures/*.svg", vllm_arm.PAGE,
-               fidelity.PAGE)
+               fidelity.PAGE, n0_native.PAGE)
 
 _CAMPAIGN_COUNTS = """
     SELECT campaign, count(*) AS runs_rows, count(DISTINCT run_id) AS run_ids,
@@ -160,6 +161,7 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
         fidelity_page = fidelity.write_page(con, out)  # simulator vs real, when it ran
         if fidelity_page is not None:
             summary.pages.append(fidelity_page[0])
+        _n0_page(con, out, summary)
         index = index_markdown(con, root, plan_dir, allow_changed_plan, pd.DataFrame(rows),
                                summary)
     finally:
@@ -168,9 +170,27 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
         index += f"\n## Real vLLM arm\n\n[{vllm_arm.PAGE}]({vllm_arm.PAGE})\n"
     if fidelity_page is not None:
         index += f"\n## Simulator versus real\n\n[{fidelity.PAGE}]({fidelity.PAGE})\n"
+    index += (f"\n## vLLM's native organization (N0) at A100 scale\n\n"
+              f"[{n0_native.PAGE}]({n0_native.PAGE})\n")
     (out / "index.md").write_text(index, encoding="utf-8")
     summary.pages.insert(0, out / "index.md")
     return summary
+
+
+def _n0_page(con, out: Path, summary: ReportSummary) -> None:
+    """The N0 page (always written: without runs it names the command that fills it)."""
+    page_path = out / n0_native.PAGE
+    try:
+        page = n0_native.write_page(con, out)
+    except Exception:  # like a question page: an error page, the rest still written
+        text = traceback.format_exc()
+        summary.errors[n0_native.QUESTION] = text.strip().splitlines()[-1]
+        page_path.write_text(f"# N0 page: analysis failed\n\n```\n{text}```\n",
+                             encoding="utf-8")
+    else:
+        summary.tables += n0_native.table_paths(out, page)
+        summary.figures += page.figures
+    summary.pages.append(page_path)
 
 
 def index_markdown(con, root: Path, plan_dir: Path, allow_changed_plan: bool,

@@ -223,14 +223,24 @@ def last_line(summary: Mapping, *, run_id: str, skipped: bool, engine_seconds: f
     return {k: values.get(k) for k in LAST_LINE_KEYS}
 
 
-def format_summary(summary: Mapping) -> str:
-    """A short human summary of one run (from its `last_line`)."""
+def clock_label(executor_cfg) -> str:
+    """The unit of a run's episode time: "simulated s" for the simulated executor,
+    "wall-clock s" for real ones (torch, torch_inproc, vllm)."""
+    from serving_core.executor.torch_config import is_torch_executor
+
+    real = is_torch_executor(executor_cfg) or is_vllm_executor(executor_cfg)
+    return "wall-clock s" if real else "simulated s"
+
+
+def format_summary(summary: Mapping, clock: str = "simulated s") -> str:
+    """A short human summary of one run (from its `last_line`); `clock` names the unit of
+    its episode time (`clock_label` of the run's executor)."""
     s = summary
     return "\n".join(
         [
             f"{s['org']} {s['budget']} seed {s['seed']}: {s['completed']} completed, "
             f"{s['failed']} failed, {s['output_tokens']} output tokens in "
-            f"{s['sim_seconds']:.1f} simulated s",
+            f"{s['sim_seconds']:.1f} {clock}",
             f"  throughput   {s['throughput_ledger']:.1f} tok/s (ledger)  "
             f"{s['throughput_span']:.1f} tok/s (span)",
             f"  TTFT p50/p99 {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} s   E2E p50/p99 "

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.bad_input import bad_input_message, exit_bad_input, report_bad_input
-from experiments.cell import CellResult, format_summary, last_line, run_cell
+from experiments.cell import CellResult, clock_label, format_summary, last_line, run_cell
 from experiments.ledger_io import (
     RunKey,
     completed_row,
@@ -87,7 +87,7 @@ def main_run(cfg: DictConfig) -> dict:
     key = run_key(cfg)
     if not cfg.write_ledgers:
         line = _ran_line(key, run_cell(cfg))
-        print(format_summary(line))
+        print(format_summary(line, clock_label(cfg.executor)))
         print(json_line(line), flush=True)
         return line
     root = check_ledger_root(cfg.ledger_root)
@@ -102,7 +102,7 @@ def main_run(cfg: DictConfig) -> dict:
               f"{key.seed}) is already complete in {root}")
         print(json_line(line), flush=True)
         return line
-    print(format_summary(line))
+    print(format_summary(line, clock_label(cfg.executor)))
     print(f"  ledger       run {key.run_id} written to {root} (campaign {key.campaign})")
     print(json_line(line), flush=True)
     return line

@@ -147,14 +147,15 @@ def build(root: Path, parts=PARTS) -> BuiltLedger:
     return built
 
 
-def write_cells(root: Path, campaign: str, plan_hash: str, overrides, seeds) -> list[dict]:
+def write_cells(root: Path, campaign: str, plan_hash: str, overrides, seeds,
+                question: str | None = None) -> list[dict]:
     """Run one ad-hoc cell per seed and write it under `root` stamped with `plan_hash`.
 
     For analyses outside the preregistered plans (e.g. the vLLM-arm page); the config is
-    composed once and only its seed changes.
+    composed once and only its seed changes. `question` defaults to the campaign.
     """
     cfg = compose_config(f"ledger_root={root}", f"campaign_name={campaign}",
-                         f"question={campaign}", *WORKLOAD, *overrides)
+                         f"question={question or campaign}", *WORKLOAD, *overrides)
     rows = []
     for seed in seeds:
         cfg.seed = int(seed)

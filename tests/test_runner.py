@@ -284,3 +284,20 @@ def test_deliberate_replicate_is_kept_but_not_adopted(make_cfg, tmp_path):
     assert [(r, a) for r, a, _ in rows] == [(0, True), (1, False)]
     assert rows[0][2] == rows[1][2]  # same cell, same seed: one adoption key
     assert ledger_check.check(tmp_path / "ledgers").ok
+
+
+@pytest.mark.parametrize("executor, clock", [("a100", "simulated s"), ("torch", "wall-clock s"),
+                                             ("torch_inproc", "wall-clock s"),
+                                             ("vllm", "wall-clock s")])
+def test_summary_names_the_clock_of_its_executor(make_cfg, monkeypatch, capsys, executor, clock):
+    """The human summary's episode time is "simulated s" only for the simulated executor;
+    the cell itself is the simulated one (run_cell is swapped in for real executors)."""
+    simulated = make_cfg(*SMALL, "write_ledgers=false")
+    result = cell.run_cell(simulated)
+    cfg = make_cfg(*SMALL, "write_ledgers=false", f"executor={executor}", "model=falcon_h1_tiny")
+    monkeypatch.setattr(runner, "validate_config", lambda c: None)  # no checkpoint needed here
+    monkeypatch.setattr(runner, "run_cell", lambda c: result)
+    line = runner.main_run(cfg)
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.endswith(f"output tokens in {line['sim_seconds']:.1f} {clock}")
+    assert ("simulated" in head) == (executor == "a100")
