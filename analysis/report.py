@@ -27,6 +27,7 @@ from analysis import (
     common,
     fidelity,
     n0_native,
+    n0_validate,
     prereg,
     q1,
     q2,
@@ -46,7 +47,7 @@ from analysis.render import md_table
 QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES)
 OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
                "tables/*.csv", "figures/*.png", "figures/*.svg", vllm_arm.PAGE,
-               fidelity.PAGE, n0_native.PAGE)
+               fidelity.PAGE, n0_native.PAGE, n0_validate.PAGE)
 
 _CAMPAIGN_COUNTS = """
     SELECT campaign, count(*) AS runs_rows, count(DISTINCT run_id) AS run_ids,
@@ -162,6 +163,9 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
         if fidelity_page is not None:
             summary.pages.append(fidelity_page[0])
         _n0_page(con, out, summary)
+        validate_page = n0_validate.write_page(con, out)  # N0 vs real vLLM, when it ran
+        if validate_page is not None:
+            summary.pages.append(validate_page[0])
         index = index_markdown(con, root, plan_dir, allow_changed_plan, pd.DataFrame(rows),
                                summary)
     finally:
@@ -172,6 +176,9 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
         index += f"\n## Simulator versus real\n\n[{fidelity.PAGE}]({fidelity.PAGE})\n"
     index += (f"\n## vLLM's native organization (N0) at A100 scale\n\n"
               f"[{n0_native.PAGE}]({n0_native.PAGE})\n")
+    if validate_page is not None:
+        index += (f"\n## Simulated N0 against real vLLM\n\n"
+                  f"[{n0_validate.PAGE}]({n0_validate.PAGE})\n")
     (out / "index.md").write_text(index, encoding="utf-8")
     summary.pages.insert(0, out / "index.md")
     return summary

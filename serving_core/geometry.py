@@ -46,11 +46,15 @@ class Geometry:
     kv_codec: str = "bf16"
     d0_attention_fraction: float = 0.5
     max_model_len: int = 8192
+    # N0's attention-kernel block alignment (tokens): 16 for vLLM's FlashAttention (A100),
+    # 128 for its CPU backend (serving_core.layout); a backend property, set per run.
+    n0_block_alignment: int = 16
 
     def __post_init__(self) -> None:
         if self.kv_codec not in KV_CODECS:
             raise ValueError(f"kv_codec={self.kv_codec!r}: allowed values are {KV_CODECS}")
-        for f in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_model_len"):
+        for f in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_model_len",
+                  "n0_block_alignment"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be positive")
         for f in ("mamba_heads", "mamba_head_dim", "d_state", "n_groups", "d_conv"):

@@ -74,7 +74,7 @@ def org_layout(geometry: Geometry, org: str) -> OrgLayout:
     tok = geometry.attention_bytes_per_token
     rec = geometry.has_recurrent
     if org == "N0":
-        return n0_layout(geometry)
+        return n0_layout(geometry, geometry.n0_block_alignment)
     if org == "D0":
         return OrgLayout(
             org="D0",
