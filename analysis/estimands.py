@@ -40,10 +40,11 @@ def settings(raw_plan: Mapping) -> dict:
     return {**DEFAULTS, **dict(raw_plan.get("secondary_estimands", {}).get("parameters", {}))}
 
 
-def readings_text(raw_plan: Mapping) -> str:
-    """The plan's declared readings and their alternatives, one paragraph."""
+def readings_text(raw_plan: Mapping, keys: Sequence[str] | None = None) -> str:
+    """The plan's declared readings (those named in `keys`, or all), one paragraph."""
     readings = raw_plan.get("secondary_estimands", {}).get("readings", {})
-    return " ".join(f"{k}: {' '.join(str(v).split())}" for k, v in readings.items())
+    return " ".join(f"{k}: {' '.join(str(v).split())}" for k, v in readings.items()
+                    if keys is None or k in keys)
 
 
 # ---------------------------------------------------------------------------
@@ -292,7 +293,9 @@ def pair_table(con, cell_runs: pd.DataFrame, tests: Sequence, cfg: Mapping) -> p
     table = pd.DataFrame(rows)
     for column in PAIR_COLUMNS:
         if column not in table:
-            table[column] = "" if column in ("unit", "interval", "note") else math.nan
+            table[column] = math.nan
+    text = ["unit", "interval", "note"]
+    table[text] = table[text].fillna("")
     return table[list(PAIR_COLUMNS)]
 
 

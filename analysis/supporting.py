@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from analysis import estimands, readouts
@@ -59,13 +60,15 @@ class SupportingPage:
         return []
 
 
+PAIR_READINGS = ("latency ratios", "goodput", "central window", "drift heuristic", "intervals")
+
+
 def planned_seeds(plan, family: str, cell_runs: pd.DataFrame) -> pd.DataFrame:
     """Main-stage runs at their cell's planned seeds (smoke-stage runs kept as collected)."""
     seeds = {c.id: set(c.seeds) for c in plan.family(family).cells}
-    keep = (cell_runs["stage"] != "main") | [
-        int(s) in seeds.get(c, ()) for c, s in zip(cell_runs["cell_id"], cell_runs["seed"],
-                                                     strict=True)]
-    return cell_runs[keep]
+    planned = [int(s) in seeds.get(c, ()) for c, s in zip(cell_runs["cell_id"],
+                                                            cell_runs["seed"], strict=True)]
+    return cell_runs[(cell_runs["stage"] != "main").to_numpy() | np.array(planned, dtype=bool)]
 
 
 def pair_section(result: QuestionResult, con, runs, plan, family: str, tests=None,
@@ -80,7 +83,8 @@ def pair_section(result: QuestionResult, con, runs, plan, family: str, tests=Non
         result.sections.append(Section(
             title, "Descriptive and sensitivity estimands of PAPER_DESIGN 2.1-2.4 (Tab. E-13, "
             "E-14, E.9): intervals, no decisions; full-run p-values do not carry over to the "
-            "window. Declared readings (conf/prereg): " + estimands.readings_text(plan.raw),
+            "window. Declared readings (conf/prereg): " + estimands.readings_text(
+                plan.raw, PAIR_READINGS),
             [("", table, None)]))
 
 
@@ -94,7 +98,8 @@ def stranded_section(result: QuestionResult, con, runs, by, plan) -> None:
         merged, by, ("stranded_frac", "stranded_frac_free_only", "stranded_max_progress")))
     result.sections.append(Section(
         "Stranded bytes (D0)", "Arithmetic means over runs; descriptive. "
-        + estimands.readings_text(plan.raw) + estimands.units_bytes_note(runs),
+        + estimands.readings_text(plan.raw, ("stranded bytes",))
+        + estimands.units_bytes_note(runs),
         [("", table, None)]))
 
 
