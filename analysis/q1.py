@@ -3,15 +3,16 @@
 Exp 1a (main load): arithmetic run means of request-span throughput and mean run-level
 E2E p99 per organization and budget; the six stepwise contrasts are EXT-22 rows 1-6,
 shown here with the whole 22-test family. Exp 1b (low load): throughput, TTFT/E2E p50
-and p99 (run-level, averaged) and the waiting gauge's run maxima; descriptive.
+and p99 (run-level, averaged) and the waiting gauge's run maxima; descriptive. EXT-22 under
+the adoption scenarios A, B and C (E.14) is a sensitivity table.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from analysis import estimands, readouts
 from analysis import paper_figures as pf
-from analysis import readouts
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q1"
@@ -46,8 +47,25 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
                 "`waiting_max_range` is the range across runs of each run's maximum sampled "
                 "waiting count (the micro-tables of Fig. 2(c, d)). Descriptive.",
                 [("", low_table, None)]))
-    readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
+    families = readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir,
+                                        allow_changed_plan)
+    scenarios_section(result, plan, families)
     return result
+
+
+def scenarios_section(result: QuestionResult, plan, families) -> None:
+    """EXT-22 under adoption scenarios A, B and C (E.14, Tab. E-17), from its per-seed d."""
+    spec = plan.raw.get("adoption_scenarios")
+    fam = next((f for f in families if spec and f.name == spec["family"] and f.accepted), None)
+    if fam is None:
+        return
+    table = result.add("adoption_scenarios", estimands.adoption_scenarios(
+        fam, plan.family(spec["family"]), spec))
+    if len(table):
+        result.sections.append(Section(
+            "EXT-22 adoption scenarios (Tab. E-17)", " ".join(str(spec["description"]).split())
+            + " `effect_B`: mean seedwise percent change without the seed (paired tests).",
+            [("", table, None)]))
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:

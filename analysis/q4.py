@@ -3,7 +3,8 @@
 Q1's S0/S1/S2 runs plus Q4's D0 at the default split, at b63, b83, b108 (λ 3, cap 63).
 The D0/S2 contrasts per budget and their budget interactions are EXT-22 rows 7-11,
 decided there and shown here; this page adds arithmetic run means and the C_once
-difference D0 - S2 per budget (E.2). The paper draws no Q4 figure.
+difference D0 - S2 per budget (E.2) and D0's stranded bytes per budget (B.4). The paper
+draws no Q4 figure.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import readouts
+from analysis import readouts, supporting
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q4"
@@ -47,6 +48,7 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
             "Four organizations by budget", "λ 3, cap 63, q 1, f 0, pin K 2; arithmetic means "
             "over runs; C_once difference D0 - S2 as the mean of seedwise differences.",
             [("cell means", cells, None), ("C_once D0 - S2 (tokens/run)", diff, None)]))
+        supporting.stranded_section(result, con, four, ["budget", "org"], plan)
     readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
     readouts.borrow_rows(result, con, "q1", "EXT-22", D0_ROWS, plan_dir, allow_changed_plan)
     return result

@@ -2,7 +2,8 @@
 
 Family Q6-17 decides (Holm over 17, seed-level bootstrap display intervals); the
 headroom curves, completed requests/s and TTFT/E2E/request-TPOT p99 per cell (Tab. B-8)
-are descriptive. Fig. 6 rings the preselected f of each organization and budget.
+are descriptive; the simultaneous upper bounds are a separate analysis. Fig. 6 rings the
+preselected f of each organization and budget.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis import estimands, readouts
 from analysis import paper_figures as pf
-from analysis import readouts
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q6"
@@ -39,8 +40,22 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
             "Headroom curves and Tab. B-8", "Arithmetic means over runs: throughput (request "
             "span primary), completed requests/s (request span), mean run-level TTFT, E2E and "
             f"request-TPOT p99 (s). Preselected f: {chosen}.", [("", cells, None)]))
+        bounds_section(result, plan, curves)
     readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
     return result
+
+
+def bounds_section(result: QuestionResult, plan, curves: pd.DataFrame) -> None:
+    """The simultaneous upper bounds declared in the plan (AMBIGUOUS A4)."""
+    spec = plan.raw.get("simultaneous_upper_bounds")
+    if not spec or curves.empty:
+        return
+    table = result.add("upper_bounds", estimands.simultaneous_bounds(
+        curves, spec, spec.get("metric", "throughput_span")))
+    result.sections.append(Section(
+        f"{len(estimands.bound_members(spec))} simultaneous upper bounds",
+        " ".join(str(spec["description"]).split()) + " `effect` = 100 (exp(mean d) - 1); "
+        "`upper` = the simultaneous one-sided bound (%).", [("", table, None)]))
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
