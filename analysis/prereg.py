@@ -157,6 +157,27 @@ def plan_hash(plan: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json(plan).encode("utf-8")).hexdigest()
 
 
+READINGS_FILE = "readings.yaml"  # the AMBIGUOUS register's chosen readings (not a plan)
+READING_FIELDS = ("item", "reading", "alternative", "where")
+
+
+def load_readings(plan_dir: str | Path = PLAN_DIR) -> list[dict[str, str]]:
+    """The reading chosen for each AMBIGUOUS item (A1, A2, ...), in register order."""
+    import yaml
+
+    path = Path(plan_dir) / READINGS_FILE
+    if not path.is_file():
+        return []
+    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    rows = []
+    for key, entry in raw.items():
+        missing = [f for f in READING_FIELDS if not str((entry or {}).get(f, "")).strip()]
+        if missing:
+            raise ValueError(f"{path.name}: {key}: missing {', '.join(missing)}")
+        rows.append({"id": str(key), **{f: str(entry[f]) for f in READING_FIELDS}})
+    return sorted(rows, key=lambda r: int(r["id"].lstrip("A")))
+
+
 def load_plan(name_or_path: str | Path, plan_dir: str | Path = PLAN_DIR) -> Plan:
     """Load "q1" (from `plan_dir`) or a path to a plan YAML, validated (cached while the
     file is unchanged)."""

@@ -224,6 +224,12 @@ def index_markdown(con, root: Path, plan_dir: Path, allow_changed_plan: bool,
             md_table(campaigns) if len(campaigns) else "No data: the ledger root holds no runs.",
             "", "Run code versions are the `code_version` values stamped by the runner.", "",
             "## Plan hashes", "", md_table(hashes), ""]
+    readings = prereg.load_readings(plan_dir)
+    if readings:
+        out += ["## Readings of the AMBIGUOUS items", "",
+                f"PAPER_DESIGN.md section 8 leaves these open; the reading each analysis uses "
+                f"and the one it names as the alternative ({prereg.READINGS_FILE} in the plan "
+                f"directory).", "", md_table(pd.DataFrame(readings)), ""]
     return "\n".join(out)
 
 

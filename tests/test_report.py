@@ -67,6 +67,8 @@ def test_report_writes_index_pages_tables_and_prints_wall_time(drawn, ledger):
         assert f"]({module.QUESTION}.md)" in index
         assert (out / f"{module.QUESTION}.md").is_file()
     assert str(ledger.root.resolve()) in index and "analysis sources sha256:" in index
+    assert "## Readings of the AMBIGUOUS items" in index
+    assert all(f"| {r['id']} | {r['item']} |" in index for r in prereg.load_readings())
     for campaign in ("q7", "q9"):
         plan_hash = prereg.load_plan(campaign).plan_hash[:12]
         assert re.search(rf"\| {plan_hash} \| {campaign}: {plan_hash} x\d+ \| match \|", index)
