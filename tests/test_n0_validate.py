@@ -69,6 +69,7 @@ def test_pairs_and_agreement_counts():
     assert cells.loc["b63", "hits_agree"] == 2
     text, info = nv.section(runs, reqs)
     assert info["hits_agree"] == 5 and info["by_budget"] == {"b63": [2, 2], "b8": [3, 4]}
+    assert info["differ_by_nth"] == {3: 1}  # the third request of context 0 at b8
     assert "5 of 6" in text
 
 
