@@ -16,7 +16,6 @@ is JSON. `analysis.report` writes the page as fidelity.md when the campaigns hav
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -25,8 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-import ledgers
-from analysis import common, stats
+from analysis import cli, common, stats
 from analysis.render import md_table
 
 REAL, SIM = "fidelity_real", "fidelity_sim"
@@ -274,27 +272,23 @@ def write_page(con, out: Path) -> tuple[Path, dict] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.fidelity", description=__doc__)
-    p.add_argument("--ledgers", required=True, help="ledger root")
+    p = cli.parser("analysis.fidelity", __doc__)
     p.add_argument("--out", default="reports", help="report directory for fidelity.md")
     args = p.parse_args(argv)
-    if not Path(args.ledgers).is_dir():
-        print(f"error: --ledgers={args.ledgers!r}: not a directory", file=sys.stderr)
-        return 2
-    con = ledgers.connect(args.ledgers)
-    try:
+
+    def show(con) -> int:
         written = write_page(con, Path(args.out))
-    finally:
-        con.close()
-    if written is None:
-        print(f"fidelity: no runs of {REAL} or {SIM} under {args.ledgers}; {FILL}")
-        print(json.dumps({"cells": 0}))
-        return 1
-    path, info = written
-    print(path.read_text(encoding="utf-8"))
-    print(f"page: {path}")
-    print(json.dumps(info))
-    return 0 if info.get("cells") else 1
+        if written is None:
+            print(f"fidelity: no runs of {REAL} or {SIM} under {args.ledgers}; {FILL}")
+            print(json.dumps({"cells": 0}))
+            return 1
+        path, info = written
+        print(path.read_text(encoding="utf-8"))
+        print(f"page: {path}")
+        print(json.dumps(info))
+        return 0 if info.get("cells") else 1
+
+    return cli.with_ledgers(args.ledgers, show)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ page; the report writes it as n0_native.md with its tables and one figure.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -20,8 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-import ledgers
-from analysis import common, paper_figures
+from analysis import cli, common, paper_figures
 from analysis.paired import CONFIDENCE, diff_interval
 from analysis.render import fmt, md_table
 
@@ -287,18 +285,13 @@ def table_paths(out: Path, page: Page) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.n0_native", description=__doc__)
-    parser.add_argument("--ledgers", required=True, help="ledger root")
-    args = parser.parse_args(argv)
-    if not Path(args.ledgers).is_dir():
-        print(f"error: --ledgers={args.ledgers!r}: not a directory", file=sys.stderr)
-        return 2
-    con = ledgers.connect(args.ledgers)
-    try:
+    args = cli.parser("analysis.n0_native", __doc__).parse_args(argv)
+
+    def show(con) -> int:
         print(build(con).text)
-    finally:
-        con.close()
-    return 0
+        return 0
+
+    return cli.with_ledgers(args.ledgers, show)
 
 
 if __name__ == "__main__":

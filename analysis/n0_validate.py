@@ -15,14 +15,13 @@ of the seed, so the same request id is the same prompt and arrival time on both.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-import ledgers
+from analysis import cli
 from analysis.render import md_table
 
 CAMPAIGN = "n0_validate"
@@ -154,21 +153,15 @@ def write_page(con, out: Path, campaign: str = CAMPAIGN) -> tuple[Path, dict] | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.n0_validate", description=__doc__)
-    p.add_argument("--ledgers", required=True, help="ledger root")
-    args = p.parse_args(argv)
-    if not Path(args.ledgers).is_dir():
-        print(f"error: --ledgers={args.ledgers!r}: not a directory", file=sys.stderr)
-        return 2
-    con = ledgers.connect(args.ledgers)
-    try:
-        runs, reqs = load(con)
-    finally:
-        con.close()
-    text, info = section(runs, reqs)
-    print(text)
-    print(json.dumps(info))
-    return 0 if info["paired_requests"] else 1
+    args = cli.parser("analysis.n0_validate", __doc__).parse_args(argv)
+
+    def show(con) -> int:
+        text, info = section(*load(con))
+        print(text)
+        print(json.dumps(info))
+        return 0 if info["paired_requests"] else 1
+
+    return cli.with_ledgers(args.ledgers, show)
 
 
 if __name__ == "__main__":

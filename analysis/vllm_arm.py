@@ -11,14 +11,13 @@ prints the section; the report writes it as vllm_native.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-import ledgers
+from analysis import cli
 from analysis.render import md_table
 
 CAMPAIGN = "vllm_native"
@@ -124,19 +123,15 @@ def write_page(con, out: Path, campaign: str = CAMPAIGN) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.vllm_arm", description=__doc__)
-    parser.add_argument("--ledgers", required=True, help="ledger root")
+    parser = cli.parser("analysis.vllm_arm", __doc__)
     parser.add_argument("--campaign", default=CAMPAIGN)
     args = parser.parse_args(argv)
-    if not Path(args.ledgers).is_dir():
-        print(f"error: --ledgers={args.ledgers!r}: not a directory", file=sys.stderr)
-        return 2
-    con = ledgers.connect(args.ledgers)
-    try:
+
+    def show(con) -> int:
         print(section(con, args.campaign))
-    finally:
-        con.close()
-    return 0
+        return 0
+
+    return cli.with_ledgers(args.ledgers, show)
 
 
 if __name__ == "__main__":
