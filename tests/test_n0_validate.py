@@ -35,7 +35,14 @@ def test_alignment_sets_the_n0_block_and_page():
         load_geometry("falcon_h1_tiny", n0_block_alignment=0)
 
 
-def test_campaign_plans_both_arms_on_the_same_cells():
+def test_campaign_plans_both_arms_on_the_same_cells(monkeypatch, tmp_path, tiny_checkpoint):
+    # Planning checks the vLLM interpreter exists and the checkpoint (models/<name>) loads.
+    fake = tmp_path / "python"
+    fake.write_text("")
+    monkeypatch.setenv("HSL_VLLM_PYTHON", str(fake))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "falcon_h1_tiny").symlink_to(tiny_checkpoint)
+    monkeypatch.chdir(tmp_path)
     _, runs = plan_campaign(["campaign=n0_validate", "ledger_root=/nonexistent"])
     cells = {}
     for run in runs:
