@@ -125,20 +125,13 @@ def profile_mapping(profile: DeviceProfile) -> dict:
 
 def step_feature_sums(model: AdditiveStepModel, steps: dict) -> np.ndarray:
     """Sums over a steps table of (memory_s, dense_s, fixed_s, mixed)."""
-    cols = {k: np.asarray(v, dtype=np.float64) for k, v in steps.items() if k != "step"}
-    num = cols["num_scheduled"]
-    dec = cols["num_decode_seqs"]
-    prefill = cols["prefill_tokens_initial"] + cols["prefill_tokens_resume"] + cols[
-        "decode_tokens"] - dec
-    memory = (
-        model._w * (dec > 0)
-        + model._kv * (cols["decode_context_tokens"] + dec)
-        + model._state * (2 * num + cols["checkpoint_writes"])
-    )
-    dense = model._dense * prefill
-    fixed = model._attn * cols["prefill_attention_pairs"] + model._scan * prefill
-    mixed = ((dec > 0) & (dec < num)).astype(np.float64)
-    return np.array([memory.sum(), dense.sum(), fixed.sum(), mixed.sum()])
+    return step_feature_rows(model, steps).sum(axis=0)
+
+
+def step_feature_rows(model: AdditiveStepModel, steps: dict) -> np.ndarray:
+    """Per row of a steps table: (memory_s, dense_s, fixed_s, mixed)."""
+    f = model.ledger_features(steps)
+    return np.column_stack([f["memory"], f["dense"], f["attention"] + f["scan"], f["mixed"]])
 
 
 @dataclass
@@ -537,13 +530,9 @@ def calibrate_steps(args, log) -> int:
     if profile.step_model != "additive":
         profile = replace(profile, step_model="additive")
     model = AdditiveStepModel(load_geometry(args.model), profile, args.org)
-    cols = {k: np.asarray(v, dtype=np.float64) for k, v in table.items()
-            if k in ("num_scheduled", "num_decode_seqs", "decode_context_tokens",
-                     "prefill_tokens_initial", "prefill_tokens_resume", "decode_tokens",
-                     "prefill_attention_pairs", "checkpoint_writes", "duration_s")}
+    cols = {k: np.asarray(table[k], dtype=np.float64) for k in ("duration_s", "num_scheduled")}
     n = len(cols["duration_s"])
-    feats = np.stack([step_feature_sums(model, {k: [v[i]] for k, v in cols.items()})
-                      for i in range(n)])
+    feats = step_feature_rows(model, table)
     scale = 1 + model.indirection
     y = cols["duration_s"] - feats[:, 2] * scale - profile.per_seq_overhead_s * cols[
         "num_scheduled"]

@@ -46,19 +46,14 @@ class StepFit:
 
 def design(model: AdditiveStepModel, steps: Mapping[str, Sequence]) -> dict[str, np.ndarray]:
     """Per-row feature columns of a steps table under `model`'s starting profile."""
-    c = {k: np.asarray(steps[k], dtype=np.float64) for k in STEP_COLUMNS}
-    num, dec = c["num_scheduled"], c["num_decode_seqs"]
-    prefill = (c["prefill_tokens_initial"] + c["prefill_tokens_resume"] + c["decode_tokens"]
-               - dec)
-    memory = (model._w * (dec > 0) + model._kv * (c["decode_context_tokens"] + dec)
-              + model._state * (2 * num + c["checkpoint_writes"])) * model._inv_mem
+    f = model.ledger_features(steps)
     return {
-        "memory": memory,
-        "prefill": prefill * (model._dense * model._inv_mm + model._scan),
-        "attention": c["prefill_attention_pairs"] * model._attn,
-        "mixed": ((dec > 0) & (dec < num)).astype(np.float64),
-        "seqs": num,
-        "duration": c["duration_s"],
+        "memory": f["memory"] * model._inv_mem,
+        "prefill": f["dense"] * model._inv_mm + f["scan"],
+        "attention": f["attention"],
+        "mixed": f["mixed"],
+        "seqs": np.asarray(steps["num_scheduled"], dtype=np.float64),
+        "duration": np.asarray(steps["duration_s"], dtype=np.float64),
     }
 
 

@@ -388,6 +388,28 @@ class AdditiveStepModel:
         mixed = 1 if num_decode and num_decode < num_seqs else 0
         return memory, dense, fixed, mixed
 
+    def ledger_features(self, steps) -> dict:
+        """Per row of a steps table (ledger columns), as numpy arrays: memory_s and dense_s
+        at the peaks, attention_s and scan_s at the profile's efficiencies, and the mixed
+        flag; the vectorized `features` of every row, with its fixed_s split in two."""
+        import numpy as np  # off the engine's hot path: fits and calibration only
+
+        c = {k: np.asarray(steps[k], dtype=np.float64) for k in (
+            "num_scheduled", "num_decode_seqs", "decode_context_tokens", "decode_tokens",
+            "prefill_tokens_initial", "prefill_tokens_resume", "prefill_attention_pairs",
+            "checkpoint_writes")}
+        num, dec = c["num_scheduled"], c["num_decode_seqs"]
+        prefill = (c["prefill_tokens_initial"] + c["prefill_tokens_resume"]
+                   + c["decode_tokens"] - dec)
+        return {
+            "memory": (self._w * (dec > 0) + self._kv * (c["decode_context_tokens"] + dec)
+                       + self._state * (2 * num + c["checkpoint_writes"])),
+            "dense": self._dense * prefill,
+            "attention": self._attn * c["prefill_attention_pairs"],
+            "scan": self._scan * prefill,
+            "mixed": ((dec > 0) & (dec < num)).astype(np.float64),
+        }
+
     def device_seconds(self, features: tuple[float, float, float, int]) -> float:
         memory, dense, fixed, mixed = features
         return (
