@@ -311,7 +311,7 @@ def cell_labels(runs: pd.DataFrame) -> pd.Series:
     return labels
 
 
-def _org_rank(org: str) -> int:
+def org_rank(org: str) -> int:
     return ORG_ORDER.index(org) if org in ORG_ORDER else len(ORG_ORDER)
 
 
@@ -320,7 +320,7 @@ def cell_order(runs: pd.DataFrame) -> list[str]:
     if runs.empty:
         return []
     first = runs.drop_duplicates("cell").copy()
-    first["_org"] = first["org"].map(_org_rank)
+    first["_org"] = first["org"].map(org_rank)
     keys = [c for c in DESIGN_COLUMNS if c not in ("org", "budget")]
     first["_budget"] = first["budget"].map(budget_rank)
     return first.sort_values(["_budget", *keys, "_org", "cell"])["cell"].tolist()

@@ -161,9 +161,12 @@ def _boot(values: np.ndarray, cfg: Mapping, statistic=None) -> tuple[float, floa
     n = len(values)
     if n < 2:
         return math.nan, math.nan
+    if statistic is None:
+        return stats.bootstrap_mean_interval(values, int(cfg["resamples"]), int(cfg["seed"]),
+                                             float(cfg["confidence"]))
     rng = np.random.default_rng(int(cfg["seed"]))
     idx = rng.integers(0, n, size=(int(cfg["resamples"]), n))
-    draws = values[idx].mean(axis=1) if statistic is None else statistic(values[idx])
+    draws = statistic(values[idx])
     conf = float(cfg["confidence"])
     low, high = np.quantile(draws, [0.5 - conf / 2, 0.5 + conf / 2])
     return float(low), float(high)

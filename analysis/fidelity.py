@@ -54,7 +54,7 @@ def _budgets(frame: pd.DataFrame) -> list[str]:
 
 
 def _orgs(frame: pd.DataFrame) -> list[str]:
-    return sorted(frame["org"].unique(), key=common._org_rank)
+    return sorted(frame["org"].unique(), key=common.org_rank)
 
 
 def cell_table(real: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
@@ -134,7 +134,7 @@ def rankings(real: pd.DataFrame, sim: pd.DataFrame, metric: str = RANK_METRIC) -
         for name, frame in (("real", real), ("sim", sim)):
             sub = frame[frame["budget"] == budget]
             means[name] = sub.groupby("org")[metric].mean()
-        orgs = sorted(set(means["real"].index) & set(means["sim"].index), key=common._org_rank)
+        orgs = sorted(set(means["real"].index) & set(means["sim"].index), key=common.org_rank)
         if not orgs:
             continue
         text = {k: _order_text(means[k], orgs) for k in means}
@@ -150,7 +150,7 @@ def rankings(real: pd.DataFrame, sim: pd.DataFrame, metric: str = RANK_METRIC) -
 
 def _order_text(means: pd.Series, orgs: list[str]) -> str:
     """Organizations best first; equal means (to 1e-9 relative) joined by '='."""
-    ranked = sorted(orgs, key=lambda o: (-means[o], common._org_rank(o)))
+    ranked = sorted(orgs, key=lambda o: (-means[o], common.org_rank(o)))
     parts = [ranked[0]]
     for prev, org in zip(ranked, ranked[1:], strict=False):
         tie = math.isclose(means[prev], means[org], rel_tol=1e-9, abs_tol=0.0)

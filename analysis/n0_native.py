@@ -88,10 +88,6 @@ def _condition_order(runs: pd.DataFrame) -> list[str]:
     return list(dict.fromkeys(runs.set_index("cell").loc[cells, "condition"]))
 
 
-def _org_rank(org: str) -> int:
-    return common.ORG_ORDER.index(org) if org in common.ORG_ORDER else len(common.ORG_ORDER)
-
-
 def _interval(values: np.ndarray) -> tuple[float, float]:
     return diff_interval(values, CONFIDENCE) if values.size >= 2 else (math.nan, math.nan)
 
@@ -104,7 +100,7 @@ def per_org(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for condition in _condition_order(runs):
         part = runs[runs["condition"] == condition]
-        for org in sorted(part["org"].unique(), key=_org_rank):
+        for org in sorted(part["org"].unique(), key=common.org_rank):
             group = part[part["org"] == org]
             row = {"condition": condition, "org": org, "n": int(group["seed"].nunique()),
                    "seeds": common.seeds_text(group["seed"])}
