@@ -63,12 +63,10 @@ def real_runs(root: Path) -> list[tuple[str, str, dict]]:
             "ORDER BY run_id, step", [REAL]).df()
     finally:
         con.close()
-    out = []
-    for run_id, org in zip(runs["run_id"], runs["org"], strict=True):
-        table = steps[steps["run_id"] == run_id]
-        if not table.empty:
-            out.append((str(run_id), str(org), {c: table[c].tolist() for c in table.columns}))
-    return out
+    tables = dict(tuple(steps.groupby("run_id")))
+    return [(str(run_id), str(org), tables[run_id].to_dict("list"))
+            for run_id, org in zip(runs["run_id"], runs["org"], strict=True)
+            if run_id in tables]
 
 
 def fit_profile(root: Path) -> tuple[dict, list[str]]:
