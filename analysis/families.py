@@ -391,7 +391,9 @@ def _contrast(values, test: prereg.PlannedTest, metric: str,
     else:
         row["effect"] = float(per["pct"].mean())
     self_comparison = test.kind == "paired" and test.cells["treatment"] == test.cells["control"]
-    row.update(_interval(per, scale, decision, self_comparison))
+    row.update(_interval(per, scale, decision, self_comparison)
+               if test.intervals != "none" else
+               {"interval": "", "note": "no interval: the plan declares none for this row"})
     if not self_comparison and len(d) and float(np.abs(per["log"]).max()) == 0.0:
         row["note"] = IDENTICAL
     return row, d

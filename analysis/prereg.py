@@ -34,6 +34,7 @@ FAMILY_ROLES = ("primary", "secondary", "gate")
 ESTIMAND_ROLES = ("primary", "secondary", "sensitivity")
 TEST_KINDS = ("paired", "interaction", "containment")
 PREDICTIONS = ("positive", "negative", "none")
+TEST_INTERVALS = ("none",)  # a test's own `intervals` (absent: the family's decision says)
 ORG_VALUES = ("S0", "S1", "S2", "D0", "S2_RETENTION")
 REUSE_VALUES = ("share", "isolate")
 CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "arrival", "q", "f", "reuse", "pinning_k",
@@ -87,6 +88,7 @@ class PlannedTest:
     cells: Mapping[str, str]
     predicted: str
     label: str = ""  # the paper's name of the contrast (legacy ID or row), "" if none
+    intervals: str = ""  # "none": this row shows no interval although the family's do
 
     @property
     def shown_id(self) -> str:
@@ -326,6 +328,8 @@ def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTe
     label = top.get("label", "")
     if not isinstance(label, str):
         raise ValueError(f"{where}: label={label!r} must be a string")
+    intervals = (_choice(top["intervals"], TEST_INTERVALS, f"{where}: intervals")
+                 if "intervals" in top else "")
     refs = {}
     for role in TEST_CELL_ROLES[kind]:
         node: Any = top
@@ -339,7 +343,7 @@ def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTe
     if len(seed_sets) != 1:
         raise ValueError(f"{where}: compared cells {sorted(set(refs.values()))} must share "
                          f"their seeds (arms are paired by seed)")
-    return PlannedTest(test_id, kind, refs, predicted, label)
+    return PlannedTest(test_id, kind, refs, predicted, label, intervals)
 
 
 # Small typed readers: each names the field and the allowed values on failure.

@@ -40,22 +40,62 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
             "Headroom curves and Tab. B-8", "Arithmetic means over runs: throughput (request "
             "span primary), completed requests/s (request span), mean run-level TTFT, E2E and "
             f"request-TPOT p99 (s). Preselected f: {chosen}.", [("", cells, None)]))
-        bounds_section(result, plan, curves)
+        bounds_section(result, plan, curves, preselected)
     readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
     return result
 
 
-def bounds_section(result: QuestionResult, plan, curves: pd.DataFrame) -> None:
-    """The simultaneous upper bounds declared in the plan (AMBIGUOUS A4)."""
+def bounds_section(result: QuestionResult, plan, curves: pd.DataFrame,
+                   preselected: dict) -> None:
+    """The simultaneous upper bounds declared in the plan (AMBIGUOUS A4), the alternative
+    reading beside them, and the bound behind the section-5.4 statement."""
     spec = plan.raw.get("simultaneous_upper_bounds")
     if not spec or curves.empty:
         return
+    metric = spec.get("metric", "throughput_span")
+    against = spec.get("against", "zero")
     table = result.add("upper_bounds", estimands.simultaneous_bounds(
-        curves, spec, spec.get("metric", "throughput_span")))
+        curves, spec, metric, preselected, against))
+    m = len(estimands.bound_members(spec, preselected, against))
+    tables = [(f"Reading: each f against {AGAINST_TEXT[against]}", table, None)]
+    other = spec.get("alternative_against")
+    if other:
+        alt = result.add("upper_bounds_alternative", estimands.simultaneous_bounds(
+            curves, spec, metric, preselected, other))
+        tables.append((f"Alternative (not the reading): each f against {AGAINST_TEXT[other]}",
+                       alt, None))
+    statement = statement_text(spec, table, preselected, against)
     result.sections.append(Section(
-        f"{len(estimands.bound_members(spec))} simultaneous upper bounds",
+        f"{m} simultaneous upper bounds",
         " ".join(str(spec["description"]).split()) + " `effect` = 100 (exp(mean d) - 1); "
-        "`upper` = the simultaneous one-sided bound (%).", [("", table, None)]))
+        "`upper` = the simultaneous one-sided bound (%)." + (f" {statement}" if statement else ""),
+        tables))
+
+
+AGAINST_TEXT = {"preselected": "the preselected f of its organization and budget",
+                "zero": "the same organization at f = 0"}
+
+
+def statement_text(spec, table: pd.DataFrame, preselected: dict, against: str) -> str:
+    """The bound behind the section-5.4 statement (S2 at b83, f = 0.27 against the preselected
+    f), one sentence per stage."""
+    said = spec.get("statement")
+    if not said or against != "preselected" or table.empty or "upper" not in table:
+        return ""
+    org, budget, f = said["org"], said["budget"], float(said["f"])
+    base = float(preselected[budget][org])
+    name = f"{org}_{budget}_f{f:g}_vs_f{base:g}"
+    margin = float(spec["margin_pct"])
+    out = [" ".join(str(said.get("text", "")).split())]
+    for row in table[table["bound"] == name].itertuples(index=False):
+        if pd.isna(row.upper):
+            out.append(f"{row.stage}: no paired seeds.")
+            continue
+        verdict = (f"a gain above {margin:g} % is ruled out" if row.upper < margin else
+                   f"a gain above {margin:g} % is not ruled out (the paper: \"do not resolve\")")
+        out.append(f"**{row.stage}, bound `{name}`**: effect {row.effect:+.2f} %, simultaneous "
+                   f"upper bound {row.upper:+.2f} % (n = {row.n}, m = {row.m}): {verdict}.")
+    return " ".join(out)
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
