@@ -147,10 +147,16 @@ smoke: setup ## every question q1..q9 at smoke size, then check the ledgers
 	@for q in $(QUESTIONS); do $(MAKE) --no-print-directory $$q SMOKE=1 || exit 1; done
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
 
-demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs), check, report
+# The demo keeps its own ledger root and report directory, so its 60-request runs at seeds
+# 0-2 never share a ledger with a later `make q1` (DEMO_LEDGER_ROOT=, DEMO_REPORT_DIR= move them).
+DEMO_LEDGER_ROOT ?= ledgers/demo
+DEMO_REPORT_DIR ?= $(REPORT_DIR)/demo
+demo: LEDGER_ROOT := $(DEMO_LEDGER_ROOT)
+demo: REPORT_DIR := $(DEMO_REPORT_DIR)
+demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs) in ledgers/demo, check, report
 	$(call campaign_run,demo)
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
-	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT)
+	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT) REPORT_DIR=$(REPORT_DIR)
 	@echo "ledgers: $(abspath $(LEDGER_ROOT)) (campaigns demo_q1, demo_q9; DuckDB views: python -c 'import ledgers; ledgers.connect(\"$(LEDGER_ROOT)\")')"
 	@echo "report: $(abspath $(REPORT_DIR))/index.md"
 

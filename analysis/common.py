@@ -106,6 +106,7 @@ _REQUEST_METRICS = """
            quantile_cont(tpot_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(tpot_s))
                AS tpot_p99,
            count(*) FILTER (WHERE status = 'finished') AS finished_requests,
+           count(*) AS num_requests,
            sum(preemptions) AS preemptions,
            sum(prompt_tokens - adopted_prefix_tokens) FILTER (WHERE NOT isnan(start_s))
                AS c_once_tokens,

@@ -1,10 +1,11 @@
 """The paper's figures (PAPER_DESIGN section 6), drawn from the analysis frames.
 
-Every figure states its cell conditions and n in its title, uses horizontal tick
-labels and the organizations' display names (S2+Retention), has a legend for
-every colour or marker, draws its jitter from one generator created for that
-figure, and is written as PNG and SVG. Each function returns the PNG path, or
-None when the frames hold nothing to draw.
+Every figure draws one collection stage (`figure_stages`: main when present; a smoke or
+demo figure says so on the figure with its request count and carries the stage in its file
+name), states its cell conditions and n in its title, uses horizontal tick labels and the
+organizations' display names (S2+Retention), has a legend for every colour or marker, draws
+its jitter from one generator created for that figure, and is written as PNG and SVG. Each
+function returns the PNG path, or None when the frames hold nothing to draw.
 """
 
 from __future__ import annotations
@@ -31,6 +32,66 @@ DPI = 100
 JITTER_SEED = 0  # each figure starts its own generator from this seed
 CONDITION_COLUMNS = (("cap", "cap {:g}"), ("rate", "λ {:g}"), ("q", "q {:g}"), ("f", "f {:g}"),
                      ("pinning_k", "pin K {:g}"), ("arrival", "{}"))
+
+
+STAGES = ("main", "smoke", "demo")  # analysis.common.stage_of
+STAGE_NOTE_GID = "stage-note"
+
+
+def figure_stages(frame) -> list[str]:
+    """The stages a figure is drawn for: main alone when the frame holds main-stage rows,
+    otherwise each stage present, one figure each (stages never pool)."""
+    if _empty(frame):
+        return []
+    if "stage" not in frame:
+        return ["main"]
+    present = list(dict.fromkeys(frame["stage"].astype(str)))
+    if "main" in present:
+        return ["main"]
+    return sorted(present, key=lambda s: STAGES.index(s) if s in STAGES else len(STAGES))
+
+
+def stage_rows(frame, stage: str):
+    """The rows of one stage (all rows of a frame without a stage column)."""
+    if _empty(frame) or "stage" not in frame:
+        return frame
+    return frame[frame["stage"].astype(str) == stage]
+
+
+def stage_path(path: Path, stage: str) -> Path:
+    """Main-stage figures keep their name; others carry the stage: q1_fig2a_..._smoke.png."""
+    return path if stage == "main" else path.with_name(f"{path.stem}_{stage}{path.suffix}")
+
+
+def stage_note(frame, stage: str) -> str:
+    """"main stage, 300 requests per run", or for a pipeline-check stage
+    "SMOKE STAGE, 60 requests per run: a pipeline check, not a result"."""
+    count = ""
+    if not _empty(frame) and "num_requests" in frame and frame["num_requests"].notna().any():
+        low, high = int(frame["num_requests"].min()), int(frame["num_requests"].max())
+        count = f", {low if low == high else f'{low}-{high}'} requests per run"
+    if stage == "main":
+        return f"main stage{count}"
+    return f"{stage.upper()} STAGE{count}: a pipeline check, not a result"
+
+
+def mark_stage(fig, note: str, stage: str) -> None:
+    """Write a pipeline-check stage's note across the bottom of the figure itself."""
+    if stage != "main":
+        fig.text(0.5, 0.005, note, ha="center", va="bottom", fontsize=10, color="#b00000",
+                 fontweight="bold", gid=STAGE_NOTE_GID)
+
+
+def staged(frame, path: Path, draw) -> list[tuple[str, Path]]:
+    """`draw(rows, path, note, stage)` once per stage of `figure_stages(frame)`; returns
+    (stage, png path) for each figure written."""
+    out = []
+    for stage in figure_stages(frame):
+        rows = stage_rows(frame, stage)
+        png = draw(rows, stage_path(path, stage), stage_note(rows, stage), stage)
+        if png is not None:
+            out.append((stage, png))
+    return out
 
 
 def org_name(org: str) -> str:
@@ -69,11 +130,16 @@ def n_text(runs: pd.DataFrame, by: Sequence[str]) -> str:
 def save(fig, path: Path) -> Path:
     """Write PNG and SVG; return the PNG path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    noted = any(t.get_gid() == STAGE_NOTE_GID for t in fig.texts)
+    fig.tight_layout(rect=(0, 0.06, 1, 1) if noted else None)  # room for the stage note
     fig.savefig(path, dpi=DPI)
     fig.savefig(path.with_suffix(".svg"))
     plt.close(fig)
     return path
+
+
+def _note(note: str) -> str:
+    return f" ({note})" if note else ""
 
 
 def _dots(ax, rng, x: float, values, color="black", width: float = 0.08) -> None:
@@ -92,7 +158,7 @@ def _budgets(runs: pd.DataFrame) -> list[str]:
 
 
 def grouped_bars(runs: pd.DataFrame, metric: str, ylabel: str, title: str,
-                 path: Path) -> Path | None:
+                 path: Path, note: str = "", stage: str = "main") -> Path | None:
     """Fig. 2(a, b): arithmetic run means per organization grouped by budget, run dots."""
     if _empty(runs):
         return None
@@ -112,13 +178,15 @@ def grouped_bars(runs: pd.DataFrame, metric: str, ylabel: str, title: str,
     ax.set_xticks(range(len(budgets)), budgets)
     ax.set_xlabel("budget (bars: arithmetic mean over runs; dots: runs)")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title}\n{conditions(runs)}; {n_text(runs, ['org', 'budget'])} per bar",
-                 fontsize=10)
+    ax.set_title(f"{title}{_note(note)}\n{conditions(runs)}; "
+                 f"{n_text(runs, ['org', 'budget'])} per bar", fontsize=10)
     ax.legend(title="organization", fontsize=8)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
-def low_load(runs: pd.DataFrame, path: Path, title: str) -> Path | None:
+def low_load(runs: pd.DataFrame, path: Path, title: str, note: str = "",
+             stage: str = "main") -> Path | None:
     """Fig. 2(c, d): per budget, throughput bars (left), TTFT p99 diamonds and E2E p99
     circles (right), and the waiting gauge's run maxima per organization (micro-table)."""
     if _empty(runs):
@@ -158,7 +226,8 @@ def low_load(runs: pd.DataFrame, path: Path, title: str) -> Path | None:
                *[Line2D([], [], marker="s", color=_color(o), linestyle="", label=org_name(o))
                  for o in orgs]]
     axes[0][-1].legend(handles=handles, loc="upper right", ncol=2, fontsize=7)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"{title}{_note(note)}", fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
@@ -248,7 +317,7 @@ def endpoint_bars(table: pd.DataFrame, path: Path, title: str) -> Path | None:
 
 
 def curves(runs: pd.DataFrame, x: str, xlabel: str, path: Path, title: str,
-           rings: dict | None = None) -> Path | None:
+           rings: dict | None = None, note: str = "", stage: str = "main") -> Path | None:
     """Fig. 5 and 6: one panel per budget, arithmetic means of run throughput against `x`
     per organization; `rings` {(budget, org): x} marks preselected values with open rings."""
     if _empty(runs):
@@ -276,7 +345,8 @@ def curves(runs: pd.DataFrame, x: str, xlabel: str, path: Path, title: str,
                                   color="black", linestyle=""))
             labels.append("preselected f")
         ax.legend(handles, labels, fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"{title}{_note(note)}", fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 

@@ -75,12 +75,15 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
+    anchors = f.get("anchors")
+    if anchors is not None and len(anchors):
+        anchors = pf.stage_rows(anchors, pf.figure_stages(anchors)[0])
     index = f.get("s0_index")
     if index is not None and len(index):
-        index = index[index["stage"] == index["stage"].iloc[0]]
+        index = pf.stage_rows(index, pf.figure_stages(index)[0])
     return [(c, p) for c, p in (
         ("Fig. 3(a) C_once per run (bars) and throughput (hollow symbols) at anchors 2a, 2b",
-         pf.c_once_bars(f.get("anchors"), out_dir / "q2_fig3a_c_once.png",
+         pf.c_once_bars(anchors, out_dir / "q2_fig3a_c_once.png",
                         "Recorded initial input C_once and throughput")),
         ("Fig. 3(b) normalized C_once and the S0-normalized throughput index at b83, q = 0",
          pf.index_panel(index, out_dir / "q2_fig3b_index.png",

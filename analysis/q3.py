@@ -60,7 +60,7 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     effects = result.frames.get("_endpoints")
     if effects is not None and len(effects):
-        effects = effects[(effects["stage"] == effects["stage"].iloc[0])
+        effects = effects[(effects["stage"] == pf.figure_stages(effects)[0])
                           & effects["q"].isin((0.0, 1.0))
                           & effects["step"].isin(("S1 over S0", "S2 over S1"))]
     path = pf.endpoint_bars(effects, out_dir / "q3_fig4_endpoints.png",

@@ -99,11 +99,14 @@ def statement_text(spec, table: pd.DataFrame, preselected: dict, against: str) -
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
+    """Fig. 6, one collection stage per figure (pf.figure_stages: main when present)."""
     chosen = result.frames.get("_preselected")
     rings = ({} if chosen is None else
              {(r.budget, r.org): r.f for r in chosen.itertuples(index=False)})
-    path = pf.curves(result.frames.get("curve_runs"), "f", "admission headroom f",
-                     out_dir / "q6_fig6_headroom.png", "Throughput against admission headroom",
-                     rings=rings)
-    return [("Fig. 6(a-c) headroom curves; open rings mark the preselected f",
-             path)] if path is not None else []
+    caption = "Fig. 6(a-c) headroom curves; open rings mark the preselected f"
+    return [(caption + ("" if stage == "main" else f" ({stage} stage)"), path)
+            for stage, path in pf.staged(
+                result.frames.get("curve_runs"), out_dir / "q6_fig6_headroom.png",
+                lambda r, p, n, s: pf.curves(r, "f", "admission headroom f", p,
+                                             "Throughput against admission headroom",
+                                             rings=rings, note=n, stage=s))]

@@ -361,7 +361,7 @@ def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
     table = f.get("initial_depth")
     if table is not None and len(table):
-        table = table[(table["org"] == "S2") & (table["stage"] == table["stage"].iloc[0])]
+        table = table[(table["org"] == "S2") & (table["stage"] == pf.figure_stages(table)[0])]
         table = table.assign(f=table["f"].map(lambda v: f"f = {v:g}"))
     return figures.kept([
         ("Fig. 7(a) Q7 state availability: S2 per seed, open f = 0, filled f = 0.19",

@@ -113,7 +113,7 @@ def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
     table = f.get("initial_depth")
     if table is not None and len(table):
-        table = table[table["stage"] == table["stage"].iloc[0]]
+        table = pf.stage_rows(table, pf.figure_stages(table)[0])
         table = table.assign(org=table["org"].map(pf.org_name))
     return figures.kept([
         ("Fig. 7(b) Q8 checkpoint retention per seed: open S2, filled S2+Retention; Rmax at "

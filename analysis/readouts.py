@@ -28,7 +28,7 @@ from analysis.render import QuestionResult, Section, no_data_section
 
 RUN_COLUMNS = ("run_id", "campaign", "cell", "seed", *DESIGN_COLUMNS, "throughput_ledger",
                "throughput_span", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "tpot_p99",
-               "requests_per_s", "finished_requests", "c_once_tokens", "h_tokens",
+               "requests_per_s", "finished_requests", "num_requests", "c_once_tokens", "h_tokens",
                "engine_steps", "h_per_k", "running_median", "running_max", "waiting_median",
                "waiting_max", "waiting_p99",
                "prefill_tokens_initial", "prefill_tokens_resume", "prefill_tokens_computed",
