@@ -117,7 +117,7 @@ q3: setup ## Q3 org x sharing at b83: 144 runs (q=1 reused from Q1/Q4; 96 fresh)
 	$(call campaign_run,q3)
 q4: setup ## Q4 four orgs across budget: D0 (36) + Q1's Exp 1a (108, reused)
 	$(call campaign_run,q4)
-q5: setup ## Q5 D0 vs S2 load curves at b63 and b108, seeds 0-2: 66 runs
+q5: setup ## Q5 D0 vs S2 load curves at b63 and b108, seeds 0-2 (66) + b108 common six (12): 78 runs
 	$(call campaign_run,q5)
 q6: setup ## Q6 admission headroom f x budget, D0 and S2: 360 runs
 	$(call campaign_run,q6)

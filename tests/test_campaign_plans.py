@@ -48,13 +48,13 @@ COUNTS = {
     "q2": (54, {"q2": 18, "q3": 36}),            # anchors 2a/2b 18; Exp 2c = Q3's q = 0
     "q3": (144, {"q3": 96, "q1": 36, "q4": 12}),  # 144, of which Q1's 36 (and Q4's D0 12)
     "q4": (144, {"q4": 36, "q1": 108}),          # D0 36 + Q1's Exp 1a
-    "q5": (66, {"q5": 66}),
+    "q5": (78, {"q5": 72, "orig5": 6}),          # 66 curve runs + the b108 common six (A19)
     "q6": (360, {"q6": 360}),
     "q7": (24, {"q7": 24}),
     "q8": (6, {"q8": 6}),
     "q9": (24, {"q9": 24}),
     "d0_split": (120, {"d0_split": 96, "q4": 24}),  # split 96; default from Q4
-    "caps": (60, {"caps": 48, "q5": 12}),          # references: actual cap-63/109 Q5 cells
+    "caps": (72, {"caps": 48, "q5": 12, "orig5": 6, "bursts": 6}),  # + six-seed cap 8 vs 63
     "bursts": (24, {"bursts": 18, "q5": 6}),
     "pinning": (96, {"pinning": 72, "q5": 12, "orig5": 12}),  # 72 fresh + 24 R1
     "orig5": (84, {"orig5": 54, "q5": 12, "caps": 6, "bursts": 12}),  # 2 x (6 + 4 x 9)
