@@ -22,7 +22,7 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
     result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
     runs = runset.runs
     if not runs.empty:
-        curves = readouts.family_runs(plan, "load_curves", runs)
+        curves = readouts.planned_runs(plan, "load_curves", runs)  # seeds 0-2 only
         result.add("curve_runs", readouts.run_frame(curves))
         cells = result.add("curves", readouts.means_table(
             curves, ["budget", "cap", "rate", "org"],

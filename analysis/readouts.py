@@ -10,6 +10,7 @@ import functools
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from analysis import prereg
@@ -206,6 +207,20 @@ def family_runs(plan: prereg.Plan, name: str, runs: pd.DataFrame) -> pd.DataFram
     found = pd.concat([p for p in parts if len(p)], ignore_index=True) if any(
         len(p) for p in parts) else runs.head(0).assign(cell_id=pd.Series(dtype=object))
     return found.drop_duplicates("run_id").reset_index(drop=True)
+
+
+def planned_runs(plan: prereg.Plan, name: str, runs: pd.DataFrame) -> pd.DataFrame:
+    """`family_runs` with main-stage runs kept only at their cell's planned seeds (a cell
+    another family extends to more seeds, e.g. Q5's curve cells in the common six, keeps its
+    own seed set; smoke-stage runs are kept as collected)."""
+    found = family_runs(plan, name, runs)
+    if found.empty:
+        return found
+    seeds = {c.id: {int(s) for s in c.seeds} for c in plan.family(name).cells}
+    planned = [int(s) in seeds.get(c, ()) for c, s in zip(found["cell_id"], found["seed"],
+                                                          strict=True)]
+    keep = (found["stage"] != "main").to_numpy() | np.array(planned, dtype=bool)
+    return found[keep].reset_index(drop=True)
 
 
 def means_table(runs: pd.DataFrame, by: Sequence[str], metrics: Sequence[str],

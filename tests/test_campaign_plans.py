@@ -131,6 +131,17 @@ def test_every_plan_is_satisfied_by_the_collected_design(name):
     assert {r.key.run_id for r in planned(name)} <= used
 
 
+@pytest.mark.parametrize(("name", "family"), [("q5", "b108_common_six"),
+                                              ("caps", "cap8_vs_cap63_six_seeds")])
+def test_six_seed_comparisons_need_only_their_own_campaign(name, family):
+    """`make q5` alone collects the b108 common six, `make campaign C=caps` alone the six-seed
+    cap 8 vs cap 63 comparison (issue 20): the family is accepted on that campaign's runs."""
+    plan = prereg.load_plan(name)
+    check = prereg.check_family(plan, family, frame(planned(name)))
+    assert check.accepted, check.reasons()[:3]
+    assert set(check.runs.seed) == set(range(6)) and len(check.runs) == 24
+
+
 FAMILY_RUNS = {("q1", "EXT-22"): 288, ("q6", "Q6-17"): 192, ("orig5", "ORIG-5"): 84,
                ("pinning", "PIN-2"): 48, ("q7", "probe_containment"): 24,
                ("q8", "retention_depth"): 6, ("q9", "k_ret"): 24}
