@@ -3,7 +3,9 @@
 Family Q6-17 decides (Holm over 17, seed-level bootstrap display intervals); the
 headroom curves, completed requests/s and TTFT/E2E/request-TPOT p99 per cell (Tab. B-8)
 are descriptive; the simultaneous upper bounds are a separate analysis. Fig. 6 rings the
-preselected f of each organization and budget.
+preselected f of each organization and budget. The development stage's selections
+(analysis.development) are shown next to the paper's; the plan's `preselected: paper`
+(default) or `development` says which ones Q6-17 tests.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import estimands, readouts
+from analysis import development, estimands, readouts
 from analysis import paper_figures as pf
+from analysis.families import FamilyResult, evaluate_plan
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q6"
@@ -25,24 +28,80 @@ CELL_METRICS = ("throughput_span", "throughput_ledger", "requests_per_s", "ttft_
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
     result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
     runs = runset.runs
+    source = plan.raw.get("preselected", "paper")
+    if source not in development.PRESELECTED_SOURCES:
+        raise ValueError(f"q6 plan: preselected={source!r}: allowed values are "
+                         f"{development.PRESELECTED_SOURCES}")
+    selected = development_section(result, con, plan, plan_dir, source)
+    tested = plan
+    if source == "development":
+        chosen = development.as_preselected(selected)
+        tested = development.derive_plan(plan, chosen) if chosen is not None else None
+    preselected = (tested or plan).raw.get("preselected_f", {})
     if not runs.empty:
         curves = readouts.family_runs(plan, "headroom_curves", runs)
         result.add("curve_runs", readouts.run_frame(curves))
         cells = result.add("cells", readouts.means_table(curves, ["budget", "f", "org"],
                                                          CELL_METRICS))
-        preselected = plan.raw.get("preselected_f", {})
         result.frames["_preselected"] = pd.DataFrame(
             [{"budget": b, "org": org, "f": float(f)} for b, v in preselected.items()
              for org, f in v.items()], columns=["budget", "org", "f"])
-        chosen = ", ".join(f"{b}: D0 {v['D0']:g} / S2 {v['S2']:g}"
-                           for b, v in preselected.items())
+        chosen_text = ", ".join(f"{b}: D0 {v['D0']:g} / S2 {v['S2']:g}"
+                                for b, v in preselected.items())
         result.sections.append(Section(
             "Headroom curves and Tab. B-8", "Arithmetic means over runs: throughput (request "
             "span primary), completed requests/s (request span), mean run-level TTFT, E2E and "
-            f"request-TPOT p99 (s). Preselected f: {chosen}.", [("", cells, None)]))
+            f"request-TPOT p99 (s). Preselected f ({source}): {chosen_text}.",
+            [("", cells, None)]))
         bounds_section(result, plan, curves, preselected)
-    readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
+    if tested is None:  # preselected: development, but the selection is incomplete
+        result.families.append(FamilyResult(
+            QUESTION, plan.primary_family.name, plan.primary_family.role,
+            plan.primary_family.decision["method"], "", False,
+            ["refused: the plan tests the development selection (preselected: development), "
+             "and the development search is incomplete"],
+            m=len(plan.primary_family.tests), fill=["make campaign C=q6_development"]))
+        readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir,
+                                 allow_changed_plan,
+                                 only=[f.name for f in plan.families if f.role != "primary"])
+    elif tested is plan:
+        readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
+    else:
+        result.families += evaluate_plan(tested, runset.all_runs,
+                                         allow_changed_plan=allow_changed_plan)
     return result
+
+
+def development_section(result: QuestionResult, con, plan, plan_dir, source: str
+                        ) -> pd.DataFrame:
+    """The development stage's selections next to the paper's preselected f (AMBIGUOUS A5)."""
+    try:
+        dev_plan = readouts.load_plan(development.PLAN, plan_dir)
+    except ValueError:  # a plan directory without the development plan
+        return pd.DataFrame()
+    dev_runs = development.development_runs(con)
+    paper = plan.raw.get("preselected_f", {})
+    tested = ("the paper's preselected f (`preselected: paper` in conf/prereg/q6.yaml)"
+              if source == "paper" else
+              "this system's development selection (`preselected: development`)")
+    if dev_runs.empty:
+        result.sections.append(Section(
+            "Admission development: selected f against the paper's", "No runs yet: "
+            "`make campaign C=q6_development` (105 runs) runs the paper's development stage. "
+            f"Q6-17 tests {tested}."))
+        return pd.DataFrame()
+    selected = development.select(dev_plan, dev_runs)
+    table = result.add("development_selection",
+                       development.selection_table(selected, paper))
+    spec = dev_plan.raw["selection"]
+    result.sections.append(Section(
+        "Admission development: selected f against the paper's",
+        " ".join(str(spec["description"]).split()) + " `selected_f` is this system's choice, "
+        "`paper_f` the paper's preselected f; `best_f` the highest-mean f (the alternative "
+        "rule); `candidates` the f within the margin; means in output tokens/s (request span). "
+        f"Seeds 76200-76202 (initial) and 76300-76302 (b83 extension). Q6-17 tests {tested}.",
+        [("", table, None)]))
+    return selected
 
 
 def bounds_section(result: QuestionResult, plan, curves: pd.DataFrame,
