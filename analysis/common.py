@@ -71,6 +71,7 @@ METRICS = {m.name: m for m in (
     Metric("rmax_m0_initial_mean", "tokens", "diff", "Rmax (M0), INITIAL admissions"),
     Metric("amax_m0_initial_mean", "tokens", "diff", "Amax (M0), INITIAL admissions"),
     Metric("gap_r_initial_mean", "tokens", "diff", "GapR = Rmax (M1) - Jadopt, INITIAL"),
+    Metric("gap_r_m0_initial_mean", "tokens", "diff", "GapR = Rmax (M0) - Jadopt, INITIAL"),
     Metric("jadopt_tokens_mean", "tokens", "diff", "adopted joint depth Jadopt"),
     Metric("jenter_tokens_mean", "tokens", "diff", "joint depth at queue entry"),
     Metric("amax_tokens_mean", "tokens", "diff", "attention depth Amax (M0)"),

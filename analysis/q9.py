@@ -128,8 +128,10 @@ def kret_section(result: QuestionResult, plan: prereg.Plan, runs: pd.DataFrame,
         summaries.append(summary)
         seeds.append(per_seed)
     else:
+        collected = len(runs) and (runs["campaign"].astype(str) == plan.campaign).any()
         notes.append("The K_ret family of the plan is refused (see below); no preregistered "
-                     "K_ret.")
+                     "K_ret." if collected else "The K_ret family of the plan has no runs yet "
+                     f"(`make {plan.campaign}`); no preregistered K_ret.")
     for label, table in condition_tables(runs).items():
         complete, incomplete = complete_seeds(table)
         if incomplete:
@@ -156,10 +158,19 @@ def kret_section(result: QuestionResult, plan: prereg.Plan, runs: pd.DataFrame,
                                    [("", summary, None)]))
 
 
+ORDER_NOTE = ("Run order (AMBIGUOUS A9, \"balanced order\"): the four rows of a 4 x 4 "
+              "Williams square cycled over the six seeds. Seeds 88001-88004 form the balanced "
+              "square (each condition once in each position and once after each other); "
+              "88005-88006 repeat its first two rows, so over six seeds each condition holds "
+              "each position once or twice (2/1/2/1): no order of four conditions balances "
+              "positions over six seeds.")
+
+
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
     result, runset = readouts.begin(con, QUESTION, TITLE, READS)
     plan = readouts.load_plan(QUESTION, plan_dir)
     if not runset.empty:
+        result.notes.append(ORDER_NOTE)
         readouts.throughput_section(result, runset.runs)
         kret_section(result, plan, runset.all_runs, allow_changed_plan)
         result.add("q9_runs", readouts.run_frame(runset.runs))

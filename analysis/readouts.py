@@ -143,10 +143,22 @@ def throughput_section(result: QuestionResult, runs: pd.DataFrame,
     return cells
 
 
+MEAN_SEEDWISE_TEXT = ("Paired by seed within each condition. Throughput effects are the mean "
+                      "of seedwise percent changes 100 (T/C - 1) (AMBIGUOUS A7: one statistic) "
+                      "with the 95% paired-t interval of the mean log ratio d = ln(T/C), "
+                      "back-transformed. `p_exact` is the unadjusted exact two-sided sign-flip "
+                      "p of d.")
+
+
 def changes_section(result: QuestionResult, runs: pd.DataFrame, name: str, title: str,
                     metrics: Sequence[str], pairs: Sequence[tuple], vary: str = "org",
-                    ignore: Sequence[str] | None = None) -> pd.DataFrame:
-    """Paired changes for each metric; frames `<name>` and `<name>_seeds` (per-seed d)."""
+                    ignore: Sequence[str] | None = None,
+                    effect: str = "back_transformed") -> pd.DataFrame:
+    """Paired changes for each metric; frames `<name>` and `<name>_seeds` (per-seed d).
+
+    `effect="mean_seedwise"` reports one statistic for log-scale metrics: the mean seedwise
+    percent change as `effect` (no second display column), as Q8's reading A7 says.
+    """
     tables, seeds = [], []
     for metric in metrics:
         table, per_seed = paired_changes(runs, metric, pairs, vary=vary, ignore=ignore)
@@ -158,14 +170,22 @@ def changes_section(result: QuestionResult, runs: pd.DataFrame, name: str, title
         result.sections.append(Section(title, f"No data for {title.lower()}: no condition "
                                               "holds both arms of a comparison."))
         return pd.DataFrame()
-    frame = result.add(name, pd.concat(tables, ignore_index=True))
+    frame = pd.concat(tables, ignore_index=True)
+    columns, text = list(CHANGE_COLUMNS), CHANGE_TEXT
+    if effect == "mean_seedwise":
+        logs = frame["metric"].map(lambda m: METRICS[m].scale == "log")
+        frame.loc[logs, "effect"] = frame.loc[logs, "display_mean_pct"]
+        frame = frame.drop(columns="display_mean_pct")
+        columns.remove("display_mean_pct")
+        text = MEAN_SEEDWISE_TEXT
+    frame = result.add(name, frame)
     result.add(f"{name}_seeds", pd.concat(seeds, ignore_index=True))
-    section = Section(title, CHANGE_TEXT)
+    section = Section(title, text)
     for metric in metrics:
         part = frame[frame["metric"] == metric]
         if not part.empty:
             caption = f"{METRICS[metric].label} [{metric}]"
-            section.tables.append((caption, part, list(CHANGE_COLUMNS)))
+            section.tables.append((caption, part, columns))
     result.sections.append(section)
     return frame
 
