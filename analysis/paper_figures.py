@@ -94,6 +94,18 @@ def staged(frame, path: Path, draw) -> list[tuple[str, Path]]:
     return out
 
 
+def pick_stage(frame, runs=None):
+    """(rows, stage, note) for a figure drawn once from a table: the first of
+    `figure_stages(frame)`, its rows, and its note with the request count read from `runs`
+    (the question's run frame; a table of means carries no request count)."""
+    if _empty(frame):
+        return frame, "main", ""
+    stage = figure_stages(frame)[0]
+    counted = stage_rows(runs, stage) if runs is not None and "stage" in runs else None
+    return stage_rows(frame, stage), stage, stage_note(
+        counted if not _empty(counted) else stage_rows(frame, stage), stage)
+
+
 def org_name(org: str) -> str:
     return ORG_NAMES.get(str(org).upper(), str(org))
 
@@ -231,7 +243,8 @@ def low_load(runs: pd.DataFrame, path: Path, title: str, note: str = "",
     return save(fig, path)
 
 
-def c_once_bars(cells: pd.DataFrame, path: Path, title: str) -> Path | None:
+def c_once_bars(cells: pd.DataFrame, path: Path, title: str, note: str = "",
+                stage: str = "main") -> Path | None:
     """Fig. 3(a): C_once bars (10^3 tokens/run) with hollow throughput symbols per
     organization, groups by operating point (three-run means)."""
     if _empty(cells):
@@ -261,11 +274,13 @@ def c_once_bars(cells: pd.DataFrame, path: Path, title: str) -> Path | None:
     labels = [*ax.get_legend_handles_labels()[1], "throughput"]
     ax.legend(handles, labels, fontsize=8, loc="upper left")
     n = int(cells["n"].min())
-    ax.set_title(f"{title}\nq 1, f 0, pin K 2; n = {n} seeds per bar", fontsize=10)
+    ax.set_title(f"{title}{_note(note)}\nq 1, f 0, pin K 2; n = {n} seeds per bar", fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
-def index_panel(index: pd.DataFrame, path: Path, title: str) -> Path | None:
+def index_panel(index: pd.DataFrame, path: Path, title: str, note: str = "",
+                stage: str = "main") -> Path | None:
     """Fig. 3(b): normalized C_once bars and the S0-normalized throughput index line."""
     if _empty(index):
         return None
@@ -279,11 +294,13 @@ def index_panel(index: pd.DataFrame, path: Path, title: str) -> Path | None:
     ax.set_ylabel("index relative to S0 (ratio, S0 = 1)")
     ax.axhline(1.0, color="#999999", linewidth=0.8)
     ax.legend(fontsize=8, loc="lower left")
-    ax.set_title(f"{title}\nn = {int(index['n'].min())} seeds", fontsize=10)
+    ax.set_title(f"{title}{_note(note)}\nn = {int(index['n'].min())} seeds", fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
-def endpoint_bars(table: pd.DataFrame, path: Path, title: str) -> Path | None:
+def endpoint_bars(table: pd.DataFrame, path: Path, title: str, note: str = "",
+                  stage: str = "main") -> Path | None:
     """Fig. 4: mean seedwise throughput effect (%) at q = 0 and q = 1 for S1 over S0 and
     S2 over S1 (table columns: q, step, effect, n, and per-seed `values`)."""
     if _empty(table):
@@ -311,8 +328,10 @@ def endpoint_bars(table: pd.DataFrame, path: Path, title: str) -> Path | None:
     ax.set_xlabel("shared-context fraction q (dots: seeds)")
     ax.set_ylabel("mean seedwise throughput effect (%)")
     ax.legend(fontsize=8)
-    ax.set_title(f"{title}\nb83, λ 3, cap 63, f 0, pin K 2; n = {int(table['n'].min())} seeds",
+    ax.set_title(f"{title}{_note(note)}\nb83, λ 3, cap 63, f 0, pin K 2; "
+                 f"n = {int(table['n'].min())} seeds",
                  fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
@@ -351,7 +370,8 @@ def curves(runs: pd.DataFrame, x: str, xlabel: str, path: Path, title: str,
 
 
 def depth_per_seed(table: pd.DataFrame, path: Path, title: str, by: str,
-                   metrics: Sequence[tuple[str, str, str]], open_value) -> Path | None:
+                   metrics: Sequence[tuple[str, str, str]], open_value, note: str = "",
+                   stage: str = "main") -> Path | None:
     """Fig. 7(a, b): mean request depth over INITIAL admissions per seed. `by` separates
     open (== open_value) from filled markers; `metrics` are (column, label, marker).
     A column `rmax_m0` draws a downward bar from the plotted M1 value to M0."""
@@ -385,12 +405,13 @@ def depth_per_seed(table: pd.DataFrame, path: Path, title: str, by: str,
     if "initial_episodes" in table:
         low, high = int(table["initial_episodes"].min()), int(table["initial_episodes"].max())
         count = f"; n = {low}{'' if low == high else f'-{high}'} INITIAL requests per point"
-    ax.set_title(textwrap.fill(f"{title}{count}", 80), fontsize=9)
+    ax.set_title(textwrap.fill(f"{title}{count}{_note(note)}", 80), fontsize=9)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
 def kret_bars(runs: pd.DataFrame, summary: pd.DataFrame | None, path: Path,
-              title: str) -> Path | None:
+              title: str, note: str = "", stage: str = "main") -> Path | None:
     """Fig. 7(c): six-seed geometric-mean ledger throughput bars for S2 and S2+Retention by
     reuse mode, every run as a dot, and the boxed K_ret with its 95% CI."""
     if _empty(runs):
@@ -425,6 +446,8 @@ def kret_bars(runs: pd.DataFrame, summary: pd.DataFrame | None, path: Path,
                 bbox={"facecolor": "white", "edgecolor": "black"})
         ax.set_ylim(0, 1.3 * ax.get_ylim()[1])
     n = runs.groupby(["org", "reuse"])["seed"].nunique().min()
-    ax.set_title(f"{title}\n254 S2 pages, λ 3, cap 63, f 0, pin K 1; n = {n} seeds per bar",
+    ax.set_title(f"{title}{_note(note)}\n254 S2 pages, λ 3, cap 63, f 0, pin K 1; "
+                 f"n = {n} seeds per bar",
                  fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)

@@ -373,17 +373,17 @@ def attach_gated(result: QuestionResult, plan: prereg.Plan, passed: list[str], r
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
-    table = f.get("initial_depth")
+    table, stage, note = pf.pick_stage(f.get("initial_depth"), f.get("runs"))
     if table is not None and len(table):
-        table = table[(table["org"] == "S2") & (table["stage"] == pf.figure_stages(table)[0])]
+        table = table[table["org"] == "S2"]
         table = table.assign(f=table["f"].map(lambda v: f"f = {v:g}"))
     return figures.kept([
         ("Fig. 7(a) Q7 state availability: S2 per seed, open f = 0, filled f = 0.19",
-         pf.depth_per_seed(table, out_dir / "q7_fig7a_state.png",
+         pf.depth_per_seed(table, pf.stage_path(out_dir / "q7_fig7a_state.png", stage),
                            "Q7 state availability: S2, b83, λ 3, cap 63, q 1, pin K 1; "
                            "INITIAL admissions", "f",
                            (("jadopt", "Jadopt", "o"), ("rmax_m1", "Rmax (M1)", "^"),
-                            ("amax_m1", "Amax (M1)", "s")), "f = 0")),
+                            ("amax_m1", "Amax (M1)", "s")), "f = 0", note, stage)),
         ("State depth per cell with M0/M1 brackets, and entry vs adopted depth classes",
          figures.depth_panels(f.get("depth_cells"), f.get("depth_classes"),
                               out_dir / "q7_depth.png", "Q7 joint reuse depth (trace ON)")),

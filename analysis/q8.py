@@ -114,18 +114,17 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
-    table = f.get("initial_depth")
+    table, stage, note = pf.pick_stage(f.get("initial_depth"), f.get("runs"))
     if table is not None and len(table):
-        table = pf.stage_rows(table, pf.figure_stages(table)[0])
         table = table.assign(org=table["org"].map(pf.org_name))
     return figures.kept([
         ("Fig. 7(b) Q8 checkpoint retention per seed: open S2, filled S2+Retention; Rmax at "
          "M1 with a bar down to M0",
-         pf.depth_per_seed(table, out_dir / "q8_fig7b_retention.png",
+         pf.depth_per_seed(table, pf.stage_path(out_dir / "q8_fig7b_retention.png", stage),
                            "Q8 checkpoint retention: 254 S2 pages, λ 3, cap 63, f 0, SHARE, "
                            "pin K 1; INITIAL admissions", "org",
                            (("jadopt", "Jadopt", "o"), ("rmax_m1", "Rmax (M1; bar to M0)", "^"),
-                            ("amax_m1", "Amax (M1)", "s")), "S2")),
+                            ("amax_m1", "Amax (M1)", "s")), "S2", note, stage)),
         ("State depth of S2 and S2+Retention with M0/M1 brackets, and depth classes",
          figures.depth_panels(f.get("depth_cells"), f.get("depth_classes"),
                               out_dir / "q8_depth.png", "Q8 reuse depth with retention")),

@@ -193,16 +193,18 @@ def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
     per_seed, summary = first_condition(f.get("kret"), f.get("kret_seeds"))
     runs = f.get("q9_runs")
+    stage, note = "main", ""
     if runs is not None and len(runs) and summary is not None:
         label = summary["condition"].iloc[0]
-        stage = "main" if "(plan)" in label else runs["stage"].iloc[0]
+        stage = "main" if "(plan)" in label else pf.figure_stages(runs)[0]
         runs = runs[runs["stage"] == stage]
+        note = pf.stage_note(runs, stage)
         summary = summary[summary["timebase"] == "ledger"]
     return figures.kept([
         ("Fig. 7(c) Q9 throughput confirmation: geometric-mean ledger throughput by reuse mode "
          "(bars), all runs (dots), K_ret with its 95% CI",
-         pf.kret_bars(runs, summary, out_dir / "q9_fig7c_kret.png",
-                      "Q9 throughput confirmation")),
+         pf.kret_bars(runs, summary, pf.stage_path(out_dir / "q9_fig7c_kret.png", stage),
+                      "Q9 throughput confirmation", note, stage)),
         ("K_ret panel (first condition of the K_ret table): per-seed retention effects in SHARE "
          "and ISOLATE and their difference (dots), effects with 95% paired-t intervals (squares)",
          figures.kret_panel(*first_condition(f.get("kret"), f.get("kret_seeds")),
