@@ -34,7 +34,6 @@ FAMILY_ROLES = ("primary", "secondary", "gate")
 ESTIMAND_ROLES = ("primary", "secondary", "sensitivity")
 TEST_KINDS = ("paired", "interaction", "containment")
 PREDICTIONS = ("positive", "negative", "none")
-TEST_INTERVALS = ("none",)  # a test's own `intervals` (absent: the family's decision says)
 ORG_VALUES = ("S0", "S1", "S2", "D0", "S2_RETENTION")
 REUSE_VALUES = ("share", "isolate")
 CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "arrival", "q", "f", "reuse", "pinning_k",
@@ -42,6 +41,7 @@ CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "arrival", "q", "f", "reus
 # Org-specific design columns: required for that org, sentinel for the others.
 ORG_REQUIRED_KEYS = {"D0": ("d0_attention_fraction",), "S2_RETENTION": ("retention_k",)}
 STATISTICS = ("log_ratio", "relative_pct")
+TEST_INTERVALS = ("none",)  # a test's own `intervals` (absent: the family's decision says)
 # Decision methods and the fields each needs besides `method` and `rule`.
 DECISION_FIELDS = {
     "sign_flip_holm": (),
