@@ -165,8 +165,9 @@ PORT ?= 8000
 $(TINY_MODEL)/config.json: | setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny $(TINY_MODEL)
 
-serve: setup $(TINY_MODEL)/config.json ## serve the tiny model on 127.0.0.1:$(PORT) (ORG=, BUDGET=, ARGS='--trace ...')
-	$(BIN)/python -m serving_core.server --model $(TINY_MODEL) --org $(ORG) --budget $(BUDGET) --port $(PORT) $(ARGS)
+serve: setup $(TINY_MODEL)/config.json ## serve the tiny model on 127.0.0.1:$(PORT) (ORG=, BUDGET=, ARGS='trace=true semantics=first_chunk ...')
+	$(BIN)/python -m experiments.serve model=falcon_h1_tiny executor=torch executor.checkpoint=$(TINY_MODEL) \
+		org=$(ORG) budget=$(BUDGET) --port $(PORT) $(ARGS)
 
 http-smoke: setup $(TINY_MODEL)/config.json ## one run over HTTP on the tiny model (20 requests), then check the ledgers
 	$(BIN)/python -m experiments.run executor=torch executor.checkpoint=$(TINY_MODEL) model=falcon_h1_tiny \

@@ -125,12 +125,14 @@ def test_uniform_page(falcon, granite):
 
 
 @pytest.mark.parametrize(
-    "name, org", [("s0", "S0"), ("S1", "S1"), (" s2 ", "S2"), ("d0", "D0"), ("s2_retention", "S2")]
+    "name, org", [("s0", "S0"), ("S1", "S1"), (" s2 ", "S2"), ("d0", "D0"), ("n0", "N0")]
 )
 def test_normalize_org(name, org):
     assert normalize_org(name) == org
 
 
-def test_normalize_org_rejects_unknown():
-    with pytest.raises(ValueError, match="s2_retention"):
+def test_normalize_org_names_storage_organizations_only():
+    with pytest.raises(ValueError, match="allowed values are S0, S1, S2, D0, N0"):
         normalize_org("s3")
+    with pytest.raises(ValueError):  # an experiment arm, mapped by ledgers.arms
+        normalize_org("s2_retention")

@@ -29,13 +29,14 @@ from typing import Any
 from serving_core.executor.profiles import DeviceProfile, load_device_profile, model_costs
 from serving_core.geometry import Geometry
 from serving_core.layout import normalize_org
+from serving_core.memory import ORG_TO_CLASS
 
 # Organizations whose recurrent state is reached through an extra level of
-# indirection: S1 SSM member pages and its conv page, S2 member pages and packed conv
-# slots. S0 keeps a composite contiguous in one page; D0 stores native composites.
-# Attention blocks are paged the same way in S0/S1/S2, so KV traffic carries no
-# org-specific overhead.
-INDIRECT_ORGS = frozenset(("S1", "S2"))
+# indirection (their class says `indirect`): S1 SSM member pages and its conv page,
+# S2 member pages and packed conv slots. S0 keeps a composite contiguous in one page;
+# D0 stores native composites. Attention blocks are paged the same way in S0/S1/S2,
+# so KV traffic carries no org-specific overhead.
+INDIRECT_ORGS = frozenset(org for org, cls in ORG_TO_CLASS.items() if cls.indirect)
 
 
 def _indirection(value: Any) -> float:
@@ -61,6 +62,7 @@ class StepTimeModel:
     state between calls.
     """
 
+    kind = "roofline"  # what an engine's record names as its step model
     __slots__ = (
         "geometry",
         "device",
@@ -301,6 +303,8 @@ class AdditiveStepModel:
     profile's indirection overhead (plus `extra_indirection`) for S1/S2, else 0.
     A sequence with one new token is a decode sequence.
     """
+
+    kind = "additive"  # what an engine's record names as its step model
 
     __slots__ = (
         "geometry",
