@@ -4,7 +4,8 @@ Parts: engine (engine wall time per cell), single (one whole experiments.run pro
 P2), campaign (Q1 Exp 1a with 2 workers plus its analysis, P2), ledger (10^7 trace rows,
 catalog queries, P4), kernel (paged versus contiguous decode, engine versus transformers'
 generate on the tiny model), tq4 (TQ4 page-native decode vs plain paged decode, prefill
-reconstruction peak bytes by head group). Numbers, not assertions: the test suite never times anything.
+reconstruction peak bytes by head group). Numbers, not assertions: the test suite never
+times anything.
 """
 
 from __future__ import annotations
