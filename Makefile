@@ -35,7 +35,7 @@ calibrate: setup ## fit the A100 step model to conf/calibration/ anchors; anchor
 	$(BIN)/python -m serving_core.executor.calibrate $(ARGS)
 
 BENCH ?= engine single campaign ledger kernel
-BENCH_PARTS := engine single campaign ledger kernel tq4
+BENCH_PARTS := engine single campaign ledger kernel
 ifneq ($(filter-out $(BENCH_PARTS),$(BENCH)),)
 $(error BENCH=$(BENCH): allowed any of $(BENCH_PARTS) (default all))
 endif

@@ -3,9 +3,7 @@
 Parts: engine (engine wall time per cell), single (one whole experiments.run process,
 P2), campaign (Q1 Exp 1a with 2 workers plus its analysis, P2), ledger (10^7 trace rows,
 catalog queries, P4), kernel (paged versus contiguous decode, engine versus transformers'
-generate on the tiny model), tq4 (TQ4 page-native decode vs plain paged decode, prefill
-reconstruction peak bytes by head group). Numbers, not assertions: the test suite never
-times anything.
+generate on the tiny model). Numbers, not assertions: the test suite never times anything.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ PARTS = {
     "campaign": ("bench.campaign_bench", ["--part", "campaign"]),
     "ledger": ("bench.ledger_bench", []),
     "kernel": ("bench.kernel_bench", []),
-    "tq4": ("bench.tq4_bench", []),
 }
 
 
