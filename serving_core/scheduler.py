@@ -11,7 +11,11 @@ through the MemoryOrganization interface.
 Rules (SchedulerConfig; SPEC section 5):
 - admission `full_prompt`: the gate is the whole remaining prompt beyond the
   adopted prefix J (attention for [J, N), one composite per checkpoint boundary
-  inside (J, N), the working composite); `first_chunk`: the first chunk only.
+  inside (J, N), the working composite); `first_chunk`: the first chunk only;
+  `reserve_output`: full_prompt's gate with attention for [J, N + r) instead, r the
+  guaranteed output tokens (`reserve_output_tokens`, at most the request's remaining
+  output), so an admitted request can decode r tokens without taking pages from others
+  (a check at admission, not a hold; r = 0 is full_prompt).
 - checkpoint placement `step_end`: a checkpoint is published only where a step
   ends on an interval boundary; `every_boundary`: at each boundary a chunk crosses.
 - align_chunks: a prefill chunk ends on the last checkpoint boundary (a multiple
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from serving_core.memory import NULL, MemoryOrganization
 from serving_core.request import Request, Status
 
-ADMISSION_GATES = ("full_prompt", "first_chunk")
+ADMISSION_GATES = ("full_prompt", "first_chunk", "reserve_output")
 CHECKPOINT_PLACEMENTS = ("step_end", "every_boundary")
 # Per-organization defaults (placement, aligned chunks): the modified paths (S0/S1/S2,
 # C = 512) publish at step ends with C-aligned chunks; the native path (D0, C = 1,792)
@@ -49,7 +53,8 @@ class SchedulerConfig:
     headroom: float = 0.0  # f: admission keeps floor(f x units) free per pool
     retention_k: int | None = None  # S2+Retention threshold K (None: off)
     pinning_k: int | None = None  # preemption-time pin threshold (None: off)
-    admission: str = "full_prompt"  # full_prompt | first_chunk
+    admission: str = "full_prompt"  # full_prompt | first_chunk | reserve_output
+    reserve_output_tokens: int = 0  # reserve_output: guaranteed output tokens at admission
     checkpoint_placement: str | None = None  # step_end | every_boundary | None: org default
     align_chunks: bool | None = None  # None: org default
     slab_policy: str = "write_once"  # S2: write_once | refill
@@ -78,6 +83,14 @@ class SchedulerConfig:
             )
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"engine.headroom={self.headroom} must lie in [0, 1)")
+        r = self.reserve_output_tokens
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"engine.reserve_output_tokens={r!r} must be an integer >= 0")
+        if r and self.admission != "reserve_output":
+            raise ValueError(
+                f"engine.reserve_output_tokens={r}: applies only with "
+                "engine.admission=reserve_output (allowed value here: 0)"
+            )
         for name in ("retention_k", "pinning_k"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -110,7 +123,8 @@ class Scheduler:
             and cfg.max_num_batched_tokens >= self.C
             and (align if cfg.align_chunks is None else cfg.align_chunks)
         )
-        self.full_prompt = cfg.admission == "full_prompt"
+        self.full_prompt = cfg.admission in ("full_prompt", "reserve_output")
+        self.reserve_output = cfg.reserve_output_tokens
         self.step = 0
         self.now = 0.0
         self.num_preempted_step = 0
@@ -212,9 +226,11 @@ class Scheduler:
 
     def _prompt_demand(self, req: Request, start: int, working: int) -> dict[str, int]:
         """full_prompt gate: attention for [start, N), one composite per checkpoint boundary
-        strictly inside (start, N), and the working composite."""
+        strictly inside (start, N), and the working composite; reserve_output adds attention
+        for its guaranteed output tokens."""
         end = req.num_tokens
-        blocks = math.ceil(end / self.B) - len(req.attn)
+        reserved = min(self.reserve_output, req.target_output - req.num_generated)
+        blocks = math.ceil((end + max(reserved, 0)) / self.B) - len(req.attn)
         boundaries = (end - 1) // self.C - start // self.C if self.C else 0
         return self.mem.demand(blocks, boundaries + working)
 
