@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import readouts
+from analysis.families import SMOKE_TAG
 from analysis.render import QuestionResult, Section
 
 QUESTION = "q10_tq4"
@@ -37,10 +38,12 @@ def codec_of(model: str) -> str:
 
 
 def _table(families, name: str) -> pd.DataFrame | None:
-    """The primary estimand's table of the (main-stage, accepted or exploratory) family."""
-    for fam in families:
-        if fam.name == name and ESTIMAND in fam.tables:
-            return fam.tables[ESTIMAND]
+    """The primary estimand's table of the family: its main-stage evaluation, else its smoke
+    counterpart (`<name> (smoke)`, first three seeds)."""
+    for wanted in (name, name + SMOKE_TAG):
+        for fam in families:
+            if fam.name == wanted and ESTIMAND in fam.tables:
+                return fam.tables[ESTIMAND]
     return None
 
 

@@ -85,3 +85,11 @@ def test_plan_is_exploratory_and_pairs_every_cell_with_its_codec():
     assert {c.keys["model"] for c in bf16.cells} == {"falcon_h1_7b"}
     assert {c.keys["campaign"] for c in bf16.cells} == {"q1", "q4"}
     assert len(plan.family("codec_interactions").tests) == 9
+
+
+def test_side_by_side_falls_back_to_the_smoke_families():
+    smoke = [_family(f"{name} (smoke)", [{"test": "S1_vs_S0_b63", "effect": e, "n": 3}])
+             for name, e in (("bf16_contrasts", 62.2), ("tq4_contrasts", 97.5))]
+    table = q10_tq4.side_by_side(smoke)
+    assert (table.loc[0, "bf16_effect"], table.loc[0, "tq4_effect"], table.loc[0, "n"]) == (
+        62.2, 97.5, 3)
