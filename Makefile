@@ -28,8 +28,8 @@ test-all: setup ## run every test, slow end-to-end ones included
 lint: setup ## ruff checks
 	$(BIN)/ruff check serving_core experiments analysis ledgers tests bench hydra_plugins
 
-plan: setup ## print the budget planner table for b63, b83 and b108 (Falcon-H1-7B)
-	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b; echo; done
+plan: setup ## budget planner tables for b63, b83 and b108 (Falcon-H1-7B), bf16 and TQ4 KV side by side
+	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b --kv-codec both; echo; done
 
 calibrate: setup ## fit the A100 step model to conf/calibration/ anchors; anchor table (~3 min)
 	$(BIN)/python -m serving_core.executor.calibrate $(ARGS)

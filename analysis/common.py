@@ -309,6 +309,9 @@ def cell_labels(runs: pd.DataFrame) -> pd.Series:
     ambiguous = identity.groupby(labels).transform("nunique") > 1
     labels[ambiguous] = labels[ambiguous] + " [" + runs.loc[ambiguous, "units_detail"].map(
         _units_text) + "]"
+    # Same units, different model (e.g. S0 under bf16 and TQ4 KV): name the model.
+    ambiguous = identity.groupby(labels).transform("nunique") > 1
+    labels[ambiguous] = labels[ambiguous] + " " + runs.loc[ambiguous, "model"].astype(str)
     return labels
 
 

@@ -58,6 +58,12 @@ LAST_LINE_KEYS = (
 )
 # Keys that define a cell's identity (what the run_id hashes); bookkeeping keys are excluded.
 _NON_IDENTITY_KEYS = ("ledger_root", "write_ledgers", "hydra", "campaign", "replicate", "progress")
+# Keys added after runs were collected, at the default that reproduces the earlier engine
+# exactly: at that value they stay out of a cell's identity, so runs collected before the
+# key existed keep their run_id (a test holds each default to the config file's).
+IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
+    ("engine", "reserve_output_tokens"): 0,
+}
 
 
 @dataclass
@@ -85,7 +91,12 @@ def arm_of(org: str) -> str:
 def cell_config(cfg: DictConfig | dict) -> dict:
     """The resolved config that identifies a cell (no paths, no bookkeeping)."""
     data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    return {k: v for k, v in data.items() if k not in _NON_IDENTITY_KEYS}
+    out = {k: v for k, v in data.items() if k not in _NON_IDENTITY_KEYS}
+    for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
+        group = out.get(section)
+        if isinstance(group, dict) and key in group and group[key] == default:
+            out[section] = {k: v for k, v in group.items() if k != key}
+    return out
 
 
 def config_hash(cfg: DictConfig | dict) -> str:

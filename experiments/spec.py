@@ -75,6 +75,7 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
             "retention_k": int(cfg.retention.k) if a.retention else None,
             "pinning_k": None if eng.pinning_k is None else int(eng.pinning_k),
             "admission": str(eng.get("admission", "full_prompt")),
+            "reserve_output_tokens": int(eng.get("reserve_output_tokens", 0)),
             "checkpoint_placement": eng.get("checkpoint_placement"),
             "align_chunks": eng.get("align_chunks"),
             "slab_policy": str(eng.get("slab_policy", "write_once")),

@@ -253,7 +253,9 @@ class Engine:
         sched, mem = self.sched, self.mem
         rules = {
             "org": mem.org,
-            "admission": "full_prompt" if sched.full_prompt else "first_chunk",
+            "admission": ("first_chunk" if not sched.full_prompt
+                          else "reserve_output" if sched.reserve_output else "full_prompt"),
+            "reserve_output_tokens": sched.reserve_output_tokens,
             "checkpoint_placement": (
                 ("step_end" if sched.step_end else "every_boundary") if sched.C else None
             ),

@@ -106,6 +106,7 @@ class EngineSpec:
         return {
             "org": self.org,
             "admission": sc.admission,
+            "reserve_output_tokens": sc.reserve_output_tokens,
             "checkpoint_placement": placement,
             "align_chunks": bool(interval) and bool(align),
             "slab_policy": sc.slab_policy if cls.has_slabs else None,

@@ -12,7 +12,11 @@ through the HybridStateManager (serving_core.state_manager).
 Rules (SchedulerConfig; SPEC section 5):
 - admission `full_prompt`: the gate is the whole remaining prompt beyond the
   adopted prefix J (attention for [J, N), one composite per checkpoint boundary
-  inside (J, N), the working composite); `first_chunk`: the first chunk only.
+  inside (J, N), the working composite); `first_chunk`: the first chunk only;
+  `reserve_output`: full_prompt's gate with attention for [J, N + r) instead, r the
+  guaranteed output tokens (`reserve_output_tokens`, at most the request's remaining
+  output), so an admitted request can decode r tokens without taking pages from others
+  (a check at admission, not a hold; r = 0 is full_prompt).
 - checkpoint placement `step_end`: a checkpoint is published only where a step
   ends on an interval boundary; `every_boundary`: at each boundary a chunk crosses.
 - align_chunks: a prefill chunk ends on the last checkpoint boundary (a multiple
@@ -34,7 +38,7 @@ from serving_core.planner import headroom_units
 from serving_core.request import Request, Status
 from serving_core.state_manager import HybridStateManager
 
-ADMISSION_GATES = ("full_prompt", "first_chunk")
+ADMISSION_GATES = ("full_prompt", "first_chunk", "reserve_output")
 CHECKPOINT_PLACEMENTS = ("step_end", "every_boundary")
 
 
@@ -45,7 +49,8 @@ class SchedulerConfig:
     headroom: float = 0.0  # f: admission keeps floor(f x units) free per pool
     retention_k: int | None = None  # S2+Retention threshold K (None: off)
     pinning_k: int | None = None  # preemption-time pin threshold (None: off)
-    admission: str = "full_prompt"  # full_prompt | first_chunk
+    admission: str = "full_prompt"  # full_prompt | first_chunk | reserve_output
+    reserve_output_tokens: int = 0  # reserve_output: guaranteed output tokens at admission
     checkpoint_placement: str | None = None  # step_end | every_boundary | None: org default
     align_chunks: bool | None = None  # None: org default
     slab_policy: str = "write_once"  # S2: write_once | refill
@@ -74,6 +79,14 @@ class SchedulerConfig:
             )
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"engine.headroom={self.headroom} must lie in [0, 1)")
+        r = self.reserve_output_tokens
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"engine.reserve_output_tokens={r!r} must be an integer >= 0")
+        if r and self.admission != "reserve_output":
+            raise ValueError(
+                f"engine.reserve_output_tokens={r}: applies only with "
+                "engine.admission=reserve_output (allowed value here: 0)"
+            )
         for name in ("retention_k", "pinning_k"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -114,7 +127,9 @@ class Scheduler:
             and cfg.max_num_batched_tokens >= self.C
             and (org.align_chunks if cfg.align_chunks is None else cfg.align_chunks)
         )
-        self.full_prompt = cfg.admission == "full_prompt"
+        self.full_prompt = cfg.admission in ("full_prompt", "reserve_output")
+        self.reserve_output = cfg.admission == "reserve_output"
+        self.reserve_output_tokens = cfg.reserve_output_tokens
         self.state = HybridStateManager(
             mem, step_end=self.step_end, retention_k=cfg.retention_k,
             track_demand=cfg.retention_k is not None or cfg.pinning_k is not None,
@@ -237,7 +252,8 @@ class Scheduler:
         if self.running:
             gate = need
             if self.full_prompt:
-                whole = state.prompt_demand(req, jadopt, working, held)
+                whole = state.prompt_demand(req, jadopt, working, held,
+                                            self.reserve_output_tokens)
                 gate = {p: max(units, whole[p]) for p, units in need.items()}
             for pool, h in self.headroom.items():
                 extra[pool] += h

@@ -84,12 +84,14 @@ class HybridStateManager:
         blocks = math.ceil((start + n) / self.B) - held
         return self.mem.demand(blocks, len(self.boundaries(start, start + n)) + working)
 
-    def prompt_demand(self, req: Request, start: int, working: int,
-                      held_blocks: int) -> dict[str, int]:
+    def prompt_demand(self, req: Request, start: int, working: int, held_blocks: int,
+                      reserve_output: int = 0) -> dict[str, int]:
         """full_prompt gate: attention for [start, N), one composite per checkpoint boundary
-        strictly inside (start, N), and the working composite."""
+        strictly inside (start, N), and the working composite; `reserve_output` adds
+        attention for that many output tokens (at most the request's remaining output)."""
         end = req.num_tokens
-        blocks = math.ceil(end / self.B) - held_blocks
+        reserved = min(reserve_output, req.target_output - req.num_generated)
+        blocks = math.ceil((end + max(reserved, 0)) / self.B) - held_blocks
         boundaries = (end - 1) // self.C - start // self.C if self.C else 0
         return self.mem.demand(blocks, boundaries + working)
 

@@ -273,3 +273,23 @@ def test_layering_imports_flow_one_way():
                 found += [f"{path.relative_to(REPO)} imports {n}" for n in names
                           if n.split(".")[0] in banned]
     assert found == []
+
+
+def test_keys_added_at_their_neutral_default_keep_run_identities():
+    """A key added after runs were collected (engine.reserve_output_tokens) leaves a cell's
+    identity unchanged at the default that reproduces the earlier engine."""
+    from omegaconf import OmegaConf, open_dict
+
+    from experiments.cell import IDENTITY_NEUTRAL_DEFAULTS, config_hash
+
+    cfg = compose_config()
+    base = config_hash(cfg)
+    for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
+        assert cfg[section][key] == default  # conf/config.yaml's default is the neutral one
+        old = OmegaConf.to_container(cfg, resolve=True)
+        del old[section][key]
+        assert config_hash(old) == base
+        other = compose_config()
+        with open_dict(other):
+            other[section][key] = 1 if isinstance(default, int) else "other"
+        assert config_hash(other) != base
