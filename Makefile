@@ -28,8 +28,8 @@ test-all: setup ## run every test, slow end-to-end ones included
 lint: setup ## ruff checks
 	$(BIN)/ruff check serving_core experiments analysis ledgers tests bench hydra_plugins
 
-plan: setup ## print the budget planner table for b63, b83 and b108 (Falcon-H1-7B)
-	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b; echo; done
+plan: setup ## budget planner tables for b63, b83 and b108 (Falcon-H1-7B), bf16 and TQ4 KV side by side
+	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b --kv-codec both; echo; done
 
 calibrate: setup ## fit the A100 step model to conf/calibration/ anchors; anchor table (~3 min)
 	$(BIN)/python -m serving_core.executor.calibrate $(ARGS)
@@ -171,8 +171,9 @@ PORT ?= 8000
 $(TINY_MODEL)/config.json: | setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny $(TINY_MODEL)
 
-serve: setup $(TINY_MODEL)/config.json ## serve the tiny model on 127.0.0.1:$(PORT) (ORG=, BUDGET=, ARGS='--trace ...')
-	$(BIN)/python -m serving_core.server --model $(TINY_MODEL) --org $(ORG) --budget $(BUDGET) --port $(PORT) $(ARGS)
+serve: setup $(TINY_MODEL)/config.json ## serve the tiny model on 127.0.0.1:$(PORT) (ORG=, BUDGET=, ARGS='trace=true semantics=first_chunk ...')
+	$(BIN)/python -m experiments.serve model=falcon_h1_tiny executor=torch executor.checkpoint=$(TINY_MODEL) \
+		org=$(ORG) budget=$(BUDGET) --port $(PORT) $(ARGS)
 
 http-smoke: setup $(TINY_MODEL)/config.json ## one run over HTTP on the tiny model (20 requests), then check the ledgers
 	$(BIN)/python -m experiments.run executor=torch executor.checkpoint=$(TINY_MODEL) model=falcon_h1_tiny \

@@ -20,15 +20,16 @@ from dataclasses import dataclass
 import pandas as pd
 
 from analysis import stats
+from ledgers.arms import ARMS, LEDGER_ORGS
 
 DESIGN_COLUMNS = ("stage", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
                   "retention_k", "pinning_k", "d0_attention_fraction", "trace")
 # Settings that only one org has (-1 / NaN elsewhere): never part of a pairing condition.
 ORG_SETTINGS = ("retention_k", "d0_attention_fraction")
 IDENTITY_COLUMNS = (*DESIGN_COLUMNS, "model", "executor", "units_detail")
-# N0: vLLM's native uniform-page organization (last, so the other pages' orders stay put).
-ORG_ORDER = ("S0", "S1", "S2", "D0", "S2_RETENTION", "N0")
-ORG_NAMES = {"S2_RETENTION": "S2+Retention"}  # display names where the column value differs
+# Order and names of runs.org values: the one table of arms (ledgers.arms).
+ORG_ORDER = LEDGER_ORGS
+ORG_NAMES = {a.ledger_org: a.label for a in ARMS.values() if a.label != a.ledger_org}
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +311,9 @@ def cell_labels(runs: pd.DataFrame) -> pd.Series:
     ambiguous = identity.groupby(labels).transform("nunique") > 1
     labels[ambiguous] = labels[ambiguous] + " [" + runs.loc[ambiguous, "units_detail"].map(
         _units_text) + "]"
+    # Same units, different model (e.g. S0 under bf16 and TQ4 KV): name the model.
+    ambiguous = identity.groupby(labels).transform("nunique") > 1
+    labels[ambiguous] = labels[ambiguous] + " " + runs.loc[ambiguous, "model"].astype(str)
     return labels
 
 

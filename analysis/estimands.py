@@ -27,6 +27,7 @@ from analysis.common import RunSet, query
 D0_UNIT_BYTES = {
     "falcon_h1_7b": {"attention": 16_384, "recurrent": 1_594_368},
     "falcon_h1_7b_random": {"attention": 16_384, "recurrent": 1_594_368},
+    "falcon_h1_7b_tq4": {"attention": 4_224, "recurrent": 1_594_368},
     "granite": {"attention": 32_768, "recurrent": 1_074_688},
 }
 DEFAULTS = {"goodput_quantile": 0.9, "window": [0.2, 0.8], "drift_tolerance": 0.10,

@@ -17,9 +17,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.common import METRICS, cell_order  # noqa: E402
+from ledgers import arms  # noqa: E402
 
-ORG_COLORS = {"S0": "#8c8c8c", "S1": "#4c72b0", "S2": "#55a868", "D0": "#c44e52",
-              "S2_RETENTION": "#8172b2", "N0": "#937860"}
 DPI = 100
 _JITTER = np.random.default_rng(0)
 
@@ -34,7 +33,7 @@ def _missing(*frames) -> bool:
 
 
 def _color(org: str) -> str:
-    return ORG_COLORS.get(str(org), "#dd8452")
+    return arms.color(org)
 
 
 def _save(fig, path: Path) -> Path:

@@ -22,13 +22,15 @@ import pandas as pd
 from analysis import cli, common, paper_figures
 from analysis.paired import CONFIDENCE, diff_interval
 from analysis.render import fmt, md_table
+from ledgers.arms import ARMS
 
 QUESTION = "n0_a100"
 CAMPAIGN = "n0_a100"
 COMMAND = "make n0"
 PAGE = "n0_native.md"
 TREATMENT = "N0"
-CONTROLS = ("S0", "S1", "S2", "D0")
+# Every other organization without retention, in table order (ledgers.arms).
+CONTROLS = tuple(a.ledger_org for a in ARMS.values() if a.org != TREATMENT and not a.retention)
 FIGURE_METRIC = "throughput_span"
 
 

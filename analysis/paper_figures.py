@@ -23,11 +23,9 @@ import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from analysis.common import budget_rank  # noqa: E402
+from ledgers import arms  # noqa: E402
 
-ORG_NAMES = {"S0": "S0", "S1": "S1", "S2": "S2", "D0": "D0", "S2_RETENTION": "S2+Retention",
-             "N0": "N0 (vLLM native)"}
-ORG_COLORS = {"S0": "#8c8c8c", "S1": "#4c72b0", "S2": "#55a868", "D0": "#c44e52",
-              "S2_RETENTION": "#8172b2", "N0": "#937860"}
+ORG_NAMES = {a.ledger_org: a.display for a in arms.ARMS.values()}  # legend names, in order
 DPI = 100
 JITTER_SEED = 0  # each figure starts its own generator from this seed
 CONDITION_COLUMNS = (("cap", "cap {:g}"), ("rate", "λ {:g}"), ("q", "q {:g}"), ("f", "f {:g}"),
@@ -107,11 +105,11 @@ def pick_stage(frame, runs=None):
 
 
 def org_name(org: str) -> str:
-    return ORG_NAMES.get(str(org).upper(), str(org))
+    return arms.display_name(org)
 
 
 def _color(org: str) -> str:
-    return ORG_COLORS.get(str(org).upper(), "#dd8452")
+    return arms.color(org)
 
 
 def _empty(frame) -> bool:

@@ -16,8 +16,6 @@ duplicated among adopted runs, or were collected under a different plan hash
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,13 +26,15 @@ import numpy as np
 import pandas as pd
 import yaml
 
-PLAN_DIR = Path(__file__).resolve().parent.parent / "conf" / "prereg"
+from ledgers.arms import LEDGER_ORGS
+from ledgers.plans import PLAN_DIR, canonical_json, plan_hash  # noqa: F401 (re-exported)
+
 PLAN_HASH_COLUMN = "prereg_plan_hash"  # ledgers/schemas.py runs column
 FAMILY_ROLES = ("primary", "secondary", "gate")
 ESTIMAND_ROLES = ("primary", "secondary", "sensitivity")
 TEST_KINDS = ("paired", "interaction", "containment")
 PREDICTIONS = ("positive", "negative", "none")
-ORG_VALUES = ("S0", "S1", "S2", "D0", "S2_RETENTION")
+ORG_VALUES = LEDGER_ORGS  # runs.org values a plan's cell may name (ledgers.arms)
 REUSE_VALUES = ("share", "isolate")
 CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "arrival", "q", "f", "reuse", "pinning_k",
                       "trace", "model", "executor")
@@ -145,18 +145,7 @@ class Plan:
 # ---------------------------------------------------------------------------
 
 
-def canonical_json(plan: Mapping[str, Any]) -> str:
-    """Sorted keys, no whitespace, UTF-8 text, no NaN: the form that is hashed."""
-    try:
-        return json.dumps(plan, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"plan: not representable as canonical JSON ({exc})") from exc
-
-
-def plan_hash(plan: Mapping[str, Any]) -> str:
-    """sha256 hex digest of the plan's canonical JSON."""
-    return hashlib.sha256(canonical_json(plan).encode("utf-8")).hexdigest()
+# canonical_json and plan_hash live in ledgers.plans (the runner hashes plans the same way).
 
 
 READINGS_FILE = "readings.yaml"  # the AMBIGUOUS register's chosen readings (not a plan)

@@ -38,14 +38,16 @@ from analysis import (
     q7,
     q8,
     q9,
+    q10_tq4,
     readouts,
     supporting,
     vllm_arm,
 )
 from analysis.render import md_table
 
-QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES)
+QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES, q10_tq4)
 OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
+               f"{q10_tq4.QUESTION}.md",
                "tables/*.csv", "figures/*.png", "figures/*.svg", vllm_arm.PAGE,
                fidelity.PAGE, n0_native.PAGE, n0_validate.PAGE)
 

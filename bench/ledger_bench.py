@@ -22,12 +22,13 @@ import numpy as np
 import pyarrow as pa
 
 from ledgers import writer
+from ledgers.arms import ARMS
 from ledgers.schemas import TRACE_EVENTS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 CAMPAIGN = "scale"
-ORGS = ("s0", "s1", "s2", "d0")
+ORGS = tuple(a.name for a in ARMS.values() if not a.retention and a.org != "N0")
 BUDGETS = ("b63", "b83", "b108")
 REQUESTS_PER_RUN = 1000
 

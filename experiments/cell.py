@@ -21,23 +21,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.vllm_arm import (
-    check_vllm_cell,
-    is_vllm_executor,
-    run_cell_on_vllm,
-    vllm_executor_config,
-)
-from experiments.workload import build_workload
-from serving_core.engine import run_engine, serve
-from serving_core.executor.profiles import load_device_profile
-from serving_core.executor.simulated import build_step_model
-from serving_core.geometry import geometry_from_config
-from serving_core.layout import normalize_org
-from serving_core.planner import plan_budget, units_for
+from experiments.spec import SIMULATED, TORCH_HTTP, TORCH_INPROC, VLLM, engine_spec, executor_path
+from ledgers.arms import ARM_NAMES, arm
 from serving_core.records import MECHANISM_KEYS
-from serving_core.scheduler import SchedulerConfig
 
-ARMS = ("s0", "s1", "s2", "d0", "n0", "s2_retention")
+ARMS = ARM_NAMES  # ledgers.arms: the one table of arm names
 SUMMARY_KEYS = (
     "org",
     "budget",
@@ -70,6 +58,12 @@ LAST_LINE_KEYS = (
 )
 # Keys that define a cell's identity (what the run_id hashes); bookkeeping keys are excluded.
 _NON_IDENTITY_KEYS = ("ledger_root", "write_ledgers", "hydra", "campaign", "replicate", "progress")
+# Keys added after runs were collected, at the default that reproduces the earlier engine
+# exactly: at that value they stay out of a cell's identity, so runs collected before the
+# key existed keep their run_id (a test holds each default to the config file's).
+IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
+    ("engine", "reserve_output_tokens"): 0,
+}
 
 
 @dataclass
@@ -82,47 +76,32 @@ class CellResult:
     memory: object = field(default=None, repr=False)  # final allocator state (inspection, tests)
     run_seconds: float = float("nan")  # workload build + engine
 
+    engine_config: dict = field(default_factory=dict)  # the rules the engine ran (its record)
+
     @property
     def engine_seconds(self) -> float:
         return float(self.summary["wall_seconds"])
-    engine_config: dict = field(default_factory=dict)  # a real engine's effective settings
 
 
 def arm_of(org: str) -> str:
-    arm = str(org).strip().lower().replace("+", "_")
-    if arm not in ARMS:
-        raise ValueError(f"org={org!r}: allowed values are {', '.join(ARMS)}")
-    return arm
+    """The arm name of an `org=` value (ledgers.arms); ValueError lists the choices."""
+    return arm(org).name
 
 
 def cell_config(cfg: DictConfig | dict) -> dict:
     """The resolved config that identifies a cell (no paths, no bookkeeping)."""
     data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    return {k: v for k, v in data.items() if k not in _NON_IDENTITY_KEYS}
+    out = {k: v for k, v in data.items() if k not in _NON_IDENTITY_KEYS}
+    for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
+        group = out.get(section)
+        if isinstance(group, dict) and key in group and group[key] == default:
+            out[section] = {k: v for k, v in group.items() if k != key}
+    return out
 
 
 def config_hash(cfg: DictConfig | dict) -> str:
     blob = json.dumps(cell_config(cfg), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def scheduler_config(cfg, arm: str, device) -> SchedulerConfig:
-    eng = cfg.engine
-    tokens = eng.max_num_batched_tokens or device.max_num_batched_tokens
-    return SchedulerConfig(
-        cap=int(eng.cap),
-        max_num_batched_tokens=int(tokens),
-        headroom=float(eng.headroom),
-        retention_k=int(cfg.retention.k) if arm == "s2_retention" else None,
-        pinning_k=None if eng.pinning_k is None else int(eng.pinning_k),
-        admission=str(eng.get("admission", "full_prompt")),
-        checkpoint_placement=eng.get("checkpoint_placement"),
-        align_chunks=eng.get("align_chunks"),
-        slab_policy=str(eng.get("slab_policy", "write_once")),
-    )
-
-
-INPROC_NAME = "torch_inproc"  # executor=torch_inproc: the engine in this process
 
 
 @dataclass
@@ -132,76 +111,48 @@ class _Served:
     tables: dict
     summary: dict
     memory: object = None
-
-
-def _run_torch(cfg, geometry, org, pool_units, sched_cfg, specs, on_step):
-    """Serve the workload on the real executor: the model on the organization's arenas,
-    wall clock, arrivals released at their planned times."""
-    from serving_core.executor.torch_config import check_checkpoint, torch_executor_config
-    from serving_core.executor.torch_executor import build_torch_engine
-    from serving_core.model.falcon_h1 import FalconH1
-
-    tcfg = torch_executor_config(cfg.executor)
-    check_checkpoint(tcfg, geometry)
-    model = FalconH1.load(tcfg.checkpoint, tcfg.device, tcfg.dtype)
-    engine = build_torch_engine(
-        model, geometry, org, pool_units, sched_cfg, trace=bool(cfg.trace),
-        budget_label=str(cfg.budget), on_step=on_step,
-    )
-    engine.check_feasible(specs)  # before the clock matters
-    return serve(engine, specs)
+    engine_config: dict = field(default_factory=dict)
 
 
 def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
-    """Run one cell (simulated time, or wall time with executor=torch) and return its
-    records and summary.
+    """Run one cell (simulated time, or wall time on a real executor) and return its
+    records, its summary and the rules its engine ran (read back from the engine).
 
     `on_step(scheduler, memory)` is the engine's per-step hook (invariant checks in tests).
     """
-    from serving_core.executor.torch_config import is_torch_executor, torch_executor_config
+    from experiments.workload import build_workload
 
     run0 = time.perf_counter()
-    arm = arm_of(cfg.org)
-    org = normalize_org(arm)
-    geometry = geometry_from_config(cfg.model)
-    plan = plan_budget(geometry, str(cfg.budget))
-    real = is_torch_executor(cfg.executor)
-    vllm = is_vllm_executor(cfg.executor)
-    if vllm:
+    name = arm_of(cfg.org)
+    path = executor_path(cfg.executor)
+    spec = engine_spec(cfg)
+    geometry = spec.geometry()
+    if path == VLLM:
+        from experiments.vllm_arm import check_vllm_cell, vllm_executor_config
+
         device = vllm_executor_config(cfg.executor)
-        check_vllm_cell(device, arm)
-    else:
-        device = (torch_executor_config(cfg.executor) if real
-                  else load_device_profile(cfg.executor))
-    sched_cfg = scheduler_config(cfg, arm, device)
+        check_vllm_cell(device, name)
     workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
     wall0 = time.perf_counter()
-    pool_units = units_for(plan, org)
-    if vllm:  # real vLLM over HTTP: its own organization (N0), the blocks it allocated
-        result = run_cell_on_vllm(cfg, device, geometry, sched_cfg, workload.requests)
+    pool_units = spec.units(geometry)
+    if path == VLLM:  # real vLLM over HTTP: its own organization (N0), the blocks it allocated
+        from experiments.vllm_arm import run_cell_on_vllm
+
+        result = run_cell_on_vllm(cfg, device, geometry, spec.scheduler, workload.requests)
         pool_units = result.units
-    elif real and device.name == INPROC_NAME:
-        result = _run_torch(cfg, geometry, org, pool_units, sched_cfg, workload.requests, on_step)
-    elif real:  # the server in a subprocess, driven over HTTP (on_step does not cross it)
+    elif path == TORCH_HTTP:  # the server in a subprocess, driven over HTTP
         from experiments.http_run import run_cell_over_http
 
-        tables, served = run_cell_over_http(cfg, device, geometry, arm, sched_cfg,
-                                            workload.requests)
-        result = _Served(tables, served)
+        tables, served, effective = run_cell_over_http(spec, workload.requests)
+        result = _Served(tables, served, engine_config=effective)
     else:
-        step_model = build_step_model(geometry, device, org, cfg.engine.indirection_overhead)
-        result = run_engine(
-            geometry,
-            org,
-            pool_units,
-            sched_cfg,
-            workload.requests,
-            step_model,
-            trace=bool(cfg.trace),
-            budget_label=str(cfg.budget),
-            on_step=on_step,
-        )
-    summary = {"org": arm, "budget": str(cfg.budget), "seed": int(cfg.seed)}
+        assert path in (SIMULATED, TORCH_INPROC)
+        from serving_core.builder import build_engine
+        from serving_core.engine import serve
+
+        engine = build_engine(spec, on_step=on_step)
+        result = serve(engine, workload.requests)
+    summary = {"org": name, "budget": str(cfg.budget), "seed": int(cfg.seed)}
     summary.update({k: result.summary[k] for k in SUMMARY_KEYS if k in result.summary})
     summary["wall_seconds"] = time.perf_counter() - wall0
     episode = {
@@ -211,7 +162,7 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
     return CellResult(
         summary, result.tables, episode, dict(workload.meta), pool_units, result.memory,
         run_seconds=time.perf_counter() - run0,
-        engine_config=getattr(result, "engine_config", {}),
+        engine_config=dict(getattr(result, "engine_config", {}) or {}),
     )
 
 
@@ -226,10 +177,7 @@ def last_line(summary: Mapping, *, run_id: str, skipped: bool, engine_seconds: f
 def clock_label(executor_cfg) -> str:
     """The unit of a run's episode time: "simulated s" for the simulated executor,
     "wall-clock s" for real ones (torch, torch_inproc, vllm)."""
-    from serving_core.executor.torch_config import is_torch_executor
-
-    real = is_torch_executor(executor_cfg) or is_vllm_executor(executor_cfg)
-    return "wall-clock s" if real else "simulated s"
+    return "simulated s" if executor_path(executor_cfg) == SIMULATED else "wall-clock s"
 
 
 def format_summary(summary: Mapping, clock: str = "simulated s") -> str:

@@ -32,8 +32,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from experiments.workload import RequestSpec
+from ledgers.arms import ARMS, arm
 
-ORGS = ("s0", "s1", "s2", "d0")
+# The arms with checkpoints this check covers (N0 and S2+Retention are not in it yet).
+ORGS = tuple(a.name for a in ARMS.values() if not a.retention and a.org != "N0")
 OFFSETS = ("C-1", "C", "C+1", "2C-1", "2C", "2C+1")
 _OFFSET_VALUES = {"C-1": (1, -1), "C": (1, 0), "C+1": (1, 1), "2C-1": (2, -1), "2C": (2, 0),
                   "2C+1": (2, 1)}
@@ -101,21 +103,21 @@ def _generate(engine, specs, host=None) -> tuple[list[int], object]:
 def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: int,
              seed: int) -> PairResult:
     """The protocol for one organization and one prompt length."""
-    from serving_core.engine import VirtualClock
+    from serving_core.builder import build_engine
+    from serving_core.engine_spec import EngineSpec
     from serving_core.executor.host_tier import HostTier
-    from serving_core.executor.torch_executor import build_torch_engine
-    from serving_core.layout import normalize_org
-    from serving_core.planner import plan_budget, units_for
     from serving_core.request import Request
-    from serving_core.scheduler import SchedulerConfig
 
-    storage = normalize_org(org)
-    units = units_for(plan_budget(geometry, budget), storage)
-    sched_cfg = SchedulerConfig(cap=8, max_num_batched_tokens=2048, headroom=0.0)
+    spec = EngineSpec.from_dict({
+        "model": asdict(geometry), "org": arm(org).org, "budget": budget,
+        "scheduler": {"cap": 8, "max_num_batched_tokens": 2048, "headroom": 0.0},
+        "executor": {"kind": "torch", "checkpoint": "<in-memory model>",
+                     "device": str(model.device), "dtype": str(model.dtype).split(".")[-1]},
+        "clock": "virtual",
+    })
 
     def fresh_engine():
-        return build_torch_engine(model, geometry, storage, units, sched_cfg,
-                                  clock=VirtualClock(), budget_label=budget)
+        return build_engine(spec, model=model)
 
     cold = fresh_engine()
     C = cold.mem.checkpoint_interval

@@ -23,7 +23,7 @@ import httpx
 
 from experiments.http_client import ClientRecord, send_workload
 from experiments.poller import Poller
-from experiments.server_process import ServerError, ServerProcess
+from experiments.server_process import ServerError, ServerProcess, hsl_server_command
 from ledgers.schemas import ENGINE_SCHEMAS
 from serving_core.engine import _percentile
 from serving_core.records import REQUEST_COLUMNS
@@ -153,14 +153,17 @@ def _from_poller(columns: dict) -> dict:
 
 
 def serve_over_http(cmd: list[str], specs, *, kind: str = "hsl", records_dir: str | None,
-                    health_timeout_s: float = 180.0):
+                    health_timeout_s: float = 180.0, on_boot=None):
     """Run the workload against the server started by `cmd`; (tables, summary).
 
     With `records_dir` (our server) the engine's tables and counts come from its records;
     without (another server kind) trace, slab and steps stay empty and the engine-side
-    counts come from the last /metrics sample."""
+    counts come from the last /metrics sample. `on_boot(server_process)` runs once the
+    server is healthy, before any request (a check that may refuse the run)."""
     wall0 = time.perf_counter()
     with ServerProcess(cmd, health_timeout_s=health_timeout_s) as srv:
+        if on_boot is not None:
+            on_boot(srv)
         t0 = time.perf_counter()  # episode start: orchestration begins, boot excluded
         offset = _clock_offset(srv.base_url, t0) if records_dir else 0.0
         records, poller = asyncio.run(run_episode(srv.base_url, kind, specs, t0))
@@ -199,26 +202,30 @@ def serve_over_http(cmd: list[str], specs, *, kind: str = "hsl", records_dir: st
     return out, summary
 
 
-def run_cell_over_http(cfg, tcfg, geometry, org_arm: str, sched_cfg, specs):
-    """executor=torch: the cell's workload through `python -m serving_core.server`."""
-    from experiments.server_process import hsl_server_command
+def run_cell_over_http(spec, specs):
+    """executor=torch: the workload through `python -m serving_core.server`, which builds
+    the engine from `spec` (the whole EngineSpec, as JSON). Returns (tables, summary,
+    effective rules); the run is refused before its first request when the server's
+    engine runs other rules than the spec requests."""
     from serving_core.engine import check_feasible
-    from serving_core.layout import normalize_org
+    from serving_core.engine_spec import check_effective
     from serving_core.memory import build_memory
-    from serving_core.planner import plan_budget, units_for
-    from serving_core.records import Recorder
 
-    org = normalize_org(org_arm)
-    units = units_for(plan_budget(geometry, str(cfg.budget)), org)
-    mem = build_memory(geometry, org, units, Recorder(trace=False, slab=False))
-    check_feasible(mem, specs, org, str(cfg.budget))  # before a server boots for nothing
-    with tempfile.TemporaryDirectory(prefix="server-records-") as rec_dir:
-        cmd = hsl_server_command(
-            checkpoint=tcfg.checkpoint, preset=geometry.name, org=org_arm,
-            budget=str(cfg.budget), cap=sched_cfg.cap,
-            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
-            headroom=sched_cfg.headroom, retention_k=sched_cfg.retention_k,
-            pinning_k=sched_cfg.pinning_k, trace=bool(cfg.trace), records=rec_dir,
-            device=tcfg.device, dtype=tcfg.dtype,
-        )
-        return serve_over_http(cmd, specs, records_dir=rec_dir)
+    geometry = spec.geometry()
+    mem = build_memory(geometry, spec.org, spec.units(geometry))
+    check_feasible(mem, specs, spec.org, spec.budget)  # before a server boots for nothing
+    requested = spec.requested_rules()
+    effective: dict = {}
+
+    def check(srv) -> None:
+        effective.update(srv.engine_config() or {})
+        check_effective(requested, effective)
+
+    with tempfile.TemporaryDirectory(prefix="server-records-") as tmp:
+        spec_path = f"{tmp}/spec.json"
+        with open(spec_path, "w", encoding="utf-8") as fh:
+            fh.write(spec.to_json())
+        rec_dir = f"{tmp}/records"
+        cmd = hsl_server_command(spec=spec_path, records=rec_dir)
+        tables, summary = serve_over_http(cmd, specs, records_dir=rec_dir, on_boot=check)
+    return tables, summary, effective

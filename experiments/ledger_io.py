@@ -23,18 +23,14 @@ from omegaconf import DictConfig
 from experiments.cell import CellResult, arm_of, cell_config, config_hash, last_line
 from experiments.provenance import code_version, environment, prereg_plan_hash
 from experiments.workload import normalize_load_config, normalize_workload_config
+from ledgers.arms import arm
 from ledgers.integrity import Quarantine, quarantine_damage, scan_root
 from ledgers.schemas import SCHEMAS
 from ledgers.writer import WRITER_COLUMNS
 from serving_core.geometry import geometry_from_config
-from serving_core.layout import normalize_org
 from serving_core.planner import parse_budget, plan_budget, units_for
 from serving_core.records import mechanism_absent
 
-ARM_LABELS = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "n0": "N0",
-              "s2_retention": "S2+Retention"}
-ORG_COLUMN = {"s0": "S0", "s1": "S1", "s2": "S2", "d0": "D0", "n0": "N0",
-              "s2_retention": "S2_RETENTION"}
 LOCK_DIR = ".locks"  # under the ledger root; never matched by the catalog's globs
 # Last-line keys the runs row holds (column names where they differ).
 ROW_SUMMARY_COLUMNS = {
@@ -67,24 +63,24 @@ def run_key(cfg: DictConfig) -> RunKey:
 
 def cell_columns(cfg: DictConfig) -> dict:
     """Runs columns that follow from the config alone (what preregistered cells match on)."""
-    arm = arm_of(cfg.org)
+    a = arm(cfg.org)
     workload = normalize_workload_config(cfg.workload)
     load = normalize_load_config(cfg.load)
     pinning = cfg.engine.pinning_k
     return {
         "question": str(cfg.question),
-        "arm": ARM_LABELS[arm],
-        "org": ORG_COLUMN[arm],
+        "arm": a.label,
+        "org": a.ledger_org,
         "budget": parse_budget(str(cfg.budget)).label,
         "cap": int(cfg.engine.cap),
         "rate": load["rate"],
         "arrival": load["arrival"],
         "q": workload["q"],
         "f": float(cfg.engine.headroom),
-        "retention_k": int(cfg.retention.k) if arm == "s2_retention" else -1,
+        "retention_k": int(cfg.retention.k) if a.retention else -1,
         "pinning_k": -1 if pinning is None else int(pinning),
         "d0_attention_fraction": (
-            float(cfg.model.d0_attention_fraction) if arm == "d0" else math.nan
+            float(cfg.model.d0_attention_fraction) if a.org == "D0" else math.nan
         ),
         "reuse": workload["reuse"],
         "seed": int(cfg.seed),
@@ -102,7 +98,7 @@ def cell_columns(cfg: DictConfig) -> dict:
 def planned_units(cfg: DictConfig) -> dict[str, int]:
     """Units per pool the budget gives the config's organization (no run needed)."""
     plan = plan_budget(geometry_from_config(cfg.model), str(cfg.budget))
-    return units_for(plan, normalize_org(arm_of(cfg.org)))
+    return units_for(plan, arm(cfg.org).org)
 
 
 def _select_schema_columns(values: Mapping) -> dict:
@@ -130,6 +126,7 @@ def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, run_seconds: floa
     episode = result.episode
     values = {
         **cell_columns(cfg),
+        **_engine_columns(result.engine_config),
         **_provenance_columns(key),
         "units": sum(result.units.values()),
         "units_detail": result.units,
@@ -150,6 +147,23 @@ def runs_row(cfg: DictConfig, key: RunKey, result: CellResult, run_seconds: floa
         **{k: s.get(k, v) for k, v in mechanism_absent().items()},
     }
     return _select_schema_columns(values)
+
+
+def _engine_columns(effective: Mapping) -> dict:
+    """Rule columns read back from the engine (its effective rules), where it reports them;
+    the builder refused any run whose rules differ from the config's, so these equal the
+    config's values: the row states what ran."""
+    out = {}
+    if "cap" in effective:
+        out["cap"] = int(effective["cap"])
+    if "headroom" in effective:
+        out["f"] = float(effective["headroom"])
+    if "pinning_k" in effective:
+        out["pinning_k"] = -1 if effective["pinning_k"] is None else int(effective["pinning_k"])
+    if "retention_k" in effective:
+        k = effective["retention_k"]
+        out["retention_k"] = -1 if k is None else int(k)
+    return out
 
 
 def failed_runs_row(cfg: DictConfig, key: RunKey, run_seconds: float) -> dict:

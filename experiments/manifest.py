@@ -1,10 +1,11 @@
 """Per-run manifest: `<ledger_root>/manifests/campaign=<c>/<run_id>.json`.
 
-A manifest holds what the runs row cannot: the whole resolved config, the
-workload's identity (tokenizer, dataset, length statistics), the planned units
-and the printed summary, next to the config hash, code version, package
-versions, CPU and prereg plan hash. It is written atomically before the runs
-row, so every complete run has one; a redone run overwrites it.
+A manifest holds what the runs row cannot: the whole resolved config, the rules
+the engine actually ran (read back from it), the workload's identity (tokenizer,
+dataset, length statistics), the planned units and the printed summary, next to
+the config hash, code version, package versions, CPU and prereg plan hash. It is
+written atomically before the runs row, so every complete run has one; a redone
+run overwrites it.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ def build_manifest(
     summary: Mapping | None = None,
     workload_meta: Mapping | None = None,
     units: Mapping | None = None,
+    engine: Mapping | None = None,
     error: str = "",
 ) -> dict:
+    """The manifest of one run; `engine` is the rules the built engine ran
+    (Engine.effective_rules(), read back from the engine), empty for a failed run."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     return {
         "run_id": key.run_id,
@@ -64,6 +68,7 @@ def build_manifest(
         "code_version": code_version(),
         "environment": environment(),
         "units": dict(units or {}),
+        "engine": dict(engine or {}),
         "summary": dict(summary or {}),
         "workload": dict(workload_meta or {}),
         "config": {k: v for k, v in resolved.items() if k not in _EXCLUDED},

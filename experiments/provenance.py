@@ -127,18 +127,7 @@ def environment() -> dict:
 
 @functools.cache
 def prereg_plan_hash(question: str) -> str:
-    """Hash of conf/prereg/<question>.yaml via analysis.prereg, "" when there is no plan."""
-    if not question:
-        return ""
-    try:
-        from analysis import prereg
-    except ImportError:
-        return ""
-    load_plan = getattr(prereg, "load_plan", None)
-    plan_dir = getattr(prereg, "PLAN_DIR", None)
-    if load_plan is None or plan_dir is None or not (Path(plan_dir) / f"{question}.yaml").is_file():
-        return ""
-    try:
-        return load_plan(question).plan_hash
-    except ValueError as err:
-        raise ValueError(f"question={question!r}: invalid preregistered plan: {err}") from err
+    """Hash of conf/prereg/<question>.yaml (ledgers.plans), "" when there is no plan."""
+    from ledgers.plans import plan_file_hash
+
+    return plan_file_hash(question)

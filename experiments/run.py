@@ -61,7 +61,7 @@ def _record(cfg: DictConfig, root: Path, key: RunKey) -> dict:
     row = runs_row(cfg, key, result, result.run_seconds)
     manifest = build_manifest(
         cfg, key, status="complete", summary=line,
-        workload_meta=result.workload_meta, units=result.units,
+        workload_meta=result.workload_meta, units=result.units, engine=result.engine_config,
     )
     write_manifest(root, manifest)
     # Empty tables (trace when off, slab outside S2) are not written.

@@ -9,6 +9,7 @@ server also watches its parent (`--exit-with-parent`) in case the runner dies.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,32 +23,21 @@ from pathlib import Path
 import httpx
 
 _LISTENING = re.compile(r"listening on (http://\S+)")
+_ENGINE_PREFIX = "engine "  # serving_core.server prints its effective rules first
 
 
 class ServerError(RuntimeError):
     """The server did not start, did not become healthy, or died."""
 
 
-def hsl_server_command(*, checkpoint: str | None, preset: str, org: str, budget: str,
-                       cap: int, max_num_batched_tokens: int, headroom: float,
-                       retention_k: int | None, pinning_k: int | None, trace: bool,
-                       records: str, executor: str = "torch", device: str = "cpu",
-                       dtype: str = "float32", drain: str = "finish") -> list[str]:
-    """The command line of `python -m serving_core.server` for one cell, on a free port."""
-    cmd = [sys.executable, "-m", "serving_core.server", "--preset", preset, "--org", org,
-           "--budget", budget, "--cap", str(cap),
-           "--max-num-batched-tokens", str(max_num_batched_tokens),
-           "--headroom", repr(float(headroom)), "--executor", executor,
-           "--device", device, "--dtype", dtype, "--tokenizer", "none",
-           "--port", "0", "--records", records, "--drain", drain, "--exit-with-parent"]
-    if checkpoint:
-        cmd += ["--model", checkpoint]
-    if retention_k is not None:
-        cmd += ["--retention-k", str(retention_k)]
-    if pinning_k is not None:
-        cmd += ["--pinning-k", str(pinning_k)]
-    if trace:
-        cmd.append("--trace")
+def hsl_server_command(*, spec: str, records: str | None = None, drain: str = "finish",
+                       tokenizer: str = "none") -> list[str]:
+    """The command line of `python -m serving_core.server` for the engine spec in file
+    `spec` (serving_core.engine_spec.EngineSpec as JSON), on a free port."""
+    cmd = [sys.executable, "-m", "serving_core.server", "--spec", str(spec),
+           "--tokenizer", tokenizer, "--port", "0", "--drain", drain, "--exit-with-parent"]
+    if records:
+        cmd += ["--records", str(records)]
     return cmd
 
 
@@ -136,6 +126,13 @@ class ServerProcess:
     @property
     def stdout_lines(self) -> list[str]:
         return list(self._lines)
+
+    def engine_config(self) -> dict | None:
+        """The effective rules our server printed at boot (None for other servers)."""
+        for line in self._lines:
+            if line.startswith(_ENGINE_PREFIX):
+                return json.loads(line[len(_ENGINE_PREFIX):])
+        return None
 
     # ----- stop -----------------------------------------------------------------------------
     def _signal_group(self, sig: int) -> None:

@@ -17,15 +17,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.cell import arm_of, scheduler_config
-from experiments.vllm_arm import check_vllm_cell, is_vllm_executor, vllm_executor_config
+from experiments.cell import arm_of
+from experiments.spec import SIMULATED, VLLM, engine_spec, executor_path
 from experiments.workload import normalize_load_config, normalize_workload_config
 from serving_core.executor.profiles import load_device_profile
-from serving_core.executor.torch_config import (
-    check_checkpoint,
-    is_torch_executor,
-    torch_executor_config,
-)
 from serving_core.geometry import geometry_from_config
 from serving_core.planner import plan_budget
 
@@ -104,15 +99,20 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
         raise ValueError(f"question={cfg.question!r}: expected a string")
     geometry = _prefixed("model", geometry_from_config, cfg.model)
     plan_budget(geometry, str(cfg.budget))
-    if is_torch_executor(cfg.executor):  # the real executor: its checkpoint must match the model
-        device = torch_executor_config(cfg.executor)
-        check_checkpoint(device, geometry)
-    elif is_vllm_executor(cfg.executor):  # real vLLM: N0, its interpreter, a matching checkpoint
+    path = executor_path(cfg.executor)
+    if path == VLLM:  # real vLLM: N0, its interpreter, a matching checkpoint
+        from experiments.vllm_arm import check_vllm_cell, vllm_executor_config
+        from serving_core.executor.torch_config import check_checkpoint
+
         device = vllm_executor_config(cfg.executor)
         check_vllm_cell(device, arm)
         check_checkpoint(device, geometry)
+    elif path != SIMULATED:  # the real executor: its checkpoint must match the model
+        from serving_core.executor.torch_config import check_checkpoint, torch_executor_config
+
+        check_checkpoint(torch_executor_config(cfg.executor), geometry)
     else:
-        device = _prefixed("executor", load_device_profile, cfg.executor)
+        _prefixed("executor", load_device_profile, cfg.executor)
     eng = cfg.engine
     _integer(eng.cap, "engine.cap", 1)
     _optional_integer(eng.max_num_batched_tokens, "engine.max_num_batched_tokens", 1)
@@ -120,7 +120,11 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     _optional_integer(eng.pinning_k, "engine.pinning_k", 1)
     _number(eng.indirection_overhead, "engine.indirection_overhead")
     _integer(cfg.retention.k, "retention.k", 1)
-    scheduler_config(cfg, arm, device)  # range checks (headroom in [0, 1), ...)
+    spec = engine_spec(cfg)  # range checks (headroom in [0, 1), ...)
+    if path != VLLM:
+        from serving_core.builder import preflight
+
+        preflight(spec)  # the engine would run the requested rules, or the run is refused
     normalize_workload_config(cfg.workload)
     for key in ("rate", "on_s"):  # rate=inf would put every arrival at t = 0
         if key in cfg.load:

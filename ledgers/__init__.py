@@ -1,7 +1,8 @@
 """Parquet ledgers of serving runs: schemas, atomic writer, DuckDB catalog, checker."""
 
+from ledgers.integrity import completed_run_ids
 from ledgers.schemas import ENGINE_SCHEMAS, SCHEMAS, TABLES, to_table
-from ledgers.writer import adopt_run, completed_run_ids, write_run
+from ledgers.writer import adopt_run, write_run
 
 
 def __getattr__(name: str):

@@ -226,5 +226,11 @@ def quarantine_damage(scan: LedgerScan) -> Quarantine:
     return Quarantine(directory, moved, runs)
 
 
-__all__ = ["LedgerScan", "Quarantine", "damage_lines", "quarantine_damage", "scan_root",
-           "stray_files", "verify_attempt"]
+def completed_run_ids(root: str | os.PathLike, campaign: str | None = None) -> set[str]:
+    """run_ids of complete runs whose table files are all present and whole (size and Parquet
+    probe); the runner skips these. verify_root also compares checksums."""
+    return {run_id for _, run_id in scan_root(root, campaign).complete_runs}
+
+
+__all__ = ["LedgerScan", "Quarantine", "completed_run_ids", "damage_lines", "quarantine_damage",
+           "scan_root", "stray_files", "verify_attempt"]

@@ -193,14 +193,6 @@ def _complete_keys(root: str | os.PathLike, campaign: str | None) -> list[tuple]
     ]
 
 
-def completed_run_ids(root: str | os.PathLike, campaign: str | None = None) -> set[str]:
-    """run_ids of complete runs whose table files are all present and whole (size and Parquet
-    probe); the runner skips these. ledgers.integrity.verify_root also compares checksums."""
-    from ledgers.integrity import scan_root
-
-    return {run_id for _, run_id in scan_root(root, campaign).complete_runs}
-
-
 def _key_has_complete_run(root: str | os.PathLike, campaign: str, row: Mapping) -> bool:
     key = tuple(row[k] for k in ADOPTION_KEY)
     return any(tuple(found[1:]) == key for found in _complete_keys(root, campaign))
@@ -281,7 +273,6 @@ __all__ = [
     "ADOPTION_KEY",
     "TABLES",
     "adopt_run",
-    "completed_run_ids",
     "read_raw_runs",
     "table_dir",
     "table_glob",

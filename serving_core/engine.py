@@ -19,15 +19,36 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
 import numpy as np
 
+from serving_core.executor.base import Executor, ExecutorOutput
+from serving_core.executor.clocks import VirtualClock, WallClock
+from serving_core.executor.modelled import PacedExecutor, SimulatedExecutor
 from serving_core.geometry import Geometry
-from serving_core.memory import MemoryOrganization, build_memory
+from serving_core.memory import MemoryOrganization, build_memory, org_class
 from serving_core.records import Recorder, mechanism_summary, request_columns
 from serving_core.request import Request, Status
-from serving_core.scheduler import Scheduled, Scheduler, SchedulerConfig
+from serving_core.scheduler import Scheduler, SchedulerConfig
+
+# Re-exported: the executor protocol, the modelled executors and the clocks live in
+# serving_core.executor; engines are built by serving_core.builder.build_engine.
+__all__ = [
+    "Engine",
+    "EngineResult",
+    "Executor",
+    "ExecutorOutput",
+    "PacedExecutor",
+    "SimulatedExecutor",
+    "StepOutcome",
+    "VirtualClock",
+    "WallClock",
+    "check_feasible",
+    "run_engine",
+    "serve",
+    "summarize",
+]
 
 
 @dataclass
@@ -36,77 +57,7 @@ class EngineResult:
     summary: dict
     requests: list[Request] = field(repr=False)
     memory: MemoryOrganization = field(repr=False)
-
-
-@dataclass(slots=True)
-class ExecutorOutput:
-    """What an executor returns for one step.
-
-    duration_s: modelled seconds (virtual clock); a wall-clock engine measures instead.
-    sampled: request id -> next token id for the scheduled requests that produce one;
-    a request missing here gets the workload's synthetic token (simulated runs).
-    """
-
-    duration_s: float = 0.0
-    sampled: dict[int, int] = field(default_factory=dict)
-
-
-class Executor(Protocol):
-    """Runs one scheduled step. `execute` sees the plan before publication;
-    `commit` (optional) runs after the scheduler published the step's entries."""
-
-    def execute(self, plan: list[Scheduled], checkpoint_writes: int) -> ExecutorOutput: ...
-
-
-class SimulatedExecutor:
-    """The step-time model as an executor: no data, only the step's duration."""
-
-    def __init__(self, step_model) -> None:
-        self.step_model = step_model
-
-    def execute(self, plan: list[Scheduled], checkpoint_writes: int) -> ExecutorOutput:
-        new_tokens = [item.num_new for item in plan]
-        contexts = [item.context for item in plan]
-        return ExecutorOutput(self.step_model.step_seconds(new_tokens, contexts, checkpoint_writes))
-
-
-class VirtualClock:
-    """Simulated time: moves only when a step's modelled duration or an idle jump moves it."""
-
-    wall = False
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def wait_until(self, t: float) -> None:
-        self.t = max(self.t, t)
-
-    def step_done(self, t0: float, modelled_s: float) -> float:
-        self.t = t0 + modelled_s
-        return self.t
-
-
-class WallClock:
-    """Wall time since the clock started; waiting sleeps, steps take what they take."""
-
-    wall = True
-
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def wait_until(self, t: float) -> None:
-        delay = t - self.now()
-        if delay > 0:
-            time.sleep(delay)
-
-    def step_done(self, t0: float, modelled_s: float) -> float:
-        return self.now()
+    engine_config: dict = field(default_factory=dict)  # Engine.effective_rules(): the record
 
 
 @dataclass(slots=True)
@@ -165,7 +116,7 @@ class Engine:
         self.geometry = geometry
         self.org = org
         self.budget_label = budget_label
-        self.recorder = recorder or Recorder(trace=trace, slab=org == "S2")
+        self.recorder = recorder or Recorder(trace=trace, slab=org_class(org).has_slabs)
         self.trace = self.recorder.trace_enabled
         self.mem = memory or build_memory(
             geometry, org, pool_units, self.recorder, sched_cfg.slab_policy
@@ -271,9 +222,7 @@ class Engine:
         # Publication, sampled tokens and finishes become visible when the step completes.
         rec.now = t1
         initial, resume, decode = sched.complete_step(plan, t1)
-        commit = getattr(self.executor, "commit", None)
-        if commit is not None:
-            commit(plan)  # write the published states into their units
+        self.executor.commit(plan)  # write the published states into their units
         # A wall clock measures the step (commit included); a virtual one takes the model's.
         dt = self.clock.now() - t0 if self.clock.wall else out.duration_s
         finished = [item.req.rid for item in plan if item.req.status == Status.FINISHED]
@@ -297,6 +246,35 @@ class Engine:
         self._poll()
         return StepOutcome(sched.step, t0, dt, len(plan), produced, finished)
 
+    # ----- what this engine runs ---------------------------------------------------------------
+    def effective_rules(self) -> dict[str, Any]:
+        """The rules this engine runs, read from its parts (scheduler, memory organization,
+        executor, clock, recorder): what a run's record states, never the request."""
+        sched, mem = self.sched, self.mem
+        rules = {
+            "org": mem.org,
+            "admission": ("first_chunk" if not sched.full_prompt
+                          else "reserve_output" if sched.reserve_output else "full_prompt"),
+            "reserve_output_tokens": sched.reserve_output_tokens,
+            "checkpoint_placement": (
+                ("step_end" if sched.step_end else "every_boundary") if sched.C else None
+            ),
+            "align_chunks": bool(sched.align),
+            "slab_policy": mem.slab_policy if mem.has_slabs else None,
+            "retention_k": sched.retention_k,
+            "pinning_k": sched.pinning_k,
+            "cap": sched.cap,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "headroom": sched.headroom_fraction,
+            "headroom_units": dict(sched.headroom),
+            "pool_units": {p: pool.num_units for p, pool in mem.pools.items()},
+            "step_model": None,
+            "clock": self.clock.kind,
+            "trace": bool(self.trace),
+        }
+        rules.update(self.executor.describe())
+        return rules
+
     # ----- results ----------------------------------------------------------------------------
     def result(self) -> EngineResult:
         """Tables and summary of everything served so far (ends the trace)."""
@@ -319,7 +297,7 @@ class Engine:
                 self.sched.prefix_hit_tokens_self,
             )
         )
-        return EngineResult(tables, summary, self.requests, self.mem)
+        return EngineResult(tables, summary, self.requests, self.mem, self.effective_rules())
 
 
 def serve(engine: Engine, specs, max_steps: int | None = None) -> EngineResult:
@@ -352,22 +330,24 @@ def run_engine(
     max_steps: int | None = None,
     on_step=None,
 ) -> EngineResult:
-    """Serve `specs` (RequestSpec, arrival order) on the simulated executor.
+    """Serve `specs` (RequestSpec, arrival order) on the simulated executor with the given
+    step model object (tests, fits). Built through serving_core.builder like every engine.
 
     `on_step(scheduler, memory)` runs after every step when given (invariant checks).
     """
+    from dataclasses import asdict
+
+    from serving_core.builder import build_engine
+    from serving_core.engine_spec import EngineSpec, ExecutorSpec
+
     if not specs:
         raise ValueError("workload.num_requests must be >= 1")
-    engine = Engine(
-        geometry,
-        org,
-        pool_units,
-        sched_cfg,
-        SimulatedExecutor(step_model),
-        trace=trace,
-        budget_label=budget_label,
-        on_step=on_step,
+    spec = EngineSpec(
+        model=asdict(geometry), org=org, budget=budget_label or "explicit",
+        scheduler=sched_cfg, executor=ExecutorSpec("simulated"), trace=trace,
+        pool_units=pool_units,
     )
+    engine = build_engine(spec, on_step=on_step, step_model=step_model)
     return serve(engine, specs, max_steps)
 
 

@@ -7,8 +7,7 @@ never typed in, so a new preset only needs its config.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +15,14 @@ import yaml
 
 MODEL_CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 
-# K or V vector element count and packed size of the "tq4" codec: 256 elements
-# stored as 128 packed bytes plus a 2-byte norm (130 / 512 of the bf16 payload).
-TQ4_VECTOR_ELEMENTS = 256
-TQ4_VECTOR_BYTES = 130
+# The "tq4" codec (serving_core.kv_codec) stores each head's K or V vector of head_dim
+# elements as 4-bit codes plus a 2-byte fp16 norm: head_dim / 2 + 2 bytes (66 for 128).
+TQ4_BITS = 4
+TQ4_NORM_BYTES = 2
 KV_CODECS = ("bf16", "tq4")
+# The representation a budget label's bytes are named in (serving_core.planner): bN and pN
+# mean the same bytes under every codec, so arms with different codecs share a budget.
+REFERENCE_KV_CODEC = "bf16"
 # A preset may carry the remaining architecture fields of a real checkpoint under this key
 # (serving_core.model.make_tiny builds random-weight checkpoints from them).
 ARCHITECTURE_KEY = "architecture"
@@ -60,6 +62,11 @@ class Geometry:
         for f in ("mamba_heads", "mamba_head_dim", "d_state", "n_groups", "d_conv"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}={getattr(self, f)} must be >= 0")
+        if self.kv_codec == "tq4" and (self.head_dim < 4 or self.head_dim & (self.head_dim - 1)):
+            raise ValueError(
+                f"head_dim={self.head_dim}: kv_codec='tq4' needs a power of two >= 4 "
+                "(one Hadamard-rotated vector per head)"
+            )
         if self.mamba_heads > 0 and min(self.mamba_head_dim, self.d_state, self.d_conv) <= 0:
             raise ValueError("a recurrent model needs mamba_head_dim, d_state and d_conv > 0")
         if not 0.0 < self.d0_attention_fraction <= 1.0:
@@ -73,15 +80,24 @@ class Geometry:
 
     @property
     def attention_bytes_per_token(self) -> int:
-        """KV bytes of one token: KV heads x (K and V) x head dim elements.
+        """KV bytes of one token: KV heads x (K and V) vectors of head_dim elements.
 
-        bf16 stores each element in dtype_bytes; tq4 packs every 256 elements into
-        130 bytes (128 packed bytes + a 2-byte norm), 25.4% of the bf16 payload.
+        bf16 stores each element in dtype_bytes; tq4 stores each vector as head_dim x 4 / 8
+        bytes of codes plus a 2-byte norm (Falcon-H1-7B: 2 x 2 x 66 = 264 B, 25.8 % of 1,024).
         """
-        elements = self.num_kv_heads * 2 * self.head_dim
+        vectors = self.num_kv_heads * 2
         if self.kv_codec == "tq4":
-            return math.ceil(elements / TQ4_VECTOR_ELEMENTS) * TQ4_VECTOR_BYTES
-        return elements * self.dtype_bytes
+            return vectors * (self.head_dim * TQ4_BITS // 8 + TQ4_NORM_BYTES)
+        return vectors * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """K and V elements of one token (what the codec encodes and decodes)."""
+        return self.num_kv_heads * 2 * self.head_dim
+
+    def with_codec(self, kv_codec: str) -> Geometry:
+        """The same model with another KV representation."""
+        return replace(self, kv_codec=kv_codec)
 
     @property
     def mamba_inner(self) -> int:

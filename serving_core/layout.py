@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from serving_core.geometry import Geometry
 
-ORGS = ("S0", "S1", "S2", "D0", "N0")
+ORGS = ("S0", "S1", "S2", "D0", "N0")  # storage organizations (memory.ORG_TO_CLASS)
 PAGED_BLOCK_TOKENS = 512  # attention block and checkpoint interval of S0/S1/S2
 D0_BLOCK_TOKENS = 16  # attention unit of the native dual pools
 D0_CHECKPOINT_INTERVAL = 1792  # native recurrent checkpoint interval of D0
@@ -27,12 +27,11 @@ N0_CPU_BLOCK_ALIGNMENT = 128
 
 
 def normalize_org(org: str) -> str:
-    """Map a user-facing name (s2, S2, s2_retention) to its storage organization."""
+    """A storage organization's name, case-insensitive (s2 -> S2). Experiment arms
+    (s2_retention, ...) are the runner's: ledgers.arms maps them to organizations."""
     key = str(org).strip().upper()
-    if key in ("S2_RETENTION", "S2+RETENTION", "S2RET"):
-        return "S2"
     if key not in ORGS:
-        raise ValueError(f"org={org!r}: allowed values are s0, s1, s2, d0, n0, s2_retention")
+        raise ValueError(f"org={org!r}: allowed values are {', '.join(ORGS)}")
     return key
 
 

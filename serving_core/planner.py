@@ -2,7 +2,10 @@
 
 A label `bN` means N uniform hybrid pages (N x layout.uniform_page_bytes); a
 label `pN` (or "N pages") means exactly N S1/S2 pages, and the other
-organizations get the same nominal bytes. Each organization keeps its own
+organizations get the same nominal bytes. Both are sized in the model's reference KV
+representation (bf16, geometry.REFERENCE_KV_CODEC), so a label names the same bytes under
+every codec: with kv_codec=tq4, b63 is still 63 bf16 uniform pages of bytes, and each
+organization fits its (smaller) attention units into them. Each organization keeps its own
 rounding, so arms are planner-matched, not byte-equal; the plan reports the
 difference to nominal for that reason. N0 rounds as vLLM sizes its block pool:
 floor(nominal / page) pages, one of which is vLLM's reserved null block.
@@ -19,7 +22,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Real
 
-from serving_core.geometry import Geometry, available_models, load_geometry
+from serving_core.geometry import (
+    KV_CODECS,
+    REFERENCE_KV_CODEC,
+    Geometry,
+    available_models,
+    load_geometry,
+)
 from serving_core.layout import ORGS, normalize_org, org_layout, uniform_page_bytes
 
 BUDGET_FORMS = "bN (N uniform hybrid pages), pN or 'N pages' (N S1/S2 pages), N a positive integer"
@@ -89,6 +98,7 @@ class BudgetPlan:
     label: str
     nominal_bytes: int
     pools: tuple[PoolPlan, ...]
+    kv_codec: str = REFERENCE_KV_CODEC
 
     def pools_of(self, org: str) -> tuple[PoolPlan, ...]:
         org = normalize_org(org)
@@ -121,10 +131,13 @@ def _round_half_up(numerator: int, denominator: int) -> int:
     return (2 * numerator + denominator) // (2 * denominator)
 
 
-def _nominal_bytes(geometry: Geometry, budget: Budget) -> int:
-    if budget.kind == "b":
-        return budget.count * uniform_page_bytes(geometry)
-    return budget.count * org_layout(geometry, "S1").page_bytes
+def nominal_bytes(geometry: Geometry, budget: str | Budget) -> int:
+    """Bytes a label names: counted in the reference (bf16) representation's units."""
+    parsed = budget if isinstance(budget, Budget) else parse_budget(budget)
+    reference = geometry.with_codec(REFERENCE_KV_CODEC)
+    if parsed.kind == "b":
+        return parsed.count * uniform_page_bytes(reference)
+    return parsed.count * org_layout(reference, "S1").page_bytes
 
 
 def _shared_pool(geometry: Geometry, org: str, nominal: int) -> PoolPlan:
@@ -172,7 +185,7 @@ def _min_units(geometry: Geometry, org: str, pool: str) -> int:
 
 
 def _build_pools(geometry: Geometry, budget: Budget) -> tuple[int, tuple[PoolPlan, ...]]:
-    nominal = _nominal_bytes(geometry, budget)
+    nominal = nominal_bytes(geometry, budget)
     pools = [_shared_pool(geometry, org, nominal) for org in ORGS if org not in ("D0", "N0")]
     pools.extend(_d0_pools(geometry, nominal))
     pools.append(_n0_pool(geometry, nominal))
@@ -222,7 +235,7 @@ def plan_budget(geometry: Geometry, budget: str | Budget) -> BudgetPlan:
             f"budget={parsed.label!r} cannot hold one checkpoint for {geometry.name} "
             f"({'; '.join(short)}); {bound}"
         )
-    return BudgetPlan(geometry.name, parsed.label, nominal, pools)
+    return BudgetPlan(geometry.name, parsed.label, nominal, pools, geometry.kv_codec)
 
 
 def plan_to_dict(plan: BudgetPlan) -> dict:
@@ -240,6 +253,7 @@ def plan_to_dict(plan: BudgetPlan) -> dict:
             orgs[org] = entries["shared"]
     return {
         "model": plan.model,
+        "kv_codec": plan.kv_codec,
         "budget": plan.label,
         "nominal_bytes": plan.nominal_bytes,
         "orgs": orgs,
@@ -269,8 +283,45 @@ def format_plan(plan: BudgetPlan) -> str:
                          f"{plan.diff_bytes(org):+,}"))
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     lines = [
-        f"model {plan.model}  budget {plan.label}  nominal {plan.nominal_bytes:,} B "
-        f"({_mib(plan.nominal_bytes)} MiB)"
+        f"model {plan.model}  kv {plan.kv_codec}  budget {plan.label}  nominal "
+        f"{plan.nominal_bytes:,} B ({_mib(plan.nominal_bytes)} MiB)"
+    ]
+    for row in (header, *rows):
+        pairs = enumerate(zip(row, widths, strict=True))
+        cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in pairs]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def format_side_by_side(plans: dict[str, BudgetPlan]) -> str:
+    """One row per organization and pool, one units / unit-bytes / diff group per codec.
+
+    The plans share a model and a budget label (and so the nominal bytes)."""
+    first = next(iter(plans.values()))
+    codecs = list(plans)
+    header = ["org", "pool"]
+    for codec in codecs:
+        header += [f"{codec} units", f"{codec} unit bytes", f"{codec} diff"]
+    rows = []
+    for org in ORGS:
+        pools = {codec: plan.pools_of(org) for codec, plan in plans.items()}
+        for i, pool in enumerate(pools[codecs[0]]):
+            row = [org, pool.pool]
+            for codec in codecs:
+                p = pools[codec][i]
+                units = f"{p.num_units:,}" + (f"+{p.num_reserved} null" if p.num_reserved else "")
+                row += [units, f"{p.unit_bytes:,}", f"{plans[codec].diff_bytes(org):+,}"
+                        if len(pools[codec]) == 1 else ""]
+            rows.append(tuple(row))
+        if len(pools[codecs[0]]) > 1:
+            row = [org, "total"]
+            for codec in codecs:
+                row += ["", "", f"{plans[codec].diff_bytes(org):+,}"]
+            rows.append(tuple(row))
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    lines = [
+        f"model {first.model}  budget {first.label}  nominal {first.nominal_bytes:,} B "
+        f"({_mib(first.nominal_bytes)} MiB), the same bytes under {' and '.join(codecs)}"
     ]
     for row in (header, *rows):
         pairs = enumerate(zip(row, widths, strict=True))
@@ -288,6 +339,10 @@ def _parser() -> argparse.ArgumentParser:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--budget", help=BUDGET_FORMS)
     group.add_argument("--pages", help="N S1/S2 pages (same as --budget pN)")
+    parser.add_argument(
+        "--kv-codec", choices=(*KV_CODECS, "both"),
+        help="attention KV representation (default: the preset's); both: side by side",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -298,11 +353,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         geometry = load_geometry(args.model)
         label = args.budget if args.budget is not None else f"{args.pages} pages"
-        plan = plan_budget(geometry, label)
+        codecs = KV_CODECS if args.kv_codec == "both" else (args.kv_codec or geometry.kv_codec,)
+        plans = {c: plan_budget(geometry.with_codec(c), label) for c in codecs}
     except ValueError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan_to_dict(plan)) if args.json else format_plan(plan))
+    if len(plans) > 1:
+        print(json.dumps({c: plan_to_dict(p) for c, p in plans.items()}) if args.json
+              else format_side_by_side(plans))
+    else:
+        plan = next(iter(plans.values()))
+        print(json.dumps(plan_to_dict(plan)) if args.json else format_plan(plan))
     return 0
 
 

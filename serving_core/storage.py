@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from fractions import Fraction
 
-from serving_core.geometry import Geometry, available_models, load_geometry
+from serving_core.geometry import KV_CODECS, Geometry, available_models, load_geometry
 from serving_core.layout import (
     D0_BLOCK_TOKENS,
     ORGS,
@@ -316,6 +316,35 @@ def _format(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _format_side_by_side(data: dict[str, dict]) -> str:
+    """One row per organization, one column group per codec (bytes or copies)."""
+    codecs = list(data)
+    first = data[codecs[0]]
+    capacity_mode = not isinstance(first[ORGS[0]], dict)
+    header = ["org"] + [f"{c} copies" if capacity_mode else f"{c} bytes" for c in codecs]
+    if not capacity_mode:
+        header += [f"{c} MiB" for c in codecs]
+    rows = []
+    for org in ORGS:
+        if capacity_mode:
+            rows.append([org] + [f"{data[c][org]:,}" for c in codecs])
+        else:
+            row = [org] + [f"{data[c][org]['bytes']:,}" for c in codecs]
+            rows.append(row + [f"{data[c][org]['mib']:.6f}" for c in codecs])
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+             for r in (header, *rows)]
+    if capacity_mode:
+        s = first["d0_split"]
+        lines.append(f"budget {first['budget_bytes']:,} B, mix {first['mix']}; D0 split "
+                     f"f={s['attention_fraction']}: attention {s['attention_bytes']:,} B, "
+                     f"recurrent {s['recurrent_bytes']:,} B")
+    else:
+        lines.append("S2 slabs: " + ", ".join(f"{c} {data[c]['S2']['slabs']}" for c in codecs))
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m serving_core.storage",
@@ -331,12 +360,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--capacity-mib", help="budget M in MiB for capacity mode")
     parser.add_argument("--mix", help="aA,aR: blocks and checkpoints per copy (capacity mode)")
     parser.add_argument("--d0-attention-fraction", type=float, help="D0 split (default: model's)")
+    parser.add_argument(
+        "--kv-codec", choices=(*KV_CODECS, "both"),
+        help="attention KV representation (default: the preset's); both: side by side",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
 def _run(args: argparse.Namespace) -> dict:
     geometry = load_geometry(args.model)
+    if args.kv_codec == "both":
+        return {c: _run_one(args, geometry.with_codec(c)) for c in KV_CODECS}
+    return _run_one(args, geometry.with_codec(args.kv_codec or geometry.kv_codec))
+
+
+def _run_one(args: argparse.Namespace, geometry: Geometry) -> dict:
     capacity_mode = args.capacity_mib is not None or args.mix is not None
     cost_mode = args.attention_blocks is not None or args.checkpoints is not None
     if capacity_mode == cost_mode:
@@ -368,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(data) if args.json else _format(data))
+    side_by_side = args.kv_codec == "both"
+    print(json.dumps(data) if args.json else
+          _format_side_by_side(data) if side_by_side else _format(data))
     return 0
 
 

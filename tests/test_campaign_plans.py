@@ -19,7 +19,7 @@ from experiments.ledger_io import cell_columns
 from experiments.provenance import prereg_plan_hash
 
 CAMPAIGNS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9", "d0_split", "caps",
-             "bursts", "pinning", "orig5", "q6_development")
+             "bursts", "pinning", "orig5", "q10_tq4", "q6_development")
 EXT = tuple(range(42000, 42012))
 
 
@@ -58,6 +58,7 @@ COUNTS = {
     "bursts": (24, {"bursts": 18, "q5": 6}),
     "pinning": (96, {"pinning": 72, "q5": 12, "orig5": 12}),  # 72 fresh + 24 R1
     "orig5": (84, {"orig5": 54, "q5": 12, "caps": 6, "bursts": 12}),  # 2 x (6 + 4 x 9)
+    "q10_tq4": (288, {"q10_tq4": 144, "q1": 108, "q4": 36}),  # TQ4 144; bf16 Exp 1a + Q4 D0
     "q6_development": (105, {"q6_development": 105}),  # 2 x 3 x 5 x 3 + S2 b83 5 x 3
 }
 
@@ -143,8 +144,9 @@ def test_six_seed_comparisons_need_only_their_own_campaign(name, family):
     assert set(check.runs.seed) == set(range(6)) and len(check.runs) == 24
 
 
-FAMILY_RUNS = {("q1", "EXT-22"): 288, ("q6", "Q6-17"): 192, ("orig5", "ORIG-5"): 84,
-               ("pinning", "PIN-2"): 48, ("q7", "probe_containment"): 24,
+FAMILY_RUNS = {("q1", "EXT-22"): 288, ("q10_tq4", "codec_interactions"): 288,
+               ("q6", "Q6-17"): 192, ("orig5", "ORIG-5"): 84, ("pinning", "PIN-2"): 48,
+               ("q7", "probe_containment"): 24,
                ("q8", "retention_depth"): 6, ("q9", "k_ret"): 24}
 
 

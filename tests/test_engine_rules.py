@@ -234,3 +234,52 @@ def test_c_once_h_k_and_prefix_hit_split():
     assert s["waiting_max"] == max(per_sample)
     assert s["waiting_median"] == float(np.median(per_sample))
     assert s["running_mean"] == pytest.approx(np.mean(po["running"][:: len(set(po["pool"]))]))
+
+
+# ----- reserve_output admission -------------------------------------------------------------
+def test_reserve_output_defers_what_full_prompt_admits_and_later_preempts(falcon):
+    """S0, 7 pages of one 512-token block or one composite; two 1,000-token prompts with 300
+    output tokens. The first takes its aligned first chunk (1 block, the checkpoint at 512,
+    the working composite: 3 pages), leaving 4. full_prompt's gate for the second is 2
+    blocks + 1 checkpoint + the working composite = 4 pages: admitted, and the two later
+    grow into third blocks in decode (a preemption). reserve_output with r = 300 asks for
+    ceil(1,300 / 512) = 3 blocks, 5 pages > 4: the second waits for the first to finish."""
+    specs = [spec(0, 1000, 300), spec(1, 1000, 300)]
+    units = {"shared": 7}
+    plain = run(falcon, "S0", units, specs, admission="full_prompt", max_num_batched_tokens=2048)
+    reserved = run(falcon, "S0", units, specs, admission="reserve_output",
+                   reserve_output_tokens=300, max_num_batched_tokens=2048)
+    assert plain.requests[1].start_s < plain.requests[0].finish_s
+    assert plain.summary["preemptions"] == 1
+    first, second = reserved.requests
+    assert second.start_s >= first.finish_s and reserved.summary["preemptions"] == 0
+    # r = 24 still fits: 1,024 tokens are two blocks, so the second is admitted at once
+    small = run(falcon, "S0", units, specs, admission="reserve_output",
+                reserve_output_tokens=24, max_num_batched_tokens=2048)
+    assert small.requests[1].start_s == plain.requests[1].start_s
+
+
+def test_reserve_output_of_zero_is_full_prompt(falcon):
+    specs = [spec(i, 700 + 90 * i, 40 + 7 * i, arrival=0.01 * i) for i in range(6)]
+    a = run(falcon, "S1", {"shared": 40}, specs, admission="full_prompt")
+    b = run(falcon, "S1", {"shared": 40}, specs, admission="reserve_output")
+    def timeless(summary):
+        return {k: v for k, v in summary.items() if "wall" not in k}
+
+    assert timeless(a.summary) == timeless(b.summary) and a.summary["completed"] == 6
+    assert [r.start_s for r in a.requests] == [r.start_s for r in b.requests]
+
+
+def test_reserve_output_config_is_checked_and_read_from_the_engine_keys():
+    with pytest.raises(ValueError, match="engine.reserve_output_tokens=-1"):
+        SchedulerConfig(admission="reserve_output", reserve_output_tokens=-1)
+    with pytest.raises(ValueError, match="reserve_output_tokens=8: applies only with"):
+        SchedulerConfig(admission="full_prompt", reserve_output_tokens=8)
+    from experiments.spec import engine_spec
+    from serving_core.builder import build_engine
+
+    cfg = compose_config("engine.admission=reserve_output", "engine.reserve_output_tokens=64")
+    rules = build_engine(engine_spec(cfg)).effective_rules()
+    assert (rules["admission"], rules["reserve_output_tokens"]) == ("reserve_output", 64)
+    default = build_engine(engine_spec(compose_config())).effective_rules()
+    assert (default["admission"], default["reserve_output_tokens"]) == ("full_prompt", 0)

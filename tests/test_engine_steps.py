@@ -8,7 +8,8 @@ from dataclasses import replace
 
 from conftest import compose_config
 
-from experiments.cell import run_cell, scheduler_config
+from experiments.cell import run_cell
+from experiments.spec import engine_spec
 from experiments.workload import build_workload
 from serving_core.engine import Engine, SimulatedExecutor, WallClock
 from serving_core.executor.profiles import load_device_profile
@@ -31,7 +32,7 @@ def _parts(cfg):
     geometry = geometry_from_config(cfg.model)
     device = load_device_profile(cfg.executor)
     units = units_for(plan_budget(geometry, str(cfg.budget)), "S2")
-    sched_cfg = scheduler_config(cfg, "s2", device)
+    sched_cfg = engine_spec(cfg).scheduler
     model = build_step_model(geometry, device, "S2")
     specs = build_workload(cfg.workload, cfg.load, int(cfg.seed)).requests
     return geometry, units, sched_cfg, model, specs

@@ -320,8 +320,8 @@ def test_two_runs_are_visible_through_the_catalog(tmp_path):
         schema = con.sql(f"SELECT * FROM {table}").to_arrow_table().schema
         assert (schema.names, schema.types) == (SCHEMAS[table].names, SCHEMAS[table].types)
     assert count(con, "SELECT units_detail FROM runs WHERE run_id = 'runA'") == '{"shared": 63}'
-    assert writer.completed_run_ids(tmp_path) == {"runA", "runB"}
-    assert writer.completed_run_ids(tmp_path, "q9") == set()
+    assert integrity.completed_run_ids(tmp_path) == {"runA", "runB"}
+    assert integrity.completed_run_ids(tmp_path, "q9") == set()
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.parquet"))
     assert len(files) == 5 + 6  # runA has no trace file
     assert all(f.split("/")[1] == "campaign=q1" for f in files)
@@ -346,7 +346,7 @@ def test_crashed_attempt_is_invisible_listed_and_superseded_by_rerun(tmp_path, m
     assert count(con, "SELECT count(*) FROM raw_requests WHERE run_id = 'runC'") == 5
     assert count(con, "SELECT count(*) FROM requests WHERE run_id = 'runC'") == 0
     assert count(con, "SELECT count(*) FROM runs") == 1
-    assert writer.completed_run_ids(tmp_path) == {"runA"}
+    assert integrity.completed_run_ids(tmp_path) == {"runA"}
     found = problems(tmp_path)
     assert set(found) == {"incomplete runs", "orphan rows"}
     assert found["incomplete runs"][0].startswith("run runC (campaign q1): ")
@@ -368,7 +368,7 @@ def test_failed_run_does_not_count(tmp_path):
     assert count(con, "SELECT count(*) FROM runs") == 0
     assert count(con, "SELECT count(*) FROM raw_runs WHERE NOT adopted") == 1
     assert count(con, "SELECT count(*) FROM steps") == 0
-    assert writer.completed_run_ids(tmp_path) == set()
+    assert integrity.completed_run_ids(tmp_path) == set()
     found = problems(tmp_path)
     assert list(found) == ["incomplete runs"]
     assert "runs row says failed" in found["incomplete runs"][0]
@@ -397,7 +397,7 @@ def test_same_run_id_in_two_campaigns_are_two_runs(tmp_path):
         "SELECT campaign, count(*) FROM requests GROUP BY ALL ORDER BY ALL"
     ).fetchall() == [("q1", 4), ("q4", 6)]
     assert count(con, "SELECT count(*) FROM runs WHERE adopted") == 2
-    assert writer.completed_run_ids(tmp_path, "q4") == {"runS"}
+    assert integrity.completed_run_ids(tmp_path, "q4") == {"runS"}
     report = ledger_check.check(tmp_path)
     assert report.ok
     assert report.notes["run ids complete in several campaigns"] == [
@@ -516,7 +516,7 @@ def test_empty_root_gives_typed_empty_views(tmp_path, exists):
         assert con.sql(f"SELECT * FROM {table}").to_arrow_table().schema.types == (
             SCHEMAS[table].types
         )
-    assert writer.completed_run_ids(root) == set()
+    assert integrity.completed_run_ids(root) == set()
     assert ledger_check.main([str(root)]) == (1 if exists else 2)
     report = ledger_check.check(root)
     assert report.empty and not report.ok
@@ -557,7 +557,7 @@ def test_writes_leave_no_temp_files_and_temp_names_never_match(tmp_path, monkeyp
     with pytest.raises(OSError, match="disk full"):
         write(tmp_path, "runB")
     assert list(tmp_path.rglob(f"*{writer.TEMP_SUFFIX}")) == []
-    assert writer.completed_run_ids(tmp_path) == {"runA"}
+    assert integrity.completed_run_ids(tmp_path) == {"runA"}
     assert not [p for p in tmp_path.rglob("runB-*")]
 
 
@@ -648,14 +648,14 @@ def test_damaged_table_file_fails_the_check_and_the_run_stops_counting(tmp_path,
     assert text.splitlines()[-1].startswith("summary: FAIL") and rel in text
 
     if damage == "flip":  # the cheap catalog check sees nothing wrong, the deep one does
-        assert writer.completed_run_ids(tmp_path) == {"runA", "runB"}
+        assert integrity.completed_run_ids(tmp_path) == {"runA", "runB"}
         assert integrity.scan_root(tmp_path, deep=True).complete_runs == {("q1", "runB")}
         return
     con, warned = connect_warned(tmp_path)
     assert count(con, "SELECT count(*) FROM runs") == 1
     assert con.execute("SELECT DISTINCT run_id FROM requests").fetchall() == [("runB",)]
     assert any("not counted" in w and rel in w for w in warned)
-    assert writer.completed_run_ids(tmp_path) == {"runB"}
+    assert integrity.completed_run_ids(tmp_path) == {"runB"}
 
 
 def test_garbage_and_truncated_files_are_skipped_with_a_warning_naming_them(tmp_path):
@@ -671,7 +671,7 @@ def test_garbage_and_truncated_files_are_skipped_with_a_warning_naming_them(tmp_
     (warning,) = warned
     assert "2 skipped unreadable files" in warning
     assert "poller/campaign=q1/garbage.parquet" in warning and "runs/campaign=q2/runX-" in warning
-    assert writer.completed_run_ids(tmp_path) == {"runA"}
+    assert integrity.completed_run_ids(tmp_path) == {"runA"}
     assert [r["run_id"] for r in writer.read_raw_runs(tmp_path)] == ["runA"]
     (tmp_path / "stray.parquet").write_bytes(b"junk")
     (tmp_path / "requests" / "nested").mkdir()
@@ -693,7 +693,7 @@ def test_file_damaged_inside_despite_its_magic_bytes_costs_only_itself(tmp_path)
     victim.write_bytes(bytes(data))
     rows, bad = ledgers.files.read_rows(sorted(writer.committed_files(tmp_path, "runs")))
     assert [r["run_id"] for r in rows] == ["runA"] and list(bad) == [victim]
-    assert writer.completed_run_ids(tmp_path) == {"runA"}
+    assert integrity.completed_run_ids(tmp_path) == {"runA"}
 
 
 def test_quarantine_moves_damage_aside_and_a_rewrite_repairs_the_run(tmp_path):
@@ -713,7 +713,7 @@ def test_quarantine_moves_damage_aside_and_a_rewrite_repairs_the_run(tmp_path):
     reasons = (moved.directory / integrity.REASONS_FILE).read_text()
     assert "requests/campaign=q1/garbage.parquet: 7 bytes, too short for a Parquet" in reasons
     assert "steps/campaign=q1/runA-" in reasons and ": missing" in reasons
-    assert writer.completed_run_ids(tmp_path) == {"runB"}
+    assert integrity.completed_run_ids(tmp_path) == {"runB"}
     with warnings.catch_warnings():
         warnings.simplefilter("error", LedgerWarning)  # nothing left to warn about
         assert count(ledgers.connect(tmp_path), "SELECT count(*) FROM runs") == 1

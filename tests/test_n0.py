@@ -250,6 +250,6 @@ def test_command_line_run():
 
 
 def test_unknown_org_names_n0():
-    with pytest.raises(ValueError, match="n0"):
+    with pytest.raises(ValueError, match="N0"):
         org_layout(load_geometry("falcon_h1_7b"), "n9")
     assert dataclasses.is_dataclass(org_layout(load_geometry("granite"), "n0"))

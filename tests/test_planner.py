@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from serving_core.geometry import load_geometry
+from serving_core.layout import org_layout
 from serving_core.planner import (
     Budget,
     headroom_units,
+    nominal_bytes,
     parse_budget,
     plan_budget,
     plan_to_dict,
@@ -175,9 +177,76 @@ def test_units_for_rejects_unknown_org(falcon):
         units_for(plan_budget(falcon, "b63"), "s9")
 
 
+# TQ4 (serving_core.kv_codec, one vector per head): 2 KV heads x (K, V) x (128 / 2 + 2) =
+# 264 B per token. S1/S2 page 512 x 264 = 135,168; SSM members ceil(1,572,864 / 135,168) =
+# ceil(11.64) = 12; conv slot 32,768 -> 135,168 // 32,768 = 4 slots per slab; S0 page
+# max(135,168, 1,594,368) = 1,594,368 (unchanged); D0 attention unit 16 x 264 = 4,224;
+# N0 block 16 x ceil(1,594,368 / (16 x 264)) = 16 x 378 = 6,048 tokens, page 1,596,672.
+# Nominal bytes are the bf16 ones (a label names the same bytes under every codec):
+# b63:  S1/S2 101,154,816 / 135,168 = 748.36 -> 748; D0 A 53,347,330.3 / 4,224 = 12,629.57
+#       -> 12,629; D0 R 29 (unchanged); N0 101,154,816 // 1,596,672 = 63 -> 62 + null
+# b83:  S1/S2 133,267,456 / 135,168 = 985.94 -> 986; D0 A 70,282,990.7 / 4,224 = 16,638.96
+#       -> 16,638; D0 R 39; N0 83 -> 82 + null
+# b108: S1/S2 173,408,256 / 135,168 = 1,282.91 -> 1,283; D0 A 91,452,566.3 / 4,224 =
+#       21,650.70 -> 21,650; D0 R 51; N0 108 -> 107 + null
+FALCON_TQ4_TABLE = {
+    # label: (S0 pages, S1/S2 pages, D0 attention units, D0 composites, N0 pages)
+    "b63": (63, 748, 12_629, 29, 62),
+    "b83": (84, 986, 16_638, 39, 82),
+    "b108": (109, 1_283, 21_650, 51, 107),
+}
+
+
+@pytest.mark.parametrize("label", sorted(FALCON_TQ4_TABLE))
+def test_falcon_tq4_budget_table_by_hand(falcon, label):
+    s0, s12, d0_a, d0_r, n0 = FALCON_TQ4_TABLE[label]
+    plan = plan_budget(falcon.with_codec("tq4"), label)
+    assert plan.kv_codec == "tq4"
+    assert plan.nominal_bytes == FALCON_TABLE[label][0] == nominal_bytes(falcon, label)
+    assert units_for(plan, "s0") == {"shared": s0}
+    assert units_for(plan, "s1") == units_for(plan, "S2") == {"shared": s12}
+    assert units_for(plan, "d0") == {"attention": d0_a, "recurrent": d0_r}
+    assert units_for(plan, "n0") == {"shared": n0}
+    units = {p.org + p.pool: p.unit_bytes for p in plan.pools}
+    assert units == {"S0shared": 1_594_368, "S1shared": 135_168, "S2shared": 135_168,
+                     "D0attention": 4_224, "D0recurrent": 1_594_368, "N0shared": 1_596_672}
+
+
+def test_tq4_layout_by_hand(falcon):
+    tq4 = falcon.with_codec("tq4")
+    s2, s1 = org_layout(tq4, "S2"), org_layout(tq4, "S1")
+    assert (s2.page_bytes, s2.ssm_members, s2.conv_slot_bytes, s2.slots_per_slab) == (
+        135_168, 12, 32_768, 4)
+    assert (s1.ssm_members, s1.conv_pages, s1.pages_per_composite) == (12, 1, 13)
+
+
+def test_pages_label_names_bf16_pages_of_bytes(falcon):
+    # p254 = 254 bf16 S1/S2 pages = 133,169,152 B; under tq4 that is 985.21 -> 985 pages
+    plan = plan_budget(falcon.with_codec("tq4"), "p254")
+    assert plan.nominal_bytes == 254 * 524_288 == 133_169_152
+    assert units_for(plan, "s2") == {"shared": 985}
+
+
+def test_cli_side_by_side_codecs():
+    table = _cli("--model", "falcon_h1_7b", "--budget", "b63", "--kv-codec", "both")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert "the same bytes under bf16 and tq4" in lines[0]
+    assert lines[1].split()[:4] == ["org", "pool", "bf16", "units"]
+    s2 = next(line.split() for line in lines if line.startswith("S2"))
+    assert s2 == ["S2", "shared", "193", "524,288", "+32,768", "748", "135,168", "-49,152"]
+    data = json.loads(_cli("--model", "falcon_h1_7b", "--budget", "b83", "--kv-codec", "both",
+                           "--json").stdout)
+    assert data["tq4"]["orgs"]["S2"]["units"] == 986 and data["bf16"]["orgs"]["S2"]["units"] == 254
+    one = json.loads(_cli("--model", "falcon_h1_7b", "--budget", "b83", "--kv-codec", "tq4",
+                          "--json").stdout)
+    assert one["kv_codec"] == "tq4" and one["orgs"]["D0"]["attention"]["units"] == 16_638
+
+
 def test_plan_to_dict_shape(falcon):
     data = plan_to_dict(plan_budget(falcon, "b63"))
-    assert set(data) == {"model", "budget", "nominal_bytes", "orgs"}
+    assert set(data) == {"model", "kv_codec", "budget", "nominal_bytes", "orgs"}
+    assert data["kv_codec"] == "bf16"
     assert set(data["orgs"]) == {"S0", "S1", "S2", "D0", "N0"}
     assert data["orgs"]["S1"] == {"units": 193, "unit_bytes": 524_288, "bytes": 101_187_584}
     d0 = data["orgs"]["D0"]

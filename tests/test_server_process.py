@@ -59,12 +59,20 @@ def _tagged(value: str) -> list[int]:
     return found
 
 
-def _sim_cmd(records: Path, **kw) -> list[str]:
-    args = dict(checkpoint=None, preset="falcon_h1_tiny", org="s2", budget="b63", cap=16,
-                max_num_batched_tokens=2048, headroom=0.0, retention_k=None, pinning_k=None,
-                trace=True, records=str(records), executor="simulated")
-    args.update(kw)
-    return hsl_server_command(**args)
+SIM_OVERRIDES = ("model=falcon_h1_tiny", "executor=a100", "org=s2", "budget=b63",
+                 "engine.cap=16", "trace=true")
+
+
+def _sim_cmd(records: Path, *overrides: str) -> list[str]:
+    """Our server on the paced step model (fast boot), its spec composed from run overrides
+    as `python -m experiments.serve` does."""
+    from experiments.serve import server_spec
+
+    spec = server_spec([*SIM_OVERRIDES, *overrides])
+    path = Path(records).parent / f"spec-{uuid.uuid4().hex[:8]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(spec.to_json())
+    return hsl_server_command(spec=str(path), records=str(records))
 
 
 def _run(cmd, timeout=120):
@@ -86,14 +94,23 @@ def test_port_in_use_fails_with_exit_2(tag, tmp_path):
 
 
 def test_bad_arguments_exit_2_with_one_line(tag, tmp_path):
-    res = _run(_sim_cmd(tmp_path / "rec", org="s7"))
+    serve = [sys.executable, "-m", "experiments.serve", "model=falcon_h1_tiny", "budget=b63",
+             "--port", "0"]
+    res = _run([*serve, "org=s7"])
     assert res.returncode == 2
-    assert res.stderr.strip() == "error: --org='s7': allowed values are s0, s1, s2, d0, " \
-                                 "s2_retention"
-    res = _run([sys.executable, "-m", "serving_core.server", "--model", str(tmp_path / "none"),
-                "--preset", "falcon_h1_tiny", "--org", "s2", "--budget", "b63", "--port", "0"])
+    assert res.stderr.strip() == "error: org='s7': allowed values are s0, s1, s2, d0, " \
+                                 "s2_retention, n0"
+    res = _run([*serve, "org=s2", "executor=torch", f"executor.checkpoint={tmp_path / 'none'}"])
     assert res.returncode == 2 and "not a directory" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+    # The server itself: a spec file that is not a spec.
+    bad = tmp_path / "spec.json"
+    bad.write_text('{"org": "s2", "budget": "b63", "model": {}, "colour": 1}')
+    res = _run([sys.executable, "-m", "serving_core.server", "--spec", str(bad), "--port", "0"])
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith(f"error: --spec={str(bad)!r}: engine spec: unknown "
+                                         "keys ['colour']")
+    assert not (tmp_path / "rec").exists()
 
 
 def test_model_folder_that_does_not_load(tag, tmp_path, tiny_checkpoint):
@@ -103,8 +120,8 @@ def test_model_folder_that_does_not_load(tag, tmp_path, tiny_checkpoint):
     broken.mkdir()
     (broken / "config.json").write_text((Path(tiny_checkpoint) / "config.json").read_text())
     (broken / "model.safetensors").write_bytes(b"\x00" * 64)
-    res = _run([sys.executable, "-m", "serving_core.server", "--model", str(broken),
-                "--org", "s2", "--budget", "b63", "--port", "0"])
+    res = _run([sys.executable, "-m", "experiments.serve", "model=falcon_h1_tiny", "org=s2",
+                "budget=b63", "executor=torch", f"executor.checkpoint={broken}", "--port", "0"])
     assert res.returncode == 1
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and "the checkpoint does not load" in err[0], res.stderr

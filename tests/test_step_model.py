@@ -377,3 +377,79 @@ def test_calibrated_a100_is_the_default_and_the_roofline_stays_available(falcon)
     for key in ("memory_efficiency", "matmul_efficiency", "mixed_step_s", "per_step_overhead_s"):
         assert fit["fitted"][key] == getattr(calibrated, key)
     assert fit["residuals"] and fit["data"]["anchors_sha256"]
+
+
+# --- compressed KV (tq4) -------------------------------------------------------------------
+KV_TQ4 = 264 * LAYERS  # 2 KV heads x (K, V) x (128 / 2 + 2) B per layer
+ELEMENTS = 2 * 2 * 128 * LAYERS  # K/V elements per token, all layers: 22,528
+DEC, ENC = 1e-12, 3e-12  # test values of the per-element codec seconds
+
+
+def test_tq4_additive_decode_adds_packed_kv_bytes_and_codec_work(falcon):
+    tq4 = falcon.with_codec("tq4")
+    model = additive(tq4, kv_decode_s_per_element=DEC, kv_encode_s_per_element=ENC)
+    # 63 decodes at context 3,600: 3,601 packed keys read and decoded, one key encoded each
+    memory = (W_BYTES + 63 * 3601 * KV_TQ4 + 63 * 2 * STATE) / 1_555e9
+    codec = 63 * 3601 * ELEMENTS * DEC + 63 * ELEMENTS * ENC
+    expected = memory / 0.5 + codec + 0.002 + 63e-5
+    assert model.step_seconds([1] * 63, [3600] * 63) == pytest.approx(expected, rel=1e-12)
+    # the same batch with bf16 KV pays 1,024 B per token per layer and no codec work
+    bf16 = additive(falcon, kv_decode_s_per_element=DEC, kv_encode_s_per_element=ENC)
+    memory_bf16 = (W_BYTES + 63 * 3601 * KV + 63 * 2 * STATE) / 1_555e9
+    assert bf16.step_seconds([1] * 63, [3600] * 63) == pytest.approx(
+        memory_bf16 / 0.5 + 0.002 + 63e-5, rel=1e-12)
+
+
+def test_tq4_additive_prefill_encodes_every_new_token(falcon):
+    edit = {"kv_decode_s_per_element": DEC, "kv_encode_s_per_element": ENC}
+    tq4 = additive(falcon.with_codec("tq4"), **edit)
+    bf16 = additive(falcon, **edit)
+    # a 2,048-token chunk after 1,000 cached tokens: only the encode term differs
+    assert tq4.step_seconds([2048], [1000]) - bf16.step_seconds([2048], [1000]) == pytest.approx(
+        2048 * ELEMENTS * ENC, rel=1e-9)
+
+
+def test_tq4_ledger_features_match_the_step_features(falcon):
+    import numpy as np
+
+    model = additive(falcon.with_codec("tq4"), kv_decode_s_per_element=DEC,
+                     kv_encode_s_per_element=ENC)
+    new, ctx = [700, 1, 1, 1], [512, 2000, 3000, 10]
+    memory, dense, fixed, mixed = model.plan_features(new, ctx, 1)
+    row = {"num_scheduled": [4], "num_decode_seqs": [3], "decode_context_tokens": [5010],
+           "decode_tokens": [3], "prefill_tokens_initial": [700], "prefill_tokens_resume": [0],
+           "prefill_attention_pairs": [700 * 512 + 700 * 701 // 2], "checkpoint_writes": [1]}
+    f = model.ledger_features(row)
+    assert f["codec"][0] == pytest.approx((5010 + 3) * ELEMENTS * DEC + 703 * ELEMENTS * ENC)
+    np.testing.assert_allclose([f["memory"][0], f["dense"][0],
+                                f["attention"][0] + f["scan"][0] + f["codec"][0], f["mixed"][0]],
+                               [memory, dense, fixed, mixed], rtol=1e-12)
+
+
+def test_tq4_roofline_breakdown_counts_codec_elements(falcon):
+    profile = {**raw_yaml("a100_roofline"), "kv_decode_s_per_element": DEC,
+               "kv_encode_s_per_element": ENC}
+    model = StepTimeModel(falcon.with_codec("tq4"), load_device_profile(profile), "s2")
+    b = model.breakdown([1, 100], [1000, 0])
+    assert b["kv_read_bytes"] == (1000 + 101) * KV_TQ4
+    assert b["codec_decode_elements"] == 1101 * ELEMENTS
+    assert b["codec_encode_elements"] == 101 * ELEMENTS
+    assert b["codec_s"] == pytest.approx(1101 * ELEMENTS * DEC + 101 * ELEMENTS * ENC)
+    assert b["compute_s"] == pytest.approx(b["dense_s"] + b["attention_s"] + b["scan_s"]
+                                           + b["codec_s"])
+    assert StepTimeModel(falcon, load_device_profile(profile), "s2").breakdown(
+        [1, 100], [1000, 0])["codec_s"] == 0
+
+
+def test_codec_constants_are_nominal_and_stated():
+    from serving_core.executor import profiles
+
+    a100 = load_device_profile("a100")
+    assert a100.kv_decode_s_per_element == pytest.approx(4 / 9.75e12)
+    assert a100.kv_encode_s_per_element == pytest.approx(17 / 9.75e12)
+    roofline = raw_yaml("a100_roofline")
+    assert roofline["kv_decode_s_per_element"] == pytest.approx(
+        profiles.NOMINAL_KV_DECODE_S_PER_ELEMENT)
+    assert "NOMINAL" in (CONF / "a100_roofline.yaml").read_text()
+    with pytest.raises(ValueError, match="kv_encode_s_per_element=-1"):
+        load_device_profile({**roofline, "kv_encode_s_per_element": -1.0})

@@ -227,3 +227,29 @@ def test_cli_errors_exit_2(args, needle):
     assert result.returncode == 2
     assert result.stdout == ""
     assert needle in result.stderr
+
+
+def test_tq4_costs_by_hand(falcon):
+    # tq4 (264 B/token): S1/S2 page 135,168, 12 SSM members, 4 conv slots per slab;
+    # D0 unit 4,224 (32 per block); N0 page 1,596,672 of 6,048 tokens.
+    tq4 = falcon.with_codec("tq4")
+    costs = all_costs(tq4, 16, 16)
+    assert costs["S0"].num_bytes == 32 * 1_594_368 == 51_019_776  # unchanged: composite pages
+    assert costs["S1"].num_bytes == (16 + 16 * 13) * 135_168 == 30_277_632
+    assert costs["S2"].num_bytes == (16 + 16 * 12 + 4) * 135_168 == 28_655_616
+    assert costs["S2"].num_slabs == 4
+    assert costs["D0"].num_bytes == 16 * 32 * 4_224 + 16 * 1_594_368 == 27_672_576
+    # N0: 16 x 512 = 8,192 tokens in ceil(8,192 / 6,048) = 2 pages, plus 16 checkpoint pages
+    assert costs["N0"].num_bytes == 18 * 1_596_672 == 28_740_096
+
+
+def test_cli_side_by_side_codecs():
+    cost = _cli("--attention-blocks", "16", "--checkpoints", "16", "--kv-codec", "both")
+    assert cost.returncode == 0, cost.stderr
+    lines = cost.stdout.splitlines()
+    assert lines[0].split() == ["org", "bf16", "bytes", "tq4", "bytes", "bf16", "MiB", "tq4",
+                                "MiB"]
+    assert lines[3].split()[:3] == ["S2", "34,078,720", "28,655,616"]
+    data = json.loads(_cli("--capacity-mib", "100", "--mix", "7,1", "--kv-codec", "both",
+                           "--json").stdout)
+    assert (data["bf16"]["S2"], data["tq4"]["S2"]) == (19, 40)

@@ -1,4 +1,13 @@
-"""Executors: the simulated device (step-time model on a virtual clock)."""
+"""Executors: what runs a scheduled step (protocol in base.py).
+
+Kinds, chosen by serving_core.builder's registry from an EngineSpec:
+- simulated (modelled.SimulatedExecutor): the step-time model (simulated.py, device
+  profiles in profiles.py) on a virtual clock;
+- paced (modelled.PacedExecutor): the same model, each step slept on a wall clock;
+- torch (torch_executor.TorchExecutor): the Falcon-H1 model over the organization's
+  state arenas (state_arena.py), on a wall clock.
+Clocks are in clocks.py; fit_steps.py fits a step model to a steps ledger.
+"""
 
 from serving_core.executor.profiles import (
     SSD_CHUNK_TOKENS,

@@ -2,10 +2,11 @@
 
 Each row of a steps ledger (a real run's, on any device) is one equation
 
-    duration = (t_m M + t_p P + t_a A + mixed_s X) (1 + x [S1/S2]) + step_s + seq_s B
+    duration = (t_m M + t_p P + t_a A + K + mixed_s X) (1 + x [S1/S2]) + step_s + seq_s B
 
 where M, P and A are the step's memory, prefill-token (dense and scan) and attention-pair
-seconds under the starting profile (serving_core.executor.simulated.AdditiveStepModel), X
+seconds under the starting profile (serving_core.executor.simulated.AdditiveStepModel), K the
+compressed-KV codec seconds at the profile's per-element constants (0 for bf16; a fixed term), X
 marks a step mixing prefill and decode, B is the number of scheduled sequences and x the
 paged organizations' indirection. The scales t_m, t_p, t_a divide the starting profile's
 efficiencies (dense and scan share t_p: both grow with prefill tokens alone, so the data
@@ -51,6 +52,7 @@ def design(model: AdditiveStepModel, steps: Mapping[str, Sequence]) -> dict[str,
         "memory": f["memory"] * model._inv_mem,
         "prefill": f["dense"] * model._inv_mm + f["scan"],
         "attention": f["attention"],
+        "codec": f["codec"],
         "mixed": f["mixed"],
         "seqs": np.asarray(steps["num_scheduled"], dtype=np.float64),
         "duration": np.asarray(steps["duration_s"], dtype=np.float64),
@@ -59,7 +61,8 @@ def design(model: AdditiveStepModel, steps: Mapping[str, Sequence]) -> dict[str,
 
 def _predict(theta: np.ndarray, f: Mapping[str, np.ndarray], paged: np.ndarray) -> np.ndarray:
     t_m, t_p, t_a, mixed, step_s, seq_s, x = theta
-    device = t_m * f["memory"] + t_p * f["prefill"] + t_a * f["attention"] + mixed * f["mixed"]
+    device = (t_m * f["memory"] + t_p * f["prefill"] + t_a * f["attention"] + f["codec"]
+              + mixed * f["mixed"])
     return device * (1.0 + x * paged) + step_s + seq_s * f["seqs"]
 
 

@@ -26,6 +26,17 @@ SSD_CHUNK_TOKENS = 256
 
 STEP_MODELS = ("roofline", "additive")
 
+# TQ4 codec work per K/V element (serving_core.kv_codec), NOMINAL A100 values, not fitted: no
+# real TQ4 steps exist yet to fit them with fit_steps. The work runs on CUDA cores (A100
+# datasheet: 19.5 TFLOP/s fp32 non-tensor), taken at half that rate. Decoding one element is
+# about 4 operations (shift and mask out the nibble, codebook lookup, multiply by the norm;
+# the attention product stays in the rotated basis, so no inverse rotation per key): 4 / 9.75e12.
+# Encoding is about 17 (fast Walsh-Hadamard butterfly, log2(128) = 7, and the sign flip; the
+# squared norm, 2; the scale, 1; a 4-step binary search over 15 boundaries; packing, 2; and a
+# margin of 1): 17 / 9.75e12.
+NOMINAL_KV_DECODE_S_PER_ELEMENT = 4 / 9.75e12
+NOMINAL_KV_ENCODE_S_PER_ELEMENT = 17 / 9.75e12
+
 # Profile fields that are fractions of a peak, in (0, 1].
 _EFFICIENCY_FIELDS = (
     "memory_efficiency",
@@ -54,6 +65,10 @@ class DeviceProfile:
     mixed_step_s: float = 0.0  # additive: extra seconds of a step mixing prefill and decode
     indirection_overhead: float = 0.0  # additive: S1/S2 fraction added to device time
     calibration: str = "datasheet"  # how the constants were obtained (provenance)
+    # TQ4 codec seconds per K/V element decoded (read) and encoded (written); used only when
+    # the geometry's kv_codec is not bf16. Default: the nominal A100 values above.
+    kv_decode_s_per_element: float = NOMINAL_KV_DECODE_S_PER_ELEMENT
+    kv_encode_s_per_element: float = NOMINAL_KV_ENCODE_S_PER_ELEMENT
 
     def __post_init__(self) -> None:
         if self.step_model not in STEP_MODELS:
@@ -71,7 +86,7 @@ class DeviceProfile:
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{f}={value} must lie in (0, 1]")
         for f in ("per_step_overhead_s", "per_seq_overhead_s", "mixed_step_s",
-                  "indirection_overhead"):
+                  "indirection_overhead", "kv_decode_s_per_element", "kv_encode_s_per_element"):
             value = getattr(self, f)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{f}={value} must be finite and >= 0")
@@ -101,6 +116,8 @@ _PROFILE_CASTS = {
     "mixed_step_s": float,
     "indirection_overhead": float,
     "calibration": str,
+    "kv_decode_s_per_element": float,
+    "kv_encode_s_per_element": float,
 }
 _OPTIONAL_FIELDS = {f.name for f in fields(DeviceProfile) if f.default is not MISSING}
 assert set(_PROFILE_CASTS) == {f.name for f in fields(DeviceProfile)}
@@ -175,6 +192,7 @@ class ModelCosts:
     scan_flops_per_chunk: int  # 2 H P N L: passing the state across one chunk
     scan_flops_per_intra_pair: int  # 2 (H P + G N) L: intra-chunk C B^T and its product with X
     ssd_chunk_tokens: int  # Q
+    codec_elements_per_token: int = 0  # K/V elements of one token, all L layers (0: bf16)
 
     @property
     def has_recurrent(self) -> bool:
@@ -210,4 +228,7 @@ def model_costs(geometry: Geometry, ssd_chunk_tokens: int = SSD_CHUNK_TOKENS) ->
         scan_flops_per_chunk=2 * hpn * layers,
         scan_flops_per_intra_pair=2 * intra * layers,
         ssd_chunk_tokens=ssd_chunk_tokens,
+        codec_elements_per_token=(
+            g.kv_elements_per_token * layers if g.kv_codec != "bf16" else 0
+        ),
     )

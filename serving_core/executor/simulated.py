@@ -11,11 +11,14 @@ roofline over the step's memory traffic and FLOPs plus host overhead:
               + 4 Ha d L sum(n c + n (n + 1) / 2) / (F eff_attn)
               + [4 HPN L sum(n) + 2 HPN L sum(ceil(n / Q))
                  + 2 (HP + GN) L sum(s^2 over chunks s of n)] / (F eff_scan)
+              + E [t_dec sum(c + n) + t_enc sum(n)]                  (compressed KV only)
 
 for B scheduled sequences with n new and c cached tokens each, k checkpoints
 published this step, W weight bytes, kv / state the whole-model bytes of one
 token's KV / one recurrent composite, and x the indirection overhead (S1/S2
-only). Coefficients come from `ModelCosts`; device constants from the profile.
+only). Coefficients come from `ModelCosts`; device constants from the profile. With a
+compressed KV representation (kv_codec tq4) kv is the packed bytes, and E = 2 Hkv d L K/V
+elements per token are decoded where read (t_dec s each) and encoded where written (t_enc).
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ from typing import Any
 from serving_core.executor.profiles import DeviceProfile, load_device_profile, model_costs
 from serving_core.geometry import Geometry
 from serving_core.layout import normalize_org
+from serving_core.memory import ORG_TO_CLASS
 
 # Organizations whose recurrent state is reached through an extra level of
-# indirection: S1 SSM member pages and its conv page, S2 member pages and packed conv
-# slots. S0 keeps a composite contiguous in one page; D0 stores native composites.
-# Attention blocks are paged the same way in S0/S1/S2, so KV traffic carries no
-# org-specific overhead.
-INDIRECT_ORGS = frozenset(("S1", "S2"))
+# indirection (their class says `indirect`): S1 SSM member pages and its conv page,
+# S2 member pages and packed conv slots. S0 keeps a composite contiguous in one page;
+# D0 stores native composites. Attention blocks are paged the same way in S0/S1/S2,
+# so KV traffic carries no org-specific overhead.
+INDIRECT_ORGS = frozenset(org for org, cls in ORG_TO_CLASS.items() if cls.indirect)
 
 
 def _indirection(value: Any) -> float:
@@ -61,6 +65,7 @@ class StepTimeModel:
     state between calls.
     """
 
+    kind = "roofline"  # what an engine's record names as its step model
     __slots__ = (
         "geometry",
         "device",
@@ -79,6 +84,8 @@ class StepTimeModel:
         "_chunk_tokens",
         "_step_overhead_s",
         "_seq_overhead_s",
+        "_decode_s_per_token",
+        "_encode_s_per_token",
     )
 
     def __init__(
@@ -118,6 +125,8 @@ class StepTimeModel:
         self._chunk_tokens = costs.ssd_chunk_tokens
         self._step_overhead_s = dev.per_step_overhead_s
         self._seq_overhead_s = dev.per_seq_overhead_s
+        self._decode_s_per_token = costs.codec_elements_per_token * dev.kv_decode_s_per_element
+        self._encode_s_per_token = costs.codec_elements_per_token * dev.kv_encode_s_per_element
 
     def step_seconds(
         self,
@@ -131,11 +140,11 @@ class StepTimeModel:
         context_tokens[i]: tokens already in that sequence's KV before this step.
         checkpoint_writes: recurrent composites published this step (each written once extra).
         """
-        weights_s, kv_s, state_s, dense_s, attention_s, scan_s, overhead_s = self._times(
+        weights_s, kv_s, state_s, dense_s, attention_s, scan_s, codec_s, overhead_s = self._times(
             self._aggregate(new_tokens, context_tokens, checkpoint_writes), checkpoint_writes
         )
         memory_s = weights_s + kv_s + state_s
-        compute_s = dense_s + attention_s + scan_s
+        compute_s = dense_s + attention_s + scan_s + codec_s
         return (memory_s if memory_s >= compute_s else compute_s) + overhead_s
 
     def breakdown(
@@ -147,12 +156,12 @@ class StepTimeModel:
         """The step_seconds computation with its bytes, FLOPs and times itemized."""
         agg = self._aggregate(new_tokens, context_tokens, checkpoint_writes)
         num_seqs, sum_new, sum_ctx, _, _, num_chunks, intra_pairs, attention_pairs = agg
-        weights_s, kv_s, state_s, dense_s, attention_s, scan_s, overhead_s = self._times(
+        weights_s, kv_s, state_s, dense_s, attention_s, scan_s, codec_s, overhead_s = self._times(
             agg, checkpoint_writes
         )
         c = self.costs
         memory_s = weights_s + kv_s + state_s
-        compute_s = dense_s + attention_s + scan_s
+        compute_s = dense_s + attention_s + scan_s + codec_s
         state_read = num_seqs * c.state_bytes_per_composite
         state_write = (num_seqs + checkpoint_writes) * c.state_bytes_per_composite
         bw = self.device.effective_bytes_per_s
@@ -184,6 +193,9 @@ class StepTimeModel:
             "dense_s": dense_s,
             "attention_s": attention_s,
             "scan_s": scan_s,
+            "codec_decode_elements": (sum_ctx + sum_new) * c.codec_elements_per_token,
+            "codec_encode_elements": sum_new * c.codec_elements_per_token,
+            "codec_s": codec_s,
             "compute_s": compute_s,
             "step_overhead_s": self._step_overhead_s,
             "seq_overhead_s": num_seqs * self._seq_overhead_s,
@@ -259,8 +271,9 @@ class StepTimeModel:
 
     def _times(
         self, agg: tuple[int, ...], checkpoint_writes: int
-    ) -> tuple[float, float, float, float, float, float, float]:
-        """Seconds of each roofline term: weights, kv, state | dense, attention, scan | host."""
+    ) -> tuple[float, float, float, float, float, float, float, float]:
+        """Seconds of each roofline term: weights, kv, state | dense, attention, scan, codec |
+        host."""
         num_seqs, sum_new, sum_ctx, _, _, num_chunks, intra_pairs, attention_pairs = agg
         return (
             self._weights_s,
@@ -274,6 +287,8 @@ class StepTimeModel:
             sum_new * self._scan_s_per_token
             + num_chunks * self._scan_s_per_chunk
             + intra_pairs * self._scan_s_per_intra_pair,
+            # A compressed KV decodes every key it reads and encodes every key it writes.
+            (sum_ctx + sum_new) * self._decode_s_per_token + sum_new * self._encode_s_per_token,
             self._step_overhead_s + num_seqs * self._seq_overhead_s,
         )
 
@@ -296,11 +311,19 @@ class AdditiveStepModel:
     per prefill sequence its composite read and write, plus one composite per published
     checkpoint; all at the peak bandwidth. dense_s: 2 P FLOPs per prefill token at peak;
     fixed_s: causal attention pairs of the prefill chunks and the SSD scan per prefill
-    token (full chunks of Q), at the profile's attention and scan efficiencies.
+    token (full chunks of Q), at the profile's attention and scan efficiencies, plus with a
+    compressed KV (tq4) the codec's work at the profile's per-element seconds: the decode
+    sequences' KV reads ((c + 1) tokens each) decoded and every new token's K/V encoded,
+    E = 2 Hkv d L elements per token, added without overlap. A prefill chunk's reconstruction
+    of its cached context is not charged: prefill KV reads are not in memory_s either (the fit
+    absorbs them), and at 4 CUDA-core operations per element against 4 Ha d tensor-core FLOPs
+    per (query, key) pair it is about 1 % of the chunk's attention time for n >= 512.
     A step is mixed when it carries both prefill and decode sequences. x_org is the
     profile's indirection overhead (plus `extra_indirection`) for S1/S2, else 0.
     A sequence with one new token is a decode sequence.
     """
+
+    kind = "additive"  # what an engine's record names as its step model
 
     __slots__ = (
         "geometry",
@@ -320,6 +343,8 @@ class AdditiveStepModel:
         "_scale",
         "_step_s",
         "_seq_s",
+        "_dec",
+        "_enc",
     )
 
     def __init__(self, geometry: Geometry, device, org: str, extra_indirection: float = 0.0):
@@ -346,6 +371,8 @@ class AdditiveStepModel:
         self._scale = 1.0 + self.indirection
         self._step_s = dev.per_step_overhead_s
         self._seq_s = dev.per_seq_overhead_s
+        self._dec = c.codec_elements_per_token * dev.kv_decode_s_per_element
+        self._enc = c.codec_elements_per_token * dev.kv_encode_s_per_element
 
     def plan_features(
         self, new_tokens: Sequence[int], context_tokens: Sequence[int], checkpoint_writes: int = 0
@@ -385,13 +412,17 @@ class AdditiveStepModel:
         )
         dense = prefill_tokens * self._dense
         fixed = attention_pairs * self._attn + prefill_tokens * self._scan
+        if self._dec or self._enc:
+            fixed += (decode_context + num_decode) * self._dec + (
+                prefill_tokens + num_decode) * self._enc
         mixed = 1 if num_decode and num_decode < num_seqs else 0
         return memory, dense, fixed, mixed
 
     def ledger_features(self, steps) -> dict:
         """Per row of a steps table (ledger columns), as numpy arrays: memory_s and dense_s
-        at the peaks, attention_s and scan_s at the profile's efficiencies, and the mixed
-        flag; the vectorized `features` of every row, with its fixed_s split in two."""
+        at the peaks, attention_s and scan_s at the profile's efficiencies, codec_s (0 for
+        bf16 KV) and the mixed flag; the vectorized `features` of every row, with its fixed_s
+        split in three."""
         import numpy as np  # off the engine's hot path: fits and calibration only
 
         c = {k: np.asarray(steps[k], dtype=np.float64) for k in (
@@ -407,6 +438,8 @@ class AdditiveStepModel:
             "dense": self._dense * prefill,
             "attention": self._attn * c["prefill_attention_pairs"],
             "scan": self._scan * prefill,
+            "codec": (self._dec * (c["decode_context_tokens"] + dec)
+                      + self._enc * (prefill + dec)),
             "mixed": ((dec > 0) & (dec < num)).astype(np.float64),
         }
 

@@ -196,6 +196,11 @@ class TorchExecutor:
             self._pending.append((item, req.working, list(req.dests), boundary_states, states))
         return int(logits[0].argmax())
 
+    def describe(self) -> dict:
+        """What this executor runs, read from its model."""
+        return {"executor": "torch", "device": str(self.model.device),
+                "dtype": str(self.model.dtype).removeprefix("torch.")}
+
     # ----- after publication ------------------------------------------------------------------
     def commit(self, plan) -> None:
         """Write boundary states into the composites published there, final states into
@@ -231,20 +236,19 @@ def build_torch_engine(
     budget_label: str = "",
     on_step=None,
 ):
-    """An Engine whose executor runs `model` on arenas of the organization's pools."""
-    from serving_core.engine import Engine, WallClock
-    from serving_core.layout import normalize_org
-    from serving_core.memory import build_memory
-    from serving_core.records import Recorder
+    """An Engine whose executor runs an already loaded `model` on arenas of the
+    organization's pools: serving_core.builder.build_engine with kind torch (`clock`: a
+    clock object whose kind is used, VirtualClock or WallClock)."""
+    from dataclasses import asdict
 
-    org = normalize_org(org)
-    if not geometry.has_recurrent:
-        raise ValueError(f"model={geometry.name!r}: the torch executor serves hybrid models only")
-    recorder = Recorder(trace=trace, slab=org == "S2")
-    mem = build_memory(geometry, org, pool_units, recorder)
-    arena = StateArena(mem, geometry, model.device)
-    return Engine(
-        geometry, org, pool_units, sched_cfg, TorchExecutor(model, arena),
-        clock=clock or WallClock(), trace=trace, budget_label=budget_label, on_step=on_step,
-        recorder=recorder, memory=mem,
+    from serving_core.builder import build_engine
+    from serving_core.engine_spec import EngineSpec, ExecutorSpec
+
+    spec = EngineSpec(
+        model=asdict(geometry), org=org, budget=budget_label or "explicit",
+        scheduler=sched_cfg,
+        executor=ExecutorSpec("torch", checkpoint="<in-memory model>", device=str(model.device),
+                              dtype=str(model.dtype).removeprefix("torch.")),
+        clock=None if clock is None else clock.kind, trace=trace, pool_units=pool_units,
     )
+    return build_engine(spec, on_step=on_step, model=model)

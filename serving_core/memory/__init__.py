@@ -1,9 +1,13 @@
-"""Memory organizations behind one interface (see base.MemoryOrganization)."""
+"""Memory organizations behind one interface (see base.MemoryOrganization).
+
+`ORG_TO_CLASS` is the organization registry: storage organization name -> class,
+each class carrying its own facts (default rules, indirection, slabs, retention).
+"""
 
 from __future__ import annotations
 
 from serving_core.geometry import Geometry
-from serving_core.layout import org_layout
+from serving_core.layout import ORGS, org_layout
 from serving_core.memory.base import MemoryOrganization
 from serving_core.memory.d0 import D0DualPools
 from serving_core.memory.events import MemoryEvents
@@ -15,12 +19,17 @@ from serving_core.memory.s1 import S1RecurrentPaging
 from serving_core.memory.s2 import SLAB_POLICIES, S2PagingConvSlots
 
 ORG_TO_CLASS: dict[str, type[MemoryOrganization]] = {
-    "S0": S0CoarsePages,
-    "S1": S1RecurrentPaging,
-    "S2": S2PagingConvSlots,
-    "D0": D0DualPools,
-    "N0": N0UniformPages,
+    cls.org: cls
+    for cls in (S0CoarsePages, S1RecurrentPaging, S2PagingConvSlots, D0DualPools, N0UniformPages)
 }
+assert tuple(ORG_TO_CLASS) == ORGS, "layout.ORGS lists the registered organizations in order"
+
+
+def org_class(org: str) -> type[MemoryOrganization]:
+    """The class of a storage organization (S0 ... N0; case-insensitive)."""
+    from serving_core.layout import normalize_org
+
+    return ORG_TO_CLASS[normalize_org(org)]
 
 
 def build_memory(
@@ -44,12 +53,12 @@ def build_memory(
     if layout.org == "D0" and not geometry.has_recurrent:
         # No recurrent state: D0 is a single attention pool.
         pool_units = {"attention": pool_units["attention"]}
-    if cls is S2PagingConvSlots:
-        return cls(layout, dict(pool_units), events, slab_policy=slab_policy)
     if slab_policy not in SLAB_POLICIES:
         raise ValueError(
             f"engine.slab_policy={slab_policy!r}: allowed values are {', '.join(SLAB_POLICIES)}"
         )
+    if cls.has_slabs:
+        return cls(layout, dict(pool_units), events, slab_policy=slab_policy)
     return cls(layout, dict(pool_units), events)
 
 
@@ -69,4 +78,5 @@ __all__ = [
     "S2PagingConvSlots",
     "StateObject",
     "build_memory",
+    "org_class",
 ]

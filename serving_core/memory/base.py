@@ -23,11 +23,25 @@ from serving_core.memory.prefix_cache import PrefixCache, PrefixHit
 
 
 class MemoryOrganization:
-    """Shared pools, reference counting, publication, lookup and LRU eviction."""
+    """Shared pools, reference counting, publication, lookup and LRU eviction.
+
+    Each subclass carries its organization's facts (the registry in
+    serving_core.memory reads them; the scheduler, the step model, the recorder and
+    the arenas ask the class, never a table of names):
+    - `checkpoint_placement`, `align_chunks`: the engine's default rules for it;
+    - `indirect`: the kernel reaches recurrent state through a page mapping;
+    - `has_slabs`: conv states live in shared slab pages (slab ledger, slab policy);
+    - `supports_retention`: producer-side checkpoint retention (S2+Retention) applies.
+    """
 
     org = ""
     attention_pool = "shared"
     composite_pool = "shared"
+    checkpoint_placement = "step_end"  # step_end | every_boundary
+    align_chunks = True
+    indirect = False
+    has_slabs = False
+    supports_retention = False
 
     def __init__(
         self, layout: OrgLayout, pool_units: dict[str, int], events: MemoryEvents | None = None

@@ -1,8 +1,9 @@
 """Logical state objects and the sentinel for absence.
 
-A StateObject is one logical unit of state that the scheduler holds or the
-prefix cache publishes: an attention block (a fixed number of tokens of KV) or
-a recurrent composite (SSM + conv state of one sequence at one token boundary).
+A StateObject is one logical unit of state that a request holds (through the
+hybrid-state manager, serving_core.state_manager) or the prefix cache publishes:
+an attention block (a fixed number of tokens of KV) or a recurrent composite
+(SSM + conv state of one sequence at one token boundary).
 Its physical placement (page ids, conv slot) is what a paged kernel reads.
 """
 

@@ -11,6 +11,7 @@ from serving_core.memory.objects import NO_SLOT, Kind, StateObject
 
 class S1RecurrentPaging(MemoryOrganization):
     org = "S1"
+    indirect = True
 
     def conv_line(self, obj: StateObject) -> int:
         """The dedicated conv page follows the SSM members."""

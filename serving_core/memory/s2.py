@@ -58,6 +58,9 @@ def decode_conv_line(line: int, slots_per_slab: int) -> tuple[int, int]:
 
 class S2PagingConvSlots(MemoryOrganization):
     org = "S2"
+    indirect = True
+    has_slabs = True
+    supports_retention = True
 
     def __init__(self, layout, pool_units, events=None, slab_policy: str = "write_once"):
         if slab_policy not in SLAB_POLICIES:

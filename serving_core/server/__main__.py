@@ -1,11 +1,14 @@
-"""`python -m serving_core.server --model DIR --org s2 --budget b63 [--port 0]`.
+"""`python -m serving_core.server --spec SPEC.json [--port 0]`.
 
-Loads the checkpoint, builds the engine over the organization's pools and serves
-it over HTTP on 127.0.0.1 (unless --host says otherwise). `--port 0` picks a free
-port. The first line on stdout is `listening on http://HOST:PORT`. SIGTERM/SIGINT
-shut down gracefully (`--drain finish|abort`; a second signal aborts) and write the
-records (--records).
-Bad arguments: one line on stderr, exit 2; a model that does not load: exit 1.
+Builds the engine the spec describes (serving_core.builder: the same builder
+every run uses; the spec is serving_core.engine_spec.EngineSpec as JSON, written
+by `python -m experiments.serve` or the runner) and serves it over HTTP on
+127.0.0.1 (unless --host says otherwise). `--port 0` picks a free port. Stdout
+starts with `engine {JSON}` (the effective rules read back from the built
+engine) and then `listening on http://HOST:PORT`. SIGTERM/SIGINT shut down
+gracefully (`--drain finish|abort`; a second signal aborts) and write the records
+(--records).
+Bad arguments or a bad spec: one line on stderr, exit 2; a model that does not load: exit 1.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import os
 import signal
 import socket
@@ -22,8 +26,7 @@ import time
 
 from serving_core.server.runtime import DRAIN_MODES
 
-ORGS = ("s0", "s1", "s2", "d0", "s2_retention")
-EXECUTORS = ("torch", "simulated")
+ENGINE_LINE = "engine "  # stdout prefix of the effective rules
 
 
 class UsageError(ValueError):
@@ -33,21 +36,8 @@ class UsageError(ValueError):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m serving_core.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint folder (config.json + *.safetensors)")
-    p.add_argument("--preset", help="model preset in conf/model (default: the folder's name)")
-    p.add_argument("--org", required=True, help=f"one of {', '.join(ORGS)}")
-    p.add_argument("--budget", required=True, help="bN or pN")
-    p.add_argument("--cap", type=int, default=63, help="max running requests")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--headroom", type=float, default=0.0, help="admission headroom f")
-    p.add_argument("--retention-k", type=int, default=2, help="S2+Retention threshold K")
-    p.add_argument("--pinning-k", type=int, default=None, help="pinning threshold (none: off)")
-    p.add_argument("--trace", action="store_true", help="record the per-event trace")
-    p.add_argument("--executor", default="torch", help=f"one of {', '.join(EXECUTORS)}")
-    p.add_argument("--profile", default="a100",
-                   help="device profile of --executor simulated (conf/executor)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--spec", required=True,
+                   help="engine spec JSON file (python -m experiments.serve writes one)")
     p.add_argument("--tokenizer", default="llama3", help="quicktok encoding for text, or none")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -59,27 +49,23 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
-    if args.org not in ORGS:
-        raise UsageError(f"--org={args.org!r}: allowed values are {', '.join(ORGS)}")
-    if args.executor not in EXECUTORS:
-        raise UsageError(f"--executor={args.executor!r}: allowed values are {', '.join(EXECUTORS)}")
     if args.drain not in DRAIN_MODES:
         raise UsageError(f"--drain={args.drain!r}: allowed values are {', '.join(DRAIN_MODES)}")
-    for name, low in (("cap", 1), ("max_num_batched_tokens", 1), ("retention_k", 1)):
-        if getattr(args, name) < low:
-            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= {low}")
-    if args.pinning_k is not None and args.pinning_k < 1:
-        raise UsageError(f"--pinning-k={args.pinning_k}: expected >= 1")
-    if not 0.0 <= args.headroom < 1.0:
-        raise UsageError(f"--headroom={args.headroom}: expected 0 <= f < 1")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port={args.port}: expected 0..65535")
-    if args.executor == "torch" and not args.model:
-        raise UsageError("--model: a checkpoint folder is required with --executor torch")
-    if not args.preset:
-        if not args.model:
-            raise UsageError("--preset: a model preset is required without --model")
-        args.preset = os.path.basename(os.path.normpath(args.model))
+
+
+def load_spec(path: str):
+    """The EngineSpec in a JSON file; UsageError names what is wrong."""
+    from serving_core.engine_spec import EngineSpec
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return EngineSpec.from_json(fh.read())
+    except OSError as err:
+        raise UsageError(f"--spec={path!r}: cannot read ({err.strerror})") from None
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"--spec={path!r}: {err}") from None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -97,69 +83,18 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class PacedExecutor:
-    """The simulated executor on a wall clock: each step sleeps its modelled duration."""
+def build_engine(spec):
+    """The engine of `spec` (serving_core.builder); a bad spec is a UsageError, a model that
+    does not load a RuntimeError."""
+    from serving_core.builder import build_engine as build
 
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def execute(self, plan, checkpoint_writes):
-        out = self.inner.execute(plan, checkpoint_writes)
-        time.sleep(out.duration_s)
-        return out
-
-
-def build_engine(args):
-    """(engine, vocab_size) for the parsed arguments; ValueError names the bad input."""
-    from serving_core.geometry import load_geometry
-    from serving_core.layout import normalize_org
-    from serving_core.planner import plan_budget, units_for
-    from serving_core.scheduler import SchedulerConfig
-
+    if spec.executor.kind not in ("torch", "paced"):
+        raise UsageError(f"--spec: executor.kind={spec.executor.kind!r}: the server runs "
+                         f"torch (a model) or paced (the step model on a wall clock)")
     try:
-        geometry = load_geometry(args.preset)
+        return build(spec)
     except ValueError as err:
-        raise UsageError(f"--preset: {err}") from None
-    try:
-        plan = plan_budget(geometry, args.budget)
-    except ValueError as err:
-        raise UsageError(f"--budget: {err}") from None
-    org = normalize_org(args.org)
-    units = units_for(plan, org)
-    sched_cfg = SchedulerConfig(
-        cap=args.cap, max_num_batched_tokens=args.max_num_batched_tokens,
-        headroom=args.headroom,
-        retention_k=args.retention_k if args.org == "s2_retention" else None,
-        pinning_k=args.pinning_k,
-    )
-    if args.executor == "simulated":
-        from serving_core.engine import Engine, SimulatedExecutor, WallClock
-        from serving_core.executor.profiles import load_device_profile
-        from serving_core.executor.simulated import StepTimeModel
-        from serving_core.request import GENERATED_TOKEN_SPACE
-
-        device = load_device_profile(args.profile)
-        model = StepTimeModel(geometry, device, org, 0.0)
-        engine = Engine(geometry, org, units, sched_cfg, PacedExecutor(SimulatedExecutor(model)),
-                        clock=WallClock(), trace=args.trace, budget_label=args.budget)
-        return engine, GENERATED_TOKEN_SPACE
-    from serving_core.executor.torch_config import TorchExecutorConfig, check_checkpoint
-    from serving_core.executor.torch_executor import build_torch_engine
-    from serving_core.model.falcon_h1 import FalconH1
-
-    tcfg = TorchExecutorConfig(args.model, args.device, args.dtype, args.max_num_batched_tokens)
-    try:
-        cfg = check_checkpoint(tcfg, geometry)
-    except ValueError as err:
-        raise UsageError(f"--model: {err}") from None
-    try:
-        model = FalconH1.load(args.model, args.device, args.dtype)
-    except Exception as err:  # corrupt weights, wrong shapes: the folder does not load
-        raise RuntimeError(f"--model={args.model!r}: the checkpoint does not load "
-                           f"({type(err).__name__}: {err})") from None
-    engine = build_torch_engine(model, geometry, org, units, sched_cfg, trace=args.trace,
-                                budget_label=args.budget)
-    return engine, int(cfg["vocab_size"])
+        raise UsageError(f"--spec: {err}") from None
 
 
 def _watch_parent(server) -> None:
@@ -179,8 +114,11 @@ def serve(args) -> int:
     from serving_core.server.records_out import write_records
     from serving_core.server.runtime import EngineRuntime
 
+    spec = load_spec(args.spec)
     sock = bind(args.host, args.port)  # before the model loads: a taken port fails fast
-    engine, vocab = build_engine(args)
+    engine = build_engine(spec)
+    effective = engine.effective_rules()
+    model_name = str(spec.model["name"])
     tokenizer = None
     if args.tokenizer != "none":
         import quicktok
@@ -192,13 +130,14 @@ def serve(args) -> int:
     def on_shutdown() -> None:
         result = engine.result()  # ends the trace with END
         if args.records:
-            summary = dict(result.summary, org=args.org, budget=args.budget,
-                           clock_end_s=engine.clock.now(), engine_error=runtime.error)
+            summary = dict(result.summary, org=spec.org, budget=spec.budget,
+                           clock_end_s=engine.clock.now(), engine_error=runtime.error,
+                           engine_config=effective)
             out = write_records(args.records, result.tables, summary)
             print(f"records written to {out}", flush=True)
 
-    app = create_app(runtime, model_name=args.preset, vocab_size=vocab, tokenizer=tokenizer,
-                     on_shutdown=on_shutdown)
+    app = create_app(runtime, model_name=model_name, vocab_size=engine.vocab_size,
+                     tokenizer=tokenizer, on_shutdown=on_shutdown)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -221,6 +160,7 @@ def serve(args) -> int:
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     server = Server(config)
     host, port = sock.getsockname()[:2]
+    print(ENGINE_LINE + json.dumps(effective, sort_keys=True), flush=True)
     print(f"listening on http://{host}:{port}", flush=True)
     if args.exit_with_parent:
         threading.Thread(target=_watch_parent, args=(server,), daemon=True).start()

@@ -1,0 +1,66 @@
+"""The one table of experiment arms: every spelling of an organization's name lives here.
+
+An arm is what a user asks for (`org=s2_retention`); it runs on a storage
+organization of serving_core (`S2`) with its own settings (retention K) and is
+recorded in the ledgers under its own `org` value (`S2_RETENTION`) and `arm`
+label (`S2+Retention`). The runner's choices, the ledgers' values, and the
+analysis' order, display names and colours all derive from `ARMS`; the table's
+order is the order of every figure and table. (serving_core names only its
+storage organizations, on the organization classes; a test checks the two agree.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    name: str  # config value: org=<name>
+    org: str  # storage organization the engine builds (serving_core's registry key)
+    ledger_org: str  # runs.org
+    label: str  # runs.arm, short display name
+    display: str  # figure legends
+    color: str  # figure colour
+    retention: bool = False  # producer-side checkpoint retention (retention.k applies)
+
+
+ARMS: dict[str, Arm] = {a.name: a for a in (
+    Arm("s0", "S0", "S0", "S0", "S0", "#8c8c8c"),
+    Arm("s1", "S1", "S1", "S1", "S1", "#4c72b0"),
+    Arm("s2", "S2", "S2", "S2", "S2", "#55a868"),
+    Arm("d0", "D0", "D0", "D0", "D0", "#c44e52"),
+    Arm("s2_retention", "S2", "S2_RETENTION", "S2+Retention", "S2+Retention", "#8172b2",
+        retention=True),
+    Arm("n0", "N0", "N0", "N0", "N0 (vLLM native)", "#937860"),
+)}
+ARM_NAMES = tuple(ARMS)
+BY_LEDGER_ORG: dict[str, Arm] = {a.ledger_org: a for a in ARMS.values()}
+LEDGER_ORGS = tuple(BY_LEDGER_ORG)  # runs.org values in display order
+STORAGE_ORGS = tuple(dict.fromkeys(a.org for a in ARMS.values()))
+OTHER_COLOR = "#dd8452"  # an org value outside the table
+
+
+def arm(name: str) -> Arm:
+    """The arm named by a config value (case and `+` tolerated); ValueError names the choices."""
+    key = str(name).strip().lower().replace("+", "_")
+    if key not in ARMS:
+        raise ValueError(f"org={name!r}: allowed values are {', '.join(ARM_NAMES)}")
+    return ARMS[key]
+
+
+def display_name(ledger_org: str) -> str:
+    """Legend name of a runs.org value (the value itself when outside the table)."""
+    found = BY_LEDGER_ORG.get(str(ledger_org).upper())
+    return found.display if found else str(ledger_org)
+
+
+def short_name(ledger_org: str) -> str:
+    """Table name of a runs.org value (S2_RETENTION -> S2+Retention)."""
+    found = BY_LEDGER_ORG.get(str(ledger_org).upper())
+    return found.label if found else str(ledger_org)
+
+
+def color(ledger_org: str) -> str:
+    found = BY_LEDGER_ORG.get(str(ledger_org).upper())
+    return found.color if found else OTHER_COLOR

@@ -1,0 +1,156 @@
+"""The one engine builder: an `EngineSpec` in, a ready `Engine` out.
+
+Every path that serves requests builds its engine here: a simulated cell, the
+in-process torch engine, the HTTP server (which receives the spec as JSON),
+continuation, calibration and the benchmarks. The executor is chosen from
+`EXECUTORS` by the spec's `executor.kind`, the way a serving engine picks its
+executor class from its config; the clock from the spec (or the executor's
+default). After building, the engine's effective rules are read back from its
+parts and compared with the spec's requested rules: an engine that would run
+other rules than asked is refused before it serves anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from serving_core.engine import Engine
+from serving_core.engine_spec import EngineSpec, check_effective
+from serving_core.executor.clocks import CLOCK_CLASSES
+from serving_core.geometry import Geometry
+from serving_core.memory import MemoryOrganization, build_memory, org_class
+from serving_core.records import Recorder
+
+
+def _step_model(spec: EngineSpec, geometry: Geometry):
+    from serving_core.executor.simulated import build_step_model
+
+    if not spec.executor.profile:
+        raise ValueError(f"executor.kind={spec.executor.kind}: a device profile is required")
+    return build_step_model(geometry, dict(spec.executor.profile), spec.org,
+                            spec.executor.indirection_overhead)
+
+
+def _simulated(spec: EngineSpec, geometry: Geometry, mem: MemoryOrganization, *,
+               step_model=None, model=None):
+    from serving_core.executor.modelled import SimulatedExecutor
+
+    return SimulatedExecutor(step_model or _step_model(spec, geometry))
+
+
+def _paced(spec: EngineSpec, geometry: Geometry, mem: MemoryOrganization, *,
+           step_model=None, model=None):
+    from serving_core.executor.modelled import PacedExecutor
+
+    return PacedExecutor(step_model or _step_model(spec, geometry))
+
+
+def _torch(spec: EngineSpec, geometry: Geometry, mem: MemoryOrganization, *,
+           step_model=None, model=None):
+    """The model (loaded from the spec's checkpoint unless given) over the pools' arenas."""
+    from serving_core.executor.state_arena import StateArena
+    from serving_core.executor.torch_config import TorchExecutorConfig, check_checkpoint
+    from serving_core.executor.torch_executor import TorchExecutor
+
+    if not geometry.has_recurrent:
+        raise ValueError(f"model={geometry.name!r}: the torch executor serves hybrid models only")
+    ex = spec.executor
+    if model is None:
+        from serving_core.model.falcon_h1 import FalconH1
+
+        tcfg = TorchExecutorConfig(str(ex.checkpoint), ex.device, ex.dtype,
+                                   spec.scheduler.max_num_batched_tokens)
+        check_checkpoint(tcfg, geometry)
+        try:
+            model = FalconH1.load(tcfg.checkpoint, tcfg.device, tcfg.dtype)
+        except Exception as err:  # corrupt weights, wrong shapes: the folder does not load
+            raise RuntimeError(f"executor.checkpoint={tcfg.checkpoint!r}: the checkpoint does "
+                               f"not load ({type(err).__name__}: {err})") from None
+    return TorchExecutor(model, StateArena(mem, geometry, model.device))
+
+
+def _vocab_size(executor) -> int:
+    """Token ids the engine produces: the model's vocabulary, or the synthetic token space."""
+    from serving_core.request import GENERATED_TOKEN_SPACE
+
+    model = getattr(executor, "model", None)
+    return int(model.cfg["vocab_size"]) if model is not None else GENERATED_TOKEN_SPACE
+
+
+# executor.kind -> factory(spec, geometry, memory, step_model=, model=) -> executor
+EXECUTORS: dict[str, Callable[..., Any]] = {
+    "simulated": _simulated,
+    "paced": _paced,
+    "torch": _torch,
+}
+
+
+def build_engine(spec: EngineSpec, *, on_step=None, step_model=None, model=None,
+                 check: bool = True) -> Engine:
+    """The engine `spec` describes.
+
+    step_model: a step-time model object in place of the profile's (tests, fits);
+    model: an already loaded torch model in place of the spec's checkpoint (one model
+    shared by many engines); on_step(scheduler, memory): per-step hook (invariants).
+    With `check`, refuse (ValueError, one line) an engine whose effective rules differ
+    from the spec's requested rules.
+    """
+    geometry = spec.geometry()
+    units = spec.units(geometry)
+    recorder = Recorder(trace=spec.trace, slab=org_class(spec.org).has_slabs)
+    mem = build_memory(geometry, spec.org, units, recorder, spec.scheduler.slab_policy)
+    factory = EXECUTORS.get(spec.executor.kind)
+    if factory is None:
+        raise ValueError(f"executor.kind={spec.executor.kind!r}: built here are "
+                         f"{', '.join(EXECUTORS)}")
+    executor = factory(spec, geometry, mem, step_model=step_model, model=model)
+    engine = Engine(
+        geometry, spec.org, units, spec.scheduler, executor,
+        clock=CLOCK_CLASSES[spec.clock_kind](), trace=spec.trace, budget_label=spec.budget,
+        on_step=on_step, recorder=recorder, memory=mem,
+    )
+    engine.spec = spec
+    engine.vocab_size = _vocab_size(executor)
+    if check:
+        requested = spec.requested_rules()
+        if step_model is not None:
+            requested["step_model"] = getattr(step_model, "kind", type(step_model).__name__)
+        check_effective(requested, engine.effective_rules())
+    return engine
+
+
+class _Unbuilt:
+    """Stands in for an executor in `preflight`: runs nothing, describes nothing."""
+
+    def execute(self, plan, checkpoint_writes):
+        raise RuntimeError("preflight engines do not run")
+
+    def commit(self, plan) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {}
+
+
+EXECUTOR_KEYS = ("executor", "step_model", "profile", "indirection", "device", "dtype")
+
+
+def preflight(spec: EngineSpec) -> dict[str, Any]:
+    """Check, before a run starts, that the engine `spec` describes runs the requested
+    rules (ValueError, one line); return its effective rules. Modelled executors are
+    built in full (cheap); a torch engine is built without its model, so its executor's
+    own keys are checked when the run builds it."""
+    if spec.executor.kind in ("simulated", "paced"):
+        return build_engine(spec).effective_rules()
+    geometry = spec.geometry()
+    units = spec.units(geometry)
+    recorder = Recorder(trace=spec.trace, slab=org_class(spec.org).has_slabs)
+    mem = build_memory(geometry, spec.org, units, recorder, spec.scheduler.slab_policy)
+    engine = Engine(geometry, spec.org, units, spec.scheduler, _Unbuilt(),
+                    clock=CLOCK_CLASSES[spec.clock_kind](), trace=spec.trace,
+                    budget_label=spec.budget, recorder=recorder, memory=mem)
+    effective = engine.effective_rules()
+    requested = {k: v for k, v in spec.requested_rules().items() if k not in EXECUTOR_KEYS}
+    check_effective(requested, effective)
+    return effective

@@ -1,0 +1,198 @@
+"""What an engine is built from: one immutable spec, serializable to JSON.
+
+`EngineSpec` names everything that decides what an engine does: the model
+geometry, the storage organization, the budget (or explicit pool units), every
+scheduler rule, the executor and its settings, the clock and the trace. Every
+path that builds an engine (a simulated cell, the in-process torch engine, the
+HTTP server, continuation, calibration, benchmarks) goes through
+`serving_core.builder.build_engine(spec)`; the server receives the same spec as
+JSON. This module is also the only place a `SchedulerConfig` is made from data.
+
+`requested_rules()` resolves the spec's per-organization defaults through the
+organization registry: it is what the run asks for, to be compared with what the
+built engine reports (`Engine.effective_rules()`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from serving_core.geometry import Geometry, geometry_from_config
+from serving_core.scheduler import SchedulerConfig
+
+# external: an engine another program runs (the vLLM arm); the spec still carries its
+# scheduler settings, but serving_core builds no engine for it.
+EXECUTOR_KINDS = ("simulated", "paced", "torch", "external")
+CLOCKS = ("virtual", "wall")
+DEFAULT_CLOCK = {"simulated": "virtual", "paced": "wall", "torch": "wall", "external": "wall"}
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """The executor of an engine, chosen by `kind` in the builder's registry.
+
+    simulated / paced: `profile` is the device profile mapping (conf/executor/<name>.yaml,
+    resolved) and `indirection_overhead` the extra S1/S2 fraction on top of the profile's;
+    paced sleeps each modelled step on a wall clock. torch: `checkpoint`, `device`, `dtype`.
+    external: served by another program (vLLM), never built here.
+    """
+
+    kind: str = "simulated"
+    profile: Mapping[str, Any] | None = None
+    indirection_overhead: float = 0.0
+    checkpoint: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXECUTOR_KINDS:
+            raise ValueError(
+                f"executor.kind={self.kind!r}: allowed values are {', '.join(EXECUTOR_KINDS)}"
+            )
+        if self.kind == "torch" and not self.checkpoint:
+            raise ValueError("executor.checkpoint: a checkpoint folder is required with torch")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: Mapping[str, Any]  # geometry fields (conf/model/<name>.yaml, resolved)
+    org: str  # storage organization: S0 | S1 | S2 | D0 | N0
+    budget: str  # bN | pN; the planner converts it to pool units
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    executor: ExecutorSpec = field(default_factory=ExecutorSpec)
+    clock: str | None = None  # virtual | wall | None: the executor's default
+    trace: bool = False
+    pool_units: Mapping[str, int] | None = None  # None: the planner's units for the budget
+
+    def __post_init__(self) -> None:
+        from serving_core.layout import normalize_org
+
+        object.__setattr__(self, "org", normalize_org(self.org))
+        if self.clock is not None and self.clock not in CLOCKS:
+            raise ValueError(f"clock={self.clock!r}: allowed values are {', '.join(CLOCKS)}")
+
+    # ----- derived --------------------------------------------------------------------------
+    @property
+    def clock_kind(self) -> str:
+        return self.clock or DEFAULT_CLOCK[self.executor.kind]
+
+    def geometry(self) -> Geometry:
+        return geometry_from_config(self.model)
+
+    def units(self, geometry: Geometry | None = None) -> dict[str, int]:
+        """Pool units: explicit, or the planner's for the budget."""
+        if self.pool_units is not None:
+            return {str(k): int(v) for k, v in self.pool_units.items()}
+        from serving_core.planner import plan_budget, units_for
+
+        return units_for(plan_budget(geometry or self.geometry(), self.budget), self.org)
+
+    def requested_rules(self) -> dict[str, Any]:
+        """The rules this spec asks for, per-organization defaults resolved (registry)."""
+        from serving_core.memory import org_class
+
+        geometry = self.geometry()
+        cls = org_class(self.org)
+        sc = self.scheduler
+        interval = _checkpoint_interval(geometry, self.org)
+        placement = (sc.checkpoint_placement or cls.checkpoint_placement) if interval else None
+        # The organization's default aligns chunks only where the token budget reaches a
+        # boundary (else nothing would progress); an explicit true must be honoured.
+        default_align = cls.align_chunks and sc.max_num_batched_tokens >= interval
+        align = default_align if sc.align_chunks is None else sc.align_chunks
+        return {
+            "org": self.org,
+            "admission": sc.admission,
+            "reserve_output_tokens": sc.reserve_output_tokens,
+            "checkpoint_placement": placement,
+            "align_chunks": bool(interval) and bool(align),
+            "slab_policy": sc.slab_policy if cls.has_slabs else None,
+            "retention_k": sc.retention_k,
+            "pinning_k": sc.pinning_k,
+            "cap": sc.cap,
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "headroom": sc.headroom,
+            "executor": self.executor.kind,
+            "step_model": _requested_step_model(self.executor),
+            "clock": self.clock_kind,
+            "trace": bool(self.trace),
+        }
+
+    # ----- JSON -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["model"] = dict(self.model)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineSpec:
+        """The spec of a mapping (to_dict's shape); ValueError names a bad or unknown key."""
+        data = dict(data)
+        _known(data, cls, "engine spec")
+        sched = dict(data.pop("scheduler", None) or {})
+        _known(sched, SchedulerConfig, "engine spec: scheduler")
+        ex = dict(data.pop("executor", None) or {})
+        _known(ex, ExecutorSpec, "engine spec: executor")
+        units = data.pop("pool_units", None)
+        return cls(
+            **data,
+            scheduler=SchedulerConfig(**sched),
+            executor=ExecutorSpec(**ex),
+            pool_units=None if units is None else {str(k): int(v) for k, v in units.items()},
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineSpec:
+        return cls.from_dict(json.loads(text))
+
+
+def _known(data: Mapping, cls, where: str) -> None:
+    allowed = [f.name for f in fields(cls)]
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed keys are {allowed}")
+
+
+def _checkpoint_interval(geometry: Geometry, org: str) -> int:
+    from serving_core.layout import org_layout
+
+    return org_layout(geometry, org).checkpoint_interval
+
+
+def _requested_step_model(ex: ExecutorSpec) -> str | None:
+    """additive | roofline for a modelled executor (the profile's `step_model`), else None;
+    a spec without a profile (a step model object handed to the builder) asks for none."""
+    if ex.kind == "torch" or not ex.profile:
+        return None
+    return str(dict(ex.profile).get("step_model") or "roofline")
+
+
+def rule_differences(requested: Mapping[str, Any], effective: Mapping[str, Any]) -> list[str]:
+    """`key requested X, effective Y` for every requested rule the engine does not run."""
+    out = []
+    for key, want in requested.items():
+        got = effective.get(key, "<absent>")
+        if got != want:
+            out.append(f"{key} requested {_show(want)}, effective {_show(got)}")
+    return out
+
+
+def check_effective(requested: Mapping[str, Any], effective: Mapping[str, Any]) -> None:
+    """Refuse a run whose engine runs other rules than requested (one line)."""
+    diffs = rule_differences(requested, effective)
+    if diffs:
+        raise ValueError("engine rules differ from the request: " + "; ".join(diffs))
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

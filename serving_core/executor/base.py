@@ -1,0 +1,35 @@
+"""The executor protocol: what the engine asks of whatever runs a scheduled step.
+
+An executor runs one step's plan (`execute`, before publication: the chunks and
+the number of checkpoint boundaries they cross), then `commit`s it after the
+scheduler has published the step's entries (a real executor writes the published
+states into their units; a modelled one has nothing to write). `describe()` says
+what it runs, read from the executor itself; the engine's record of a run's rules
+includes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(slots=True)
+class ExecutorOutput:
+    """What an executor returns for one step.
+
+    duration_s: modelled seconds (virtual clock); a wall-clock engine measures instead.
+    sampled: request id -> next token id for the scheduled requests that produce one;
+    a request missing here gets the workload's synthetic token (simulated runs).
+    """
+
+    duration_s: float = 0.0
+    sampled: dict[int, int] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    def execute(self, plan: list, checkpoint_writes: int) -> ExecutorOutput: ...
+
+    def commit(self, plan: list) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...

@@ -1,0 +1,54 @@
+"""Executors that run the step-time model instead of a model: no data, only durations.
+
+`SimulatedExecutor` returns each step's modelled duration for a virtual clock;
+`PacedExecutor` sleeps it, so a wall-clock engine (the HTTP server without a
+model) serves at the modelled pace.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from serving_core.executor.base import ExecutorOutput
+
+
+class SimulatedExecutor:
+    """The step-time model as an executor."""
+
+    kind = "simulated"
+
+    def __init__(self, step_model) -> None:
+        self.step_model = step_model
+
+    def execute(self, plan: list, checkpoint_writes: int) -> ExecutorOutput:
+        new_tokens = [item.num_new for item in plan]
+        contexts = [item.context for item in plan]
+        return ExecutorOutput(self.step_model.step_seconds(new_tokens, contexts, checkpoint_writes))
+
+    def commit(self, plan: list) -> None:
+        """Nothing to write: a modelled step holds no state."""
+
+    def describe(self) -> dict[str, Any]:
+        model = self.step_model
+        indirection = getattr(model, "indirection", None)
+        if indirection is None:
+            indirection = getattr(model, "effective_indirection", 0.0)
+        device = getattr(model, "device", None)
+        return {
+            "executor": self.kind,
+            "step_model": getattr(model, "kind", type(model).__name__),
+            "profile": getattr(device, "name", None),
+            "indirection": float(indirection),
+        }
+
+
+class PacedExecutor(SimulatedExecutor):
+    """The simulated executor on a wall clock: each step sleeps its modelled duration."""
+
+    kind = "paced"
+
+    def execute(self, plan: list, checkpoint_writes: int) -> ExecutorOutput:
+        out = super().execute(plan, checkpoint_writes)
+        time.sleep(out.duration_s)
+        return out

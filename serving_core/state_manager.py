@@ -1,0 +1,263 @@
+"""The hybrid-state manager: what a request holds of the organization's memory.
+
+Between the scheduler (queue policy: who runs, in which order, how many tokens)
+and the memory organization (pools, prefix cache, eviction) sits this manager,
+on the model of a continuous-batching engine's KV-cache manager. It alone
+allocates, adopts, publishes and releases a request's state objects: its
+attention blocks, its working composite, the destinations reserved for the
+checkpoint boundaries of a chunk, the checkpoint it adopted, the checkpoints it
+retains (S2+Retention) and its preemption-time pin. The objects are recorded on
+the request (`attn`, `working`, `dests`, `adopted`, `retained`, `pin`) so an
+executor can address them; only this manager changes them. It answers the
+scheduler with demands (units per pool), small slotted results (`Adoption`) and
+token counts; the scheduler never calls the memory organization itself.
+
+Release order (kept in one place, `release_all`): attention blocks deepest first
+(so the deepest enter the LRU first and are evicted first), then destinations,
+the working composite, the adopted checkpoint and the retained ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from serving_core.memory import NULL, MemoryOrganization
+from serving_core.memory.prefix_cache import PrefixHit
+from serving_core.request import Request
+
+
+@dataclass(slots=True)
+class Adoption:
+    """What a request could adopt at admission: the cached prefix of depth `jadopt`."""
+
+    hit: PrefixHit
+    keys: list[int]
+    jadopt: int
+    blocks: list  # cached attention blocks covering [0, jadopt)
+    checkpoint: object  # the checkpoint at jadopt, or NULL
+    pinned: dict[str, int]  # units adopting them would pull out of the LRU, per pool
+
+    @property
+    def objects(self) -> list:
+        return self.blocks + ([self.checkpoint] if self.checkpoint else [])
+
+
+class HybridStateManager:
+    """State objects of the requests over one memory organization (see the module doc)."""
+
+    def __init__(self, mem: MemoryOrganization, *, step_end: bool, retention_k: int | None,
+                 track_demand: bool) -> None:
+        self.mem = mem
+        self.B = mem.block_tokens
+        self.C = mem.checkpoint_interval
+        self.step_end = step_end
+        self.retention_k = retention_k
+        self.track_demand = track_demand  # retention or pinning needs per-key demand counts
+
+    # ----- geometry of a chunk ---------------------------------------------------------------
+    def boundaries(self, start: int, end: int) -> range:
+        """Checkpoint indices j (boundary j C) published when [start, end) is computed."""
+        C = self.C
+        if not C or end <= start:
+            return range(0)
+        if self.step_end:
+            return range(end // C, end // C + 1) if end % C == 0 else range(0)
+        return range(start // C + 1, end // C + 1)
+
+    def num_boundaries_crossed(self, start: int, end: int) -> int:
+        """Composites a chunk [start, end) writes at checkpoint boundaries."""
+        C = self.C
+        if not C:
+            return 0
+        if self.step_end:
+            return 0 if end % C else 1
+        return end // C - start // C
+
+    # ----- demand ------------------------------------------------------------------------------
+    def chunk_demand(self, req: Request, start: int, n: int, working: int,
+                     held_blocks: int | None = None) -> dict[str, int]:
+        """Units for computing [start, start + n): new attention blocks beyond the
+        `held_blocks` (default: what the request holds), one composite per boundary
+        published, and `working` composites."""
+        held = len(req.attn) if held_blocks is None else held_blocks
+        blocks = math.ceil((start + n) / self.B) - held
+        return self.mem.demand(blocks, len(self.boundaries(start, start + n)) + working)
+
+    def prompt_demand(self, req: Request, start: int, working: int, held_blocks: int,
+                      reserve_output: int = 0) -> dict[str, int]:
+        """full_prompt gate: attention for [start, N), one composite per checkpoint boundary
+        strictly inside (start, N), and the working composite; `reserve_output` adds
+        attention for that many output tokens (at most the request's remaining output)."""
+        end = req.num_tokens
+        reserved = min(reserve_output, req.target_output - req.num_generated)
+        blocks = math.ceil((end + max(reserved, 0)) / self.B) - held_blocks
+        boundaries = (end - 1) // self.C - start // self.C if self.C else 0
+        return self.mem.demand(blocks, boundaries + working)
+
+    def can_allocate(self, need: dict[str, int], extra: dict[str, int] | None = None) -> bool:
+        return self.mem.can_allocate(need, extra)
+
+    def available(self) -> dict[str, int]:
+        return {p: pool.num_available for p, pool in self.mem.pools.items()}
+
+    # ----- lookup and adoption ------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self.mem.cache.begin_step(step)
+
+    def peek(self, req: Request) -> PrefixHit:
+        """The request's cached prefix now (no memo: a trace reading)."""
+        return self.mem.lookup(req.lookup_keys())
+
+    def lookup(self, req: Request) -> PrefixHit:
+        """The request's cached prefix; a blocked head re-checks every step, so the answer is
+        memoized until the cache changes."""
+        mem = self.mem
+        if req.memo_version == mem.cache.version and req.memo_hit is not None:
+            return req.memo_hit
+        req.memo_hit = mem.lookup(req.lookup_keys())
+        req.memo_version = mem.cache.version
+        return req.memo_hit
+
+    def adoption(self, req: Request) -> Adoption:
+        """What admitting `req` now would adopt (joint depth of attention and checkpoint)."""
+        mem = self.mem
+        keys = req.lookup_keys()
+        hit = self.lookup(req)
+        jadopt = hit.jadopt
+        blocks = [mem.cached_attention(keys[i]) for i in range(jadopt // self.B)]
+        ckpt = mem.cached_checkpoint(keys[jadopt // self.B - 1]) if jadopt and self.C else NULL
+        adopted = blocks + ([ckpt] if ckpt else [])
+        return Adoption(hit, keys, jadopt, blocks, ckpt, mem.pinned_by_adoption(adopted))
+
+    def admit(self, req: Request, adoption: Adoption, n: int) -> None:
+        """Adopt the cached prefix and allocate the first chunk [jadopt, jadopt + n) with a
+        working composite. Execution references are taken on the adopted units before the
+        request's own pin is dropped (the pin may be what keeps them)."""
+        mem = self.mem
+        for obj in adoption.objects:
+            mem.acquire(obj)
+        if req.pin:
+            mem.release(req.pin)
+            req.pin = NULL
+        req.attn = adoption.blocks
+        req.adopted = adoption.checkpoint
+        req.num_computed = adoption.jadopt
+        self._allocate(req, adoption.jadopt, n, bool(self.C))
+        if self.track_demand:
+            mem.cache.record_demand(adoption.keys, self.B, self.C, req.rid)
+
+    def lookup_m1(self, keys: list[int]) -> PrefixHit:
+        """The M1 reading of a lookup (trace only)."""
+        return self.mem.cache.lookup(keys, self.B, self.C, m1=True)
+
+    # ----- running requests --------------------------------------------------------------------
+    def _allocate(self, req: Request, start: int, n: int, working: bool) -> None:
+        mem = self.mem
+        if working:
+            req.working = mem.allocate_composite(req.rid)
+        for _ in range(math.ceil((start + n) / self.B) - len(req.attn)):
+            req.attn.append(mem.allocate_attention(req.rid))
+        for _ in self.boundaries(start, start + n):
+            req.dests.append(mem.allocate_composite(req.rid))
+
+    def reserve(self, req: Request, want: int) -> int:
+        """Allocate units for the next `want` tokens of a running request; shorten to the
+        last servable boundary if short; 0 means the request cannot proceed (preemption)."""
+        start = req.num_computed
+        end = start + want
+        if -(-end // self.B) <= len(req.attn):
+            C = self.C  # fast path (most decode steps): no new block, no boundary
+            if not C or (end % C if self.step_end else end // C == start // C):
+                return want
+        if self.mem.can_allocate(self.chunk_demand(req, start, want, 0)):
+            self._allocate(req, start, want, False)
+            return want
+        grid = self.C or self.B
+        for b in range(((start + want - 1) // grid) * grid, start, -grid):
+            if self.mem.can_allocate(self.chunk_demand(req, start, b - start, 0)):
+                self._allocate(req, start, b - start, False)
+                return b - start
+        return 0
+
+    def drop_retained(self, req: Request) -> bool:
+        """Release the checkpoints `req` retains; True if it held any."""
+        dropped = bool(req.retained)
+        for obj in req.retained:
+            self.mem.release(obj, producer=True)
+        req.retained = []
+        return dropped
+
+    def release_pin(self, req: Request) -> bool:
+        if not req.pin:
+            return False
+        self.mem.release(req.pin)
+        req.pin = NULL
+        return True
+
+    def pin_rightmost(self, req: Request, k: int) -> None:
+        """Preemption-time pin on the request's rightmost cached checkpoint when at least
+        `k` requests have asked for it (before its release, so it cannot be lost meanwhile)."""
+        if not self.C or req.pin:
+            return
+        keys = req.ensure_keys(req.num_computed // self.B)
+        per = self.C // self.B
+        for j in range(req.num_computed // self.C, 0, -1):
+            key = keys[j * per - 1]
+            obj = self.mem.cached_checkpoint(key)
+            if obj is not None:
+                if self.mem.cache.num_requesters(key) >= k:
+                    self.mem.acquire(obj)
+                    req.pin = obj
+                return
+
+    def release_all(self, req: Request) -> None:
+        """Everything a finishing or preempted request holds, in the release order."""
+        mem = self.mem
+        for obj in reversed(req.attn):
+            mem.release(obj)
+        req.attn = []
+        for obj in req.dests:
+            mem.release(obj, producer=True)
+        req.dests = []
+        if req.working:
+            mem.release(req.working, producer=True)
+            req.working = NULL
+        if req.adopted:
+            mem.release(req.adopted)
+            req.adopted = NULL
+        self.drop_retained(req)
+
+    # ----- after a step -------------------------------------------------------------------------
+    def complete_chunk(self, req: Request, c0: int, c1: int) -> None:
+        """Publish what computing [c0, c1) produced: every attention block it filled and the
+        checkpoints at its boundaries; the adopted checkpoint has been read and is released."""
+        mem, B, C = self.mem, self.B, self.C
+        if c1 // B > c0 // B:  # iterate only when a block fills: decode steps mostly skip
+            keys = req.ensure_keys(c1 // B)
+            attn = req.attn
+            for bi in range(c0 // B, c1 // B):
+                obj = attn[bi]
+                if not obj.cached:
+                    mem.publish(obj, keys[bi], (bi + 1) * B)
+            for j in self.boundaries(c0, c1):
+                self._cross_boundary(req, keys[j * C // B - 1], j * C)
+        if req.adopted:
+            mem.release(req.adopted)
+            req.adopted = NULL
+
+    def _cross_boundary(self, req: Request, key: int, boundary: int) -> None:
+        mem = self.mem
+        dest = req.dests.pop(0)
+        if mem.cached_checkpoint(key) is not None:
+            # already cached: publishing is a no-op, the destination is freed
+            mem.release(dest, producer=True)
+            return
+        produced = req.working
+        mem.publish(produced, key, boundary)
+        req.working = dest
+        k = self.retention_k
+        if k is not None and mem.cache.num_requesters(key) >= k:
+            req.retained.append(produced)  # producer keeps its reference until finish/preempt
+        else:
+            mem.release(produced, producer=True)
