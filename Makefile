@@ -117,7 +117,7 @@ q3: setup ## Q3 org x sharing at b83: 144 runs (q=1 reused from Q1/Q4; 96 fresh)
 	$(call campaign_run,q3)
 q4: setup ## Q4 four orgs across budget: D0 (36) + Q1's Exp 1a (108, reused)
 	$(call campaign_run,q4)
-q5: setup ## Q5 D0 vs S2 load curves at b63 and b108, seeds 0-2: 66 runs
+q5: setup ## Q5 D0 vs S2 load curves at b63 and b108, seeds 0-2 (66) + b108 common six (12): 78 runs
 	$(call campaign_run,q5)
 q6: setup ## Q6 admission headroom f x budget, D0 and S2: 360 runs
 	$(call campaign_run,q6)
@@ -134,7 +134,7 @@ n0: setup ## N0 (vLLM native, simulated) next to S0/S1/S2/D0 at b63/b83/b108: 18
 	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT)
 	@echo "N0 page: $(abspath $(REPORT_DIR))/n0_native.md"
 
-campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, pinning, orig5)
+campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, pinning, orig5, q6_development)
 	@test -n "$(C)" || { echo "usage: make campaign C=<name of conf/campaign/*.yaml>"; exit 2; }
 	$(call campaign_run,$(C))
 
@@ -147,10 +147,16 @@ smoke: setup ## every question q1..q9 at smoke size, then check the ledgers
 	@for q in $(QUESTIONS); do $(MAKE) --no-print-directory $$q SMOKE=1 || exit 1; done
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
 
-demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs), check, report
+# The demo keeps its own ledger root and report directory, so its 60-request runs at seeds
+# 0-2 never share a ledger with a later `make q1` (DEMO_LEDGER_ROOT=, DEMO_REPORT_DIR= move them).
+DEMO_LEDGER_ROOT ?= ledgers/demo
+DEMO_REPORT_DIR ?= $(REPORT_DIR)/demo
+demo: LEDGER_ROOT := $(DEMO_LEDGER_ROOT)
+demo: REPORT_DIR := $(DEMO_REPORT_DIR)
+demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs) in ledgers/demo, check, report
 	$(call campaign_run,demo)
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
-	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT)
+	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT) REPORT_DIR=$(REPORT_DIR)
 	@echo "ledgers: $(abspath $(LEDGER_ROOT)) (campaigns demo_q1, demo_q9; DuckDB views: python -c 'import ledgers; ledgers.connect(\"$(LEDGER_ROOT)\")')"
 	@echo "report: $(abspath $(REPORT_DIR))/index.md"
 

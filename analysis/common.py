@@ -72,6 +72,7 @@ METRICS = {m.name: m for m in (
     Metric("rmax_m0_initial_mean", "tokens", "diff", "Rmax (M0), INITIAL admissions"),
     Metric("amax_m0_initial_mean", "tokens", "diff", "Amax (M0), INITIAL admissions"),
     Metric("gap_r_initial_mean", "tokens", "diff", "GapR = Rmax (M1) - Jadopt, INITIAL"),
+    Metric("gap_r_m0_initial_mean", "tokens", "diff", "GapR = Rmax (M0) - Jadopt, INITIAL"),
     Metric("jadopt_tokens_mean", "tokens", "diff", "adopted joint depth Jadopt"),
     Metric("jenter_tokens_mean", "tokens", "diff", "joint depth at queue entry"),
     Metric("amax_tokens_mean", "tokens", "diff", "attention depth Amax (M0)"),
@@ -107,6 +108,7 @@ _REQUEST_METRICS = """
            quantile_cont(tpot_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(tpot_s))
                AS tpot_p99,
            count(*) FILTER (WHERE status = 'finished') AS finished_requests,
+           count(*) AS num_requests,
            sum(preemptions) AS preemptions,
            sum(prompt_tokens - adopted_prefix_tokens) FILTER (WHERE NOT isnan(start_s))
                AS c_once_tokens,

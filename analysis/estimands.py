@@ -408,34 +408,55 @@ def upper_bound(d: np.ndarray, alpha: float, m: int) -> float:
     return 100 * math.expm1(float(d.mean() + t * d.std(ddof=1) / math.sqrt(n)))
 
 
-def bound_members(spec: Mapping) -> list[dict]:
-    """The declared members: each org x budget x f > 0 against f = 0, then D0/S2 at each
+BOUND_AGAINST = ("preselected", "zero")  # what each f is bounded against (AMBIGUOUS A4)
+
+
+def bound_members(spec: Mapping, preselected: Mapping | None = None,
+                  against: str | None = None) -> list[dict]:
+    """The declared members: per budget and organization each f of the grid against the
+    organization's preselected f at that budget (`against: preselected`, `preselected`
+    {budget: {org: f}}) or each f > 0 against f = 0 (`against: zero`), then D0/S2 at each
     common f > 0 per budget."""
+    against = against or spec.get("against", "zero")
+    if against not in BOUND_AGAINST:
+        raise ValueError(f"simultaneous_upper_bounds.against={against!r}: allowed values are "
+                         f"{BOUND_AGAINST}")
     grid = [float(f) for f in spec["f_grid"]]
     orgs, budgets = list(spec["orgs"]), list(spec["budgets"])
     members = []
     for budget in budgets:
         for org in orgs:
-            members += [{"id": f"{org}_{budget}_f{f:g}_vs_f0", "budget": budget,
-                         "treatment": (org, budget, f), "control": (org, budget, 0.0)}
-                        for f in grid if f > 0]
+            if against == "zero":
+                base = 0.0
+            else:
+                try:
+                    base = float(preselected[budget][org])
+                except (KeyError, TypeError) as exc:
+                    raise ValueError(f"simultaneous_upper_bounds: no preselected f for {org} at "
+                                     f"{budget} (preselected_f)") from exc
+            members += [{"id": f"{org}_{budget}_f{f:g}_vs_f{base:g}", "budget": budget,
+                         "org": org, "f": f, "against_f": base,
+                         "treatment": (org, budget, f), "control": (org, budget, base)}
+                        for f in grid if not math.isclose(f, base)]
         members += [{"id": f"D0_vs_S2_{budget}_f{f:g}", "budget": budget,
                      "treatment": ("D0", budget, f), "control": ("S2", budget, f)}
                     for f in grid if f > 0]
     return members
 
 
-def simultaneous_bounds(runs: pd.DataFrame, spec: Mapping,
-                        metric: str = "throughput_span") -> pd.DataFrame:
+def simultaneous_bounds(runs: pd.DataFrame, spec: Mapping, metric: str = "throughput_span",
+                        preselected: Mapping | None = None,
+                        against: str | None = None) -> pd.DataFrame:
     """The upper bounds of every member over the runs (org, budget, f, stage, seed)."""
-    members = bound_members(spec)
+    members = bound_members(spec, preselected, against)
     m, alpha, margin = len(members), float(spec["alpha"]), float(spec["margin_pct"])
     rows = []
     for stage, part in runs.groupby("stage", sort=False):
-        series = {k: g.set_index("seed")[metric].astype(float)
-                  for k, g in part.groupby(["org", "budget", "f"])}
+        series = {(o, b, round(float(f), 6)): g.set_index("seed")[metric].astype(float)
+                  for (o, b, f), g in part.groupby(["org", "budget", "f"])}
         for mem in members:
-            t, c = series.get(mem["treatment"]), series.get(mem["control"])
+            t = series.get((*mem["treatment"][:2], round(mem["treatment"][2], 6)))
+            c = series.get((*mem["control"][:2], round(mem["control"][2], 6)))
             row = {"stage": stage, "bound": mem["id"], "m": m}
             if t is not None and c is not None:
                 pair = pd.concat([t.rename("t"), c.rename("c")], axis=1, join="inner").dropna()

@@ -37,6 +37,7 @@ IDENTICAL = "identical runs: every seedwise difference is 0 (not informative in 
 NOT_INFORMATIVE = ("not informative in simulation: ON and OFF runs are identical (the trace "
                    "probe has no cost in the simulator)")
 ACCEPTED, REFUSED = "accepted", "refused"
+NO_RUNS = "no runs yet"  # a family none of whose planned runs is in the ledger (not refused)
 
 
 @dataclass
@@ -62,7 +63,7 @@ class FamilyResult:
     @property
     def status(self) -> str:
         if self.no_data:
-            return "no data"
+            return NO_RUNS
         if not self.accepted:
             return "refused"
         if self.smoke:
@@ -391,7 +392,9 @@ def _contrast(values, test: prereg.PlannedTest, metric: str,
     else:
         row["effect"] = float(per["pct"].mean())
     self_comparison = test.kind == "paired" and test.cells["treatment"] == test.cells["control"]
-    row.update(_interval(per, scale, decision, self_comparison))
+    row.update(_interval(per, scale, decision, self_comparison)
+               if test.intervals != "none" else
+               {"interval": "", "note": "no interval: the plan declares none for this row"})
     if not self_comparison and len(d) and float(np.abs(per["log"]).max()) == 0.0:
         row["note"] = IDENTICAL
     return row, d

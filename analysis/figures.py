@@ -174,7 +174,10 @@ def kret_panel(per_seed: pd.DataFrame, summary: pd.DataFrame, path: Path) -> Pat
                             fmt="s", color=_color("S2_RETENTION"), capsize=4)
         ax.axhline(0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(["Ret vs S2\nSHARE", "Ret vs S2\nISOLATE", "K_ret\nSHARE - ISOLATE"])
+        # K_ret is a ratio of ratios (SHARE over ISOLATE), not a difference of the two effects
+        ax.set_xticklabels(["Ret vs S2\nSHARE", "Ret vs S2\nISOLATE",
+                            "K_ret: ratio of ratios\n(Ret/S2 SHARE) /\n(Ret/S2 ISOLATE)"],
+                           fontsize=8)
         ax.set_ylabel("retention effect on throughput (%)")
         ax.set_xlabel("estimand (dots: seeds; square: effect, 95% paired-t)")
         ax.set_title(f"timebase: {timebase}")

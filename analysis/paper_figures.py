@@ -1,10 +1,11 @@
 """The paper's figures (PAPER_DESIGN section 6), drawn from the analysis frames.
 
-Every figure states its cell conditions and n in its title, uses horizontal tick
-labels and the organizations' display names (S2+Retention), has a legend for
-every colour or marker, draws its jitter from one generator created for that
-figure, and is written as PNG and SVG. Each function returns the PNG path, or
-None when the frames hold nothing to draw.
+Every figure draws one collection stage (`figure_stages`: main when present; a smoke or
+demo figure says so on the figure with its request count and carries the stage in its file
+name), states its cell conditions and n in its title, uses horizontal tick labels and the
+organizations' display names (S2+Retention), has a legend for every colour or marker, draws
+its jitter from one generator created for that figure, and is written as PNG and SVG. Each
+function returns the PNG path, or None when the frames hold nothing to draw.
 """
 
 from __future__ import annotations
@@ -29,6 +30,78 @@ DPI = 100
 JITTER_SEED = 0  # each figure starts its own generator from this seed
 CONDITION_COLUMNS = (("cap", "cap {:g}"), ("rate", "λ {:g}"), ("q", "q {:g}"), ("f", "f {:g}"),
                      ("pinning_k", "pin K {:g}"), ("arrival", "{}"))
+
+
+STAGES = ("main", "smoke", "demo")  # analysis.common.stage_of
+STAGE_NOTE_GID = "stage-note"
+
+
+def figure_stages(frame) -> list[str]:
+    """The stages a figure is drawn for: main alone when the frame holds main-stage rows,
+    otherwise each stage present, one figure each (stages never pool)."""
+    if _empty(frame):
+        return []
+    if "stage" not in frame:
+        return ["main"]
+    present = list(dict.fromkeys(frame["stage"].astype(str)))
+    if "main" in present:
+        return ["main"]
+    return sorted(present, key=lambda s: STAGES.index(s) if s in STAGES else len(STAGES))
+
+
+def stage_rows(frame, stage: str):
+    """The rows of one stage (all rows of a frame without a stage column)."""
+    if _empty(frame) or "stage" not in frame:
+        return frame
+    return frame[frame["stage"].astype(str) == stage]
+
+
+def stage_path(path: Path, stage: str) -> Path:
+    """Main-stage figures keep their name; others carry the stage: q1_fig2a_..._smoke.png."""
+    return path if stage == "main" else path.with_name(f"{path.stem}_{stage}{path.suffix}")
+
+
+def stage_note(frame, stage: str) -> str:
+    """"main stage, 300 requests per run", or for a pipeline-check stage
+    "SMOKE STAGE, 60 requests per run: a pipeline check, not a result"."""
+    count = ""
+    if not _empty(frame) and "num_requests" in frame and frame["num_requests"].notna().any():
+        low, high = int(frame["num_requests"].min()), int(frame["num_requests"].max())
+        count = f", {low if low == high else f'{low}-{high}'} requests per run"
+    if stage == "main":
+        return f"main stage{count}"
+    return f"{stage.upper()} STAGE{count}: a pipeline check, not a result"
+
+
+def mark_stage(fig, note: str, stage: str) -> None:
+    """Write a pipeline-check stage's note across the bottom of the figure itself."""
+    if stage != "main":
+        fig.text(0.5, 0.005, note, ha="center", va="bottom", fontsize=10, color="#b00000",
+                 fontweight="bold", gid=STAGE_NOTE_GID)
+
+
+def staged(frame, path: Path, draw) -> list[tuple[str, Path]]:
+    """`draw(rows, path, note, stage)` once per stage of `figure_stages(frame)`; returns
+    (stage, png path) for each figure written."""
+    out = []
+    for stage in figure_stages(frame):
+        rows = stage_rows(frame, stage)
+        png = draw(rows, stage_path(path, stage), stage_note(rows, stage), stage)
+        if png is not None:
+            out.append((stage, png))
+    return out
+
+
+def pick_stage(frame, runs=None):
+    """(rows, stage, note) for a figure drawn once from a table: the first of
+    `figure_stages(frame)`, its rows, and its note with the request count read from `runs`
+    (the question's run frame; a table of means carries no request count)."""
+    if _empty(frame):
+        return frame, "main", ""
+    stage = figure_stages(frame)[0]
+    counted = stage_rows(runs, stage) if runs is not None and "stage" in runs else None
+    return stage_rows(frame, stage), stage, stage_note(
+        counted if not _empty(counted) else stage_rows(frame, stage), stage)
 
 
 def org_name(org: str) -> str:
@@ -67,11 +140,16 @@ def n_text(runs: pd.DataFrame, by: Sequence[str]) -> str:
 def save(fig, path: Path) -> Path:
     """Write PNG and SVG; return the PNG path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    noted = any(t.get_gid() == STAGE_NOTE_GID for t in fig.texts)
+    fig.tight_layout(rect=(0, 0.06, 1, 1) if noted else None)  # room for the stage note
     fig.savefig(path, dpi=DPI)
     fig.savefig(path.with_suffix(".svg"))
     plt.close(fig)
     return path
+
+
+def _note(note: str) -> str:
+    return f" ({note})" if note else ""
 
 
 def _dots(ax, rng, x: float, values, color="black", width: float = 0.08) -> None:
@@ -90,7 +168,7 @@ def _budgets(runs: pd.DataFrame) -> list[str]:
 
 
 def grouped_bars(runs: pd.DataFrame, metric: str, ylabel: str, title: str,
-                 path: Path) -> Path | None:
+                 path: Path, note: str = "", stage: str = "main") -> Path | None:
     """Fig. 2(a, b): arithmetic run means per organization grouped by budget, run dots."""
     if _empty(runs):
         return None
@@ -110,13 +188,15 @@ def grouped_bars(runs: pd.DataFrame, metric: str, ylabel: str, title: str,
     ax.set_xticks(range(len(budgets)), budgets)
     ax.set_xlabel("budget (bars: arithmetic mean over runs; dots: runs)")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title}\n{conditions(runs)}; {n_text(runs, ['org', 'budget'])} per bar",
-                 fontsize=10)
+    ax.set_title(f"{title}{_note(note)}\n{conditions(runs)}; "
+                 f"{n_text(runs, ['org', 'budget'])} per bar", fontsize=10)
     ax.legend(title="organization", fontsize=8)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
-def low_load(runs: pd.DataFrame, path: Path, title: str) -> Path | None:
+def low_load(runs: pd.DataFrame, path: Path, title: str, note: str = "",
+             stage: str = "main") -> Path | None:
     """Fig. 2(c, d): per budget, throughput bars (left), TTFT p99 diamonds and E2E p99
     circles (right), and the waiting gauge's run maxima per organization (micro-table)."""
     if _empty(runs):
@@ -156,11 +236,13 @@ def low_load(runs: pd.DataFrame, path: Path, title: str) -> Path | None:
                *[Line2D([], [], marker="s", color=_color(o), linestyle="", label=org_name(o))
                  for o in orgs]]
     axes[0][-1].legend(handles=handles, loc="upper right", ncol=2, fontsize=7)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"{title}{_note(note)}", fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
-def c_once_bars(cells: pd.DataFrame, path: Path, title: str) -> Path | None:
+def c_once_bars(cells: pd.DataFrame, path: Path, title: str, note: str = "",
+                stage: str = "main") -> Path | None:
     """Fig. 3(a): C_once bars (10^3 tokens/run) with hollow throughput symbols per
     organization, groups by operating point (three-run means)."""
     if _empty(cells):
@@ -190,11 +272,13 @@ def c_once_bars(cells: pd.DataFrame, path: Path, title: str) -> Path | None:
     labels = [*ax.get_legend_handles_labels()[1], "throughput"]
     ax.legend(handles, labels, fontsize=8, loc="upper left")
     n = int(cells["n"].min())
-    ax.set_title(f"{title}\nq 1, f 0, pin K 2; n = {n} seeds per bar", fontsize=10)
+    ax.set_title(f"{title}{_note(note)}\nq 1, f 0, pin K 2; n = {n} seeds per bar", fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
-def index_panel(index: pd.DataFrame, path: Path, title: str) -> Path | None:
+def index_panel(index: pd.DataFrame, path: Path, title: str, note: str = "",
+                stage: str = "main") -> Path | None:
     """Fig. 3(b): normalized C_once bars and the S0-normalized throughput index line."""
     if _empty(index):
         return None
@@ -208,11 +292,13 @@ def index_panel(index: pd.DataFrame, path: Path, title: str) -> Path | None:
     ax.set_ylabel("index relative to S0 (ratio, S0 = 1)")
     ax.axhline(1.0, color="#999999", linewidth=0.8)
     ax.legend(fontsize=8, loc="lower left")
-    ax.set_title(f"{title}\nn = {int(index['n'].min())} seeds", fontsize=10)
+    ax.set_title(f"{title}{_note(note)}\nn = {int(index['n'].min())} seeds", fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
-def endpoint_bars(table: pd.DataFrame, path: Path, title: str) -> Path | None:
+def endpoint_bars(table: pd.DataFrame, path: Path, title: str, note: str = "",
+                  stage: str = "main") -> Path | None:
     """Fig. 4: mean seedwise throughput effect (%) at q = 0 and q = 1 for S1 over S0 and
     S2 over S1 (table columns: q, step, effect, n, and per-seed `values`)."""
     if _empty(table):
@@ -240,13 +326,15 @@ def endpoint_bars(table: pd.DataFrame, path: Path, title: str) -> Path | None:
     ax.set_xlabel("shared-context fraction q (dots: seeds)")
     ax.set_ylabel("mean seedwise throughput effect (%)")
     ax.legend(fontsize=8)
-    ax.set_title(f"{title}\nb83, λ 3, cap 63, f 0, pin K 2; n = {int(table['n'].min())} seeds",
+    ax.set_title(f"{title}{_note(note)}\nb83, λ 3, cap 63, f 0, pin K 2; "
+                 f"n = {int(table['n'].min())} seeds",
                  fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
 def curves(runs: pd.DataFrame, x: str, xlabel: str, path: Path, title: str,
-           rings: dict | None = None) -> Path | None:
+           rings: dict | None = None, note: str = "", stage: str = "main") -> Path | None:
     """Fig. 5 and 6: one panel per budget, arithmetic means of run throughput against `x`
     per organization; `rings` {(budget, org): x} marks preselected values with open rings."""
     if _empty(runs):
@@ -274,12 +362,14 @@ def curves(runs: pd.DataFrame, x: str, xlabel: str, path: Path, title: str,
                                   color="black", linestyle=""))
             labels.append("preselected f")
         ax.legend(handles, labels, fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"{title}{_note(note)}", fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
 def depth_per_seed(table: pd.DataFrame, path: Path, title: str, by: str,
-                   metrics: Sequence[tuple[str, str, str]], open_value) -> Path | None:
+                   metrics: Sequence[tuple[str, str, str]], open_value, note: str = "",
+                   stage: str = "main") -> Path | None:
     """Fig. 7(a, b): mean request depth over INITIAL admissions per seed. `by` separates
     open (== open_value) from filled markers; `metrics` are (column, label, marker).
     A column `rmax_m0` draws a downward bar from the plotted M1 value to M0."""
@@ -313,12 +403,13 @@ def depth_per_seed(table: pd.DataFrame, path: Path, title: str, by: str,
     if "initial_episodes" in table:
         low, high = int(table["initial_episodes"].min()), int(table["initial_episodes"].max())
         count = f"; n = {low}{'' if low == high else f'-{high}'} INITIAL requests per point"
-    ax.set_title(textwrap.fill(f"{title}{count}", 80), fontsize=9)
+    ax.set_title(textwrap.fill(f"{title}{count}{_note(note)}", 80), fontsize=9)
+    mark_stage(fig, note, stage)
     return save(fig, path)
 
 
 def kret_bars(runs: pd.DataFrame, summary: pd.DataFrame | None, path: Path,
-              title: str) -> Path | None:
+              title: str, note: str = "", stage: str = "main") -> Path | None:
     """Fig. 7(c): six-seed geometric-mean ledger throughput bars for S2 and S2+Retention by
     reuse mode, every run as a dot, and the boxed K_ret with its 95% CI."""
     if _empty(runs):
@@ -353,6 +444,8 @@ def kret_bars(runs: pd.DataFrame, summary: pd.DataFrame | None, path: Path,
                 bbox={"facecolor": "white", "edgecolor": "black"})
         ax.set_ylim(0, 1.3 * ax.get_ylim()[1])
     n = runs.groupby(["org", "reuse"])["seed"].nunique().min()
-    ax.set_title(f"{title}\n254 S2 pages, λ 3, cap 63, f 0, pin K 1; n = {n} seeds per bar",
+    ax.set_title(f"{title}{_note(note)}\n254 S2 pages, λ 3, cap 63, f 0, pin K 1; "
+                 f"n = {n} seeds per bar",
                  fontsize=10)
+    mark_stage(fig, note, stage)
     return save(fig, path)

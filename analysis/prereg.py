@@ -41,6 +41,7 @@ CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "arrival", "q", "f", "reus
 # Org-specific design columns: required for that org, sentinel for the others.
 ORG_REQUIRED_KEYS = {"D0": ("d0_attention_fraction",), "S2_RETENTION": ("retention_k",)}
 STATISTICS = ("log_ratio", "relative_pct")
+TEST_INTERVALS = ("none",)  # a test's own `intervals` (absent: the family's decision says)
 # Decision methods and the fields each needs besides `method` and `rule`.
 DECISION_FIELDS = {
     "sign_flip_holm": (),
@@ -87,6 +88,7 @@ class PlannedTest:
     cells: Mapping[str, str]
     predicted: str
     label: str = ""  # the paper's name of the contrast (legacy ID or row), "" if none
+    intervals: str = ""  # "none": this row shows no interval although the family's do
 
     @property
     def shown_id(self) -> str:
@@ -315,6 +317,8 @@ def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTe
     label = top.get("label", "")
     if not isinstance(label, str):
         raise ValueError(f"{where}: label={label!r} must be a string")
+    intervals = (_choice(top["intervals"], TEST_INTERVALS, f"{where}: intervals")
+                 if "intervals" in top else "")
     refs = {}
     for role in TEST_CELL_ROLES[kind]:
         node: Any = top
@@ -328,7 +332,7 @@ def _test(raw: Any, index: int, cells: Mapping[str, Cell], at: str) -> PlannedTe
     if len(seed_sets) != 1:
         raise ValueError(f"{where}: compared cells {sorted(set(refs.values()))} must share "
                          f"their seeds (arms are paired by seed)")
-    return PlannedTest(test_id, kind, refs, predicted, label)
+    return PlannedTest(test_id, kind, refs, predicted, label, intervals)
 
 
 # Small typed readers: each names the field and the allowed values on failure.

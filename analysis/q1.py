@@ -69,15 +69,22 @@ def scenarios_section(result: QuestionResult, plan, families) -> None:
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
+    """Fig. 2, one collection stage per figure (pf.figure_stages: main when present)."""
     f = result.frames
     main, low = f.get("exp1a_runs"), f.get("exp1b_runs")
-    return [(c, p) for c, p in (
-        ("Fig. 2(a) main throughput: bars by organization within budget",
-         pf.grouped_bars(main, "throughput_span", "throughput, request span (output tokens/s)",
-                         "Main throughput (Exp 1a)", out_dir / "q1_fig2a_throughput.png")),
-        ("Fig. 2(b) main E2E p99: mean of run-level p99",
-         pf.grouped_bars(main, "e2e_p99", "E2E p99, mean of run p99s (s)",
-                         "Main E2E p99 (Exp 1a)", out_dir / "q1_fig2b_e2e_p99.png")),
+    specs = (
+        ("Fig. 2(a) main throughput: bars by organization within budget", main,
+         out_dir / "q1_fig2a_throughput.png",
+         lambda r, p, n, s: pf.grouped_bars(r, "throughput_span",
+                                            "throughput, request span (output tokens/s)",
+                                            "Main throughput (Exp 1a)", p, n, s)),
+        ("Fig. 2(b) main E2E p99: mean of run-level p99", main, out_dir / "q1_fig2b_e2e_p99.png",
+         lambda r, p, n, s: pf.grouped_bars(r, "e2e_p99", "E2E p99, mean of run p99s (s)",
+                                            "Main E2E p99 (Exp 1a)", p, n, s)),
         ("Fig. 2(c, d) low load: throughput bars, TTFT/E2E p99 markers, waiting run maxima",
-         pf.low_load(low, out_dir / "q1_fig2cd_low_load.png", "Low load (Exp 1b)")),
-    ) if p is not None]
+         low, out_dir / "q1_fig2cd_low_load.png",
+         lambda r, p, n, s: pf.low_load(r, p, "Low load (Exp 1b)", n, s)),
+    )
+    return [(caption if stage == "main" else f"{caption} ({stage} stage)", path)
+            for caption, frame, path, drawer in specs
+            for stage, path in pf.staged(frame, path, drawer)]

@@ -75,14 +75,14 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
-    index = f.get("s0_index")
-    if index is not None and len(index):
-        index = index[index["stage"] == index["stage"].iloc[0]]
+    runs = f.get("runs")
+    anchors, a_stage, a_note = pf.pick_stage(f.get("anchors"), runs)
+    index, i_stage, i_note = pf.pick_stage(f.get("s0_index"), runs)
     return [(c, p) for c, p in (
         ("Fig. 3(a) C_once per run (bars) and throughput (hollow symbols) at anchors 2a, 2b",
-         pf.c_once_bars(f.get("anchors"), out_dir / "q2_fig3a_c_once.png",
-                        "Recorded initial input C_once and throughput")),
+         pf.c_once_bars(anchors, pf.stage_path(out_dir / "q2_fig3a_c_once.png", a_stage),
+                        "Recorded initial input C_once and throughput", a_note, a_stage)),
         ("Fig. 3(b) normalized C_once and the S0-normalized throughput index at b83, q = 0",
-         pf.index_panel(index, out_dir / "q2_fig3b_index.png",
-                        "No sharing: b83, q = 0, λ 3, cap 63")),
+         pf.index_panel(index, pf.stage_path(out_dir / "q2_fig3b_index.png", i_stage),
+                        "No sharing: b83, q = 0, λ 3, cap 63", i_note, i_stage)),
     ) if p is not None]

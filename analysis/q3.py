@@ -58,12 +58,12 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
-    effects = result.frames.get("_endpoints")
+    effects, stage, note = pf.pick_stage(result.frames.get("_endpoints"),
+                                         result.frames.get("runs"))
     if effects is not None and len(effects):
-        effects = effects[(effects["stage"] == effects["stage"].iloc[0])
-                          & effects["q"].isin((0.0, 1.0))
+        effects = effects[effects["q"].isin((0.0, 1.0))
                           & effects["step"].isin(("S1 over S0", "S2 over S1"))]
-    path = pf.endpoint_bars(effects, out_dir / "q3_fig4_endpoints.png",
-                            "Sharing endpoints: S1 over S0 and S2 over S1")
+    path = pf.endpoint_bars(effects, pf.stage_path(out_dir / "q3_fig4_endpoints.png", stage),
+                            "Sharing endpoints: S1 over S0 and S2 over S1", note, stage)
     return [("Fig. 4 endpoint bars at q = 0 and q = 1 (mean seedwise throughput effect)",
              path)] if path is not None else []

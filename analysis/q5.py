@@ -22,7 +22,7 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
     result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
     runs = runset.runs
     if not runs.empty:
-        curves = readouts.family_runs(plan, "load_curves", runs)
+        curves = readouts.planned_runs(plan, "load_curves", runs)  # seeds 0-2 only
         result.add("curve_runs", readouts.run_frame(curves))
         cells = result.add("curves", readouts.means_table(
             curves, ["budget", "cap", "rate", "org"],
@@ -34,6 +34,11 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
-    path = pf.curves(result.frames.get("curve_runs"), "rate", "arrival rate λ (requests/s)",
-                     out_dir / "q5_fig5_load_curves.png", "Throughput against offered load")
-    return [("Fig. 5(a, b) load curves, D0 and S2", path)] if path is not None else []
+    """Fig. 5, one collection stage per figure (pf.figure_stages: main when present)."""
+    return [("Fig. 5(a, b) load curves, D0 and S2" + ("" if stage == "main" else
+                                                       f" ({stage} stage)"), path)
+            for stage, path in pf.staged(
+                result.frames.get("curve_runs"), out_dir / "q5_fig5_load_curves.png",
+                lambda r, p, n, s: pf.curves(r, "rate", "arrival rate λ (requests/s)", p,
+                                             "Throughput against offered load", note=n,
+                                             stage=s))]

@@ -44,8 +44,11 @@ DEPTH_VALUES = ("jenter", "jadopt", "j_m0", "j_m1", "a_m0", "a_m1", "rmax_m0", "
 RUN_METRICS = {"jadopt": "jadopt_tokens_mean", "jenter": "jenter_tokens_mean",
                "a_m0": "amax_tokens_mean", "rmax_m0": "rmax_tokens_mean",
                "gap_m0": "gap_r_tokens_mean"}
-DEPTH_CHANGE_METRICS = ("jadopt_tokens_mean", "amax_tokens_mean", "rmax_tokens_mean",
-                        "gap_r_tokens_mean")
+# The secondary depth-change tables read what the families read: means over INITIAL
+# admissions, Amax and Rmax at M1 with their M0 values as the bracket, GapR = Rmax - Jadopt.
+DEPTH_CHANGE_METRICS = ("jadopt_initial_mean", "amax_m1_initial_mean", "amax_m0_initial_mean",
+                        "rmax_m1_initial_mean", "rmax_m0_initial_mean", "gap_r_initial_mean",
+                        "gap_r_m0_initial_mean")
 
 _EPISODES_SQL = """
     WITH adopt AS (
@@ -78,8 +81,8 @@ def load_episodes(con, runset: RunSet) -> pd.DataFrame:
     """One row per admission episode of the run set's traced runs, with GapR and class."""
     episodes = query(con, _EPISODES_SQL, runset)
     entry = episodes["jenter"].astype(float).to_numpy()
-    episodes["gap_m0"] = episodes["rmax_m0"] - episodes["j_m0"]
-    episodes["gap_m1"] = episodes["rmax_m1"] - episodes["j_m1"]
+    episodes["gap_m0"] = episodes["rmax_m0"] - episodes["jadopt"]  # GapR = Rmax - Jadopt
+    episodes["gap_m1"] = episodes["rmax_m1"] - episodes["jadopt"]
     episodes["depth_class"] = classify(entry, episodes["jadopt"].astype(float).to_numpy())
     return episodes
 
@@ -105,6 +108,8 @@ def run_depth(con, runset: RunSet) -> pd.DataFrame:
         amax_m1_initial_mean=("a_m1", "mean"), rmax_m0_initial_mean=("rmax_m0", "mean"),
         amax_m0_initial_mean=("a_m0", "mean"), initial_episodes=("jadopt", "size")))
     per_run["gap_r_initial_mean"] = per_run["rmax_m1_initial_mean"] - per_run["jadopt_initial_mean"]
+    per_run["gap_r_m0_initial_mean"] = (per_run["rmax_m0_initial_mean"]
+                                        - per_run["jadopt_initial_mean"])
     per_run = per_run.reset_index().merge(health, on="run_id", how="left")
     per_run["unadmitted_entries"] = per_run["entries"] - per_run["episodes"]
     return per_run
@@ -157,7 +162,12 @@ DEPTH_TEXT = ("Depths in tokens, means over admission episodes within a run, the
               "(seeds). Jenter: joint depth at queue entry; Jadopt: adopted joint depth. "
               "[M0; M1] are the two lookup-time brackets (M0: entries valid at the lookup "
               "instant; M1: also entries valid at the start of that step), shown as brackets, "
-              "not intervals. GapR = Rmax - Jadopt per bracket.")
+              "not intervals. GapR = Rmax - Jadopt per bracket (the adopted depth, not the "
+              "bracket's J). "
+              "Over every admission episode (INITIAL and RESUME); the INITIAL-only depths the "
+              "families read are in the per-seed table and the paired depth changes. Jenter is "
+              "read from the engine's own ENTER_WAITING record, while the paper reconstructs it "
+              "offline from block ids.")
 
 
 def depth_section(result: QuestionResult, runs: pd.DataFrame) -> None:
@@ -330,7 +340,8 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
         depth_section(result, runs)
         initial_section(result, runs, "f")
         readouts.changes_section(result, runs[runs["trace"]], "depth_changes",
-                                 "D0 vs S2 depth (trace ON)", DEPTH_CHANGE_METRICS,
+                                 "D0 vs S2 depth over INITIAL admissions (trace ON)",
+                                 DEPTH_CHANGE_METRICS,
                                  (("D0", "S2"),))
     others = tuple(f.name for f in plan.families if f.name not in gate_names)
     attach_gated(result, plan, passed, lambda: with_depth(runset.all_runs, depth), plan_dir,
@@ -354,22 +365,25 @@ def attach_gated(result: QuestionResult, plan: prereg.Plan, passed: list[str], r
                    or (not f.smoke and not main_ok)]
         result.families = [f for f in result.families if f not in dropped]
     if not main_ok and (plan.campaign in result.campaigns or not smoke_ok):
+        if plan.campaign not in result.campaigns:  # nothing was refused: nothing ran yet
+            reason = (f"no data: no runs yet of campaign {plan.campaign} "
+                      f"(`make {plan.campaign}`)")
         result.families += withheld(plan, reason, skip)
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
-    table = f.get("initial_depth")
+    table, stage, note = pf.pick_stage(f.get("initial_depth"), f.get("runs"))
     if table is not None and len(table):
-        table = table[(table["org"] == "S2") & (table["stage"] == table["stage"].iloc[0])]
+        table = table[table["org"] == "S2"]
         table = table.assign(f=table["f"].map(lambda v: f"f = {v:g}"))
     return figures.kept([
         ("Fig. 7(a) Q7 state availability: S2 per seed, open f = 0, filled f = 0.19",
-         pf.depth_per_seed(table, out_dir / "q7_fig7a_state.png",
+         pf.depth_per_seed(table, pf.stage_path(out_dir / "q7_fig7a_state.png", stage),
                            "Q7 state availability: S2, b83, λ 3, cap 63, q 1, pin K 1; "
                            "INITIAL admissions", "f",
                            (("jadopt", "Jadopt", "o"), ("rmax_m1", "Rmax (M1)", "^"),
-                            ("amax_m1", "Amax (M1)", "s")), "f = 0")),
+                            ("amax_m1", "Amax (M1)", "s")), "f = 0", note, stage)),
         ("State depth per cell with M0/M1 brackets, and entry vs adopted depth classes",
          figures.depth_panels(f.get("depth_cells"), f.get("depth_classes"),
                               out_dir / "q7_depth.png", "Q7 joint reuse depth (trace ON)")),

@@ -77,7 +77,8 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
         return result
     readouts.throughput_section(result, runs)
     readouts.changes_section(result, runs, "retention", "S2+Retention vs S2 throughput",
-                             ("throughput_ledger", "throughput_span"), RETENTION)
+                             ("throughput_ledger", "throughput_span"), RETENTION,
+                             effect="mean_seedwise")
     gates = campaign_gates(con, runs, plan_dir, allow_changed_plan)
     result.notes += q7.gate_notes(gates)
     passed = [c for c, (ok, _) in gates.items() if ok]
@@ -99,8 +100,10 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
                 "(d_amax_low, d_amax_high); dGapR from M0 to M1. Brackets, not intervals.",
                 [("", brackets, None)]))
         readouts.changes_section(result, traced[traced["trace"]], "depth_changes",
-                                 "S2+Retention vs S2 depth (trace ON)",
-                                 ("jadopt_tokens_mean", "gap_r_tokens_mean", "rmax_tokens_mean"),
+                                 "S2+Retention vs S2 depth over INITIAL admissions (trace ON)",
+                                 ("jadopt_initial_mean", "gap_r_initial_mean",
+                                  "gap_r_m0_initial_mean", "rmax_m1_initial_mean",
+                                  "rmax_m0_initial_mean"),
                                  RETENTION)
     q7.attach_gated(result, plan, passed, lambda: q7.with_depth(runset.all_runs, depth),
                     plan_dir, allow_changed_plan, None,
@@ -111,25 +114,25 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
-    table = f.get("initial_depth")
+    table, stage, note = pf.pick_stage(f.get("initial_depth"), f.get("runs"))
     if table is not None and len(table):
-        table = table[table["stage"] == table["stage"].iloc[0]]
         table = table.assign(org=table["org"].map(pf.org_name))
     return figures.kept([
         ("Fig. 7(b) Q8 checkpoint retention per seed: open S2, filled S2+Retention; Rmax at "
          "M1 with a bar down to M0",
-         pf.depth_per_seed(table, out_dir / "q8_fig7b_retention.png",
+         pf.depth_per_seed(table, pf.stage_path(out_dir / "q8_fig7b_retention.png", stage),
                            "Q8 checkpoint retention: 254 S2 pages, λ 3, cap 63, f 0, SHARE, "
                            "pin K 1; INITIAL admissions", "org",
                            (("jadopt", "Jadopt", "o"), ("rmax_m1", "Rmax (M1; bar to M0)", "^"),
-                            ("amax_m1", "Amax (M1)", "s")), "S2")),
+                            ("amax_m1", "Amax (M1)", "s")), "S2", note, stage)),
         ("State depth of S2 and S2+Retention with M0/M1 brackets, and depth classes",
          figures.depth_panels(f.get("depth_cells"), f.get("depth_classes"),
                               out_dir / "q8_depth.png", "Q8 reuse depth with retention")),
-        ("S2+Retention vs S2 paired change in adopted depth Jadopt (tokens)",
+        ("S2+Retention vs S2 paired change in adopted depth Jadopt over INITIAL admissions "
+         "(tokens)",
          figures.change_bars(f.get("depth_changes"), f.get("depth_changes_seeds"),
                              out_dir / "q8_depth_change.png", "Q8 retention effect on Jadopt",
-                             metric="jadopt_tokens_mean")),
+                             metric="jadopt_initial_mean")),
         ("Throughput by cell: geometric mean (bars) and seeds (dots)",
          figures.throughput_bars(f.get("runs"), out_dir / "q8_throughput.png",
                                  "Q8 throughput by cell")),

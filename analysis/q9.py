@@ -128,8 +128,10 @@ def kret_section(result: QuestionResult, plan: prereg.Plan, runs: pd.DataFrame,
         summaries.append(summary)
         seeds.append(per_seed)
     else:
+        collected = len(runs) and (runs["campaign"].astype(str) == plan.campaign).any()
         notes.append("The K_ret family of the plan is refused (see below); no preregistered "
-                     "K_ret.")
+                     "K_ret." if collected else "The K_ret family of the plan has no runs yet "
+                     f"(`make {plan.campaign}`); no preregistered K_ret.")
     for label, table in condition_tables(runs).items():
         complete, incomplete = complete_seeds(table)
         if incomplete:
@@ -156,10 +158,19 @@ def kret_section(result: QuestionResult, plan: prereg.Plan, runs: pd.DataFrame,
                                    [("", summary, None)]))
 
 
+ORDER_NOTE = ("Run order (AMBIGUOUS A9, \"balanced order\"): the four rows of a 4 x 4 "
+              "Williams square cycled over the six seeds. Seeds 88001-88004 form the balanced "
+              "square (each condition once in each position and once after each other); "
+              "88005-88006 repeat its first two rows, so over six seeds each condition holds "
+              "each position once or twice (2/1/2/1): no order of four conditions balances "
+              "positions over six seeds.")
+
+
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
     result, runset = readouts.begin(con, QUESTION, TITLE, READS)
     plan = readouts.load_plan(QUESTION, plan_dir)
     if not runset.empty:
+        result.notes.append(ORDER_NOTE)
         readouts.throughput_section(result, runset.runs)
         kret_section(result, plan, runset.all_runs, allow_changed_plan)
         result.add("q9_runs", readouts.run_frame(runset.runs))
@@ -182,16 +193,18 @@ def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
     f = result.frames
     per_seed, summary = first_condition(f.get("kret"), f.get("kret_seeds"))
     runs = f.get("q9_runs")
+    stage, note = "main", ""
     if runs is not None and len(runs) and summary is not None:
         label = summary["condition"].iloc[0]
-        stage = "main" if "(plan)" in label else runs["stage"].iloc[0]
+        stage = "main" if "(plan)" in label else pf.figure_stages(runs)[0]
         runs = runs[runs["stage"] == stage]
+        note = pf.stage_note(runs, stage)
         summary = summary[summary["timebase"] == "ledger"]
     return figures.kept([
         ("Fig. 7(c) Q9 throughput confirmation: geometric-mean ledger throughput by reuse mode "
          "(bars), all runs (dots), K_ret with its 95% CI",
-         pf.kret_bars(runs, summary, out_dir / "q9_fig7c_kret.png",
-                      "Q9 throughput confirmation")),
+         pf.kret_bars(runs, summary, pf.stage_path(out_dir / "q9_fig7c_kret.png", stage),
+                      "Q9 throughput confirmation", note, stage)),
         ("K_ret panel (first condition of the K_ret table): per-seed retention effects in SHARE "
          "and ISOLATE and their difference (dots), effects with 95% paired-t intervals (squares)",
          figures.kret_panel(*first_condition(f.get("kret"), f.get("kret_seeds")),

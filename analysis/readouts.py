@@ -10,6 +10,7 @@ import functools
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from analysis import prereg
@@ -28,7 +29,7 @@ from analysis.render import QuestionResult, Section, no_data_section
 
 RUN_COLUMNS = ("run_id", "campaign", "cell", "seed", *DESIGN_COLUMNS, "throughput_ledger",
                "throughput_span", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "tpot_p99",
-               "requests_per_s", "finished_requests", "c_once_tokens", "h_tokens",
+               "requests_per_s", "finished_requests", "num_requests", "c_once_tokens", "h_tokens",
                "engine_steps", "h_per_k", "running_median", "running_max", "waiting_median",
                "waiting_max", "waiting_p99",
                "prefill_tokens_initial", "prefill_tokens_resume", "prefill_tokens_computed",
@@ -142,10 +143,22 @@ def throughput_section(result: QuestionResult, runs: pd.DataFrame,
     return cells
 
 
+MEAN_SEEDWISE_TEXT = ("Paired by seed within each condition. Throughput effects are the mean "
+                      "of seedwise percent changes 100 (T/C - 1) (AMBIGUOUS A7: one statistic) "
+                      "with the 95% paired-t interval of the mean log ratio d = ln(T/C), "
+                      "back-transformed. `p_exact` is the unadjusted exact two-sided sign-flip "
+                      "p of d.")
+
+
 def changes_section(result: QuestionResult, runs: pd.DataFrame, name: str, title: str,
                     metrics: Sequence[str], pairs: Sequence[tuple], vary: str = "org",
-                    ignore: Sequence[str] | None = None) -> pd.DataFrame:
-    """Paired changes for each metric; frames `<name>` and `<name>_seeds` (per-seed d)."""
+                    ignore: Sequence[str] | None = None,
+                    effect: str = "back_transformed") -> pd.DataFrame:
+    """Paired changes for each metric; frames `<name>` and `<name>_seeds` (per-seed d).
+
+    `effect="mean_seedwise"` reports one statistic for log-scale metrics: the mean seedwise
+    percent change as `effect` (no second display column), as Q8's reading A7 says.
+    """
     tables, seeds = [], []
     for metric in metrics:
         table, per_seed = paired_changes(runs, metric, pairs, vary=vary, ignore=ignore)
@@ -157,14 +170,22 @@ def changes_section(result: QuestionResult, runs: pd.DataFrame, name: str, title
         result.sections.append(Section(title, f"No data for {title.lower()}: no condition "
                                               "holds both arms of a comparison."))
         return pd.DataFrame()
-    frame = result.add(name, pd.concat(tables, ignore_index=True))
+    frame = pd.concat(tables, ignore_index=True)
+    columns, text = list(CHANGE_COLUMNS), CHANGE_TEXT
+    if effect == "mean_seedwise":
+        logs = frame["metric"].map(lambda m: METRICS[m].scale == "log")
+        frame.loc[logs, "effect"] = frame.loc[logs, "display_mean_pct"]
+        frame = frame.drop(columns="display_mean_pct")
+        columns.remove("display_mean_pct")
+        text = MEAN_SEEDWISE_TEXT
+    frame = result.add(name, frame)
     result.add(f"{name}_seeds", pd.concat(seeds, ignore_index=True))
-    section = Section(title, CHANGE_TEXT)
+    section = Section(title, text)
     for metric in metrics:
         part = frame[frame["metric"] == metric]
         if not part.empty:
             caption = f"{METRICS[metric].label} [{metric}]"
-            section.tables.append((caption, part, list(CHANGE_COLUMNS)))
+            section.tables.append((caption, part, columns))
     result.sections.append(section)
     return frame
 
@@ -206,6 +227,20 @@ def family_runs(plan: prereg.Plan, name: str, runs: pd.DataFrame) -> pd.DataFram
     found = pd.concat([p for p in parts if len(p)], ignore_index=True) if any(
         len(p) for p in parts) else runs.head(0).assign(cell_id=pd.Series(dtype=object))
     return found.drop_duplicates("run_id").reset_index(drop=True)
+
+
+def planned_runs(plan: prereg.Plan, name: str, runs: pd.DataFrame) -> pd.DataFrame:
+    """`family_runs` with main-stage runs kept only at their cell's planned seeds (a cell
+    another family extends to more seeds, e.g. Q5's curve cells in the common six, keeps its
+    own seed set; smoke-stage runs are kept as collected)."""
+    found = family_runs(plan, name, runs)
+    if found.empty:
+        return found
+    seeds = {c.id: {int(s) for s in c.seeds} for c in plan.family(name).cells}
+    planned = [int(s) in seeds.get(c, ()) for c, s in zip(found["cell_id"], found["seed"],
+                                                          strict=True)]
+    keep = (found["stage"] != "main").to_numpy() | np.array(planned, dtype=bool)
+    return found[keep].reset_index(drop=True)
 
 
 def means_table(runs: pd.DataFrame, by: Sequence[str], metrics: Sequence[str],

@@ -35,11 +35,15 @@ class SupportingPage:
     TITLE: str
     borrowed: tuple[str, ...] = ()
     extras: Callable | None = None  # (result, con, runs, plan): the page's section-2 estimands
+    cells_family: str | None = None  # the Cells table (and extras) show only this family's
+    # runs at its planned seeds (caps: the three-seed curves, not the six-seed comparison's)
 
     def analyze(self, con, *, plan_dir=None, allow_changed_plan: bool = False
                 ) -> QuestionResult:
         result, runset, plan = readouts.begin_plan(con, self.QUESTION, self.TITLE, plan_dir)
         runs = runset.runs
+        if not runs.empty and self.cells_family:
+            runs = readouts.planned_runs(plan, self.cells_family, runs)
         if not runs.empty:
             by = [c for c in BY if runs[c].nunique(dropna=False) > 1 or c == "org"]
             cells = result.add("cells", readouts.means_table(runs, by, METRICS))
@@ -136,6 +140,6 @@ PAGES = (
                    extras=_orig5),
     SupportingPage("pinning", "Preemption-time pinning (PIN-2)"),
     SupportingPage("d0_split", "D0 pool split", SPLIT_ROWS, extras=_split),
-    SupportingPage("caps", "Concurrency caps", extras=_caps),
+    SupportingPage("caps", "Concurrency caps", extras=_caps, cells_family="cap_curves"),
     SupportingPage("bursts", "Arrival bursts", extras=_bursts),
 )

@@ -219,6 +219,44 @@ def test_q8_amax_bracket_from_m0_and_m1(analyzed, ledger):
     assert family(result, "retention_depth").accepted
 
 
+def test_q8_secondary_depth_and_throughput_tables_read_as_the_families(analyzed, ledger):
+    """Issue 20, section 5: the depth-change table uses INITIAL admissions, M1 (M0 as the
+    bracket) and GapR = Rmax - Jadopt; the throughput change shows one statistic (A7)."""
+    result = analyzed(q8)
+    trace = raw(ledger, "trace", "q8")
+    adopt = trace[(trace.event == "ADOPT") & (trace.episode == 1)]
+    hand = adopt.assign(gap_m1=adopt.rmax_m1 - adopt.boundary,
+                        gap_m0=adopt.rmax_m0 - adopt.boundary).groupby("run_id")[
+        ["boundary", "gap_m1", "gap_m0", "rmax_m1"]].mean()
+    runs = raw(ledger, "runs", "q8").set_index("run_id")
+    hand = hand.join(runs[["org", "seed"]]).set_index(["org", "seed"])
+    seeds = result.frames["depth_changes_seeds"]
+    for metric, column in (("jadopt_initial_mean", "boundary"), ("gap_r_initial_mean", "gap_m1"),
+                           ("gap_r_m0_initial_mean", "gap_m0"),
+                           ("rmax_m1_initial_mean", "rmax_m1")):
+        d = seeds[seeds.metric == metric].set_index("seed")["d"].sort_index()
+        expected = (hand.loc["S2_RETENTION", column] - hand.loc["S2", column]).sort_index()
+        assert d.to_numpy() == pytest.approx(expected.to_numpy()), metric
+    assert "jadopt_tokens_mean" not in set(result.frames["depth_changes"].metric)
+    # per-cell GapR bracket: Rmax - Jadopt (the adopted depth) over every episode
+    every = trace[trace.event == "ADOPT"]
+    per_run = every.assign(g=every.rmax_m1 - every.boundary).groupby("run_id")["g"].mean()
+    cells = result.frames["depth_cells"]
+    assert sorted(cells["gap_m1_mean"]) == pytest.approx(sorted(
+        per_run.to_frame().join(runs["org"]).groupby("org")["g"].mean()))
+    change = result.frames["retention"]
+    assert "display_mean_pct" not in change
+    row = change[change.metric == "throughput_ledger"].iloc[0]
+    t = by_seed(runs.reset_index(), "throughput_ledger", org="S2_RETENTION")
+    c = by_seed(runs.reset_index(), "throughput_ledger", org="S2")
+    assert row["effect"] == pytest.approx((100 * (t / c - 1)).mean())
+    assert "one statistic" in result.markdown()
+
+
+def test_q7_depth_page_says_where_jenter_comes_from(analyzed):
+    assert "offline from block ids" in analyzed(q7).markdown()
+
+
 # --- Q9 ------------------------------------------------------------------------------------
 
 
@@ -309,5 +347,8 @@ def test_every_page_on_an_empty_ledger_says_no_data(tmp_path):
             assert f"No data for {module.QUESTION.upper()}" in result.markdown()
             assert all(f.no_data or (not f.accepted and "withheld" in f.reasons[0])
                        for f in result.families)
+            assert all(f.status != "refused" for f in result.families)  # "no runs yet"
+            if module is q7:
+                assert {f.status for f in result.families} == {"no runs yet"}
     finally:
         connection.close()

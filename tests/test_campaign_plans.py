@@ -19,7 +19,7 @@ from experiments.ledger_io import cell_columns
 from experiments.provenance import prereg_plan_hash
 
 CAMPAIGNS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9", "d0_split", "caps",
-             "bursts", "pinning", "orig5", "q10_tq4")
+             "bursts", "pinning", "orig5", "q10_tq4", "q6_development")
 EXT = tuple(range(42000, 42012))
 
 
@@ -48,17 +48,18 @@ COUNTS = {
     "q2": (54, {"q2": 18, "q3": 36}),            # anchors 2a/2b 18; Exp 2c = Q3's q = 0
     "q3": (144, {"q3": 96, "q1": 36, "q4": 12}),  # 144, of which Q1's 36 (and Q4's D0 12)
     "q4": (144, {"q4": 36, "q1": 108}),          # D0 36 + Q1's Exp 1a
-    "q5": (66, {"q5": 66}),
+    "q5": (78, {"q5": 72, "orig5": 6}),          # 66 curve runs + the b108 common six (A19)
     "q6": (360, {"q6": 360}),
     "q7": (24, {"q7": 24}),
     "q8": (6, {"q8": 6}),
     "q9": (24, {"q9": 24}),
     "d0_split": (120, {"d0_split": 96, "q4": 24}),  # split 96; default from Q4
-    "caps": (60, {"caps": 48, "q5": 12}),          # references: actual cap-63/109 Q5 cells
+    "caps": (72, {"caps": 48, "q5": 12, "orig5": 6, "bursts": 6}),  # + six-seed cap 8 vs 63
     "bursts": (24, {"bursts": 18, "q5": 6}),
     "pinning": (96, {"pinning": 72, "q5": 12, "orig5": 12}),  # 72 fresh + 24 R1
     "orig5": (84, {"orig5": 54, "q5": 12, "caps": 6, "bursts": 12}),  # 2 x (6 + 4 x 9)
     "q10_tq4": (288, {"q10_tq4": 144, "q1": 108, "q4": 36}),  # TQ4 144; bf16 Exp 1a + Q4 D0
+    "q6_development": (105, {"q6_development": 105}),  # 2 x 3 x 5 x 3 + S2 b83 5 x 3
 }
 
 
@@ -130,6 +131,17 @@ def test_every_plan_is_satisfied_by_the_collected_design(name):
         assert check.accepted, (family.name, check.reasons()[:3])
         used |= set(check.runs.run_id)
     assert {r.key.run_id for r in planned(name)} <= used
+
+
+@pytest.mark.parametrize(("name", "family"), [("q5", "b108_common_six"),
+                                              ("caps", "cap8_vs_cap63_six_seeds")])
+def test_six_seed_comparisons_need_only_their_own_campaign(name, family):
+    """`make q5` alone collects the b108 common six, `make campaign C=caps` alone the six-seed
+    cap 8 vs cap 63 comparison (issue 20): the family is accepted on that campaign's runs."""
+    plan = prereg.load_plan(name)
+    check = prereg.check_family(plan, family, frame(planned(name)))
+    assert check.accepted, check.reasons()[:3]
+    assert set(check.runs.seed) == set(range(6)) and len(check.runs) == 24
 
 
 FAMILY_RUNS = {("q1", "EXT-22"): 288, ("q10_tq4", "codec_interactions"): 288,

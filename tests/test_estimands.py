@@ -87,38 +87,73 @@ def test_d0_unit_bytes_match_the_layout(model):
 # --- Q6 bounds and EXT-22 scenarios -------------------------------------------------------------
 
 
-def test_q6_declares_36_bounds_by_name():
-    spec = prereg.load_plan("q6").raw["simultaneous_upper_bounds"]
-    ids = [m["id"] for m in estimands.bound_members(spec)]
+def test_q6_declares_36_bounds_against_the_preselected_f():
+    plan = prereg.load_plan("q6")
+    spec, chosen = plan.raw["simultaneous_upper_bounds"], plan.raw["preselected_f"]
+    assert spec["against"] == "preselected" and spec["alternative_against"] == "zero"
+    members = estimands.bound_members(spec, chosen)
+    ids = [m["id"] for m in members]
     assert len(ids) == len(set(ids)) == 36
-    within = [i for i in ids if i.endswith("_vs_f0")]
+    within = [m for m in members if "against_f" in m]
     gaps = [i for i in ids if i.startswith("D0_vs_S2_")]
     assert len(within) == 24 and len(gaps) == 12
-    for name in ("S2_b63_f0.27_vs_f0", "D0_b108_f0.35_vs_f0", "D0_vs_S2_b83_f0.19"):
+    for m in within:  # every other f of the grid against the preselected f
+        assert m["against_f"] == chosen[m["budget"]][m["org"]] and m["f"] != m["against_f"]
+    for name in ("S2_b83_f0.27_vs_f0.35", "S2_b83_f0_vs_f0.35", "S2_b63_f0.35_vs_f0.27",
+                 "D0_b83_f0_vs_f0.1", "S2_b108_f0.1_vs_f0", "D0_vs_S2_b83_f0.19"):
         assert name in ids
     assert not any(i.endswith("_f0") for i in gaps)  # f = 0 gaps are P0 of Q6-17
     assert spec["margin_pct"] == 3.0 and spec["alpha"] == 0.05
+    old = [m["id"] for m in estimands.bound_members(spec, chosen, "zero")]
+    assert len(old) == 36 and "S2_b83_f0.27_vs_f0" in old
+    with pytest.raises(ValueError, match="against='best'"):
+        estimands.bound_members(spec, chosen, "best")
 
 
 def test_q6_bounds_are_bonferroni_one_sided_t_bounds():
-    spec = prereg.load_plan("q6").raw["simultaneous_upper_bounds"]
+    plan = prereg.load_plan("q6")
+    spec, chosen = plan.raw["simultaneous_upper_bounds"], plan.raw["preselected_f"]
     rng = np.random.default_rng(11)
     rows = [{"stage": "main", "org": org, "budget": b, "f": f, "seed": s,
              "throughput_span": 1000 * (1 + f / 10) * math.exp(rng.normal(0, 0.02))}
             for org in ("D0", "S2") for b in ("b63", "b83", "b108")
             for f in spec["f_grid"] for s in range(12)]
     runs = pd.DataFrame(rows)
-    table = estimands.simultaneous_bounds(runs, spec).set_index("bound")
-    assert len(table) == 36 and (table["m"] == 36).all()
     key = lambda o, b, f: runs[(runs.org == o) & (runs.budget == b) & (runs.f == f)]  # noqa: E731
-    t = key("S2", "b63", 0.27).set_index("seed")["throughput_span"]
-    c = key("S2", "b63", 0.0).set_index("seed")["throughput_span"]
-    d = np.log(t / c).to_numpy()
-    _, upper = DescrStatsW(d).tconfint_mean(alpha=0.05 / 36, alternative="smaller")
-    row = table.loc["S2_b63_f0.27_vs_f0"]
-    assert row["upper"] == pytest.approx(100 * math.expm1(upper))
-    assert row["effect"] == pytest.approx(100 * math.expm1(d.mean()))
-    assert row["excludes_margin"] == (100 * math.expm1(upper) < 3.0)
+    for against, name, base in (("preselected", "S2_b83_f0.27_vs_f0.35", 0.35),
+                                ("zero", "S2_b83_f0.27_vs_f0", 0.0)):
+        table = estimands.simultaneous_bounds(runs, spec, preselected=chosen,
+                                              against=against).set_index("bound")
+        assert len(table) == 36 and (table["m"] == 36).all()
+        t = key("S2", "b83", 0.27).set_index("seed")["throughput_span"]
+        c = key("S2", "b83", base).set_index("seed")["throughput_span"]
+        d = np.log(t / c).to_numpy()
+        _, upper = DescrStatsW(d).tconfint_mean(alpha=0.05 / 36, alternative="smaller")
+        row = table.loc[name]
+        assert row["upper"] == pytest.approx(100 * math.expm1(upper))
+        assert row["effect"] == pytest.approx(100 * math.expm1(d.mean()))
+        assert row["excludes_margin"] == (100 * math.expm1(upper) < 3.0)
+
+
+def test_q6_page_prints_the_section_5_4_bound():
+    from analysis import q6
+    from analysis.render import QuestionResult
+
+    plan = prereg.load_plan("q6")
+    spec, chosen = plan.raw["simultaneous_upper_bounds"], plan.raw["preselected_f"]
+    rng = np.random.default_rng(2)
+    runs = pd.DataFrame([{"stage": "main", "org": o, "budget": b, "f": f, "seed": s,
+                          "throughput_span": 700 * math.exp(rng.normal(0, 0.03))}
+                         for o in ("D0", "S2") for b in ("b63", "b83", "b108")
+                         for f in spec["f_grid"] for s in range(12)])
+    result = QuestionResult("q6", "t", ("q6",), ("q6",), len(runs))
+    q6.bounds_section(result, plan, runs, chosen)
+    text = result.sections[-1].text
+    row = result.frames["upper_bounds"].set_index("bound").loc["S2_b83_f0.27_vs_f0.35"]
+    assert f"upper bound {row['upper']:+.2f} %" in text
+    assert "S2_b83_f0.27_vs_f0.35" in text and "Section 5.4" in text
+    assert "upper_bounds_alternative" in result.frames
+    assert len(result.sections[-1].tables) == 2
 
 
 def test_ext22_adoption_scenarios_b_and_c():

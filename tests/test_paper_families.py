@@ -159,6 +159,48 @@ def test_q6_17_self_comparisons_and_seeded_bootstrap():
     assert row["label"] == "P0-b63" and "bootstrap" in row["interval"]
 
 
+def test_q6_17_cross_budget_rows_are_pt_and_p19_differences_without_intervals():
+    """A2: #1 (budget-endpoint) = PT(b108) - PT(b63), #2 = P19(b108) - P19(b63), log-ratio
+    differences, no bootstrap interval; every other non-self row keeps its interval."""
+    plan = prereg.load_plan("q6")
+    fam = plan.primary_family
+    rng = np.random.default_rng(8)
+    noise = {(c.id, s): rng.normal(0, 0.05) for c in fam.cells for s in fam.seeds}
+
+    def value(cell, seed):
+        return 800 * (1.05 if cell.startswith("D0") else 1.0) * np.exp(noise[(cell, seed)])
+
+    table = evaluate_family(plan, fam, runs_for(plan, "Q6-17", value)).tables[
+        "throughput_span"].set_index("test")
+    log = {c.id: np.log([value(c.id, s) for s in fam.seeds]) for c in fam.cells}
+    expected = {
+        "PT_b108_minus_b63": (log["D0_b108_f10"] - log["S2_b108_f0"])
+        - (log["D0_b63_f0"] - log["S2_b63_f27"]),
+        "P19_b108_minus_b63": (log["D0_b108_f19"] - log["S2_b108_f19"])
+        - (log["D0_b63_f19"] - log["S2_b63_f19"]),
+    }
+    for test, d in expected.items():
+        row = table.loc[test]
+        assert row["p_exact"] == pytest.approx(brute_sign_flip(d))
+        assert row["kind"] == "interaction" and row["interval"] == ""
+        assert np.isnan(row["ci_low"]) and np.isnan(row["ci_high"])
+        assert row["n_pos"] == int((d > 0).sum())
+    assert "budget-endpoint" in table.loc["PT_b108_minus_b63", "label"]
+    assert "P0_b108_minus_b63" not in table.index
+    with_interval = table.drop(index=["ID_b63", "IS_b108", *expected])
+    assert with_interval["ci_low"].notna().all()
+
+
+def test_a_test_may_declare_no_interval_and_nothing_else():
+    plan = prereg.load_plan("q6")
+    raw = {**plan.raw, "families": [dict(f) for f in plan.raw["families"]]}
+    tests = [dict(t) for t in raw["families"][0]["tests"]]
+    tests[0]["intervals"] = "bootstrap"
+    raw["families"][0]["tests"] = tests
+    with pytest.raises(ValueError, match=r"intervals='bootstrap': allowed values are \('none',\)"):
+        prereg.parse_plan(raw)
+
+
 def test_pin2_relative_gap_change():
     plan = prereg.load_plan("pinning")
     fam = plan.primary_family

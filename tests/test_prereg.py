@@ -106,7 +106,7 @@ def test_ext22_membership_by_name_and_category():
 
 Q6_17 = ["P0_b63", "P19_b63", "PT_b63", "ID_b63", "IS_b63", "P0_b83", "P19_b83", "PT_b83",
          "ID_b83", "IS_b83", "P0_b108", "P19_b108", "PT_b108", "ID_b108", "IS_b108",
-         "P0_b108_minus_b63", "PT_b108_minus_b63"]
+         "PT_b108_minus_b63", "P19_b108_minus_b63"]
 
 
 def test_q6_17_membership_preselected_f_and_self_comparisons():
