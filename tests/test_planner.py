@@ -173,7 +173,7 @@ def test_headroom_rejects_negative_total():
 
 
 def test_units_for_rejects_unknown_org(falcon):
-    with pytest.raises(ValueError, match="org=.*s2_retention"):
+    with pytest.raises(ValueError, match="org=.*allowed values are S0, S1, S2, D0, N0"):
         units_for(plan_budget(falcon, "b63"), "s9")
 
 

@@ -240,7 +240,7 @@ def test_attention_only_geometry_has_no_state():
         model.step_seconds([1], [0], checkpoint_writes=1)
 
 
-@pytest.mark.parametrize("org", ["s1", "s2", "s2_retention"])
+@pytest.mark.parametrize("org", ["s1", "s2"])
 def test_indirection_overhead_scales_only_state_memory(falcon, org):
     plain = StepTimeModel(falcon, "a100_roofline", org)
     paged = StepTimeModel(falcon, "a100_roofline", org, indirection_overhead=0.25)
@@ -361,7 +361,7 @@ def test_additive_indirection_scales_device_time_of_paged_orgs_only(falcon):
     host = 0.002 + 21e-5
     base = additive(falcon, "d0").step_seconds(*batch) - host
     assert additive(falcon, "s0").step_seconds(*batch) - host == pytest.approx(base, rel=1e-12)
-    for org in ("s1", "s2", "s2_retention"):
+    for org in ("s1", "s2"):
         paged = additive(falcon, org).step_seconds(*batch) - host
         assert paged == pytest.approx(1.1 * base, rel=1e-12)
 

@@ -57,7 +57,7 @@ def test_s2_slab_packing(falcon):
     ideal = allocation_cost(falcon, "S2", 0, 17)
     assert (ideal.num_bytes, ideal.num_slabs) == (27_136 * KIB, 2)
     # an explicit third slab is charged: 26,112 + 1,536 KiB
-    assert cost(falcon, "s2_retention", 0, 17, slabs=3) == 27_648 * KIB
+    assert cost(falcon, "S2", 0, 17, slabs=3) == 27_648 * KIB
     with pytest.raises(ValueError, match="slabs=1.*at least 2"):
         cost(falcon, "S2", 0, 17, slabs=1)
 
