@@ -32,7 +32,7 @@ plan: setup ## print the budget planner table for b63, b83 and b108 (Falcon-H1-7
 	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b; echo; done
 
 calibrate: setup ## fit the A100 step model to conf/calibration/ anchors; anchor table (~3 min)
-	$(BIN)/python -m serving_core.executor.calibrate $(ARGS)
+	$(BIN)/python -m experiments.calibrate $(ARGS)
 
 BENCH ?= engine single campaign ledger kernel
 BENCH_PARTS := engine single campaign ledger kernel

@@ -56,6 +56,57 @@ def decode_conv_line(line: int, slots_per_slab: int) -> tuple[int, int]:
     return divmod(line, slots_per_slab)
 
 
+def slab_occupancy(slab: dict, slots_per_slab: int) -> dict[str, float]:
+    """Slab occupancy of one run from its slab ledger (PAPER_ANCHORS.md F's dump figures).
+
+    Occupancy = live conv slots / (slots_per_slab x slab pages). The state after the last
+    event at each instant is held until the next instant; `mean` weights it by that time
+    (instants with no slab page excluded) as time-averaged live slots over time-averaged
+    slot capacity; `at_peak_pages` is the state when the slab page
+    count first reaches its maximum, `at_peak_live` when the live slot count does (the two
+    need not coincide). Events: SLAB_ALLOC / SLAB_FREE / SLAB_RECLAIM move the page count,
+    SLOT_ALLOC / SLOT_FREE one live slot, CROSS_INVALIDATE `invalidated` live slots."""
+    nan = float("nan")
+    out = {"occupancy_mean": nan, "pages_mean": nan, "live_mean": nan, "pages_peak": 0,
+           "live_at_peak_pages": 0, "occupancy_at_peak_pages": nan, "live_peak": 0,
+           "pages_at_peak_live": 0, "occupancy_at_peak_live": nan}
+    pages = live = 0
+    states: list[tuple[float, int, int]] = []  # (t, pages, live) after each instant
+    for t, event, lost in zip(slab["t_s"], slab["event"], slab["invalidated"], strict=True):
+        if event == "SLAB_ALLOC":
+            pages += 1
+        elif event in ("SLAB_FREE", "SLAB_RECLAIM"):
+            pages -= 1
+        elif event == "SLOT_ALLOC":
+            live += 1
+        elif event == "SLOT_FREE":
+            live -= 1
+        elif event == "CROSS_INVALIDATE":
+            live -= lost
+        if states and states[-1][0] == t:
+            states[-1] = (t, pages, live)
+        else:
+            states.append((t, pages, live))
+    if not states:
+        return out
+    dur = pages_time = live_time = 0.0
+    for (t, p, n), (t_next, _, _) in zip(states, states[1:], strict=False):
+        if p > 0:
+            dur += t_next - t
+            pages_time += p * (t_next - t)
+            live_time += n * (t_next - t)
+    if dur > 0:
+        out.update(occupancy_mean=live_time / (slots_per_slab * pages_time),
+                   pages_mean=pages_time / dur, live_mean=live_time / dur)
+    _, p, n = max(states, key=lambda s: (s[1], -s[0]))
+    out.update(pages_peak=p, live_at_peak_pages=n,
+               occupancy_at_peak_pages=n / (slots_per_slab * p) if p else nan)
+    _, p, n = max(states, key=lambda s: (s[2], -s[0]))
+    out.update(live_peak=n, pages_at_peak_live=p,
+               occupancy_at_peak_live=n / (slots_per_slab * p) if p else nan)
+    return out
+
+
 class S2PagingConvSlots(MemoryOrganization):
     org = "S2"
 
