@@ -573,7 +573,9 @@ def calibrate_anchors(args, log) -> int:
 
 
 # One rule at a time switched back to the earlier engine (the first_chunk preset's value);
-# the last variant instead gives D0 the S-organizations' step_end placement and alignment.
+# "d0=aligned" instead gives D0 the S-organizations' step_end placement and alignment. The
+# candidate rules after it (issue 19) are the alternatives, each justified by a text, for how
+# long a shared checkpoint survives; see conf/calibration/rules.md for what each moved.
 ABLATIONS = {
     "paper": [],
     "admission=first_chunk": ["engine.admission=first_chunk"],
@@ -583,31 +585,65 @@ ABLATIONS = {
     "outputs=raw": ["workload.output_rule=raw"],
     "step=roofline": [],  # the datasheet roofline profile instead of the calibrated one
     "d0=aligned": ["engine.checkpoint_placement=step_end", "engine.align_chunks=true"],
+    # candidate rules (default = today's behaviour)
+    "pinning=K2": ["engine.pinning_k=2"],  # PAPER_ANCHORS.md E: pinning K = 2 was on
+    "free=single_queue": ["engine.free_queue=single_queue"],  # vLLM BlockPool free queue
+    "recency=publication": ["engine.checkpoint_recency=publication"],  # SPEC 3, slab rule
+    "slab=dense": ["engine.slab_policy=dense"],  # PAPER_ANCHORS.md F occupancy + reclaim
+    "single_queue+dense": ["engine.free_queue=single_queue", "engine.slab_policy=dense"],
 }
 ABLATION_METRICS = ("throughput", "c_once", "preemptions", "k", "waiting_median", "event_s",
                     "prompt_replay", "ttft_p99")
 
 
 def ablation(args, log) -> int:
-    """Relative error of each anchor with one rule at a time switched back."""
+    """Relative error of each anchor, each organization ratio's gap and S2 slab occupancy,
+    with one rule at a time switched (all of ABLATIONS, or --variants)."""
+    names = args.variants or list(ABLATIONS)
+    unknown = [n for n in names if n not in ABLATIONS]
+    if unknown:
+        print(f"--variants: unknown {', '.join(unknown)}; allowed values are "
+              f"{', '.join(ABLATIONS)}", file=sys.stderr)
+        return 2
     anchors = [a for a in load_anchors(args.anchors) if a.metric in ABLATION_METRICS]
     cells = sorted({a.cell for a in anchors if a.section in "ABCD"}, key=str)
-    results = {}
-    for name, overrides in ABLATIONS.items():
+    results, ratios, occupancy = {}, {}, {}
+    for name in names:
         profile = load_device_profile("a100_roofline" if name == "step=roofline" else args.start)
-        runs = simulate_cells(cells, args.seeds, profile, [*args.override, *overrides])
-        results[name] = {(r[0], r[1], r[2], r[3]): r for r in compare(anchors, runs)}
+        runs = simulate_cells(cells, args.seeds, profile, [*args.override, *ABLATIONS[name]])
+        rows = compare(anchors, runs)
+        results[name] = {(r[0], r[1], r[2], r[3]): r for r in rows}
+        ratios[name] = {(r[0], r[1], r[2], r[3]): r for r in ratio_rows(rows)}
+        s2 = [r for c, rs in runs.items() if c.org == "S2" for r in rs]
+        occupancy[name] = (
+            float(np.nanmean([r.metrics["slab_occupancy_mean"] for r in s2])) if s2 else math.nan,
+            sum(1 for r in s2 if r.metrics["slab_pops"] > 0), len(s2))
         log(f"  ablation {name} done")
-    names = list(ABLATIONS)
+    width = max(14, *(len(n) for n in names))
     head = f"{'sec':3} {'point':9} {'org':3} {'metric':15} {'anchor':>12} " + " ".join(
-        f"{n[:14]:>14}" for n in names)
+        f"{n:>{width}}" for n in names)
+    print("== relative error of each anchor")
     print(head)
-    for key, row in results["paper"].items():
+    first = names[0]
+    for key, row in results[first].items():
         cols = []
         for n in names:
             got = results[n].get(key)
-            cols.append(f"{_err_text(got[4], got[5], got[6]) if got else '':>14}")
+            cols.append(f"{_err_text(got[4], got[5], got[6]) if got else '':>{width}}")
         print(f"{key[0]:3} {key[1]:9} {key[2]:3} {key[3]:15} {row[4]:12,.1f} " + " ".join(cols))
+    print("\n== organization ratios: gap to the measured ratio, pp (ours - measured)")
+    print(f"{'sec':3} {'point':9} {'metric':10} {'ratio':6} {'measured':>9} " + " ".join(
+        f"{n:>{width}}" for n in names))
+    for key, row in ratios[first].items():
+        cols = [f"{ratios[n][key][6]:+{width}.1f}" if key in ratios[n] else " " * width
+                for n in names]
+        print(f"{key[0]:3} {key[1]:9} {key[2]:10} {key[3]:6} {100 * row[4]:+8.1f}% "
+              + " ".join(cols))
+    print("\n== S2 slabs: mean occupancy over S2 runs (measured dumps 90% and 86%); runs with a "
+          "reclaim invalidating cached checkpoints (measured 35 of 63)")
+    for n in names:
+        occ, popped, total = occupancy[n]
+        print(f"  {n:{width}} occupancy {occ:5.0%}  reclaims in {popped} of {total} runs")
     return 0
 
 
@@ -662,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-output-fit", action="store_true")
     p.add_argument("--ablation", action="store_true",
                    help="no fit: anchor errors with one engine rule at a time switched back")
+    p.add_argument("--variants", type=lambda v: [x for x in v.split(",") if x], default=None,
+                   help="with --ablation: comma-separated subset of the variants")
     p.add_argument("--compare-only", action="store_true",
                    help="no fit: the anchor table for the --start profile")
     p.add_argument("--override", action="append", default=[],

@@ -168,7 +168,7 @@ class Engine:
         self.recorder = recorder or Recorder(trace=trace, slab=org == "S2")
         self.trace = self.recorder.trace_enabled
         self.mem = memory or build_memory(
-            geometry, org, pool_units, self.recorder, sched_cfg.slab_policy
+            geometry, org, pool_units, self.recorder, **sched_cfg.memory_rules()
         )
         self.sched = Scheduler(self.mem, sched_cfg, self.recorder)
         self.executor = executor
