@@ -154,7 +154,13 @@ demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs), 
 	@echo "ledgers: $(abspath $(LEDGER_ROOT)) (campaigns demo_q1, demo_q9; DuckDB views: python -c 'import ledgers; ledgers.connect(\"$(LEDGER_ROOT)\")')"
 	@echo "report: $(abspath $(REPORT_DIR))/index.md"
 
-.PHONY: $(QUESTIONS) n0 campaign campaign-plan smoke demo
+sensitivity: setup ## rerun Q1 EXT-22 and Q6-17 under each alternative engine rule (SMOKE=1: 3 seeds, 60 requests), then sensitivity.md
+	$(BIN)/python -m experiments.sensitivity --ledgers $(LEDGER_ROOT) \
+		$(if $(filter $(SMOKE_ON),$(SMOKE)),--smoke) $(ARGS)
+	$(BIN)/python -m analysis.sensitivity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) > /dev/null
+	@echo "sensitivity page: $(abspath $(REPORT_DIR))/sensitivity.md"
+
+.PHONY: $(QUESTIONS) n0 campaign campaign-plan smoke demo sensitivity
 
 # ---- the real core over HTTP (serving_core.server) -------------------------------------------
 TINY_MODEL ?= models/falcon_h1_tiny
