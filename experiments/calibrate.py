@@ -194,8 +194,13 @@ _GEOMETRY = {}
 OCCUPANCY_KEYS = ("occupancy_mean", "pages_mean", "live_mean", "pages_peak",
                   "live_at_peak_pages", "occupancy_at_peak_pages", "live_peak",
                   "pages_at_peak_live", "occupancy_at_peak_live")
-# PAPER_ANCHORS.md F: two S2 state dumps, (live conv objects, slab pages).
-SLAB_DUMPS = ((43, 3), (69, 5))
+SLAB_DUMPS_CSV = CALIBRATION_DIR / "slab_dumps.csv"
+
+
+def load_slab_dumps(path: Path = SLAB_DUMPS_CSV) -> list[tuple[int, int]]:
+    """PAPER_ANCHORS.md F's S2 state dumps: (live conv objects, slab pages) per dump."""
+    with Path(path).open() as fh:
+        return [(int(r["live_conv_objects"]), int(r["slab_pages"])) for r in csv.DictReader(fh)]
 
 
 def _occupancy(cfg, org: str, slab: dict) -> dict:
@@ -376,7 +381,7 @@ def format_occupancy(runs: dict) -> str:
     """Per S2 cell: slab occupancy (live slots / 16 x slab pages), time-averaged and at the
     peaks, next to the measured state dumps (snapshots of unknown cells)."""
     dumps = ", ".join(f"{n} live in {p} pages = {n / p:.1f} of 16 ({n / (16 * p):.0%})"
-                      for n, p in SLAB_DUMPS)
+                      for n, p in load_slab_dumps())
     lines = [f"  slab occupancy, measured state dumps: {dumps}",
              f"  {'point':9} {'mean occ':>8} {'mean live/pages':>16} {'at peak pages':>22} "
              f"{'at peak live':>22}"]

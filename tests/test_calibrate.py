@@ -141,3 +141,36 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert cal.main(["--start", "tpu"]) == 2
     err = capsys.readouterr().err
     assert "--seeds" in err and "missing.parquet" in err and "tpu" in err
+
+
+def test_organization_ratios_pair_organizations_within_one_section_and_point():
+    """Ratios of cell means, measured and ours, gap in pp; section C's S2 at point L is not
+    paired with section B's S1 at the same point."""
+    rows = [  # (section, point, org, metric, anchor, ours, rel err)
+        ("B", "L", "S0", "throughput", 100.0, 110.0, 0.10),
+        ("B", "L", "S1", "throughput", 150.0, 176.0, 176 / 150 - 1),
+        ("B", "L", "S2", "throughput", 165.0, 176.0, 176 / 165 - 1),
+        ("B", "L", "S1", "c_once", 200.0, 100.0, -0.5),
+        ("B", "L", "S2", "c_once", 150.0, 90.0, -0.4),
+        ("C", "L", "S2", "throughput", 400.0, 400.0, 0.0),
+        ("C", "L", "D0", "throughput", 412.0, 404.0, 0.01),
+    ]
+    got = {(r[0], r[2], r[3]): r for r in cal.ratio_rows(rows)}
+    assert set(got) == {("B", "throughput", "S1/S0"), ("B", "throughput", "S2/S1"),
+                        ("B", "c_once", "S2/S1"), ("C", "throughput", "D0/S2")}
+    r = got[("B", "throughput", "S1/S0")]
+    assert (r[4], r[5], r[6]) == pytest.approx((0.5, 0.6, 10.0))
+    r = got[("B", "throughput", "S2/S1")]
+    assert (r[4], r[5], r[6]) == pytest.approx((0.1, 0.0, -10.0))
+    r = got[("B", "c_once", "S2/S1")]
+    assert (r[4], r[5]) == pytest.approx((-0.25, -0.1))
+    r = got[("C", "throughput", "D0/S2")]
+    assert (r[4], r[5], r[6]) == pytest.approx((0.03, 0.01, -2.0))
+    lines = cal.acceptance(rows, cal.ratio_rows(rows))
+    ratio_line = next(line for line in lines if line.startswith("throughput ratios"))
+    assert "NO" in ratio_line and "S1/S0 +10.0" in ratio_line and "D0/S2" not in ratio_line
+    assert next(line for line in lines if line.startswith("throughput within")).count("NO") == 1
+
+
+def test_slab_dumps_anchor_is_read_from_conf():
+    assert cal.load_slab_dumps() == [(43, 3), (69, 5)]
