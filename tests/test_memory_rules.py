@@ -186,3 +186,26 @@ def test_dense_packs_slabs_tighter_than_write_once():
         res = run_cell(compose_config(*SYNTH, "org=s2", f"engine.slab_policy={policy}"))
         occ[policy] = slab_occupancy(res.tables["slab"], 16)["occupancy_mean"]
     assert occ["dense"] > occ["write_once"]
+
+
+# ----- the random-operation driver of test_memory_invariants under each rule ----------------
+@pytest.mark.parametrize("org, pools, rules", [
+    ("S1", {"shared": 24}, {"free_queue": "single_queue"}),
+    ("S1", {"shared": 24}, {"checkpoint_recency": "publication"}),
+    ("S2", {"shared": 60}, {"free_queue": "single_queue", "slab_policy": "dense"}),
+    ("S2", {"shared": 24}, {"slab_policy": "dense", "checkpoint_recency": "publication"}),
+    ("D0", {"attention": 150, "recurrent": 8}, {"free_queue": "single_queue"}),
+])
+def test_random_operations_keep_all_invariants_under_each_rule(falcon, org, pools, rules):
+    import test_memory_invariants as tmi
+
+    recorder = tmi.Recorder()
+    mem = build_memory(falcon, org, pools, recorder, **rules)
+    driver = tmi.Driver(mem, 3, 6 if org == "S2" else 4)
+    tmi.run(driver, 3000, lambda: check_invariants(mem))
+    assert driver.stats["admitted"] > 50 and len(recorder.losses) > 20, driver.stats
+    for req in list(driver.running):
+        driver.finish(req)
+    check_invariants(mem)
+    for name, (used, cached, free, total) in mem.usage().items():
+        assert used == 0 and cached + free == total, (name, mem.usage())
