@@ -18,7 +18,14 @@ Data sources:
 
 Either way the result is a profile YAML (default conf/executor/a100.yaml) holding the
 fitted values, their residuals and the data they came from, and (anchors) a table of
-every anchor next to the simulator's value with the relative error.
+every anchor next to the simulator's value with the relative error, the organization
+ratios users read (S1/S0, S2/S1, D0/S2 throughput; S2/S1, S1/S0 C_once) measured vs ours
+at every anchor point, the acceptance checks (levels and ratios) and the S2 slab occupancy
+next to the measured state dumps. `--ablation` repeats the comparison with one engine rule
+at a time switched (conf/calibration/rules.md records what each moved).
+
+This driver composes Hydra configs and runs cells, so it lives in experiments (serving_core
+imports none of the others); `python -m experiments.calibrate` (make calibrate).
 """
 
 from __future__ import annotations
