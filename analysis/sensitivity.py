@@ -104,8 +104,9 @@ def _sign(x: float) -> int:
 
 
 def robustness(long: pd.DataFrame) -> pd.DataFrame:
-    """One row per contrast: per alternative 'effect (decision)', with a change in sign or
-    decision against `default` marked; `robust` says whether no alternative changed it."""
+    """One row per contrast: per alternative 'effect (decision)', with a change in sign
+    (opposite nonzero signs; an effect of exactly 0, e.g. identical runs, flips nothing) or
+    in decision against `default` marked; `robust` says whether no alternative changed it."""
     if long.empty:
         return pd.DataFrame()
     alts = list(dict.fromkeys(long["alternative"]))
@@ -124,7 +125,7 @@ def robustness(long: pd.DataFrame) -> pd.DataFrame:
             text += f" ({_short(r.decision)})"
             if base is not None and alt != "default":
                 flips = []
-                if _sign(r.effect) != _sign(base.effect):
+                if _sign(r.effect) * _sign(base.effect) < 0:  # opposite, both nonzero
                     flips.append("sign")
                 if str(r.decision) != str(base.decision):
                     flips.append("decision")
@@ -184,7 +185,8 @@ def section(runs: pd.DataFrame, spec: dict, plan_dir=None) -> tuple[str, dict, d
     fragile = table[table["robust"] == "no"]
     text += ["", "## Primary contrasts under each alternative", "",
              f"Effect (mean seedwise % change; interactions in pp) and decision; {CHANGED} "
-             "marks a sign or decision that differs from `default`.", "",
+             "marks a sign (opposite, both nonzero) or decision that differs from `default`.",
+             "",
              md_table(table, ["family", "contrast", "label", *shown_alts, "robust"]), ""]
     text += ["## Robust and fragile conclusions", "",
              f"Robust to every alternative ({len(robust)} of {len(table)}): "

@@ -48,6 +48,8 @@ def test_robustness_marks_sign_and_decision_changes():
         ("alt", "F", "t2", -1.0, "not rejected"),
         ("default", "F", "t3", 6.0, "reject H0 (positive)"),
         ("alt", "F", "t3", 1.0, "not rejected"),
+        ("default", "F", "t4", 0.0, "not rejected"),  # identical runs: no sign to flip
+        ("alt", "F", "t4", -0.4, "not rejected"),
     ], columns=["alternative", "family", "test", "effect", "decision"]).assign(
         label="", unit="%")
     table = page.robustness(long).set_index("contrast")
@@ -55,6 +57,7 @@ def test_robustness_marks_sign_and_decision_changes():
     assert table.loc["t2", "robust"] == "no" and table.loc["t2", "changes"] == "alt: sign"
     assert table.loc["t3", "changes"] == "alt: decision"
     assert page.CHANGED in table.loc["t3", "alt"] and page.CHANGED not in table.loc["t1", "alt"]
+    assert table.loc["t4", "robust"] == "yes"
 
 
 def test_bad_alternative_exits_2(tmp_path, capsys):
