@@ -52,9 +52,7 @@ def derived_plan(plan: prereg.Plan, family: str, campaign: str,
     cells = tuple(dataclasses.replace(c, keys={**c.keys, "campaign": campaign},
                                       seeds=tuple(s for s in c.seeds if s in seeds))
                   for c in fam.cells)
-    name = fam.name + (families.SMOKE_TAG if campaign.endswith(SMOKE_SUFFIX) else "")
-    fam = dataclasses.replace(fam, name=name, cells=cells,
-                              seeds=tuple(s for s in fam.seeds if s in seeds))
+    fam = dataclasses.replace(fam, cells=cells, seeds=tuple(s for s in fam.seeds if s in seeds))
     return dataclasses.replace(plan, campaign=campaign, families=(fam,), plan_hash=NO_PLAN_HASH)
 
 
@@ -84,7 +82,8 @@ def evaluate(runs: pd.DataFrame, spec: dict, plan_dir=None) -> tuple[pd.DataFram
             derived = derived_plan(plan, entry["family"], campaign, seeds)
             fam = derived.families[0]
             res = families.evaluate_family(derived, fam, mine)
-            status[(alt, entry["family"])] = res.status
+            n = len(fam.seeds)
+            status[(alt, entry["family"])] = f"{res.status} (campaign {campaign}, n = {n})"
             table = res.tables.get(fam.primary_estimand.name)
             if table is None:
                 continue
@@ -170,7 +169,9 @@ def section(runs: pd.DataFrame, spec: dict, plan_dir=None) -> tuple[str, dict, d
         + ", ".join(f"{a} n = {int(n_seeds[a])}" for a in shown_alts) + ".", ""]
     n_min = int(min(n_seeds.values()))
     if smoke:
-        text += [f"**Smoke size** ({families.SMOKE_STATUS}): the table checks the pipeline."]
+        text += ["**Smoke size** (`*_smoke` campaigns: fewer requests per run than the "
+                 "preregistered design; seeds as collected): for checking the pipeline and "
+                 "for a first look, not for conclusions about the full design."]
     if 2.0 / 2 ** n_min > 0.05:
         text += [f"With n = {n_min} seeds the smallest exact two-sided sign-flip p is "
                  f"2 / 2^{n_min} = {2.0 / 2 ** n_min:.3g} > 0.05: no test can be rejected, so "
