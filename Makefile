@@ -32,7 +32,7 @@ plan: setup ## budget planner tables for b63, b83 and b108 (Falcon-H1-7B), bf16 
 	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b --kv-codec both; echo; done
 
 calibrate: setup ## fit the A100 step model to conf/calibration/ anchors; anchor table (~3 min)
-	$(BIN)/python -m serving_core.executor.calibrate $(ARGS)
+	$(BIN)/python -m experiments.calibrate $(ARGS)
 
 BENCH ?= engine single campaign ledger kernel
 BENCH_PARTS := engine single campaign ledger kernel
@@ -160,7 +160,13 @@ demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs) i
 	@echo "ledgers: $(abspath $(LEDGER_ROOT)) (campaigns demo_q1, demo_q9; DuckDB views: python -c 'import ledgers; ledgers.connect(\"$(LEDGER_ROOT)\")')"
 	@echo "report: $(abspath $(REPORT_DIR))/index.md"
 
-.PHONY: $(QUESTIONS) n0 campaign campaign-plan smoke demo
+sensitivity: setup ## rerun Q1 EXT-22 and Q6-17 under each alternative engine rule (SMOKE=1: 3 seeds, 60 requests), then sensitivity.md
+	$(BIN)/python -m experiments.sensitivity --ledgers $(LEDGER_ROOT) \
+		$(if $(filter $(SMOKE_ON),$(SMOKE)),--smoke) $(ARGS)
+	$(BIN)/python -m analysis.sensitivity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) > /dev/null
+	@echo "sensitivity page: $(abspath $(REPORT_DIR))/sensitivity.md"
+
+.PHONY: $(QUESTIONS) n0 campaign campaign-plan smoke demo sensitivity
 
 # ---- the real core over HTTP (serving_core.server) -------------------------------------------
 TINY_MODEL ?= models/falcon_h1_tiny

@@ -40,6 +40,7 @@ from analysis import (
     q9,
     q10_tq4,
     readouts,
+    sensitivity,
     supporting,
     vllm_arm,
 )
@@ -49,7 +50,7 @@ QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES, q10_tq4)
 OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
                f"{q10_tq4.QUESTION}.md",
                "tables/*.csv", "figures/*.png", "figures/*.svg", vllm_arm.PAGE,
-               fidelity.PAGE, n0_native.PAGE, n0_validate.PAGE)
+               fidelity.PAGE, n0_native.PAGE, n0_validate.PAGE, sensitivity.PAGE)
 
 _CAMPAIGN_COUNTS = """
     SELECT campaign, count(*) AS runs_rows, count(DISTINCT run_id) AS run_ids,
@@ -168,6 +169,7 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
         validate_page = n0_validate.write_page(con, out)  # N0 vs real vLLM, when it ran
         if validate_page is not None:
             summary.pages.append(validate_page[0])
+        summary.pages.append(sensitivity.write_page(con, out)[0])  # rules we cannot identify
         index = index_markdown(con, root, plan_dir, allow_changed_plan, pd.DataFrame(rows),
                                summary)
     finally:
@@ -181,6 +183,8 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
     if validate_page is not None:
         index += (f"\n## Simulated N0 against real vLLM\n\n"
                   f"[{n0_validate.PAGE}]({n0_validate.PAGE})\n")
+    index += (f"\n## Which conclusions survive the engine rules the anchors cannot identify\n\n"
+              f"[{sensitivity.PAGE}]({sensitivity.PAGE})\n")
     (out / "index.md").write_text(index, encoding="utf-8")
     summary.pages.insert(0, out / "index.md")
     return summary

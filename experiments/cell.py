@@ -63,6 +63,8 @@ _NON_IDENTITY_KEYS = ("ledger_root", "write_ledgers", "hydra", "campaign", "repl
 # key existed keep their run_id (a test holds each default to the config file's).
 IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("engine", "reserve_output_tokens"): 0,
+    ("engine", "free_queue"): "free_first",
+    ("engine", "checkpoint_recency"): "release",
 }
 
 

@@ -79,6 +79,8 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
             "checkpoint_placement": eng.get("checkpoint_placement"),
             "align_chunks": eng.get("align_chunks"),
             "slab_policy": str(eng.get("slab_policy", "write_once")),
+            "free_queue": str(eng.get("free_queue", "free_first")),
+            "checkpoint_recency": str(eng.get("checkpoint_recency", "release")),
         },
         "executor": executor,
         "trace": bool(cfg.trace),

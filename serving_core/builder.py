@@ -99,7 +99,7 @@ def build_engine(spec: EngineSpec, *, on_step=None, step_model=None, model=None,
     geometry = spec.geometry()
     units = spec.units(geometry)
     recorder = Recorder(trace=spec.trace, slab=org_class(spec.org).has_slabs)
-    mem = build_memory(geometry, spec.org, units, recorder, spec.scheduler.slab_policy)
+    mem = build_memory(geometry, spec.org, units, recorder, **spec.scheduler.memory_rules())
     factory = EXECUTORS.get(spec.executor.kind)
     if factory is None:
         raise ValueError(f"executor.kind={spec.executor.kind!r}: built here are "
@@ -146,7 +146,7 @@ def preflight(spec: EngineSpec) -> dict[str, Any]:
     geometry = spec.geometry()
     units = spec.units(geometry)
     recorder = Recorder(trace=spec.trace, slab=org_class(spec.org).has_slabs)
-    mem = build_memory(geometry, spec.org, units, recorder, spec.scheduler.slab_policy)
+    mem = build_memory(geometry, spec.org, units, recorder, **spec.scheduler.memory_rules())
     engine = Engine(geometry, spec.org, units, spec.scheduler, _Unbuilt(),
                     clock=CLOCK_CLASSES[spec.clock_kind](), trace=spec.trace,
                     budget_label=spec.budget, recorder=recorder, memory=mem)

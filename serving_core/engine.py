@@ -87,6 +87,12 @@ def check_feasible(mem: MemoryOrganization, specs, org: str, budget: str) -> Non
         )
 
 
+def _one(values: set):
+    """The value every member agrees on (a rule set per pool must be one rule)."""
+    assert len(values) == 1, f"pools disagree: {sorted(values)}"
+    return next(iter(values))
+
+
 def _percentile(values: list[float], q: float) -> float:
     arr = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
     return float(np.percentile(arr, q)) if arr.size else math.nan
@@ -119,7 +125,7 @@ class Engine:
         self.recorder = recorder or Recorder(trace=trace, slab=org_class(org).has_slabs)
         self.trace = self.recorder.trace_enabled
         self.mem = memory or build_memory(
-            geometry, org, pool_units, self.recorder, sched_cfg.slab_policy
+            geometry, org, pool_units, self.recorder, **sched_cfg.memory_rules()
         )
         self.sched = Scheduler(self.mem, sched_cfg, self.recorder)
         self.executor = executor
@@ -261,6 +267,9 @@ class Engine:
             ),
             "align_chunks": bool(sched.align),
             "slab_policy": mem.slab_policy if mem.has_slabs else None,
+            "free_queue": _one({"single_queue" if pool.single_queue else "free_first"
+                                for pool in mem.pools.values()}),
+            "checkpoint_recency": mem.checkpoint_recency,
             "retention_k": sched.retention_k,
             "pinning_k": sched.pinning_k,
             "cap": sched.cap,

@@ -110,6 +110,8 @@ class EngineSpec:
             "checkpoint_placement": placement,
             "align_chunks": bool(interval) and bool(align),
             "slab_policy": sc.slab_policy if cls.has_slabs else None,
+            "free_queue": sc.free_queue,
+            "checkpoint_recency": sc.checkpoint_recency,
             "retention_k": sc.retention_k,
             "pinning_k": sc.pinning_k,
             "cap": sc.cap,

@@ -33,7 +33,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from serving_core.memory import MemoryOrganization
+from serving_core.memory import SLAB_POLICIES, MemoryOrganization
+from serving_core.memory.base import CHECKPOINT_RECENCIES
+from serving_core.memory.pool import FREE_QUEUES
 from serving_core.planner import headroom_units
 from serving_core.request import Request, Status
 from serving_core.state_manager import HybridStateManager
@@ -53,13 +55,22 @@ class SchedulerConfig:
     reserve_output_tokens: int = 0  # reserve_output: guaranteed output tokens at admission
     checkpoint_placement: str | None = None  # step_end | every_boundary | None: org default
     align_chunks: bool | None = None  # None: org default
-    slab_policy: str = "write_once"  # S2: write_once | refill
+    slab_policy: str = "write_once"  # S2: write_once | refill | dense (memory.s2)
+    free_queue: str = "free_first"  # free_first | single_queue (memory.pool)
+    checkpoint_recency: str = "release"  # release | publication (memory.base)
+
+    def memory_rules(self) -> dict[str, str]:
+        """The allocator's rules (build_memory keyword arguments)."""
+        return {"slab_policy": self.slab_policy, "free_queue": self.free_queue,
+                "checkpoint_recency": self.checkpoint_recency}
 
     def __post_init__(self) -> None:
         choices = (
             ("admission", ADMISSION_GATES),
             ("checkpoint_placement", (*CHECKPOINT_PLACEMENTS, None)),
-            ("slab_policy", ("write_once", "refill")),
+            ("slab_policy", SLAB_POLICIES),
+            ("free_queue", FREE_QUEUES),
+            ("checkpoint_recency", CHECKPOINT_RECENCIES),
         )
         for name, allowed in choices:
             if getattr(self, name) not in allowed:

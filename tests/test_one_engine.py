@@ -23,10 +23,11 @@ from serving_core.memory import ORG_TO_CLASS
 
 REPO = Path(__file__).resolve().parent.parent
 RULE_KEYS = ("org", "admission", "checkpoint_placement", "align_chunks", "slab_policy",
-             "retention_k", "pinning_k", "cap", "headroom")
+             "free_queue", "checkpoint_recency", "retention_k", "pinning_k", "cap", "headroom")
 PAPER_S2 = {"org": "S2", "admission": "full_prompt", "checkpoint_placement": "step_end",
-            "align_chunks": True, "slab_policy": "write_once", "retention_k": None,
-            "pinning_k": None, "cap": 63, "headroom": 0.0}
+            "align_chunks": True, "slab_policy": "write_once", "free_queue": "free_first",
+            "checkpoint_recency": "release", "retention_k": None, "pinning_k": None, "cap": 63,
+            "headroom": 0.0}
 # (overrides, the rules an engine must run for them), by hand from SPEC section 5.
 SETTINGS = {
     "paper": ((), PAPER_S2),
@@ -39,6 +40,9 @@ SETTINGS = {
                   {**PAPER_S2, "checkpoint_placement": "every_boundary"}),
     "align": (("engine.align_chunks=false",), {**PAPER_S2, "align_chunks": False}),
     "slab_refill": (("engine.slab_policy=refill",), {**PAPER_S2, "slab_policy": "refill"}),
+    "slab_dense": (("engine.slab_policy=dense",), {**PAPER_S2, "slab_policy": "dense"}),
+    "survival": (("engine.free_queue=single_queue", "engine.checkpoint_recency=publication"),
+                 {**PAPER_S2, "free_queue": "single_queue", "checkpoint_recency": "publication"}),
     "cap_f_pin": (("engine.cap=9", "engine.headroom=0.19", "engine.pinning_k=2"),
                   {**PAPER_S2, "cap": 9, "headroom": 0.19, "pinning_k": 2}),
     "retention": (("org=s2_retention", "retention.k=3"), {**PAPER_S2, "retention_k": 3}),

@@ -38,10 +38,14 @@ def build_memory(
     pool_units: dict[str, int],
     events: MemoryEvents | None = None,
     slab_policy: str = "write_once",
+    free_queue: str = "free_first",
+    checkpoint_recency: str = "release",
 ) -> MemoryOrganization:
     """The runtime allocator of `org` with pools sized by the planner ({pool: units}).
 
-    `slab_policy` (S2 only): write_once | refill (see memory.s2)."""
+    `slab_policy` (S2 only): see memory.s2.SLAB_POLICIES; `free_queue` (memory.pool) and
+    `checkpoint_recency` (memory.base) apply to every organization."""
+    rules = {"free_queue": free_queue, "checkpoint_recency": checkpoint_recency}
     layout = org_layout(geometry, org)
     cls = ORG_TO_CLASS[layout.org]
     expected = {"attention", "recurrent"} if layout.org == "D0" else {"shared"}
@@ -58,8 +62,8 @@ def build_memory(
             f"engine.slab_policy={slab_policy!r}: allowed values are {', '.join(SLAB_POLICIES)}"
         )
     if cls.has_slabs:
-        return cls(layout, dict(pool_units), events, slab_policy=slab_policy)
-    return cls(layout, dict(pool_units), events)
+        return cls(layout, dict(pool_units), events, slab_policy=slab_policy, **rules)
+    return cls(layout, dict(pool_units), events, **rules)
 
 
 __all__ = [

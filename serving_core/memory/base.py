@@ -21,6 +21,14 @@ from serving_core.memory.objects import NO_SLOT, Kind, StateObject
 from serving_core.memory.pool import UnitPool
 from serving_core.memory.prefix_cache import PrefixCache, PrefixHit
 
+# When a cached checkpoint's member pages take their LRU recency (engine.checkpoint_recency):
+# `release` (default; vLLM V1: touch() takes a hit block out of the free queue and
+# free_blocks() appends it at the tail) refreshes it at every last release, the producer's
+# at publication and each adopter's after its first step; `publication` keeps the stamp of
+# the producer's release, so adoption protects the checkpoint without refreshing it (the
+# rule SPEC 3 states for write-once slab pages, applied to the member pages).
+CHECKPOINT_RECENCIES = ("release", "publication")
+
 
 class MemoryOrganization:
     """Shared pools, reference counting, publication, lookup and LRU eviction.
@@ -44,15 +52,27 @@ class MemoryOrganization:
     supports_retention = False
 
     def __init__(
-        self, layout: OrgLayout, pool_units: dict[str, int], events: MemoryEvents | None = None
+        self,
+        layout: OrgLayout,
+        pool_units: dict[str, int],
+        events: MemoryEvents | None = None,
+        *,
+        free_queue: str = "free_first",
+        checkpoint_recency: str = "release",
     ):
+        if checkpoint_recency not in CHECKPOINT_RECENCIES:
+            raise ValueError(f"engine.checkpoint_recency={checkpoint_recency!r}: allowed values "
+                             f"are {', '.join(CHECKPOINT_RECENCIES)}")
+        self.free_queue = free_queue
+        self.checkpoint_recency = checkpoint_recency
+        self._recency_at_publication = checkpoint_recency == "publication"
         self.layout = layout
         self.events = events or MemoryEvents()
         self.cache = PrefixCache()
         self.pools: dict[str, UnitPool] = {}
         self._owner: dict[str, list] = {}
         for name, n in pool_units.items():
-            self.pools[name] = UnitPool(name, n, self._unit_bytes(name))
+            self.pools[name] = UnitPool(name, n, self._unit_bytes(name), free_queue)
             self._owner[name] = [None] * n
         self.live: dict[int, StateObject] = {}  # objects owning storage, by oid
         self._next_oid = 0
@@ -114,9 +134,8 @@ class MemoryOrganization:
     def _take_unit(self, pool_name: str, request_id: int) -> int:
         """A free unit, else the LRU cached unit after invalidating what depends on it."""
         pool = self.pools[pool_name]
-        unit = pool.pop_free()
-        if unit >= 0:
-            return unit
+        if not pool.lru_first():
+            return pool.pop_free()
         if not pool.evictable:
             raise MemoryError(f"pool {pool_name!r} exhausted: caller must check can_allocate first")
         unit = pool.pop_lru()
@@ -171,6 +190,14 @@ class MemoryOrganization:
 
     def _on_unreferenced(self, obj: StateObject) -> None:
         pool = self.pools[obj.pool]
+        if self._recency_at_publication and obj.kind == Kind.COMPOSITE:
+            # The first last-release is the producer's (publication); later ones (adopters)
+            # return the members to the LRU where publication put them.
+            if obj.stamp is None:
+                obj.stamp = pool.tick()
+            for unit in obj.units:
+                pool.add_evictable(unit, obj.stamp)
+            return
         for unit in obj.units:
             pool.add_evictable(unit)
 
@@ -181,8 +208,9 @@ class MemoryOrganization:
         for unit in obj.units:
             owner[unit] = None
             if unit != taken:
+                stamp = pool.evictable.get(unit) if pool.single_queue else None
                 pool.discard_evictable(unit)
-                pool.push_free(unit)
+                pool.push_free(unit, stamp)
         obj.units = []
         obj.valid = False
         self.live.pop(obj.oid, None)

@@ -47,6 +47,12 @@ def _check_pools(mem: MemoryOrganization) -> None:
         assert len(free) == len(pool.free), f"pool {name}: a unit is queued free twice"
         for unit in pool.free:
             assert _is_id(unit, n), f"pool {name}: free unit {unit!r} is not an id in [0, {n})"
+        if pool.single_queue:  # one eviction order: the free queue's stamps never decrease
+            stamps = list(pool.free_stamps)
+            assert len(stamps) == len(pool.free), f"pool {name}: free stamps out of step"
+            assert all(a <= b for a, b in zip(stamps, stamps[1:], strict=False)), (
+                f"pool {name}: free queue out of eviction order"
+            )
         for unit in pool.evictable:
             assert _is_id(unit, n), f"pool {name}: evictable unit {unit!r} is not an id in [0, {n})"
             assert unit not in free, f"pool {name}: unit {unit} is both free and evictable"

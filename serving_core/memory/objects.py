@@ -56,6 +56,7 @@ class StateObject:
         "cached",
         "valid",
         "producer",
+        "stamp",
     )
     is_null = False
 
@@ -72,6 +73,7 @@ class StateObject:
         self.cached = False
         self.valid = True
         self.producer = producer
+        self.stamp: int | None = None  # LRU stamp at publication (checkpoint_recency rule)
 
     def __repr__(self) -> str:
         return (

@@ -5,6 +5,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
+FREE_QUEUES = ("free_first", "single_queue")
+
 
 class UnitPool:
     """Units [0, num_units) of `unit_bytes` each.
@@ -16,11 +18,25 @@ class UnitPool:
     or an earlier stamp the owner supplies (an S2 write-once slab keeps the stamp of
     its last write). Freed units go to the tail of the free queue, so reuse order is
     deterministic.
+
+    Free-queue rule (FREE_QUEUES):
+    - `free_first` (default, SPEC 5): allocation takes free units first and evicts a cached
+      unit only when none is free.
+    - `single_queue` (vLLM V1 BlockPool: one free_block_queue "in eviction order",
+      including eviction candidates): free and evictable units form one LRU; allocation
+      takes whichever is least recent, a never-used unit before any other, so cached
+      content can be evicted while freed units wait behind it. A unit freed because its
+      object was evicted keeps its place (vLLM keeps a bundle's other blocks in the queue).
     """
 
-    __slots__ = ("name", "num_units", "unit_bytes", "free", "evictable", "_heap", "clock")
+    __slots__ = ("name", "num_units", "unit_bytes", "free", "evictable", "_heap", "clock",
+                 "single_queue", "free_stamps")
 
-    def __init__(self, name: str, num_units: int, unit_bytes: int) -> None:
+    def __init__(self, name: str, num_units: int, unit_bytes: int,
+                 free_queue: str = "free_first") -> None:
+        if free_queue not in FREE_QUEUES:
+            raise ValueError(f"engine.free_queue={free_queue!r}: allowed values are "
+                             f"{', '.join(FREE_QUEUES)}")
         if num_units <= 0:
             raise ValueError(f"pool {name!r}: num_units={num_units} must be positive")
         self.name = name
@@ -30,6 +46,9 @@ class UnitPool:
         self.evictable: dict[int, int] = {}  # unit -> recency stamp
         self._heap: list[tuple[int, int]] = []  # (stamp, unit); stale entries skipped lazily
         self.clock = 0
+        self.single_queue = free_queue == "single_queue"
+        # single_queue: the stamp of each free unit, in queue order (never-used units: 0)
+        self.free_stamps: deque[int] = deque([0] * num_units) if self.single_queue else deque()
 
     @property
     def num_free(self) -> int:
@@ -54,11 +73,39 @@ class UnitPool:
         return self.clock
 
     def pop_free(self) -> int:
-        return self.free.popleft() if self.free else -1
+        if not self.free:
+            return -1
+        if self.single_queue:
+            self.free_stamps.popleft()
+        return self.free.popleft()
 
-    def push_free(self, unit: int) -> None:
+    def push_free(self, unit: int, stamp: int | None = None) -> None:
+        """Queue a unit as free. single_queue: at the tail (now), or at the head with an old
+        `stamp` (a unit that was already in the queue, e.g. an evicted object's sibling)."""
         assert unit not in self.evictable, f"unit {unit} freed while still evictable"
-        self.free.append(unit)
+        if not self.single_queue:
+            self.free.append(unit)
+        elif stamp is None or (self.free_stamps and stamp > self.free_stamps[0]):
+            self.free.append(unit)
+            self.free_stamps.append(self.tick())
+        else:
+            self.free.appendleft(unit)
+            self.free_stamps.appendleft(stamp)
+
+    def lru_first(self) -> bool:
+        """True if the next allocation should evict the LRU cached unit rather than take a
+        free one: no free unit, or (single_queue) the LRU unit is older than the free head."""
+        if not self.free:
+            return True
+        if not self.single_queue or not self.evictable:
+            return False
+        heap, evictable = self._heap, self.evictable
+        while evictable.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)  # stale entry
+        return heap[0][0] < self.free_stamps[0]
+
+    def stamp_of(self, unit: int) -> int | None:
+        return self.evictable.get(unit)
 
     def add_evictable(self, unit: int, stamp: int | None = None) -> None:
         """Make `unit` evictable with recency `stamp` (default: now, the MRU end)."""

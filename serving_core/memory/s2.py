@@ -14,6 +14,11 @@ Slab policy (SLAB_POLICIES):
   slabs that age out and are reclaimed together.
 - `refill`: the first free slot of any slab (referenced slabs first) is reused and
   every last release refreshes the slab's recency.
+- `dense`: `refill`'s placement (freed slots are refilled, referenced slabs first, so
+  slabs stay packed) with `write_once`'s recency (last write; adoption protects a slab
+  without refreshing it). PAPER_ANCHORS.md F: the measured slabs were densely packed
+  (14.3 and 13.8 of 16 slots live in two state dumps) and still reclaimed slabs holding
+  cached checkpoints in 35 of 63 runs; `write_once` gives the second, `refill` the first.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import math
 from serving_core.memory.base import MemoryOrganization
 from serving_core.memory.objects import NO_SLOT, Kind, StateObject
 
-SLAB_POLICIES = ("write_once", "refill")
+SLAB_POLICIES = ("write_once", "refill", "dense")
 
 
 class Slab:
@@ -37,7 +42,7 @@ class Slab:
         self.num_used = 0
         self.num_referenced = 0
         self.next_slot = 0  # write-once cursor: slots below it have been written
-        self.last_write = 0  # recency stamp of the last write (write_once policy)
+        self.last_write = 0  # recency stamp of the last write (write_once, dense)
 
     def first_free(self) -> int:
         return self.slots.index(None)
@@ -56,20 +61,73 @@ def decode_conv_line(line: int, slots_per_slab: int) -> tuple[int, int]:
     return divmod(line, slots_per_slab)
 
 
+def slab_occupancy(slab: dict, slots_per_slab: int) -> dict[str, float]:
+    """Slab occupancy of one run from its slab ledger (PAPER_ANCHORS.md F's dump figures).
+
+    Occupancy = live conv slots / (slots_per_slab x slab pages). The state after the last
+    event at each instant is held until the next instant; `mean` weights it by that time
+    (instants with no slab page excluded) as time-averaged live slots over time-averaged
+    slot capacity; `at_peak_pages` is the state when the slab page
+    count first reaches its maximum, `at_peak_live` when the live slot count does (the two
+    need not coincide). Events: SLAB_ALLOC / SLAB_FREE / SLAB_RECLAIM move the page count,
+    SLOT_ALLOC / SLOT_FREE one live slot, CROSS_INVALIDATE `invalidated` live slots."""
+    nan = float("nan")
+    out = {"occupancy_mean": nan, "pages_mean": nan, "live_mean": nan, "pages_peak": 0,
+           "live_at_peak_pages": 0, "occupancy_at_peak_pages": nan, "live_peak": 0,
+           "pages_at_peak_live": 0, "occupancy_at_peak_live": nan}
+    pages = live = 0
+    states: list[tuple[float, int, int]] = []  # (t, pages, live) after each instant
+    for t, event, lost in zip(slab["t_s"], slab["event"], slab["invalidated"], strict=True):
+        if event == "SLAB_ALLOC":
+            pages += 1
+        elif event in ("SLAB_FREE", "SLAB_RECLAIM"):
+            pages -= 1
+        elif event == "SLOT_ALLOC":
+            live += 1
+        elif event == "SLOT_FREE":
+            live -= 1
+        elif event == "CROSS_INVALIDATE":
+            live -= lost
+        if states and states[-1][0] == t:
+            states[-1] = (t, pages, live)
+        else:
+            states.append((t, pages, live))
+    if not states:
+        return out
+    dur = pages_time = live_time = 0.0
+    for (t, p, n), (t_next, _, _) in zip(states, states[1:], strict=False):
+        if p > 0:
+            dur += t_next - t
+            pages_time += p * (t_next - t)
+            live_time += n * (t_next - t)
+    if dur > 0:
+        out.update(occupancy_mean=live_time / (slots_per_slab * pages_time),
+                   pages_mean=pages_time / dur, live_mean=live_time / dur)
+    _, p, n = max(states, key=lambda s: (s[1], -s[0]))
+    out.update(pages_peak=p, live_at_peak_pages=n,
+               occupancy_at_peak_pages=n / (slots_per_slab * p) if p else nan)
+    _, p, n = max(states, key=lambda s: (s[2], -s[0]))
+    out.update(live_peak=n, pages_at_peak_live=p,
+               occupancy_at_peak_live=n / (slots_per_slab * p) if p else nan)
+    return out
+
+
 class S2PagingConvSlots(MemoryOrganization):
     org = "S2"
     indirect = True
     has_slabs = True
     supports_retention = True
 
-    def __init__(self, layout, pool_units, events=None, slab_policy: str = "write_once"):
+    def __init__(self, layout, pool_units, events=None, slab_policy: str = "write_once",
+                 **rules):
         if slab_policy not in SLAB_POLICIES:
             raise ValueError(
                 f"engine.slab_policy={slab_policy!r}: allowed values are {', '.join(SLAB_POLICIES)}"
             )
-        super().__init__(layout, pool_units, events)
+        super().__init__(layout, pool_units, events, **rules)
         self.slab_policy = slab_policy
-        self.write_once = slab_policy == "write_once"
+        self.write_once = slab_policy == "write_once"  # placement: newest slab, no refill
+        self._write_recency = slab_policy in ("write_once", "dense")  # recency: last write
         self.slabs: dict[int, Slab] = {}
         self._slabs_with_free: set[int] = set()  # refill: slabs with a free slot
         self._newest: Slab | None = None  # write_once: the slab slots are taken from
@@ -158,7 +216,6 @@ class S2PagingConvSlots(MemoryOrganization):
                 slab = self._newest = self._new_slab(request_id)
             slot = slab.next_slot
             slab.next_slot += 1
-            slab.last_write = self.pools["shared"].tick()
         else:
             if self._slabs_with_free:
                 slab = self.slabs[min(self._slabs_with_free, key=self._slab_preference)]
@@ -166,6 +223,8 @@ class S2PagingConvSlots(MemoryOrganization):
                 slab = self._new_slab(request_id)
                 self._slabs_with_free.add(slab.page)
             slot = slab.first_free()
+        if self._write_recency:
+            slab.last_write = self.pools["shared"].tick()
         page = slab.page
         slab.slots[slot] = obj
         slab.num_used += 1
@@ -216,12 +275,14 @@ class S2PagingConvSlots(MemoryOrganization):
                 self._slab_evictable(slab)
 
     def _slab_evictable(self, slab: Slab) -> None:
-        """An unreferenced slab joins the LRU: at its last write (write_once) or now (refill)."""
-        self.pools["shared"].add_evictable(slab.page, slab.last_write if self.write_once else None)
+        """An unreferenced slab joins the LRU: at its last write (write_once, dense) or now
+        (refill)."""
+        self.pools["shared"].add_evictable(slab.page,
+                                           slab.last_write if self._write_recency else None)
 
     def release(self, obj: StateObject, producer: bool = False) -> None:
         """Drop one reference; the producer's release counts as a write of its slab."""
-        if producer and self.write_once and obj.slab_page != NO_SLOT:
+        if producer and self._write_recency and obj.slab_page != NO_SLOT:
             self.slabs[obj.slab_page].last_write = self.pools["shared"].tick()
         super().release(obj)
 

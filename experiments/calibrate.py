@@ -13,12 +13,19 @@ Data sources:
   simulated runs of the same cells; the host constant to the throughput anchors of
   sections A-C. Features depend on the trajectory, which depends on the constants, so
   simulate-and-fit repeats until the constants settle.
-- `--steps PATH`: the steps ledger of any run (Parquet file or directory); every row is
-  one equation duration_s = device(features) + host, solved by linear least squares.
+- `--steps PATH`: the steps ledger of any run (Parquet file or directory), fitted by
+  serving_core.executor.fit_steps (the one steps-ledger fitter: one equation per row).
 
 Either way the result is a profile YAML (default conf/executor/a100.yaml) holding the
 fitted values, their residuals and the data they came from, and (anchors) a table of
-every anchor next to the simulator's value with the relative error.
+every anchor next to the simulator's value with the relative error, the organization
+ratios users read (S1/S0, S2/S1, D0/S2 throughput; S2/S1, S1/S0 C_once) measured vs ours
+at every anchor point, the acceptance checks (levels and ratios) and the S2 slab occupancy
+next to the measured state dumps. `--ablation` repeats the comparison with one engine rule
+at a time switched (conf/calibration/rules.md records what each moved).
+
+This driver composes Hydra configs and runs cells, so it lives in experiments (serving_core
+imports none of the others); `python -m experiments.calibrate` (make calibrate).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import numpy as np
 from serving_core.executor.profiles import EXECUTOR_CONF_DIR, DeviceProfile, load_device_profile
 from serving_core.executor.simulated import AdditiveStepModel
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION_DIR = ROOT / "conf" / "calibration"
 ANCHORS_CSV = CALIBRATION_DIR / "paper_anchors.csv"
 MIXED_CSV = CALIBRATION_DIR / "mixed_steps.csv"
@@ -184,12 +191,34 @@ def simulate(cell: Cell, seed: int, profile: DeviceProfile, extra: list[str] = (
         "output_tokens": s["output_tokens"],
         "span_s": res.episode["span_end_s"] - res.episode["span_start_s"],
         "slab_pops": pops,
+        **_occupancy(cfg, cell.org, slab),
         "throughput_index": math.nan,  # filled per seed against S0 (see compare)
     }
     return RunStats(cell, seed, metrics, feats)
 
 
 _GEOMETRY = {}
+OCCUPANCY_KEYS = ("occupancy_mean", "pages_mean", "live_mean", "pages_peak",
+                  "live_at_peak_pages", "occupancy_at_peak_pages", "live_peak",
+                  "pages_at_peak_live", "occupancy_at_peak_live")
+SLAB_DUMPS_CSV = CALIBRATION_DIR / "slab_dumps.csv"
+
+
+def load_slab_dumps(path: Path = SLAB_DUMPS_CSV) -> list[tuple[int, int]]:
+    """PAPER_ANCHORS.md F's S2 state dumps: (live conv objects, slab pages) per dump."""
+    with Path(path).open() as fh:
+        return [(int(r["live_conv_objects"]), int(r["slab_pages"])) for r in csv.DictReader(fh)]
+
+
+def _occupancy(cfg, org: str, slab: dict) -> dict:
+    """S2 slab occupancy of one run (serving_core.memory.s2.slab_occupancy), prefixed slab_."""
+    if org != "S2":
+        return {f"slab_{k}": math.nan for k in OCCUPANCY_KEYS}
+    from serving_core.layout import org_layout
+    from serving_core.memory.s2 import slab_occupancy
+
+    per = org_layout(_geometry(cfg), "S2").slots_per_slab
+    return {f"slab_{k}": float(v) for k, v in slab_occupancy(slab, per).items()}
 
 
 def _geometry(cfg):
@@ -318,7 +347,7 @@ def write_profile(profile: DeviceProfile, path: Path, fit: dict, header: str) ->
 PROFILE_HEADER = """\
 # Simulated executor profile: NVIDIA A100-PCIE-40GB, one bf16 model replica, ADDITIVE step
 # model CALIBRATED to the measured system (conf/calibration/). Written by
-# `python -m serving_core.executor.calibrate` (make calibrate); do not edit by hand.
+# `python -m experiments.calibrate` (make calibrate); do not edit by hand.
 # Datasheet peaks, the attention and scan efficiencies, per_seq_overhead_s and the token
 # budget are fixed priors (see conf/executor/a100_roofline.yaml for their sources); the
 # fields listed under fit.fitted were fitted, with residuals and data sources under fit.
@@ -355,6 +384,31 @@ def _err_text(anchor: float, ours: float, err: float) -> str:
     return "" if math.isnan(err) else f"{100 * err:+.1f}%"
 
 
+def format_occupancy(runs: dict) -> str:
+    """Per S2 cell: slab occupancy (live slots / 16 x slab pages), time-averaged and at the
+    peaks, next to the measured state dumps (snapshots of unknown cells)."""
+    dumps = ", ".join(f"{n} live in {p} pages = {n / p:.1f} of 16 ({n / (16 * p):.0%})"
+                      for n, p in load_slab_dumps())
+    lines = [f"  slab occupancy, measured state dumps: {dumps}",
+             f"  {'point':9} {'mean occ':>8} {'mean live/pages':>16} {'at peak pages':>22} "
+             f"{'at peak live':>22}"]
+    for cell, rs in sorted(runs.items(), key=lambda kv: str(kv[0])):
+        if cell.org != "S2":
+            continue
+
+        def m(key, rs=rs):
+            return cell_mean(rs, f"slab_{key}")
+
+        lines.append(
+            f"  {cell.point:9} {m('occupancy_mean'):8.0%} "
+            f"{m('live_mean'):7.1f} / {m('pages_mean'):5.1f}  "
+            f"{m('live_at_peak_pages'):6.1f} / {m('pages_peak'):4.1f} "
+            f"({m('occupancy_at_peak_pages'):4.0%})  "
+            f"{m('live_peak'):6.1f} / {m('pages_at_peak_live'):4.1f} "
+            f"({m('occupancy_at_peak_live'):4.0%})")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[tuple]) -> str:
     lines = [f"{'sec':3} {'point':9} {'org':3} {'metric':16} {'anchor':>14} {'ours':>14} "
              f"{'rel err':>8}"]
@@ -365,28 +419,74 @@ def format_table(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-def acceptance(rows: list[tuple]) -> list[str]:
-    """The acceptance checks on sections A and B."""
+# Organization ratios users read (numerator, denominator) per metric; each is computed at
+# every anchor point where both organizations have the metric (PAPER_ANCHORS.md F).
+RATIOS = {"throughput": (("S1", "S0"), ("S2", "S1"), ("D0", "S2")),
+          "c_once": (("S2", "S1"), ("S1", "S0"))}
+RATIO_TOLERANCE_PP = 3.0  # throughput ratios: within 3 percentage points of the measured
+LEVEL_TOLERANCE = {"throughput": 0.10, "c_once": 0.15}
+
+
+def ratio_rows(rows: list[tuple]) -> list[tuple]:
+    """(section, point, metric, 'S1/S0', measured, ours, gap in pp) for every organization
+    ratio both the anchors and the simulation give at one point. Ratios are of cell means,
+    as the measured ones are (ratios of 3-run means); a ratio r is shown as r - 1."""
+    level = {(r[0], r[1], r[2], r[3]): (r[4], r[5]) for r in rows}
     out = []
-    def pick(sec, metric):
-        return [r for r in rows if r[0] == sec and r[3] == metric]
-    a_tp = pick("A", "throughput")
-    out.append("A throughput within 10%: " + ("yes" if all(abs(r[6]) <= 0.10 for r in a_tp)
-                                            else "NO") + "  " + ", ".join(
-        f"{r[2]} {100 * r[6]:+.1f}%" for r in a_tp))
+    for sec, point in dict.fromkeys((r[0], r[1]) for r in rows):
+        for metric, pairs in RATIOS.items():
+            for num, den in pairs:
+                a = level.get((sec, point, num, metric))
+                b = level.get((sec, point, den, metric))
+                if a is None or b is None or not b[0] or not b[1]:
+                    continue
+                measured, ours = a[0] / b[0] - 1, a[1] / b[1] - 1
+                out.append((sec, point, metric, f"{num}/{den}", measured, ours,
+                            100 * (ours - measured)))
+    return out
+
+
+def format_ratios(ratios: list[tuple]) -> str:
+    lines = [f"{'sec':3} {'point':9} {'metric':10} {'ratio':6} {'measured':>9} {'ours':>9} "
+             f"{'gap pp':>7}"]
+    for sec, point, metric, name, measured, ours, gap in ratios:
+        lines.append(f"{sec:3} {point:9} {metric:10} {name:6} {100 * measured:+8.1f}% "
+                     f"{100 * ours:+8.1f}% {gap:+7.1f}")
+    return "\n".join(lines)
+
+
+def _verdict(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+def acceptance(rows: list[tuple], ratios: list[tuple] | None = None) -> list[str]:
+    """The acceptance checks: levels (sections A-D), organization ratios, section A."""
+    out = []
+
+    def pick(secs, metric):
+        return [r for r in rows if r[0] in secs and r[3] == metric]
+
+    tp = pick("ABCD", "throughput")
+    out.append(f"throughput within 10% (A-D): {_verdict(all(abs(r[6]) <= 0.10 for r in tp))}"
+               "  " + ", ".join(f"{r[0]}{r[1]} {r[2]} {100 * r[6]:+.1f}%" for r in tp
+                                if abs(r[6]) > 0.05))
     pre = pick("A", "preemptions")
-    out.append("A zero preemptions: " + ("yes" if all(r[5] == 0 for r in pre) else "NO"))
+    out.append("A zero preemptions: " + _verdict(all(r[5] == 0 for r in pre)))
     c = pick("A", "c_once")
-    same = len({round(r[5], 6) for r in c}) == 1
-    out.append("A identical input work in S0/S1/S2: " + ("yes" if same else "NO"))
-    b_tp = pick("B", "throughput")
-    out.append("B throughput within 10%: " + ("yes" if all(abs(r[6]) <= 0.10 for r in b_tp)
-                                            else "NO") + "  " + ", ".join(
-        f"{r[1]} {r[2]} {100 * r[6]:+.1f}%" for r in b_tp))
-    b_c = pick("B", "c_once")
-    out.append("B C_once within 15%: " + ("yes" if all(abs(r[6]) <= 0.15 for r in b_c)
-                                        else "NO") + "  " + ", ".join(
-        f"{r[1]} {r[2]} {100 * r[6]:+.1f}%" for r in b_c))
+    out.append("A identical input work in S0/S1/S2: "
+               + _verdict(len({round(r[5], 6) for r in c}) == 1))
+    co = pick("BCD", "c_once")
+    out.append(f"C_once within 15% (B-D): {_verdict(all(abs(r[6]) <= 0.15 for r in co))}  "
+               + ", ".join(f"{r[1]} {r[2]} {100 * r[6]:+.1f}%" for r in co))
+    if ratios is not None:
+        tr = [r for r in ratios if r[2] == "throughput"]
+        out.append(f"throughput ratios within {RATIO_TOLERANCE_PP:g} pp: "
+                   + _verdict(all(abs(r[6]) <= RATIO_TOLERANCE_PP for r in tr)) + "  "
+                   + ", ".join(f"{r[1]} {r[3]} {r[6]:+.1f}" for r in tr
+                               if abs(r[6]) > RATIO_TOLERANCE_PP))
+        cr = [r for r in ratios if r[2] == "c_once" and r[0] != "A"]
+        out.append("C_once ratios (reported, no tolerance set): " + ", ".join(
+            f"{r[1]} {r[3]} {100 * r[4]:+.0f}%/{100 * r[5]:+.0f}%" for r in cr))
     return out
 
 
@@ -451,8 +551,11 @@ def calibrate_anchors(args, log) -> int:
     print("\n== anchors vs simulation (mean over "
           f"{args.seeds} seeds per cell; section A uses the first seeds of 42000-42011)")
     print(format_table(rows))
+    ratios = ratio_rows(rows)
+    print("\n== organization ratios (ratio of cell means, as r - 1; gap = ours - measured)")
+    print(format_ratios(ratios))
     print("\n== acceptance")
-    print("\n".join(acceptance(rows)))
+    print("\n".join(acceptance(rows, ratios)))
     print("\n== fitted constants (profile " + profile.name + ")")
     for f in FITTED:
         print(f"  {f:22} {getattr(profile, f):.6g}")
@@ -477,11 +580,14 @@ def calibrate_anchors(args, log) -> int:
         popped = sum(1 for r in s2 if r.metrics["slab_pops"] > 0)
         print(f"  S2 runs with a slab reclaim invalidating cached checkpoints: {popped} of "
               f"{len(s2)} (measured: 35 of 63 extension-campaign S2 runs)")
+        print(format_occupancy(runs))
     return 0
 
 
 # One rule at a time switched back to the earlier engine (the first_chunk preset's value);
-# the last variant instead gives D0 the S-organizations' step_end placement and alignment.
+# "d0=aligned" instead gives D0 the S-organizations' step_end placement and alignment. The
+# candidate rules after it (issue 19) are the alternatives, each justified by a text, for how
+# long a shared checkpoint survives; see conf/calibration/rules.md for what each moved.
 ABLATIONS = {
     "paper": [],
     "admission=first_chunk": ["engine.admission=first_chunk"],
@@ -491,78 +597,98 @@ ABLATIONS = {
     "outputs=raw": ["workload.output_rule=raw"],
     "step=roofline": [],  # the datasheet roofline profile instead of the calibrated one
     "d0=aligned": ["engine.checkpoint_placement=step_end", "engine.align_chunks=true"],
+    # candidate rules (default = today's behaviour)
+    "pinning=K2": ["engine.pinning_k=2"],  # PAPER_ANCHORS.md E: pinning K = 2 was on
+    "free=single_queue": ["engine.free_queue=single_queue"],  # vLLM BlockPool free queue
+    "recency=publication": ["engine.checkpoint_recency=publication"],  # SPEC 3, slab rule
+    "slab=dense": ["engine.slab_policy=dense"],  # PAPER_ANCHORS.md F occupancy + reclaim
+    "single_queue+dense": ["engine.free_queue=single_queue", "engine.slab_policy=dense"],
 }
 ABLATION_METRICS = ("throughput", "c_once", "preemptions", "k", "waiting_median", "event_s",
                     "prompt_replay", "ttft_p99")
 
 
 def ablation(args, log) -> int:
-    """Relative error of each anchor with one rule at a time switched back."""
+    """Relative error of each anchor, each organization ratio's gap and S2 slab occupancy,
+    with one rule at a time switched (all of ABLATIONS, or --variants)."""
+    names = args.variants or list(ABLATIONS)
+    unknown = [n for n in names if n not in ABLATIONS]
+    if unknown:
+        print(f"--variants: unknown {', '.join(unknown)}; allowed values are "
+              f"{', '.join(ABLATIONS)}", file=sys.stderr)
+        return 2
     anchors = [a for a in load_anchors(args.anchors) if a.metric in ABLATION_METRICS]
     cells = sorted({a.cell for a in anchors if a.section in "ABCD"}, key=str)
-    results = {}
-    for name, overrides in ABLATIONS.items():
+    results, ratios, occupancy = {}, {}, {}
+    for name in names:
         profile = load_device_profile("a100_roofline" if name == "step=roofline" else args.start)
-        runs = simulate_cells(cells, args.seeds, profile, [*args.override, *overrides])
-        results[name] = {(r[0], r[1], r[2], r[3]): r for r in compare(anchors, runs)}
+        runs = simulate_cells(cells, args.seeds, profile, [*args.override, *ABLATIONS[name]])
+        rows = compare(anchors, runs)
+        results[name] = {(r[0], r[1], r[2], r[3]): r for r in rows}
+        ratios[name] = {(r[0], r[1], r[2], r[3]): r for r in ratio_rows(rows)}
+        s2 = [r for c, rs in runs.items() if c.org == "S2" for r in rs]
+        occupancy[name] = (
+            float(np.nanmean([r.metrics["slab_occupancy_mean"] for r in s2])) if s2 else math.nan,
+            sum(1 for r in s2 if r.metrics["slab_pops"] > 0), len(s2))
         log(f"  ablation {name} done")
-    names = list(ABLATIONS)
+    width = max(14, *(len(n) for n in names))
     head = f"{'sec':3} {'point':9} {'org':3} {'metric':15} {'anchor':>12} " + " ".join(
-        f"{n[:14]:>14}" for n in names)
+        f"{n:>{width}}" for n in names)
+    print("== relative error of each anchor")
     print(head)
-    for key, row in results["paper"].items():
+    first = names[0]
+    for key, row in results[first].items():
         cols = []
         for n in names:
             got = results[n].get(key)
-            cols.append(f"{_err_text(got[4], got[5], got[6]) if got else '':>14}")
+            cols.append(f"{_err_text(got[4], got[5], got[6]) if got else '':>{width}}")
         print(f"{key[0]:3} {key[1]:9} {key[2]:3} {key[3]:15} {row[4]:12,.1f} " + " ".join(cols))
+    print("\n== organization ratios: gap to the measured ratio, pp (ours - measured)")
+    print(f"{'sec':3} {'point':9} {'metric':10} {'ratio':6} {'measured':>9} " + " ".join(
+        f"{n:>{width}}" for n in names))
+    for key, row in ratios[first].items():
+        cols = [f"{ratios[n][key][6]:+{width}.1f}" if key in ratios[n] else " " * width
+                for n in names]
+        print(f"{key[0]:3} {key[1]:9} {key[2]:10} {key[3]:6} {100 * row[4]:+8.1f}% "
+              + " ".join(cols))
+    print("\n== S2 slabs: mean occupancy over S2 runs (measured dumps 90% and 86%); runs with a "
+          "reclaim invalidating cached checkpoints (measured 35 of 63)")
+    for n in names:
+        occ, popped, total = occupancy[n]
+        print(f"  {n:{width}} occupancy {occ:5.0%}  reclaims in {popped} of {total} runs")
     return 0
 
 
 def calibrate_steps(args, log) -> int:
-    """Linear least squares on every row of a steps ledger."""
+    """Fit a profile to every row of a steps ledger with serving_core's one steps fitter
+    (serving_core.executor.fit_steps)."""
     import pyarrow.parquet as pq
 
+    from serving_core.executor.fit_steps import fit_steps
     from serving_core.geometry import load_geometry
 
     table = pq.read_table(args.steps).to_pydict()
-    profile = load_device_profile(args.start)
-    if profile.step_model != "additive":
-        profile = replace(profile, step_model="additive")
-    model = AdditiveStepModel(load_geometry(args.model), profile, args.org)
-    cols = {k: np.asarray(table[k], dtype=np.float64) for k in ("duration_s", "num_scheduled")}
-    n = len(cols["duration_s"])
-    feats = step_feature_rows(model, table)
-    scale = 1 + model.indirection
-    y = cols["duration_s"] - feats[:, 2] * scale - profile.per_seq_overhead_s * cols[
-        "num_scheduled"]
-    design = np.column_stack([feats[:, 0] * scale, feats[:, 1] * scale, feats[:, 3] * scale,
-                              np.ones(n)])
-    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-    inv_mem, inv_mm, mix, host = coef
-    if inv_mem <= 0 or inv_mm <= 0:
-        print("calibrate: the steps ledger does not identify both efficiencies "
-              "(need decode and prefill steps)", file=sys.stderr)
+    try:
+        fit = fit_steps(load_geometry(args.model), args.start, [(args.org, table)],
+                        source=f"steps ledger {args.steps}")
+    except ValueError as err:
+        print(f"--steps={args.steps}: {err}", file=sys.stderr)
         return 2
-    fitted = replace(profile, memory_efficiency=float(min(1.0, 1 / inv_mem)),
-                     matmul_efficiency=float(min(1.0, 1 / inv_mm)),
-                     mixed_step_s=float(max(mix, 0.0)), per_step_overhead_s=float(max(host, 0)),
-                     calibration=f"fitted to the steps ledger {args.steps} ({n} steps)")
-    pred = design @ coef
-    rel = (pred - y) / np.maximum(cols["duration_s"], 1e-12)
-    fit = {
-        "fitted": {f: getattr(fitted, f) for f in FITTED if f != "indirection_overhead"},
-        "residuals": {"rows": n, "rms_rel_error": float(np.sqrt(np.mean(rel ** 2))),
-                      "max_abs_rel_error": float(np.max(np.abs(rel)))},
-        "data": {"steps": str(args.steps), "org": args.org, "model": args.model},
-    }
-    for f in ("memory_efficiency", "matmul_efficiency", "mixed_step_s", "per_step_overhead_s"):
+    fitted = fit.profile
+    for f in (*FITTED, "attention_efficiency", "scan_efficiency", "per_seq_overhead_s"):
         print(f"{f:22} {getattr(fitted, f):.6g}")
-    print(f"rows {n}  rms relative residual {fit['residuals']['rms_rel_error']:.3g}")
+    print(f"rows {fit.rows}  rms relative residual {fit.rms_rel_error:.3g}")
     if args.out:
+        report = {
+            "fitted": fit.parameters,
+            "residuals": {"rows": fit.rows, "rms_rel_error": fit.rms_rel_error,
+                          "total_rel_error": fit.total_rel_error},
+            "data": {"steps": str(args.steps), "org": args.org, "model": args.model,
+                     **fit.data},
+        }
         header = PROFILE_HEADER.replace(
             "CALIBRATED to the measured system (conf/calibration/)", "CALIBRATED to a steps ledger")
-        write_profile(fitted, args.out, fit, header)
+        write_profile(fitted, args.out, report, header)
         log(f"wrote {args.out}")
     return 0
 
@@ -584,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-output-fit", action="store_true")
     p.add_argument("--ablation", action="store_true",
                    help="no fit: anchor errors with one engine rule at a time switched back")
+    p.add_argument("--variants", type=lambda v: [x for x in v.split(",") if x], default=None,
+                   help="with --ablation: comma-separated subset of the variants")
     p.add_argument("--compare-only", action="store_true",
                    help="no fit: the anchor table for the --start profile")
     p.add_argument("--override", action="append", default=[],

@@ -1,0 +1,211 @@
+"""Candidate rules for how long a shared checkpoint survives (issue 19): the free-queue rule,
+checkpoint recency, the dense slab policy, each against a hand-built scenario whose outcome
+follows from the rule's text; every rule also keeps the allocator's invariants on a small
+shared workload. Slab occupancy from a hand-written slab ledger."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import compose_config
+
+from experiments.cell import run_cell
+from serving_core.memory import build_memory
+from serving_core.memory.invariants import check_invariants
+from serving_core.memory.s2 import slab_occupancy
+from serving_core.scheduler import SchedulerConfig
+
+
+def cached_block(mem, key, rid=1):
+    obj = mem.allocate_attention(rid)
+    mem.publish(obj, key, 512)
+    mem.release(obj, producer=True)
+    return obj
+
+
+# ----- free queue ---------------------------------------------------------------------------
+@pytest.mark.parametrize("rule, x_survives", [("free_first", True), ("single_queue", False)])
+def test_free_queue_rule_decides_whether_a_freed_unit_or_the_lru_entry_goes(falcon, rule,
+                                                                             x_survives):
+    """Cached block X (unit 0) enters the LRU before unpublished Y (unit 1) is freed. Once the
+    never-used units are gone, free_first reuses Y's unit and keeps X; single_queue takes the
+    least recent of both queues, X (vLLM's one free_block_queue)."""
+    mem = build_memory(falcon, "S1", {"shared": 8}, free_queue=rule)
+    x = cached_block(mem, 11)
+    y = mem.allocate_attention(2)
+    mem.release(y, producer=True)  # unpublished: its unit is freed at the tail
+    held = [mem.allocate_attention(3) for _ in range(6)]  # units 2..7, never used before
+    assert sorted(u for h in held for u in h.units) == list(range(2, 8))
+    z = mem.allocate_attention(4)
+    assert (mem.cached_attention(11) is x) == x_survives
+    assert z.units == ([1] if x_survives else [0])
+    check_invariants(mem)
+
+
+def test_single_queue_keeps_an_evicted_checkpoints_other_members_in_place(falcon):
+    """Evicting the first member of cached composite X frees its other members where they
+    stood in the queue (ahead of unit 4, freed later), as vLLM keeps a bundle's blocks."""
+    mem = build_memory(falcon, "S1", {"shared": 6}, free_queue="single_queue")
+    x = mem.allocate_composite(1)  # units 0..3 (3 SSM members + conv page)
+    mem.publish(x, 11, 512)
+    mem.release(x, producer=True)
+    y = mem.allocate_attention(2)  # unit 4
+    mem.allocate_attention(2)  # unit 5, held
+    mem.release(y, producer=True)
+    a = mem.allocate_attention(3)
+    assert a.units == [0] and mem.cached_checkpoint(11) is None
+    b = mem.allocate_attention(3)
+    assert b.units == [1]
+    check_invariants(mem)
+
+
+# ----- checkpoint recency -------------------------------------------------------------------
+@pytest.mark.parametrize("rule, x_survives", [("release", True), ("publication", False)])
+def test_checkpoint_recency_rule(falcon, rule, x_survives):
+    """Checkpoint X (4 pages) then block Y fill the pool; X is adopted and released. The next
+    allocation evicts Y if the adopter's release refreshed X, else X."""
+    mem = build_memory(falcon, "S1", {"shared": 5}, checkpoint_recency=rule)
+    x = mem.allocate_composite(1)
+    mem.publish(x, 11, 512)
+    mem.release(x, producer=True)
+    cached_block(mem, 22, rid=2)
+    mem.acquire(x)
+    mem.release(x)
+    mem.allocate_attention(3)
+    assert (mem.cached_checkpoint(11) is not None) == x_survives
+    assert (mem.cached_attention(22) is not None) == (not x_survives)
+    check_invariants(mem)
+
+
+def test_publication_recency_leaves_attention_blocks_refreshed(falcon):
+    """The rule is about checkpoints: an adopted attention block is still refreshed."""
+    mem = build_memory(falcon, "S1", {"shared": 2}, checkpoint_recency="publication")
+    a = cached_block(mem, 11)
+    cached_block(mem, 22)
+    mem.acquire(a)
+    mem.release(a)
+    mem.allocate_attention(3)
+    assert mem.cached_attention(11) is a and mem.cached_attention(22) is None
+
+
+# ----- dense slab policy --------------------------------------------------------------------
+def test_dense_refills_freed_slots(falcon):
+    mem = build_memory(falcon, "S2", {"shared": 32}, slab_policy="dense")
+    a, b = mem.allocate_composite(1), mem.allocate_composite(1)
+    mem.release(a, producer=True)  # unpublished: slot 0 is freed
+    c = mem.allocate_composite(1)
+    assert (c.slab_page, c.slot) == (b.slab_page, 0)
+    check_invariants(mem)
+
+
+def test_dense_adoption_protects_but_does_not_refresh_the_slab(falcon):
+    """As write_once: X's slab keeps the stamp of its last write, so after X is adopted and
+    released the older-looking slab is reclaimed before the later block Y."""
+    mem = build_memory(falcon, "S2", {"shared": 5}, slab_policy="dense")
+    x = mem.allocate_composite(1)
+    mem.publish(x, 11, 512)
+    mem.release(x, producer=True)
+    cached_block(mem, 22, rid=2)
+    mem.acquire(x)
+    mem.release(x)
+    mem.allocate_attention(3)
+    assert mem.cached_checkpoint(11) is None and mem.cached_attention(22) is not None
+
+
+# ----- every rule on a shared workload --------------------------------------------------------
+SYNTH = ("workload.source=synthetic", "workload.synthetic_prompt_tokens=1400",
+         "workload.synthetic_context_tokens=1200", "workload.synthetic_output_tokens=200",
+         "workload.num_requests=40", "budget=b30", "load.rate=6")
+
+
+@pytest.mark.parametrize("org, rule", [
+    ("s1", "engine.free_queue=single_queue"), ("s2", "engine.free_queue=single_queue"),
+    ("d0", "engine.free_queue=single_queue"), ("s1", "engine.checkpoint_recency=publication"),
+    ("s2", "engine.slab_policy=dense"),
+    ("s2", "engine.slab_policy=dense engine.free_queue=single_queue"),
+])
+def test_rules_keep_the_invariants_and_complete(org, rule):
+    steps = []
+
+    def check(sched, mem):
+        steps.append(sched.step)
+        check_invariants(mem)
+
+    res = run_cell(compose_config(*SYNTH, f"org={org}", *rule.split()), on_step=check)
+    assert res.summary["completed"] == 40 and steps
+    for part in rule.split():
+        key, value = part.removeprefix("engine.").split("=")
+        assert str(getattr(res.memory, key)) == value  # read back from the allocator
+
+
+def test_default_rules_are_todays():
+    cfg = SchedulerConfig()
+    assert cfg.memory_rules() == {"slab_policy": "write_once", "free_queue": "free_first",
+                                  "checkpoint_recency": "release"}
+    eng = compose_config().engine
+    assert (eng.free_queue, eng.checkpoint_recency) == ("free_first", "release")
+
+
+@pytest.mark.parametrize("key, bad", [("engine.free_queue", "lifo"),
+                                      ("engine.checkpoint_recency", "never"),
+                                      ("engine.slab_policy", "sparse")])
+def test_bad_rule_values_name_the_field(key, bad):
+    with pytest.raises(ValueError, match=key):
+        SchedulerConfig(**{key.removeprefix("engine."): bad})
+
+
+# ----- slab occupancy -----------------------------------------------------------------------
+def test_slab_occupancy_from_a_hand_written_ledger():
+    """t 0: slab A, 3 slots; t 2: slab B, 1 slot (2 pages, 4 live); t 4: one slot freed
+    (3 live); t 6: B reclaimed with its 1 live slot (1 page, 2 live); t 10: end (A freed).
+    Time-averaged: live 3x2 + 4x2 + 3x2 + 2x4 = 28, page-seconds 1x2 + 2x2 + 2x2 + 1x4 = 14
+    over 10 s, occupancy 28 / (16 x 14) = 0.125. Peak pages 2 first at t 2 with 4 live;
+    peak live 4 at t 2."""
+    rows = [(0, "SLAB_ALLOC", 0), (0, "SLOT_ALLOC", 0), (0, "SLOT_ALLOC", 0),
+            (0, "SLOT_ALLOC", 0), (2, "SLAB_ALLOC", 0), (2, "SLOT_ALLOC", 0),
+            (4, "SLOT_FREE", 0), (6, "CROSS_INVALIDATE", 1), (6, "SLAB_RECLAIM", 1),
+            (10, "SLOT_FREE", 0), (10, "SLOT_FREE", 0), (10, "SLAB_FREE", 0)]
+    slab = {"t_s": [r[0] for r in rows], "event": [r[1] for r in rows],
+            "invalidated": [r[2] for r in rows]}
+    occ = slab_occupancy(slab, 16)
+    assert occ["occupancy_mean"] == pytest.approx(28 / (16 * 14))
+    assert occ["pages_mean"] == pytest.approx(14 / 10)
+    assert occ["live_mean"] == pytest.approx(28 / 10)
+    assert (occ["pages_peak"], occ["live_at_peak_pages"]) == (2, 4)
+    assert occ["occupancy_at_peak_pages"] == pytest.approx(4 / 32)
+    assert (occ["live_peak"], occ["pages_at_peak_live"]) == (4, 2)
+    empty = slab_occupancy({"t_s": [], "event": [], "invalidated": []}, 16)
+    assert math.isnan(empty["occupancy_mean"]) and empty["pages_peak"] == 0
+
+
+def test_dense_packs_slabs_tighter_than_write_once():
+    """On a shared workload the dense policy keeps more live slots per slab page."""
+    occ = {}
+    for policy in ("write_once", "dense"):
+        res = run_cell(compose_config(*SYNTH, "org=s2", f"engine.slab_policy={policy}"))
+        occ[policy] = slab_occupancy(res.tables["slab"], 16)["occupancy_mean"]
+    assert occ["dense"] > occ["write_once"]
+
+
+# ----- the random-operation driver of test_memory_invariants under each rule ----------------
+@pytest.mark.parametrize("org, pools, rules", [
+    ("S1", {"shared": 24}, {"free_queue": "single_queue"}),
+    ("S1", {"shared": 24}, {"checkpoint_recency": "publication"}),
+    ("S2", {"shared": 60}, {"free_queue": "single_queue", "slab_policy": "dense"}),
+    ("S2", {"shared": 24}, {"slab_policy": "dense", "checkpoint_recency": "publication"}),
+    ("D0", {"attention": 150, "recurrent": 8}, {"free_queue": "single_queue"}),
+])
+def test_random_operations_keep_all_invariants_under_each_rule(falcon, org, pools, rules):
+    import test_memory_invariants as tmi
+
+    recorder = tmi.Recorder()
+    mem = build_memory(falcon, org, pools, recorder, **rules)
+    driver = tmi.Driver(mem, 3, 6 if org == "S2" else 4)
+    tmi.run(driver, 3000, lambda: check_invariants(mem))
+    assert driver.stats["admitted"] > 50 and len(recorder.losses) > 20, driver.stats
+    for req in list(driver.running):
+        driver.finish(req)
+    check_invariants(mem)
+    for name, (used, cached, free, total) in mem.usage().items():
+        assert used == 0 and cached + free == total, (name, mem.usage())

@@ -1,0 +1,108 @@
+"""make sensitivity: the primary families rerun under declared alternative engine rules, and
+the sensitivity.md page (analysis.sensitivity) that marks contrasts whose sign or decision
+changes. Smoke size end to end here; the full design is a slow test."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+import ledgers
+from analysis import report
+from analysis import sensitivity as page
+from experiments import sensitivity as sens
+
+
+def test_plan_cells_map_to_run_overrides():
+    cells = {c["id"]: c for c in sens.family_cells("q1", "EXT-22")}
+    assert len(cells) == 24
+    d0 = sens.cell_overrides(cells["D0_b63_RM10"]["keys"])
+    assert "org=d0" in d0 and "model.d0_attention_fraction=0.427383" in d0
+    assert "engine.pinning_k=2" in d0 and "engine.cap=63" in d0 and "load.rate=3.0" in d0
+    s1 = sens.cell_overrides(cells["S1_b83_q0"]["keys"])
+    assert "workload.q=0.0" in s1 and not any("d0_attention" in o for o in s1)
+    q6 = {c["id"]: c for c in sens.family_cells("q6", "Q6-17")}
+    assert "engine.headroom=0.27" in sens.cell_overrides(q6["S2_b63_f27"]["keys"])
+    with pytest.raises(ValueError, match="cell key 'colour'"):
+        sens.cell_overrides({"colour": "red"})
+
+
+def test_planned_jobs_cover_every_cell_seed_and_alternative():
+    raw, alts = sens.load_alternatives()
+    chosen = [alts["default"], alts["slab_dense"]]
+    jobs = sens.planned_jobs(chosen, raw["families"], smoke=True, seeds=2, requests=12)
+    cells = len(sens.family_cells("q1", "EXT-22")) + len(sens.family_cells("q6", "Q6-17"))
+    assert len(jobs) == 2 * cells * 2
+    dense = [j for j in jobs if "campaign_name=sens_slab_dense_smoke" in j]
+    assert len(dense) == cells * 2 and all("engine.slab_policy=dense" in j for j in dense)
+    assert all("question=sensitivity" in j and "workload.num_requests=12" in j for j in jobs)
+
+
+def test_robustness_marks_sign_and_decision_changes():
+    long = pd.DataFrame([
+        ("default", "F", "t1", 5.0, "reject H0 (positive)"),
+        ("alt", "F", "t1", 4.0, "reject H0 (positive)"),
+        ("default", "F", "t2", 2.0, "not rejected"),
+        ("alt", "F", "t2", -1.0, "not rejected"),
+        ("default", "F", "t3", 6.0, "reject H0 (positive)"),
+        ("alt", "F", "t3", 1.0, "not rejected"),
+        ("default", "F", "t4", 0.0, "not rejected"),  # identical runs: no sign to flip
+        ("alt", "F", "t4", -0.4, "not rejected"),
+    ], columns=["alternative", "family", "test", "effect", "decision"]).assign(
+        label="", unit="%")
+    table = page.robustness(long).set_index("contrast")
+    assert table.loc["t1", "robust"] == "yes"
+    assert table.loc["t2", "robust"] == "no" and table.loc["t2", "changes"] == "alt: sign"
+    assert table.loc["t3", "changes"] == "alt: decision"
+    assert page.CHANGED in table.loc["t3", "alt"] and page.CHANGED not in table.loc["t1", "alt"]
+    assert table.loc["t4", "robust"] == "yes"
+
+
+def test_bad_alternative_exits_2(tmp_path, capsys):
+    assert sens.main(["--ledgers", str(tmp_path), "--alternatives", "default,magic"]) == 2
+    assert "magic" in capsys.readouterr().err
+
+
+def _check_page(root, out, alternatives):
+    con = ledgers.connect(root)
+    try:
+        path, info = page.write_page(con, out)
+    finally:
+        con.close()
+    text = path.read_text()
+    assert info["contrasts"] == 22 + 17 and info["alternatives"] == alternatives
+    assert "Robust and fragile conclusions" in text
+    for alt in alternatives:
+        assert f"`{alt}`" in text
+    long = pd.read_csv(out / "tables" / "sensitivity_long.csv")
+    assert set(long["alternative"]) == set(alternatives)
+    assert long.groupby("alternative")["test"].nunique().eq(39).all()
+    assert not long["effect"].map(lambda v: isinstance(v, float) and math.isnan(v)).all()
+    return text
+
+
+def test_sensitivity_at_smoke_size_writes_its_page_into_the_report(tmp_path):
+    root, out = tmp_path / "ledgers", tmp_path / "report"
+    """Two alternatives, one seed and 12 requests per run (80 runs): the pipeline end to end."""
+    assert sens.main(["--ledgers", str(root), "--smoke", "--alternatives",
+                      "default,slab_dense", "--seeds", "1", "--requests", "12",
+                      "--quiet"]) == 0
+    out.mkdir()
+    text = _check_page(root, out, ["default", "slab_dense"])
+    assert "Smoke size" in text and "no test can be rejected" in text
+    summary = report.write_report(root, tmp_path / "full_report")
+    assert (tmp_path / "full_report" / page.PAGE) in summary.pages
+    assert page.PAGE in (tmp_path / "full_report" / "index.md").read_text()
+
+
+@pytest.mark.slow
+def test_sensitivity_at_full_size(tmp_path):
+    """Every alternative at the families' full design (about 480 runs per alternative)."""
+    root, out = tmp_path / "ledgers", tmp_path / "report"
+    assert sens.main(["--ledgers", str(root), "--quiet"]) == 0
+    out.mkdir()
+    _, alts = sens.load_alternatives()
+    text = _check_page(root, out, list(alts))
+    assert "Smoke size" not in text
