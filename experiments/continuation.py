@@ -382,7 +382,7 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
         full_prefix=C * ((n - 1) // C), reuse_lost=C * ((n - 1) // C) - p_rule,
         tier_full_depth=tier_full, first_context=first.get("context", -1),
         first_scheduled=first.get("scheduled", -1),
-        expected_first=chunk_ends(b, n, C, budget_tokens, sched.align)[0] - b,
+        expected_first=next(iter(chunk_ends(b, n, C, budget_tokens, sched.align)), b) - b,
         bytes_h2d=restored.bytes_h2d, expected_bytes=expected_bytes,
         unit_capacity_bytes=capacity, restored_units=units, expected_units=expected_units,
         poisoned_units=restored.poisoned_units, restored_exact=exact,
