@@ -191,7 +191,7 @@ fidelity: setup $(TINY_MODEL)/config.json ## simulator vs real: 24 real tiny-mod
 	$(BIN)/python -m experiments.fidelity --ledger-root $(LEDGER_ROOT) $(ARGS)
 	$(BIN)/python -m analysis.fidelity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)
 
-continuation: setup $(TINY_MODEL)/config.json ## reload-from-host continuation check, S0/S1/S2/D0 x N around C (last line: JSON)
+continuation: setup $(TINY_MODEL)/config.json ## reload-from-host boundary matrix + byte audits, S0/S1/S2/D0/N0 x 9 lengths (last line: JSON)
 	$(BIN)/python -m experiments.continuation --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) \
 		--report-dir $(REPORT_DIR) $(ARGS)
 

@@ -1,5 +1,8 @@
 """Host tier and continuation protocol on the tiny model: a save counts only once its
-copy completed; a reload into a reset device continues exactly like the cold run."""
+copy completed; a reload into a reset device continues exactly like the cold run; the
+expected prefix follows the placement rule; a tier entry at B = N never skips the last
+prompt token; the byte audits (destination poisoning, delayed saves, host-to-device
+bytes) each catch the fault they exist for."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+import experiments.continuation as cont
 from experiments.continuation import ORGS, main
 from experiments.workload import RequestSpec
 from serving_core.engine import VirtualClock
@@ -79,17 +83,21 @@ def test_restore_goes_into_fresh_units_and_equals_the_saved_state(tiny_model):
 
 def test_continuation_command_last_line(tiny_checkpoint, tmp_path, capsys):
     code = main(["--checkpoint", str(tiny_checkpoint), "--orgs", "s2", "--cases", "C+1",
-                 "--output-tokens", "3", "--ledger-root", str(tmp_path / "led"),
-                 "--report-dir", str(tmp_path / "rep")])
+                 "--output-tokens", "3", "--delayed-save-cases", "none",
+                 "--ledger-root", str(tmp_path / "led"), "--report-dir", str(tmp_path / "rep")])
     out = capsys.readouterr().out.strip().splitlines()
     assert code == 0
-    assert json.loads(out[-1]) == {"pairs": 1, "equal": 1, "B_equals_p": True}
+    assert json.loads(out[-1]) == {"pairs": 1, "equal": 1, "B_equals_p": True,
+                                   "audits_ok": True, "ok": 1}
     rows = pq.read_table(next((tmp_path / "led" / "continuation").glob("*.parquet"))).to_pylist()
     assert [(r["n_tokens"], r["restored_prefix_b"], r["credited_prefix_p"]) for r in rows] == [
         (513, 512, 512)]
     assert len(json.loads(rows[0]["cold_tokens"])) == 3
-    assert all(r["tokens_equal"] and r["reload_units_fresh"] for r in rows)
-    assert "| s2 | 513 (C+1) | 512 | 512 | 512 | 512 | yes |" in (
+    assert all(r["tokens_equal"] and r["reload_units_fresh"] and r["ok"] for r in rows)
+    # 2 layers x (512 tokens x 1,024 B of KV + 1,536 KiB SSM + 21 KiB conv)
+    assert rows[0]["bytes_h2d"] == 2 * (512 * 1024 + 1536 * 1024 + 21 * 1024) == 4_237_312
+    assert ("| s2 | 513 (C+1) | 512 | step_end+align | 512 | 512 | 512 | 512 | 0 | 512 | "
+            "512 / 1 | 4,237,312 | yes | - | yes | yes |") in (
         tmp_path / "rep" / "continuation.md").read_text()
 
 
@@ -99,12 +107,172 @@ def test_bad_org_exits_2(capsys):
         f"error: --orgs='s9': allowed values are {', '.join(ORGS)}")
 
 
+def test_bad_case_and_fault_exit_2(capsys):
+    assert main(["--cases", "2C+x"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --cases='2C+x': allowed values are kC, kC+d, kC-d")
+    assert main(["--fault", "drop"]) == 2
+    assert "--fault='drop'" in capsys.readouterr().err
+
+
+def test_reference_cases_are_the_offsets_of_the_reference_lengths():
+    """At C = 1,792 the nine cases are the reference lengths; at C = 512 the same offsets."""
+    lengths = [k * 1792 + d for k, d in map(cont.parse_case, cont.OFFSETS)]
+    assert lengths == [3583, 3584, 3585, 3587, 3588, 3589, 5375, 5376, 5377]
+    assert [k * 512 + d for k, d in map(cont.parse_case, cont.OFFSETS)] == [
+        1023, 1024, 1025, 1027, 1028, 1029, 1535, 1536, 1537]
+    assert "n0" in ORGS and "s2_retention" not in ORGS
+
+
+@pytest.mark.parametrize("n, p", [
+    # step_end, aligned chunks, C = 512, budget 2,048 (hand-computed chunk ends)
+    (1023, 512),  # [0,512) [512,1023): the boundary 512 ends a step
+    (1024, 0),  # one chunk [0,1024): only 1024 = N is published, nothing inside
+    (1025, 1024),  # [0,1024) [1024,1025)
+    (1536, 0),  # one chunk [0,1536)
+    (1537, 1536),
+    (2560, 2048),  # [0,2048) [2048,2560): the budget splits at 2048 = N - C
+    (3072, 2048),  # [0,2048) [2048,3072)
+    (512, 0),  # N = C: the tier entry is at B = N, nothing strictly inside
+])
+def test_expected_prefix_under_step_end_with_aligned_chunks(n, p):
+    assert cont.expected_prefix(n, 512, 2048, step_end=True, align=True) == p
+
+
+@pytest.mark.parametrize("n, p", [(3583, 1792), (3584, 1792), (3585, 3584), (5375, 3584),
+                                  (5376, 3584), (5377, 5376), (1792, 0)])
+def test_expected_prefix_under_every_boundary(n, p):
+    """Every boundary a chunk crosses is published: p = C floor((N-1)/C) (C = 1,792)."""
+    assert cont.expected_prefix(n, 1792, 2048, step_end=False, align=False) == p
+    assert p == 1792 * ((n - 1) // 1792)
+
+
+@pytest.mark.parametrize("org", ["S2", "D0", "N0"])
+def test_rule_helper_agrees_with_the_engine(org):
+    """The independent rule (chunk ends, published boundaries) matches the checkpoints a
+    simulated engine publishes for one cold prompt, at every reference offset and N = kC."""
+    from serving_core.engine import run_engine
+    from serving_core.layout import org_layout
+
+    geometry = load_geometry("falcon_h1_tiny")
+    C = org_layout(geometry, org).checkpoint_interval
+    units = units_for(plan_budget(geometry, "b63"), org)
+    cfg = SchedulerConfig(cap=4, max_num_batched_tokens=2048, headroom=0.0)
+    for k, d in [*map(cont.parse_case, cont.OFFSETS), (1, 0), (4, 0), (5, 0)]:
+        n = k * C + d
+        spec = RequestSpec(0, 0.0, np.arange(1, n + 1, dtype=np.int32) % 50_000, 1, -1, "")
+
+        class Step:
+            def step_seconds(self, *a, **k):
+                return 0.01
+
+        res = run_engine(geometry, org, units, cfg, [spec], Step())
+        got = sorted(o.boundary for o in res.memory.cache.checkpoints.values())
+        rules = res.engine_config
+        want = cont.published_boundaries(n, C, 2048, rules["checkpoint_placement"] == "step_end",
+                                         rules["align_chunks"])
+        assert got == want, (org, n)
+
+
+def test_restore_bytes_match_the_layout_and_a_skipped_copy_shows(tiny_model, monkeypatch):
+    """Audit (c): a restore of B = 512 on S2 copies exactly 2 x (512 x 1,024 + SSM + conv)
+    bytes host-to-device into the layout's units (1 block + 3 SSM pages); a restore that
+    skips the checkpoint copy is caught by the count and by the read-back."""
+    geometry = load_geometry("falcon_h1_tiny")
+    eng, spec = _served(tiny_model, 599)
+    host = HostTier()
+    host.save_published(eng.mem, eng.executor.arena)
+    host.complete()
+    keys = Request(spec, 512).lookup_keys()
+    reset = _engine(tiny_model)
+    got = host.restore(reset.mem, reset.executor.arena, keys)
+    expected, capacity, units, need = cont._restore_sizes(reset.mem, geometry, got)
+    assert got.bytes_h2d == expected == 4_237_312 and units == need == 4
+    assert capacity == 2 * (4 * 524_288 + 32_768) >= got.bytes_h2d
+    assert got.poisoned_units == 4 and cont._restored_exact(host, reset.executor.arena, keys, got)
+
+    monkeypatch.setattr(HostTier, "_write_checkpoint", lambda self, arena, obj, states, r: None)
+    reset = _engine(tiny_model)
+    bad = host.restore(reset.mem, reset.executor.arena, keys)
+    assert bad.bytes_h2d == 2 * 512 * 1024 != cont._restore_sizes(reset.mem, geometry, bad)[0]
+    assert not cont._restored_exact(host, reset.executor.arena, keys, bad)  # NaN left
+
+
+def _ssm_missed(self, arena, obj, states, result):
+    """A faulty restore: writes the conv windows, leaves the SSM state as it found it."""
+    current = arena.read(obj)
+    arena.write(obj, [(conv, now_ssm) for (conv, _), (_, now_ssm)
+                      in zip(states, current, strict=True)])
+
+
+@pytest.mark.parametrize("poison", [True, False])
+def test_poisoning_turns_a_missed_ssm_copy_into_changed_tokens(tiny_model, monkeypatch,
+                                                               poison):
+    """Audit (a). A restore that misses the SSM state leaves zeros on a fresh device, which
+    this random tiny model's greedy tokens do not reveal at 513 tokens; with the destination
+    poisoned (NaN) the same miss changes the tokens. Removing the poisoning makes the
+    poison=True case fail."""
+    monkeypatch.setattr(HostTier, "_write_checkpoint", _ssm_missed)
+    row = cont.run_pair(tiny_model, load_geometry("falcon_h1_tiny"), "s2", "b63", "C+1", 3, 0,
+                        poison=poison)
+    assert row.restored_prefix_b == row.credited_prefix_p == 512
+    assert not row.restored_exact and not row.ok  # the read-back sees the miss either way
+    assert row.tokens_equal is not poison
+
+
+def test_delayed_save_makes_an_early_request_recompute(tiny_model, monkeypatch):
+    """Audit (b). Saves held incomplete: a request arriving in the window restores nothing
+    and recomputes (B = p = 0, same tokens); after the window the reload restores 512.
+    With the protection removed (entries indexed before their copy landed) the early
+    request restores the unlanded (NaN) buffers and the audit fails."""
+    geometry = load_geometry("falcon_h1_tiny")
+    row = cont.run_pair(tiny_model, geometry, "s2", "b63", "C+1", 3, 0, delayed_save=True)
+    assert row.window_pending == 2 and row.window_b == row.window_p == 0
+    assert row.window_tokens_equal and row.window_ok and row.ok
+    assert row.restored_prefix_b == row.credited_prefix_p == 512
+
+    def complete_early(self, device="cpu", now=None):
+        for p in self._pending:  # indexed at once: the copy has not landed
+            (self.blocks if p.kind == "a" else self.checkpoints)[p.key] = p.data
+        done, self._pending = len(self._pending), []
+        self.saves_completed += done
+        return done
+
+    monkeypatch.setattr(HostTier, "complete", complete_early)
+    row = cont.run_pair(tiny_model, geometry, "s2", "b63", "C+1", 3, 0, delayed_save=True)
+    assert row.window_b == 512 and not row.window_ok and not row.ok
+
+
+def test_a_tier_entry_at_n_never_skips_the_last_prompt_token(tiny_model, tmp_path, capsys,
+                                                            tiny_checkpoint):
+    """N = C = 512 on S2: the cold step publishes the checkpoint at 512 = N, so the tier
+    holds B = N; the reload credits only boundaries strictly inside (none: B = p = 0) and
+    its first batch computes the whole prompt. Forcing p = N - 1 over the B = N state (the
+    failure the reference study found) is reported as a mismatch, and exits 1."""
+    geometry = load_geometry("falcon_h1_tiny")
+    row = cont.run_pair(tiny_model, geometry, "s2", "b63", "C", 3, 0)
+    assert row.tier_full_depth == 512 == row.n_tokens
+    assert row.restored_prefix_b == row.credited_prefix_p == row.expected_p == 0
+    assert (row.first_context, row.first_scheduled) == (0, 512) and row.ok
+    code = main(["--checkpoint", str(tiny_checkpoint), "--orgs", "s2", "--cases", "C",
+                 "--fault", "credit_n_minus_1", "--output-tokens", "3",
+                 "--delayed-save-cases", "none", "--ledger-root", str(tmp_path / "l"),
+                 "--report-dir", str(tmp_path / "r")])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 1 and json.loads(out[-1])["B_equals_p"] is False
+    rows = pq.read_table(next((tmp_path / "l" / "continuation").glob("*.parquet"))).to_pylist()
+    assert [(r["restored_prefix_b"], r["credited_prefix_p"], r["first_context"],
+             r["first_scheduled"], r["ok"]) for r in rows] == [(512, 511, 511, 1, False)]
+
+
 @pytest.mark.slow
-def test_every_org_and_length_continues_exactly(tiny_checkpoint, tmp_path, capsys):
+def test_every_org_and_reference_length_continues_exactly(tiny_checkpoint, tmp_path, capsys):
+    """The whole matrix (make continuation): 5 organizations x 9 lengths, every column."""
     code = main(["--checkpoint", str(tiny_checkpoint), "--ledger-root", str(tmp_path / "l"),
                  "--report-dir", str(tmp_path / "r"), "--output-tokens", "4"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0 and last == {"pairs": 24, "equal": 24, "B_equals_p": True}
+    assert code == 0 and last == {"pairs": 45, "equal": 45, "B_equals_p": True,
+                                  "audits_ok": True, "ok": 45}
 
 
 @pytest.mark.slow

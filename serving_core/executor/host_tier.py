@@ -8,10 +8,21 @@ restorable. `restore` reloads the deepest prefix the tier holds completely (ever
 attention block up to a checkpoint boundary, and that checkpoint) into freshly
 allocated units of a (possibly reset) device and publishes it there, so the
 scheduler's ordinary lookup finds and adopts it.
+
+Audit hooks (the continuation check's byte audits):
+- `poison`: before a restore writes a destination unit, the unit is filled with NaN,
+  so any byte the restore misses reads back as NaN (and changes the tokens);
+- `save_delay_s` with a `clock`: a started save stays incomplete until `clock()` has
+  advanced by the delay. Its host buffer holds NaN until then (an in-flight copy has
+  not landed), so restoring it early would show;
+- every restore counts the bytes it copies host-to-device (`RestoreResult.bytes_h2d`).
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,54 +33,104 @@ from serving_core.memory import MemoryOrganization
 
 @dataclass
 class RestoreResult:
-    """What one restore put back: the restored prefix B (tokens) and the new objects."""
+    """What one restore put back: the restored prefix B (tokens), the new objects, the
+    bytes copied host-to-device and the destination units it poisoned beforehand."""
 
     prefix_tokens: int
     blocks: list = field(default_factory=list)
     checkpoint: object = None
+    bytes_h2d: int = 0
+    poisoned_units: int = 0
+
+
+@dataclass
+class _Pending:
+    kind: str  # "a" attention block | "c" checkpoint
+    key: int
+    data: object  # host buffer(s) the index will hold
+    staged: object  # source snapshot still to land in `data` (delayed saves), else None
+    ready_at: float
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cpu", copy=True, non_blocking=True)
+
+
+def _nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full(t.shape, math.nan, dtype=t.dtype, device="cpu")
 
 
 class HostTier:
     """Host copies of published entries, keyed by their chained prefix keys."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, poison: bool = True, save_delay_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if save_delay_s < 0:
+            raise ValueError(f"save_delay_s={save_delay_s} must be >= 0")
         self.blocks: dict[int, torch.Tensor] = {}  # key -> (layers, block_tokens, 2, KVH, hd)
         self.checkpoints: dict[int, list] = {}  # key -> per layer (conv, ssm)
-        self._pending: list[tuple[str, int, object]] = []
+        self._pending: list[_Pending] = []
+        self.poison = poison
+        self.save_delay_s = float(save_delay_s)
+        self.clock = clock
         self.saves_started = 0
         self.saves_completed = 0
+        self.restores = 0
+        self.restored_tokens = 0
+        self.bytes_h2d = 0
 
     # ----- save -------------------------------------------------------------------------------
+    def _stage(self, kind: str, key: int, snapshot, now: float) -> None:
+        """Queue the copy of one entry. Without a delay the copy is issued now; with one,
+        the host buffer stays NaN until `complete` lands the snapshot after the delay."""
+        if not self.save_delay_s:
+            data = (_host_copy(snapshot) if kind == "a"
+                    else [(_host_copy(c), _host_copy(s)) for c, s in snapshot])
+            self._pending.append(_Pending(kind, key, data, None, now))
+            return
+        data = (_nan_like(snapshot) if kind == "a"
+                else [(_nan_like(c), _nan_like(s)) for c, s in snapshot])
+        self._pending.append(_Pending(kind, key, data, snapshot, now + self.save_delay_s))
+
     def save_published(self, mem: MemoryOrganization, arena: StateArena) -> int:
         """Start copying every published entry not yet held; returns how many started."""
         held = {("a", k) for k in self.blocks} | {("c", k) for k in self.checkpoints}
-        held |= {(kind, k) for kind, k, _ in self._pending}
+        held |= {(p.kind, p.key) for p in self._pending}
+        now = self.clock()
         started = 0
         for key, obj in mem.cache.attention.items():
             if ("a", key) not in held:
                 unit = obj.units[0]
-                copy = torch.stack([arena.kv_view(layer)[unit] for layer in range(arena.layers)])
-                self._pending.append(("a", key, copy.to("cpu", copy=True, non_blocking=True)))
+                snap = torch.stack([arena.kv_view(layer)[unit] for layer in range(arena.layers)])
+                self._stage("a", key, snap, now)
                 started += 1
         for key, obj in mem.cache.checkpoints.items():
             if ("c", key) not in held:
-                states = [(c.to("cpu", copy=True, non_blocking=True),
-                           s.to("cpu", copy=True, non_blocking=True))
-                          for c, s in arena.read(obj)]
-                self._pending.append(("c", key, states))
+                snap = [(c.to(arena.dtype), s.to(arena.dtype)) for c, s in arena.read(obj)]
+                self._stage("c", key, snap, now)
                 started += 1
         self.saves_started += started
         return started
 
-    def complete(self, device: torch.device | str = "cpu") -> int:
-        """Wait for the started copies, then index them; returns how many completed."""
+    def complete(self, device: torch.device | str = "cpu", now: float | None = None) -> int:
+        """Wait for the started copies that are due (all, without a save delay), then
+        index them; returns how many completed. The others stay pending: not restorable."""
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
-        pending, self._pending = self._pending, []
-        for kind, key, data in pending:
-            (self.blocks if kind == "a" else self.checkpoints)[key] = data
-        self.saves_completed += len(pending)
-        return len(pending)
+        now = self.clock() if now is None else now
+        due = [p for p in self._pending if p.ready_at <= now]
+        self._pending = [p for p in self._pending if p.ready_at > now]
+        for p in due:
+            if p.staged is not None:  # the delayed copy lands now
+                if p.kind == "a":
+                    p.data.copy_(p.staged)
+                else:
+                    for (c, s), (c0, s0) in zip(p.data, p.staged, strict=True):
+                        c.copy_(c0)
+                        s.copy_(s0)
+            (self.blocks if p.kind == "a" else self.checkpoints)[p.key] = p.data
+        self.saves_completed += len(due)
+        return len(due)
 
     @property
     def num_pending(self) -> int:
@@ -91,6 +152,32 @@ class HostTier:
                 return k * interval
         return 0
 
+    def _poison(self, mem: MemoryOrganization, arena: StateArena, obj) -> int:
+        """Fill every unit `obj` owns (and an S2 conv slot) with NaN; returns the units."""
+        if not self.poison:
+            return 0
+        pool = arena.pools[obj.pool]
+        for unit in obj.units:
+            pool[:, unit].fill_(math.nan)
+        if obj.kind and mem.has_slabs:  # the conv slot's line in its slab page
+            lines = pool.view(pool.shape[0], -1, arena.slot_elems)
+            lines[:, mem.conv_line(obj)].fill_(math.nan)
+        return len(obj.units)
+
+    def _to_device(self, t: torch.Tensor, arena: StateArena, result: RestoreResult):
+        result.bytes_h2d += t.numel() * t.element_size()
+        return t.to(arena.device, copy=True)
+
+    def _write_block(self, arena: StateArena, unit: int, data: torch.Tensor,
+                     result: RestoreResult) -> None:
+        for layer in range(arena.layers):
+            arena.kv_view(layer)[unit] = self._to_device(data[layer], arena, result)
+
+    def _write_checkpoint(self, arena: StateArena, obj, states: list,
+                          result: RestoreResult) -> None:
+        arena.write(obj, [(self._to_device(c, arena, result), self._to_device(s, arena, result))
+                          for c, s in states])
+
     def restore(self, mem: MemoryOrganization, arena: StateArena, keys: list[int]) -> RestoreResult:
         """Reload the deepest complete prefix of `keys` into freshly allocated units and
         publish it as cached entries (unreferenced, evictable) on that device."""
@@ -106,10 +193,8 @@ class HostTier:
                               f"{ {p: pool.num_available for p, pool in mem.pools.items()} }")
         for i in range(nblocks):
             obj = mem.allocate_attention(-1)
-            unit = obj.units[0]
-            data = self.blocks[keys[i]]
-            for layer in range(arena.layers):
-                arena.kv_view(layer)[unit] = data[layer].to(arena.device)
+            result.poisoned_units += self._poison(mem, arena, obj)
+            self._write_block(arena, obj.units[0], self.blocks[keys[i]], result)
             if not mem.publish(obj, keys[i], (i + 1) * bt):
                 raise RuntimeError(f"block {i} of the restored prefix is already cached")
             mem.release(obj)  # cached, evictable: the scheduler's lookup will adopt it
@@ -117,10 +202,13 @@ class HostTier:
         if interval:
             key = keys[nblocks - 1]
             obj = mem.allocate_composite(-1)
-            arena.write(obj, [(c.to(arena.device), s.to(arena.device))
-                              for c, s in self.checkpoints[key]])
+            result.poisoned_units += self._poison(mem, arena, obj)
+            self._write_checkpoint(arena, obj, self.checkpoints[key], result)
             if not mem.publish(obj, key, depth):
                 raise RuntimeError(f"the checkpoint at {depth} is already cached")
             mem.release(obj)
             result.checkpoint = obj
+        self.restores += 1
+        self.restored_tokens += depth
+        self.bytes_h2d += result.bytes_h2d
         return result
