@@ -23,14 +23,17 @@ WORKLOAD = (
     "budget=b8",
     "trace=true",
     "workload.source=synthetic",
-    "workload.num_requests=10",
+    "workload.num_requests=8",
     "workload.num_contexts=2",
-    "workload.synthetic_prompt_tokens=1300",
-    "workload.synthetic_context_tokens=1100",
+    "workload.synthetic_prompt_tokens=1900",
+    "workload.synthetic_context_tokens=1800",
     "workload.synthetic_output_tokens=6",
     "engine.max_num_batched_tokens=2048",
 )
-TIME_COLUMNS = {"t_s", "t_start_s", "duration_s"}
+# Times differ (modelled vs measured), and so do the cache keys of entries that cover
+# generated tokens (their content hashes the tokens each executor produced): neither is a
+# decision. Every other column, boundaries and depths included, must match.
+TIME_COLUMNS = {"t_s", "t_start_s", "duration_s", "key"}
 
 
 def _decisions(result) -> dict:
@@ -57,7 +60,8 @@ def test_simulated_and_torch_engines_decide_the_same(org, semantics, tiny_checkp
     sim, rl = _decisions(simulated), _decisions(real)
     assert len(sim["trace"]) == len(rl["trace"]) and sim["trace"] == rl["trace"]
     assert sim["steps"] == rl["steps"]
-    # The trace is not trivial: requests adopted shared prefixes and the pool was contended.
+    # The trace is not trivial: requests adopted shared prefixes past a checkpoint boundary
+    # (the contexts span one interval of every organization: 512, N0's 1,568, D0's 1,792).
     events = [row for row in simulated.tables["trace"]["event"]]
     assert events.count("ADOPT") >= len(specs) and "PUBLISH" in events
     assert simulated.summary["prefix_hit_tokens"] > 0
