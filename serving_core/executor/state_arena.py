@@ -38,6 +38,26 @@ def storage_dtype(geometry: Geometry) -> torch.dtype:
     return STORAGE_DTYPES[geometry.dtype_bytes]
 
 
+class PagedSSM:
+    """SSM states (b, H, P, N) of a batch held in their member pages, as a list of
+    (H / members, P, N) views in (sequence, member) order: updated in place
+    (`mamba.state_update`), never copied out and back."""
+
+    def __init__(self, views: list[torch.Tensor], batch: int, heads_per_member: int) -> None:
+        self.views = views
+        self.batch = batch
+        self.heads_per_member = heads_per_member
+
+    def read(self) -> torch.Tensor:
+        """A contiguous copy (b, H, P, N)."""
+        v = self.views[0]
+        return torch.stack(self.views).view(self.batch, -1, v.shape[1], v.shape[2])
+
+    def copy_(self, state: torch.Tensor) -> None:
+        k = len(self.views)
+        torch._foreach_copy_(self.views, state.reshape(k, *self.views[0].shape).unbind(0))
+
+
 class StateArena:
     """The pools of one memory organization as torch tensors, with typed views."""
 
@@ -83,6 +103,7 @@ class StateArena:
             if self.org == "S2":
                 self.slot_elems = mem.layout.conv_slot_bytes // elem
                 self.slots_per_slab = mem.layout.slots_per_slab
+        self._page_views: dict[int, tuple] = {}
 
     @property
     def num_bytes(self) -> int:
@@ -107,6 +128,16 @@ class StateArena:
                                                           self.kv_heads, self.head_dim)
         kv = kv[:, :length]
         return kv[:, :, 0], kv[:, :, 1]
+
+    def gather_kv_heads(self, layer: int, units: torch.Tensor, length: int):
+        """K and V (KV heads, b, length, head dim) of each row of block units (b, nb), read
+        in one indexed copy straight into head-major order: (KV heads x b) is one batch
+        dimension of a matrix product, so attention needs no further copy or GQA repeat."""
+        view = self.kv_view(layer).permute(2, 3, 0, 1, 4)  # (2, KVH, units, bt, hd)
+        b, nb = units.shape
+        kv = view.index_select(2, units.reshape(-1))
+        kv = kv.view(2, self.kv_heads, b, nb * self.block_tokens, self.head_dim)
+        return kv[0, :, :, :length], kv[1, :, :, :length]
 
     def store_kv(self, layer: int, units: torch.Tensor, offsets: torch.Tensor, k, v) -> None:
         """Write K, V (n, KVH, hd) at (unit, token offset) pairs."""
@@ -138,6 +169,49 @@ class StateArena:
         if self.org == "S2":
             return arena.view(-1, self.slot_elems)  # row = line id 16 p + s
         return arena
+
+    @property
+    def ssm_in_place(self) -> bool:
+        """True when S1/S2 member pages hold whole heads in fp32: a decode then updates the
+        SSM state through per-page views, with no copy in or out."""
+        if self.org not in ("S1", "S2") or self.dtype != torch.float32:
+            return False
+        h, p, n = self.ssm_shape
+        per_page, rem = divmod(self.unit_elems[self.rec_pool], p * n)
+        return rem == 0 and per_page * self.members == h
+
+    def ssm_views(self, layer: int, loc: dict[str, torch.Tensor]) -> PagedSSM:
+        """The batch's SSM states as views of their member pages (see `ssm_in_place`)."""
+        views = self._page_views.get(layer)
+        h, p, n = self.ssm_shape
+        hpm = h // self.members
+        if views is None:
+            arena = self.pools[self.rec_pool][layer]
+            views = arena.view(arena.shape[0], hpm, p, n).unbind(0)  # one view per page
+            self._page_views[layer] = views
+        pages = loc["pages"].reshape(-1).tolist()
+        return PagedSSM([views[u] for u in pages], loc["pages"].shape[0], hpm)
+
+    def gather_conv(self, layer: int, loc: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A copy of the batch's conv windows (b, Cd, K-1) from conv pages / S2 slots."""
+        b = loc["pages"].shape[0]
+        if self.org in ("S0", "D0"):
+            rows = self.pools[self.rec_pool][layer].index_select(0, loc["pages"].reshape(-1))
+            conv = rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems]
+        else:
+            conv = self._conv_rows(layer).index_select(0, loc["conv"])[:, : self.conv_elems]
+        return conv.reshape(b, *self.conv_shape)
+
+    def scatter_conv(self, layer: int, loc: dict[str, torch.Tensor], conv: torch.Tensor) -> None:
+        """Write the batch's conv windows back in one indexed copy (S2: all slab slots of
+        the step together)."""
+        b = conv.shape[0]
+        flat = conv.reshape(b, -1).to(self.dtype)
+        if self.org in ("S0", "D0"):
+            rows = self.pools[self.rec_pool][layer]
+            rows[loc["pages"].reshape(-1), self.ssm_elems : self.ssm_elems + self.conv_elems] = flat
+        else:
+            self._conv_rows(layer)[loc["conv"], : self.conv_elems] = flat
 
     def gather(self, layer: int, loc: dict[str, torch.Tensor]):
         """Copies of (conv (b, Cd, K-1), ssm (b, H, P, N)) and the rows they came from."""
