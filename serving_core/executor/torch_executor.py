@@ -102,8 +102,8 @@ class _DecodeIO(PagedRecurrentIO):
         self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
 
     def decode_kv(self, layer, k, v):
-        """Store the new tokens' K, V, then every sequence's K and V including them, head
-        major (KVH, b, max_ctx + 1, hd), and the (b, max_ctx + 1) validity mask (or None)."""
+        """Store the new tokens' K, V, then every sequence's K and V including them
+        (b, KVH, max_ctx + 1, hd), and the (b, max_ctx + 1) validity mask (or None)."""
         self.store_kv(layer, k, v)
         keys, vals = self.arena.gather_kv_heads(layer, self.units_new, self.max_ctx + 1)
         return keys, vals, self.valid_new

@@ -253,17 +253,16 @@ class FalconH1:
         return self._lin(out, p + "o_proj")
 
     def _decode_attention(self, q, keys, vals, valid) -> torch.Tensor:
-        """One query per sequence q (b, 1, H, d) over head-major K, V (KVH, b, S, d) that
-        include the query's own token; valid (b, S) masks padding (None: all valid)."""
+        """One query per sequence q (b, 1, H, d) over K, V (b, KVH, S, d) (any strides) that
+        include the query's own token; valid (b, S) masks padding (None: all valid). GQA
+        without repeating K/V (fused attention, no score matrix kept)."""
         b = q.shape[0]
-        kvh, rep = self.kv_heads, self.heads // self.kv_heads
-        qg = q.view(b, kvh, rep, self.head_dim).transpose(0, 1)  # (KVH, b, rep, d)
-        scores = torch.matmul(qg, keys.to(q.dtype).transpose(-1, -2)) * self.head_dim ** -0.5
-        if valid is not None:
-            scores = scores.masked_fill(~valid[None, :, None, :], -math.inf)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, vals.to(q.dtype))  # (KVH, b, rep, d)
-        return out.transpose(0, 1).reshape(b, 1, self.heads * self.head_dim)
+        mask = None if valid is None else valid[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
+            scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads,
+        )  # (b, H, 1, d)
+        return out.reshape(b, 1, self.heads * self.head_dim)
 
     def _mamba(self, i, x, io: StateIO) -> torch.Tensor:
         p = f"model.layers.{i}.mamba."
