@@ -1,11 +1,12 @@
 """Where a saturating real-path run spends its time (tiny Falcon-H1, in process).
 
 Method: the engine serves N requests that all arrive at t=0 (prompt P tokens, O output
-tokens, exact lengths, greedy) on the torch executor, with timing hooks wrapped around the
-functions that make up a step. Each hook charges its *exclusive* wall time (its own time
-minus that of hooked functions it calls) to a category, so the table's rows add up to the
-whole run. The HTTP/SSE path and detokenization are not in this process; `python -m bench
-serve` measures them end to end.
+tokens, exact lengths, greedy) on the torch executor with one intra-op thread, with timing
+hooks wrapped around the functions that make up a step. Each hook charges its *exclusive*
+CPU time (the thread's user + system time, so a busy shared machine does not inflate it;
+its own time minus that of hooked functions it calls) to a category, so the table's rows
+add up to the engine's CPU time. The HTTP/SSE path and detokenization are not in this
+process; `python -m bench serve` measures them end to end.
 
 Categories:
   scheduler + engine loop    Engine.step minus the executor (scheduling, publication, records)
@@ -60,13 +61,13 @@ class _Timer:
 
         def hooked(*args, **kwargs):
             cat = category(*args, **kwargs) if callable(category) else category
-            frame = [cat, time.perf_counter(), 0.0]
+            frame = [cat, time.thread_time(), 0.0]
             timer.stack.append(frame)
             try:
                 return fn(*args, **kwargs)
             finally:
                 timer.stack.pop()
-                elapsed = time.perf_counter() - frame[1]
+                elapsed = time.thread_time() - frame[1]
                 timer.totals[cat] += elapsed - frame[2]
                 timer.calls[cat] += 1
                 if timer.stack:
@@ -157,7 +158,7 @@ def print_table(r: dict) -> None:
     print(f"wall {r['wall_s']:.2f} s ({r['steps']} steps), user {r['user_s']:.2f} s, system "
           f"{r['system_s']:.2f} s; {r['output_tok_s']:.1f} output tok/s, "
           f"{r['total_tok_s']:.1f} total tok/s")
-    print(f"{'category':28} {'seconds':>9} {'share':>7} {'calls':>8}")
+    print(f"{'category':28} {'CPU s':>9} {'share':>7} {'calls':>8}")
     for name, row in r["categories"].items():
         print(f"{name:28} {row['s']:>9.3f} {100 * row['share']:>6.1f}% {row['calls']:>8}")
     for op in r.get("top_ops", []):

@@ -143,7 +143,7 @@ def _run_torch(cfg, geometry, org, pool_units, sched_cfg, specs, on_step):
 
     tcfg = torch_executor_config(cfg.executor)
     check_checkpoint(tcfg, geometry)
-    model = FalconH1.load(tcfg.checkpoint, tcfg.device, tcfg.dtype)
+    model = FalconH1.load(tcfg.checkpoint, tcfg.device, tcfg.dtype, tcfg.scan_chunk)
     engine = build_torch_engine(
         model, geometry, org, pool_units, sched_cfg, trace=bool(cfg.trace),
         budget_label=str(cfg.budget), on_step=on_step,

@@ -219,6 +219,6 @@ def run_cell_over_http(cfg, tcfg, geometry, org_arm: str, sched_cfg, specs):
             max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
             headroom=sched_cfg.headroom, retention_k=sched_cfg.retention_k,
             pinning_k=sched_cfg.pinning_k, trace=bool(cfg.trace), records=rec_dir,
-            device=tcfg.device, dtype=tcfg.dtype,
+            device=tcfg.device, dtype=tcfg.dtype, scan_chunk=tcfg.scan_chunk,
         )
         return serve_over_http(cmd, specs, records_dir=rec_dir)

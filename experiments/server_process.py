@@ -32,14 +32,16 @@ def hsl_server_command(*, checkpoint: str | None, preset: str, org: str, budget:
                        cap: int, max_num_batched_tokens: int, headroom: float,
                        retention_k: int | None, pinning_k: int | None, trace: bool,
                        records: str, executor: str = "torch", device: str = "cpu",
-                       dtype: str = "float32", drain: str = "finish") -> list[str]:
+                       dtype: str = "float32", drain: str = "finish",
+                       scan_chunk: int = 128) -> list[str]:
     """The command line of `python -m serving_core.server` for one cell, on a free port."""
     cmd = [sys.executable, "-m", "serving_core.server", "--preset", preset, "--org", org,
            "--budget", budget, "--cap", str(cap),
            "--max-num-batched-tokens", str(max_num_batched_tokens),
            "--headroom", repr(float(headroom)), "--executor", executor,
            "--device", device, "--dtype", dtype, "--tokenizer", "none",
-           "--port", "0", "--records", records, "--drain", drain, "--exit-with-parent"]
+           "--port", "0", "--records", records, "--drain", drain, "--exit-with-parent",
+           "--scan-chunk", str(scan_chunk)]
     if checkpoint:
         cmd += ["--model", checkpoint]
     if retention_k is not None:

@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
                    help="device profile of --executor simulated (conf/executor)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--scan-chunk", type=int, default=128,
+                   help="tokens per chunk of the prefill SSD scan (torch executor)")
     p.add_argument("--tokenizer", default="llama3", help="quicktok encoding for text, or none")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -65,7 +67,8 @@ def _check(args) -> None:
         raise UsageError(f"--executor={args.executor!r}: allowed values are {', '.join(EXECUTORS)}")
     if args.drain not in DRAIN_MODES:
         raise UsageError(f"--drain={args.drain!r}: allowed values are {', '.join(DRAIN_MODES)}")
-    for name, low in (("cap", 1), ("max_num_batched_tokens", 1), ("retention_k", 1)):
+    for name, low in (("cap", 1), ("max_num_batched_tokens", 1), ("retention_k", 1),
+                      ("scan_chunk", 1)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= {low}")
     if args.pinning_k is not None and args.pinning_k < 1:
@@ -147,13 +150,14 @@ def build_engine(args):
     from serving_core.executor.torch_executor import build_torch_engine
     from serving_core.model.falcon_h1 import FalconH1
 
-    tcfg = TorchExecutorConfig(args.model, args.device, args.dtype, args.max_num_batched_tokens)
+    tcfg = TorchExecutorConfig(args.model, args.device, args.dtype, args.max_num_batched_tokens,
+                               scan_chunk=args.scan_chunk)
     try:
         cfg = check_checkpoint(tcfg, geometry)
     except ValueError as err:
         raise UsageError(f"--model: {err}") from None
     try:
-        model = FalconH1.load(args.model, args.device, args.dtype)
+        model = FalconH1.load(args.model, args.device, args.dtype, args.scan_chunk)
     except Exception as err:  # corrupt weights, wrong shapes: the folder does not load
         raise RuntimeError(f"--model={args.model!r}: the checkpoint does not load "
                            f"({type(err).__name__}: {err})") from None
