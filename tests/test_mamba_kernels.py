@@ -59,6 +59,18 @@ def test_chunk_scan_equals_the_recurrence_and_the_reference(t, chunk, g):
     assert (final - final_ref).abs().max() <= TOL * s_scale
 
 
+def test_strong_decay_cut_to_zero_below_the_floor_changes_nothing_visible():
+    """dt |A| ~ 16 per token (the tiny model's fastest heads): decays underflow within a
+    chunk; the scan zeroes exponents below EXP_FLOOR and still equals the recurrence."""
+    x, dt, A, B, C, D, init = _inputs(1, 200, 4, 8, 1, 16, seed=9)
+    A = -torch.tensor([1.0, 4.0, 8.0, 12.0])
+    dt = dt + 1.0
+    y, final = mamba.chunk_scan(x, dt, A, B, C, D, 128, init)
+    y_rec, final_rec = _recurrence(x, dt, A, B, C, D, init)
+    assert (y - y_rec).abs().max() <= TOL * y_rec.abs().max()
+    assert (final - final_rec).abs().max() <= TOL * final_rec.abs().max()
+
+
 def test_chunk_size_changes_only_rounding():
     x, dt, A, B, C, D, init = _inputs(1, 257, 6, 8, 1, 32, seed=5)
     y64, f64 = mamba.chunk_scan(x, dt, A, B, C, D, 64, init)
