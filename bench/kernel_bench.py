@@ -5,7 +5,8 @@
      gathered through the page mapping and written back vs contiguous per-sequence tensors;
    - "model": a whole-model decode step (every layer, paged KV by block table and paged
      recurrent state) vs contiguous state: a preallocated head-major KV buffer per layer
-     that attention reads in place, and per-sequence recurrent tensors.
+     that attention reads in place, and per-sequence recurrent tensors ("cat": also against
+     DenseState as it is, whose KV grows by concatenation each step, the issue's baseline).
    Ratio = paged / contiguous median seconds (target <= 1.10 on CPU). Times are the
    calling thread's CPU time when one intra-op thread is used (the default, --threads 1),
    so that a busy shared machine does not distort them; the load average is reported.
@@ -168,6 +169,12 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
     def model_dense():
         model.forward(ids, pos, contiguous_io)
 
+    def model_dense_cat():  # DenseState as it is: KV grown by concatenation every step
+        saved = [(k, v) for k, v in zip(dense.k, dense.v, strict=True)]
+        model.forward(ids, pos, dense)
+        dense.k = [k for k, _ in saved]
+        dense.v = [v for _, v in saved]
+
     out = {"org": org, "batch": batch}
     for name, paged, contiguous in (("mixer", mixer_paged, mixer_dense),
                                     ("model", model_paged, model_dense)):
@@ -176,6 +183,8 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
         out[f"{name}_paged_ms"] = 1000 * p
         out[f"{name}_contiguous_ms"] = 1000 * c
         out[f"{name}_ratio"] = p / c
+    out["model_densestate_cat_ms"] = 1000 * _median_s(model_dense_cat, repeats)
+    out["model_ratio_vs_cat"] = out["model_paged_ms"] / out["model_densestate_cat_ms"]
     return out
 
 
@@ -236,12 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = [paged_vs_contiguous(model, org, b, args.repeats) for org in ("S1", "S2")
             for b in BATCHES]
     print(f"{'org':4} {'batch':>5} {'mixer paged':>12} {'contig':>8} {'ratio':>6}"
-          f" {'model paged':>12} {'contig':>8} {'ratio':>6}   (ms, median)")
+          f" {'model paged':>12} {'contig':>8} {'ratio':>6} {'cat':>8} {'ratio':>6}"
+          "   (ms, median)")
     for r in rows:
         print(f"{r['org']:4} {r['batch']:>5} {r['mixer_paged_ms']:>12.2f} "
               f"{r['mixer_contiguous_ms']:>8.2f} {r['mixer_ratio']:>6.3f} "
               f"{r['model_paged_ms']:>12.2f} {r['model_contiguous_ms']:>8.2f} "
-              f"{r['model_ratio']:>6.3f}")
+              f"{r['model_ratio']:>6.3f} {r['model_densestate_cat_ms']:>8.2f} "
+              f"{r['model_ratio_vs_cat']:>6.3f}")
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} "
           f"({os.cpu_count()} CPUs)")
     gen = None if args.skip_generate else engine_vs_generate(
