@@ -180,22 +180,26 @@ class StateArena:
 
     @property
     def ssm_in_place(self) -> bool:
-        """True when S1/S2 member pages hold whole heads in fp32: a decode then updates the
-        SSM state through per-page views, with no copy in or out."""
-        if self.org not in ("S1", "S2") or self.dtype != torch.float32:
+        """True when a decode can update the SSM state through views of its units, with no
+        copy in or out: fp32 storage, and S0/D0 (the state leads its composite's unit) or
+        S1/S2 member pages that hold whole heads."""
+        if not self.mem.has_recurrent or self.dtype != torch.float32:
             return False
+        if self.org in ("S0", "D0"):
+            return True
         h, p, n = self.ssm_shape
         per_page, rem = divmod(self.unit_elems[self.rec_pool], p * n)
         return rem == 0 and per_page * self.members == h
 
     def ssm_views(self, layer: int, loc: dict[str, torch.Tensor]) -> PagedSSM:
-        """The batch's SSM states as views of their member pages (see `ssm_in_place`)."""
+        """The batch's SSM states as views of their units (see `ssm_in_place`): one
+        (H / members, P, N) view per member page (S0/D0: one (H, P, N) view per composite)."""
         views = self._page_views.get(layer)
         h, p, n = self.ssm_shape
         hpm = h // self.members
         if views is None:
             arena = self.pools[self.rec_pool][layer]
-            views = arena.view(arena.shape[0], hpm, p, n).unbind(0)  # one view per page
+            views = arena[:, : hpm * p * n].view(arena.shape[0], hpm, p, n).unbind(0)
             self._page_views[layer] = views
         pages = loc["pages"].reshape(-1).tolist()
         return PagedSSM([views[u] for u in pages], loc["pages"].shape[0], hpm)

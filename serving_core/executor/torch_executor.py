@@ -31,8 +31,8 @@ class PagedRecurrentIO:
     """Recurrent state of a batch of composites, updated in the units the page mapping
     names (the paged decode update).
 
-    When the arena allows it (`StateArena.ssm_in_place`: S1/S2, fp32, whole heads per
-    member page) the SSM state is handed to the model as views of its member pages and
+    When the arena allows it (`StateArena.ssm_in_place`: fp32; S0/D0, or S1/S2 with whole
+    heads per member page) the SSM state is handed to the model as views of its units and
     updated there; only the small conv windows are gathered and written back (one indexed
     copy per layer, S2's slab slots included). Otherwise the composite is gathered into a
     copy and scattered back."""
