@@ -46,7 +46,10 @@ bench: setup ## benchmarks; BENCH="engine single campaign ledger kernel" (defaul
 tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1_tiny (offline)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny models/falcon_h1_tiny
 
-.PHONY: help setup test test-all lint plan bench calibrate tiny-model
+bench-serve: setup ## our server (S2, S0, D0) vs vLLM's (if .venv-vllm), saturating streamed load
+	$(BIN)/python -m bench serve
+
+.PHONY: help setup test test-all lint plan bench bench-serve calibrate tiny-model
 
 # ---- vLLM (the real-engine arm's server) in its own venv -----------------------------------
 # VLLM_DEVICE=cpu|gpu (default: gpu when nvidia-smi answers). The pins are pyproject's

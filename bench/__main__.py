@@ -3,7 +3,10 @@
 Parts: engine (engine wall time per cell), single (one whole experiments.run process,
 P2), campaign (Q1 Exp 1a with 2 workers plus its analysis, P2), ledger (10^7 trace rows,
 catalog queries, P4), kernel (paged versus contiguous decode, engine versus transformers'
-generate on the tiny model). Numbers, not assertions: the test suite never times anything.
+generate on the tiny model), serve (our HTTP server against vLLM's under a saturating
+streamed workload, `make bench-serve`), profile (where a saturating in-process real-path run
+spends its time). `python -m bench` alone runs every part but serve and profile. Numbers, not
+assertions: the test suite never times anything.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ PARTS = {
     "campaign": ("bench.campaign_bench", ["--part", "campaign"]),
     "ledger": ("bench.ledger_bench", []),
     "kernel": ("bench.kernel_bench", []),
+    "serve": ("bench.serve_bench", []),
+    "profile": ("bench.profile_bench", []),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    names = list(sys.argv[1:] if argv is None else argv) or list(PARTS)
+    names = list(sys.argv[1:] if argv is None else argv) or [
+        p for p in PARTS if p not in ("serve", "profile")]
     unknown = [n for n in names if n not in PARTS]
     if unknown:
         print(f"error: part={unknown[0]}: allowed {', '.join(PARTS)}", file=sys.stderr)

@@ -4,8 +4,12 @@
    - "mixer": one Mamba2 mixer decode update (projections, conv window, SSM state), state
      gathered through the page mapping and written back vs contiguous per-sequence tensors;
    - "model": a whole-model decode step (every layer, paged KV by block table and paged
-     recurrent state) vs contiguous KV and state.
-   Ratio = paged / contiguous median seconds (target <= 1.10 on CPU).
+     recurrent state) vs contiguous state: a preallocated head-major KV buffer per layer
+     that attention reads in place, and per-sequence recurrent tensors ("cat": also against
+     DenseState as it is, whose KV grows by concatenation each step, the issue's baseline).
+   Ratio = paged / contiguous median seconds (target <= 1.10 on CPU). Times are the
+   calling thread's CPU time when one intra-op thread is used (the default, --threads 1),
+   so that a busy shared machine does not distort them; the load average is reported.
 2. Tokens per second: our engine (S2, all requests at t=0, greedy, exact lengths) against
    transformers' batched `generate` at the same batch size, prompt and output lengths.
 
@@ -26,15 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving_core.engine import VirtualClock, serve
+from serving_core.builder import build_engine, loaded_model_spec
+from serving_core.engine import serve
 from serving_core.executor.state_arena import StateArena
-from serving_core.executor.torch_executor import PagedRecurrentIO, build_torch_engine
+from serving_core.executor.torch_executor import PagedRecurrentIO
 from serving_core.geometry import load_geometry
 from serving_core.memory import build_memory
 from serving_core.model.dense_state import DenseState
 from serving_core.model.falcon_h1 import FalconH1
-from serving_core.planner import plan_budget, units_for
-from serving_core.scheduler import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -54,12 +57,14 @@ class _Spec:
 
 
 def _median_s(fn, repeats: int) -> float:
+    """Median seconds of `fn()`: thread CPU time with one intra-op thread, else wall."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -82,11 +87,42 @@ class _PagedDecode:
     def store_kv(self, layer, k, v):
         self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
 
+    def decode_kv(self, layer, k, v):
+        self.store_kv(layer, k, v)
+        keys, vals = self.arena.gather_kv_heads(layer, self.units, self.context + 1)
+        return keys, vals, None
+
     def recurrent(self, layer):
         return self.rec.recurrent(layer)
 
     def store_recurrent(self, layer, conv, ssm):
         self.rec.store_recurrent(layer, conv, ssm)
+
+
+class _ContiguousDecode:
+    """The contiguous reference of a decode step: per layer a preallocated KV buffer
+    (b, KVH, capacity, hd) that attention reads in place, and per-sequence recurrent
+    tensors (DenseState's)."""
+
+    def __init__(self, dense: DenseState, context: int) -> None:
+        self.dense = dense
+        self.context = context
+        self.k = [torch.cat([k, torch.zeros_like(k[:, :1])], 1).transpose(1, 2).contiguous()
+                  for k in dense.k]
+        self.v = [torch.cat([v, torch.zeros_like(v[:, :1])], 1).transpose(1, 2).contiguous()
+                  for v in dense.v]
+
+    def decode_kv(self, layer, k, v):
+        c = self.context
+        self.k[layer][:, :, c] = k[:, 0]
+        self.v[layer][:, :, c] = v[:, 0]
+        return self.k[layer][:, :, : c + 1], self.v[layer][:, :, : c + 1], None
+
+    def recurrent(self, layer):
+        return self.dense.recurrent(layer)
+
+    def store_recurrent(self, layer, conv, ssm):
+        pass
 
 
 def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
@@ -127,7 +163,12 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
     def model_paged():
         model.forward(ids, pos, _PagedDecode(arena, blocks, composites, CONTEXT))
 
+    contiguous_io = _ContiguousDecode(dense, CONTEXT)
+
     def model_dense():
+        model.forward(ids, pos, contiguous_io)
+
+    def model_dense_cat():  # DenseState as it is: KV grown by concatenation every step
         saved = [(k, v) for k, v in zip(dense.k, dense.v, strict=True)]
         model.forward(ids, pos, dense)
         dense.k = [k for k, _ in saved]
@@ -141,6 +182,8 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
         out[f"{name}_paged_ms"] = 1000 * p
         out[f"{name}_contiguous_ms"] = 1000 * c
         out[f"{name}_ratio"] = p / c
+    out["model_densestate_cat_ms"] = 1000 * _median_s(model_dense_cat, repeats)
+    out["model_ratio_vs_cat"] = out["model_paged_ms"] / out["model_densestate_cat_ms"]
     return out
 
 
@@ -148,12 +191,9 @@ def engine_vs_generate(model, checkpoint, batch: int, prompt_len: int, output: i
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 128_256, prompt_len).astype(np.int32) for _ in range(batch)]
     geometry = load_geometry(MODEL)
-    units = units_for(plan_budget(geometry, "b63"), "S2")
-    engine = build_torch_engine(
-        model, geometry, "S2", units,
-        SchedulerConfig(cap=batch, max_num_batched_tokens=max(2048, prompt_len)),
-        clock=VirtualClock(),
-    )
+    spec = loaded_model_spec(model, geometry, "S2", "b63",
+                             {"cap": batch, "max_num_batched_tokens": max(2048, prompt_len)})
+    engine = build_engine(spec, model=model)
     specs = [_Spec(i, 0.0, p, output) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     serve(engine, specs)
@@ -185,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--output", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--skip-generate", action="store_true",
+                        help="only the paged / contiguous table")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     checkpoint = Path(args.checkpoint)
     tmp = None
     if not (checkpoint / "config.json").exists():
@@ -197,19 +241,26 @@ def main(argv: list[str] | None = None) -> int:
     rows = [paged_vs_contiguous(model, org, b, args.repeats) for org in ("S1", "S2")
             for b in BATCHES]
     print(f"{'org':4} {'batch':>5} {'mixer paged':>12} {'contig':>8} {'ratio':>6}"
-          f" {'model paged':>12} {'contig':>8} {'ratio':>6}   (ms, median)")
+          f" {'model paged':>12} {'contig':>8} {'ratio':>6} {'cat':>8} {'ratio':>6}"
+          "   (ms, median)")
     for r in rows:
         print(f"{r['org']:4} {r['batch']:>5} {r['mixer_paged_ms']:>12.2f} "
               f"{r['mixer_contiguous_ms']:>8.2f} {r['mixer_ratio']:>6.3f} "
               f"{r['model_paged_ms']:>12.2f} {r['model_contiguous_ms']:>8.2f} "
-              f"{r['model_ratio']:>6.3f}")
-    gen = engine_vs_generate(model, checkpoint, args.gen_batch, args.prompt, args.output)
-    print(f"batch {gen['batch']}, {gen['prompt_tokens']} prompt + {gen['output_tokens']} output "
-          f"tokens: engine {gen['engine_tok_s']:.1f} tok/s ({gen['engine_s']:.2f} s), "
-          f"transformers generate {gen['transformers_tok_s']:.1f} tok/s "
-          f"({gen['transformers_s']:.2f} s)")
+              f"{r['model_ratio']:>6.3f} {r['model_densestate_cat_ms']:>8.2f} "
+              f"{r['model_ratio_vs_cat']:>6.3f}")
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} "
+          f"({os.cpu_count()} CPUs)")
+    gen = None if args.skip_generate else engine_vs_generate(
+        model, checkpoint, args.gen_batch, args.prompt, args.output)
+    if gen:
+        print(f"batch {gen['batch']}, {gen['prompt_tokens']} prompt + {gen['output_tokens']} "
+              f"output tokens: engine {gen['engine_tok_s']:.1f} tok/s ({gen['engine_s']:.2f} s), "
+              f"transformers generate {gen['transformers_tok_s']:.1f} tok/s "
+              f"({gen['transformers_s']:.2f} s)")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"threads": torch.get_num_threads(), "paged_vs_contiguous": rows, "generate": gen}
+    out = {"threads": torch.get_num_threads(), "load_avg": os.getloadavg()[0],
+           "paged_vs_contiguous": rows, "generate": gen}
     (RESULTS / "kernels.json").write_text(json.dumps(out, indent=2))
     if tmp is not None:
         tmp.cleanup()

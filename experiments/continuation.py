@@ -215,16 +215,6 @@ def _first_batch(engine, rid: int) -> dict:
     return seen
 
 
-def _contiguous_n0(engine) -> None:
-    """N0's composite is one (padded) page holding SSM state then conv window, like S0's;
-    the arena addresses only S0 and D0 composites that way and would look for an S1/S2
-    conv location (KeyError 'conv'). Until StateArena lists N0 with S0/D0, address N0
-    pages as S0 pages (same layout)."""
-    arena = engine.executor.arena
-    if engine.mem.org == "N0" and getattr(arena, "org", None) == "N0":
-        arena.org = "S0"
-
-
 def _restored_exact(host, arena, keys: list[int], restored) -> bool:
     """Every restored attention block and the checkpoint read back equal to the host
     copies bit for bit, with no NaN left from the poisoning."""
@@ -306,7 +296,6 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
 
     def fresh_engine():
         engine = build_engine(spec, model=model)
-        _contiguous_n0(engine)
         return engine
 
     cold = fresh_engine()

@@ -12,7 +12,7 @@ other rules than asked is refused before it serves anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from serving_core.engine import Engine
@@ -63,7 +63,7 @@ def _torch(spec: EngineSpec, geometry: Geometry, mem: MemoryOrganization, *,
                                    spec.scheduler.max_num_batched_tokens)
         check_checkpoint(tcfg, geometry)
         try:
-            model = FalconH1.load(tcfg.checkpoint, tcfg.device, tcfg.dtype)
+            model = FalconH1.load(tcfg.checkpoint, tcfg.device, tcfg.dtype, ex.scan_chunk)
         except Exception as err:  # corrupt weights, wrong shapes: the folder does not load
             raise RuntimeError(f"executor.checkpoint={tcfg.checkpoint!r}: the checkpoint does "
                                f"not load ({type(err).__name__}: {err})") from None
@@ -118,6 +118,23 @@ def build_engine(spec: EngineSpec, *, on_step=None, step_model=None, model=None,
             requested["step_model"] = getattr(step_model, "kind", type(step_model).__name__)
         check_effective(requested, engine.effective_rules())
     return engine
+
+
+def loaded_model_spec(model, geometry: Geometry, org: str, budget: str,
+                      scheduler: Mapping[str, Any], *, clock: str = "virtual",
+                      trace: bool = False) -> EngineSpec:
+    """The spec of a torch engine over an already loaded `model` (benchmarks, checks that
+    share one model across engines): pass the model to build_engine(spec, model=model)."""
+    from dataclasses import asdict
+
+    return EngineSpec.from_dict({
+        "model": asdict(geometry), "org": org, "budget": budget, "scheduler": dict(scheduler),
+        "executor": {"kind": "torch", "checkpoint": "<in-memory model>",
+                     "device": str(model.device),
+                     "dtype": str(model.dtype).removeprefix("torch."),
+                     "scan_chunk": int(model.chunk)},
+        "clock": clock, "trace": trace,
+    })
 
 
 class _Unbuilt:

@@ -46,6 +46,7 @@ class ExecutorSpec:
     checkpoint: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    scan_chunk: int | None = None  # torch: tokens per chunk of the prefill SSD scan
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTOR_KINDS:
@@ -119,6 +120,8 @@ class EngineSpec:
             "headroom": sc.headroom,
             "executor": self.executor.kind,
             "step_model": _requested_step_model(self.executor),
+            **({"scan_chunk": self.executor.scan_chunk}
+               if self.executor.kind == "torch" and self.executor.scan_chunk else {}),
             "clock": self.clock_kind,
             "trace": bool(self.trace),
         }

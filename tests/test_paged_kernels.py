@@ -125,3 +125,36 @@ def test_arena_bytes_equal_the_planned_units():
         arena = StateArena(mem, geometry)
         planned = sum(n * mem.pools[p].unit_bytes for p, n in units.items())
         assert arena.num_bytes == planned * geometry.num_layers
+
+
+@pytest.mark.parametrize("org", ["S0", "D0"])
+def test_composite_decode_update_in_place_equals_contiguous(tiny_model, org):
+    """S0/D0: the SSM state leads its composite's unit and is updated there (no copy out
+    and back); outputs and states equal the contiguous update bit for bit, and units
+    outside the batch are untouched."""
+    model = tiny_model
+    geometry = load_geometry("falcon_h1_tiny", num_layers=1)
+    units = {"attention": 64, "recurrent": 12} if org == "D0" else {"shared": 16}
+    mem = build_memory(geometry, org, units)
+    arena = StateArena(mem, geometry)
+    assert arena.ssm_in_place
+    gen = torch.Generator().manual_seed(11)
+    for t in arena.pools.values():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    before = {name: t.clone() for name, t in arena.pools.items()}
+    composites = [mem.allocate_composite(rid) for rid in range(5)]
+    dense = DenseState(model, 5)
+    for i, obj in enumerate(composites):
+        (conv, ssm), = arena.read(obj)
+        dense.conv[0][i] = conv[0]
+        dense.ssm[0][i] = ssm[0]
+    x = torch.randn(5, 1, model.hidden, generator=gen)
+    assert torch.equal(model._mamba(0, x, PagedRecurrentIO(arena, composites)),
+                       model._mamba(0, x, dense))
+    for i, obj in enumerate(composites):
+        (conv, ssm), = arena.read(obj)
+        assert torch.equal(conv[0], dense.conv[0][i]) and torch.equal(ssm[0], dense.ssm[0][i])
+    pool = arena.pools[mem.composite_pool][0]
+    used = {u for obj in composites for u in obj.units}
+    others = [u for u in range(pool.shape[0]) if u not in used]
+    assert others and torch.equal(pool[others], before[mem.composite_pool][0][others])

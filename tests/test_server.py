@@ -173,7 +173,8 @@ def test_metrics_pools_match_the_allocator(served):
     for name in ("hsl:num_requests_running", "hsl:num_requests_waiting",
                  "hsl:num_preemptions_total", "hsl:prompt_tokens_total",
                  "hsl:generation_tokens_total", "hsl:prefix_cache_hit_tokens_total",
-                 'hsl:pool_units_free{pool="shared"}', 'hsl:pool_usage_perc{pool="shared"}'):
+                 'hsl:pool_units_free{model_name="tiny",pool="shared"}',
+                 'hsl:pool_usage_perc{model_name="tiny",pool="shared"}'):
         assert name in text
     rows = _metrics(client)
     totals = engine.mem.total_units()
@@ -215,3 +216,151 @@ def test_abort_on_shutdown_ends_open_streams(served):
     res = engine.result()
     assert res.tables["trace"]["event"][-1] == "END"
     assert res.tables["requests"]["status"] == ["unfinished"]
+
+
+# ----- API parity with vLLM's server (issue 24) ----------------------------------------------
+def test_models_lists_the_served_model(served):
+    client, engine, runtime = served
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    (model,) = body["data"]
+    assert model["id"] == "tiny" and model["object"] == "model"
+    assert model["max_model_len"] == engine.geometry.max_model_len
+
+
+def _is_openai_error(r, code):
+    err = r.json()["error"]
+    return (r.status_code == code and err["code"] == code and isinstance(err["message"], str)
+            and "type" in err and "param" in err)
+
+
+def test_unknown_model_is_404_and_the_served_name_is_accepted(served):
+    client, engine, _ = served
+    r = client.post("/v1/completions", json={"model": "gpt-9", "prompt": [1, 2], "max_tokens": 2})
+    assert _is_openai_error(r, 404) and "gpt-9" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "model"
+    assert engine.requests == []  # nothing was submitted
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
+
+
+def test_unknown_route_and_method_get_openai_error_bodies(served):
+    client, _, _ = served
+    assert _is_openai_error(client.get("/v1/nothing"), 404)
+    assert _is_openai_error(client.get("/v1/completions"), 405)
+    r = client.post("/v1/completions", json={"prompt": [1], "max_tokens": 0})
+    assert _is_openai_error(r, 400)
+
+
+def _samples(text, name):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name]
+
+
+def test_latency_histograms_and_vllm_names_with_model_label(served):
+    client, engine, _ = served
+    for n in (3, 6):
+        r = client.post("/v1/completions", json={"prompt": list(range(1, 30)), "max_tokens": n})
+        assert r.status_code == 200
+    text = client.get("/metrics").text
+
+    def count(name):
+        (s,) = _samples(text, f"hsl:{name}_count")
+        assert s.labels == {"model_name": "tiny"}
+        return s.value
+
+    assert count("time_to_first_token_seconds") == 2  # one per request
+    assert count("time_per_output_token_seconds") == (3 - 1) + (6 - 1)  # one per later token
+    assert count("e2e_request_latency_seconds") == 2
+    buckets = _samples(text, "hsl:e2e_request_latency_seconds_bucket")
+    assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 2
+    (queries,) = _samples(text, "hsl:prefix_cache_queries_total")
+    (hits,) = _samples(text, "hsl:prefix_cache_hits_total")
+    assert queries.value == 2 * 29 and queries.labels == {"model_name": "tiny"}
+    assert hits.value == engine.sched.prefix_hit_tokens_total
+    (usage,) = _samples(text, "hsl:kv_cache_usage_perc")
+    used = sum(u[0] for u in engine.mem.usage().values())
+    total = sum(u[3] for u in engine.mem.usage().values())
+    assert usage.value == pytest.approx(used / total)
+    for s in _samples(text, "hsl:num_requests_running"):
+        assert s.labels == {"model_name": "tiny"}
+
+
+def test_drain_answers_503_while_in_flight_requests_finish(served):
+    client, engine, runtime = served
+    results = {}
+
+    def long_request():
+        results["r"] = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 300})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    while runtime.snapshot()["generation_tokens_total"] < 2:
+        time.sleep(0.001)
+    runtime.begin_shutdown("finish")
+    r = client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+    assert _is_openai_error(r, 503)
+    t.join(60)
+    assert results["r"].status_code == 200  # the in-flight request was served to the end
+    assert len(results["r"].json()["choices"][0]["token_ids"]) == 300
+    assert runtime.wait_drained(10)
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_state():
+    """A real socket: the client reads two streamed tokens and hangs up; the server aborts
+    the request and its units are free within two engine steps."""
+    import http.client
+    import socket
+
+    import uvicorn
+
+    from serving_core.geometry import load_geometry
+
+    engine = _engine(load_geometry("falcon_h1_tiny"), "S2")
+    runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len)
+    app = create_app(runtime, model_name="tiny", vocab_size=VOCAB)
+    aborted_at = []
+    original_abort = runtime.abort
+
+    def abort(rid):
+        aborted_at.append(engine.sched.step)
+        return original_abort(rid)
+
+    runtime.abort = abort
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        conn = http.client.HTTPConnection(*sock.getsockname()[:2], timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"prompt": list(range(1, 600)), "max_tokens": 5000, "stream": True}),
+            {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        seen = 0
+        while seen < 2:
+            if resp.readline().startswith(b"data: "):
+                seen += 1
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        deadline = time.time() + 30
+        while not (aborted_at and engine.requests[0].status.name == "FINISHED"):
+            assert time.time() < deadline, "the request was not aborted"
+            time.sleep(0.01)
+        time.sleep(0.2)
+        req = engine.requests[0]
+        assert req.num_generated < 5000
+        assert engine.sched.step - aborted_at[0] <= 2  # finished within a step or two
+        assert not engine.sched.running and not engine.sched.waiting
+        assert all(u[0] == 0 for u in engine.mem.usage().values())  # no unit held
+        assert runtime.snapshot()["requests_aborted"] == 1
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()

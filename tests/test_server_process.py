@@ -204,6 +204,23 @@ def test_sigterm_finishes_in_flight_requests(tag, tmp_path):
     assert summary["completed"] == 1 and tables["trace"]["event"][-1] == "END"
 
 
+def test_sigterm_answers_new_requests_503_while_draining(tag, tmp_path):
+    """--drain finish: after SIGTERM the server keeps listening; a new request gets 503
+    (OpenAI error body) while the in-flight one completes; then exit 0."""
+    rec = tmp_path / "rec"
+    with ServerProcess(_sim_cmd(rec), health_timeout_s=60) as srv:
+        t, out = _request_in_background(srv, 1200)
+        os.kill(srv.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                       timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        t.join(60)
+        assert srv.proc.wait(60) == 0
+    assert out["r"].status_code == 200
+    assert len(out["r"].json()["choices"][0]["token_ids"]) == 1200
+
+
 def test_abort_stop_ends_in_flight_requests(tag, tmp_path):
     """stop(abort=True): a second SIGTERM ends the in-flight request at once; exit 0 and
     the records show it unfinished."""

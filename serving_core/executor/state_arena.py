@@ -38,6 +38,26 @@ def storage_dtype(geometry: Geometry) -> torch.dtype:
     return STORAGE_DTYPES[geometry.dtype_bytes]
 
 
+class PagedSSM:
+    """SSM states (b, H, P, N) of a batch held in their member pages, as a list of
+    (H / members, P, N) views in (sequence, member) order: updated in place
+    (`mamba.state_update`), never copied out and back."""
+
+    def __init__(self, views: list[torch.Tensor], batch: int, heads_per_member: int) -> None:
+        self.views = views
+        self.batch = batch
+        self.heads_per_member = heads_per_member
+
+    def read(self) -> torch.Tensor:
+        """A contiguous copy (b, H, P, N)."""
+        v = self.views[0]
+        return torch.stack(self.views).view(self.batch, -1, v.shape[1], v.shape[2])
+
+    def copy_(self, state: torch.Tensor) -> None:
+        k = len(self.views)
+        torch._foreach_copy_(self.views, state.reshape(k, *self.views[0].shape).unbind(0))
+
+
 class StateArena:
     """The pools of one memory organization as torch tensors, with typed views."""
 
@@ -46,6 +66,7 @@ class StateArena:
             raise ValueError(f"kv_codec={geometry.kv_codec!r}: the torch executor stores plain KV")
         self.mem = mem
         self.org = mem.layout.org
+        self.contiguous = type(mem).contiguous_composite  # registry: one unit per composite
         self.dtype = storage_dtype(geometry)
         self.device = torch.device(device)
         elem = geometry.dtype_bytes
@@ -74,7 +95,7 @@ class StateArena:
             self.rec_pool = mem.composite_pool
             self.members = max(1, mem.layout.ssm_members)
             unit = self.unit_elems[self.rec_pool]
-            if self.org in ("S0", "D0"):
+            if self.contiguous:
                 fits = self.ssm_elems + self.conv_elems <= unit
             else:
                 fits = self.ssm_elems <= self.members * unit and self.conv_elems <= unit
@@ -83,6 +104,8 @@ class StateArena:
             if self.org == "S2":
                 self.slot_elems = mem.layout.conv_slot_bytes // elem
                 self.slots_per_slab = mem.layout.slots_per_slab
+        self._page_views: dict[int, tuple] = {}
+        self._kv_scratch: torch.Tensor | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -107,6 +130,23 @@ class StateArena:
                                                           self.kv_heads, self.head_dim)
         kv = kv[:, :length]
         return kv[:, :, 0], kv[:, :, 1]
+
+    def gather_kv_heads(self, layer: int, units: torch.Tensor, length: int):
+        """K and V (b, KV heads, length, head dim) of each row of block units (b, nb): whole
+        units copied (one contiguous copy each) into a scratch buffer the arena keeps, so a
+        decode step allocates nothing large (no page faults); the views are strided, which
+        attention reads as they are. Valid until the next call."""
+        view = self.kv_view(layer)
+        b, nb = units.shape
+        n = b * nb
+        buf = self._kv_scratch
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty((max(n, 2 * (0 if buf is None else buf.shape[0])), *view.shape[1:]),
+                              dtype=view.dtype, device=view.device)
+            self._kv_scratch = buf
+        kv = torch.index_select(view, 0, units.reshape(-1), out=buf[:n])
+        kv = kv.view(b, nb * self.block_tokens, 2, self.kv_heads, self.head_dim)[:, :length]
+        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
     def store_kv(self, layer: int, units: torch.Tensor, offsets: torch.Tensor, k, v) -> None:
         """Write K, V (n, KVH, hd) at (unit, token offset) pairs."""
@@ -139,13 +179,60 @@ class StateArena:
             return arena.view(-1, self.slot_elems)  # row = line id 16 p + s
         return arena
 
+    @property
+    def ssm_in_place(self) -> bool:
+        """True when a decode can update the SSM state through views of its units, with no
+        copy in or out: fp32 storage, and S0/D0 (the state leads its composite's unit) or
+        S1/S2 member pages that hold whole heads."""
+        if not self.mem.has_recurrent or self.dtype != torch.float32:
+            return False
+        if self.contiguous:
+            return True
+        h, p, n = self.ssm_shape
+        per_page, rem = divmod(self.unit_elems[self.rec_pool], p * n)
+        return rem == 0 and per_page * self.members == h
+
+    def ssm_views(self, layer: int, loc: dict[str, torch.Tensor]) -> PagedSSM:
+        """The batch's SSM states as views of their units (see `ssm_in_place`): one
+        (H / members, P, N) view per member page (S0/D0: one (H, P, N) view per composite)."""
+        views = self._page_views.get(layer)
+        h, p, n = self.ssm_shape
+        hpm = h // self.members
+        if views is None:
+            arena = self.pools[self.rec_pool][layer]
+            views = arena[:, : hpm * p * n].view(arena.shape[0], hpm, p, n).unbind(0)
+            self._page_views[layer] = views
+        pages = loc["pages"].reshape(-1).tolist()
+        return PagedSSM([views[u] for u in pages], loc["pages"].shape[0], hpm)
+
+    def gather_conv(self, layer: int, loc: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A copy of the batch's conv windows (b, Cd, K-1) from conv pages / S2 slots."""
+        b = loc["pages"].shape[0]
+        if self.contiguous:
+            rows = self.pools[self.rec_pool][layer].index_select(0, loc["pages"].reshape(-1))
+            conv = rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems]
+        else:
+            conv = self._conv_rows(layer).index_select(0, loc["conv"])[:, : self.conv_elems]
+        return conv.reshape(b, *self.conv_shape)
+
+    def scatter_conv(self, layer: int, loc: dict[str, torch.Tensor], conv: torch.Tensor) -> None:
+        """Write the batch's conv windows back in one indexed copy (S2: all slab slots of
+        the step together)."""
+        b = conv.shape[0]
+        flat = conv.reshape(b, -1).to(self.dtype)
+        if self.contiguous:
+            rows = self.pools[self.rec_pool][layer]
+            rows[loc["pages"].reshape(-1), self.ssm_elems : self.ssm_elems + self.conv_elems] = flat
+        else:
+            self._conv_rows(layer)[loc["conv"], : self.conv_elems] = flat
+
     def gather(self, layer: int, loc: dict[str, torch.Tensor]):
         """Copies of (conv (b, Cd, K-1), ssm (b, H, P, N)) and the rows they came from."""
         arena = self.pools[self.rec_pool][layer]
         pages = loc["pages"]
         b = pages.shape[0]
         rows = arena.index_select(0, pages.reshape(-1))
-        if self.org in ("S0", "D0"):
+        if self.contiguous:
             ssm = rows[:, : self.ssm_elems].view(b, *self.ssm_shape)
             conv = rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems]
             return conv.view(b, *self.conv_shape), ssm, rows
@@ -160,7 +247,7 @@ class StateArena:
         arena = self.pools[self.rec_pool][layer]
         pages = loc["pages"]
         b = pages.shape[0]
-        if self.org in ("S0", "D0"):
+        if self.contiguous:
             rows = gathered
             if ssm.data_ptr() != rows.data_ptr():
                 rows[:, : self.ssm_elems] = ssm.reshape(b, -1)

@@ -10,7 +10,8 @@ from serving_core.geometry import Geometry
 from serving_core.model.config import check_geometry, read_config
 
 TORCH_KIND = "torch"
-_FIELDS = ("name", "kind", "checkpoint", "device", "dtype", "max_num_batched_tokens")
+_FIELDS = ("name", "kind", "checkpoint", "device", "dtype", "max_num_batched_tokens",
+           "scan_chunk")
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -21,6 +22,7 @@ class TorchExecutorConfig:
     dtype: str = "float32"
     max_num_batched_tokens: int = 2048
     name: str = TORCH_KIND
+    scan_chunk: int = 128  # tokens per chunk of the prefill SSD scan (FalconH1 scan_chunk)
 
 
 def is_torch_executor(cfg) -> bool:
@@ -52,8 +54,11 @@ def torch_executor_config(cfg) -> TorchExecutorConfig:
     tokens = data.get("max_num_batched_tokens", 2048)
     if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 1:
         raise ValueError(f"executor.max_num_batched_tokens={tokens!r}: expected an integer >= 1")
+    chunk = data.get("scan_chunk", 128)
+    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+        raise ValueError(f"executor.scan_chunk={chunk!r}: expected an integer >= 1")
     return TorchExecutorConfig(str(data["checkpoint"]), device, dtype, int(tokens),
-                               str(data.get("name", TORCH_KIND)))
+                               str(data.get("name", TORCH_KIND)), int(chunk))
 
 
 def check_checkpoint(tcfg: TorchExecutorConfig, geometry: Geometry) -> dict:

@@ -28,16 +28,25 @@ from serving_core.request import Status
 
 
 class PagedRecurrentIO:
-    """Recurrent state of a batch of composites, gathered through the page mapping and
-    written back to the same units (the paged decode update)."""
+    """Recurrent state of a batch of composites, updated in the units the page mapping
+    names (the paged decode update).
+
+    When the arena allows it (`StateArena.ssm_in_place`: fp32; S0/D0, or S1/S2 with whole
+    heads per member page) the SSM state is handed to the model as views of its units and
+    updated there; only the small conv windows are gathered and written back (one indexed
+    copy per layer, S2's slab slots included). Otherwise the composite is gathered into a
+    copy and scattered back."""
 
     def __init__(self, arena: StateArena, composites) -> None:
         self.arena = arena
         self.loc = arena.locate(composites)
         self.fp32 = arena.dtype == torch.float32
+        self.in_place = arena.ssm_in_place
         self._gathered = {}
 
     def recurrent(self, layer):
+        if self.in_place:
+            return self.arena.gather_conv(layer, self.loc), self.arena.ssm_views(layer, self.loc)
         conv, ssm, gathered = self.arena.gather(layer, self.loc)
         self._gathered[layer] = gathered
         if not self.fp32:
@@ -45,6 +54,9 @@ class PagedRecurrentIO:
         return conv, ssm
 
     def store_recurrent(self, layer, conv, ssm):
+        if self.in_place:
+            self.arena.scatter_conv(layer, self.loc, conv)  # the SSM state is already there
+            return
         gathered = self._gathered.pop(layer)
         dtype = self.arena.dtype
         self.arena.scatter(layer, self.loc, gathered, conv.to(dtype), ssm.to(dtype))
@@ -66,6 +78,14 @@ class _DecodeIO(PagedRecurrentIO):
                                   device=dev)  # padding rows are masked out
         lengths = torch.tensor(ctx, device=dev)
         self.valid = torch.arange(self.max_ctx, device=dev)[None, :] < lengths[:, None]
+        self.valid_new = torch.arange(self.max_ctx + 1, device=dev)[None, :] <= lengths[:, None]
+        if bool(self.valid_new.all()):
+            self.valid_new = None
+        # Block tables covering each context plus its new token (for `decode_kv`).
+        nb1 = self.max_ctx // bt + 1
+        units1 = [arena.block_units(r.attn[: c // bt + 1]) for r, c in zip(reqs, ctx, strict=True)]
+        self.units_new = torch.tensor([u + [0] * (nb1 - len(u)) for u in units1],
+                                      dtype=torch.long, device=dev)
         new = [r.attn[c // bt].units[0] for r, c in zip(reqs, ctx, strict=True)]
         self.new_units = torch.tensor(new, dtype=torch.long, device=dev)
         self.new_offsets = torch.tensor([c % bt for c in ctx], dtype=torch.long, device=dev)
@@ -80,6 +100,13 @@ class _DecodeIO(PagedRecurrentIO):
 
     def store_kv(self, layer, k, v):
         self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
+
+    def decode_kv(self, layer, k, v):
+        """Store the new tokens' K, V, then every sequence's K and V including them
+        (b, KVH, max_ctx + 1, hd), and the (b, max_ctx + 1) validity mask (or None)."""
+        self.store_kv(layer, k, v)
+        keys, vals = self.arena.gather_kv_heads(layer, self.units_new, self.max_ctx + 1)
+        return keys, vals, self.valid_new
 
 
 
@@ -199,7 +226,8 @@ class TorchExecutor:
     def describe(self) -> dict:
         """What this executor runs, read from its model."""
         return {"executor": "torch", "device": str(self.model.device),
-                "dtype": str(self.model.dtype).removeprefix("torch.")}
+                "dtype": str(self.model.dtype).removeprefix("torch."),
+                "scan_chunk": int(self.model.chunk)}
 
     # ----- after publication ------------------------------------------------------------------
     def commit(self, plan) -> None:
@@ -248,7 +276,8 @@ def build_torch_engine(
         model=asdict(geometry), org=org, budget=budget_label or "explicit",
         scheduler=sched_cfg,
         executor=ExecutorSpec("torch", checkpoint="<in-memory model>", device=str(model.device),
-                              dtype=str(model.dtype).removeprefix("torch.")),
+                              dtype=str(model.dtype).removeprefix("torch."),
+                              scan_chunk=int(model.chunk)),
         clock=None if clock is None else clock.kind, trace=trace, pool_units=pool_units,
     )
     return build_engine(spec, on_step=on_step, model=model)

@@ -39,6 +39,8 @@ class MemoryOrganization:
     - `checkpoint_placement`, `align_chunks`: the engine's default rules for it;
     - `indirect`: the kernel reaches recurrent state through a page mapping;
     - `has_slabs`: conv states live in shared slab pages (slab ledger, slab policy);
+    - `contiguous_composite`: a composite is one unit holding SSM state then conv window
+      (the arenas address it so), else SSM member pages plus a conv page or slot;
     - `supports_retention`: producer-side checkpoint retention (S2+Retention) applies.
     """
 
@@ -49,6 +51,7 @@ class MemoryOrganization:
     align_chunks = True
     indirect = False
     has_slabs = False
+    contiguous_composite = False
     supports_retention = False
 
     def __init__(

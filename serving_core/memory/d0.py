@@ -8,6 +8,7 @@ from serving_core.memory.base import MemoryOrganization
 
 class D0DualPools(MemoryOrganization):
     org = "D0"
+    contiguous_composite = True
     # The native path publishes at every boundary a chunk crosses; chunks are not aligned.
     checkpoint_placement = "every_boundary"
     align_chunks = False

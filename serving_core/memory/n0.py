@@ -25,5 +25,6 @@ from serving_core.memory.base import MemoryOrganization
 
 class N0UniformPages(MemoryOrganization):
     org = "N0"
+    contiguous_composite = True
     checkpoint_placement = "every_boundary"
     align_chunks = False

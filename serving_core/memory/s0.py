@@ -9,3 +9,4 @@ from serving_core.memory.base import MemoryOrganization
 
 class S0CoarsePages(MemoryOrganization):
     org = "S0"
+    contiguous_composite = True

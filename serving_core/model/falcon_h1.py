@@ -26,6 +26,9 @@ from serving_core.model.config import head_dim, mamba_head_dim, mamba_inner, rea
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16}
 ATTENTION_QUERY_BLOCK = 512  # queries per attention block in long prefills (bounds memory)
+# Tokens per chunk of the prefill SSD scan. Only rounding depends on it; 128 was fastest for
+# the tiny model on a CPU core (64: same, 256: 2-2.5x slower, bench/profile_bench.py).
+SCAN_CHUNK = 128
 
 
 class StateIO(Protocol):
@@ -67,7 +70,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class FalconH1:
     """Weights and forward of a Falcon-H1 causal LM (inference only)."""
 
-    def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], device="cpu", dtype="float32"):
+    def __init__(self, cfg: dict, weights: dict[str, torch.Tensor], device="cpu", dtype="float32",
+                 scan_chunk: int | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
         if dtype not in DTYPES:
@@ -85,7 +89,9 @@ class FalconH1:
         self.n_groups = int(cfg["mamba_n_groups"])
         self.d_conv = int(cfg["mamba_d_conv"])
         self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state
-        self.chunk = int(cfg.get("mamba_chunk_size") or 256)
+        self.chunk = int(scan_chunk or SCAN_CHUNK)  # not the checkpoint's GPU-kernel chunk
+        if self.chunk < 1:
+            raise ValueError(f"scan_chunk={scan_chunk!r}: expected an integer >= 1")
         self.eps = float(cfg.get("rms_norm_eps", 1e-5))
         self.rms_gated = bool(cfg.get("mamba_rms_norm", False))
         self.norm_before_gate = bool(cfg.get("mamba_norm_before_gate", True))
@@ -125,7 +131,8 @@ class FalconH1:
         return torch.cat([torch.full((n,), v) for n, v in zip(sizes, m, strict=True)])
 
     @classmethod
-    def load(cls, folder: str | Path, device="cpu", dtype="float32") -> FalconH1:
+    def load(cls, folder: str | Path, device="cpu", dtype="float32",
+             scan_chunk: int | None = None) -> FalconH1:
         """Load a Hugging Face-format folder (config.json + *.safetensors)."""
         from safetensors.torch import load_file
 
@@ -144,7 +151,7 @@ class FalconH1:
                 f"checkpoint={str(folder)!r}: weights missing {len(missing)} tensors "
                 f"(first: {missing[0]})"
             )
-        return cls(cfg, weights, device, dtype)
+        return cls(cfg, weights, device, dtype, scan_chunk)
 
     @staticmethod
     def required_weights(cfg: dict) -> list[str]:
@@ -206,32 +213,56 @@ class FalconH1:
         v = self._lin(x, p + "v_proj").view(b, t, self.kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if t == 1 and hasattr(io, "decode_kv"):
+            return self._lin(self._decode_attention(q, *io.decode_kv(i, k, v)), p + "o_proj")
         k_ctx, v_ctx, valid = io.kv(i)
         io.store_kv(i, k, v)
         c = k_ctx.shape[1]
         keys = torch.cat([k_ctx.to(k.dtype), k], dim=1) if c else k
         vals = torch.cat([v_ctx.to(v.dtype), v], dim=1) if c else v
-        rep = self.heads // self.kv_heads
-        keys = keys.repeat_interleave(rep, dim=2).transpose(1, 2)  # (b, H, c + t, d)
-        vals = vals.repeat_interleave(rep, dim=2).transpose(1, 2)
-        q = q.transpose(1, 2)  # (b, H, t, d)
+        # GQA without repeating K/V: the `rep` query heads of a KV head are stacked as rows
+        # (row = token x rep + r), so each KV head's keys are read once.
+        kvh, rep = self.kv_heads, self.heads // self.kv_heads
+        keys = keys.transpose(1, 2)  # (b, KVH, c + t, d)
+        vals = vals.transpose(1, 2)
+        q = q.view(b, t, kvh, rep, self.head_dim).permute(0, 2, 1, 3, 4)
+        q = q.reshape(b, kvh, t * rep, self.head_dim)
         scale = self.head_dim ** -0.5
+        pad_mask = None
+        if valid is not None:
+            pad = torch.ones(b, t, dtype=torch.bool, device=x.device)
+            pad_mask = ~torch.cat([valid, pad], dim=1)[:, None, None, :]  # (b, 1, 1, c + t)
         outs = []
         for s in range(0, t, ATTENTION_QUERY_BLOCK):
             e = min(t, s + ATTENTION_QUERY_BLOCK)
             span = c + e
-            scores = torch.matmul(q[:, :, s:e], keys[:, :, :span].transpose(2, 3)) * scale
-            qpos = torch.arange(s, e, device=x.device)[:, None] + c
-            mask = torch.arange(span, device=x.device)[None, :] > qpos  # causal
-            mask = mask[None, None].expand(b, 1, e - s, span)
-            if valid is not None:
-                pad = torch.ones(b, span - c, dtype=torch.bool, device=x.device)
-                mask = mask | ~torch.cat([valid, pad], dim=1)[:, None, None, :]
-            scores = scores.masked_fill(mask, -math.inf)
+            scores = torch.matmul(q[:, :, s * rep : e * rep], keys[:, :, :span].transpose(2, 3))
+            scores = scores * scale
+            mask = pad_mask[..., :span] if pad_mask is not None else None
+            if e - s > 1 or s > 0:  # causal
+                qpos = torch.arange(s, e, device=x.device).repeat_interleave(rep)[:, None] + c
+                causal = (torch.arange(span, device=x.device)[None, :] > qpos)[None, None]
+                mask = causal if mask is None else mask | causal
+            if mask is not None:
+                scores = scores.masked_fill(mask, -math.inf)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             outs.append(torch.matmul(probs, vals[:, :, :span]))
-        out = torch.cat(outs, dim=2).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (b, KVH, t rep, d)
+        out = out.view(b, kvh, t, rep, self.head_dim).permute(0, 2, 1, 3, 4)
+        out = out.reshape(b, t, self.heads * self.head_dim)
         return self._lin(out, p + "o_proj")
+
+    def _decode_attention(self, q, keys, vals, valid) -> torch.Tensor:
+        """One query per sequence q (b, 1, H, d) over K, V (b, KVH, S, d) (any strides) that
+        include the query's own token; valid (b, S) masks padding (None: all valid). GQA
+        without repeating K/V (fused attention, no score matrix kept)."""
+        b = q.shape[0]
+        mask = None if valid is None else valid[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
+            scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads,
+        )  # (b, H, 1, d)
+        return out.reshape(b, 1, self.heads * self.head_dim)
 
     def _mamba(self, i, x, io: StateIO) -> torch.Tensor:
         p = f"model.layers.{i}.mamba."
@@ -253,11 +284,12 @@ class FalconH1:
                 C.view(b, self.n_groups, self.d_state), D,
             )[:, None]
         else:
+            initial = ssm if isinstance(ssm, torch.Tensor) else ssm.read()  # paged: copy in
             y, final = mamba.chunk_scan(
                 xs.view(b, t, self.m_heads, self.m_head_dim), dt, self.A[i],
                 B.view(b, t, self.n_groups, self.d_state),
                 C.view(b, t, self.n_groups, self.d_state),
-                D, self.chunk, ssm,
+                D, self.chunk, initial,
             )
             ssm.copy_(final)
         io.store_recurrent(i, conv, ssm)

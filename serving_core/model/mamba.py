@@ -23,6 +23,18 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~mask, -torch.inf)
 
 
+# Decay exponents below this are taken as exp = 0. exp(-60) ~ 9e-27 is far below fp32's
+# relative precision next to the O(1) terms it would be added to, and without the cut a strong
+# decay (dt |A| ~ 16 per token in the tiny model) fills the chunk matrices with subnormal
+# floats, which x86 arithmetic (and MKL's matrix products) handles 2-3x slower.
+EXP_FLOOR = -60.0
+
+
+def _decay(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for x <= 0, exactly 0 below EXP_FLOOR (no subnormal results)."""
+    return torch.exp(x.masked_fill(x < EXP_FLOOR, -torch.inf))
+
+
 def _chunks(x: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
     """(b, T, ...) -> (b, T/chunk, chunk, ...) after zero-padding T."""
     if pad:
@@ -49,7 +61,64 @@ def chunk_scan(
 
     x (b, T, H, P), dt (b, T, H) discretized, A (H,) negative, B and C (b, T, G, N),
     initial (b, H, P, N). Returns y (b, T, H, P) fp32 and the final state (b, H, P, N).
+
+    Within a chunk of `chunk` tokens the output is the masked quadratic form; across chunks
+    the state is carried by a short loop (one (b, H, P, N) update per chunk). Heads that
+    share a group share B and C, so the group's heads are stacked into one matrix product
+    (no per-head copies of B or C): cost 2 T H P N for the states plus T x chunk x (N + H P)
+    for the intra-chunk terms.
     """
+    b, t, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    hg = h // g
+    x = x.float()
+    pad = (chunk - t % chunk) % chunk
+    d_res = x * D.float()[:, None]
+    xdt = x * dt[..., None].float()
+    Adt = A.float() * dt.float()  # (b, T, H)
+    xdt, Adt, B, C = (_chunks(v, pad, chunk) for v in (xdt, Adt, B.float(), C.float()))
+    nc = xdt.shape[1]
+    A_cum = torch.cumsum(Adt, dim=2)  # (b, c, l, H)
+    # Intra-chunk: y_diag[i] = sum_{j <= i} (C_i . B_j) exp(A_cum_i - A_cum_j) xdt_j.
+    Bg = B.permute(0, 1, 3, 2, 4)  # (b, c, G, l, N)
+    Cg = C.permute(0, 1, 3, 2, 4)
+    CB = torch.matmul(Cg, Bg.transpose(-1, -2))  # (b, c, G, l, l)
+    L = _decay(segment_sum(Adt.permute(0, 1, 3, 2)))  # (b, c, H, l, l)
+    M = (L.view(b, nc, g, hg, chunk, chunk) * CB[:, :, :, None]).view(b, nc, h, chunk, chunk)
+    xh = xdt.permute(0, 1, 3, 2, 4)  # (b, c, H, l, P)
+    y = torch.matmul(M, xh).permute(0, 1, 3, 2, 4)  # (b, c, l, H, P)
+    # Each chunk's own contribution to the state at its end.
+    decay = _decay(A_cum[:, :, -1:] - A_cum)  # (b, c, l, H)
+    xd = (xdt * decay[..., None]).view(b, nc, chunk, g, hg * p).permute(0, 1, 3, 4, 2)
+    own = torch.matmul(xd, Bg)  # (b, c, G, hg P, N)
+    # Carry the state across chunks: s_{k+1} = exp(A_cum_k[-1]) s_k + own_k.
+    last = _decay(A_cum[:, :, -1])  # (b, c, H)
+    states = torch.empty(b, nc, h, p, n, dtype=torch.float32, device=x.device)
+    s = initial.float()
+    for k in range(nc):
+        states[:, k] = s
+        s = s * last[:, k, :, None, None] + own[:, k].reshape(b, h, p, n)
+    # Inter-chunk: y_off[i] = exp(A_cum_i) C_i . s_k.
+    sg = states.view(b, nc, g, hg * p, n).transpose(-1, -2)  # (b, c, G, N, hg P)
+    y_off = torch.matmul(Cg, sg)  # (b, c, G, l, hg P)
+    y_off = y_off.permute(0, 1, 3, 2, 4).reshape(b, nc, chunk, h, p)
+    y = y + y_off * _decay(A_cum)[..., None]
+    y = y.reshape(b, nc * chunk, h, p)[:, :t] + d_res
+    return y, s
+
+
+def chunk_scan_reference(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    chunk: int,
+    initial: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan as transformers' torch path writes it (per-head B and C, all-pairs chunk
+    decay): the cross-check for `chunk_scan`."""
     b, t, h, p = x.shape
     g = B.shape[2]
     x = x.float()
@@ -80,7 +149,7 @@ def chunk_scan(
 
 
 def state_update(
-    state: torch.Tensor,
+    state,
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -88,19 +157,32 @@ def state_update(
     C: torch.Tensor,
     D: torch.Tensor,
 ) -> torch.Tensor:
-    """One-token recurrence for a batch, updating `state` (b, H, P, N) fp32 in place.
+    """One-token recurrence for a batch, updating `state` fp32 in place.
 
+    `state` is a (b, H, P, N) tensor or a `PagedSSM` (per-member-page views, updated
+    where they are); both take the same operations (state *= exp(dt A); state += (dt x) B;
+    y = state C), so the paged update equals the contiguous one bit for bit.
     x (b, H, P), dt (b, H) discretized, B and C (b, G, N). Returns y (b, H, P) fp32.
     """
     b, h, p = x.shape
-    g = B.shape[1]
-    dtf = dt.float()[..., None, None]  # (b, h, 1, 1)
-    dA = torch.exp(dtf * A.float()[None, :, None, None])
-    Bh = B.float().repeat_interleave(h // g, dim=1)[:, :, None, :]  # (b, h, 1, n)
-    Ch = C.float().repeat_interleave(h // g, dim=1)  # (b, h, n)
-    dBx = (dtf * Bh) * x.float()[..., None]
-    state.mul_(dA).add_(dBx)
-    y = torch.matmul(state, Ch[..., None]).view(b, h, p)  # state may be a strided arena view
+    g, n = B.shape[1], B.shape[2]
+    dtf = dt.float()
+    dA = torch.exp(dtf * A.float()[None, :])  # (b, h)
+    dtx = dtf[..., None] * x.float()  # (b, h, p)
+    Bh = B.float().repeat_interleave(h // g, dim=1)  # (b, h, n)
+    Ch = C.float().repeat_interleave(h // g, dim=1)
+    if isinstance(state, torch.Tensor):
+        state.mul_(dA[..., None, None])
+        state.addcmul_(dtx[..., None], Bh[:, :, None, :])
+        y = torch.matmul(state, Ch[..., None]).view(b, h, p)  # state may be a strided view
+    else:
+        views, k, hp = state.views, len(state.views), state.heads_per_member
+        torch._foreach_mul_(views, dA.reshape(k, hp, 1, 1).unbind(0))
+        torch._foreach_addcmul_(views, dtx.reshape(k, hp, p, 1).unbind(0),
+                                Bh.reshape(k, hp, 1, n).unbind(0))
+        cs = Ch.reshape(k, hp, n, 1).unbind(0)
+        y = torch.stack([torch.matmul(v, c) for v, c in zip(views, cs, strict=True)])
+        y = y.view(b, h, p)
     return y + x.float() * D.float()[None, :, None]
 
 

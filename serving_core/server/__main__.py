@@ -140,10 +140,23 @@ def serve(args) -> int:
                      tokenizer=tokenizer, on_shutdown=on_shutdown)
 
     class Server(uvicorn.Server):
+        draining = False
+
         def handle_exit(self, sig, frame) -> None:
-            # finish: refuse new requests; abort (or a second signal): end streams now
-            runtime.begin_shutdown("abort" if self.should_exit else None)
+            # finish: keep listening and answer new requests 503 until the in-flight ones
+            # are served, then exit; abort (or a second signal): end streams now
+            if runtime.drain == "finish" and not (self.draining or self.should_exit):
+                self.draining = True
+                runtime.begin_shutdown()
+                threading.Thread(target=self._exit_when_drained, args=(sig, frame),
+                                 daemon=True).start()
+                return
+            runtime.begin_shutdown("abort" if (self.draining or self.should_exit) else None)
             super().handle_exit(sig, frame)
+
+        def _exit_when_drained(self, sig, frame) -> None:
+            runtime.wait_drained()
+            uvicorn.Server.handle_exit(self, sig, frame)
 
         @contextlib.contextmanager
         def capture_signals(self):

@@ -1,18 +1,24 @@
-"""The HTTP front end: POST /v1/completions, GET /health, GET /metrics.
+"""The HTTP front end: POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
 
 Handlers never touch the engine directly: they submit through the runtime and read
-their own token stream; /metrics renders the runtime's last snapshot.
+their own token stream; /metrics renders the runtime's last snapshot. As vLLM's server:
+a request naming another model gets 404, every error body is OpenAI's
+{"error": {"message", "type", "param", "code"}}, and a request whose client disconnects
+is aborted (its state freed at the next step).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from serving_core.server.metrics import make_registry, render
 from serving_core.server.protocol import (
@@ -25,9 +31,18 @@ from serving_core.server.protocol import (
 )
 from serving_core.server.runtime import EngineRuntime, Rejected
 
+ERROR_TYPES = {400: "invalid_request_error", 404: "NotFoundError", 405: "invalid_request_error",
+               422: "invalid_request_error", 503: "unavailable"}
+DISCONNECT_POLL_S = 0.25  # how often a whole (non-streamed) request checks for its client
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+
+def _error(status: int, message: str, kind: str | None = None, param: str | None = None
+           ) -> JSONResponse:
+    """OpenAI's error body."""
+    kind = kind or ERROR_TYPES.get(status, "server_error")
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status
+    )
 
 
 class Detokenizer:
@@ -55,7 +70,8 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
     """The app over a (not yet started) runtime; `on_shutdown()` runs after the engine
     stopped (writes the records)."""
     text = Detokenizer(tokenizer)
-    registry = make_registry(runtime.snapshot)
+    registry = make_registry(runtime.snapshot, model_name)
+    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -69,6 +85,27 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
 
     app = FastAPI(title="Hybrid State Lab server", lifespan=lifespan)
     app.state.runtime = runtime
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            message = f"{request.method} {request.url.path}: no such route"
+        elif exc.status_code == 405:
+            message = f"{request.method} {request.url.path}: method not allowed"
+        return _error(exc.status_code, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return _error(400, f"request: {exc.errors()}")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created,
+            "owned_by": "hybrid-state-lab", "root": model_name, "parent": None,
+            "max_model_len": runtime.max_model_len,
+        }]}
 
     @app.get("/health")
     async def health():
@@ -87,6 +124,8 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             return _error(400, f"request body: not valid JSON ({err})", "invalid_request_error")
+        if isinstance(body, dict) and body.get("model") not in (None, model_name):
+            return _error(404, f"The model `{body['model']}` does not exist.", param="model")
         try:
             req = parse_completion(body, vocab_size, text.encode)
             rid, stream = runtime.submit(req.prompt_ids, req.max_tokens, req.cache_salt,
@@ -101,7 +140,13 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
                                      media_type="text/event-stream")
         ids: list[int] = []
         while True:
-            kind, value = await stream.get()
+            try:
+                kind, value = await asyncio.wait_for(stream.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    runtime.abort(rid)
+                    return _error(499, f"request {rid}: client disconnected", "aborted")
+                continue
             if kind == "token":
                 ids.append(value)
             else:
@@ -113,16 +158,22 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
 
     async def _sse(rid, stream, req, n_prompt):
         produced = 0
-        while True:
-            kind, value = await stream.get()
-            if kind == "token":
-                produced += 1
-                yield sse_chunk(rid, model_name, text.decode([value]), [value], None)
-            else:
-                yield sse_chunk(rid, model_name, "", [], value)
-                break
-        if req.include_usage:
-            yield sse_chunk(rid, model_name, "", [], None, usage(n_prompt, produced))
-        yield SSE_DONE
+        finished = False
+        try:
+            while True:
+                kind, value = await stream.get()
+                if kind == "token":
+                    produced += 1
+                    yield sse_chunk(rid, model_name, text.decode([value]), [value], None)
+                else:
+                    finished = True
+                    yield sse_chunk(rid, model_name, "", [], value)
+                    break
+            if req.include_usage:
+                yield sse_chunk(rid, model_name, "", [], None, usage(n_prompt, produced))
+            yield SSE_DONE
+        finally:  # the client went away (the generator was closed or cancelled)
+            if not finished:
+                runtime.abort(rid)
 
     return app

@@ -8,16 +8,27 @@ readers never touch the scheduler or the allocator while a step runs.
 Shutdown is either `finish` (reject new requests, serve the in-flight ones to
 completion) or `abort` (stop stepping now; in-flight streams end with
 finish_reason "abort"). Either way the engine's records end with END.
+
+`abort(rid)` (a client that went away) ends one request: the driver thread, between
+steps, removes it if it is still waiting, or lets a running one finish at its next
+step (its state is then released like any finished request's).
+
+Latencies for the histograms are wall times taken by the driver thread: submit, each
+token handed to the stream, the last token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 
 import numpy as np
+
+from serving_core.request import Status
+from serving_core.server.metrics import new_histograms
 
 DRAIN_MODES = ("finish", "abort")
 
@@ -76,7 +87,12 @@ class EngineRuntime:
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self.counters = {"requests_received": 0, "requests_finished": 0,
-                         "requests_aborted": 0, "requests_rejected": 0}
+                         "requests_aborted": 0, "requests_rejected": 0,
+                         "prefix_query_tokens_total": 0}
+        self._hist = new_histograms()
+        self._times: dict[int, list[float]] = {}  # rid -> [submit, last token] (monotonic)
+        self._aborts: set[int] = set()  # client gone: end at the next step boundary
+        self._drained = threading.Event()
         self._snapshot = self._take_snapshot()
 
     # ----- lifecycle ----------------------------------------------------------------------
@@ -130,15 +146,60 @@ class EngineRuntime:
             self.engine.check_feasible([spec])  # ValueError: the budget cannot hold it
             self._next_rid += 1
             self._streams[rid] = stream
+            self._times[rid] = [time.monotonic(), 0.0]
             self.counters["requests_received"] += 1
+            self.counters["prefix_query_tokens_total"] += len(prompt)
         self.engine.submit(spec)
         return rid, stream
 
+    def abort(self, rid: int) -> bool:
+        """End request `rid` early (its client disconnected); False if it already ended.
+        Thread-safe; the engine drops it at the next step boundary."""
+        with self._lock:
+            if self._streams.pop(rid, None) is None:
+                return False
+            self._times.pop(rid, None)
+            self._aborts.add(rid)
+            self.counters["requests_aborted"] += 1
+        with self.engine._cond:
+            self.engine._cond.notify_all()
+        return True
+
+    def wait_drained(self, timeout: float | None = None) -> bool:
+        """Block until the driver thread has left its loop (drained, aborted or failed)."""
+        return self._drained.wait(timeout)
+
     # ----- driver thread ------------------------------------------------------------------
+    def _apply_aborts(self) -> None:
+        """Drop aborted requests: a waiting one that never ran leaves the queue; a running
+        (or preempted) one finishes at its next step, which releases its state."""
+        with self._lock:
+            pending = set(self._aborts)
+        if not pending:
+            return
+        eng, sched = self.engine, self.engine.sched
+        done = set()
+        for req in reversed(eng.requests):
+            if req.rid not in pending:
+                continue
+            done.add(req.rid)
+            if req.status == Status.FINISHED:
+                continue
+            if req.status == Status.WAITING and not req.episodes and not req.pin:
+                sched.waiting.remove(req)  # holds no state
+                req.status = Status.FINISHED
+                req.finish_s = eng.clock.now()
+                req.release_tokens()
+            else:
+                req.target_output = max(1, req.num_generated)
+        with self._lock:
+            self._aborts -= done
+
     def _run(self) -> None:
         eng = self.engine
         try:
             while not self._stop.is_set():
+                self._apply_aborts()
                 if not eng.has_work():
                     if self._closing:
                         break  # drained
@@ -154,18 +215,28 @@ class EngineRuntime:
             traceback.print_exc()
         self._end_streams("error" if self.error else "abort")
         self._publish()
+        self._drained.set()
 
     def _dispatch(self, out) -> None:
+        now = time.monotonic()
+        hist = self._hist
         with self._lock:
-            streams = self._streams
+            streams, times = self._streams, self._times
             for rid, token in out.produced:
                 s = streams.get(rid)
                 if s is not None:
                     s.push("token", token)
+                    t = times[rid]
+                    if t[1]:
+                        hist["time_per_output_token_seconds"].observe(now - t[1])
+                    else:
+                        hist["time_to_first_token_seconds"].observe(now - t[0])
+                    t[1] = now
             for rid in out.finished:
                 s = streams.pop(rid, None)
-                self.counters["requests_finished"] += 1
                 if s is not None:
+                    self.counters["requests_finished"] += 1
+                    hist["e2e_request_latency_seconds"].observe(now - times.pop(rid)[0])
                     s.push("finish", "length")
 
     def _end_streams(self, reason: str) -> None:
@@ -181,7 +252,9 @@ class EngineRuntime:
         sched = eng.sched
         with self._lock:
             counters = dict(self.counters)
+            histograms = {name: h.copy() for name, h in self._hist.items()}
         return {
+            "histograms": histograms,
             "clock_s": eng.clock.now(),
             "running": len(sched.running),
             "waiting": len(sched.waiting) + len(eng._inbox),

@@ -1,0 +1,236 @@
+"""A serving benchmark like vLLM's `benchmark_serving`: our server against vLLM's.
+
+Workload (defaults, the issue-24 setting): 64 requests sent at once, 1,000-token prompts
+(random token ids, the same for every arm), 64 output tokens each, EOS ignored,
+streamed; one warm-up request per server before the timed batch. Arms: our server on the
+tiny Falcon-H1 with the torch executor (S2, then S0 and D0 next to it; budget b512, cap
+64) and, when `.venv-vllm` exists, vLLM's OpenAI server on the same checkpoint (its own
+N0 organization). Each server runs alone; arms alternate, round after round.
+
+Allocator: `--allocator auto` preloads tcmalloc into every server (ours and vLLM's)
+when a libtcmalloc is installed (Debian: libgoogle-perftools4 or libtcmalloc-minimal4),
+`glibc` never does; the table says which ran. Large per-step temporaries under glibc
+malloc are mmapped and page-faulted every step; tcmalloc keeps them.
+
+Per request, client side: TTFT (send to first token), TPOT ((last - first token) /
+(tokens - 1)), end to end. Per arm: output and total (prompt + output) tokens per second
+over the batch's wall time, TTFT / TPOT p50 and p99. Prints one table and a JSON line;
+writes bench/results/serve.json. Numbers, not assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+MODEL = "falcon_h1_tiny"
+OUR_ORGS = ("S2", "S0", "D0")
+TCMALLOC_NAMES = ("libtcmalloc.so.4", "libtcmalloc_minimal.so.4", "libtcmalloc.so",
+                  "libtcmalloc_minimal.so")
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+            "/usr/local/lib")
+
+
+def find_tcmalloc() -> str | None:
+    """Path of an installed tcmalloc shared library, or None."""
+    for d in LIB_DIRS:
+        for name in TCMALLOC_NAMES:
+            path = Path(d) / name
+            if path.exists():
+                return str(path)
+    return None
+
+
+def server_env(allocator: str) -> tuple[dict, str]:
+    """(environment, allocator actually used) for a server process."""
+    env = dict(os.environ)
+    path = find_tcmalloc() if allocator in ("auto", "tcmalloc") else None
+    if allocator == "tcmalloc" and path is None:
+        raise SystemExit("error: allocator=tcmalloc: no libtcmalloc installed (Debian: "
+                         "apt-get install libgoogle-perftools4); allowed: auto, glibc")
+    if path:
+        env["LD_PRELOAD"] = path
+        return env, "tcmalloc"
+    env.pop("LD_PRELOAD", None)
+    return env, "glibc"
+
+
+def _pct(values, q) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+async def _one(client, url, body, n_expected):
+    t0 = time.perf_counter()
+    times = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+            ids = choice.get("token_ids")
+            n = len(ids) if ids is not None else int(choice.get("finish_reason") is None)
+            now = time.perf_counter()
+            times.extend([now] * n)
+    if len(times) != n_expected:
+        raise RuntimeError(f"got {len(times)} tokens, expected {n_expected}")
+    return t0, times
+
+
+async def _batch(url, model, prompts, output, extra):
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        warm = {"model": model, "prompt": prompts[0][:32], "max_tokens": 4,
+                "ignore_eos": True, "stream": True, **extra}
+        await _one(client, url, warm, 4)
+        bodies = [{"model": model, "prompt": p, "max_tokens": output, "ignore_eos": True,
+                   "stream": True, **extra} for p in prompts]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[_one(client, url, b, output) for b in bodies])
+        wall = time.perf_counter() - t0
+    ttft = [times[0] - s for s, times in results]
+    tpot = [(times[-1] - times[0]) / (len(times) - 1) for _, times in results if len(times) > 1]
+    e2e = [times[-1] - s for s, times in results]
+    n_out = sum(len(t) for _, t in results)
+    n_in = sum(len(p) for p in prompts)
+    return {
+        "wall_s": wall, "output_tok_s": n_out / wall, "total_tok_s": (n_out + n_in) / wall,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
+        "e2e_p50_s": _pct(e2e, 50),
+    }
+
+
+def _ours(checkpoint, org, args, records):
+    """Our server on the checkpoint: the spec composed from run overrides, as `make serve`."""
+    import tempfile
+
+    from experiments.serve import server_spec
+    from experiments.server_process import hsl_server_command
+
+    spec = server_spec([f"model={MODEL}", "executor=torch", f"executor.checkpoint={checkpoint}",
+                        f"org={org.lower()}", f"budget={args.budget}", f"engine.cap={args.cap}",
+                        f"engine.max_num_batched_tokens={args.max_num_batched_tokens}"])
+    path = Path(tempfile.mkdtemp(prefix="hsl-bench-")) / "spec.json"
+    path.write_text(spec.to_json())
+    return hsl_server_command(spec=str(path), records=records)
+
+
+def _vllm(checkpoint, args):
+    from experiments.vllm_arm import VllmExecutorConfig, free_port, kv_cache_bytes, vllm_command
+    from serving_core.geometry import load_geometry
+    from serving_core.layout import n0_layout
+    from serving_core.planner import plan_budget
+
+    geometry = load_geometry(MODEL)
+    plan = plan_budget(geometry, args.budget)
+    vcfg = VllmExecutorConfig(checkpoint=checkpoint, python=str(args.vllm_python),
+                              max_num_batched_tokens=args.max_num_batched_tokens)
+    port = free_port()
+    layout = n0_layout(geometry, geometry.n0_block_alignment)
+    cmd = vllm_command(vcfg, served_name=MODEL, port=port, cap=args.cap,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=geometry.max_model_len,
+                       kv_bytes=kv_cache_bytes(plan.nominal_bytes, geometry.num_layers),
+                       block_tokens=layout.block_tokens)
+    return cmd, f"http://127.0.0.1:{port}", vcfg
+
+
+def run_arm(arm, checkpoint, prompts, args, allocator):
+    from experiments.server_process import ServerProcess
+
+    env, used = server_env(allocator)
+    with tempfile.TemporaryDirectory() as tmp:
+        if arm == "vllm":
+            from experiments.vllm_arm import vllm_env
+
+            cmd, url, vcfg = _vllm(checkpoint, args)
+            env = {**vllm_env(vcfg), **({"LD_PRELOAD": env["LD_PRELOAD"]}
+                                         if "LD_PRELOAD" in env else {})}
+            srv = ServerProcess(cmd, base_url=url, env=env, health_timeout_s=900)
+            extra = {"return_token_ids": True}
+        else:
+            srv = ServerProcess(_ours(checkpoint, arm, args, str(Path(tmp) / "rec")), env=env,
+                                health_timeout_s=300)
+            extra = {}
+        with srv:
+            row = asyncio.run(_batch(srv.base_url, MODEL, prompts, args.output, extra))
+    return {"arm": "vllm" if arm == "vllm" else f"ours {arm}", "allocator": used,
+            "load_avg": os.getloadavg()[0], **row}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.serve_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=str(ROOT / "models" / MODEL))
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=1000)
+    parser.add_argument("--output", type=int, default=64)
+    parser.add_argument("--budget", default="b512")
+    parser.add_argument("--cap", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--orgs", default=",".join(OUR_ORGS),
+                        help="our organizations to serve (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds")
+    parser.add_argument("--allocator", default="auto", choices=("auto", "tcmalloc", "glibc"))
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+                        help="vLLM's interpreter (the arm is skipped when it is absent)")
+    args = parser.parse_args(argv)
+    orgs = [o.strip().upper() for o in args.orgs.split(",") if o.strip()]
+    bad = [o for o in orgs if o not in ("S0", "S1", "S2", "D0")]
+    if bad:
+        print(f"error: orgs={bad[0]!r}: allowed values are S0, S1, S2, D0", file=sys.stderr)
+        return 2
+    checkpoint = Path(args.checkpoint)
+    tmp = None
+    if not (checkpoint / "config.json").exists():
+        from serving_core.model.make_tiny import build
+
+        tmp = tempfile.TemporaryDirectory()
+        checkpoint = build(tmp.name, MODEL)
+    rng = np.random.default_rng(24)
+    prompts = [rng.integers(3, 128_000, args.prompt).tolist() for _ in range(args.requests)]
+    arms = list(orgs)
+    if Path(args.vllm_python).exists():
+        arms.insert(1, "vllm")
+    else:
+        print(f"vLLM arm skipped: no interpreter at {args.vllm_python} (make setup-vllm)")
+    rows = []
+    for r in range(args.rounds):
+        order = arms[r % len(arms):] + arms[: r % len(arms)]  # alternate who goes first
+        for arm in order:
+            print(f"round {r + 1}: {arm} ...", flush=True)
+            rows.append(dict(run_arm(arm, str(checkpoint), prompts, args, args.allocator),
+                             round=r + 1))
+    print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
+          f"all at once, streamed, EOS ignored; {os.cpu_count()} CPUs")
+    print(f"{'arm':9} {'alloc':8} {'out tok/s':>9} {'total tok/s':>11} {'TTFT p50':>8} "
+          f"{'p99':>7} {'TPOT p50':>8} {'p99':>7} {'load':>5}")
+    for row in rows:
+        print(f"{row['arm']:9} {row['allocator']:8} {row['output_tok_s']:>9.1f} "
+              f"{row['total_tok_s']:>11.1f} {row['ttft_p50_s']:>8.2f} {row['ttft_p99_s']:>7.2f} "
+              f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f}")
+    out = {"requests": args.requests, "prompt_tokens": args.prompt,
+           "output_tokens": args.output, "budget": args.budget, "cap": args.cap, "rows": rows}
+    print(json.dumps(out))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "serve.json").write_text(json.dumps(out, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
