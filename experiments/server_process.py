@@ -151,14 +151,21 @@ class ServerProcess:
             return None
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
-            if abort:
-                time.sleep(0.2)
-                self._signal_group(signal.SIGTERM)
-            try:
-                self.proc.wait(self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                self._signal_group(signal.SIGKILL)
-                self.proc.wait()
+            deadline = time.monotonic() + self.stop_timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    self.proc.wait(min(left, 0.2) if abort else left)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        self._signal_group(signal.SIGKILL)
+                        self.proc.wait()
+                        break
+                    # abort: the second signal ends in-flight requests. Signals that arrive
+                    # before the server handled the first merge into one (a loaded machine),
+                    # so it is repeated until the server exits.
+                    self._signal_group(signal.SIGTERM)
         self._signal_group(signal.SIGKILL)  # anything the server left in its session
         return self.proc.returncode
 
