@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,17 @@ class ServerProcess:
         except ProcessLookupError:
             pass
 
+    def _accepting(self) -> bool:
+        """The server still accepts connections (it has not begun to shut down)."""
+        if self.base_url is None:
+            return False
+        url = httpx.URL(self.base_url)
+        try:
+            with socket.create_connection((url.host, url.port), timeout=1.0):
+                return True
+        except OSError:
+            return False
+
     def stop(self, abort: bool = False) -> int | None:
         """SIGTERM (graceful: records are written), SIGKILL after the grace period.
         `abort`: a second SIGTERM, so in-flight requests end now instead of finishing."""
@@ -152,20 +164,20 @@ class ServerProcess:
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
             deadline = time.monotonic() + self.stop_timeout_s
-            while True:
-                left = deadline - time.monotonic()
-                try:
-                    self.proc.wait(min(left, 0.2) if abort else left)
-                    break
-                except subprocess.TimeoutExpired:
-                    if time.monotonic() >= deadline:
-                        self._signal_group(signal.SIGKILL)
-                        self.proc.wait()
-                        break
-                    # abort: the second signal ends in-flight requests. Signals that arrive
-                    # before the server handled the first merge into one (a loaded machine),
-                    # so it is repeated until the server exits.
+            if abort:
+                # The second signal ends in-flight requests. Sent before the server handled
+                # the first (a loaded machine), the two would merge into one; the server
+                # closes its listening socket when it handles the first.
+                while (self.proc.poll() is None and time.monotonic() < deadline
+                       and self._accepting()):
+                    time.sleep(0.05)
+                if self.proc.poll() is None:
                     self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.proc.wait()
         self._signal_group(signal.SIGKILL)  # anything the server left in its session
         return self.proc.returncode
 

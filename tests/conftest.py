@@ -9,8 +9,10 @@ in the directory the workers share, under a file lock, and the others read it ba
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pickle
+import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,12 +26,41 @@ from serving_core.geometry import load_geometry
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 T = TypeVar("T")
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # One compute thread per worker (and per process a test starts): the workers already
-    # fill the cores, and torch's or BLAS's spinning threads on an oversubscribed machine
-    # slow everything down many times over. Set before any test imports torch or numpy.
-    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ.setdefault(_var, "1")
+# One compute thread per test process (and per process a test starts): xdist's workers
+# already fill the cores, the tests' models are tiny, and torch's spinning OpenMP threads on
+# a loaded machine cost many times the work itself (the reference-model tests: 45 s of CPU
+# with one thread, minutes with two under load). Set before any test imports torch.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+
+CPU_LOG_ENV = "HSL_TEST_CPU_LOG"
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it has waited for."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """`HSL_TEST_CPU_LOG=<file>`: append each test's CPU seconds (setup, call and teardown,
+    its subprocesses included) as a JSON line: on a shared, loaded machine wall durations
+    say more about the neighbours than about the test."""
+    path = os.environ.get(CPU_LOG_ENV)
+    if not path:
+        return (yield)
+    start, wall = _cpu_seconds(), time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        row = {"test": item.nodeid, "cpu_s": round(_cpu_seconds() - start, 3),
+               "wall_s": round(time.perf_counter() - wall, 3),
+               "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def pytest_configure(config):
