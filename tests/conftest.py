@@ -68,6 +68,7 @@ def pytest_configure(config):
         "markers", "xdist_group(name): run these tests on one xdist worker (--dist loadgroup)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Keep the tests of a module that share a module-scoped fixture (a built ledger, a
     reference generation, the bad-input processes) on one worker, so that it is built once:
