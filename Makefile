@@ -20,13 +20,13 @@ $(STAMP): pyproject.toml
 setup: $(STAMP) ## create .venv and install the project with dev extras (idempotent)
 
 # Tests run in parallel (pytest-xdist): WORKERS=n processes (default: one per core, at most
-# 4), each module that shares a module-scoped fixture kept on one worker (--dist loadgroup);
-# WORKERS=0 runs them all in this process. Anything else stops make with exit code 2.
+# 4), each test file on one worker (--dist loadfile: its module-scoped fixtures are built
+# once); WORKERS=0 runs them all in this process. Anything else stops make with exit code 2.
 WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 ifneq ($(shell printf '%s' '$(WORKERS)' | grep -Ex '[0-9]+'),$(WORKERS))
 $(error WORKERS=$(WORKERS): allowed whole numbers >= 0 (test processes; 0: none, in-process))
 endif
-PYTEST_PARALLEL = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
+PYTEST_PARALLEL = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
 test: setup ## the default test suite, in parallel (WORKERS=n; slow end-to-end tests excluded)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_PARALLEL)

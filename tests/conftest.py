@@ -63,25 +63,6 @@ def pytest_runtest_protocol(item, nextitem):
             f.write(json.dumps(row) + "\n")
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "xdist_group(name): run these tests on one xdist worker (--dist loadgroup)")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Keep the tests of a module that share a module-scoped fixture (a built ledger, a
-    reference generation, the bad-input processes) on one worker, so that it is built once:
-    with `--dist loadgroup` (make test) every other test is spread one by one."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        if any(defs and defs[-1].scope == "module"
-               for defs in (info.name2fixturedefs.get(n) for n in info.names_closure)):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 def compose_config(*overrides: str):
     """The primary config with `overrides`, as the runner would see it."""
     with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
