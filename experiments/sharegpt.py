@@ -207,11 +207,21 @@ def pool_cache_key(tokenizer: str) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def cache_path(tokenizer: str, cache_dir: Path, key: str | None = None) -> Path:
+    """The pool's cache directory under `cache_dir` (complete once it holds meta.json)."""
+    return Path(cache_dir) / f"sharegpt-{tokenizer}-{key or pool_cache_key(tokenizer)}"
+
+
+def is_cached(tokenizer: str, cache_dir: Path) -> bool:
+    """The pool's cache is complete (a run maps it; nothing is tokenized)."""
+    return (cache_path(tokenizer, cache_dir) / _META).exists()
+
+
 def load_pool(tokenizer: str, cache_dir: Path) -> ShareGPTPool:
     """The tokenized pool, from memory, the cache (memory-mapped, nothing rebuilt), or a
     fresh salvage + tokenization that writes the cache."""
     key = pool_cache_key(tokenizer)
-    path = Path(cache_dir) / f"sharegpt-{tokenizer}-{key}"
+    path = cache_path(tokenizer, cache_dir, key)
     pool = _POOL_MEMO.get(path)
     if pool is None:
         if not (path / _META).exists():
