@@ -29,7 +29,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments.bad_input import bad_input_message, exit_bad_input, report_bad_input
+from experiments.bad_input import (
+    EXIT_BAD_INPUT,
+    bad_input_message,
+    exit_bad_input,
+    report_bad_input,
+)
 from experiments.cell import CellResult, clock_label, format_summary, last_line, run_cell
 from experiments.ledger_io import (
     RunKey,
@@ -160,15 +165,16 @@ def main(cfg: DictConfig) -> dict:
     return line
 
 
-def _exit_without_teardown() -> None:
-    """Leave a finished single run at once: the run is recorded (ledger files are written
-    and renamed into place before main_run returns) and printed, so only what an ordinary
-    exit would still do is done (atexit handlers, flushing the standard streams) and the
-    interpreter's teardown, a tenth of a second of freeing objects one by one, is skipped."""
+def _exit_without_teardown(code: int = 0) -> None:
+    """Leave a finished single run (or one refused as bad input) at once: the run is
+    recorded (ledger files are written and renamed into place before main_run returns) and
+    printed, so only what an ordinary exit would still do is done (atexit handlers, flushing
+    the standard streams) and the interpreter's teardown, a tenth of a second of freeing
+    objects one by one, is skipped."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _mode_from_overrides(self, config_name, overrides) -> RunMode | None:
@@ -187,7 +193,12 @@ def cli() -> None:
 
     Hydra.get_mode = _mode_from_overrides
     report_bad_input()
-    main()
+    try:
+        main()
+    except SystemExit as done:
+        if done.code == EXIT_BAD_INPUT:  # one line printed, nothing written
+            _exit_without_teardown(EXIT_BAD_INPUT)
+        raise
     if _SINGLE_RUN_DONE:
         _exit_without_teardown()
 

@@ -154,6 +154,7 @@ def test_fast_composition_equals_hydra_composition():
 # ---------------------------------------------------------------- end to end (subprocesses)
 
 
+@pytest.mark.slow  # end to end: three multirun processes, damage, quarantine, repair (~8 s CPU)
 def test_smoke_campaign_writes_ledgers_and_rerun_adds_nothing(tmp_path):
     args = ("campaign=q1", "hydra.sweeper.smoke=true", "hydra.sweeper.only=[exp1a]",
             "hydra.sweeper.smoke_seeds=2", "org=s0,s2", "budget=b63,b108", *SYNTH)
