@@ -19,11 +19,20 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv and install the project with dev extras (idempotent)
 
-test: setup ## run the default test suite
-	$(BIN)/python -m pytest -m "not slow"
+# Tests run in parallel (pytest-xdist): WORKERS=n processes (default: one per core, at most
+# 4), each test file on one worker (--dist loadfile: its module-scoped fixtures are built
+# once); WORKERS=0 runs them all in this process. Anything else stops make with exit code 2.
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+ifneq ($(shell printf '%s' '$(WORKERS)' | grep -Ex '[0-9]+'),$(WORKERS))
+$(error WORKERS=$(WORKERS): allowed whole numbers >= 0 (test processes; 0: none, in-process))
+endif
+PYTEST_PARALLEL = $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 
-test-all: setup ## run every test, slow end-to-end ones included
-	$(BIN)/python -m pytest
+test: setup ## the default test suite, in parallel (WORKERS=n; slow end-to-end tests excluded)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_PARALLEL)
+
+test-all: setup ## every test, slow end-to-end ones included (WORKERS=n)
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 
 lint: setup ## ruff checks
 	$(BIN)/ruff check serving_core experiments analysis ledgers tests bench hydra_plugins

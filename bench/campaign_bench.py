@@ -2,7 +2,8 @@
 requests) with 2 workers plus its analysis, and one whole `experiments.run` process.
 
 Targets: campaign + analysis <= 90 s; one run process <= 1.0 s. Both are wall times
-on a machine others may be loading too, so the load average is printed next to each.
+on a machine others may be loading too, so the load average is printed next to each. The
+single run is split into import, compose, workload, engine and other seconds (medians).
 Writes bench/results/campaign.json. `--part campaign|single` runs one part only;
 `--start exec` times the fresh-process launcher for comparison.
 """
@@ -70,26 +71,68 @@ def analyse(root: str, out: str) -> None:
     con.close()
 
 
+SINGLE = ("org=s2", "budget=b63", "seed=42000")  # the default cell, named as users type it
+PHASES = ("import", "compose", "workload", "engine", "other")
+
+
+def _single_process(args: tuple[str, ...]) -> dict:
+    """One whole `python -m experiments.run` process; its wall time split by the marks it
+    writes (HSL_PHASES): import = interpreter start + experiments.run's imports; compose =
+    Hydra (plugins, composition, logging) up to the task; workload = the cell before the
+    engine (geometry, plan, profile, workload build from the mapped cache); engine = the
+    engine loop; other = validation, ledger writes, output and exit."""
+    with tempfile.TemporaryDirectory(prefix="hsl-bench-") as tmp:
+        marks = Path(tmp) / "phases.json"
+        cmd = [sys.executable, "-m", "experiments.run", *args, f"ledger_root={tmp}/ledgers"]
+        used0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start, t0 = time.time(), time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "HSL_PHASES": str(marks)})
+        wall = time.perf_counter() - t0
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if proc.returncode != 0:
+            raise RuntimeError(f"run failed: {proc.stderr[-2000:]}")
+        m = json.loads(marks.read_text())
+    split = {"import": m["imported"] - start, "compose": m["composed"] - m["imported"],
+             "workload": m["run_seconds"] - m["engine_seconds"], "engine": m["engine_seconds"]}
+    split["other"] = wall - sum(split.values())
+    cpu = used.ru_utime + used.ru_stime - used0.ru_utime - used0.ru_stime
+    # The same split in CPU seconds (what a loaded machine does not inflate); the cell's
+    # engine/workload split is applied to its CPU time.
+    cell_cpu = m["cpu_cell_end"] - m["cpu_cell_start"]
+    engine_share = m["engine_seconds"] / max(m["cell_end"] - m["cell_start"], 1e-9)
+    cpu_split = {"import": m["cpu_imported"], "compose": m["cpu_composed"] - m["cpu_imported"],
+                 "engine": cell_cpu * engine_share, "workload": cell_cpu * (1 - engine_share)}
+    cpu_split["other"] = cpu - sum(cpu_split.values())
+    return {"process": wall, "cpu": cpu, **split,
+            **{f"cpu_{k}": v for k, v in cpu_split.items()}}
+
+
 def time_single(repeats: int) -> dict:
-    """A whole `python -m experiments.run` process for the default cell (300 requests),
-    writing its ledgers to a fresh root, as a user types it."""
-    walls, cpus = [], []
-    for _ in range(repeats):
-        with tempfile.TemporaryDirectory(prefix="hsl-bench-") as tmp:
-            cmd = [sys.executable, "-m", "experiments.run", f"ledger_root={tmp}/ledgers"]
-            used0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            walls.append(time.perf_counter() - t0)
-            used = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpus.append(used.ru_utime + used.ru_stime - used0.ru_utime - used0.ru_stime)
-            if proc.returncode != 0:
-                raise RuntimeError(f"run failed: {proc.stderr[-2000:]}")
-            last = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"process_s": statistics.median(walls), "process_all_s": walls,
-            "process_cpu_s": statistics.median(cpus),
-            "engine_seconds": last["engine_seconds"], "run_seconds": last["run_seconds"],
-            "load": load()}
+    """The default cell as one whole process, `repeats` times each without ledgers
+    (write_ledgers=false) and writing them to a fresh root; medians of every phase. One
+    unmeasured run first builds the workload cache if it is missing."""
+    _single_process(("write_ledgers=false", *SINGLE))
+    out = {"load_before": load()}
+    for name, args in (("no_ledgers", ("write_ledgers=false", *SINGLE)), ("ledgers", SINGLE)):
+        runs = [_single_process(args) for _ in range(repeats)]
+        out[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        out[name]["process_all"] = [r["process"] for r in runs]
+    out["load_after"] = load()
+    return out
+
+
+def format_single(s: dict, repeats: int) -> str:
+    lines = []
+    for name, label in (("no_ledgers", "write_ledgers=false"), ("ledgers", "with ledgers")):
+        r = s[name]
+        parts = ", ".join(f"{p} {r[p]:.3f}" for p in PHASES)
+        cpu_parts = ", ".join(f"{p} {r['cpu_' + p]:.3f}" for p in PHASES)
+        lines.append(f"P2 single run ({label}, {' '.join(SINGLE)}, 300 requests): "
+                     f"{r['process']:.2f} s median of {repeats} (target <= 1.0 s on a quiet "
+                     f"machine) = {parts} s; CPU {r['cpu']:.2f} s = {cpu_parts} s")
+    lines.append(f"  {s['load_before']} before, {s['load_after']} after")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict = {}
     if "single" in parts:
         rows["single"] = s = time_single(args.repeats)
-        print(f"P2 single experiments.run process (default cell, 300 requests, ledgers): "
-              f"{s['process_s']:.2f} s median of {args.repeats} (target <= 1.0 s; CPU "
-              f"{s['process_cpu_s']:.2f} s); engine "
-              f"{s['engine_seconds']:.2f} s, cell {s['run_seconds']:.2f} s; {s['load']}",
-              flush=True)
+        print(format_single(s, args.repeats), flush=True)
     if "campaign" in parts:
         key = "campaign" if args.start == "fork" else f"campaign_{args.start}"
         rows[key] = c = time_campaign(args.workers, args.start)

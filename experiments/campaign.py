@@ -142,7 +142,7 @@ def prepare_workloads(runs: Sequence[PlannedRun]) -> None:
                          if str(r.cfg.workload.source).lower() == "sharegpt"})
     cache = default_cache_dir()
     for tok in tokenizers:
-        if not (cache / f"sharegpt-{tok}-{sharegpt.pool_cache_key(tok)}.parquet").exists():
+        if not sharegpt.is_cached(tok, cache):
             print(f"building the ShareGPT token cache for {tok} under {cache} (first use) ...",
                   flush=True)
         sharegpt.load_pool(tok, cache)

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -141,6 +142,17 @@ class ServerProcess:
         except ProcessLookupError:
             pass
 
+    def _accepting(self) -> bool:
+        """The server still accepts connections (it has not begun to shut down)."""
+        if self.base_url is None:
+            return False
+        url = httpx.URL(self.base_url)
+        try:
+            with socket.create_connection((url.host, url.port), timeout=1.0):
+                return True
+        except OSError:
+            return False
+
     def stop(self, abort: bool = False) -> int | None:
         """SIGTERM (graceful: records are written), SIGKILL after the grace period.
         `abort`: a second SIGTERM, so in-flight requests end now instead of finishing."""
@@ -148,11 +160,18 @@ class ServerProcess:
             return None
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout_s
             if abort:
-                time.sleep(0.2)
-                self._signal_group(signal.SIGTERM)
+                # The second signal ends in-flight requests. Sent before the server handled
+                # the first (a loaded machine), the two would merge into one; the server
+                # closes its listening socket when it handles the first.
+                while (self.proc.poll() is None and time.monotonic() < deadline
+                       and self._accepting()):
+                    time.sleep(0.05)
+                if self.proc.poll() is None:
+                    self._signal_group(signal.SIGTERM)
             try:
-                self.proc.wait(self.stop_timeout_s)
+                self.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self._signal_group(signal.SIGKILL)
                 self.proc.wait()

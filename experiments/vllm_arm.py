@@ -18,7 +18,6 @@ requests' per-request preemption and episode counts are not exported either and 
 
 from __future__ import annotations
 
-import asyncio
 import math
 import numbers
 import os
@@ -28,12 +27,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-from experiments.http_run import request_table, run_episode, summarize_client
-from experiments.server_process import ServerError, ServerProcess
 from serving_core.executor.torch_config import checked_model_fields
+
+# The HTTP client, the metrics parser and the server/episode helpers are imported where a
+# vLLM run uses them: a simulated run imports this module (its executor check) and must not
+# pay for them.
 
 VLLM_KIND = "vllm"
 VLLM_ORG = "n0"
@@ -174,6 +172,8 @@ def vllm_env(vcfg: VllmExecutorConfig) -> dict:
 
 def cache_config_info(metrics_text: str) -> dict:
     """The labels of vLLM's `vllm:cache_config_info` gauge (its effective CacheConfig)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info":
@@ -265,6 +265,13 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
                   max_num_batched_tokens: int, max_model_len: int, kv_bytes: int,
                   kv_token_bytes: int, num_layers: int, block_tokens: int) -> VllmServed:
     """Boot vLLM, run the workload, stop it (always); the run's tables and summary."""
+    import asyncio
+
+    import httpx
+
+    from experiments.http_run import request_table, run_episode, summarize_client
+    from experiments.server_process import ServerError, ServerProcess
+
     port = free_port()
     cmd = vllm_command(vcfg, served_name=served_name, port=port, cap=cap,
                        max_num_batched_tokens=max_num_batched_tokens,

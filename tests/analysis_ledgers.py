@@ -20,7 +20,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import compose_config  # noqa: E402
+from conftest import build_once, compose_config  # noqa: E402
 
 from analysis import prereg  # noqa: E402
 from experiments.cell import run_cell  # noqa: E402
@@ -173,7 +173,9 @@ _BUILT: dict[str, BuiltLedger] = {}
 
 
 def shared_ledger(tmp_path_factory) -> BuiltLedger:
-    """The test ledger (built once per session)."""
+    """The test ledger (built once per test run, shared by the xdist workers; read-only:
+    a test that changes ledger files works on a copy)."""
     if "ledger" not in _BUILT:
-        _BUILT["ledger"] = build(tmp_path_factory.mktemp("analysis_ledger") / "ledger")
+        _BUILT["ledger"] = build_once(tmp_path_factory, "analysis_ledger",
+                                      lambda directory: build(directory / "ledger"))
     return _BUILT["ledger"]

@@ -1,8 +1,22 @@
-"""Shared fixtures: compose the project's Hydra config without a command line."""
+"""Shared fixtures: compose the project's Hydra config without a command line; build the
+expensive things (the tiny checkpoint, the analysis ledger) once per test run.
+
+Under pytest-xdist (`make test` runs `-n <workers>`) every worker is its own process with
+its own session fixtures; `build_once` lets the first worker that needs a build make it
+in the directory the workers share, under a file lock, and the others read it back.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import pickle
+import resource
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -10,12 +24,79 @@ from hydra import compose, initialize_config_dir
 from serving_core.geometry import load_geometry
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+T = TypeVar("T")
+
+# One compute thread per test process (and per process a test starts): xdist's workers
+# already fill the cores, the tests' models are tiny, and torch's spinning OpenMP threads on
+# a loaded machine cost many times the work itself (the reference-model tests: 45 s of CPU
+# with one thread, minutes with two under load). Set before any test imports torch.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+
+CPU_LOG_ENV = "HSL_TEST_CPU_LOG"
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it has waited for."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """`HSL_TEST_CPU_LOG=<file>`: append each test's CPU seconds (setup, call and teardown,
+    its subprocesses included) as a JSON line: on a shared, loaded machine wall durations
+    say more about the neighbours than about the test."""
+    path = os.environ.get(CPU_LOG_ENV)
+    if not path:
+        return (yield)
+    start, wall = _cpu_seconds(), time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        row = {"test": item.nodeid, "cpu_s": round(_cpu_seconds() - start, 3),
+               "wall_s": round(time.perf_counter() - wall, 3),
+               "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def compose_config(*overrides: str):
     """The primary config with `overrides`, as the runner would see it."""
     with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
         return compose(config_name="config", overrides=list(overrides))
+
+
+def shared_dir(tmp_path_factory) -> Path:
+    """A directory every process of this test run sees: the xdist workers' common base
+    (each worker's own base is `<run base>/popen-gwN`), else this session's base."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def build_once(tmp_path_factory, name: str, builder: Callable[[Path], T]) -> T:
+    """`builder(directory)` run once per test run, whatever the number of workers.
+
+    The first caller builds into `<shared>/<name>` under an exclusive lock and pickles the
+    result; later callers (other workers) wait on the lock, then unpickle it. A build that
+    raised leaves no result, so the next caller tries again (and reports its own error).
+    """
+    root = shared_dir(tmp_path_factory)
+    target, result = root / name, root / f"{name}.pickle"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until the build is complete
+        if result.exists():
+            return pickle.loads(result.read_bytes())
+        if target.exists():  # a build that raised half-way: start it afresh
+            target.rename(root / f"{name}.failed-{time.time_ns()}")
+        target.mkdir()
+        value = builder(target)
+        tmp = result.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(value))
+        tmp.replace(result)
+        return value
 
 
 @pytest.fixture
@@ -44,13 +125,18 @@ def attention_only():
     return load_geometry("attention_only")
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    """A random-weight tiny Falcon-H1 checkpoint (conf/model/falcon_h1_tiny.yaml), built once
-    per session offline with transformers' FalconH1 classes."""
+def _build_tiny(directory: Path) -> Path:
     from serving_core.model.make_tiny import build
 
-    return build(tmp_path_factory.mktemp("falcon_h1_tiny"), "falcon_h1_tiny", seed=0)
+    return build(directory / "falcon_h1_tiny", "falcon_h1_tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A random-weight tiny Falcon-H1 checkpoint (conf/model/falcon_h1_tiny.yaml), built
+    offline with transformers' FalconH1 classes once per test run (shared by the workers;
+    read-only: a test that needs a changed copy makes one)."""
+    return build_once(tmp_path_factory, "tiny_checkpoint", _build_tiny)
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +145,17 @@ def tiny_model(tiny_checkpoint):
     from serving_core.model.falcon_h1 import FalconH1
 
     return FalconH1.load(tiny_checkpoint)
+
+
+def wait_until(condition: Callable[[], T], timeout_s: float = 120.0, poll_s: float = 0.05,
+               what: str = "the condition") -> T:
+    """Poll `condition()` until it returns something truthy, and return that. The timeout
+    only bounds a hang (generous: a loaded machine is slow, never wrong)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(poll_s)

@@ -4,8 +4,11 @@ included; plus the Makefile variables and the app's --help."""
 
 from __future__ import annotations
 
+import functools
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -91,24 +94,30 @@ def _listing(path: Path) -> set[str]:
     return {p.relative_to(path).as_posix() for p in path.rglob("*")} if path.exists() else set()
 
 
+# Cases run this many processes at a time: one per core, at most four (all 39 at once
+# made the machine's load, and every process's start-up, as long as the slowest).
+PARALLEL = max(1, min(4, os.cpu_count() or 1))
+
+
+def _outcome(case: tuple[int, tuple[str, ...]], base: Path):
+    i, args = case
+    tmp = base / str(i)
+    tmp.mkdir()
+    (tmp / "a-file").write_text("a file, not a directory")
+    proc = subprocess.run(_command(args[0], args[1:], tmp), cwd=REPO, capture_output=True,
+                          text=True, timeout=600)  # a bound for a hang only
+    return tmp, proc.returncode, proc.stdout, proc.stderr
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """Every case at once (the machine's cores overlap their start-up); REPO listings around."""
+    """Every case, PARALLEL processes at a time; REPO listings around them."""
     base = tmp_path_factory.mktemp("bad")
     watched = (REPO / "outputs", REPO / "ledgers" / "data", REPO / "reports")
     before = {p: _listing(p) for p in watched}
-    procs = []
-    for i, (args, _) in enumerate(CASES):
-        tmp = base / str(i)
-        tmp.mkdir()
-        (tmp / "a-file").write_text("a file, not a directory")
-        cmd = _command(args[0], args[1:], tmp)
-        procs.append((tmp, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True)))
-    results = []
-    for tmp, proc in procs:
-        out, err = proc.communicate(timeout=300)
-        results.append((tmp, proc.returncode, out, err))
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        results = list(pool.map(functools.partial(_outcome, base=base),
+                                enumerate(args for args, _ in CASES)))
     after = {p: _listing(p) for p in watched}
     return results, before, after
 
@@ -133,7 +142,7 @@ def test_bad_input_writes_nothing_in_the_repository(outcomes):
 
 def _make(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "-s", "--no-print-directory", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +170,7 @@ def test_makefile_smoke_values_of_the_documented_set(smoke):
 
 def test_help_lists_groups_and_the_allowed_values_the_code_accepts():
     proc = subprocess.run([*RUN, "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
 
@@ -183,7 +192,7 @@ def test_help_lists_groups_and_the_allowed_values_the_code_accepts():
 
 def test_cfg_job_resolve_shows_resolved_values():
     proc = subprocess.run([*RUN, "--cfg", "job", "--resolve", "ledger_root=/x/y"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "ledger_root: /x/y" in proc.stdout and "${" not in proc.stdout
 
@@ -205,7 +214,7 @@ def test_no_config_file_sets_the_run_mode():
     assert [f for f in files if mentions_mode(yaml.safe_load(f.read_text()) or {})] == []
     proc = subprocess.run([*RUN, "hydra.mode=MULTIRUN", "campaign=q9", *SMALL,
                            "hydra.sweeper.only=[nope]"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=300)
     assert proc.returncode == 2 and "hydra.sweeper.only=['nope']: unknown blocks" in proc.stderr
 
 

@@ -10,11 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
@@ -154,6 +154,7 @@ def test_fast_composition_equals_hydra_composition():
 # ---------------------------------------------------------------- end to end (subprocesses)
 
 
+@pytest.mark.slow  # end to end: three multirun processes, damage, quarantine, repair (~8 s CPU)
 def test_smoke_campaign_writes_ledgers_and_rerun_adds_nothing(tmp_path):
     args = ("campaign=q1", "hydra.sweeper.smoke=true", "hydra.sweeper.only=[exp1a]",
             "hydra.sweeper.smoke_seeds=2", "org=s0,s2", "budget=b63,b108", *SYNTH)
@@ -169,12 +170,14 @@ def test_smoke_campaign_writes_ledgers_and_rerun_adds_nothing(tmp_path):
     assert set(con.execute("SELECT DISTINCT campaign FROM runs").fetchall()) == {("q1_smoke",)}
     assert one(con, "SELECT count(DISTINCT prereg_plan_hash) FROM runs") == 1
 
-    t0 = time.perf_counter()
+    files = {p: p.stat().st_mtime_ns for p in root.rglob("*.parquet")}
     again = multirun(tmp_path, *args)
     assert again.returncode == 0, again.stderr[-2000:]
     assert summary_of(again) | {"wall_seconds": 0} == summary_of(first) | {
         "done": 0, "skipped": 8, "wall_seconds": 0}
-    assert time.perf_counter() - t0 < 30
+    # skipped means not run again: not one ledger file added or rewritten (how fast a
+    # skip is belongs to `make bench`, not to a test)
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*.parquet")} == files
     assert one(ledgers.connect(root), "SELECT count(*) FROM raw_runs") == 8
 
     # Damage: one run loses its requests file, another's steps file is truncated, and a
@@ -234,17 +237,16 @@ def test_sigkill_mid_campaign_then_rerun_leaves_no_duplicate_or_partial_run(tmp_
            f"ledger_root={root}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     runs_dir = root / "runs" / "campaign=crash"
-    deadline = time.monotonic() + 120
-    while not (runs_dir.is_dir() and any(runs_dir.glob("*.parquet"))):
+
+    def first_run_written():
         assert proc.poll() is None, "the campaign ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+        return runs_dir.is_dir() and any(runs_dir.glob("*.parquet"))
+
+    wait_until(first_run_written, timeout_s=300, poll_s=0.02, what="the first runs row")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 10
-    while _live_pids_mentioning(str(root)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _live_pids_mentioning(str(root)), "a run outlived its killed campaign"
+    wait_until(lambda: not _live_pids_mentioning(str(root)), timeout_s=60, poll_s=0.1,
+               what="every run of the killed campaign to exit")
 
     con = ledgers.connect(root)
     done_before = one(con, "SELECT count(*) FROM runs")

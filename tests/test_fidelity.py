@@ -77,6 +77,7 @@ def test_missing_half_says_which_and_how_to_fill():
     assert info == {"cells": 0} and "fidelity_sim" in text and "make fidelity" in text
 
 
+@pytest.mark.slow  # end to end: steps ledger, fit, profile, report (~9 s CPU)
 def test_pipeline_recovers_a_known_profile_end_to_end(tmp_path, capsys):
     """The "real" half is simulated under KNOWN; the fit finds KNOWN, so the simulated half
     reproduces every cell (ranking agrees, errors near zero). Two seeds, both budgets."""

@@ -58,6 +58,7 @@ def drawn(tmp_path_factory, ledger):
     return out, code, stdout.getvalue(), seen
 
 
+@pytest.mark.slow  # end to end: the whole report CLI, every page and figure (~15 s CPU)
 def test_report_writes_index_pages_tables_and_prints_wall_time(drawn, ledger):
     out, code, stdout, _ = drawn
     assert code == 0
@@ -95,6 +96,7 @@ PAPER_FIGURES = {"q1_fig2a_throughput_smoke.png", "q1_fig2b_e2e_p99_smoke.png",
                  "q8_fig7b_retention.png", "q9_fig7c_kret.png"}
 
 
+@pytest.mark.slow  # shares the whole report run above
 def test_every_figure_is_a_labelled_png_and_svg_stating_its_conditions(drawn):
     out, _, _, seen = drawn
     pngs = sorted((out / "figures").glob("*.png"))

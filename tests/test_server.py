@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from conftest import wait_until
 from fastapi.testclient import TestClient
 
 from experiments.poller import parse_metrics
@@ -50,8 +51,16 @@ def _synthetic(rid: int, n: int) -> list[int]:
 
 
 def _metrics(client) -> dict:
-    text = client.get("/metrics").text
-    return {row["pool"]: row for row in parse_metrics(text, "hsl")}
+    """/metrics rows by pool, once the engine is idle. The driver thread publishes its
+    snapshot after it has handed a step's tokens out, so a response can end before the
+    snapshot that counts its last token (seen under load): wait on that condition."""
+
+    def idle():
+        rows = {row["pool"]: row for row in parse_metrics(client.get("/metrics").text, "hsl")}
+        return rows if all(r["running"] == 0 and r["waiting"] == 0 for r in rows.values()) \
+            else None
+
+    return wait_until(idle, timeout_s=120, poll_s=0.01, what="the engine's idle snapshot")
 
 
 def _sse(client, body):

@@ -1,4 +1,4 @@
-"""Workload tests: salvage, Parquet cache, sharing by q, lengths, arrivals, salts, validation."""
+"""Workload tests: salvage, token cache, sharing by q, lengths, arrivals, salts, validation."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import build_once
 from omegaconf import OmegaConf
 
 from experiments import sharegpt, workload
@@ -18,10 +19,14 @@ SYNTHETIC = {"source": "synthetic", "num_requests": 120}
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One tokenized ShareGPT cache for the session (the first build salvages and tokenizes)."""
-    path = tmp_path_factory.mktemp("workloads")
-    sharegpt.load_pool("llama3", path)
-    return path
+    """One tokenized ShareGPT cache for the test run (the first build salvages and
+    tokenizes; xdist workers share it)."""
+
+    def tokenize(path):
+        sharegpt.load_pool("llama3", path)
+        return path
+
+    return build_once(tmp_path_factory, "workloads", tokenize)
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +86,7 @@ def test_bundled_dataset_is_salvaged(cache_dir):
     assert meta["tokenizer"]["name"] == "llama3" and meta["tokenizer"]["n_vocab"] == 128_256
 
 
-def test_second_load_reads_the_parquet_cache_without_tokenizing(cache_dir, monkeypatch):
+def test_second_load_maps_the_cache_without_tokenizing(cache_dir, monkeypatch):
     first = sharegpt.load_pool("llama3", cache_dir)
     sharegpt.clear_memo()
 
@@ -93,8 +98,14 @@ def test_second_load_reads_the_parquet_cache_without_tokenizing(cache_dir, monke
     assert second is not first
     for name in ("prompt_values", "prompt_offsets", "output_tokens", "corpus"):
         np.testing.assert_array_equal(getattr(first, name), getattr(second, name))
-    files = sorted(p.name for p in cache_dir.iterdir())
-    assert len(files) == 1 and files[0].endswith(".parquet")  # no temp file left behind
+        array = getattr(second, name)
+        assert isinstance(array.base, np.memmap) and not array.flags.writeable  # mapped
+    # one cache directory (and the lock its writer held), no temporary one left behind
+    entry, lock = sorted(cache_dir.iterdir())
+    assert entry.name.startswith("sharegpt-llama3-") and lock.name == f"{entry.name}.lock"
+    assert sorted(p.name for p in entry.iterdir()) == [
+        "corpus.npy", "meta.json", "output_tokens.npy", "prompt_offsets.npy",
+        "prompt_values.npy"]
 
 
 def test_unknown_tokenizer_is_rejected_before_loading(tmp_path):
