@@ -32,6 +32,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from ledgers.arms import ARMS
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = "falcon_h1_tiny"
@@ -189,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM's interpreter (the arm is skipped when it is absent)")
     args = parser.parse_args(argv)
     orgs = [o.strip().upper() for o in args.orgs.split(",") if o.strip()]
-    bad = [o for o in orgs if o not in ("S0", "S1", "S2", "D0")]
+    allowed = [a.org for a in ARMS.values() if not a.retention and a.org != "N0"]
+    bad = [o for o in orgs if o not in allowed]
     if bad:
-        print(f"error: orgs={bad[0]!r}: allowed values are S0, S1, S2, D0", file=sys.stderr)
+        print(f"error: orgs={bad[0]!r}: allowed values are {', '.join(allowed)}",
+              file=sys.stderr)
         return 2
     checkpoint = Path(args.checkpoint)
     tmp = None

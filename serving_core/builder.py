@@ -150,7 +150,8 @@ class _Unbuilt:
         return {}
 
 
-EXECUTOR_KEYS = ("executor", "step_model", "profile", "indirection", "device", "dtype")
+EXECUTOR_KEYS = ("executor", "step_model", "profile", "indirection", "device", "dtype",
+                 "scan_chunk")
 
 
 def preflight(spec: EngineSpec) -> dict[str, Any]:
