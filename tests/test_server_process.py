@@ -218,10 +218,14 @@ def test_sigterm_answers_new_requests_503_while_draining(tag, tmp_path):
     with ServerProcess(_sim_cmd(rec), health_timeout_s=60) as srv:
         t, out = _request_in_background(srv, 1200)
         os.kill(srv.pid, signal.SIGTERM)
-        time.sleep(0.3)
-        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": [1], "max_tokens": 1},
-                       timeout=30)
-        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+        def refused():  # until the signal is handled a new request is still served
+            r = httpx.post(srv.base_url + "/v1/completions",
+                           json={"prompt": [1], "max_tokens": 1}, timeout=30)
+            return r if r.status_code == 503 else None
+
+        r = wait_until(refused, what="a 503 after SIGTERM")
+        assert r.json()["error"]["code"] == 503
         t.join(60)
         assert srv.proc.wait(60) == 0
     assert out["r"].status_code == 200
