@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -143,14 +142,13 @@ class ServerProcess:
             pass
 
     def _accepting(self) -> bool:
-        """The server still accepts connections (it has not begun to shut down)."""
+        """The server still takes new work (it has not begun to shut down): its health
+        check answers 200. A draining server answers 503, a closed one not at all."""
         if self.base_url is None:
             return False
-        url = httpx.URL(self.base_url)
         try:
-            with socket.create_connection((url.host, url.port), timeout=1.0):
-                return True
-        except OSError:
+            return httpx.get(self.base_url + self.health_path, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
             return False
 
     def stop(self, abort: bool = False) -> int | None:
@@ -163,8 +161,8 @@ class ServerProcess:
             deadline = time.monotonic() + self.stop_timeout_s
             if abort:
                 # The second signal ends in-flight requests. Sent before the server handled
-                # the first (a loaded machine), the two would merge into one; the server
-                # closes its listening socket when it handles the first.
+                # the first (a loaded machine), the two would merge into one; once it has
+                # handled the first its health check stops answering 200.
                 while (self.proc.poll() is None and time.monotonic() < deadline
                        and self._accepting()):
                     time.sleep(0.05)

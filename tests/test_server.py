@@ -24,11 +24,11 @@ from serving_core.server.runtime import EngineRuntime
 VOCAB = GENERATED_TOKEN_SPACE
 
 
-def _engine(geometry, org="S2", budget="b63"):
+def _engine(geometry, org="S2", budget="b63", executor=SimulatedExecutor):
     units = units_for(plan_budget(geometry, budget), org)
     model = StepTimeModel(geometry, load_device_profile("a100"), org, 0.0)
     cfg = SchedulerConfig(cap=8, max_num_batched_tokens=2048, headroom=0.0)
-    return Engine(geometry, org, units, cfg, SimulatedExecutor(model), clock=WallClock(),
+    return Engine(geometry, org, units, cfg, executor(model), clock=WallClock(),
                   budget_label=budget, trace=True)
 
 
@@ -327,7 +327,11 @@ def test_client_disconnect_aborts_the_request_and_frees_its_state():
 
     from serving_core.geometry import load_geometry
 
-    engine = _engine(load_geometry("falcon_h1_tiny"), "S2")
+    from serving_core.executor.modelled import PacedExecutor
+
+    # Paced steps (each sleeps its modelled time): 5,000 tokens take far longer than the
+    # disconnect needs to reach the server, however fast or slow the machine is.
+    engine = _engine(load_geometry("falcon_h1_tiny"), "S2", executor=PacedExecutor)
     runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len)
     app = create_app(runtime, model_name="tiny", vocab_size=VOCAB)
     aborted_at = []

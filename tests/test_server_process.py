@@ -175,10 +175,13 @@ def test_graceful_stop_writes_records_with_end(tag, tmp_path, sig):
 
 
 def _generated_tokens(base_url: str) -> float:
-    """The server's generated-token counter (its /metrics)."""
+    """The server's generated-token counter (its /metrics; labelled by model_name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(base_url + "/metrics", timeout=30).text
-    (line,) = [x for x in text.splitlines() if x.startswith("hsl:generation_tokens_total ")]
-    return float(line.split()[1])
+    (value,) = [s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples if s.name == "hsl:generation_tokens_total"]
+    return float(value)
 
 
 def _request_in_background(srv, max_tokens: int):

@@ -112,6 +112,8 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
         snap = runtime.snapshot()
         if not runtime.healthy:
             return _error(503, f"engine not running: {runtime.error or 'stopped'}", "unavailable")
+        if runtime.closing:  # draining after SIGTERM: in-flight requests only
+            return _error(503, "server is shutting down", "unavailable")
         return {"status": "ok", "model": model_name, "clock_s": snap["clock_s"]}
 
     @app.get("/metrics")

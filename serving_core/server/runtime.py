@@ -104,6 +104,11 @@ class EngineRuntime:
     def healthy(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
+    @property
+    def closing(self) -> bool:
+        """Shutdown has begun: no new requests (in-flight ones may still be draining)."""
+        return self._closing
+
     def begin_shutdown(self, mode: str | None = None) -> None:
         """Stop taking requests; `abort` also stops the engine (streams end now)."""
         mode = mode or self.drain
