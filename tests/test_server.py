@@ -325,9 +325,8 @@ def test_client_disconnect_aborts_the_request_and_frees_its_state():
 
     import uvicorn
 
-    from serving_core.geometry import load_geometry
-
     from serving_core.executor.modelled import PacedExecutor
+    from serving_core.geometry import load_geometry
 
     # Paced steps (each sleeps its modelled time): 5,000 tokens take far longer than the
     # disconnect needs to reach the server, however fast or slow the machine is.
