@@ -247,7 +247,7 @@ class Engine:
             decode_tokens=decode,
             num_preempted=num_preempted,
             num_admitted=num_admitted,
-            **sched.plan_columns(plan),
+            **sched.plan_columns(plan, crossings),
         )
         self._poll()
         return StepOutcome(sched.step, t0, dt, len(plan), produced, finished)

@@ -187,16 +187,16 @@ class Scheduler:
             if not want:
                 i += 1  # an aligned chunk needs more budget than is left this step
                 continue
-            got = self._reserve(req, want)
+            got = self.state.reserve(req, want) or self._reserve_failed(req, want)
             while not got:
                 if self.running[-1] is req and self._drop_own_holds(req):
-                    got = self._reserve(req, want)
+                    got = self.state.reserve(req, want) or self._reserve_failed(req, want)
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 if victim is req:
                     break
-                got = self._reserve(req, want)
+                got = self.state.reserve(req, want) or self._reserve_failed(req, want)
             if req.status != Status.RUNNING:
                 break
             plan.append(Scheduled(req, got, req.num_computed))
@@ -241,14 +241,13 @@ class Scheduler:
             dropped = True
         return dropped
 
-    def _reserve(self, req: Request, want: int) -> int:
-        """Units for `want` tokens of a running request (fewer at the last servable
-        boundary); 0 means preemption is needed."""
-        got = self.state.reserve(req, want)
-        if not got and self.trace:
+    def _reserve_failed(self, req: Request, want: int) -> int:
+        """A running request got no units for its next `want` tokens (the state manager's
+        `reserve` returned 0): trace it; 0 means preemption is needed."""
+        if self.trace:
             need = self.state.chunk_demand(req, req.num_computed, want, 0)
             self._trace_alloc_fail(req, need, {})
-        return got
+        return 0
 
     # ----- admission ----------------------------------------------------------------------------
     def _admission_gate(self, req: Request, adoption, n: int) -> tuple[int, dict, dict]:
@@ -367,10 +366,14 @@ class Scheduler:
 
     def boundaries_crossed(self, plan: list[Scheduled]) -> int:
         """Checkpoint boundaries the planned chunks cross (each writes one extra composite)."""
-        crossed = self.state.num_boundaries_crossed
-        return sum(crossed(i.context, i.context + i.num_new) for i in plan)
+        C = self.C
+        if not C:
+            return 0
+        if self.step_end:  # inline (hot path, every step): HybridStateManager's rule
+            return sum(1 for i in plan if not (i.context + i.num_new) % C)
+        return sum((i.context + i.num_new) // C - i.context // C for i in plan)
 
-    def plan_columns(self, plan: list[Scheduled]) -> dict[str, int]:
+    def plan_columns(self, plan: list[Scheduled], crossings: int | None = None) -> dict[str, int]:
         """Steps-ledger columns describing the batch (what a step-time fit needs)."""
         num_decode = decode_ctx = pairs = 0
         for item in plan:
@@ -384,7 +387,8 @@ class Scheduler:
             "num_decode_seqs": num_decode,
             "decode_context_tokens": decode_ctx,
             "prefill_attention_pairs": pairs,
-            "checkpoint_writes": self.boundaries_crossed(plan),
+            "checkpoint_writes": (self.boundaries_crossed(plan) if crossings is None
+                                  else crossings),
         }
 
     # ----- after the executor ran the step ------------------------------------------------------
@@ -408,7 +412,8 @@ class Scheduler:
                 else:
                     resume += prefill
                 decode += n - prefill
-            self.state.complete_chunk(req, c0, c1)  # publication; the adopted state was read
+            if c1 // self.B > c0 // self.B or req.adopted:  # a decode mostly publishes nothing
+                self.state.complete_chunk(req, c0, c1)  # publication; the adopted state was read
             req.num_computed = c1
             if c1 == req.num_prompt + req.num_generated:
                 req.append_generated()
