@@ -279,24 +279,17 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
              fault: str | None = None, interposer_tokens: int | None = None,
              poison: bool = True) -> PairResult:
     """The protocol for one organization and one prompt length (see the module doc)."""
-    from serving_core.builder import build_engine
-    from serving_core.engine_spec import EngineSpec
+    from serving_core.builder import build_engine, loaded_model_spec
     from serving_core.executor.host_tier import HostTier
     from serving_core.request import Request
 
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"fault={fault!r}: allowed values are {', '.join(FAULTS)}")
-    spec = EngineSpec.from_dict({
-        "model": asdict(geometry), "org": arm(org).org, "budget": budget,
-        "scheduler": {"cap": 8, "max_num_batched_tokens": MAX_BATCHED_TOKENS, "headroom": 0.0},
-        "executor": {"kind": "torch", "checkpoint": "<in-memory model>",
-                     "device": str(model.device), "dtype": str(model.dtype).split(".")[-1]},
-        "clock": "virtual",
-    })
+    spec = loaded_model_spec(model, geometry, arm(org).org, budget,
+                             {"cap": 8, "max_num_batched_tokens": MAX_BATCHED_TOKENS})
 
     def fresh_engine():
-        engine = build_engine(spec, model=model)
-        return engine
+        return build_engine(spec, model=model)
 
     cold = fresh_engine()
     sched = cold.sched  # the rules the engine runs, read back from it

@@ -86,6 +86,22 @@ EXECUTORS: dict[str, Callable[..., Any]] = {
 }
 
 
+def _assemble(spec: EngineSpec, make_executor, on_step=None) -> Engine:
+    """Geometry, pools, recorder and memory organization of `spec`, the executor
+    `make_executor(geometry, memory)` makes over them, and the Engine around them."""
+    geometry = spec.geometry()
+    units = spec.units(geometry)
+    recorder = Recorder(trace=spec.trace, slab=org_class(spec.org).has_slabs)
+    mem = build_memory(geometry, spec.org, units, recorder, **spec.scheduler.memory_rules())
+    engine = Engine(
+        geometry, spec.org, units, spec.scheduler, make_executor(geometry, mem),
+        clock=CLOCK_CLASSES[spec.clock_kind](), trace=spec.trace, budget_label=spec.budget,
+        on_step=on_step, recorder=recorder, memory=mem,
+    )
+    engine.spec = spec
+    return engine
+
+
 def build_engine(spec: EngineSpec, *, on_step=None, step_model=None, model=None,
                  check: bool = True) -> Engine:
     """The engine `spec` describes.
@@ -96,22 +112,16 @@ def build_engine(spec: EngineSpec, *, on_step=None, step_model=None, model=None,
     With `check`, refuse (ValueError, one line) an engine whose effective rules differ
     from the spec's requested rules.
     """
-    geometry = spec.geometry()
-    units = spec.units(geometry)
-    recorder = Recorder(trace=spec.trace, slab=org_class(spec.org).has_slabs)
-    mem = build_memory(geometry, spec.org, units, recorder, **spec.scheduler.memory_rules())
     factory = EXECUTORS.get(spec.executor.kind)
     if factory is None:
         raise ValueError(f"executor.kind={spec.executor.kind!r}: built here are "
                          f"{', '.join(EXECUTORS)}")
-    executor = factory(spec, geometry, mem, step_model=step_model, model=model)
-    engine = Engine(
-        geometry, spec.org, units, spec.scheduler, executor,
-        clock=CLOCK_CLASSES[spec.clock_kind](), trace=spec.trace, budget_label=spec.budget,
-        on_step=on_step, recorder=recorder, memory=mem,
+    engine = _assemble(
+        spec, lambda geometry, mem: factory(spec, geometry, mem, step_model=step_model,
+                                            model=model),
+        on_step=on_step,
     )
-    engine.spec = spec
-    engine.vocab_size = _vocab_size(executor)
+    engine.vocab_size = _vocab_size(engine.executor)
     if check:
         requested = spec.requested_rules()
         if step_model is not None:
@@ -121,8 +131,9 @@ def build_engine(spec: EngineSpec, *, on_step=None, step_model=None, model=None,
 
 
 def loaded_model_spec(model, geometry: Geometry, org: str, budget: str,
-                      scheduler: Mapping[str, Any], *, clock: str = "virtual",
-                      trace: bool = False) -> EngineSpec:
+                      scheduler: Mapping[str, Any], *, clock: str | None = "virtual",
+                      trace: bool = False,
+                      pool_units: Mapping[str, int] | None = None) -> EngineSpec:
     """The spec of a torch engine over an already loaded `model` (benchmarks, checks that
     share one model across engines): pass the model to build_engine(spec, model=model)."""
     from dataclasses import asdict
@@ -133,7 +144,7 @@ def loaded_model_spec(model, geometry: Geometry, org: str, budget: str,
                      "device": str(model.device),
                      "dtype": str(model.dtype).removeprefix("torch."),
                      "scan_chunk": int(model.chunk)},
-        "clock": clock, "trace": trace,
+        "clock": clock, "trace": trace, "pool_units": pool_units,
     })
 
 
@@ -161,13 +172,7 @@ def preflight(spec: EngineSpec) -> dict[str, Any]:
     own keys are checked when the run builds it."""
     if spec.executor.kind in ("simulated", "paced"):
         return build_engine(spec).effective_rules()
-    geometry = spec.geometry()
-    units = spec.units(geometry)
-    recorder = Recorder(trace=spec.trace, slab=org_class(spec.org).has_slabs)
-    mem = build_memory(geometry, spec.org, units, recorder, **spec.scheduler.memory_rules())
-    engine = Engine(geometry, spec.org, units, spec.scheduler, _Unbuilt(),
-                    clock=CLOCK_CLASSES[spec.clock_kind](), trace=spec.trace,
-                    budget_label=spec.budget, recorder=recorder, memory=mem)
+    engine = _assemble(spec, lambda geometry, mem: _Unbuilt())
     effective = engine.effective_rules()
     requested = {k: v for k, v in spec.requested_rules().items() if k not in EXECUTOR_KEYS}
     check_effective(requested, effective)

@@ -366,12 +366,7 @@ class Scheduler:
 
     def boundaries_crossed(self, plan: list[Scheduled]) -> int:
         """Checkpoint boundaries the planned chunks cross (each writes one extra composite)."""
-        C = self.C
-        if not C:
-            return 0
-        if self.step_end:  # inline (hot path, every step): HybridStateManager's rule
-            return sum(1 for i in plan if not (i.context + i.num_new) % C)
-        return sum((i.context + i.num_new) // C - i.context // C for i in plan)
+        return self.state.boundaries_crossed(plan)
 
     def plan_columns(self, plan: list[Scheduled], crossings: int | None = None) -> dict[str, int]:
         """Steps-ledger columns describing the batch (what a step-time fit needs)."""

@@ -65,14 +65,15 @@ class HybridStateManager:
             return range(end // C, end // C + 1) if end % C == 0 else range(0)
         return range(start // C + 1, end // C + 1)
 
-    def num_boundaries_crossed(self, start: int, end: int) -> int:
-        """Composites a chunk [start, end) writes at checkpoint boundaries."""
+    def boundaries_crossed(self, chunks) -> int:
+        """Composites the chunks (items with `context` and `num_new`) write at checkpoint
+        boundaries. One pass over a whole step's plan (hot path: every step)."""
         C = self.C
         if not C:
             return 0
         if self.step_end:
-            return 0 if end % C else 1
-        return end // C - start // C
+            return sum(1 for i in chunks if not (i.context + i.num_new) % C)
+        return sum((i.context + i.num_new) // C - i.context // C for i in chunks)
 
     # ----- demand ------------------------------------------------------------------------------
     def chunk_demand(self, req: Request, start: int, n: int, working: int,

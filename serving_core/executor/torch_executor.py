@@ -269,15 +269,9 @@ def build_torch_engine(
     clock object whose kind is used, VirtualClock or WallClock)."""
     from dataclasses import asdict
 
-    from serving_core.builder import build_engine
-    from serving_core.engine_spec import EngineSpec, ExecutorSpec
+    from serving_core.builder import build_engine, loaded_model_spec
 
-    spec = EngineSpec(
-        model=asdict(geometry), org=org, budget=budget_label or "explicit",
-        scheduler=sched_cfg,
-        executor=ExecutorSpec("torch", checkpoint="<in-memory model>", device=str(model.device),
-                              dtype=str(model.dtype).removeprefix("torch."),
-                              scan_chunk=int(model.chunk)),
-        clock=None if clock is None else clock.kind, trace=trace, pool_units=pool_units,
-    )
+    spec = loaded_model_spec(model, geometry, org, budget_label or "explicit",
+                             asdict(sched_cfg), clock=None if clock is None else clock.kind,
+                             trace=trace, pool_units=pool_units)
     return build_engine(spec, on_step=on_step, model=model)
