@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.tiny import tiny_checkpoint
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import serve
 from serving_core.executor.state_arena import StateArena
@@ -230,40 +230,32 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the paged / contiguous table")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    checkpoint = Path(args.checkpoint)
-    tmp = None
-    if not (checkpoint / "config.json").exists():
-        from serving_core.model.make_tiny import build
-
-        tmp = tempfile.TemporaryDirectory()
-        checkpoint = build(tmp.name, MODEL)
-    model = FalconH1.load(checkpoint)
-    rows = [paged_vs_contiguous(model, org, b, args.repeats) for org in ("S1", "S2")
-            for b in BATCHES]
-    print(f"{'org':4} {'batch':>5} {'mixer paged':>12} {'contig':>8} {'ratio':>6}"
-          f" {'model paged':>12} {'contig':>8} {'ratio':>6} {'cat':>8} {'ratio':>6}"
-          "   (ms, median)")
-    for r in rows:
-        print(f"{r['org']:4} {r['batch']:>5} {r['mixer_paged_ms']:>12.2f} "
-              f"{r['mixer_contiguous_ms']:>8.2f} {r['mixer_ratio']:>6.3f} "
-              f"{r['model_paged_ms']:>12.2f} {r['model_contiguous_ms']:>8.2f} "
-              f"{r['model_ratio']:>6.3f} {r['model_densestate_cat_ms']:>8.2f} "
-              f"{r['model_ratio_vs_cat']:>6.3f}")
-    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} "
-          f"({os.cpu_count()} CPUs)")
-    gen = None if args.skip_generate else engine_vs_generate(
-        model, checkpoint, args.gen_batch, args.prompt, args.output)
-    if gen:
-        print(f"batch {gen['batch']}, {gen['prompt_tokens']} prompt + {gen['output_tokens']} "
-              f"output tokens: engine {gen['engine_tok_s']:.1f} tok/s ({gen['engine_s']:.2f} s), "
-              f"transformers generate {gen['transformers_tok_s']:.1f} tok/s "
-              f"({gen['transformers_s']:.2f} s)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"threads": torch.get_num_threads(), "load_avg": os.getloadavg()[0],
-           "paged_vs_contiguous": rows, "generate": gen}
-    (RESULTS / "kernels.json").write_text(json.dumps(out, indent=2))
-    if tmp is not None:
-        tmp.cleanup()
+    with tiny_checkpoint(args.checkpoint) as checkpoint:
+        model = FalconH1.load(checkpoint)
+        rows = [paged_vs_contiguous(model, org, b, args.repeats) for org in ("S1", "S2")
+                for b in BATCHES]
+        print(f"{'org':4} {'batch':>5} {'mixer paged':>12} {'contig':>8} {'ratio':>6}"
+              f" {'model paged':>12} {'contig':>8} {'ratio':>6} {'cat':>8} {'ratio':>6}"
+              "   (ms, median)")
+        for r in rows:
+            print(f"{r['org']:4} {r['batch']:>5} {r['mixer_paged_ms']:>12.2f} "
+                  f"{r['mixer_contiguous_ms']:>8.2f} {r['mixer_ratio']:>6.3f} "
+                  f"{r['model_paged_ms']:>12.2f} {r['model_contiguous_ms']:>8.2f} "
+                  f"{r['model_ratio']:>6.3f} {r['model_densestate_cat_ms']:>8.2f} "
+                  f"{r['model_ratio_vs_cat']:>6.3f}")
+        print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} "
+              f"({os.cpu_count()} CPUs)")
+        gen = None if args.skip_generate else engine_vs_generate(
+            model, checkpoint, args.gen_batch, args.prompt, args.output)
+        if gen:
+            print(f"batch {gen['batch']}, {gen['prompt_tokens']} prompt + "
+                  f"{gen['output_tokens']} output tokens: engine {gen['engine_tok_s']:.1f} "
+                  f"tok/s ({gen['engine_s']:.2f} s), transformers generate "
+                  f"{gen['transformers_tok_s']:.1f} tok/s ({gen['transformers_s']:.2f} s)")
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = {"threads": torch.get_num_threads(), "load_avg": os.getloadavg()[0],
+               "paged_vs_contiguous": rows, "generate": gen}
+        (RESULTS / "kernels.json").write_text(json.dumps(out, indent=2))
     return 0
 
 

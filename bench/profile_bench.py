@@ -27,15 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.kernel_bench import MODEL, ROOT, _Spec
+from bench.tiny import tiny_checkpoint
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import Engine, serve
 from serving_core.executor import torch_executor as tx
@@ -176,22 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-profile", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    checkpoint = Path(args.checkpoint)
-    tmp = None
-    if not (checkpoint / "config.json").exists():
-        from serving_core.model.make_tiny import build
-
-        tmp = tempfile.TemporaryDirectory()
-        checkpoint = build(tmp.name, MODEL)
-    model = FalconH1.load(checkpoint)
-    r = run(model, args.org, args.budget, args.requests, args.prompt, args.output,
-            args.max_num_batched_tokens, args.torch_profile)
-    print_table(r)
-    print(json.dumps({k: v for k, v in r.items() if k != "top_ops"}))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "profile.json").write_text(json.dumps(r, indent=2))
-    if tmp is not None:
-        tmp.cleanup()
+    with tiny_checkpoint(args.checkpoint) as checkpoint:
+        model = FalconH1.load(checkpoint)
+        r = run(model, args.org, args.budget, args.requests, args.prompt, args.output,
+                args.max_num_batched_tokens, args.torch_profile)
+        print_table(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "top_ops"}))
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "profile.json").write_text(json.dumps(r, indent=2))
     return 0
 
 

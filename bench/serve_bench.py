@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.tiny import tiny_checkpoint
 from ledgers.arms import ARMS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,8 +118,6 @@ async def _batch(url, model, prompts, output, extra):
 
 def _ours(checkpoint, org, args, records):
     """Our server on the checkpoint: the spec composed from run overrides, as `make serve`."""
-    import tempfile
-
     from experiments.serve import server_spec
     from experiments.server_process import hsl_server_command
 
@@ -197,42 +196,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: orgs={bad[0]!r}: allowed values are {', '.join(allowed)}",
               file=sys.stderr)
         return 2
-    checkpoint = Path(args.checkpoint)
-    tmp = None
-    if not (checkpoint / "config.json").exists():
-        from serving_core.model.make_tiny import build
-
-        tmp = tempfile.TemporaryDirectory()
-        checkpoint = build(tmp.name, MODEL)
-    rng = np.random.default_rng(24)
-    prompts = [rng.integers(3, 128_000, args.prompt).tolist() for _ in range(args.requests)]
-    arms = list(orgs)
-    if Path(args.vllm_python).exists():
-        arms.insert(1, "vllm")
-    else:
-        print(f"vLLM arm skipped: no interpreter at {args.vllm_python} (make setup-vllm)")
-    rows = []
-    for r in range(args.rounds):
-        order = arms[r % len(arms):] + arms[: r % len(arms)]  # alternate who goes first
-        for arm in order:
-            print(f"round {r + 1}: {arm} ...", flush=True)
-            rows.append(dict(run_arm(arm, str(checkpoint), prompts, args, args.allocator),
-                             round=r + 1))
-    print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
-          f"all at once, streamed, EOS ignored; {os.cpu_count()} CPUs")
-    print(f"{'arm':9} {'alloc':8} {'out tok/s':>9} {'total tok/s':>11} {'TTFT p50':>8} "
-          f"{'p99':>7} {'TPOT p50':>8} {'p99':>7} {'load':>5}")
-    for row in rows:
-        print(f"{row['arm']:9} {row['allocator']:8} {row['output_tok_s']:>9.1f} "
-              f"{row['total_tok_s']:>11.1f} {row['ttft_p50_s']:>8.2f} {row['ttft_p99_s']:>7.2f} "
-              f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f}")
-    out = {"requests": args.requests, "prompt_tokens": args.prompt,
-           "output_tokens": args.output, "budget": args.budget, "cap": args.cap, "rows": rows}
-    print(json.dumps(out))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "serve.json").write_text(json.dumps(out, indent=2))
-    if tmp is not None:
-        tmp.cleanup()
+    with tiny_checkpoint(args.checkpoint) as checkpoint:
+        rng = np.random.default_rng(24)
+        prompts = [rng.integers(3, 128_000, args.prompt).tolist() for _ in range(args.requests)]
+        arms = list(orgs)
+        if Path(args.vllm_python).exists():
+            arms.insert(1, "vllm")
+        else:
+            print(f"vLLM arm skipped: no interpreter at {args.vllm_python} (make setup-vllm)")
+        rows = []
+        for r in range(args.rounds):
+            order = arms[r % len(arms):] + arms[: r % len(arms)]  # alternate who goes first
+            for arm in order:
+                print(f"round {r + 1}: {arm} ...", flush=True)
+                rows.append(dict(run_arm(arm, str(checkpoint), prompts, args, args.allocator),
+                                 round=r + 1))
+        print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
+              f"all at once, streamed, EOS ignored; {os.cpu_count()} CPUs")
+        print(f"{'arm':9} {'alloc':8} {'out tok/s':>9} {'total tok/s':>11} {'TTFT p50':>8} "
+              f"{'p99':>7} {'TPOT p50':>8} {'p99':>7} {'load':>5}")
+        for row in rows:
+            print(f"{row['arm']:9} {row['allocator']:8} {row['output_tok_s']:>9.1f} "
+                  f"{row['total_tok_s']:>11.1f} {row['ttft_p50_s']:>8.2f} "
+                  f"{row['ttft_p99_s']:>7.2f} {row['tpot_p50_s']:>8.3f} "
+                  f"{row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f}")
+        out = {"requests": args.requests, "prompt_tokens": args.prompt,
+               "output_tokens": args.output, "budget": args.budget, "cap": args.cap, "rows": rows}
+        print(json.dumps(out))
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "serve.json").write_text(json.dumps(out, indent=2))
     return 0
 
 
