@@ -129,6 +129,8 @@ class Engine:
         )
         self.sched = Scheduler(self.mem, sched_cfg, self.recorder)
         self.executor = executor
+        # An executor that addresses state gets it in the plan (Scheduled.state).
+        self.sched.state_views = bool(getattr(executor, "reads_state", False))
         self.clock = clock or VirtualClock()
         self.on_step = on_step
         # Requests are materialized at arrival and drop their token lists when they finish,

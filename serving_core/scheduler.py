@@ -38,7 +38,7 @@ from serving_core.memory.base import CHECKPOINT_RECENCIES
 from serving_core.memory.pool import FREE_QUEUES
 from serving_core.planner import headroom_units
 from serving_core.request import Request, Status
-from serving_core.state_manager import HybridStateManager
+from serving_core.state_manager import ChunkState, HybridStateManager
 
 ADMISSION_GATES = ("full_prompt", "first_chunk", "reserve_output")
 CHECKPOINT_PLACEMENTS = ("step_end", "every_boundary")
@@ -109,6 +109,7 @@ class Scheduled:
     req: Request
     num_new: int
     context: int  # tokens already computed before this step
+    state: ChunkState | None = None  # what the chunk addresses (executors that read state)
 
 
 class Scheduler:
@@ -145,6 +146,7 @@ class Scheduler:
             mem, step_end=self.step_end, retention_k=cfg.retention_k,
             track_demand=cfg.retention_k is not None or cfg.pinning_k is not None,
         )
+        self.state_views = False  # attach a ChunkState to each planned chunk (Engine sets it)
         self.step = 0
         self.now = 0.0
         self.num_preempted_step = 0
@@ -213,6 +215,10 @@ class Scheduler:
                 plan.append(item)
                 budget -= item.num_new
         self.max_running = max(self.max_running, len(self.running))
+        if self.state_views:
+            chunk_state = self.state.chunk_state
+            for item in plan:
+                item.state = chunk_state(item.req, item.context + item.num_new)
         return plan
 
     # ----- chunks and reservations --------------------------------------------------------------
@@ -408,7 +414,8 @@ class Scheduler:
                     resume += prefill
                 decode += n - prefill
             if c1 // self.B > c0 // self.B or req.adopted:  # a decode mostly publishes nothing
-                self.state.complete_chunk(req, c0, c1)  # publication; the adopted state was read
+                # publication (recorded in the chunk's state view); the adopted state was read
+                self.state.complete_chunk(req, c0, c1, item.state)
             req.num_computed = c1
             if c1 == req.num_prompt + req.num_generated:
                 req.append_generated()
@@ -417,5 +424,7 @@ class Scheduler:
                     req.first_token_s = now
                 if req.num_generated >= req.target_output:
                     self._finish(req, now)
+            if item.state is not None and req.status == Status.RUNNING:
+                item.state.final = req.working
         self.prompt_tokens_total += initial + resume
         return initial, resume, decode

@@ -7,10 +7,13 @@ allocates, adopts, publishes and releases a request's state objects: its
 attention blocks, its working composite, the destinations reserved for the
 checkpoint boundaries of a chunk, the checkpoint it adopted, the checkpoints it
 retains (S2+Retention) and its preemption-time pin. The objects are recorded on
-the request (`attn`, `working`, `dests`, `adopted`, `retained`, `pin`) so an
-executor can address them; only this manager changes them. It answers the
-scheduler with demands (units per pool), small slotted results (`Adoption`) and
-token counts; the scheduler never calls the memory organization itself.
+the request (`attn`, `working`, `dests`, `adopted`, `retained`, `pin`) as this
+manager's record; only this manager changes them. It answers the scheduler with
+demands (units per pool), small slotted results (`Adoption`) and token counts;
+the scheduler never calls the memory organization itself. An executor that
+addresses state (the torch executor) gets a `ChunkState` per scheduled chunk in
+the plan instead: the attention unit ids, the composites it reads and writes, and
+after publication where each boundary's state went.
 
 Release order (kept in one place, `release_all`): attention blocks deepest first
 (so the deepest enter the LRU first and are evicted first), then destinations,
@@ -20,7 +23,7 @@ the working composite, the adopted checkpoint and the retained ones.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from serving_core.memory import NULL, MemoryOrganization
 from serving_core.memory.prefix_cache import PrefixHit
@@ -41,6 +44,28 @@ class Adoption:
     @property
     def objects(self) -> list:
         return self.blocks + ([self.checkpoint] if self.checkpoint else [])
+
+
+@dataclass(slots=True)
+class ChunkState:
+    """The state one scheduled chunk [context, end) addresses, carried in the plan.
+
+    blocks: attention unit ids of blocks 0 .. ceil(end / B) - 1 (the context and the
+    chunk's own tokens); working: the composite the chunk computes into (NULL without
+    recurrent state); adopted: the checkpoint read as the initial state (NULL: the
+    working composite, or zeros at position 0); dests: composites reserved for the
+    chunk's boundaries. Filled when the step completes: published, (boundary, composite
+    published there) in order (a no-op publication is absent); final, the working
+    composite the chunk's last state belongs in (NULL when the request finished).
+    Composites are the organization's objects: the organization's mapping addresses
+    their member pages."""
+
+    blocks: list[int]
+    working: object
+    adopted: object
+    dests: list
+    published: list = field(default_factory=list)
+    final: object = NULL
 
 
 class HybridStateManager:
@@ -152,6 +177,11 @@ class HybridStateManager:
         """The M1 reading of a lookup (trace only)."""
         return self.mem.cache.lookup(keys, self.B, self.C, m1=True)
 
+    def chunk_state(self, req: Request, end: int) -> ChunkState:
+        """What a chunk of `req` ending at `end` addresses (see ChunkState)."""
+        return ChunkState([obj.units[0] for obj in req.attn[: -(-end // self.B)]],
+                          req.working, req.adopted, list(req.dests))
+
     # ----- running requests --------------------------------------------------------------------
     def _allocate(self, req: Request, start: int, n: int, working: bool) -> None:
         mem = self.mem
@@ -230,9 +260,11 @@ class HybridStateManager:
         self.drop_retained(req)
 
     # ----- after a step -------------------------------------------------------------------------
-    def complete_chunk(self, req: Request, c0: int, c1: int) -> None:
+    def complete_chunk(self, req: Request, c0: int, c1: int,
+                       view: ChunkState | None = None) -> None:
         """Publish what computing [c0, c1) produced: every attention block it filled and the
-        checkpoints at its boundaries; the adopted checkpoint has been read and is released."""
+        checkpoints at its boundaries (recorded in `view`, when given, for the executor);
+        the adopted checkpoint has been read and is released."""
         mem, B, C = self.mem, self.B, self.C
         if c1 // B > c0 // B:  # iterate only when a block fills: decode steps mostly skip
             keys = req.ensure_keys(c1 // B)
@@ -242,18 +274,22 @@ class HybridStateManager:
                 if not obj.cached:
                     mem.publish(obj, keys[bi], (bi + 1) * B)
             for j in self.boundaries(c0, c1):
-                self._cross_boundary(req, keys[j * C // B - 1], j * C)
+                published = self._cross_boundary(req, keys[j * C // B - 1], j * C)
+                if view is not None and published:
+                    view.published.append((j * C, published))
         if req.adopted:
             mem.release(req.adopted)
             req.adopted = NULL
 
-    def _cross_boundary(self, req: Request, key: int, boundary: int) -> None:
+    def _cross_boundary(self, req: Request, key: int, boundary: int):
+        """Publish the working composite at `boundary` and continue in the next destination;
+        returns the composite published (NULL for a no-op publication)."""
         mem = self.mem
         dest = req.dests.pop(0)
         if mem.cached_checkpoint(key) is not None:
             # already cached: publishing is a no-op, the destination is freed
             mem.release(dest, producer=True)
-            return
+            return NULL
         produced = req.working
         mem.publish(produced, key, boundary)
         req.working = dest
@@ -262,3 +298,4 @@ class HybridStateManager:
             req.retained.append(produced)  # producer keeps its reference until finish/preempt
         else:
             mem.release(produced, producer=True)
+        return produced

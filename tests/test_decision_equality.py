@@ -65,3 +65,57 @@ def test_simulated_and_torch_engines_decide_the_same(org, semantics, tiny_checkp
     events = [row for row in simulated.tables["trace"]["event"]]
     assert events.count("ADOPT") >= len(specs) and "PUBLISH" in events
     assert simulated.summary["prefix_hit_tokens"] > 0
+
+
+class _TokensOnly:
+    """A request as the torch executor may see it: tokens and identity, no state objects
+    (those are the state manager's record; the executor gets them in the plan)."""
+
+    HIDDEN = {"attn", "working", "dests", "adopted", "retained", "pin"}
+
+    def __init__(self, req) -> None:
+        object.__setattr__(self, "_req", req)
+
+    def __getattr__(self, name):
+        if name in self.HIDDEN:
+            raise AssertionError(f"the executor read request.{name}")
+        return getattr(self._req, name)
+
+
+def _sampling(engine, guard: bool):
+    """Wrap the engine's executor: record every step's sampled tokens and the plan's state
+    views; with `guard`, hand the executor requests without their state objects."""
+    execute, log = engine.executor.execute, {"sampled": [], "views": []}
+
+    def run(plan, crossings):
+        for item in plan:
+            assert item.state is not None and item.state.blocks
+            log["views"].append(item.state)
+        if guard:
+            plan = [replace(item, req=_TokensOnly(item.req)) for item in plan]
+        out = execute(plan, crossings)
+        log["sampled"].append(sorted(out.sampled.items()))
+        return out
+
+    engine.executor.execute = run
+    return log
+
+
+def test_torch_executor_addresses_state_only_through_the_plan(tiny_checkpoint, tiny_model):
+    """S2 (slabs, member pages) with shared 1,000-token contexts: adoption, publication at
+    512 and 1,024, no-op publications, decodes and finishes."""
+    cfg = compose_config(*WORKLOAD, "org=s2", "executor=torch_inproc",
+                         f"executor.checkpoint={tiny_checkpoint}", "workload.num_requests=4",
+                         "workload.synthetic_prompt_tokens=1100",
+                         "workload.synthetic_context_tokens=1030")
+    specs = [replace(s, arrival_s=0.0)
+             for s in build_workload(cfg.workload, cfg.load, int(cfg.seed)).requests]
+    logs = []
+    for guard in (False, True):
+        engine = build_engine(engine_spec(cfg), model=tiny_model)
+        logs.append(_sampling(engine, guard))
+        serve(engine, specs)
+    reference, guarded = logs
+    assert guarded["sampled"] == reference["sampled"] and len(guarded["sampled"]) > 1
+    # Boundary states went where publication put them, recorded in the plan's views.
+    assert any(view.published for view in guarded["views"])

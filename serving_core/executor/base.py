@@ -5,7 +5,10 @@ the number of checkpoint boundaries they cross), then `commit`s it after the
 scheduler has published the step's entries (a real executor writes the published
 states into their units; a modelled one has nothing to write). `describe()` says
 what it runs, read from the executor itself; the engine's record of a run's rules
-includes it.
+includes it. An executor that addresses state sets `reads_state = True` and then finds,
+on each scheduled item, a `ChunkState` (serving_core.state_manager): the attention unit
+ids, the composites it reads and writes and, at commit, where each published state goes.
+It never reads a request's state objects.
 """
 
 from __future__ import annotations

@@ -119,9 +119,6 @@ class StateArena:
         return arena[:, :n].view(arena.shape[0], self.block_tokens, 2, self.kv_heads,
                                  self.head_dim)
 
-    def block_units(self, blocks) -> list[int]:
-        return [obj.units[0] for obj in blocks]
-
     def gather_kv(self, layer: int, units: torch.Tensor, length: int):
         """K and V of the first `length` tokens of each row of block units (b, nb)."""
         view = self.kv_view(layer)

@@ -12,7 +12,10 @@ Per engine step:
   whose checkpoint was published is written into the composite that was published
   there, and the chunk's final state into the request's working composite.
 Whatever the placement rule, only published composites receive boundary states, and
-scratch lives for one step only: no state outlives the units that hold it.
+scratch lives for one step only: no state outlives the units that hold it. All state is
+addressed through the plan: each scheduled item's `ChunkState` (the state manager's
+answer: attention unit ids, working/adopted/destination composites, and after
+publication where each boundary's state went); the request gives only its tokens.
 Greedy decoding: the sampled token is the argmax of the last position's logits.
 """
 
@@ -24,7 +27,6 @@ import torch
 
 from serving_core.engine import ExecutorOutput
 from serving_core.executor.state_arena import StateArena
-from serving_core.request import Status
 
 
 class PagedRecurrentIO:
@@ -66,14 +68,14 @@ class _DecodeIO(PagedRecurrentIO):
     """State access of a batch of one-token decodes, in place through the mapping."""
 
     def __init__(self, arena: StateArena, items) -> None:
-        super().__init__(arena, [it.req.working for it in items])
+        super().__init__(arena, [it.state.working for it in items])
         dev = arena.device
         bt = arena.block_tokens
         ctx = [it.context for it in items]
         self.max_ctx = max(ctx)
         nb = max(1, -(-self.max_ctx // bt))
-        reqs = [it.req for it in items]
-        units = [arena.block_units(r.attn[: -(-c // bt)]) for r, c in zip(reqs, ctx, strict=True)]
+        blocks = [it.state.blocks for it in items]  # cover [0, context + 1)
+        units = [b[: -(-c // bt)] for b, c in zip(blocks, ctx, strict=True)]
         self.units = torch.tensor([u + [0] * (nb - len(u)) for u in units], dtype=torch.long,
                                   device=dev)  # padding rows are masked out
         lengths = torch.tensor(ctx, device=dev)
@@ -83,10 +85,10 @@ class _DecodeIO(PagedRecurrentIO):
             self.valid_new = None
         # Block tables covering each context plus its new token (for `decode_kv`).
         nb1 = self.max_ctx // bt + 1
-        units1 = [arena.block_units(r.attn[: c // bt + 1]) for r, c in zip(reqs, ctx, strict=True)]
+        units1 = [b[: c // bt + 1] for b, c in zip(blocks, ctx, strict=True)]
         self.units_new = torch.tensor([u + [0] * (nb1 - len(u)) for u in units1],
                                       dtype=torch.long, device=dev)
-        new = [r.attn[c // bt].units[0] for r, c in zip(reqs, ctx, strict=True)]
+        new = [b[c // bt] for b, c in zip(blocks, ctx, strict=True)]
         self.new_units = torch.tensor(new, dtype=torch.long, device=dev)
         self.new_offsets = torch.tensor([c % bt for c in ctx], dtype=torch.long, device=dev)
 
@@ -111,18 +113,19 @@ class _DecodeIO(PagedRecurrentIO):
 
 
 class _SegmentIO:
-    """State access of one request's segment [start, end): KV through its block table,
-    recurrent state in per-step scratch."""
+    """State access of one request's segment [start, end): KV through its block table
+    (`blocks`: attention unit ids covering at least [0, end)), recurrent state in per-step
+    scratch."""
 
-    def __init__(self, arena: StateArena, req, start: int, end: int, states) -> None:
+    def __init__(self, arena: StateArena, blocks: list[int], start: int, end: int,
+                 states) -> None:
         self.arena = arena
         dev = arena.device
         bt = arena.block_tokens
         self.start = start
-        blocks = arena.block_units(req.attn[: -(-start // bt)])
-        self.units = torch.tensor([blocks], dtype=torch.long, device=dev)
+        self.units = torch.tensor([blocks[: -(-start // bt)]], dtype=torch.long, device=dev)
         pos = range(start, end)
-        self.new_units = torch.tensor([req.attn[p // bt].units[0] for p in pos], dtype=torch.long,
+        self.new_units = torch.tensor([blocks[p // bt] for p in pos], dtype=torch.long,
                                       device=dev)
         self.new_offsets = torch.tensor([p % bt for p in pos], dtype=torch.long, device=dev)
         self.states = states
@@ -146,7 +149,10 @@ class _SegmentIO:
 
 
 class TorchExecutor:
-    """Runs scheduled steps on a FalconH1 model over a StateArena."""
+    """Runs scheduled steps on a FalconH1 model over a StateArena. It addresses state only
+    through each scheduled item's ChunkState (unit ids and composites from the plan)."""
+
+    reads_state = True
 
     def __init__(self, model, arena: StateArena) -> None:
         self.model = model
@@ -157,11 +163,11 @@ class TorchExecutor:
 
     # ----- execution --------------------------------------------------------------------------
     def _fast(self, item) -> bool:
-        req, c1 = item.req, item.context + item.num_new
+        c1 = item.context + item.num_new
         return (
             item.num_new == 1
             and item.context > 0
-            and not req.adopted
+            and not item.state.adopted
             and (not self.interval or c1 % self.interval)
         )
 
@@ -187,11 +193,11 @@ class TorchExecutor:
         return ExecutorOutput(time.perf_counter() - t0, sampled)
 
     def _initial_state(self, item):
-        req = item.req
-        if req.adopted:
-            return self.arena.read(req.adopted)
+        state = item.state
+        if state.adopted:
+            return self.arena.read(state.adopted)
         if item.context > 0:
-            return self.arena.read(req.working)
+            return self.arena.read(state.working)
         m = self.model
         dev = m.device
         return [
@@ -215,12 +221,13 @@ class TorchExecutor:
         for s, e in zip(edges[:-1], edges[1:], strict=True):
             ids = torch.tensor([req.token_ids(s, e)], device=dev)
             pos = torch.arange(s, e, device=dev)[None]
-            logits = self.model.forward(ids, pos, _SegmentIO(self.arena, req, s, e, states),
+            logits = self.model.forward(ids, pos,
+                                        _SegmentIO(self.arena, item.state.blocks, s, e, states),
                                         logits=e == c1)
             if rec and e in cuts:
                 boundary_states.append((e, [(c.clone(), m.clone()) for c, m in states]))
         if rec:
-            self._pending.append((item, req.working, list(req.dests), boundary_states, states))
+            self._pending.append((item.state, boundary_states, states))
         return int(logits[0].argmax())
 
     def describe(self) -> dict:
@@ -231,25 +238,22 @@ class TorchExecutor:
 
     # ----- after publication ------------------------------------------------------------------
     def commit(self, plan) -> None:
-        """Write boundary states into the composites published there, final states into
-        the working composites (the scheduler has completed the step)."""
+        """Write each boundary's state into the composite published there and the final
+        state into the working composite, as the state manager recorded them in the chunk's
+        ChunkState when the scheduler completed the step (a no-op publication and a
+        finished request receive nothing)."""
         pending, self._pending = self._pending, []
-        for item, working, dests, boundary_states, final in pending:
-            req = item.req
-            cur, nxt = working, 0
+        for state, boundary_states, final in pending:
+            published = dict(state.published)
             for boundary, states in boundary_states:
-                if cur is not None and cur.valid and cur.cached and cur.boundary == boundary:
-                    self.arena.write(cur, states)  # the checkpoint published at `boundary`
-                    # The next state goes to this boundary's destination: the first one not
-                    # freed (a no-op publication frees its destination; so does a finish).
-                    while nxt < len(dests) and not dests[nxt].valid:
-                        nxt += 1
-                    cur = dests[nxt] if nxt < len(dests) else None
-                    nxt += 1
-            if req.status == Status.RUNNING:
-                if cur is not req.working:
-                    raise RuntimeError(f"request {req.rid}: working composite out of step")
-                self.arena.write(cur, final)
+                target = published.get(boundary)
+                if target:
+                    if not (target.valid and target.cached and target.boundary == boundary):
+                        raise RuntimeError(f"composite published at {boundary} is not cached "
+                                           "there at commit")
+                    self.arena.write(target, states)
+            if state.final:
+                self.arena.write(state.final, final)
 
 
 def build_torch_engine(
