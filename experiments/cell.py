@@ -65,6 +65,7 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("engine", "reserve_output_tokens"): 0,
     ("engine", "free_queue"): "free_first",
     ("engine", "checkpoint_recency"): "release",
+    ("model", "kv_group_heads"): None,
 }
 
 

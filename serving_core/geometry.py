@@ -46,6 +46,9 @@ class Geometry:
     d_conv: int
     dtype_bytes: int
     kv_codec: str = "bf16"
+    # tq4 on the torch executor: KV heads whose K/V a prefill rebuilds from packed pages at
+    # once (None: all). Bounds the reconstruction's temporary; results do not depend on it.
+    kv_group_heads: int | None = None
     d0_attention_fraction: float = 0.5
     max_model_len: int = 8192
     # N0's attention-kernel block alignment (tokens): 16 for vLLM's FlashAttention (A100),
@@ -67,6 +70,14 @@ class Geometry:
                 f"head_dim={self.head_dim}: kv_codec='tq4' needs a power of two >= 4 "
                 "(one Hadamard-rotated vector per head)"
             )
+        if self.kv_group_heads is not None:
+            g = self.kv_group_heads
+            if self.kv_codec != "tq4":
+                raise ValueError(f"kv_group_heads={g!r}: allowed only with kv_codec='tq4' "
+                                 "(null otherwise)")
+            if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= self.num_kv_heads:
+                raise ValueError(f"kv_group_heads={g!r}: allowed values are null (all heads) "
+                                 f"or 1..{self.num_kv_heads} (num_kv_heads)")
         if self.mamba_heads > 0 and min(self.mamba_head_dim, self.d_state, self.d_conv) <= 0:
             raise ValueError("a recurrent model needs mamba_head_dim, d_state and d_conv > 0")
         if not 0.0 < self.d0_attention_fraction <= 1.0:

@@ -2,8 +2,8 @@
 
 A packed KV page view has shape (units, block_tokens, 2, kv_heads, bytes_per_vector), uint8:
 K at index 0 and V at 1 of the third axis, each vector head_dim / 2 code bytes then its fp16
-norm (kv_codec.TQ4Codec.pack). These functions are what a torch executor needs to serve from
-such pages (the executor itself does not use them yet):
+norm (kv_codec.TQ4Codec.pack). The torch executor serves `model.kv_codec=tq4` with these
+(serving_core.executor.state_arena, torch_executor):
 
 - `store` encodes new K/V rows into their (unit, offset) slots;
 - `decode_attention` runs one query token per sequence page by page with an online softmax,
@@ -64,9 +64,12 @@ def decode_attention(q: torch.Tensor, view: torch.Tensor, codec: TQ4Codec,
     for j in range(pages):
         units = block_table[:, j].clamp(0, view.shape[0] - 1)  # past the end: masked below
         kv = _split(codec, view[units])  # (B, block, 2, hkv, d): one page of each sequence
+        valid = (j * block + positions)[None, :] < seq_lens[:, None]  # (B, block)
+        # Slots past a sequence's end hold whatever the unit held before (another state's
+        # bytes, NaN norms included): zero them so that 0 x NaN never reaches the sums.
+        kv = torch.where(valid[:, :, None, None, None], kv, 0.0)
         k, v = kv[:, :, 0], kv[:, :, 1]
         scores = torch.einsum("bhgd,bthd->bhgt", qr, k)
-        valid = (j * block + positions)[None, :] < seq_lens[:, None]  # (B, block)
         scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
         m_new = torch.maximum(m, scores.amax(-1))
         keep = torch.exp(m - m_new).nan_to_num(0.0)
@@ -78,40 +81,56 @@ def decode_attention(q: torch.Tensor, view: torch.Tensor, codec: TQ4Codec,
     return codec.unrotate(out).view(b, hq, d)
 
 
+QUERY_BLOCK = 512  # queries per score block of a prefill (bounds the score temporary)
+
+
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       view: torch.Tensor, codec: TQ4Codec, units: torch.Tensor, cached: int,
                       head_group: int | None = None, scale: float | None = None,
                       ) -> tuple[torch.Tensor, int]:
     """Causal attention of a chunk of n new tokens after `cached` tokens held in packed pages.
 
-    q (n, q_heads, d); k_new, v_new (n, kv_heads, d) in full precision (the chunk's own keys);
-    units: the sequence's page ids in order. The cached prefix is rebuilt `head_group` KV
-    heads at a time (None: all heads at once). Returns (output (n, q_heads, d) float32, peak
-    bytes of the rebuilt K/V operands held at once).
+    q (n, q_heads, d); k_new, v_new (n, kv_heads, d): the chunk's own keys and values (the
+    executor passes them decoded from what it stored, so every key the chunk reads is the
+    one a later decode reads); units: the sequence's page ids in order. K/V are rebuilt
+    `head_group` KV heads at a time (None: all heads at once): the group's (cached + n)
+    float32 K and V operands, filled page by page (a page's decoded temporary is freed
+    before the next). Returns (output (n, q_heads, d) float32, peak bytes held at once by
+    those operands plus the largest page temporary).
     """
     n, hq, d = q.shape
     block, hkv = view.shape[1], view.shape[3]
     group = hq // hkv
     step = hkv if head_group is None else head_group
-    if not 1 <= step <= hkv:
+    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= hkv:
         raise ValueError(f"head_group={head_group!r}: allowed values are 1..{hkv} or None")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     pages = math.ceil(cached / block)
-    mask = torch.ones(n, cached + n, dtype=torch.bool).tril(cached)
+    total = cached + n
     out = torch.empty(n, hq, d)
     peak = 0
     for h0 in range(0, hkv, step):
         heads = slice(h0, min(h0 + step, hkv))
-        packed = view[units[:pages], :, :, heads].reshape(pages * block, 2, -1,
-                                                          view.shape[-1])[:cached]
-        kv = codec.decode(*codec.unpack(packed))  # (cached, 2, g, d): this group only
-        peak = max(peak, kv.numel() * kv.element_size())
-        k = torch.cat([kv[:, 0], k_new[:, heads].float()])  # (cached + n, g, d)
-        v = torch.cat([kv[:, 1], v_new[:, heads].float()])
-        qh = q[:, heads.start * group:heads.stop * group].float().view(n, -1, group, d)
-        scores = torch.einsum("nhgd,thd->hgnt", qh, k) * scale
-        scores = scores.masked_fill(~mask, -math.inf)
-        o = torch.einsum("hgnt,thd->nhgd", scores.softmax(-1), v)
-        out[:, heads.start * group:heads.stop * group] = o.reshape(n, -1, d)
-        del kv, k, v
+        g = heads.stop - heads.start
+        k = torch.empty(total, g, d)
+        v = torch.empty(total, g, d)
+        page_temp = 0
+        for j in range(pages):
+            t0, t1 = j * block, min(cached, (j + 1) * block)
+            kv = codec.decode(*codec.unpack(view[units[j], : t1 - t0, :, heads]))  # (t, 2, g, d)
+            k[t0:t1], v[t0:t1] = kv[:, 0], kv[:, 1]
+            page_temp = max(page_temp, kv.numel() * kv.element_size())
+            del kv
+        k[cached:], v[cached:] = k_new[:, heads], v_new[:, heads]
+        peak = max(peak, k.numel() * k.element_size() + v.numel() * v.element_size() + page_temp)
+        qh = q[:, heads.start * group:heads.stop * group].float().view(n, g, group, d)
+        for s in range(0, n, QUERY_BLOCK):
+            e = min(n, s + QUERY_BLOCK)
+            span = cached + e
+            scores = torch.einsum("nhgd,thd->hgnt", qh[s:e], k[:span]) * scale
+            causal = torch.arange(span)[None, :] > (cached + torch.arange(s, e))[:, None]
+            scores = scores.masked_fill(causal, -math.inf)
+            o = torch.einsum("hgnt,thd->nhgd", scores.softmax(-1), v[:span])
+            out[s:e, heads.start * group:heads.stop * group] = o.reshape(e - s, -1, d)
+        del k, v
     return out, peak

@@ -93,7 +93,8 @@ def test_prefill_groups_agree_and_bound_the_temporaries(group):
     want = _reference(q, torch.cat([kd, k_new]), torch.cat([vd, v_new]), mask)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     heads = HKV if group is None else group
-    assert peak == cached * 2 * heads * D * 4  # K and V of `heads` heads, float32
+    # K and V of `heads` heads for prefix and chunk, plus one page's decoded K/V, float32
+    assert peak == (cached + n) * 2 * heads * D * 4 + BLOCK * 2 * heads * D * 4
 
 
 def test_prefill_rejects_a_bad_group():
@@ -102,3 +103,46 @@ def test_prefill_rejects_a_bad_group():
     with pytest.raises(ValueError, match="head_group=3"):
         kv_pages.prefill_attention(q, torch.zeros(1, HKV, D), torch.zeros(1, HKV, D), view,
                                    codec, kvs[0][2], 8, 3)
+
+
+def test_prefill_without_a_prefix_and_across_query_blocks(monkeypatch):
+    """cached = 0 reads no page; query blocks smaller than the chunk change nothing."""
+    codec, view, _, _ = _filled([8])
+    gen = torch.Generator().manual_seed(9)
+    n = 11
+    q = torch.randn(n, HQ, D, generator=gen)
+    k, v = torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    want = _reference(q, k, v, mask)
+    out, peak = kv_pages.prefill_attention(q, k, v, view, codec, torch.zeros(0, dtype=torch.long),
+                                           0, 1)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    assert peak == n * 2 * 1 * D * 4  # no page temporary
+    monkeypatch.setattr(kv_pages, "QUERY_BLOCK", 4)
+    blocked, _ = kv_pages.prefill_attention(q, k, v, view, codec,
+                                            torch.zeros(0, dtype=torch.long), 0, None)
+    torch.testing.assert_close(blocked, want, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_ignores_whatever_lies_past_a_sequence():
+    """Slots past a sequence's end (and padding pages) may hold any bytes, NaN norms
+    included (a unit's previous owner): the result equals the clean pool's."""
+    lengths = [5, 21]
+    codec, view, table, kvs = _filled(lengths, seed=4)
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(8))
+    clean = kv_pages.decode_attention(q, view, codec, table, torch.tensor(lengths))
+    dirty = view.clone()
+    nan_row = codec.pack(torch.zeros(HKV, D // 2, dtype=torch.uint8),
+                         torch.full((HKV,), math.nan, dtype=torch.float16))
+    for i, n in enumerate(lengths):
+        for pos in range(n, table.shape[1] * BLOCK):
+            page = table[i, pos // BLOCK]
+            if page < dirty.shape[0]:
+                dirty[page, pos % BLOCK] = nan_row
+    used = set(table[table < dirty.shape[0]].tolist())
+    for unit in set(range(dirty.shape[0])) - used:
+        dirty[unit] = nan_row
+    table = table.clamp(max=0) + table * (table < dirty.shape[0])  # padding -> unit 0
+    got = kv_pages.decode_attention(q, dirty, codec, table, torch.tensor(lengths))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, clean, rtol=1e-5, atol=1e-6)

@@ -160,8 +160,7 @@ class HostTier:
         for unit in obj.units:
             pool[:, unit].fill_(math.nan)
         if obj.kind and mem.has_slabs:  # the conv slot's line in its slab page
-            lines = pool.view(pool.shape[0], -1, arena.slot_elems)
-            lines[:, mem.conv_line(obj)].fill_(math.nan)
+            arena.conv_slot(mem.conv_line(obj)).fill_(math.nan)
         return len(obj.units)
 
     def _to_device(self, t: torch.Tensor, arena: StateArena, result: RestoreResult):

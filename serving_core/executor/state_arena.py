@@ -5,7 +5,10 @@ planner's units and the organization's unit bytes, so the bytes the planner
 budgets are the bytes the model uses. Typed views over it:
 
 - attention KV: the first `block_tokens` x (K, V, KV heads, head dim) elements of a
-  unit, addressed through the request's block table (one unit per block);
+  unit, addressed through the request's block table (one unit per block); with
+  `kv_codec=tq4` the first `block_tokens` x (K, V, KV heads, packed bytes) bytes of the
+  unit instead (uint8: each vector's codes then its fp16 norm, serving_core.kv_codec),
+  so a unit is exactly the planner's TQ4 bytes and KV is never held decoded;
 - S0 / D0 composite: SSM state then conv window, contiguous in one unit;
 - S1 / S2 SSM state: split over the composite's member pages in member order,
   address(b, j, u) = page_of(b, j) * page + offset(j, u), pages anywhere in the pool;
@@ -62,8 +65,6 @@ class StateArena:
     """The pools of one memory organization as torch tensors, with typed views."""
 
     def __init__(self, mem: MemoryOrganization, geometry: Geometry, device="cpu") -> None:
-        if geometry.kv_codec != "bf16":
-            raise ValueError(f"kv_codec={geometry.kv_codec!r}: the torch executor stores plain KV")
         self.mem = mem
         self.org = mem.layout.org
         self.contiguous = type(mem).contiguous_composite  # registry: one unit per composite
@@ -79,17 +80,26 @@ class StateArena:
         self.ssm_shape = (geometry.mamba_heads, geometry.mamba_head_dim, geometry.d_state)
         self.conv_shape = (geometry.mamba_inner + 2 * geometry.n_groups * geometry.d_state,
                            geometry.d_conv - 1)
+        self.kv_codec = geometry.kv_codec
+        self.codec = None
+        if self.kv_codec == "tq4":
+            from serving_core.kv_codec import codec_for
+
+            self.codec = codec_for(self.head_dim, device=self.device)
+        self.kv_group_heads = geometry.kv_group_heads  # None: rebuild all KV heads at once
+        self.token_bytes = geometry.attention_bytes_per_token
+        # Every pool is one byte tensor (layers, units, unit bytes); `pools` views it in the
+        # storage dtype, `raw` as bytes (the packed KV view reads it).
+        self.raw: dict[str, torch.Tensor] = {}
         self.pools: dict[str, torch.Tensor] = {}
         for name, pool in mem.pools.items():
             if pool.unit_bytes % elem:
                 raise ValueError(f"pool {name!r}: {pool.unit_bytes}-B unit is not whole elements")
-            self.pools[name] = torch.zeros(
-                self.layers, pool.num_units, pool.unit_bytes // elem, dtype=self.dtype,
-                device=self.device,
-            )
+            self.raw[name] = torch.zeros(self.layers, pool.num_units, pool.unit_bytes,
+                                         dtype=torch.uint8, device=self.device)
+            self.pools[name] = self.raw[name].view(self.dtype)
         self.unit_elems = {name: t.shape[2] for name, t in self.pools.items()}
-        block_elems = self.block_tokens * self.token_elems
-        if block_elems > self.unit_elems[mem.attention_pool]:
+        if self.block_tokens * self.token_bytes > mem.pools[mem.attention_pool].unit_bytes:
             raise ValueError("an attention block does not fit its unit")
         if mem.has_recurrent:
             self.rec_pool = mem.composite_pool
@@ -112,8 +122,18 @@ class StateArena:
         return sum(t.numel() * t.element_size() for t in self.pools.values())
 
     # ----- attention KV -----------------------------------------------------------------------
+    @property
+    def packed(self) -> bool:
+        """True when attention KV is stored as TQ4 codes and norms (`kv_codec=tq4`)."""
+        return self.codec is not None
+
     def kv_view(self, layer: int) -> torch.Tensor:
-        """(units, block_tokens, 2, KV heads, head dim) view of the attention pool."""
+        """(units, block_tokens, 2, KV heads, head dim) view of the attention pool; packed:
+        (units, block_tokens, 2, KV heads, bytes per vector) uint8."""
+        if self.packed:
+            raw = self.raw[self.mem.attention_pool][layer]
+            return raw[:, : self.block_tokens * self.token_bytes].view(
+                raw.shape[0], self.block_tokens, 2, self.kv_heads, self.codec.bytes_per_vector)
         arena = self.pools[self.mem.attention_pool][layer]
         n = self.block_tokens * self.token_elems
         return arena[:, :n].view(arena.shape[0], self.block_tokens, 2, self.kv_heads,
@@ -145,10 +165,36 @@ class StateArena:
         kv = kv.view(b, nb * self.block_tokens, 2, self.kv_heads, self.head_dim)[:, :length]
         return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
-    def store_kv(self, layer: int, units: torch.Tensor, offsets: torch.Tensor, k, v) -> None:
-        """Write K, V (n, KVH, hd) at (unit, token offset) pairs."""
+    def store_kv(self, layer: int, units: torch.Tensor, offsets: torch.Tensor, k, v):
+        """Write K, V (n, KVH, hd) at (unit, token offset) pairs. Packed: encoded, and the
+        rows as stored are returned decoded ((n, 2, KVH, hd) float32) for the chunk's own
+        attention; plain: returns None."""
         view = self.kv_view(layer)
+        if self.packed:
+            rows = self.codec.encode_packed(torch.stack([k, v], dim=1))
+            view[units, offsets] = rows
+            return self.codec.decode_packed(rows)
         view[units, offsets] = torch.stack([k, v], dim=1).to(self.dtype)
+        return None
+
+    def decode_attention(self, layer: int, q: torch.Tensor, units: torch.Tensor,
+                         seq_lens: torch.Tensor) -> torch.Tensor:
+        """Packed: one query per sequence q (b, H, hd) over its pages (block table `units`
+        (b, pages), `seq_lens` (b,) tokens including the query's own), page by page
+        (serving_core.kv_pages.decode_attention); (b, H, hd) float32."""
+        from serving_core import kv_pages
+
+        return kv_pages.decode_attention(q, self.kv_view(layer), self.codec, units, seq_lens)
+
+    def prefill_attention(self, layer: int, q: torch.Tensor, kv_new: torch.Tensor,
+                          units: torch.Tensor, cached: int):
+        """Packed: a chunk q (n, H, hd) after `cached` tokens on pages `units`, with its own
+        rows `kv_new` (n, 2, KVH, hd) as stored; K/V rebuilt `kv_group_heads` KV heads at a
+        time. Returns (out (n, H, hd) float32, peak temporary bytes)."""
+        from serving_core import kv_pages
+
+        return kv_pages.prefill_attention(q, kv_new[:, 0], kv_new[:, 1], self.kv_view(layer),
+                                          self.codec, units, cached, self.kv_group_heads)
 
     # ----- recurrent composites ---------------------------------------------------------------
     def locate(self, objs) -> dict[str, torch.Tensor]:
@@ -175,6 +221,43 @@ class StateArena:
         if self.org == "S2":
             return arena.view(-1, self.slot_elems)  # row = line id 16 p + s
         return arena
+
+    @property
+    def _slots_dense(self) -> bool:
+        """S2 slab pages hold whole slots only (line id = row of the arena viewed as slots);
+        not under TQ4, whose smaller pages leave a tail after their slots."""
+        return self.unit_elems[self.rec_pool] == self.slots_per_slab * self.slot_elems
+
+    def _slot_index(self, layer: int, lines: torch.Tensor):
+        arena = self.pools[self.rec_pool][layer]
+        slots = arena[:, : self.slots_per_slab * self.slot_elems].view(
+            arena.shape[0], self.slots_per_slab, self.slot_elems)
+        return slots, lines // self.slots_per_slab, lines % self.slots_per_slab
+
+    def _conv_read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Copies of conv rows (S1: conv pages; S2: slots by line id)."""
+        if self.org == "S2" and not self._slots_dense:
+            slots, page, slot = self._slot_index(layer, rows)
+            return slots[page, slot]
+        return self._conv_rows(layer).index_select(0, rows)
+
+    def _conv_write(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the first values.shape[1] elements of conv rows."""
+        if self.org == "S2" and not self._slots_dense:
+            slots, page, slot = self._slot_index(layer, rows)
+            slots[page, slot, : values.shape[1]] = values
+        else:
+            conv_rows = self._conv_rows(layer)
+            if values.shape[1] == conv_rows.shape[1]:
+                conv_rows.index_copy_(0, rows, values)
+            else:
+                conv_rows[rows, : values.shape[1]] = values
+
+    def conv_slot(self, line: int) -> torch.Tensor:
+        """S2: every layer's conv slot of one line id, a (layers, slot elements) view."""
+        page, slot = decode_conv_line(line, self.slots_per_slab)
+        return self.pools[self.rec_pool][:, page, slot * self.slot_elems:(slot + 1)
+                                         * self.slot_elems]
 
     @property
     def ssm_in_place(self) -> bool:
@@ -209,7 +292,7 @@ class StateArena:
             rows = self.pools[self.rec_pool][layer].index_select(0, loc["pages"].reshape(-1))
             conv = rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems]
         else:
-            conv = self._conv_rows(layer).index_select(0, loc["conv"])[:, : self.conv_elems]
+            conv = self._conv_read(layer, loc["conv"])[:, : self.conv_elems]
         return conv.reshape(b, *self.conv_shape)
 
     def scatter_conv(self, layer: int, loc: dict[str, torch.Tensor], conv: torch.Tensor) -> None:
@@ -221,7 +304,7 @@ class StateArena:
             rows = self.pools[self.rec_pool][layer]
             rows[loc["pages"].reshape(-1), self.ssm_elems : self.ssm_elems + self.conv_elems] = flat
         else:
-            self._conv_rows(layer)[loc["conv"], : self.conv_elems] = flat
+            self._conv_write(layer, loc["conv"], flat)
 
     def gather(self, layer: int, loc: dict[str, torch.Tensor]):
         """Copies of (conv (b, Cd, K-1), ssm (b, H, P, N)) and the rows they came from."""
@@ -235,7 +318,7 @@ class StateArena:
             return conv.view(b, *self.conv_shape), ssm, rows
         flat = rows.view(b, -1)[:, : self.ssm_elems]
         ssm = flat.view(b, *self.ssm_shape)
-        conv_rows = self._conv_rows(layer).index_select(0, loc["conv"])
+        conv_rows = self._conv_read(layer, loc["conv"])
         conv = conv_rows[:, : self.conv_elems].view(b, *self.conv_shape)
         return conv, ssm, (rows, conv_rows)
 
@@ -258,7 +341,7 @@ class StateArena:
         arena.index_copy_(0, pages.reshape(-1), rows)
         if conv.data_ptr() != conv_rows.data_ptr():
             conv_rows[:, : self.conv_elems] = conv.reshape(b, -1)
-        self._conv_rows(layer).index_copy_(0, loc["conv"], conv_rows)
+        self._conv_write(layer, loc["conv"], conv_rows)
 
     def read(self, obj) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (conv (1, Cd, K-1), ssm (1, H, P, N)) copies of one composite (fp32)."""

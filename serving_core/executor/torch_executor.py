@@ -91,6 +91,14 @@ class _DecodeIO(PagedRecurrentIO):
         new = [b[c // bt] for b, c in zip(blocks, ctx, strict=True)]
         self.new_units = torch.tensor(new, dtype=torch.long, device=dev)
         self.new_offsets = torch.tensor([c % bt for c in ctx], dtype=torch.long, device=dev)
+        self.packed_kv = arena.packed
+        self.seq_lens = torch.tensor(ctx, dtype=torch.long, device=dev) + 1
+
+    def attend(self, layer, q, k, v):
+        """Packed KV: store the new tokens encoded, then attend page by page (b, 1, H hd)."""
+        self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
+        out = self.arena.decode_attention(layer, q[:, 0], self.units_new, self.seq_lens)
+        return out.reshape(q.shape[0], 1, -1)
 
     def kv(self, layer):
         if not self.max_ctx:
@@ -129,6 +137,16 @@ class _SegmentIO:
                                       device=dev)
         self.new_offsets = torch.tensor([p % bt for p in pos], dtype=torch.long, device=dev)
         self.states = states
+        self.packed_kv = arena.packed
+        self.peak_temp_bytes = 0
+
+    def attend(self, layer, q, k, v):
+        """Packed KV: store the segment encoded, then attend causally over the prefix (rebuilt
+        `kv_group_heads` KV heads at a time) and the segment's own rows as stored."""
+        kv_new = self.arena.store_kv(layer, self.new_units, self.new_offsets, k[0], v[0])
+        out, peak = self.arena.prefill_attention(layer, q[0], kv_new, self.units[0], self.start)
+        self.peak_temp_bytes = max(self.peak_temp_bytes, peak)
+        return out.reshape(1, q.shape[1], -1)
 
     def kv(self, layer):
         if not self.start:
@@ -160,6 +178,9 @@ class TorchExecutor:
         self.mem = arena.mem
         self.interval = self.mem.checkpoint_interval
         self._pending: list[tuple] = []
+        # Packed KV: the largest prefill reconstruction temporary so far (bytes, measured
+        # from the tensors kv_pages.prefill_attention allocated).
+        self.kv_peak_temp_bytes = 0
 
     # ----- execution --------------------------------------------------------------------------
     def _fast(self, item) -> bool:
@@ -215,17 +236,19 @@ class TorchExecutor:
             first = (c0 // self.interval + 1) * self.interval
             cuts = list(range(first, c1 + 1, self.interval))
         edges = [c0] + [b for b in cuts if b < c1] + [c1]
+        peak = 0
         boundary_states = []
         logits = None
         dev = self.model.device
         for s, e in zip(edges[:-1], edges[1:], strict=True):
             ids = torch.tensor([req.token_ids(s, e)], device=dev)
             pos = torch.arange(s, e, device=dev)[None]
-            logits = self.model.forward(ids, pos,
-                                        _SegmentIO(self.arena, item.state.blocks, s, e, states),
-                                        logits=e == c1)
+            io = _SegmentIO(self.arena, item.state.blocks, s, e, states)
+            logits = self.model.forward(ids, pos, io, logits=e == c1)
+            peak = max(peak, io.peak_temp_bytes)
             if rec and e in cuts:
                 boundary_states.append((e, [(c.clone(), m.clone()) for c, m in states]))
+        self.kv_peak_temp_bytes = max(self.kv_peak_temp_bytes, peak)
         if rec:
             self._pending.append((item.state, boundary_states, states))
         return int(logits[0].argmax())
@@ -234,7 +257,8 @@ class TorchExecutor:
         """What this executor runs, read from its model."""
         return {"executor": "torch", "device": str(self.model.device),
                 "dtype": str(self.model.dtype).removeprefix("torch."),
-                "scan_chunk": int(self.model.chunk)}
+                "scan_chunk": int(self.model.chunk), "kv_codec": self.arena.kv_codec,
+                "kv_group_heads": self.arena.kv_group_heads}
 
     # ----- after publication ------------------------------------------------------------------
     def commit(self, plan) -> None:

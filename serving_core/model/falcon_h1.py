@@ -47,6 +47,9 @@ class StateIO(Protocol):
     def store_recurrent(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """The updated window and state (the tensors `recurrent` returned, updated)."""
 
+    # Optional: an IO with `packed_kv = True` (TQ4 pages) stores K/V and attends itself:
+    # attend(layer, q (b, T, H, hd), k, v (b, T, KVH, hd)) -> (b, T, H hd) float32.
+
 
 def _json_float(value) -> float:
     """A float as transformers writes it to config.json ({"__float__": "Infinity"} for inf)."""
@@ -213,6 +216,8 @@ class FalconH1:
         v = self._lin(x, p + "v_proj").view(b, t, self.kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if getattr(io, "packed_kv", False):  # compressed pages: the IO attends over them
+            return self._lin(io.attend(i, q, k, v).to(x.dtype), p + "o_proj")
         if t == 1 and hasattr(io, "decode_kv"):
             return self._lin(self._decode_attention(q, *io.decode_kv(i, k, v)), p + "o_proj")
         k_ctx, v_ctx, valid = io.kv(i)
