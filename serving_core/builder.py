@@ -162,7 +162,7 @@ class _Unbuilt:
 
 
 EXECUTOR_KEYS = ("executor", "step_model", "profile", "indirection", "device", "dtype",
-                 "scan_chunk")
+                 "scan_chunk", "kv_codec", "kv_group_heads")
 
 
 def preflight(spec: EngineSpec) -> dict[str, Any]:

@@ -122,6 +122,8 @@ class EngineSpec:
             "step_model": _requested_step_model(self.executor),
             **({"scan_chunk": self.executor.scan_chunk}
                if self.executor.kind == "torch" and self.executor.scan_chunk else {}),
+            **({"kv_codec": geometry.kv_codec, "kv_group_heads": geometry.kv_group_heads}
+               if self.executor.kind == "torch" else {}),
             "clock": self.clock_kind,
             "trace": bool(self.trace),
         }

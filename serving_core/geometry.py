@@ -107,8 +107,9 @@ class Geometry:
         return self.num_kv_heads * 2 * self.head_dim
 
     def with_codec(self, kv_codec: str) -> Geometry:
-        """The same model with another KV representation."""
-        return replace(self, kv_codec=kv_codec)
+        """The same model with another KV representation (kv_group_heads kept for tq4)."""
+        group = self.kv_group_heads if kv_codec == "tq4" else None
+        return replace(self, kv_codec=kv_codec, kv_group_heads=group)
 
     @property
     def mamba_inner(self) -> int:

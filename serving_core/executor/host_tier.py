@@ -57,7 +57,9 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _nan_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.full(t.shape, math.nan, dtype=t.dtype, device="cpu")
+    """NaN of t's shape; packed TQ4 bytes (uint8): 0xFF, whose fp16 norms are NaN."""
+    fill = math.nan if t.is_floating_point() else 0xFF
+    return torch.full(t.shape, fill, dtype=t.dtype, device="cpu")
 
 
 class HostTier:
