@@ -13,6 +13,10 @@
 2. Tokens per second: our engine (S2, all requests at t=0, greedy, exact lengths) against
    transformers' batched `generate` at the same batch size, prompt and output lengths.
 
+3. TQ4 (bench/tq4_bench.py): page-native decode over packed pages against plain paged
+   decode at batches 8 / 32 / 53, and the prefill reconstruction's peak temporary bytes for
+   KV-head groups of 1, 2 and all (--skip-tq4 leaves it out).
+
 Prints a table and writes bench/results/kernels.json. Numbers, not assertions.
 """
 
@@ -29,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import tq4_bench
 from bench.tiny import tiny_checkpoint
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import serve
@@ -228,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--skip-generate", action="store_true",
                         help="only the paged / contiguous table")
+    parser.add_argument("--skip-tq4", action="store_true",
+                        help="without the TQ4 part (bench/tq4_bench.py)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tiny_checkpoint(args.checkpoint) as checkpoint:
@@ -252,9 +259,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{gen['output_tokens']} output tokens: engine {gen['engine_tok_s']:.1f} "
                   f"tok/s ({gen['engine_s']:.2f} s), transformers generate "
                   f"{gen['transformers_tok_s']:.1f} tok/s ({gen['transformers_s']:.2f} s)")
+        # 3. TQ4: page-native decode vs plain paged decode at batches 8/32/53, and the
+        # prefill reconstruction's peak temporary for groups of 1, 2 and all KV heads.
+        tq4 = None if args.skip_tq4 else tq4_bench.run(repeats=max(1, args.repeats // 3))
         RESULTS.mkdir(parents=True, exist_ok=True)
         out = {"threads": torch.get_num_threads(), "load_avg": os.getloadavg()[0],
-               "paged_vs_contiguous": rows, "generate": gen}
+               "paged_vs_contiguous": rows, "generate": gen, "tq4": tq4}
         (RESULTS / "kernels.json").write_text(json.dumps(out, indent=2))
     return 0
 

@@ -85,6 +85,27 @@ def prefill_rows(prefix: int, chunk: int, repeats: int) -> list[dict]:
     return rows
 
 
+def run(context: int = 2048, prefix: int = 8192, repeats: int = 3) -> dict:
+    """Print both tables; return their rows (bench/results/kernels.json's "tq4")."""
+    print(f"TQ4 decode vs plain paged decode, one layer, {HQ} q / {HKV} kv heads x {D}, "
+          f"{BLOCK}-token pages, context {context}, {torch.get_num_threads()} threads")
+    print(f"{'batch':>5} {'tq4 ms':>8} {'bf16 ms':>8} {'ratio':>6} {'tq4 KV B':>12} "
+          f"{'bf16 KV B':>12}")
+    decode = []
+    for batch in (8, 32, 53):
+        r = decode_row(batch, context, repeats)
+        decode.append(r)
+        print(f"{r['batch']:>5} {r['tq4_ms']:>8.2f} {r['bf16_ms']:>8.2f} {r['ratio']:>6.2f} "
+              f"{r['tq4_kv_bytes']:>12,} {r['bf16_kv_bytes']:>12,}")
+    print(f"prefill reconstruction: chunk 512 after {prefix} packed tokens "
+          "(peak = the group's float32 K/V operands + one page's decoded temporary)")
+    print(f"{'group':>5} {'peak temp B':>12} {'ms':>8}")
+    prefill = prefill_rows(prefix, 512, max(1, repeats // 2))
+    for r in prefill:
+        print(f"{r['group']:>5} {r['peak_bytes']:>12,} {r['ms']:>8.1f}")
+    return {"context": context, "prefix": prefix, "decode": decode, "prefill": prefill}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tq4_bench", description=__doc__)
     parser.add_argument("--context", type=int, default=2048, help="cached tokens per sequence")
@@ -92,18 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    print(f"TQ4 decode vs plain paged decode, one layer, {HQ} q / {HKV} kv heads x {D}, "
-          f"{BLOCK}-token pages, context {args.context}, {torch.get_num_threads()} threads")
-    print(f"{'batch':>5} {'tq4 ms':>8} {'bf16 ms':>8} {'ratio':>6} {'tq4 KV B':>12} "
-          f"{'bf16 KV B':>12}")
-    for batch in (8, 32, 53):
-        r = decode_row(batch, args.context, args.repeats)
-        print(f"{r['batch']:>5} {r['tq4_ms']:>8.2f} {r['bf16_ms']:>8.2f} {r['ratio']:>6.2f} "
-              f"{r['tq4_kv_bytes']:>12,} {r['bf16_kv_bytes']:>12,}")
-    print(f"prefill reconstruction: chunk 512 after {args.prefix} packed tokens")
-    print(f"{'group':>5} {'peak temp B':>12} {'ms':>8}")
-    for r in prefill_rows(args.prefix, 512, max(1, args.repeats // 2)):
-        print(f"{r['group']:>5} {r['peak_bytes']:>12,} {r['ms']:>8.1f}")
+    run(args.context, args.prefix, args.repeats)
     return 0
 
 
