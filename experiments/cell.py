@@ -66,6 +66,7 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("engine", "free_queue"): "free_first",
     ("engine", "checkpoint_recency"): "release",
     ("model", "kv_group_heads"): None,
+    ("engine", "interleave"): None,
 }
 
 

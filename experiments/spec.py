@@ -81,6 +81,8 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
             "slab_policy": str(eng.get("slab_policy", "write_once")),
             "free_queue": str(eng.get("free_queue", "free_first")),
             "checkpoint_recency": str(eng.get("checkpoint_recency", "release")),
+            "interleave": (None if eng.get("interleave") is None
+                           else _plain(eng.interleave)),
         },
         "executor": executor,
         "trace": bool(cfg.trace),

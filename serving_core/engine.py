@@ -272,6 +272,7 @@ class Engine:
             "free_queue": _one({"single_queue" if pool.single_queue else "free_first"
                                 for pool in mem.pools.values()}),
             "checkpoint_recency": mem.checkpoint_recency,
+            "interleave": None if sched.interleave is None else dict(sched.interleave),
             "retention_k": sched.retention_k,
             "pinning_k": sched.pinning_k,
             "cap": sched.cap,

@@ -113,6 +113,7 @@ class EngineSpec:
             "slab_policy": sc.slab_policy if cls.has_slabs else None,
             "free_queue": sc.free_queue,
             "checkpoint_recency": sc.checkpoint_recency,
+            "interleave": sc.interleave,
             "retention_k": sc.retention_k,
             "pinning_k": sc.pinning_k,
             "cap": sc.cap,

@@ -19,6 +19,10 @@ Rules (SchedulerConfig; SPEC section 5):
   (a check at admission, not a hold; r = 0 is full_prompt).
 - checkpoint placement `step_end`: a checkpoint is published only where a step
   ends on an interval boundary; `every_boundary`: at each boundary a chunk crosses.
+- interleave (off by default) `{decode_steps: k, prefill_tokens: m}`: while a running
+  request decodes, k steps carry decodes only, then one step carries the decodes plus at
+  most m prefill tokens (running chunks and admissions together); with no decoder, chunks
+  of up to the token budget as without it.
 - align_chunks: a prefill chunk ends on the last checkpoint boundary (a multiple
   of C) within the budget, and the tail after the last boundary is a chunk of its
   own, so every full interval of a prompt is published at a step end.
@@ -31,6 +35,7 @@ that `Engine.effective_rules()` reads back for a run's record.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from serving_core.memory import SLAB_POLICIES, MemoryOrganization
@@ -58,6 +63,10 @@ class SchedulerConfig:
     slab_policy: str = "write_once"  # S2: write_once | refill | dense (memory.s2)
     free_queue: str = "free_first"  # free_first | single_queue (memory.pool)
     checkpoint_recency: str = "release"  # release | publication (memory.base)
+    # Bounded prefill interleave {decode_steps: k, prefill_tokens: m} (None: off): while any
+    # running request decodes, k steps carry decodes only, then one step carries the decodes
+    # plus at most m prefill tokens (running chunks and admissions together), and so on.
+    interleave: Mapping[str, int] | None = None
 
     def memory_rules(self) -> dict[str, str]:
         """The allocator's rules (build_memory keyword arguments)."""
@@ -98,10 +107,29 @@ class SchedulerConfig:
                 f"engine.reserve_output_tokens={r}: applies only with "
                 "engine.admission=reserve_output (allowed value here: 0)"
             )
+        if self.interleave is not None:
+            object.__setattr__(self, "interleave", _interleave(self.interleave))
         for name in ("retention_k", "pinning_k"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1 or null (off)")
+
+
+INTERLEAVE_KEYS = ("decode_steps", "prefill_tokens")
+
+
+def _interleave(value) -> dict[str, int]:
+    """engine.interleave as a plain {decode_steps, prefill_tokens} of integers >= 1."""
+    if not isinstance(value, Mapping) or sorted(value) != sorted(INTERLEAVE_KEYS):
+        raise ValueError(f"engine.interleave={value!r}: allowed values are null or "
+                         "{decode_steps: k, prefill_tokens: m} (integers >= 1)")
+    out = {}
+    for key in INTERLEAVE_KEYS:
+        v = value[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"engine.interleave.{key}={v!r}: allowed values are integers >= 1")
+        out[key] = int(v)
+    return out
 
 
 @dataclass(slots=True)
@@ -142,6 +170,14 @@ class Scheduler:
         self.full_prompt = cfg.admission in ("full_prompt", "reserve_output")
         self.reserve_output = cfg.admission == "reserve_output"
         self.reserve_output_tokens = cfg.reserve_output_tokens
+        self.interleave = cfg.interleave  # None, or {decode_steps, prefill_tokens}
+        self.decode_only_steps = 0  # interleave: decode-only steps since prefill was allowed
+        if self.interleave and self.align and self.interleave["prefill_tokens"] < self.C:
+            raise ValueError(
+                f"engine.interleave.prefill_tokens={self.interleave['prefill_tokens']}: below "
+                f"{mem.org}'s checkpoint interval {self.C} with aligned chunks no prefill "
+                "could progress while requests decode; allowed: prefill_tokens >= "
+                f"{self.C}, or engine.align_chunks=false")
         self.state = HybridStateManager(
             mem, step_end=self.step_end, retention_k=cfg.retention_k,
             track_demand=cfg.retention_k is not None or cfg.pinning_k is not None,
@@ -179,13 +215,15 @@ class Scheduler:
         self.state.begin_step(self.step)
         self.num_preempted_step = self.num_admitted_step = 0
         budget = self.max_num_batched_tokens
+        prefill = self._prefill_allowance() if self.interleave else budget
         plan: list[Scheduled] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             want = req.num_tokens - req.num_computed
-            if want > 1:  # decode (one token) needs no chunking
-                want = self._chunk(req.num_computed, req.num_tokens, budget)
+            chunk = want > 1
+            if chunk:  # decode (one token) needs no chunking
+                want = self._chunk(req.num_computed, req.num_tokens, min(budget, prefill))
             if not want:
                 i += 1  # an aligned chunk needs more budget than is left this step
                 continue
@@ -203,23 +241,39 @@ class Scheduler:
                 break
             plan.append(Scheduled(req, got, req.num_computed))
             budget -= got
+            if chunk:
+                prefill -= got
             i += 1
         # Admission only in a step without preemption (new work must not displace old),
         # unless nothing is left running (progress).
         if not self.num_preempted_step or not plan:
-            while self.waiting and budget > 0 and len(self.running) < self.cap:
-                item = self._try_admit(self.waiting[0], budget)
+            while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.cap:
+                item = self._try_admit(self.waiting[0], min(budget, prefill))
                 if item is None:
                     break
                 self.waiting.popleft()
                 plan.append(item)
                 budget -= item.num_new
+                prefill -= item.num_new
         self.max_running = max(self.max_running, len(self.running))
         if self.state_views:
             chunk_state = self.state.chunk_state
             for item in plan:
                 item.state = chunk_state(item.req, item.context + item.num_new)
         return plan
+
+    def _prefill_allowance(self) -> int:
+        """Interleave: prefill tokens this step may carry. With a running request that decodes
+        (one token left to compute), 0 for `decode_steps` steps, then `prefill_tokens` for
+        one step; with none, the whole token budget (and the count starts again)."""
+        if not any(r.num_tokens - r.num_computed == 1 for r in self.running):
+            self.decode_only_steps = 0
+            return self.max_num_batched_tokens
+        if self.decode_only_steps < self.interleave["decode_steps"]:
+            self.decode_only_steps += 1
+            return 0
+        self.decode_only_steps = 0
+        return self.interleave["prefill_tokens"]
 
     # ----- chunks and reservations --------------------------------------------------------------
     def _chunk(self, start: int, total: int, budget: int) -> int:

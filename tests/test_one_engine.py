@@ -23,11 +23,12 @@ from serving_core.memory import ORG_TO_CLASS
 
 REPO = Path(__file__).resolve().parent.parent
 RULE_KEYS = ("org", "admission", "checkpoint_placement", "align_chunks", "slab_policy",
-             "free_queue", "checkpoint_recency", "retention_k", "pinning_k", "cap", "headroom")
+             "free_queue", "checkpoint_recency", "retention_k", "pinning_k", "cap", "headroom",
+             "interleave")
 PAPER_S2 = {"org": "S2", "admission": "full_prompt", "checkpoint_placement": "step_end",
             "align_chunks": True, "slab_policy": "write_once", "free_queue": "free_first",
             "checkpoint_recency": "release", "retention_k": None, "pinning_k": None, "cap": 63,
-            "headroom": 0.0}
+            "headroom": 0.0, "interleave": None}
 # (overrides, the rules an engine must run for them), by hand from SPEC section 5.
 SETTINGS = {
     "paper": ((), PAPER_S2),
@@ -56,6 +57,10 @@ SETTINGS = {
     "d0_aligned": (("org=d0", "engine.checkpoint_placement=step_end",
                     "engine.align_chunks=true"),
                    {**PAPER_S2, "org": "D0", "slab_policy": None}),
+    "d0_interleave": (("org=d0", "engine.interleave={decode_steps:4,prefill_tokens:64}"),
+                      {**PAPER_S2, "org": "D0", "checkpoint_placement": "every_boundary",
+                       "align_chunks": False, "slab_policy": None,
+                       "interleave": {"decode_steps": 4, "prefill_tokens": 64}}),
     "n0": (("org=n0",), {**PAPER_S2, "org": "N0", "checkpoint_placement": "every_boundary",
                          "align_chunks": False, "slab_policy": None}),
     "n0_step_end": (("org=n0", "engine.checkpoint_placement=step_end"),
