@@ -191,6 +191,7 @@ def serve_over_http(cmd: list[str], specs, *, kind: str = "hsl", records_dir: st
     out = {
         "requests": request_table(specs, records, tables["requests"], offset),
         "poller": poller.columns,
+        "footprint": poller.footprint,
         "trace": _remap(tables["trace"], offset, ids, ("t_s",),
                         ("request_id", "cause_request_id")),
         "slab": _remap(tables["slab"], offset, ids, ("t_s",), ("request_id",)),

@@ -320,7 +320,8 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
         "requests_not_exported": ["start_s", "resume_adopted_tokens", "preemptions",
                                   "episodes"],
     }
-    return VllmServed({"requests": requests, "poller": poller.columns}, summary,
+    return VllmServed({"requests": requests, "poller": poller.columns,
+                      "footprint": poller.footprint}, summary,
                       {"shared": cache["num_blocks"]}, engine_config)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-TABLES = ("runs", "requests", "poller", "trace", "slab", "steps")
+TABLES = ("runs", "requests", "poller", "trace", "slab", "steps", "footprint")
 RUN_TABLES = TABLES[1:]  # per-run tables the engine produces; runs is written last
 KEY_COLUMNS = ("run_id", "campaign")  # prepended by the writer to every run table
 
@@ -125,8 +125,14 @@ _TRACE = [
     _f("write_errors", _I, "count", "Recorder write errors (non-zero only on END)."),
 ]
 
-_SLAB = [
-    _f("seq", _I, "", "Slab event sequence number."),
+# Served runs only (a server process to measure): the poller's process-footprint samples.
+_FOOTPRINT = [
+    _f("t_s", _F, "s", "Sample time, seconds since the episode start (one every 0.25 s)."),
+    _f("rss_bytes", _I, "bytes", "Server process resident set size "
+       "(process_resident_memory_bytes; -1: not exported)."),
+]
+
+_SLAB = [    _f("seq", _I, "", "Slab event sequence number."),
     _f("t_s", _F, "s", "Event time."),
     _f("step", _I, "", "Engine step of the event."),
     _f("event", _S, "", "Slab event type.", SLAB_EVENTS),
@@ -228,6 +234,7 @@ ENGINE_SCHEMAS: dict[str, pa.Schema] = {
     "trace": pa.schema(_TRACE),
     "slab": pa.schema(_SLAB),
     "steps": pa.schema(_STEPS),
+    "footprint": pa.schema(_FOOTPRINT),
 }
 SCHEMAS: dict[str, pa.Schema] = {
     name: schema if name == "runs" else pa.schema([*_KEY_FIELDS, *schema])

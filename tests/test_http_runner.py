@@ -37,6 +37,10 @@ def test_runner_over_http_on_the_tiny_model(tag, tmp_path, tiny_checkpoint):  # 
     assert req[0] == 20 and req[1] == req[2] == out and req[3] > 0 and req[4] == 20
     ticks = [t for (t,) in con.sql("SELECT DISTINCT t_s FROM poller ORDER BY 1").fetchall()]
     assert ticks[0] == 0 and len(ticks) >= end - 1 and ticks == sorted(set(ticks))
+    # the server's resident memory, every 0.25 s of the episode
+    rss = con.sql("SELECT t_s, rss_bytes FROM footprint ORDER BY t_s").fetchall()
+    assert rss[0][0] == 0.0 and len(rss) >= 2 * end and all(b > 10**7 for _, b in rss)
+    assert all(round(t / 0.25, 6).is_integer() for t, _ in rss)
     last = con.sql("SELECT generation_tokens_total FROM poller ORDER BY t_s DESC LIMIT 1")
     assert last.fetchall()[0][0] == out  # the final scrape saw every generated token
     events = con.sql("SELECT event FROM trace ORDER BY seq").fetchall()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
-from experiments.poller import parse_metrics
+from experiments.poller import parse_metrics, parse_rss
+from ledgers.schemas import to_table
+from serving_core.server.metrics import HISTOGRAMS, make_registry, render
 
 HSL_D0 = """\
 # TYPE hsl:num_requests_running gauge
@@ -66,3 +69,22 @@ def test_vllm_names_map_to_the_same_columns():
 def test_missing_metric_is_marked_not_invented():
     (row,) = parse_metrics("hsl:num_requests_running 1.0\n", "hsl")
     assert row["running"] == 1 and row["waiting"] == -1 and math.isnan(row["usage_frac"])
+
+
+def test_server_scrape_carries_its_resident_memory():
+    """The server's registry exports process_resident_memory_bytes (Prometheus' process
+    collector); the poller reads it back, and it agrees with /proc/self/statm read here."""
+    snap = {"running": 0, "waiting": 0, "clock_s": 0.0, "pools": {"shared": (0, 0, 8, 8)},
+            "histograms": {name: ([(str(b), 0) for b in (*buckets, "+Inf")], 0.0)
+                           for name, (_doc, buckets) in HISTOGRAMS.items()}}
+    rss = parse_rss(render(make_registry(lambda: snap)).decode())
+    with open("/proc/self/statm") as fh:
+        resident_pages = int(fh.read().split()[1])
+    here = resident_pages * os.sysconf("SC_PAGE_SIZE")
+    assert rss > 0 and abs(rss - here) < 0.05 * here
+    assert parse_rss(HSL_D0) == -1  # not exported: marked, not invented
+
+
+def test_footprint_table_takes_the_poller_samples():
+    table = to_table("footprint", {"t_s": [0.0, 0.25, 0.5], "rss_bytes": [10, 12, -1]})
+    assert table.column_names == ["t_s", "rss_bytes"] and table.num_rows == 3

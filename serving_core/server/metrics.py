@@ -11,7 +11,7 @@ S0/S1/S2, attention and recurrent for D0); the older names the poller reads
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 PREFIX = "hsl:"
@@ -138,6 +138,9 @@ class SnapshotCollector:
 def make_registry(source, model_name: str = "") -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(source, model_name))
+    # process_resident_memory_bytes and the other process_* series, as vLLM's server
+    # exports them (Linux /proc): the poller samples the server's footprint from it.
+    ProcessCollector(registry=registry)
     return registry
 
 
