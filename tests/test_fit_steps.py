@@ -83,3 +83,29 @@ def test_too_few_steps_are_refused():
         fit_steps(load_geometry("falcon_h1_tiny"), "cpu", [("s2", short)])
     with pytest.raises(ValueError, match="no runs"):
         fit_steps(load_geometry("falcon_h1_tiny"), "cpu", [])
+
+
+def test_codec_fit_recovers_the_constants_that_timed_tq4_steps():
+    """Steps of the TQ4 tiny model simulated under KNOWN plus known codec constants; the fit,
+    given KNOWN with the nominal codec constants, recovers them (S2: KNOWN's indirection
+    scales the codec term too)."""
+    from omegaconf import OmegaConf
+
+    from serving_core.executor.fit_steps import fit_codec
+
+    codec = {"kv_decode_s_per_element": 3.0e-8, "kv_encode_s_per_element": 1.1e-7}
+    runs = []
+    for org in ("s2",):
+        cfg = compose_config(*SYNTH, "model=falcon_h1_tiny_tq4", f"org={org}")
+        OmegaConf.set_struct(cfg, False)
+        cfg.executor = OmegaConf.create({**asdict(load_device_profile("cpu")), **KNOWN, **codec})
+        runs.append((org, run_cell(cfg).tables["steps"]))
+    known = load_device_profile({**asdict(load_device_profile("cpu")), **KNOWN})
+    fit = fit_codec(load_geometry("falcon_h1_tiny_tq4"), known, runs)
+    assert fit.kv_decode_s_per_element == pytest.approx(codec["kv_decode_s_per_element"],
+                                                        rel=1e-6)
+    assert fit.kv_encode_s_per_element == pytest.approx(codec["kv_encode_s_per_element"],
+                                                        rel=1e-6)
+    assert fit.rms_rel_error < 1e-9 < fit.rms_rel_error_before and 0 < fit.codec_share < 1
+    with pytest.raises(ValueError, match="bf16 KV"):
+        fit_codec(load_geometry("falcon_h1_tiny"), known, runs)

@@ -130,4 +130,63 @@ def fit_steps(geometry: Geometry, start: DeviceProfile | str,
                    data={"runs": len(runs), "source": source, "start": prior.name})
 
 
-__all__ = ["PARAMETERS", "STEP_COLUMNS", "StepFit", "design", "fit_steps"]
+@dataclass(frozen=True)
+class CodecFit:
+    """TQ4 codec seconds per K/V element fitted to compressed-KV steps over a fixed profile."""
+
+    kv_decode_s_per_element: float
+    kv_encode_s_per_element: float
+    rows: int
+    rms_rel_error_before: float  # the profile's prediction with no codec term
+    rms_rel_error: float  # with the fitted codec term
+    codec_share: float  # fitted codec seconds / measured seconds, summed over the steps
+
+
+def fit_codec(geometry: Geometry, profile: DeviceProfile | str,
+              runs: Sequence[tuple[str, Mapping[str, Sequence]]]) -> CodecFit:
+    """Fit the two codec constants to the steps of compressed-KV `runs` (org, steps table).
+
+    Every other constant stays `profile`'s (fitted beforehand to the same engine's bf16
+    steps): each row's residual duration - (the profile's prediction without the codec) is
+    a D + b N, times the row's indirection factor, with D the K/V elements the decode
+    sequences read ((c + 1) tokens each) and N those every new token writes, E = 2 Hkv d L
+    elements per token (AdditiveStepModel's codec term); a, b >= 0 by non-negative least
+    squares on relative errors (each row weighted by 1 / duration)."""
+    from scipy.optimize import nnls
+
+    if geometry.kv_codec == "bf16":
+        raise ValueError("fit_codec: the geometry stores bf16 KV (no codec term to fit)")
+    base = replace(load_device_profile(profile), step_model="additive")
+    unit = {"decode": replace(base, kv_decode_s_per_element=1.0, kv_encode_s_per_element=0.0),
+            "encode": replace(base, kv_decode_s_per_element=0.0, kv_encode_s_per_element=1.0)}
+    cols: dict[str, list] = {}
+    for org, steps in runs:
+        model = AdditiveStepModel(geometry, base, org)
+        f = design(model, steps)
+        x = base.indirection_overhead if model.org in INDIRECT_ORGS else 0.0
+        theta = np.array([1.0, 1.0, 1.0, base.mixed_step_s, base.per_step_overhead_s,
+                          base.per_seq_overhead_s, x])
+        no_codec = dict(f, codec=np.zeros_like(f["duration"]))
+        cols.setdefault("pred", []).append(_predict(theta, no_codec, np.ones_like(f["seqs"])))
+        cols.setdefault("y", []).append(f["duration"])
+        for kind, prof in unit.items():
+            elems = AdditiveStepModel(geometry, prof, org).ledger_features(steps)["codec"]
+            cols.setdefault(kind, []).append(elems * (1.0 + x))
+    c = {k: np.concatenate(v) for k, v in cols.items()}
+    if not len(c["y"]):
+        raise ValueError("fit_codec: no steps to fit")
+    w = 1.0 / np.maximum(c["y"], 1e-12)
+    a = np.stack([c["decode"] * w, c["encode"] * w], axis=1)
+    (dec, enc), _ = nnls(a, (c["y"] - c["pred"]) * w)
+    fitted = c["pred"] + dec * c["decode"] + enc * c["encode"]
+    return CodecFit(
+        kv_decode_s_per_element=float(dec), kv_encode_s_per_element=float(enc),
+        rows=len(c["y"]),
+        rms_rel_error_before=float(np.sqrt(np.mean(((c["pred"] - c["y"]) * w) ** 2))),
+        rms_rel_error=float(np.sqrt(np.mean(((fitted - c["y"]) * w) ** 2))),
+        codec_share=float((dec * c["decode"] + enc * c["encode"]).sum() / c["y"].sum()),
+    )
+
+
+__all__ = ["PARAMETERS", "STEP_COLUMNS", "CodecFit", "StepFit", "design", "fit_codec",
+           "fit_steps"]
