@@ -35,11 +35,12 @@ def _geometry(codec: str = "tq4", group: int | None = None) -> Geometry:
     return replace(load_geometry("falcon_h1_tiny").with_codec(codec), kv_group_heads=group)
 
 
-def _engine(model, geometry: Geometry, org: str, budget: str = "b8", cap: int = 8):
+def _engine(model, geometry: Geometry, org: str, budget: str = "b8", cap: int = 8,
+            admission: str = "full_prompt"):
     units = units_for(plan_budget(geometry, budget), org)
-    return build_torch_engine(model, geometry, org, units,
-                              SchedulerConfig(cap=cap, max_num_batched_tokens=2048, headroom=0.0),
-                              clock=VirtualClock())
+    cfg = SchedulerConfig(cap=cap, max_num_batched_tokens=2048, headroom=0.0,
+                          admission=admission)
+    return build_torch_engine(model, geometry, org, units, cfg, clock=VirtualClock())
 
 
 def _generate(engine, prompts, output_tokens: int) -> dict[int, list[int]]:
@@ -123,6 +124,10 @@ def test_tq4_generations_are_deterministic_and_the_same_under_every_organization
     assert again == outs["S2"]
     for org in ORGS:
         assert outs[org] == outs["S0"], org
+    # preemption (recompute from the packed prefix the request published) changes nothing
+    small = _engine(tiny_model, _geometry(), "S2", "b4", admission="first_chunk")
+    assert _generate(small, prompts, 12) == outs["S2"]
+    assert small.sched.preemptions_total > 0
     bf16 = _generate(_engine(tiny_model, _geometry("bf16"), "S2", "b63"), prompts, 12)
     same = sum(a == b for i in bf16 for a, b in zip(bf16[i], outs["S2"][i], strict=True))
     with capsys.disabled():

@@ -26,8 +26,10 @@ SSD_CHUNK_TOKENS = 256
 
 STEP_MODELS = ("roofline", "additive")
 
-# TQ4 codec work per K/V element (serving_core.kv_codec), NOMINAL A100 values, not fitted: no
-# real TQ4 steps exist yet to fit them with fit_steps. The work runs on CUDA cores (A100
+# TQ4 codec work per K/V element (serving_core.kv_codec), NOMINAL A100 values, not fitted: the
+# only real TQ4 steps are the torch executor's on this machine's CPU (experiments.codec_fit
+# fits them there, fit_steps.fit_codec), whose reference codec's cost says nothing about an
+# A100 kernel, and no A100 is available to time one. The work runs on CUDA cores (A100
 # datasheet: 19.5 TFLOP/s fp32 non-tensor), taken at half that rate. Decoding one element is
 # about 4 operations (shift and mask out the nibble, codebook lookup, multiply by the norm;
 # the attention product stays in the rotated basis, so no inverse rotation per key): 4 / 9.75e12.

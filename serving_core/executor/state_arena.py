@@ -141,6 +141,8 @@ class StateArena:
 
     def gather_kv(self, layer: int, units: torch.Tensor, length: int):
         """K and V of the first `length` tokens of each row of block units (b, nb)."""
+        if self.packed:
+            raise RuntimeError("packed (tq4) KV is read through decode/prefill_attention")
         view = self.kv_view(layer)
         b, nb = units.shape
         kv = view.index_select(0, units.reshape(-1)).view(b, nb * self.block_tokens, 2,
@@ -153,6 +155,8 @@ class StateArena:
         units copied (one contiguous copy each) into a scratch buffer the arena keeps, so a
         decode step allocates nothing large (no page faults); the views are strided, which
         attention reads as they are. Valid until the next call."""
+        if self.packed:
+            raise RuntimeError("packed (tq4) KV is read through decode/prefill_attention")
         view = self.kv_view(layer)
         b, nb = units.shape
         n = b * nb
