@@ -23,6 +23,7 @@ from hydra import compose, initialize_config_dir
 from experiments.bad_input import EXIT_BAD_INPUT
 from experiments.spec import engine_spec
 from experiments.workload import RequestSpec
+from ledgers.arms import ARMS
 from serving_core.builder import build_engine
 from serving_core.engine import serve
 from serving_core.executor.fit_steps import fit_codec, fit_steps
@@ -56,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     orgs = [o.strip() for o in args.orgs.split(",") if o.strip()]
-    if not orgs or any(o not in ("s0", "s1", "s2", "d0") for o in orgs):
-        print(f"error: --orgs={args.orgs!r}: allowed values are s0, s1, s2, d0",
+    allowed = [a.name for a in ARMS.values() if not a.retention]
+    if not orgs or any(o not in allowed for o in orgs):
+        print(f"error: --orgs={args.orgs!r}: allowed values are {', '.join(allowed)}",
               file=sys.stderr)
         return EXIT_BAD_INPUT
     import torch
