@@ -67,6 +67,7 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("engine", "checkpoint_recency"): "release",
     ("model", "kv_group_heads"): None,
     ("engine", "interleave"): None,
+    ("engine", "split_last_boundary"): False,
 }
 
 

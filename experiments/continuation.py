@@ -75,32 +75,39 @@ def parse_case(label: str) -> tuple[int, int]:
 
 
 # ----- the placement rule, computed independently of the scheduler ---------------------------
-def chunk_ends(start: int, n: int, C: int, budget: int, align: bool) -> list[int]:
+def chunk_ends(start: int, n: int, C: int, budget: int, align: bool,
+               split: bool = False) -> list[int]:
     """Ends of the prefill chunks of a lone request computing [start, n) under a token
     budget: aligned chunks stop at the last multiple of C within the budget, then the
-    tail after the last boundary runs alone."""
+    tail after the last boundary runs alone; with `split` (split_last_boundary), an
+    aligned chunk that would end at n = k C ends at n - C when that is past its start."""
     ends, pos = [], start
     while pos < n:
         end = min(n, pos + budget)
-        if align and end // C * C > pos:
-            end = end // C * C
+        aligned = end // C * C
+        if align and split and aligned == n and aligned - C > pos:
+            aligned -= C
+        if align and aligned > pos:
+            end = aligned
         ends.append(end)
         pos = end
     return ends
 
 
-def published_boundaries(n: int, C: int, budget: int, step_end: bool, align: bool) -> list[int]:
+def published_boundaries(n: int, C: int, budget: int, step_end: bool, align: bool,
+                         split: bool = False) -> list[int]:
     """Checkpoint boundaries a cold prefill of n tokens publishes: chunk ends on a
     multiple of C (step_end), or every multiple of C a chunk reaches (every_boundary)."""
-    ends = chunk_ends(0, n, C, budget, align)
+    ends = chunk_ends(0, n, C, budget, align, split)
     if step_end:
         return [e for e in ends if e % C == 0]
     return list(range(C, n + 1, C))
 
 
-def expected_prefix(n: int, C: int, budget: int, step_end: bool, align: bool) -> int:
+def expected_prefix(n: int, C: int, budget: int, step_end: bool, align: bool,
+                    split: bool = False) -> int:
     """p: the deepest published boundary strictly inside the prompt (0 if none)."""
-    inside = [b for b in published_boundaries(n, C, budget, step_end, align) if b < n]
+    inside = [b for b in published_boundaries(n, C, budget, step_end, align, split) if b < n]
     return max(inside, default=0)
 
 
@@ -112,6 +119,7 @@ class PairResult:
     interval: int
     placement: str
     align_chunks: bool
+    split_last_boundary: bool
     output_tokens: int
     restored_prefix_b: int
     credited_prefix_p: int
@@ -277,7 +285,7 @@ def _force_credit(engine, rid: int, keys: list[int], p: int) -> None:
 def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: int,
              seed: int, *, delayed_save: bool = False, save_delay_s: float = 1.0,
              fault: str | None = None, interposer_tokens: int | None = None,
-             poison: bool = True) -> PairResult:
+             poison: bool = True, split_last_boundary: bool = False) -> PairResult:
     """The protocol for one organization and one prompt length (see the module doc)."""
     from serving_core.builder import build_engine, loaded_model_spec
     from serving_core.executor.host_tier import HostTier
@@ -286,7 +294,8 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"fault={fault!r}: allowed values are {', '.join(FAULTS)}")
     spec = loaded_model_spec(model, geometry, arm(org).org, budget,
-                             {"cap": 8, "max_num_batched_tokens": MAX_BATCHED_TOKENS})
+                             {"cap": 8, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+                              "split_last_boundary": split_last_boundary})
 
     def fresh_engine():
         return build_engine(spec, model=model)
@@ -354,17 +363,20 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     if mismatch < 0 and len(cold_tokens) != len(reload_tokens):
         mismatch = min(len(cold_tokens), len(reload_tokens))
     budget_tokens = sched.max_num_batched_tokens
-    p_rule = expected_prefix(n, C, budget_tokens, sched.step_end, sched.align)
+    split = sched.split_last_boundary
+    p_rule = expected_prefix(n, C, budget_tokens, sched.step_end, sched.align, split)
     b = restored.prefix_tokens
     return PairResult(
         org=org, length_case=case, n_tokens=n, interval=C,
         placement="step_end" if sched.step_end else "every_boundary",
-        align_chunks=bool(sched.align), output_tokens=output_tokens,
+        align_chunks=bool(sched.align), split_last_boundary=split,
+        output_tokens=output_tokens,
         restored_prefix_b=b, credited_prefix_p=req.adopted_first, expected_p=p_rule,
         full_prefix=C * ((n - 1) // C), reuse_lost=C * ((n - 1) // C) - p_rule,
         tier_full_depth=tier_full, first_context=first.get("context", -1),
         first_scheduled=first.get("scheduled", -1),
-        expected_first=next(iter(chunk_ends(b, n, C, budget_tokens, sched.align)), b) - b,
+        expected_first=next(iter(chunk_ends(b, n, C, budget_tokens, sched.align, split)),
+                            b) - b,
         bytes_h2d=restored.bytes_h2d, expected_bytes=expected_bytes,
         unit_capacity_bytes=capacity, restored_units=units, expected_units=expected_units,
         poisoned_units=restored.poisoned_units, restored_exact=exact,
@@ -418,6 +430,7 @@ def report_section(rows: list[PairResult], model: str) -> str:
     ]
     for r in rows:
         rule = "step_end+align" if r.align_chunks else r.placement
+        rule += "+split" if r.split_last_boundary else ""
         window = "-" if r.window_b < 0 else f"{r.window_b} / {r.window_p}"
         tokens = "yes" if r.tokens_equal else f"no (first at {r.first_mismatch})"
         fault = f" fault {r.fault}" if r.fault else ""
@@ -476,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-delay", type=float, default=1.0,
                    help="seconds of the tier's clock a delayed save stays incomplete")
     p.add_argument("--fault", default="none", help="fault injection: none | credit_n_minus_1")
+    p.add_argument("--split-last-boundary", action="store_true",
+                   help="engine.split_last_boundary: aligned chunks of a k C prompt end at N - C")
     p.add_argument("--budget", default="b63")
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -520,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 row = run_pair(model, geometry, org, args.budget, case, args.output_tokens,
                                args.seed + i, delayed_save=parse_case(case) in delayed_keys,
-                               save_delay_s=args.save_delay, fault=fault)
+                               save_delay_s=args.save_delay, fault=fault,
+                               split_last_boundary=args.split_last_boundary)
             except ValueError as err:  # a case the organization cannot run (N < 1, fault)
                 print(f"error: org={org} case={case}: {err}", file=sys.stderr)
                 return 2

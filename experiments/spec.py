@@ -83,6 +83,7 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
             "checkpoint_recency": str(eng.get("checkpoint_recency", "release")),
             "interleave": (None if eng.get("interleave") is None
                            else _plain(eng.interleave)),
+            "split_last_boundary": eng.get("split_last_boundary", False),
         },
         "executor": executor,
         "trace": bool(cfg.trace),

@@ -268,6 +268,7 @@ class Engine:
                 ("step_end" if sched.step_end else "every_boundary") if sched.C else None
             ),
             "align_chunks": bool(sched.align),
+            "split_last_boundary": sched.split_last_boundary,
             "slab_policy": mem.slab_policy if mem.has_slabs else None,
             "free_queue": _one({"single_queue" if pool.single_queue else "free_first"
                                 for pool in mem.pools.values()}),

@@ -110,6 +110,7 @@ class EngineSpec:
             "reserve_output_tokens": sc.reserve_output_tokens,
             "checkpoint_placement": placement,
             "align_chunks": bool(interval) and bool(align),
+            "split_last_boundary": bool(interval) and bool(align) and sc.split_last_boundary,
             "slab_policy": sc.slab_policy if cls.has_slabs else None,
             "free_queue": sc.free_queue,
             "checkpoint_recency": sc.checkpoint_recency,

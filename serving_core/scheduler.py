@@ -26,6 +26,10 @@ Rules (SchedulerConfig; SPEC section 5):
 - align_chunks: a prefill chunk ends on the last checkpoint boundary (a multiple
   of C) within the budget, and the tail after the last boundary is a chunk of its
   own, so every full interval of a prompt is published at a step end.
+- split_last_boundary (off by default): with aligned chunks, a prefill chunk that
+  would end exactly at the end of a prompt of k C tokens ends at (k-1) C instead, so
+  the state at N - C is published (p = C floor((N-1)/C) for a later identical
+  prompt; vLLM runs such a prompt as one chunk and publishes only the state at N).
 Placement and alignment default per organization: the organization's class says
 (`checkpoint_placement`, `align_chunks` on serving_core.memory's classes).
 The resolved rules are attributes (`full_prompt`, `step_end`, `align`, `cap`, ...)
@@ -67,6 +71,7 @@ class SchedulerConfig:
     # running request decodes, k steps carry decodes only, then one step carries the decodes
     # plus at most m prefill tokens (running chunks and admissions together), and so on.
     interleave: Mapping[str, int] | None = None
+    split_last_boundary: bool = False  # aligned: a chunk ending at N = k C ends at N - C
 
     def memory_rules(self) -> dict[str, str]:
         """The allocator's rules (build_memory keyword arguments)."""
@@ -91,6 +96,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"engine.align_chunks={self.align_chunks!r}: allowed values are true, false, null"
             )
+        if self.split_last_boundary not in (True, False):
+            raise ValueError(f"engine.split_last_boundary={self.split_last_boundary!r}: "
+                             "allowed values are true, false")
         if self.cap < 1:
             raise ValueError(f"engine.cap={self.cap} must be >= 1")
         if self.max_num_batched_tokens < 1:
@@ -167,6 +175,8 @@ class Scheduler:
             and cfg.max_num_batched_tokens >= self.C
             and (org.align_chunks if cfg.align_chunks is None else cfg.align_chunks)
         )
+        # Only aligned chunks end on boundaries by rule; elsewhere the split has no effect.
+        self.split_last_boundary = self.align and bool(cfg.split_last_boundary)
         self.full_prompt = cfg.admission in ("full_prompt", "reserve_output")
         self.reserve_output = cfg.admission == "reserve_output"
         self.reserve_output_tokens = cfg.reserve_output_tokens
@@ -281,10 +291,13 @@ class Scheduler:
 
         Aligned chunks stop at the last checkpoint boundary within the budget, then the
         tail follows in its own chunk; 0 when the budget reaches neither a boundary nor
-        the end."""
+        the end. With split_last_boundary, a chunk that would end at `total` on a boundary
+        ends one interval earlier (when that is past `start`)."""
         end = min(total, start + budget)
         if self.align:
             aligned = end // self.C * self.C
+            if self.split_last_boundary and aligned == total and aligned - self.C > start:
+                aligned -= self.C
             if aligned > start:
                 end = aligned
             elif end < total:

@@ -7,6 +7,7 @@ bytes) each catch the fault they exist for."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -139,6 +140,14 @@ def test_expected_prefix_under_step_end_with_aligned_chunks(n, p):
     assert cont.expected_prefix(n, 512, 2048, step_end=True, align=True) == p
 
 
+@pytest.mark.parametrize("n, p", [(1024, 512), (1536, 1024), (1023, 512), (1025, 1024),
+                                  (2560, 2048), (3072, 2560), (512, 0)])
+def test_expected_prefix_with_the_last_boundary_split(n, p):
+    """split_last_boundary: a k C prompt's aligned chunk ends at N - C (hand-computed ends:
+    1024 -> [512, 1024], 1536 -> [1024, 1536], 3072 -> [2048, 2560, 3072])."""
+    assert cont.expected_prefix(n, 512, 2048, step_end=True, align=True, split=True) == p
+
+
 @pytest.mark.parametrize("n, p", [(3583, 1792), (3584, 1792), (3585, 3584), (5375, 3584),
                                   (5376, 3584), (5377, 5376), (1792, 0)])
 def test_expected_prefix_under_every_boundary(n, p):
@@ -166,12 +175,15 @@ def test_rule_helper_agrees_with_the_engine(org):
             def step_seconds(self, *a, **k):
                 return 0.01
 
-        res = run_engine(geometry, org, units, cfg, [spec], Step())
-        got = sorted(o.boundary for o in res.memory.cache.checkpoints.values())
-        rules = res.engine_config
-        want = cont.published_boundaries(n, C, 2048, rules["checkpoint_placement"] == "step_end",
-                                         rules["align_chunks"])
-        assert got == want, (org, n)
+        for split in (False, True):
+            res = run_engine(geometry, org, units, replace(cfg, split_last_boundary=split),
+                             [spec], Step())
+            got = sorted(o.boundary for o in res.memory.cache.checkpoints.values())
+            rules = res.engine_config
+            want = cont.published_boundaries(
+                n, C, 2048, rules["checkpoint_placement"] == "step_end",
+                rules["align_chunks"], rules["split_last_boundary"])
+            assert got == want, (org, n, split)
 
 
 def test_restore_bytes_match_the_layout_and_a_skipped_copy_shows(tiny_model, monkeypatch):

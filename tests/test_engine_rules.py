@@ -88,6 +88,32 @@ def test_checkpoint_placement_and_alignment(falcon, placement, align, chunks, bo
     assert published_boundaries(res) == boundaries
 
 
+@pytest.mark.parametrize(
+    "n, split, chunks, boundaries",
+    [
+        (1024, False, [1024], [1024]),  # one chunk ends at N: no checkpoint at N - C
+        (1024, True, [512, 512], [512, 1024]),  # split: the state at N - C = 512 published
+        (1536, True, [1024, 512], [1024, 1536]),  # k = 3: ends at (k - 1) C, then C
+        (1400, True, [1024, 376], [1024]),  # not a multiple of C: the rule changes nothing
+        (512, True, [512], [512]),  # k = 1: no boundary inside the prompt to end at
+    ],
+)
+def test_split_last_boundary_publishes_the_state_at_n_minus_c(falcon, n, split, chunks,
+                                                              boundaries):
+    """Aligned chunks under step_end (S2): with the rule, a prompt of k C tokens ends its
+    aligned chunk at (k - 1) C, so p = C floor((N - 1) / C) for a later identical prompt."""
+    res = run(falcon, "S2", {"shared": 64}, [spec(0, n, 4)], max_num_batched_tokens=2048,
+              checkpoint_placement="step_end", align_chunks=True, split_last_boundary=split)
+    assert prefill_chunks(res) == chunks
+    assert published_boundaries(res) == boundaries
+    assert res.engine_config["split_last_boundary"] is split
+
+
+def test_split_last_boundary_is_a_boolean():
+    with pytest.raises(ValueError, match="split_last_boundary='yes': allowed values are true"):
+        SchedulerConfig(split_last_boundary="yes")
+
+
 def test_aligned_chunks_wait_for_a_boundary_within_the_budget(falcon):
     """Next to decodes, an aligned chunk takes a multiple of 512 of the budget left."""
     specs = [spec(0, 600, 200), spec(1, 3000, 4, arrival=0.5)]

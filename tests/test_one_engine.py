@@ -24,11 +24,11 @@ from serving_core.memory import ORG_TO_CLASS
 REPO = Path(__file__).resolve().parent.parent
 RULE_KEYS = ("org", "admission", "checkpoint_placement", "align_chunks", "slab_policy",
              "free_queue", "checkpoint_recency", "retention_k", "pinning_k", "cap", "headroom",
-             "interleave")
+             "interleave", "split_last_boundary")
 PAPER_S2 = {"org": "S2", "admission": "full_prompt", "checkpoint_placement": "step_end",
             "align_chunks": True, "slab_policy": "write_once", "free_queue": "free_first",
             "checkpoint_recency": "release", "retention_k": None, "pinning_k": None, "cap": 63,
-            "headroom": 0.0, "interleave": None}
+            "headroom": 0.0, "interleave": None, "split_last_boundary": False}
 # (overrides, the rules an engine must run for them), by hand from SPEC section 5.
 SETTINGS = {
     "paper": ((), PAPER_S2),
@@ -44,6 +44,12 @@ SETTINGS = {
     "slab_dense": (("engine.slab_policy=dense",), {**PAPER_S2, "slab_policy": "dense"}),
     "survival": (("engine.free_queue=single_queue", "engine.checkpoint_recency=publication"),
                  {**PAPER_S2, "free_queue": "single_queue", "checkpoint_recency": "publication"}),
+    "split_last": (("engine.split_last_boundary=true",),
+                   {**PAPER_S2, "split_last_boundary": True}),
+    # D0 runs unaligned chunks: the split rule has nothing to split, and says so.
+    "d0_split_last": (("org=d0", "engine.split_last_boundary=true"),
+                      {**PAPER_S2, "org": "D0", "checkpoint_placement": "every_boundary",
+                       "align_chunks": False, "slab_policy": None}),
     "cap_f_pin": (("engine.cap=9", "engine.headroom=0.19", "engine.pinning_k=2"),
                   {**PAPER_S2, "cap": 9, "headroom": 0.19, "pinning_k": 2}),
     "retention": (("org=s2_retention", "retention.k=3"), {**PAPER_S2, "retention_k": 3}),
