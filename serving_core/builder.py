@@ -99,6 +99,10 @@ def _assemble(spec: EngineSpec, make_executor, on_step=None) -> Engine:
         on_step=on_step, recorder=recorder, memory=mem,
     )
     engine.spec = spec
+    if spec.host_tier:
+        from serving_core.executor.host_tier import EngineTier
+
+        engine.host_tier = EngineTier()
     return engine
 
 

@@ -133,6 +133,7 @@ class Engine:
         self.sched.state_views = bool(getattr(executor, "reads_state", False))
         self.clock = clock or VirtualClock()
         self.on_step = on_step
+        self.host_tier = None  # an EngineTier (serving_core.executor.host_tier) when on
         # Requests are materialized at arrival and drop their token lists when they finish,
         # so memory follows the live set, not the workload size.
         self.requests: list[Request] = []
@@ -207,6 +208,8 @@ class Engine:
                 self.clock.wait_until(self._planned[0][0])  # idle: jump/sleep to the next arrival
                 self._poll()
             return None
+        if self.host_tier is not None:  # restore a held prefix before admission looks it up
+            self.host_tier.before_schedule(self)
         t0 = self.clock.now()
         rec.step, rec.now = sched.step + 1, t0
         plan = sched.schedule(t0)
@@ -231,6 +234,8 @@ class Engine:
         rec.now = t1
         initial, resume, decode = sched.complete_step(plan, t1)
         self.executor.commit(plan)  # write the published states into their units
+        if self.host_tier is not None:  # save the newly published entries (two-phase)
+            self.host_tier.after_step(self)
         # A wall clock measures the step (commit included); a virtual one takes the model's.
         dt = self.clock.now() - t0 if self.clock.wall else out.duration_s
         finished = [item.req.rid for item in plan if item.req.status == Status.FINISHED]
@@ -284,6 +289,7 @@ class Engine:
             "step_model": None,
             "clock": self.clock.kind,
             "trace": bool(self.trace),
+            "host_tier": self.host_tier is not None,
         }
         rules.update(self.executor.describe())
         return rules

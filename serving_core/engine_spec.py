@@ -67,6 +67,8 @@ class EngineSpec:
     clock: str | None = None  # virtual | wall | None: the executor's default
     trace: bool = False
     pool_units: Mapping[str, int] | None = None  # None: the planner's units for the budget
+    # Save published state to a host tier and restore held prefixes on admission (torch).
+    host_tier: bool = False
 
     def __post_init__(self) -> None:
         from serving_core.layout import normalize_org
@@ -74,6 +76,11 @@ class EngineSpec:
         object.__setattr__(self, "org", normalize_org(self.org))
         if self.clock is not None and self.clock not in CLOCKS:
             raise ValueError(f"clock={self.clock!r}: allowed values are {', '.join(CLOCKS)}")
+        if self.host_tier not in (True, False):
+            raise ValueError(f"host_tier={self.host_tier!r}: allowed values are true, false")
+        if self.host_tier and self.executor.kind != "torch":
+            raise ValueError(f"host_tier=true: the host tier copies real state and needs "
+                             f"executor.kind=torch, not {self.executor.kind!r}")
 
     # ----- derived --------------------------------------------------------------------------
     @property
@@ -128,6 +135,7 @@ class EngineSpec:
                if self.executor.kind == "torch" else {}),
             "clock": self.clock_kind,
             "trace": bool(self.trace),
+            "host_tier": bool(self.host_tier),
         }
 
     # ----- JSON -----------------------------------------------------------------------------

@@ -83,7 +83,11 @@ def test_completion_whole_and_streamed(served):
     choice = body["choices"][0]
     assert choice["token_ids"] == _synthetic(rid, 7)
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 39, "completion_tokens": 7, "total_tokens": 46}
+    assert body["usage"] == {
+        "prompt_tokens": 39, "completion_tokens": 7, "total_tokens": 46,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "hsl_path": {"path": "recompute", "reused_tokens": 0, "first_batch_computed": 0,
+                     "first_batch_scheduled": 39, "restored_tokens": 0}}
 
     events = _sse(client, {"prompt": list(range(5, 30)), "max_tokens": 5, "stream": True,
                            "stream_options": {"include_usage": True}})

@@ -72,6 +72,7 @@ class HostTier:
         self.blocks: dict[int, torch.Tensor] = {}  # key -> (layers, block_tokens, 2, KVH, hd)
         self.checkpoints: dict[int, list] = {}  # key -> per layer (conv, ssm)
         self._pending: list[_Pending] = []
+        self._held: set[tuple[str, int]] = set()  # entries held or being copied
         self.poison = poison
         self.save_delay_s = float(save_delay_s)
         self.clock = clock
@@ -96,8 +97,7 @@ class HostTier:
 
     def save_published(self, mem: MemoryOrganization, arena: StateArena) -> int:
         """Start copying every published entry not yet held; returns how many started."""
-        held = {("a", k) for k in self.blocks} | {("c", k) for k in self.checkpoints}
-        held |= {(p.kind, p.key) for p in self._pending}
+        held = self._held
         now = self.clock()
         started = 0
         for key, obj in mem.cache.attention.items():
@@ -105,11 +105,13 @@ class HostTier:
                 unit = obj.units[0]
                 snap = torch.stack([arena.kv_view(layer)[unit] for layer in range(arena.layers)])
                 self._stage("a", key, snap, now)
+                held.add(("a", key))
                 started += 1
         for key, obj in mem.cache.checkpoints.items():
             if ("c", key) not in held:
                 snap = [(c.to(arena.dtype), s.to(arena.dtype)) for c, s in arena.read(obj)]
                 self._stage("c", key, snap, now)
+                held.add(("c", key))
                 started += 1
         self.saves_started += started
         return started
@@ -181,35 +183,125 @@ class HostTier:
 
     def restore(self, mem: MemoryOrganization, arena: StateArena, keys: list[int]) -> RestoreResult:
         """Reload the deepest complete prefix of `keys` into freshly allocated units and
-        publish it as cached entries (unreferenced, evictable) on that device."""
+        publish it as cached entries (unreferenced, evictable) on that device. Entries the
+        device still holds are kept (held during the restore so its allocations cannot
+        evict them) and not copied again."""
         bt, interval = mem.block_tokens, mem.checkpoint_interval
         depth = self.restorable_prefix(keys, bt, interval)
         result = RestoreResult(depth)
         if not depth:
             return result
         nblocks = depth // bt
-        need = mem.demand(nblocks, 1 if interval else 0)
-        if not mem.can_allocate(need):
-            raise MemoryError(f"restoring {depth} tokens needs {need} units; the device has "
-                              f"{ {p: pool.num_available for p, pool in mem.pools.items()} }")
-        for i in range(nblocks):
-            obj = mem.allocate_attention(-1)
-            result.poisoned_units += self._poison(mem, arena, obj)
-            self._write_block(arena, obj.units[0], self.blocks[keys[i]], result)
-            if not mem.publish(obj, keys[i], (i + 1) * bt):
-                raise RuntimeError(f"block {i} of the restored prefix is already cached")
-            mem.release(obj)  # cached, evictable: the scheduler's lookup will adopt it
-            result.blocks.append(obj)
-        if interval:
-            key = keys[nblocks - 1]
-            obj = mem.allocate_composite(-1)
-            result.poisoned_units += self._poison(mem, arena, obj)
-            self._write_checkpoint(arena, obj, self.checkpoints[key], result)
-            if not mem.publish(obj, key, depth):
-                raise RuntimeError(f"the checkpoint at {depth} is already cached")
-            mem.release(obj)
-            result.checkpoint = obj
+        held = [mem.cached_attention(keys[i]) for i in range(nblocks)]
+        ckpt_key = keys[nblocks - 1]
+        held_ckpt = mem.cached_checkpoint(ckpt_key) if interval else None
+        kept = [o for o in (*held, held_ckpt) if o is not None]
+        need = mem.demand(sum(o is None for o in held),
+                          1 if interval and held_ckpt is None else 0)
+        for obj in kept:
+            mem.acquire(obj)
+        try:
+            if not mem.can_allocate(need):
+                raise MemoryError(
+                    f"restoring {depth} tokens needs {need} units; the device has "
+                    f"{ {p: pool.num_available for p, pool in mem.pools.items()} }")
+            for i in range(nblocks):
+                if held[i] is not None:
+                    continue
+                obj = mem.allocate_attention(-1)
+                result.poisoned_units += self._poison(mem, arena, obj)
+                self._write_block(arena, obj.units[0], self.blocks[keys[i]], result)
+                if not mem.publish(obj, keys[i], (i + 1) * bt):
+                    raise RuntimeError(f"block {i} of the restored prefix is already cached")
+                mem.release(obj)  # cached, evictable: the scheduler's lookup will adopt it
+                result.blocks.append(obj)
+            if interval and held_ckpt is None:
+                obj = mem.allocate_composite(-1)
+                result.poisoned_units += self._poison(mem, arena, obj)
+                self._write_checkpoint(arena, obj, self.checkpoints[ckpt_key], result)
+                if not mem.publish(obj, ckpt_key, depth):
+                    raise RuntimeError(f"the checkpoint at {depth} is already cached")
+                mem.release(obj)
+                result.checkpoint = obj
+        finally:
+            for obj in kept:
+                mem.release(obj)
         self.restores += 1
         self.restored_tokens += depth
         self.bytes_h2d += result.bytes_h2d
         return result
+
+
+class EngineTier:
+    """The host tier inside a serving engine (`EngineSpec.host_tier`, `--host-tier`).
+
+    The engine calls `before_schedule` once arrivals entered the waiting queue and
+    `after_step` once a step's states were written to their units. Before its first
+    admission, a request whose prompt the tier holds deeper than the device's prefix
+    cache gets that prefix restored (deepest complete boundary, see HostTier.restore),
+    so the scheduler's ordinary lookup adopts exactly B tokens. After every step that
+    changed the device cache, each newly published entry is saved (two-phase: started,
+    then completed once its copy landed). `restored` maps request id -> B.
+    """
+
+    def __init__(self, tier: HostTier | None = None) -> None:
+        self.tier = tier or HostTier()
+        self.restored: dict[int, int] = {}
+        self.query_tokens = 0  # prompt tokens looked up in the tier
+        self.restore_failures = 0  # restores the device had no room for (recomputed)
+        self._checked: set[int] = set()
+        self._version = -1
+
+    def before_schedule(self, engine) -> None:
+        mem, tier = engine.mem, self.tier
+        for req in engine.sched.waiting:
+            if req.episodes or req.rid in self._checked:
+                continue
+            self._checked.add(req.rid)
+            keys = req.lookup_keys()
+            self.query_tokens += req.num_prompt
+            device = mem.lookup(keys).jadopt
+            if tier.restorable_prefix(keys, mem.block_tokens, mem.checkpoint_interval) <= device:
+                continue
+            try:
+                got = tier.restore(mem, engine.executor.arena, keys)
+            except MemoryError:
+                self.restore_failures += 1
+                continue
+            self.restored[req.rid] = got.prefix_tokens
+
+    def after_step(self, engine) -> None:
+        mem, arena = engine.mem, engine.executor.arena
+        if mem.cache.version != self._version:
+            self.tier.save_published(mem, arena)
+            self._version = mem.cache.version
+        if self.tier.num_pending:
+            self.tier.complete(arena.device)
+
+    def counters(self) -> dict[str, int]:
+        t = self.tier
+        return {"tier_saves_started": t.saves_started, "tier_saves_completed": t.saves_completed,
+                "tier_restores": t.restores, "tier_restored_tokens": t.restored_tokens,
+                "tier_query_tokens": self.query_tokens,
+                "tier_restore_failures": self.restore_failures}
+
+
+def reset_device_cache(mem: MemoryOrganization) -> dict[str, int]:
+    """Drop the device prefix cache: every cached, unreferenced entry is evicted through
+    the allocator's own eviction path and its units freed. Returns the entries dropped and
+    the cached units freed; raises RuntimeError when a cached entry is still referenced
+    (a request holds it: the caller must wait until nothing runs)."""
+    busy = [o for o in (*mem.cache.attention.values(), *mem.cache.checkpoints.values())
+            if o.ref_count]
+    if busy:
+        raise RuntimeError(f"{len(busy)} cached entries are referenced by requests")
+    entries = len(mem.cache.attention) + len(mem.cache.checkpoints)
+    freed = 0
+    for name, pool in mem.pools.items():
+        while pool.evictable:
+            unit = pool.pop_lru()
+            mem._evict_unit(name, unit, -1)  # as an allocation would, then give the unit back
+            pool.push_free(unit)
+            freed += 1
+    return {"entries": entries - len(mem.cache.attention) - len(mem.cache.checkpoints),
+            "units": freed}

@@ -1,4 +1,4 @@
-"""`python -m serving_core.server --spec SPEC.json [--port 0]`.
+"""`python -m serving_core.server --spec SPEC.json [--port 0] [--host-tier]`.
 
 Builds the engine the spec describes (serving_core.builder: the same builder
 every run uses; the spec is serving_core.engine_spec.EngineSpec as JSON, written
@@ -7,7 +7,10 @@ by `python -m experiments.serve` or the runner) and serves it over HTTP on
 starts with `engine {JSON}` (the effective rules read back from the built
 engine) and then `listening on http://HOST:PORT`. SIGTERM/SIGINT shut down
 gracefully (`--drain finish|abort`; a second signal aborts) and write the records
-(--records).
+(--records). `--host-tier` turns the spec's `host_tier` on (save every published
+entry to a host tier, restore held prefixes on admission; torch executor only);
+the engine line states it either way. With --records, `request_paths.json` holds
+every request's actual path and first batch.
 Bad arguments or a bad spec: one line on stderr, exit 2; a model that does not load: exit 1.
 """
 
@@ -43,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--records", help="folder for the engine's records at shutdown")
     p.add_argument("--drain", default="finish", help=f"one of {', '.join(DRAIN_MODES)}")
+    p.add_argument("--host-tier", action="store_true",
+                   help="host tier on (else the spec's host_tier, default off)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="shut down (abort) when the launching process dies")
     return p
@@ -115,6 +120,13 @@ def serve(args) -> int:
     from serving_core.server.runtime import EngineRuntime
 
     spec = load_spec(args.spec)
+    if args.host_tier and not spec.host_tier:
+        from dataclasses import replace
+
+        try:
+            spec = replace(spec, host_tier=True)
+        except ValueError as err:
+            raise UsageError(f"--host-tier: {err}") from None
     sock = bind(args.host, args.port)  # before the model loads: a taken port fails fast
     engine = build_engine(spec)
     effective = engine.effective_rules()
@@ -134,6 +146,8 @@ def serve(args) -> int:
                            clock_end_s=engine.clock.now(), engine_error=runtime.error,
                            engine_config=effective)
             out = write_records(args.records, result.tables, summary)
+            paths = {str(rid): rec.to_dict() for rid, rec in runtime.paths.paths.items()}
+            (out / "request_paths.json").write_text(json.dumps(paths))
             print(f"records written to {out}", flush=True)
 
     app = create_app(runtime, model_name=model_name, vocab_size=engine.vocab_size,

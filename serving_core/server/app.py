@@ -1,4 +1,11 @@
-"""The HTTP front end: POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+"""The HTTP front end: POST /v1/completions, GET /v1/models, GET /health, GET /metrics,
+POST /reset_prefix_cache (vLLM's name: drop the device prefix cache, keep the host tier;
+409 while requests run).
+
+Every completion's usage carries vLLM's `prompt_tokens_details.cached_tokens` (the
+prefix it adopted) and `hsl_path`: its actual path (recompute, device_reuse, host_reload),
+reused tokens and first batch (serving_core.server.paths); streams carry usage when
+`stream_options.include_usage` is true.
 
 Handlers never touch the engine directly: they submit through the runtime and read
 their own token stream; /metrics renders the runtime's last snapshot. As vLLM's server:
@@ -29,10 +36,10 @@ from serving_core.server.protocol import (
     sse_chunk,
     usage,
 )
-from serving_core.server.runtime import EngineRuntime, Rejected
+from serving_core.server.runtime import Busy, EngineRuntime, Rejected
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "NotFoundError", 405: "invalid_request_error",
-               422: "invalid_request_error", 503: "unavailable"}
+               409: "conflict", 422: "invalid_request_error", 503: "unavailable"}
 DISCONNECT_POLL_S = 0.25  # how often a whole (non-streamed) request checks for its client
 
 
@@ -120,6 +127,24 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
     async def metrics():
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
+    def _usage(rid: int, n_prompt: int, produced: int) -> dict:
+        body = usage(n_prompt, produced)
+        path = runtime.request_path(rid)
+        if path is not None:
+            body["prompt_tokens_details"] = {"cached_tokens": path["reused_tokens"]}
+            body["hsl_path"] = path
+        return body
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        try:
+            result = await asyncio.to_thread(runtime.reset_prefix_cache)
+        except Busy as err:
+            return _error(409, str(err))
+        except Rejected as err:
+            return _error(503, str(err), "unavailable")
+        return result
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         try:
@@ -156,7 +181,9 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
         if value != "length":
             return _error(503, f"request {rid} ended early ({value}) after {len(ids)} tokens",
                           "unavailable")
-        return completion_body(rid, model_name, text.decode(ids), ids, value, n_prompt)
+        body = completion_body(rid, model_name, text.decode(ids), ids, value, n_prompt)
+        body["usage"] = _usage(rid, n_prompt, len(ids))
+        return body
 
     async def _sse(rid, stream, req, n_prompt):
         produced = 0
@@ -172,7 +199,7 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
                     yield sse_chunk(rid, model_name, "", [], value)
                     break
             if req.include_usage:
-                yield sse_chunk(rid, model_name, "", [], None, usage(n_prompt, produced))
+                yield sse_chunk(rid, model_name, "", [], None, _usage(rid, n_prompt, produced))
             yield SSE_DONE
         finally:  # the client went away (the generator was closed or cancelled)
             if not finished:

@@ -7,6 +7,13 @@ label as vLLM's do: request latency histograms (`time_to_first_token_seconds`,
 fraction of all units). Per-pool series carry a `pool` label as well (shared for
 S0/S1/S2, attention and recurrent for D0); the older names the poller reads
 (`prefix_cache_hit_tokens`, `pool_usage_perc`) stay.
+
+The host tier (`--host-tier`) and request paths: `external_tier_saves_started` /
+`external_tier_saves_completed` (entries), `external_tier_restores`,
+`external_prefix_cache_hits` (restored tokens, vLLM's name for a KV connector's hits),
+`external_prefix_cache_queries` (prompt tokens looked up in the tier),
+`device_prefix_cache_hits` (tokens adopted from the device cache without a restore),
+`prefix_cache_resets` and `requests_by_path{path=recompute|device_reuse|host_reload}`.
 """
 
 from __future__ import annotations
@@ -37,7 +44,20 @@ COUNTERS = {
     "requests_finished": ("requests_finished", "Requests finished."),
     "requests_aborted": ("requests_aborted", "Requests aborted (shutdown or engine error)."),
     "requests_rejected": ("requests_rejected", "Requests refused while shutting down."),
+    "external_tier_saves_started": ("tier_saves_started",
+                                    "Host-tier saves started (published entries copied out)."),
+    "external_tier_saves_completed": ("tier_saves_completed",
+                                      "Host-tier saves completed (entries restorable)."),
+    "external_tier_restores": ("tier_restores", "Prefixes restored from the host tier."),
+    "external_prefix_cache_hits": ("tier_restored_tokens",
+                                   "Prompt tokens restored from the host tier."),
+    "external_prefix_cache_queries": ("tier_query_tokens",
+                                      "Prompt tokens looked up in the host tier."),
+    "device_prefix_cache_hits": ("device_prefix_hit_tokens",
+                                 "Prompt tokens adopted from the device cache (no restore)."),
+    "prefix_cache_resets": ("prefix_cache_resets", "POST /reset_prefix_cache calls done."),
 }
+PATH_COUNTER = "requests_by_path"  # labels model_name, path
 # Per-pool gauges: name -> (index into (used, cached, free, total), help)
 POOL_GAUGES = {
     "pool_units_used": (0, "Units held by running requests."),
@@ -110,6 +130,12 @@ class SnapshotCollector:
             fam = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             fam.add_metric(m, snap.get(key, 0))
             yield fam
+        fam = CounterMetricFamily(PREFIX + PATH_COUNTER,
+                                  "Requests admitted, by actual path (recompute, "
+                                  "device_reuse, host_reload).", labels=["model_name", "path"])
+        for path in ("recompute", "device_reuse", "host_reload"):
+            fam.add_metric([self.model, path], snap.get(f"requests_path_{path}", 0))
+        yield fam
         pools = snap["pools"]
         for name, (i, doc) in POOL_GAUGES.items():
             fam = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "pool"])

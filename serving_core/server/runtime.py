@@ -13,6 +13,12 @@ finish_reason "abort"). Either way the engine's records end with END.
 steps, removes it if it is still waiting, or lets a running one finish at its next
 step (its state is then released like any finished request's).
 
+`reset_prefix_cache()` (POST /reset_prefix_cache) drops the device prefix cache and
+every cached unit between steps, keeping the host tier; it refuses (`Busy`) while any
+request is queued or running. Each request's actual path (recompute, device_reuse,
+host_reload) and first batch are recorded after the step that admitted it
+(serving_core.server.paths) and handed to the stream's final usage.
+
 Latencies for the histograms are wall times taken by the driver thread: submit, each
 token handed to the stream, the last token.
 """
@@ -27,8 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from serving_core.executor.host_tier import reset_device_cache
 from serving_core.request import Status
 from serving_core.server.metrics import new_histograms
+from serving_core.server.paths import PathRecorder
 
 DRAIN_MODES = ("finish", "abort")
 
@@ -47,6 +55,10 @@ class ServedSpec:
 
 class Rejected(Exception):
     """A request the server does not take (shutting down or engine failed): HTTP 503."""
+
+
+class Busy(Exception):
+    """A control request refused while requests run: HTTP 409."""
 
 
 class TokenStream:
@@ -93,6 +105,9 @@ class EngineRuntime:
         self._times: dict[int, list[float]] = {}  # rid -> [submit, last token] (monotonic)
         self._aborts: set[int] = set()  # client gone: end at the next step boundary
         self._drained = threading.Event()
+        self.paths = PathRecorder()
+        self._control: list | None = None  # [done event, result] of a pending reset
+        self.resets = 0
         self._snapshot = self._take_snapshot()
 
     # ----- lifecycle ----------------------------------------------------------------------
@@ -170,6 +185,50 @@ class EngineRuntime:
             self.engine._cond.notify_all()
         return True
 
+    def reset_prefix_cache(self, timeout: float = 60.0) -> dict:
+        """Drop the device prefix cache (the driver thread does it between steps); Busy
+        while any request is queued or running, Rejected when the engine is not running."""
+        if self._closing or not self.healthy:
+            raise Rejected("server is shutting down" if self._closing else
+                           f"engine stopped: {self.error}")
+        done = threading.Event()
+        with self._lock:
+            if self._streams or self._control is not None:
+                raise Busy(f"{len(self._streams)} requests are running or queued; "
+                           "reset the prefix cache when the server is idle")
+            self._control = [done, None]
+        with self.engine._cond:
+            self.engine._cond.notify_all()
+        if not done.wait(timeout):
+            raise Rejected(f"the engine did not reach a step boundary within {timeout} s")
+        result = self._control[1]
+        self._control = None
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _run_control(self) -> None:
+        """Driver thread, between steps: the pending reset, if nothing runs."""
+        control = self._control
+        eng = self.engine
+        with self._lock:
+            busy = bool(self._streams) or eng.has_work()
+        if busy:
+            control[1] = Busy("requests are running or queued; reset the prefix cache when "
+                              "the server is idle")
+        else:
+            try:
+                control[1] = dict(reset_device_cache(eng.mem), status="ok")
+                self.resets += 1
+            except RuntimeError as err:
+                control[1] = Busy(str(err))
+        control[0].set()
+
+    def request_path(self, rid: int) -> dict | None:
+        """The actual path and first batch of request `rid` (None before its admission)."""
+        rec = self.paths.paths.get(rid)
+        return None if rec is None else rec.to_dict()
+
     def wait_drained(self, timeout: float | None = None) -> bool:
         """Block until the driver thread has left its loop (drained, aborted or failed)."""
         return self._drained.wait(timeout)
@@ -204,6 +263,8 @@ class EngineRuntime:
         eng = self.engine
         try:
             while not self._stop.is_set():
+                if self._control is not None and self._control[1] is None:
+                    self._run_control()
                 self._apply_aborts()
                 if not eng.has_work():
                     if self._closing:
@@ -212,6 +273,7 @@ class EngineRuntime:
                     self._publish()
                     continue
                 out = eng.step()
+                self.paths.update(eng)  # before the tokens: a finished stream has its path
                 if out is not None:
                     self._dispatch(out)
                 self._publish()
@@ -219,6 +281,9 @@ class EngineRuntime:
             self.error = f"{type(err).__name__}: {err}"
             traceback.print_exc()
         self._end_streams("error" if self.error else "abort")
+        if self._control is not None and self._control[1] is None:
+            self._control[1] = Rejected("the engine stopped")
+            self._control[0].set()
         self._publish()
         self._drained.set()
 
@@ -269,8 +334,16 @@ class EngineRuntime:
             "generation_tokens_total": sched.generation_tokens_total,
             "prefix_hit_tokens_total": sched.prefix_hit_tokens_total,
             "steps_total": sched.step,
+            "prefix_cache_resets": self.resets,
+            **self._path_counters(),
+            **(eng.host_tier.counters() if eng.host_tier is not None else {}),
             **counters,
         }
+
+    def _path_counters(self) -> dict[str, int]:
+        out = {f"requests_path_{p}": n for p, n in self.paths.counts().items()}
+        out["device_prefix_hit_tokens"] = self.paths.device_hit_tokens
+        return out
 
     def _publish(self) -> None:
         self._snapshot = self._take_snapshot()
