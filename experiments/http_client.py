@@ -31,6 +31,14 @@ class ClientRecord:
     finish_reason: str = ""
     error: str = ""
     cached_prompt_tokens: int = -1  # the server's usage report (vLLM), -1 when absent
+    # Our server's record of the request (usage.hsl_path; "" / -1 when absent): its actual
+    # path (recompute | device_reuse | host_reload), the prefix it reused, what the host
+    # tier restored for it and its first batch (tokens computed before, scheduled in it).
+    path: str = ""
+    reused_tokens: int = -1
+    restored_tokens: int = -1
+    first_batch_computed: int = -1
+    first_batch_scheduled: int = -1
 
     @property
     def ok(self) -> bool:
@@ -84,6 +92,12 @@ async def stream_one(client: httpx.AsyncClient, url: str, spec, t0: float,
                 details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
                 if "cached_tokens" in details:
                     rec.cached_prompt_tokens = int(details["cached_tokens"] or 0)
+                record = (chunk.get("usage") or {}).get("hsl_path")
+                if record:
+                    rec.path = str(record["path"])
+                    for name in ("reused_tokens", "restored_tokens", "first_batch_computed",
+                                 "first_batch_scheduled"):
+                        setattr(rec, name, int(record[name]))
                 for choice in chunk.get("choices", []):
                     now = time.perf_counter() - t0
                     ids = choice.get("token_ids")

@@ -32,6 +32,7 @@ from ledgers.catalog import LedgerWarning, create_views
 from ledgers.commands import module_command
 from ledgers.integrity import LedgerScan, damage_lines, stray_files
 from ledgers.schemas import TABLES
+from ledgers.studies import check_studies
 from ledgers.writer import ADOPTION_KEY, TEMP_SUFFIX, attempt_run_id
 
 MAX_LISTED = 20  # detail lines printed per category
@@ -67,6 +68,7 @@ PROBLEMS = (
     "orphan rows",
     "mislabeled rows",
     "adoption keys without exactly one adopted run",
+    "study files with a wrong schema",
 )
 NOTES = ("superseded attempts", "run ids complete in several campaigns", "stale temp files",
          "complete runs without a file record", "Parquet files outside the ledger layout")
@@ -272,6 +274,7 @@ def check(root: str | os.PathLike) -> CheckReport:
             orphans,
             mislabeled,
             _adoption(con),
+            check_studies(root),
         )
     finally:
         con.close()

@@ -157,7 +157,10 @@ def stray_files(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
+    from ledgers.studies import study_files
+
     layout = {p for table in TABLES for p in committed_files(root, table)}
+    layout |= set(study_files(root))
     quarantine = root / QUARANTINE_DIR
     return sorted(p for p in root.rglob("*.parquet")
                   if p not in layout and quarantine not in p.parents)
