@@ -207,4 +207,12 @@ continuation: setup $(TINY_MODEL)/config.json ## reload-from-host boundary matri
 	$(BIN)/python -m experiments.continuation --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) \
 		--report-dir $(REPORT_DIR) $(ARGS)
 
-.PHONY: serve http-smoke continuation fidelity
+reload-study: setup $(TINY_MODEL)/config.json ## order-balanced cold/repeat/reload TTFT over HTTP (host tier OFF/ON pairs), page reload_study.md (last line: JSON)
+	$(BIN)/python -m experiments.reload_study --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) $(ARGS)
+	$(BIN)/python -m analysis.reload_study $(LEDGER_ROOT) --out $(REPORT_DIR)
+
+continuation-http: setup $(TINY_MODEL)/config.json ## the boundary matrix over HTTP (host tier on, last boundary split; ARGS='--orgs d0 --cases 2C-1')
+	$(BIN)/python -m experiments.continuation_http --checkpoint $(TINY_MODEL) \
+		--ledger-root $(LEDGER_ROOT) --report-dir $(REPORT_DIR) $(ARGS)
+
+.PHONY: serve http-smoke continuation fidelity reload-study continuation-http
