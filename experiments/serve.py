@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain", default="finish")
     p.add_argument("--tokenizer", default="llama3")
     p.add_argument("--exit-with-parent", action="store_true")
+    p.add_argument("--host-tier", action="store_true",
+                   help="host tier on (torch): the spec's host_tier")
     p.add_argument("--spec-out", help="write the engine spec here (kept)")
     return p
 
@@ -74,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         if message is None:
             raise
         exit_bad_input(message)
+    if args.host_tier:
+        try:
+            spec = dataclasses.replace(spec, host_tier=True)
+        except ValueError as err:
+            print(f"error: --host-tier: {err}", file=sys.stderr)
+            return 2
     path = args.spec_out or os.path.join(tempfile.mkdtemp(prefix="hsl-spec-"), "spec.json")
     Path(path).write_text(spec.to_json() + "\n", encoding="utf-8")
     cmd = [sys.executable, "-m", "serving_core.server", "--spec", path, "--host", args.host,
