@@ -72,10 +72,14 @@ def figure(frame: pd.DataFrame, path: Path) -> Path:
     for ax, n in zip(axes[0], lengths, strict=True):
         sub = frame[frame.n_tokens == n]
         for x, (cond, p) in enumerate(groups):
-            vals = sub[(sub.condition == cond) & (sub.path == p)].ttft_s.to_numpy()
+            cell = sub[(sub.condition == cond) & (sub.path == p)]
+            vals = cell.ttft_s.to_numpy()
             if vals.size:
-                ax.scatter(x + rng.uniform(-0.15, 0.15, vals.size), vals, s=18,
-                           color=PATH_COLORS[p], edgecolor="white", linewidth=0.5, zorder=3)
+                for tier, marker in ((False, "s"), (True, "o")):
+                    v = cell[cell.host_tier == tier].ttft_s.to_numpy()
+                    ax.scatter(x + rng.uniform(-0.15, 0.15, v.size), v, s=18, marker=marker,
+                               color=PATH_COLORS[p], edgecolor="white", linewidth=0.5,
+                               zorder=3)
                 ax.hlines(np.median(vals), x - 0.25, x + 0.25, color="black", linewidth=1)
                 ax.annotate(f"n={vals.size}", (x, 0), xytext=(0, 2), textcoords="offset points",
                             ha="center", fontsize=7, xycoords=("data", "axes fraction"))
@@ -87,6 +91,8 @@ def figure(frame: pd.DataFrame, path: Path) -> Path:
     axes[0][0].set_ylabel("TTFT (s)")
     handles = [plt.Line2D([], [], marker="o", linestyle="", color=c, label=p)
                for p, c in PATH_COLORS.items()]
+    handles += [plt.Line2D([], [], marker=m, linestyle="", color="gray", label=label)
+                for m, label in (("s", "tier OFF server"), ("o", "tier ON server"))]
     handles.append(plt.Line2D([], [], color="black", label="median"))
     fig.legend(handles=handles, loc="upper right", fontsize=7, title="actual path",
                title_fontsize=7)
@@ -94,7 +100,7 @@ def figure(frame: pd.DataFrame, path: Path) -> Path:
     fig.suptitle(f"TTFT by condition and actual path; {servers} servers in 2 order-balanced "
                  f"pairs, trials as dots", fontsize=9)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout(rect=(0, 0, 0.93, 0.95))
+    fig.tight_layout(rect=(0, 0, 0.9, 0.95))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -112,8 +118,9 @@ def page(frame: pd.DataFrame, table: pd.DataFrame, info: dict) -> str:
         "## Reload study: cold, repeat and reload TTFT",
         "",
         f"Study {info['study_id']}; model {info['model']}, org {info['org']} (C = "
-        f"{info['interval']}), budget {info['budget']}; split_last_boundary "
-        f"{'on' if info['split'] else 'off'}. Two order-balanced server pairs (OFF then ON, ON "
+        f"{info['interval']}), budget {info['budget']}; effective split_last_boundary "
+        f"{'on' if info['split'] else 'off'} (requested on; it acts on aligned chunks only, "
+        "S0/S1/S2). Two order-balanced server pairs (OFF then ON, ON "
         "then OFF; ON = host tier), each server fresh with one excluded warmup; per N, "
         f"{info['trials']} trials with distinct early documents, {info['output_tokens']} "
         "generated tokens, serial streaming over loopback. Conditions: cold, immediate repeat, "
