@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ledgers.arms import STORAGE_ORGS
 from ledgers.schemas import _cast, _f
 from ledgers.writer import write_atomic
 
@@ -25,8 +26,7 @@ _RELOAD_STUDY = [
     _f("study_id", _S, "", "Study run identifier (UTC start time and a random suffix)."),
     _f("created_at", _S, "", "UTC time the table was written (ISO 8601)."),
     _f("model", _S, "", "Model geometry name (conf/model/)."),
-    _f("org", _S, "", "Storage organization the servers ran.",
-       ("S0", "S1", "S2", "D0", "N0")),
+    _f("org", _S, "", "Storage organization the servers ran.", STORAGE_ORGS),
     _f("budget", _S, "", "Memory budget label (bN | pN)."),
     _f("pair", _I, "count", "Server pair: 0 runs OFF then ON, 1 runs ON then OFF."),
     _f("order", _S, "", "Order of the pair's two servers.", ("off_on", "on_off")),
