@@ -15,7 +15,8 @@ reload's actual path is host_reload with B = p = C floor((N-1)/C) (0 and recompu
 when no boundary lies inside), its first batch computed B and scheduled the rule's
 first chunk from B, and its generated ids equal the cold run's. The host tier poisons
 every destination unit with NaN before a restore writes it, so a missed byte changes
-the tokens. Rows go to <ledger_root>/continuation_http/, a section to
+the tokens. The cold run must recompute (every case's prompt is its own document).
+Rows go to <ledger_root>/continuation_http/, a section to
 <report_dir>/continuation_http.md; the LAST line is JSON {"cases", "equal",
 "B_equals_p", "ok", "seconds_per_case"}.
 """
@@ -43,9 +44,10 @@ TEMPLATES = ("english_ledger", "chinese_rules", "python_code")
 INTERPOSER_TOKENS = 2
 
 
-def template_text(name: str, lines: int) -> str:
-    """Deterministic synthetic text of a template (no data downloaded)."""
-    out = []
+def template_text(name: str, lines: int, document: int = 0) -> str:
+    """Deterministic synthetic text of a template (no data downloaded), opening with the
+    document's identity so that no two documents share a prefix block."""
+    out = [f"Document {document} ({name}):"]
     for i in range(lines):
         a, b = (i * 37) % 997 + 3, (i * 91) % 613 + 7
         if name == "english_ledger":
@@ -63,14 +65,14 @@ def template_text(name: str, lines: int) -> str:
     return "\n".join(out)
 
 
-def template_ids(name: str, n: int) -> list[int]:
-    """The first n llama3 token ids of the template's text."""
+def template_ids(name: str, n: int, document: int = 0) -> list[int]:
+    """The first n llama3 token ids of the template's text for one document."""
     import quicktok
 
     enc = quicktok.get_encoding("llama3")
     lines = max(8, n // 20)
     while True:
-        ids = list(enc.encode(template_text(name, lines)))
+        ids = list(enc.encode(template_text(name, lines, document)))
         if len(ids) >= n:
             return [int(t) for t in ids[:n]]
         lines *= 2
@@ -103,7 +105,8 @@ class HttpCase:
     @property
     def ok(self) -> bool:
         want_path = "host_reload" if self.expected_p else "recompute"
-        return (self.tokens_equal and self.b_equals_p and self.reload_path == want_path
+        return (self.cold_path == "recompute" and self.tokens_equal and self.b_equals_p
+                and self.reload_path == want_path
                 and self.first_computed == self.expected_p
                 and self.first_scheduled == self.expected_first)
 
@@ -215,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                 todo.append((c, "random", [int(t) for t in rng.integers(0, VOCAB, k * C + d)],
                              args.output_tokens))
             for t in templates:
-                for n in lengths:
-                    todo.append((f"N={n}", t, template_ids(t, n), args.template_output_tokens))
+                for n in lengths:  # a new document per case: its cold run recomputes
+                    todo.append((f"N={n}", t, template_ids(t, n, len(todo)),
+                                 args.template_output_tokens))
             for case, template, prompt, out in todo:
                 row = run_case(srv, org, case, template, prompt, out, C,
                                eff["max_num_batched_tokens"], eff["align_chunks"],

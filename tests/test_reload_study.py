@@ -91,6 +91,8 @@ def test_templates_are_deterministic_token_ids_of_their_text():
         ids = http.template_ids(name, 600)
         assert len(ids) == 600 and ids == http.template_ids(name, 600)
         assert ids == list(enc.encode(http.template_text(name, 30)))[:600]
+        other = http.template_ids(name, 600, document=1)
+        assert other[:2] == ids[:2] and other[:8] != ids[:8]  # distinct documents
     assert "规则" in enc.decode(http.template_ids("chinese_rules", 50))
     assert "def step_0" in enc.decode(http.template_ids("python_code", 20))
 
