@@ -4,7 +4,9 @@ batch in its usage; the tier's counters; a reset refused (409) while a request r
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -110,19 +112,28 @@ def test_reset_is_refused_while_a_request_runs(tiny_model):
                              {"cap": 4, "max_num_batched_tokens": 2048}, clock="wall")
     engine = build_engine(spec, model=tiny_model)
     assert engine.effective_rules()["host_tier"] is False
+    held = threading.Event()  # the engine's next step waits until the test lets go
+    step = engine.step
+
+    def paused_step():
+        held.wait(30)
+        return step()
+
+    engine.step = paused_step
     prompt = list(range(1, 600))
     client, runtime = _client(engine)
     with client:
-        body = {"prompt": prompt, "max_tokens": 120, "stream": True}
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data: "))  # it is running
+        loop = asyncio.new_event_loop()
+        try:
+            runtime.submit(prompt, 4, "", loop)  # queued: the engine holds before its step
             refused = client.post("/reset_prefix_cache")
             assert refused.status_code == 409
             message = refused.json()["error"]["message"]
-            assert "running" in message and "\n" not in message
-            for _ in lines:
-                pass
+            assert "running or queued" in message and "\n" not in message
+            held.set()
+            wait_until(lambda: not runtime._streams, what="the request to finish")
+        finally:
+            loop.close()
         assert client.post("/reset_prefix_cache").status_code == 200
         again = _complete(client, prompt, 2)
         assert (again["path"], again["reused_tokens"]) == ("recompute", 0)
