@@ -86,6 +86,19 @@ def request_table(specs, records: list[ClientRecord], server_requests: dict, off
     return cols
 
 
+def request_paths_table(records: list[ClientRecord]) -> dict:
+    """The request_paths table: each request's actual path as the server reported it."""
+    return {
+        "request_id": [r.request_id for r in records],
+        "path": [r.path for r in records],
+        "reused_tokens": [r.reused_tokens for r in records],
+        "restored_tokens": [r.restored_tokens for r in records],
+        "first_batch_computed": [r.first_batch_computed for r in records],
+        "first_batch_scheduled": [r.first_batch_scheduled for r in records],
+        "cached_prompt_tokens": [r.cached_prompt_tokens for r in records],
+    }
+
+
 def _remap(table: dict, offset: float, ids: dict[int, int], time_cols, id_cols) -> dict:
     out = dict(table)
     for c in time_cols:
@@ -192,6 +205,7 @@ def serve_over_http(cmd: list[str], specs, *, kind: str = "hsl", records_dir: st
         "requests": request_table(specs, records, tables["requests"], offset),
         "poller": poller.columns,
         "footprint": poller.footprint,
+        "request_paths": request_paths_table(records),
         "trace": _remap(tables["trace"], offset, ids, ("t_s",),
                         ("request_id", "cause_request_id")),
         "slab": _remap(tables["slab"], offset, ids, ("t_s",), ("request_id",)),

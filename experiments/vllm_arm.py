@@ -269,7 +269,12 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
 
     import httpx
 
-    from experiments.http_run import request_table, run_episode, summarize_client
+    from experiments.http_run import (
+        request_paths_table,
+        request_table,
+        run_episode,
+        summarize_client,
+    )
     from experiments.server_process import ServerError, ServerProcess
 
     port = free_port()
@@ -321,7 +326,8 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
                                   "episodes"],
     }
     return VllmServed({"requests": requests, "poller": poller.columns,
-                      "footprint": poller.footprint}, summary,
+                      "footprint": poller.footprint,
+                      "request_paths": request_paths_table(records)}, summary,
                       {"shared": cache["num_blocks"]}, engine_config)
 
 

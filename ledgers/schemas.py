@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-TABLES = ("runs", "requests", "poller", "trace", "slab", "steps", "footprint")
+TABLES = ("runs", "requests", "poller", "trace", "slab", "steps", "footprint", "request_paths")
 RUN_TABLES = TABLES[1:]  # per-run tables the engine produces; runs is written last
 KEY_COLUMNS = ("run_id", "campaign")  # prepended by the writer to every run table
 
@@ -132,6 +132,25 @@ _FOOTPRINT = [
        "(process_resident_memory_bytes; -1: not exported)."),
 ]
 
+# Served runs only: each request's actual path as the server recorded it (our server's
+# usage.hsl_path; vLLM reports cached prompt tokens only), kept by the client.
+REQUEST_PATHS = ("recompute", "device_reuse", "host_reload", "")
+_REQUEST_PATHS = [
+    _f("request_id", _I, "", "Workload request id (joins requests.request_id)."),
+    _f("path", _S, "", 'Actual path of the first admission ("": the server does not say).',
+       REQUEST_PATHS),
+    _f("reused_tokens", _I, "tokens", "Prefix tokens adopted from the device cache (-1: not "
+       "reported)."),
+    _f("restored_tokens", _I, "tokens", "Prefix tokens the host tier restored, B (-1: not "
+       "reported)."),
+    _f("first_batch_computed", _I, "tokens", "Tokens already computed when the request's first "
+       "batch ran (-1: not reported)."),
+    _f("first_batch_scheduled", _I, "tokens", "Tokens the first batch scheduled (-1: not "
+       "reported)."),
+    _f("cached_prompt_tokens", _I, "tokens", "usage.prompt_tokens_details.cached_tokens "
+       "(-1: absent)."),
+]
+
 _SLAB = [    _f("seq", _I, "", "Slab event sequence number."),
     _f("t_s", _F, "s", "Event time."),
     _f("step", _I, "", "Engine step of the event."),
@@ -235,6 +254,7 @@ ENGINE_SCHEMAS: dict[str, pa.Schema] = {
     "slab": pa.schema(_SLAB),
     "steps": pa.schema(_STEPS),
     "footprint": pa.schema(_FOOTPRINT),
+    "request_paths": pa.schema(_REQUEST_PATHS),
 }
 SCHEMAS: dict[str, pa.Schema] = {
     name: schema if name == "runs" else pa.schema([*_KEY_FIELDS, *schema])

@@ -41,6 +41,14 @@ def test_runner_over_http_on_the_tiny_model(tag, tmp_path, tiny_checkpoint):  # 
     rss = con.sql("SELECT t_s, rss_bytes FROM footprint ORDER BY t_s").fetchall()
     assert rss[0][0] == 0.0 and len(rss) >= 2 * end and all(b > 10**7 for _, b in rss)
     assert all(round(t / 0.25, 6).is_integer() for t, _ in rss)
+    # each request's actual path as the server reported it, joined to its request row
+    paths = con.sql("SELECT p.path, p.reused_tokens, r.adopted_prefix_tokens, "
+                    "p.first_batch_computed FROM request_paths p JOIN requests r "
+                    "USING (run_id, request_id)").fetchall()
+    assert len(paths) == 20
+    for path, reused, adopted, computed in paths:
+        assert path == ("device_reuse" if reused > 0 else "recompute")
+        assert reused == adopted == computed
     last = con.sql("SELECT generation_tokens_total FROM poller ORDER BY t_s DESC LIMIT 1")
     assert last.fetchall()[0][0] == out  # the final scrape saw every generated token
     events = con.sql("SELECT event FROM trace ORDER BY seq").fetchall()

@@ -88,3 +88,20 @@ def test_server_scrape_carries_its_resident_memory():
 def test_footprint_table_takes_the_poller_samples():
     table = to_table("footprint", {"t_s": [0.0, 0.25, 0.5], "rss_bytes": [10, 12, -1]})
     assert table.column_names == ["t_s", "rss_bytes"] and table.num_rows == 3
+
+
+def test_request_paths_table_keeps_the_servers_record_per_request():
+    from experiments.http_client import ClientRecord
+    from experiments.http_run import request_paths_table
+
+    reload = ClientRecord(7, path="host_reload", reused_tokens=0, restored_tokens=1792,
+                          first_batch_computed=1792, first_batch_scheduled=1791)
+    vllm = ClientRecord(8, cached_prompt_tokens=512)  # a server that reports no path
+    table = to_table("request_paths", request_paths_table([reload, vllm]))
+    rows = table.to_pylist()
+    assert rows[0] == {"request_id": 7, "path": "host_reload", "reused_tokens": 0,
+                       "restored_tokens": 1792, "first_batch_computed": 1792,
+                       "first_batch_scheduled": 1791, "cached_prompt_tokens": -1}
+    assert rows[1]["path"] == "" and rows[1]["cached_prompt_tokens"] == 512
+    with pytest.raises(ValueError):
+        to_table("request_paths", {**request_paths_table([reload]), "path": ["sideways"]})
