@@ -43,6 +43,7 @@ from serving_core.geometry import load_geometry
 from serving_core.memory import build_memory
 from serving_core.model.dense_state import DenseState
 from serving_core.model.falcon_h1 import FalconH1
+from serving_core.model.paged_attention import decode_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -84,6 +85,8 @@ class _PagedDecode:
         self.context = context
         self.new_units = torch.tensor([row[context // bt].units[0] for row in blocks])
         self.new_offsets = torch.full((len(blocks),), context % bt)
+        self.tables = self.units.tolist()
+        self.lengths = [context + 1] * len(blocks)
 
     def kv(self, layer):
         k, v = self.arena.gather_kv(layer, self.units, self.context)
@@ -92,10 +95,9 @@ class _PagedDecode:
     def store_kv(self, layer, k, v):
         self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
 
-    def decode_kv(self, layer, k, v):
+    def decode_attention(self, layer, q, k, v, scale):
         self.store_kv(layer, k, v)
-        keys, vals = self.arena.gather_kv_heads(layer, self.units, self.context + 1)
-        return keys, vals, None
+        return decode_attention(q, self.arena.kv_view(layer), self.tables, self.lengths, scale)
 
     def recurrent(self, layer):
         return self.rec.recurrent(layer)
