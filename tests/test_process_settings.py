@@ -47,7 +47,7 @@ def test_server_process_records_the_allocator_it_set(monkeypatch):
 
 
 def test_default_threads_fit_the_machine():
-    assert [default_threads(c) for c in (1, 2, 3, 8)] == [1, 2, 2, 7]
+    assert [default_threads(c) for c in (1, 2, 3, 8)] == [1, 1, 2, 7]
 
 
 def test_threads_are_applied_and_bad_values_refused():

@@ -2,12 +2,13 @@
 
 A server process runs three kinds of work: the engine thread's torch kernels (intra-op
 threads), the event loop (HTTP, SSE) and, on a benchmark machine, the client. OpenMP's
-intra-op workers spin between kernels; with as many workers as cores they starve the event
-loop of the core it needs to stream tokens. `auto` therefore leaves one core to the rest
-when there are more than two... and on a machine with two cores or fewer it uses every core
-(measured on the 2-core machine: see README, "Real-path speed"). The allocator is set by
-the launcher (LD_PRELOAD, experiments.server_process.allocator_env); the server reads back
-which one its process actually has mapped.
+intra-op workers spin between kernels; with as many workers as cores they compete with the
+event loop for the core it needs to stream tokens. `auto` therefore leaves one core to the
+rest (one thread on 1-2 cores). Measured on the 2-core machine, bench serve, S2, tcmalloc,
+load average 8-11 from other work: 1 thread 87.4 / 86.5 output tok/s, 2 threads 84.8 / 78.8
+(alternating runs). The allocator is set by the launcher (LD_PRELOAD,
+experiments.server_process.allocator_env); the server reads back which one its process
+actually has mapped.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 def default_threads(cores: int | None = None) -> int:
     """Intra-op threads for `--threads 0` (auto)."""
     cores = cores or os.cpu_count() or 1
-    return cores if cores <= 2 else cores - 1
+    return max(1, cores - 1)
 
 
 def apply_threads(threads: int) -> int:
