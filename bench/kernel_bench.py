@@ -7,7 +7,8 @@
      recurrent state) vs contiguous state: a preallocated head-major KV buffer per layer
      that attention reads in place, and per-sequence recurrent tensors ("cat": also against
      DenseState as it is, whose KV grows by concatenation each step, the issue's baseline).
-   Ratio = paged / contiguous median seconds (target <= 1.10 on CPU). Times are the
+   Ratio = paged / contiguous median seconds (target <= 1.10 on CPU), the two timed in
+   alternation. Times are the
    calling thread's CPU time when one intra-op thread is used (the default, --threads 1),
    so that a busy shared machine does not distort them; the load average is reported.
 2. Tokens per second: our engine (S2, all requests at t=0, greedy, exact lengths) against
@@ -43,6 +44,7 @@ from serving_core.geometry import load_geometry
 from serving_core.memory import build_memory
 from serving_core.model.dense_state import DenseState
 from serving_core.model.falcon_h1 import FalconH1
+from serving_core.model.paged_attention import decode_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -63,14 +65,22 @@ class _Spec:
 
 def _median_s(fn, repeats: int) -> float:
     """Median seconds of `fn()`: thread CPU time with one intra-op thread, else wall."""
+    return _paired_median_s([fn], repeats)[0]
+
+
+def _paired_median_s(fns, repeats: int) -> list[float]:
+    """Median seconds of each of `fns`, timed in alternation (a, b, a, b, ...) so that a
+    shared machine's changing load (memory bandwidth, caches) weighs on each alike."""
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    fn()  # warm-up
-    times = []
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times)
+        for fn, out in zip(fns, times, strict=True):
+            t0 = clock()
+            fn()
+            out.append(clock() - t0)
+    return [statistics.median(t) for t in times]
 
 
 class _PagedDecode:
@@ -84,6 +94,8 @@ class _PagedDecode:
         self.context = context
         self.new_units = torch.tensor([row[context // bt].units[0] for row in blocks])
         self.new_offsets = torch.full((len(blocks),), context % bt)
+        self.tables = self.units.tolist()
+        self.lengths = [context + 1] * len(blocks)
 
     def kv(self, layer):
         k, v = self.arena.gather_kv(layer, self.units, self.context)
@@ -92,10 +104,9 @@ class _PagedDecode:
     def store_kv(self, layer, k, v):
         self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
 
-    def decode_kv(self, layer, k, v):
+    def decode_attention(self, layer, q, k, v, scale):
         self.store_kv(layer, k, v)
-        keys, vals = self.arena.gather_kv_heads(layer, self.units, self.context + 1)
-        return keys, vals, None
+        return decode_attention(q, self.arena.kv_view(layer), self.tables, self.lengths, scale)
 
     def recurrent(self, layer):
         return self.rec.recurrent(layer)
@@ -182,8 +193,7 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
     out = {"org": org, "batch": batch}
     for name, paged, contiguous in (("mixer", mixer_paged, mixer_dense),
                                     ("model", model_paged, model_dense)):
-        p = _median_s(paged, repeats)
-        c = _median_s(contiguous, repeats)
+        p, c = _paired_median_s([paged, contiguous], repeats)
         out[f"{name}_paged_ms"] = 1000 * p
         out[f"{name}_contiguous_ms"] = 1000 * c
         out[f"{name}_ratio"] = p / c
@@ -226,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_bench", description=__doc__)
     parser.add_argument("--checkpoint", default=str(ROOT / "models" / MODEL),
                         help="tiny checkpoint folder (built in a temp dir when absent)")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--gen-batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--output", type=int, default=64)

@@ -91,7 +91,7 @@ def install_hooks(timer: _Timer) -> list[tuple]:
     ]
     state = "state gathers / scatters"
     for name in ("gather", "scatter", "read", "write", "gather_kv", "store_kv", "locate",
-                 "recurrent_views", "kv_pages"):
+                 "gather_conv", "scatter_conv", "ssm_views", "recurrent_views", "kv_pages"):
         if hasattr(StateArena, name):
             hooks.append((StateArena, name, state))
     for cls_name in ("_DecodeIO", "_SegmentIO", "PagedRecurrentIO"):

@@ -33,42 +33,13 @@ import httpx
 import numpy as np
 
 from bench.tiny import tiny_checkpoint
+from experiments.server_process import ALLOCATORS, allocator_env
 from ledgers.arms import ARMS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = "falcon_h1_tiny"
 OUR_ORGS = ("S2", "S0", "D0")
-TCMALLOC_NAMES = ("libtcmalloc.so.4", "libtcmalloc_minimal.so.4", "libtcmalloc.so",
-                  "libtcmalloc_minimal.so")
-LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
-            "/usr/local/lib")
-
-
-def find_tcmalloc() -> str | None:
-    """Path of an installed tcmalloc shared library, or None."""
-    for d in LIB_DIRS:
-        for name in TCMALLOC_NAMES:
-            path = Path(d) / name
-            if path.exists():
-                return str(path)
-    return None
-
-
-def server_env(allocator: str) -> tuple[dict, str]:
-    """(environment, allocator actually used) for a server process."""
-    env = dict(os.environ)
-    path = find_tcmalloc() if allocator in ("auto", "tcmalloc") else None
-    if allocator == "tcmalloc" and path is None:
-        raise SystemExit("error: allocator=tcmalloc: no libtcmalloc installed (Debian: "
-                         "apt-get install libgoogle-perftools4); allowed: auto, glibc")
-    if path:
-        env["LD_PRELOAD"] = path
-        return env, "tcmalloc"
-    env.pop("LD_PRELOAD", None)
-    return env, "glibc"
-
-
 def _pct(values, q) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
@@ -126,13 +97,13 @@ def _ours(checkpoint, org, args, records):
                         f"engine.max_num_batched_tokens={args.max_num_batched_tokens}"])
     path = Path(tempfile.mkdtemp(prefix="hsl-bench-")) / "spec.json"
     path.write_text(spec.to_json())
-    return hsl_server_command(spec=str(path), records=records)
+    return hsl_server_command(spec=str(path), records=records, threads=args.threads)
 
 
 def _vllm(checkpoint, args):
     from experiments.vllm_arm import VllmExecutorConfig, free_port, kv_cache_bytes, vllm_command
     from serving_core.geometry import load_geometry
-    from serving_core.layout import n0_layout
+    from serving_core.layout import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
     from serving_core.planner import plan_budget
 
     geometry = load_geometry(MODEL)
@@ -140,7 +111,10 @@ def _vllm(checkpoint, args):
     vcfg = VllmExecutorConfig(checkpoint=checkpoint, python=str(args.vllm_python),
                               max_num_batched_tokens=args.max_num_batched_tokens)
     port = free_port()
-    layout = n0_layout(geometry, geometry.n0_block_alignment)
+    # vLLM's block on this device (CPU kernels align to 128 tokens, not 16), as the vLLM arm
+    # computes it: the retention interval must be a multiple of vLLM's scheduler block.
+    align = N0_CPU_BLOCK_ALIGNMENT if vcfg.device == "cpu" else N0_BLOCK_ALIGNMENT
+    layout = n0_layout(geometry, align)
     cmd = vllm_command(vcfg, served_name=MODEL, port=port, cap=args.cap,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=geometry.max_model_len,
@@ -152,23 +126,24 @@ def _vllm(checkpoint, args):
 def run_arm(arm, checkpoint, prompts, args, allocator):
     from experiments.server_process import ServerProcess
 
-    env, used = server_env(allocator)
     with tempfile.TemporaryDirectory() as tmp:
         if arm == "vllm":
             from experiments.vllm_arm import vllm_env
 
             cmd, url, vcfg = _vllm(checkpoint, args)
-            env = {**vllm_env(vcfg), **({"LD_PRELOAD": env["LD_PRELOAD"]}
-                                         if "LD_PRELOAD" in env else {})}
-            srv = ServerProcess(cmd, base_url=url, env=env, health_timeout_s=900)
+            srv = ServerProcess(cmd, base_url=url, env=vllm_env(vcfg), health_timeout_s=900,
+                                allocator=allocator)
             extra = {"return_token_ids": True}
         else:
-            srv = ServerProcess(_ours(checkpoint, arm, args, str(Path(tmp) / "rec")), env=env,
-                                health_timeout_s=300)
+            srv = ServerProcess(_ours(checkpoint, arm, args, str(Path(tmp) / "rec")),
+                                health_timeout_s=300, allocator=allocator)
             extra = {}
         with srv:
             row = asyncio.run(_batch(srv.base_url, MODEL, prompts, args.output, extra))
-    return {"arm": "vllm" if arm == "vllm" else f"ours {arm}", "allocator": used,
+            # ours reads its settings back; vLLM's threads are its own (all cores on CPU)
+            settings = srv.runtime_config() or {"allocator": srv.allocator, "threads": None}
+    return {"arm": "vllm" if arm == "vllm" else f"ours {arm}",
+            "allocator": settings["allocator"], "threads": settings["threads"],
             "load_avg": os.getloadavg()[0], **row}
 
 
@@ -185,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--orgs", default=",".join(OUR_ORGS),
                         help="our organizations to serve (comma-separated)")
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds")
-    parser.add_argument("--allocator", default="auto", choices=("auto", "tcmalloc", "glibc"))
+    parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
+                        help="malloc of every server (auto: tcmalloc when installed)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="our servers' torch intra-op threads (0: the server's auto)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="vLLM's interpreter (the arm is skipped when it is absent)")
     args = parser.parse_args(argv)
@@ -195,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: orgs={bad[0]!r}: allowed values are {', '.join(allowed)}",
               file=sys.stderr)
+        return 2
+    try:
+        allocator_env(args.allocator)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     with tiny_checkpoint(args.checkpoint) as checkpoint:
         rng = np.random.default_rng(24)
@@ -213,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                                  round=r + 1))
         print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
               f"all at once, streamed, EOS ignored; {os.cpu_count()} CPUs")
-        print(f"{'arm':9} {'alloc':8} {'out tok/s':>9} {'total tok/s':>11} {'TTFT p50':>8} "
-              f"{'p99':>7} {'TPOT p50':>8} {'p99':>7} {'load':>5}")
+        print(f"{'arm':9} {'alloc':8} {'thr':>3} {'out tok/s':>9} {'total tok/s':>11} "
+              f"{'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>7} {'load':>5}")
         for row in rows:
-            print(f"{row['arm']:9} {row['allocator']:8} {row['output_tok_s']:>9.1f} "
+            thr = "-" if row["threads"] is None else str(row["threads"])
+            print(f"{row['arm']:9} {row['allocator']:8} {thr:>3} {row['output_tok_s']:>9.1f} "
                   f"{row['total_tok_s']:>11.1f} {row['ttft_p50_s']:>8.2f} "
                   f"{row['ttft_p99_s']:>7.2f} {row['tpot_p50_s']:>8.3f} "
                   f"{row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f}")

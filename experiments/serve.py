@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-with-parent", action="store_true")
     p.add_argument("--host-tier", action="store_true",
                    help="host tier on (torch): the spec's host_tier")
+    p.add_argument("--threads", default="0", help="torch intra-op threads (0: auto)")
     p.add_argument("--spec-out", help="write the engine spec here (kept)")
     return p
 
@@ -85,13 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     path = args.spec_out or os.path.join(tempfile.mkdtemp(prefix="hsl-spec-"), "spec.json")
     Path(path).write_text(spec.to_json() + "\n", encoding="utf-8")
     cmd = [sys.executable, "-m", "serving_core.server", "--spec", path, "--host", args.host,
-           "--port", str(args.port), "--drain", args.drain, "--tokenizer", args.tokenizer]
+           "--port", str(args.port), "--drain", args.drain, "--tokenizer", args.tokenizer,
+           "--threads", str(args.threads)]
     if args.records:
         cmd += ["--records", args.records]
     if args.exit_with_parent:
         cmd.append("--exit-with-parent")
+    from experiments.server_process import allocator_env
+
+    env, _ = allocator_env("auto")  # tcmalloc when installed, as every launched server
     sys.stdout.flush()
-    os.execv(sys.executable, cmd)  # the server takes this process's place (same pid)
+    os.execve(sys.executable, cmd, env)  # the server takes this process's place (same pid)
     return 0  # not reached
 
 

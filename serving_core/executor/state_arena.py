@@ -238,12 +238,14 @@ class StateArena:
             arena.shape[0], self.slots_per_slab, self.slot_elems)
         return slots, lines // self.slots_per_slab, lines % self.slots_per_slab
 
-    def _conv_read(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """Copies of conv rows (S1: conv pages; S2: slots by line id)."""
+    def _conv_read(self, layer: int, rows: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """Copies of conv rows (S1: conv pages; S2: slots by line id), their first `n`
+        elements only when given."""
         if self.org == "S2" and not self._slots_dense:
             slots, page, slot = self._slot_index(layer, rows)
-            return slots[page, slot]
-        return self._conv_rows(layer).index_select(0, rows)
+            return slots[page, slot] if n is None else slots[page, slot, :n]
+        conv_rows = self._conv_rows(layer)
+        return (conv_rows if n is None else conv_rows[:, :n]).index_select(0, rows)
 
     def _conv_write(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Write the first values.shape[1] elements of conv rows."""
@@ -290,13 +292,16 @@ class StateArena:
         return PagedSSM([views[u] for u in pages], loc["pages"].shape[0], hpm)
 
     def gather_conv(self, layer: int, loc: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A copy of the batch's conv windows (b, Cd, K-1) from conv pages / S2 slots."""
+        """A copy of the batch's conv windows (b, Cd, K-1) from conv pages / S2 slots (the
+        window's elements only: copying S1's whole 512-KiB conv page per sequence was most of
+        its paged decode overhead)."""
         b = loc["pages"].shape[0]
         if self.contiguous:
-            rows = self.pools[self.rec_pool][layer].index_select(0, loc["pages"].reshape(-1))
-            conv = rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems]
-        else:
-            conv = self._conv_read(layer, loc["conv"])[:, : self.conv_elems]
+            rows = self.pools[self.rec_pool][layer][:, self.ssm_elems : self.ssm_elems
+                                                    + self.conv_elems]
+            conv = rows.index_select(0, loc["pages"].reshape(-1))
+        else:  # only the window's elements, not the whole conv page / slab slot
+            conv = self._conv_read(layer, loc["conv"], self.conv_elems)
         return conv.reshape(b, *self.conv_shape)
 
     def scatter_conv(self, layer: int, loc: dict[str, torch.Tensor], conv: torch.Tensor) -> None:

@@ -218,6 +218,9 @@ class FalconH1:
         k = k * cos + rotate_half(k) * sin
         if getattr(io, "packed_kv", False):  # compressed pages: the IO attends over them
             return self._lin(io.attend(i, q, k, v).to(x.dtype), p + "o_proj")
+        if t == 1 and hasattr(io, "decode_attention"):  # plain KV pages read in place
+            return self._lin(io.decode_attention(i, q, k, v, self.head_dim ** -0.5),
+                             p + "o_proj")
         if t == 1 and hasattr(io, "decode_kv"):
             return self._lin(self._decode_attention(q, *io.decode_kv(i, k, v)), p + "o_proj")
         k_ctx, v_ctx, valid = io.kv(i)

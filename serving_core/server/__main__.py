@@ -5,7 +5,8 @@ every run uses; the spec is serving_core.engine_spec.EngineSpec as JSON, written
 by `python -m experiments.serve` or the runner) and serves it over HTTP on
 127.0.0.1 (unless --host says otherwise). `--port 0` picks a free port. Stdout
 starts with `engine {JSON}` (the effective rules read back from the built
-engine) and then `listening on http://HOST:PORT`. SIGTERM/SIGINT shut down
+engine), `runtime {JSON}` (intra-op threads and allocator, read back from the process)
+and then `listening on http://HOST:PORT`. SIGTERM/SIGINT shut down
 gracefully (`--drain finish|abort`; a second signal aborts) and write the records
 (--records). `--host-tier` turns the spec's `host_tier` on (save every published
 entry to a host tier, restore held prefixes on admission; torch executor only);
@@ -30,6 +31,7 @@ import time
 from serving_core.server.runtime import DRAIN_MODES
 
 ENGINE_LINE = "engine "  # stdout prefix of the effective rules
+RUNTIME_LINE = "runtime "  # stdout prefix of the process settings (threads, allocator)
 
 
 class UsageError(ValueError):
@@ -50,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
                    help="host tier on (else the spec's host_tier, default off)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="shut down (abort) when the launching process dies")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: auto, see server/process_settings.py)")
     return p
 
 
@@ -58,6 +62,9 @@ def _check(args) -> None:
         raise UsageError(f"--drain={args.drain!r}: allowed values are {', '.join(DRAIN_MODES)}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port={args.port}: expected 0..65535")
+    if args.threads < 0:
+        raise UsageError(f"--threads={args.threads}: allowed values are 0 (auto) or a whole "
+                         "number >= 1")
 
 
 def load_spec(path: str):
@@ -116,6 +123,7 @@ def serve(args) -> int:
     import uvicorn
 
     from serving_core.server.app import create_app
+    from serving_core.server.process_settings import apply_threads, runtime_settings
     from serving_core.server.records_out import write_records
     from serving_core.server.runtime import EngineRuntime
 
@@ -128,6 +136,7 @@ def serve(args) -> int:
         except ValueError as err:
             raise UsageError(f"--host-tier: {err}") from None
     sock = bind(args.host, args.port)  # before the model loads: a taken port fails fast
+    apply_threads(args.threads)
     engine = build_engine(spec)
     effective = engine.effective_rules()
     model_name = str(spec.model["name"])
@@ -188,6 +197,7 @@ def serve(args) -> int:
     server = Server(config)
     host, port = sock.getsockname()[:2]
     print(ENGINE_LINE + json.dumps(effective, sort_keys=True), flush=True)
+    print(RUNTIME_LINE + json.dumps(runtime_settings(), sort_keys=True), flush=True)
     print(f"listening on http://{host}:{port}", flush=True)
     if args.exit_with_parent:
         threading.Thread(target=_watch_parent, args=(server,), daemon=True).start()

@@ -1,0 +1,52 @@
+"""Decode attention read where the KV lies: over a block table's pages, no gathered copy.
+
+A decode step has one query per sequence. Gathering each sequence's whole context into a
+contiguous buffer first (index_select of its blocks) moves every KV byte twice more than
+attention itself reads it, and was most of the paged decode step's overhead. Here each
+block's K and V are strided views of their unit in the arena (`kv_view`, (units,
+block_tokens, 2, KV heads, head dim)); per sequence, scores are one matrix product per
+block into one row, one softmax over the row, and the output accumulates one product per
+block (BLAS reads the strided views in place).
+
+Exactness: the same softmax(q k^T / sqrt(d)) v in fp32 as the contiguous path's fused
+kernel, summed in a different order (per block rather than in the fused kernel's tiles),
+so the two agree to fp32 rounding (relative ~1e-6), not bit for bit; greedy tokens still
+equal transformers' (tests/test_reference_model.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def decode_attention(q: torch.Tensor, kv_view: torch.Tensor, tables: list[list[int]],
+                     lengths: list[int], scale: float) -> torch.Tensor:
+    """One query per sequence q (b, 1, H, d) over its first `lengths[i]` tokens (the new
+    token's K and V already stored), held in the units `tables[i]` (block order) of
+    `kv_view` (units, block_tokens, 2, KVH, d). GQA: query head h reads KV head
+    h // (H / KVH). Returns (b, 1, H d) in q's dtype."""
+    b, _, heads, d = q.shape
+    _, bt, _, kvh, _ = kv_view.shape
+    rep = heads // kvh
+    keys_t = kv_view[:, :, 0].permute(0, 2, 3, 1)  # (units, KVH, d, bt): K^T of each unit
+    vals = kv_view[:, :, 1].transpose(1, 2)  # (units, KVH, bt, d)
+    qs = (q.float() * scale).to(kv_view.dtype).view(b, kvh, rep, d).unbind(0)
+    out = torch.empty(b, kvh, rep, d, dtype=kv_view.dtype, device=q.device)
+    for i in range(b):
+        n_blocks = -(-lengths[i] // bt)
+        table = tables[i]
+        last = lengths[i] - (n_blocks - 1) * bt
+        qi = qs[i]
+        scores = [torch.matmul(qi, keys_t[u]) for u in table[: n_blocks - 1]]
+        scores.append(torch.matmul(qi, keys_t[table[n_blocks - 1]][..., :last]))
+        s = torch.cat(scores, dim=-1) if n_blocks > 1 else scores[0]  # (KVH, rep, length)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(kv_view.dtype)
+        o = out[i]
+        if n_blocks == 1:
+            torch.matmul(p, vals[table[0]][:, :last], out=o)
+            continue
+        torch.matmul(p[..., :bt], vals[table[0]], out=o)
+        for j in range(1, n_blocks - 1):
+            o.baddbmm_(p[..., j * bt : (j + 1) * bt], vals[table[j]])
+        o.baddbmm_(p[..., (n_blocks - 1) * bt :], vals[table[n_blocks - 1]][:, :last])
+    return out.view(b, 1, heads * d).to(q.dtype)

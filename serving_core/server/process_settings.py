@@ -1,0 +1,48 @@
+"""The server process's runtime settings: torch intra-op threads and the allocator.
+
+A server process runs three kinds of work: the engine thread's torch kernels (intra-op
+threads), the event loop (HTTP, SSE) and, on a benchmark machine, the client. OpenMP's
+intra-op workers spin between kernels; with as many workers as cores they compete with the
+event loop for the core it needs to stream tokens. `auto` therefore leaves one core to the
+rest (one thread on 1-2 cores). Measured on the 2-core machine, bench serve, S2, tcmalloc,
+load average 8-11 from other work: 1 thread 87.4 / 86.5 output tok/s, 2 threads 84.8 / 78.8
+(alternating runs). The allocator is set by the launcher (LD_PRELOAD,
+experiments.server_process.allocator_env); the server reads back which one its process
+actually has mapped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def default_threads(cores: int | None = None) -> int:
+    """Intra-op threads for `--threads 0` (auto)."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+def apply_threads(threads: int) -> int:
+    """Set torch's intra-op threads (0: `default_threads()`); returns the count in effect."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads={threads!r}: allowed values are 0 (auto) or a whole "
+                         "number >= 1")
+    torch.set_num_threads(threads or default_threads())
+    return torch.get_num_threads()
+
+
+def allocator_in_use() -> str:
+    """`tcmalloc` when a libtcmalloc is mapped into this process, else `glibc`."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as fh:
+            return "tcmalloc" if "libtcmalloc" in fh.read() else "glibc"
+    except OSError:  # no /proc (not Linux): the launcher preloads nothing there
+        return "glibc"
+
+
+def runtime_settings() -> dict:
+    """What this process runs with, read back (not the request)."""
+    return {"threads": torch.get_num_threads(), "allocator": allocator_in_use(),
+            "cpus": os.cpu_count()}

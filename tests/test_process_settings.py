@@ -1,0 +1,81 @@
+"""Server process settings: the allocator the launcher preloads, intra-op threads, and the
+settings the server reads back from its own process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from experiments import server_process as sp
+from serving_core.server import __main__ as server_main
+from serving_core.server.process_settings import apply_threads, default_threads
+
+FAKE = "/opt/fake/libtcmalloc_minimal.so.4"
+
+
+def test_auto_preloads_tcmalloc_when_installed_and_keeps_other_preloads(monkeypatch):
+    monkeypatch.setattr(sp, "find_tcmalloc", lambda: FAKE)
+    env, used = sp.allocator_env("auto", {"LD_PRELOAD": "/x/libfoo.so", "A": "1"})
+    assert used == "tcmalloc" and env["LD_PRELOAD"] == f"{FAKE} /x/libfoo.so" and env["A"] == "1"
+
+
+def test_glibc_drops_an_inherited_tcmalloc_preload(monkeypatch):
+    monkeypatch.setattr(sp, "find_tcmalloc", lambda: FAKE)
+    env, used = sp.allocator_env("glibc", {"LD_PRELOAD": f"{FAKE} /x/libfoo.so"})
+    assert used == "glibc" and env["LD_PRELOAD"] == "/x/libfoo.so"
+    env, used = sp.allocator_env("glibc", {"LD_PRELOAD": FAKE})
+    assert used == "glibc" and "LD_PRELOAD" not in env
+
+
+def test_without_tcmalloc_auto_is_glibc_and_tcmalloc_is_refused(monkeypatch):
+    monkeypatch.setattr(sp, "find_tcmalloc", lambda: None)
+    env, used = sp.allocator_env("auto", {})
+    assert used == "glibc" and "LD_PRELOAD" not in env
+    with pytest.raises(ValueError, match="allocator=tcmalloc: no libtcmalloc"):
+        sp.allocator_env("tcmalloc", {})
+    with pytest.raises(ValueError, match="allocator='jemalloc': allowed values are auto, "):
+        sp.allocator_env("jemalloc", {})
+
+
+def test_server_process_records_the_allocator_it_set(monkeypatch):
+    monkeypatch.setattr(sp, "find_tcmalloc", lambda: FAKE)
+    srv = sp.ServerProcess(["true"], env={}, allocator="auto")
+    assert srv.allocator == "tcmalloc" and srv.env["LD_PRELOAD"] == FAKE
+    assert sp.ServerProcess(["true"], env={}, allocator="glibc").allocator == "glibc"
+
+
+def test_default_threads_fit_the_machine():
+    assert [default_threads(c) for c in (1, 2, 3, 8)] == [1, 1, 2, 7]
+
+
+def test_threads_are_applied_and_bad_values_refused():
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert apply_threads(1) == 1 == torch.get_num_threads()
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="allowed values are 0 \\(auto\\)"):
+                apply_threads(bad)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_server_refuses_negative_threads_with_one_line(capsys):
+    assert server_main.main(["--spec", "none.json", "--threads", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --threads=-1: allowed values are 0 (auto) or a whole number >= 1"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sp.find_tcmalloc() is None, reason="no libtcmalloc installed")
+def test_a_preloaded_process_reads_back_tcmalloc():
+    code = ("from serving_core.server.process_settings import runtime_settings as r; "
+            "print(r()['allocator'])")
+    for allocator in ("tcmalloc", "glibc"):
+        env, _ = sp.allocator_env(allocator)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == allocator
