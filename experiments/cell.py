@@ -68,6 +68,7 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("model", "kv_group_heads"): None,
     ("engine", "interleave"): None,
     ("engine", "split_last_boundary"): False,
+    ("executor", "prefill_batch_tokens"): None,
 }
 
 
@@ -157,6 +158,10 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
 
         engine = build_engine(spec, on_step=on_step)
         result = serve(engine, workload.requests)
+        if path == TORCH_INPROC:  # wall-clock timings depend on this process's settings
+            from serving_core.server.process_settings import runtime_settings
+
+            result.engine_config = {**result.engine_config, "runtime": runtime_settings()}
     summary = {"org": name, "budget": str(cfg.budget), "seed": int(cfg.seed)}
     summary.update({k: result.summary[k] for k in SUMMARY_KEYS if k in result.summary})
     summary["wall_seconds"] = time.perf_counter() - wall0

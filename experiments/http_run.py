@@ -235,6 +235,9 @@ def run_cell_over_http(spec, specs):
     def check(srv) -> None:
         effective.update(srv.engine_config() or {})
         check_effective(requested, effective)
+        runtime = srv.runtime_config()
+        if runtime is not None:  # the server process's threads and allocator, read back
+            effective["runtime"] = runtime
 
     with tempfile.TemporaryDirectory(prefix="server-records-") as tmp:
         spec_path = f"{tmp}/spec.json"

@@ -48,7 +48,8 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
         tcfg = torch_executor_config(cfg.executor)
         default_tokens = tcfg.max_num_batched_tokens
         executor = {"kind": "torch", "checkpoint": tcfg.checkpoint, "device": tcfg.device,
-                    "dtype": tcfg.dtype, "scan_chunk": tcfg.scan_chunk}
+                    "dtype": tcfg.dtype, "scan_chunk": tcfg.scan_chunk,
+                    "prefill_batch_tokens": tcfg.prefill_batch_tokens}
     elif path == VLLM:
         default_tokens = int(ex_cfg.get("max_num_batched_tokens") or 2048)
         executor = {"kind": "external"}

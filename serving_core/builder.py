@@ -67,7 +67,8 @@ def _torch(spec: EngineSpec, geometry: Geometry, mem: MemoryOrganization, *,
         except Exception as err:  # corrupt weights, wrong shapes: the folder does not load
             raise RuntimeError(f"executor.checkpoint={tcfg.checkpoint!r}: the checkpoint does "
                                f"not load ({type(err).__name__}: {err})") from None
-    return TorchExecutor(model, StateArena(mem, geometry, model.device))
+    return TorchExecutor(model, StateArena(mem, geometry, model.device),
+                         prefill_batch_tokens=ex.prefill_batch_tokens)
 
 
 def _vocab_size(executor) -> int:
@@ -166,7 +167,7 @@ class _Unbuilt:
 
 
 EXECUTOR_KEYS = ("executor", "step_model", "profile", "indirection", "device", "dtype",
-                 "scan_chunk", "kv_codec", "kv_group_heads")
+                 "scan_chunk", "prefill_batch_tokens", "kv_codec", "kv_group_heads")
 
 
 def preflight(spec: EngineSpec) -> dict[str, Any]:

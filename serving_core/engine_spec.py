@@ -47,6 +47,9 @@ class ExecutorSpec:
     device: str = "cpu"
     dtype: str = "float32"
     scan_chunk: int | None = None  # torch: tokens per chunk of the prefill SSD scan
+    # torch: prefill chunks over the same span share a forward up to this many tokens
+    # (0: one request per forward; None: the executor's default, 0 over packed KV)
+    prefill_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTOR_KINDS:
@@ -131,6 +134,9 @@ class EngineSpec:
             "step_model": _requested_step_model(self.executor),
             **({"scan_chunk": self.executor.scan_chunk}
                if self.executor.kind == "torch" and self.executor.scan_chunk else {}),
+            **({"prefill_batch_tokens": self.executor.prefill_batch_tokens}
+               if self.executor.kind == "torch" and self.executor.prefill_batch_tokens
+               is not None else {}),
             **({"kv_codec": geometry.kv_codec, "kv_group_heads": geometry.kv_group_heads}
                if self.executor.kind == "torch" else {}),
             "clock": self.clock_kind,

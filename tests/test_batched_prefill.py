@@ -96,3 +96,27 @@ def test_batched_prefill_across_a_checkpoint_boundary_equals_unbatched(tiny_mode
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 128_256, 700).astype(np.int32) for _ in range(2)]
     _check(tiny_model, org, prompts, 4, 10_000)
+
+
+def test_prefill_batch_tokens_is_a_config_key_the_record_reads_back(tiny_checkpoint,
+                                                                     tiny_model):
+    from conftest import compose_config
+
+    from experiments.spec import engine_spec
+    from serving_core.builder import build_engine
+
+    def effective(*overrides):
+        cfg = compose_config("model=falcon_h1_tiny", "budget=b12", "executor=torch_inproc",
+                             f"executor.checkpoint={tiny_checkpoint}", *overrides)
+        return build_engine(engine_spec(cfg), model=tiny_model).effective_rules()
+
+    assert effective()["prefill_batch_tokens"] == 256  # null: the executor's default
+    assert effective("executor.prefill_batch_tokens=0")["prefill_batch_tokens"] == 0
+    assert effective("executor.prefill_batch_tokens=64")["prefill_batch_tokens"] == 64
+    # Packed TQ4 KV prefills one request at a time: its default is 0, and an explicit cap
+    # the executor would not honour is refused in one line naming the key.
+    assert effective("model.kv_codec=tq4")["prefill_batch_tokens"] == 0
+    with pytest.raises(ValueError, match="prefill_batch_tokens"):
+        effective("model.kv_codec=tq4", "executor.prefill_batch_tokens=64")
+    with pytest.raises(ValueError, match=r"executor.prefill_batch_tokens=-1: expected"):
+        effective("executor.prefill_batch_tokens=-1")

@@ -41,6 +41,11 @@ def test_runner_over_http_on_the_tiny_model(tag, tmp_path, tiny_checkpoint):  # 
     rss = con.sql("SELECT t_s, rss_bytes FROM footprint ORDER BY t_s").fetchall()
     assert rss[0][0] == 0.0 and len(rss) >= 2 * end and all(b > 10**7 for _, b in rss)
     assert all(round(t / 0.25, 6).is_integer() for t, _ in rss)
+    import json
+
+    (engine_config,) = con.sql("SELECT engine_config FROM runs").fetchone()
+    runtime = json.loads(engine_config)["runtime"]  # the server process's settings
+    assert runtime["threads"] >= 1 and runtime["allocator"] in ("glibc", "tcmalloc")
     # each request's actual path as the server reported it, joined to its request row
     paths = con.sql("SELECT p.path, p.reused_tokens, r.adopted_prefix_tokens, "
                     "p.first_batch_computed FROM request_paths p JOIN requests r "

@@ -118,6 +118,24 @@ def test_torch_inproc_engine_runs_the_configured_rules(name, tiny_checkpoint, ti
         assert engine.mem.write_once == (expected["slab_policy"] == "write_once")
 
 
+def test_a_real_run_records_its_process_settings(tiny_checkpoint):
+    """Wall-clock timings depend on the process: the record carries its intra-op threads
+    and allocator, read back from the process (the server's `runtime` line over HTTP)."""
+    import torch
+
+    from experiments.cell import run_cell
+    from serving_core.server.process_settings import allocator_in_use
+
+    cfg = compose_config(*TINY, "executor=torch_inproc", f"executor.checkpoint={tiny_checkpoint}",
+                         "workload.source=synthetic", "workload.num_requests=2",
+                         "workload.synthetic_prompt_tokens=40",
+                         "workload.synthetic_context_tokens=16",
+                         "workload.synthetic_output_tokens=2", "write_ledgers=false")
+    runtime = run_cell(cfg).engine_config["runtime"]
+    assert runtime["threads"] == torch.get_num_threads()
+    assert runtime["allocator"] == allocator_in_use() in ("glibc", "tcmalloc")
+
+
 # ----- over HTTP: the server builds from the whole spec ----------------------------------------
 def _served_rules(tmp_path: Path, spec: EngineSpec) -> dict:
     path = tmp_path / "spec.json"

@@ -11,7 +11,7 @@ from serving_core.model.config import check_geometry, read_config
 
 TORCH_KIND = "torch"
 _FIELDS = ("name", "kind", "checkpoint", "device", "dtype", "max_num_batched_tokens",
-           "scan_chunk")
+           "scan_chunk", "prefill_batch_tokens")
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -23,6 +23,9 @@ class TorchExecutorConfig:
     max_num_batched_tokens: int = 2048
     name: str = TORCH_KIND
     scan_chunk: int = 128  # tokens per chunk of the prefill SSD scan (FalconH1 scan_chunk)
+    # prefill chunks over the same span share a forward up to this many tokens (0: one
+    # request per forward; None: the executor's default)
+    prefill_batch_tokens: int | None = None
 
 
 def is_torch_executor(cfg) -> bool:
@@ -57,8 +60,14 @@ def torch_executor_config(cfg) -> TorchExecutorConfig:
     chunk = data.get("scan_chunk", 128)
     if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
         raise ValueError(f"executor.scan_chunk={chunk!r}: expected an integer >= 1")
+    batch = data.get("prefill_batch_tokens")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, numbers.Integral)
+                              or batch < 0):
+        raise ValueError(f"executor.prefill_batch_tokens={batch!r}: expected an integer >= 0 "
+                         "or null (the executor's default)")
     return TorchExecutorConfig(str(data["checkpoint"]), device, dtype, int(tokens),
-                               str(data.get("name", TORCH_KIND)), int(chunk))
+                               str(data.get("name", TORCH_KIND)), int(chunk),
+                               None if batch is None else int(batch))
 
 
 def check_checkpoint(tcfg: TorchExecutorConfig, geometry: Geometry) -> dict:
