@@ -296,12 +296,6 @@ def reset_device_cache(mem: MemoryOrganization) -> dict[str, int]:
     if busy:
         raise RuntimeError(f"{len(busy)} cached entries are referenced by requests")
     entries = len(mem.cache.attention) + len(mem.cache.checkpoints)
-    freed = 0
-    for name, pool in mem.pools.items():
-        while pool.evictable:
-            unit = pool.pop_lru()
-            mem._evict_unit(name, unit, -1)  # as an allocation would, then give the unit back
-            pool.push_free(unit)
-            freed += 1
+    freed = mem.drop_cached()
     return {"entries": entries - len(mem.cache.attention) - len(mem.cache.checkpoints),
             "units": freed}

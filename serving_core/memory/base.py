@@ -219,6 +219,19 @@ class MemoryOrganization:
         self.live.pop(obj.oid, None)
 
     # ----- eviction -----------------------------------------------------------------------
+    def drop_cached(self) -> int:
+        """Evict every unreferenced cached entry through the eviction path (as allocations
+        would: losses recorded, dependent units freed) and free its units; returns the
+        cached units freed. A prefix-cache reset; referenced entries stay."""
+        freed = 0
+        for name, pool in self.pools.items():
+            while pool.evictable:
+                unit = pool.pop_lru()
+                self._evict_unit(name, unit, -1)
+                pool.push_free(unit)
+                freed += 1
+        return freed
+
     def _evict_unit(self, pool_name: str, unit: int, cause: int) -> None:
         """Invalidate the entry living on `unit` (now out of the LRU) and free its other units."""
         obj = self._owner[pool_name][unit]
