@@ -129,7 +129,8 @@ def _served_rules(tmp_path: Path, spec: EngineSpec) -> dict:
 # A server process per setting (~0.75 s of CPU each). The default suite serves settings that
 # between them change every rule key (checked below); the rest run with the slow tests. All
 # settings are checked in process above, on both executors.
-SERVED_BY_DEFAULT = ("first_chunk", "survival", "cap_f_pin", "retention", "d0_aligned")
+SERVED_BY_DEFAULT = ("first_chunk", "survival", "cap_f_pin", "retention", "d0_aligned",
+                     "split_last", "d0_interleave")
 
 
 def test_served_settings_of_the_default_suite_change_every_rule():
