@@ -34,6 +34,12 @@ test: setup ## the default test suite, in parallel (WORKERS=n; slow end-to-end t
 test-all: setup ## every test, slow end-to-end ones included (WORKERS=n)
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 
+CPU_LOG ?= .cache/test-cpu.jsonl
+test-cpu: setup ## the default suite logging each test's CPU seconds (CPU_LOG), then the top files and tests
+	mkdir -p $(dir $(CPU_LOG)) && rm -f $(CPU_LOG)
+	HSL_TEST_CPU_LOG=$(abspath $(CPU_LOG)) $(BIN)/python -m pytest -m "not slow" $(PYTEST_PARALLEL)
+	$(BIN)/python tests/cpu_log.py $(CPU_LOG)
+
 lint: setup ## ruff checks
 	$(BIN)/ruff check serving_core experiments analysis ledgers tests bench hydra_plugins
 
@@ -58,7 +64,7 @@ tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1
 bench-serve: setup ## our server (S2, S0, D0) vs vLLM's (if .venv-vllm), saturating streamed load
 	$(BIN)/python -m bench serve
 
-.PHONY: help setup test test-all lint plan bench bench-serve calibrate tiny-model
+.PHONY: help setup test test-all test-cpu lint plan bench bench-serve calibrate tiny-model
 
 # ---- vLLM (the real-engine arm's server) in its own venv -----------------------------------
 # VLLM_DEVICE=cpu|gpu (default: gpu when nvidia-smi answers). The pins are pyproject's

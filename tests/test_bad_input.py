@@ -4,11 +4,10 @@ included; plus the Makefile variables and the app's --help."""
 
 from __future__ import annotations
 
-import functools
+import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -97,16 +96,21 @@ def _listing(path: Path) -> set[str]:
 # Cases run this many processes at a time: one per core, at most four (all 39 at once
 # made the machine's load, and every process's start-up, as long as the slowest).
 PARALLEL = max(1, min(4, os.cpu_count() or 1))
+# Every case is its own `python -m` process, forked by tests/cli_batch.py from one
+# interpreter that imported these once (the imports were most of each case's CPU).
+PRELOAD = ("experiments.run", "experiments.campaign")
 
 
-def _outcome(case: tuple[int, tuple[str, ...]], base: Path):
-    i, args = case
-    tmp = base / str(i)
-    tmp.mkdir()
-    (tmp / "a-file").write_text("a file, not a directory")
-    proc = subprocess.run(_command(args[0], args[1:], tmp), cwd=REPO, capture_output=True,
-                          text=True, timeout=600)  # a bound for a hang only
-    return tmp, proc.returncode, proc.stdout, proc.stderr
+def _run_cases(commands: list[list[str]]) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each `python -m` command, run from REPO."""
+    assert all(c[:2] == [sys.executable, "-m"] for c in commands)
+    request = {"preload": PRELOAD, "parallel": PARALLEL,
+               "cases": [{"argv": c[2:], "cwd": str(REPO)} for c in commands]}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "cli_batch.py")], cwd=REPO,
+                          input=json.dumps(request), capture_output=True, text=True,
+                          timeout=900)  # a bound for a hang only
+    assert proc.returncode == 0, proc.stderr
+    return [(r["returncode"], r["stdout"], r["stderr"]) for r in json.loads(proc.stdout)]
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +119,14 @@ def outcomes(tmp_path_factory):
     base = tmp_path_factory.mktemp("bad")
     watched = (REPO / "outputs", REPO / "ledgers" / "data", REPO / "reports")
     before = {p: _listing(p) for p in watched}
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        results = list(pool.map(functools.partial(_outcome, base=base),
-                                enumerate(args for args, _ in CASES)))
+    commands, dirs = [], []
+    for i, (args, _) in enumerate(CASES):
+        tmp = base / str(i)
+        tmp.mkdir()
+        (tmp / "a-file").write_text("a file, not a directory")
+        commands.append(_command(args[0], args[1:], tmp))
+        dirs.append(tmp)
+    results = [(tmp, *outcome) for tmp, outcome in zip(dirs, _run_cases(commands), strict=True)]
     after = {p: _listing(p) for p in watched}
     return results, before, after
 

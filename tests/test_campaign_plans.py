@@ -8,6 +8,7 @@ the counts are the document's, written out here, not derived from the configs.
 from __future__ import annotations
 
 import functools
+import gc
 from collections import Counter
 
 import pandas as pd
@@ -40,6 +41,17 @@ def design() -> pd.DataFrame:
     """Every distinct run of every campaign: what a full collection leaves in the ledgers."""
     runs = pd.concat([frame(planned(c)) for c in CAMPAIGNS], ignore_index=True)
     return runs.drop_duplicates("run_id").reset_index(drop=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_plans():
+    """Drop the cached plans (~2,000 composed configs, millions of OmegaConf nodes) when the
+    module is done: kept alive, every later full garbage collection in this test process
+    walks them (seconds each, charged to whichever test happens to trigger it)."""
+    yield
+    planned.cache_clear()
+    design.cache_clear()
+    gc.collect()  # OmegaConf nodes point at their parents: only a collection frees them
 
 
 # (campaign, total runs, runs per home campaign) as PAPER_DESIGN sections 4 and 5 count them.

@@ -125,6 +125,7 @@ def test_a_failing_cell_does_not_poison_the_campaign(tmp_path):
         ("p254", "complete"), ("p7", "failed")]
 
 
+@pytest.mark.slow  # end to end: a submitit multirun, two runs in their own processes (~4 s CPU)
 def test_submitit_local_tiny_multirun_writes_ledgers(tmp_path):
     proc = run_multirun(tmp_path, "hydra/launcher=submitit_local", "campaign_name=sub",
                         "org=s0,s2", "budget=b63")

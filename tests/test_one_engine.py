@@ -144,7 +144,22 @@ def _served_rules(tmp_path: Path, spec: EngineSpec) -> dict:
         return srv.engine_config()
 
 
-@pytest.mark.parametrize("name", sorted(SETTINGS))
+# A server process per setting (~0.75 s of CPU each). The default suite serves settings that
+# between them change every rule key (checked below); the rest run with the slow tests. All
+# settings are checked in process above, on both executors.
+SERVED_BY_DEFAULT = ("first_chunk", "survival", "cap_f_pin", "retention", "d0_aligned",
+                     "split_last", "d0_interleave")
+
+
+def test_served_settings_of_the_default_suite_change_every_rule():
+    changed = {k for name in SERVED_BY_DEFAULT for k, v in SETTINGS[name][1].items()
+               if v != PAPER_S2[k]}
+    assert changed == set(RULE_KEYS)
+
+
+@pytest.mark.parametrize("name", [n if n in SERVED_BY_DEFAULT else
+                                  pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(SETTINGS)])
 def test_paced_server_runs_the_configured_rules(name, tmp_path):
     overrides, expected = SETTINGS[name]
     effective = _served_rules(tmp_path, server_spec([*TINY, *overrides]))

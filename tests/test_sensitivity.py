@@ -1,6 +1,7 @@
 """make sensitivity: the primary families rerun under declared alternative engine rules, and
 the sensitivity.md page (analysis.sensitivity) that marks contrasts whose sign or decision
-changes. Smoke size end to end here; the full design is a slow test."""
+changes. The page's rules are checked in the default suite; the pipeline end to end (smoke
+size, ~15 s of CPU, and the full design) runs with the slow tests (`make test-all`)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def _check_page(root, out, alternatives):
     return text
 
 
+@pytest.mark.slow  # end to end: 80 runs through experiments.run, the page, the whole report
 def test_sensitivity_at_smoke_size_writes_its_page_into_the_report(tmp_path):
     root, out = tmp_path / "ledgers", tmp_path / "report"
     """Two alternatives, one seed and 12 requests per run (80 runs): the pipeline end to end."""
