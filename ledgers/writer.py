@@ -185,12 +185,39 @@ def read_raw_runs(root: str | os.PathLike, campaign: str | None = None) -> list[
     return read_rows(_runs_files(root, campaign))[0]
 
 
+# runs file -> (its stat signature, the (run_id, *ADOPTION_KEY) of its complete rows). A
+# runs file's key columns never change once written (adoption rewrites only `adopted`), so
+# a process that writes many runs reads each file once, not once per write (quadratic).
+_KEY_CACHE: dict[str, tuple[tuple[int, int, int], list[tuple]]] = {}
+
+
 def _complete_keys(root: str | os.PathLike, campaign: str | None) -> list[tuple]:
-    """(run_id, *ADOPTION_KEY) of complete runs rows (hot path: every write)."""
-    rows, _ = read_rows(_runs_files(root, campaign), f"run_id, status, {', '.join(ADOPTION_KEY)}")
-    return [
-        (r["run_id"], *(r[k] for k in ADOPTION_KEY)) for r in rows if r["status"] == "complete"
-    ]
+    """(run_id, *ADOPTION_KEY) of complete runs rows (hot path: every write). Files whose
+    stat signature (inode, size, mtime) is unchanged are not read again."""
+    out: list[tuple] = []
+    fresh: dict[str, tuple[int, int, int]] = {}
+    for path in _runs_files(root, campaign):
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # removed meanwhile (a repair): not a run any more
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = _KEY_CACHE.get(Path(path).as_posix())
+        if cached is not None and cached[0] == sig:
+            out += cached[1]
+        else:
+            fresh[Path(path).as_posix()] = sig
+    if fresh:
+        rows, _ = read_rows([Path(p) for p in fresh],
+                            f"run_id, status, {', '.join(ADOPTION_KEY)}")
+        found: dict[str, list[tuple]] = {p: [] for p in fresh}
+        for r in rows:
+            if r["status"] == "complete":
+                found[r["filename"]].append((r["run_id"], *(r[k] for k in ADOPTION_KEY)))
+        for p, keys in found.items():
+            _KEY_CACHE[p] = (fresh[p], keys)
+            out += keys
+    return out
 
 
 def _key_has_complete_run(root: str | os.PathLike, campaign: str, row: Mapping) -> bool:
