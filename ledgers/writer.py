@@ -42,7 +42,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ledgers.files import digest_bytes, read_rows
+from ledgers.files import digest_bytes, probe, read_rows
 from ledgers.schemas import RUN_TABLES, SCHEMAS, TABLES, to_stored_table, to_table
 
 TEMP_SUFFIX = ".tmp"
@@ -207,17 +207,24 @@ def _complete_keys(root: str | os.PathLike, campaign: str | None) -> list[tuple]
             out += cached[1]
         else:
             fresh[Path(path).as_posix()] = sig
-    if fresh:
-        rows, _ = read_rows([Path(p) for p in fresh],
-                            f"run_id, status, {', '.join(ADOPTION_KEY)}")
-        found: dict[str, list[tuple]] = {p: [] for p in fresh}
-        for r in rows:
-            if r["status"] == "complete":
-                found[r["filename"]].append((r["run_id"], *(r[k] for k in ADOPTION_KEY)))
-        for p, keys in found.items():
-            _KEY_CACHE[p] = (fresh[p], keys)
-            out += keys
+    for p, sig in fresh.items():
+        keys = _read_complete_keys(Path(p))
+        _KEY_CACHE[p] = (sig, keys)
+        out += keys
     return out
+
+
+def _read_complete_keys(path: Path) -> list[tuple]:
+    """(run_id, *ADOPTION_KEY) of one runs file's complete rows; none from a file that does
+    not read (ledgers.integrity names it). One small file: pyarrow, no DuckDB connection."""
+    if probe(path) is not None:
+        return []
+    try:
+        rows = pq.read_table(path, columns=["run_id", "status", *ADOPTION_KEY]).to_pylist()
+    except (OSError, pa.ArrowException):
+        return []
+    return [(r["run_id"], *(r[k] for k in ADOPTION_KEY)) for r in rows
+            if r["status"] == "complete"]
 
 
 def _key_has_complete_run(root: str | os.PathLike, campaign: str, row: Mapping) -> bool:
