@@ -35,6 +35,11 @@ def _decay(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.masked_fill(x < EXP_FLOOR, -torch.inf))
 
 
+def _decay_(x: torch.Tensor) -> torch.Tensor:
+    """`_decay` in place (x is a temporary): exp(x), exactly 0 at or below EXP_FLOOR."""
+    return F.threshold_(x, EXP_FLOOR, -torch.inf).exp_()
+
+
 def _chunks(x: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
     """(b, T, ...) -> (b, T/chunk, chunk, ...) after zero-padding T."""
     if pad:
@@ -63,10 +68,14 @@ def chunk_scan(
     initial (b, H, P, N). Returns y (b, T, H, P) fp32 and the final state (b, H, P, N).
 
     Within a chunk of `chunk` tokens the output is the masked quadratic form; across chunks
-    the state is carried by a short loop (one (b, H, P, N) update per chunk). Heads that
+    the state is carried by a short loop (one in-place multiply-add per chunk). Heads that
     share a group share B and C, so the group's heads are stacked into one matrix product
     (no per-head copies of B or C): cost 2 T H P N for the states plus T x chunk x (N + H P)
-    for the intra-chunk terms.
+    for the intra-chunk terms. Layout for speed on CPU: the carried states are kept N-major,
+    (G, N, heads x P), so that both state products take token-major x and C as they are
+    (no transposed copies); the chunk decay matrices are built transposed ([j, i], the
+    cumulative sum along the contiguous dim, same additions in the same order as
+    `segment_sum`) and in place, the causal mask applied once to the heads' shared C.B.
     """
     b, t, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -77,34 +86,49 @@ def chunk_scan(
     xdt = x * dt[..., None].float()
     Adt = A.float() * dt.float()  # (b, T, H)
     xdt, Adt, B, C = (_chunks(v, pad, chunk) for v in (xdt, Adt, B.float(), C.float()))
-    nc = xdt.shape[1]
-    A_cum = torch.cumsum(Adt, dim=2)  # (b, c, l, H)
-    # Intra-chunk: y_diag[i] = sum_{j <= i} (C_i . B_j) exp(A_cum_i - A_cum_j) xdt_j.
-    Bg = B.permute(0, 1, 3, 2, 4)  # (b, c, G, l, N)
+    nc, ln = xdt.shape[1], chunk
+    Ah = Adt.permute(0, 1, 3, 2).contiguous()  # (b, c, H, ln) head-major
+    A_cum = torch.cumsum(Ah, dim=-1)  # (b, c, H, ln)
+    # Intra-chunk: y_diag[i] = sum_{j <= i} (C_i . B_j) exp(A_cum_i - A_cum_j) xdt_j, with the
+    # decay built transposed: Lt[j, i] = sum Ah[j+1 .. i] (0 for i <= j, masked by C.B below).
+    upper = torch.ones(ln, ln, dtype=torch.bool, device=x.device).triu_(1)
+    Lt = torch.where(upper, Ah[..., None, :], 0.0)  # (b, c, H, ln, ln)
+    Lt.cumsum_(dim=-1)
+    Lt = _decay_(Lt)
+    Bg = B.permute(0, 1, 3, 2, 4)  # (b, c, G, ln, N)
     Cg = C.permute(0, 1, 3, 2, 4)
-    CB = torch.matmul(Cg, Bg.transpose(-1, -2))  # (b, c, G, l, l)
-    L = _decay(segment_sum(Adt.permute(0, 1, 3, 2)))  # (b, c, H, l, l)
-    M = (L.view(b, nc, g, hg, chunk, chunk) * CB[:, :, :, None]).view(b, nc, h, chunk, chunk)
-    xh = xdt.permute(0, 1, 3, 2, 4)  # (b, c, H, l, P)
-    y = torch.matmul(M, xh).permute(0, 1, 3, 2, 4)  # (b, c, l, H, P)
-    # Each chunk's own contribution to the state at its end.
-    decay = _decay(A_cum[:, :, -1:] - A_cum)  # (b, c, l, H)
-    xd = (xdt * decay[..., None]).view(b, nc, chunk, g, hg * p).permute(0, 1, 3, 4, 2)
-    own = torch.matmul(xd, Bg)  # (b, c, G, hg P, N)
-    # Carry the state across chunks: s_{k+1} = exp(A_cum_k[-1]) s_k + own_k.
-    last = _decay(A_cum[:, :, -1])  # (b, c, H)
-    states = torch.empty(b, nc, h, p, n, dtype=torch.float32, device=x.device)
-    s = initial.float()
+    CBt = torch.matmul(Bg, Cg.transpose(-1, -2)).triu_()  # (b, c, G, l_j, l_i), j <= i
+    Mt = Lt.view(b, nc, g, hg, ln, ln).mul_(CBt[:, :, :, None]).view(b, nc, h, ln, ln)
+    xh = xdt.permute(0, 1, 3, 2, 4)  # (b, c, H, ln, P)
+    y_diag = torch.matmul(Mt.transpose(-1, -2), xh)  # (b, c, H, ln, P)
+    # Each chunk's own contribution to the state at its end, N-major: (G, N, hg P).
+    decay = _decay_(A_cum[..., -1:] - A_cum)  # (b, c, H, ln)
+    xd = (xdt * decay.transpose(-1, -2)[..., None]).view(b, nc, ln, g, hg * p)
+    xd = xd.permute(0, 1, 3, 2, 4)  # (b, c, G, ln, hg P)
+    Bt = Bg.transpose(-1, -2)  # (b, c, G, N, ln)
+    # states[:, k] is the state entering chunk k; states[:, nc] the final one.
+    states = torch.empty(b, nc + 1, g, n, hg * p, dtype=torch.float32, device=x.device)
+    states[:, 0] = initial.float().view(b, g, hg, p, n).permute(0, 1, 4, 2, 3).reshape(
+        b, g, n, hg * p)
+    for i in range(b):
+        torch.matmul(Bt[i], xd[i], out=states[i, 1:])
+    # Carry across chunks in place: s_{k+1} = own_k + exp(A_cum_k[-1]) s_k.
+    last = _decay_(A_cum[..., -1].clone())  # (b, c, H)
+    last = last.view(b, nc, g, 1, hg, 1)
     for k in range(nc):
-        states[:, k] = s
-        s = s * last[:, k, :, None, None] + own[:, k].reshape(b, h, p, n)
+        states[:, k + 1].view(b, g, n, hg, p).addcmul_(
+            states[:, k].view(b, g, n, hg, p), last[:, k])
     # Inter-chunk: y_off[i] = exp(A_cum_i) C_i . s_k.
-    sg = states.view(b, nc, g, hg * p, n).transpose(-1, -2)  # (b, c, G, N, hg P)
-    y_off = torch.matmul(Cg, sg)  # (b, c, G, l, hg P)
-    y_off = y_off.permute(0, 1, 3, 2, 4).reshape(b, nc, chunk, h, p)
-    y = y + y_off * _decay(A_cum)[..., None]
-    y = y.reshape(b, nc * chunk, h, p)[:, :t] + d_res
-    return y, s
+    y_off = torch.empty(b, nc, g, ln, hg * p, dtype=torch.float32, device=x.device)
+    for i in range(b):
+        torch.matmul(Cg[i], states[i, :nc], out=y_off[i])
+    y = y_off.permute(0, 1, 3, 2, 4).reshape(b, nc, ln, h, p) if g > 1 else y_off.view(
+        b, nc, ln, h, p)
+    y = y.mul_(_decay_(A_cum).transpose(-1, -2)[..., None])
+    y = y.add_(y_diag.permute(0, 1, 3, 2, 4))
+    y = y.reshape(b, nc * ln, h, p)[:, :t] + d_res
+    final = states[:, nc].view(b, g, n, hg, p).permute(0, 1, 3, 4, 2).reshape(b, h, p, n)
+    return y, final
 
 
 def chunk_scan_reference(
