@@ -68,14 +68,16 @@ def chunk_scan(
     initial (b, H, P, N). Returns y (b, T, H, P) fp32 and the final state (b, H, P, N).
 
     Within a chunk of `chunk` tokens the output is the masked quadratic form; across chunks
-    the state is carried by a short loop (one in-place multiply-add per chunk). Heads that
+    the state is carried by a short loop. Heads that
     share a group share B and C, so the group's heads are stacked into one matrix product
     (no per-head copies of B or C): cost 2 T H P N for the states plus T x chunk x (N + H P)
-    for the intra-chunk terms. Layout for speed on CPU: the carried states are kept N-major,
-    (G, N, heads x P), so that both state products take token-major x and C as they are
-    (no transposed copies); the chunk decay matrices are built transposed ([j, i], the
-    cumulative sum along the contiguous dim, same additions in the same order as
-    `segment_sum`) and in place, the causal mask applied once to the heads' shared C.B.
+    for the intra-chunk terms. For speed on CPU: the carried states are written by the
+    matrix products into one buffer (chunk after chunk, in the (b, H, P, N) layout, so the
+    initial and final states need no transposing copy) and carried by one in-place
+    multiply-add per chunk; the chunk decay matrices are built transposed ([j, i]: the
+    cumulative sum runs along the contiguous dim, the same additions in the same order as
+    `segment_sum`) and in place, the causal mask applied once to the heads' shared C.B; decay
+    exponents are cut in place (`_decay_`).
     """
     b, t, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -101,33 +103,31 @@ def chunk_scan(
     Mt = Lt.view(b, nc, g, hg, ln, ln).mul_(CBt[:, :, :, None]).view(b, nc, h, ln, ln)
     xh = xdt.permute(0, 1, 3, 2, 4)  # (b, c, H, ln, P)
     y_diag = torch.matmul(Mt.transpose(-1, -2), xh)  # (b, c, H, ln, P)
-    # Each chunk's own contribution to the state at its end, N-major: (G, N, hg P).
+    # Each chunk's own contribution to the state at its end: (G, hg P, N) per chunk.
     decay = _decay_(A_cum[..., -1:] - A_cum)  # (b, c, H, ln)
     xd = (xdt * decay.transpose(-1, -2)[..., None]).view(b, nc, ln, g, hg * p)
-    xd = xd.permute(0, 1, 3, 2, 4)  # (b, c, G, ln, hg P)
-    Bt = Bg.transpose(-1, -2)  # (b, c, G, N, ln)
+    xdT = xd.permute(0, 1, 3, 4, 2)  # (b, c, G, hg P, ln)
     # states[:, k] is the state entering chunk k; states[:, nc] the final one.
-    states = torch.empty(b, nc + 1, g, n, hg * p, dtype=torch.float32, device=x.device)
-    states[:, 0] = initial.float().view(b, g, hg, p, n).permute(0, 1, 4, 2, 3).reshape(
-        b, g, n, hg * p)
+    states = torch.empty(b, nc + 1, g, hg * p, n, dtype=torch.float32, device=x.device)
+    states[:, 0] = initial.reshape(b, g, hg * p, n)
     for i in range(b):
-        torch.matmul(Bt[i], xd[i], out=states[i, 1:])
+        torch.matmul(xdT[i], Bg[i], out=states[i, 1:])
     # Carry across chunks in place: s_{k+1} = own_k + exp(A_cum_k[-1]) s_k.
     last = _decay_(A_cum[..., -1].clone())  # (b, c, H)
-    last = last.view(b, nc, g, 1, hg, 1)
+    last = last.view(b, nc, g, hg, 1, 1)
     for k in range(nc):
-        states[:, k + 1].view(b, g, n, hg, p).addcmul_(
-            states[:, k].view(b, g, n, hg, p), last[:, k])
+        states[:, k + 1].view(b, g, hg, p, n).addcmul_(
+            states[:, k].view(b, g, hg, p, n), last[:, k])
     # Inter-chunk: y_off[i] = exp(A_cum_i) C_i . s_k.
     y_off = torch.empty(b, nc, g, ln, hg * p, dtype=torch.float32, device=x.device)
     for i in range(b):
-        torch.matmul(Cg[i], states[i, :nc], out=y_off[i])
+        torch.matmul(Cg[i], states[i, :nc].transpose(-1, -2), out=y_off[i])
     y = y_off.permute(0, 1, 3, 2, 4).reshape(b, nc, ln, h, p) if g > 1 else y_off.view(
         b, nc, ln, h, p)
     y = y.mul_(_decay_(A_cum).transpose(-1, -2)[..., None])
     y = y.add_(y_diag.permute(0, 1, 3, 2, 4))
     y = y.reshape(b, nc * ln, h, p)[:, :t] + d_res
-    final = states[:, nc].view(b, g, n, hg, p).permute(0, 1, 3, 4, 2).reshape(b, h, p, n)
+    final = states[:, nc].reshape(b, h, p, n)
     return y, final
 
 
