@@ -235,10 +235,10 @@ def conv_scan(
             out = out + bias[:, None]
         return F.silu(out).transpose(1, 2), full[:, :, full.shape[-1] - k1 :]
     full = torch.cat([window.to(xbc.dtype).transpose(1, 2), xbc], dim=1)  # (b, K-1+T, Cd)
-    w = weight.to(full.dtype)
-    out = full[:, :t] * w[:, 0]
+    w = weight.to(full.dtype).t().contiguous()  # (K, Cd): contiguous rows broadcast fastest
+    out = full[:, :t] * w[0]
     for k in range(1, k1 + 1):
-        out.addcmul_(full[:, k : k + t], w[:, k])
+        out.addcmul_(full[:, k : k + t], w[k])
     if bias is not None:
         out.add_(bias.to(out.dtype))
     return F.silu(out, inplace=True), full[:, full.shape[1] - k1 :].transpose(1, 2)
