@@ -50,7 +50,7 @@ calibrate: setup ## fit the A100 step model to conf/calibration/ anchors; anchor
 	$(BIN)/python -m experiments.calibrate $(ARGS)
 
 BENCH ?= engine single campaign ledger kernel
-BENCH_PARTS := engine single campaign ledger kernel
+BENCH_PARTS := engine single campaign ledger kernel scan
 ifneq ($(filter-out $(BENCH_PARTS),$(BENCH)),)
 $(error BENCH=$(BENCH): allowed any of $(BENCH_PARTS) (default all))
 endif

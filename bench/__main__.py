@@ -5,8 +5,9 @@ P2), campaign (Q1 Exp 1a with 2 workers plus its analysis, P2), ledger (10^7 tra
 catalog queries, P4), kernel (paged versus contiguous decode, engine versus transformers'
 generate on the tiny model), serve (our HTTP server against vLLM's under a saturating
 streamed workload, `make bench-serve`), profile (where a saturating in-process real-path run
-spends its time). `python -m bench` alone runs every part but serve and profile. Numbers, not
-assertions: the test suite never times anything.
+spends its time), scan (the prefill SSD scan alone at the tiny model's shapes). `python -m
+bench` alone runs every part but serve, profile and scan. Numbers, not assertions: the
+test suite never times anything.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ PARTS = {
     "kernel": ("bench.kernel_bench", []),
     "serve": ("bench.serve_bench", []),
     "profile": ("bench.profile_bench", []),
+    "scan": ("bench.scan_bench", []),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     names = list(sys.argv[1:] if argv is None else argv) or [
-        p for p in PARTS if p not in ("serve", "profile")]
+        p for p in PARTS if p not in ("serve", "profile", "scan")]
     unknown = [n for n in names if n not in PARTS]
     if unknown:
         print(f"error: part={unknown[0]}: allowed {', '.join(PARTS)}", file=sys.stderr)

@@ -108,3 +108,28 @@ def test_scan_chunk_key_is_checked():
     for bad in (0, -1, "64", True):
         with pytest.raises(ValueError, match="executor.scan_chunk"):
             torch_executor_config({**base, "scan_chunk": bad})
+
+
+@pytest.mark.parametrize("b,t,bias", [(1, 37, True), (3, 5, False), (2, 1, True)])
+def test_conv_scan_equals_conv1d_and_the_one_token_steps(b, t, bias):
+    """The token-major prefill conv against torch's conv1d over the channel-major sequence
+    and against its own one-token (decode) path run token by token; the carried window is
+    the last K-1 inputs."""
+    gen = torch.Generator().manual_seed(b * 100 + t)
+    cd, k = 24, 4
+    window, xbc = torch.randn(b, cd, k - 1, generator=gen), torch.randn(b, t, cd, generator=gen)
+    weight = torch.randn(cd, k, generator=gen)
+    bias_v = torch.randn(cd, generator=gen) if bias else None
+    y, new = mamba.conv_scan(window, xbc, weight, bias_v)
+    full = torch.cat([window, xbc.transpose(1, 2)], dim=-1)
+    ref = torch.nn.functional.conv1d(full, weight[:, None], bias_v, groups=cd)
+    ref = torch.nn.functional.silu(ref).transpose(1, 2)
+    assert y.shape == (b, t, cd) and new.shape == (b, cd, k - 1)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(new, full[:, :, -(k - 1):])
+    win, steps = window, []
+    for i in range(t):
+        out, win = mamba.conv_scan(win, xbc[:, i : i + 1], weight, bias_v)
+        steps.append(out)
+    assert (torch.cat(steps, 1) - y).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(win, new)

@@ -16,7 +16,8 @@ scratch lives for one step only: no state outlives the units that hold it. All s
 addressed through the plan: each scheduled item's `ChunkState` (the state manager's
 answer: attention unit ids, working/adopted/destination composites, and after
 publication where each boundary's state went); the request gives only its tokens.
-Greedy decoding: the sampled token is the argmax of the last position's logits.
+Greedy decoding: the sampled token is the argmax of the last position's logits (`argmax_rows`,
+the same index as torch.argmax, vectorized on CPU).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from serving_core.engine import ExecutorOutput
 from serving_core.executor.state_arena import StateArena
+from serving_core.model.greedy import argmax_rows
 from serving_core.model.paged_attention import decode_attention
 
 
@@ -211,7 +213,7 @@ class TorchExecutor:
                                device=dev)
             pos = torch.tensor([[it.context] for it in fast], device=dev)
             logits = self.model.forward(ids, pos, _DecodeIO(self.arena, fast))
-            tokens = logits.argmax(-1).tolist()
+            tokens = argmax_rows(logits).tolist()
             for it, tok in zip(fast, tokens, strict=True):
                 if it.context + 1 == it.req.num_tokens:
                     sampled[it.req.rid] = tok
@@ -309,7 +311,7 @@ class TorchExecutor:
 
                 self._pending.append((it.state, [(e, own(st)) for e, st in boundary_states],
                                       own(states)))
-        return logits.argmax(-1).tolist()
+        return argmax_rows(logits).tolist()
 
     def describe(self) -> dict:
         """What this executor runs, read from its model."""

@@ -13,7 +13,6 @@ or b decode tokens) starting at per-sequence positions.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Protocol
 
@@ -228,36 +227,29 @@ class FalconH1:
         c = k_ctx.shape[1]
         keys = torch.cat([k_ctx.to(k.dtype), k], dim=1) if c else k
         vals = torch.cat([v_ctx.to(v.dtype), v], dim=1) if c else v
-        # GQA without repeating K/V: the `rep` query heads of a KV head are stacked as rows
-        # (row = token x rep + r), so each KV head's keys are read once.
-        kvh, rep = self.kv_heads, self.heads // self.kv_heads
+        # Fused attention (torch's CPU flash kernel, GQA without repeating K/V) over each block
+        # of queries against the context and the block's own causal prefix.
         keys = keys.transpose(1, 2)  # (b, KVH, c + t, d)
         vals = vals.transpose(1, 2)
-        q = q.view(b, t, kvh, rep, self.head_dim).permute(0, 2, 1, 3, 4)
-        q = q.reshape(b, kvh, t * rep, self.head_dim)
+        q = q.transpose(1, 2)  # (b, H, t, d)
         scale = self.head_dim ** -0.5
-        pad_mask = None
+        keep = None
         if valid is not None:
             pad = torch.ones(b, t, dtype=torch.bool, device=x.device)
-            pad_mask = ~torch.cat([valid, pad], dim=1)[:, None, None, :]  # (b, 1, 1, c + t)
+            keep = torch.cat([valid, pad], dim=1)[:, None, None, :]  # (b, 1, 1, c + t)
         outs = []
         for s in range(0, t, ATTENTION_QUERY_BLOCK):
             e = min(t, s + ATTENTION_QUERY_BLOCK)
             span = c + e
-            scores = torch.matmul(q[:, :, s * rep : e * rep], keys[:, :, :span].transpose(2, 3))
-            scores = scores * scale
-            mask = pad_mask[..., :span] if pad_mask is not None else None
-            if e - s > 1 or s > 0:  # causal
-                qpos = torch.arange(s, e, device=x.device).repeat_interleave(rep)[:, None] + c
-                causal = (torch.arange(span, device=x.device)[None, :] > qpos)[None, None]
-                mask = causal if mask is None else mask | causal
-            if mask is not None:
-                scores = scores.masked_fill(mask, -math.inf)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            outs.append(torch.matmul(probs, vals[:, :, :span]))
-        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (b, KVH, t rep, d)
-        out = out.view(b, kvh, t, rep, self.head_dim).permute(0, 2, 1, 3, 4)
-        out = out.reshape(b, t, self.heads * self.head_dim)
+            qpos = torch.arange(s, e, device=x.device)[:, None] + c
+            mask = (torch.arange(span, device=x.device)[None, :] <= qpos)[None, None]
+            if keep is not None:
+                mask = mask & keep[..., :span]
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, s:e], keys[:, :, :span].to(q.dtype), vals[:, :, :span].to(q.dtype),
+                attn_mask=mask, scale=scale, enable_gqa=self.heads != self.kv_heads))
+        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (b, H, t, d)
+        out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self._lin(out, p + "o_proj")
 
     def _decode_attention(self, q, keys, vals, valid) -> torch.Tensor:

@@ -1,0 +1,32 @@
+"""Greedy token choice: the row-wise argmax of a batch of logits, fast on CPU.
+
+torch's CPU `argmax` over a 128,256-wide vocabulary reduces each row serially (about
+0.3 ms a row, 19 ms for a decode batch of 64 on one thread) while `amax` vectorizes (1.2 ms).
+`argmax_rows` finds each row's maximum with `amax`, then the first 256-wide block that holds
+it and the first position in that block: the same index as `torch.argmax` (the first
+maximal value), falling back to it when a row's maximum is not found in the blocks (NaN
+logits, or a maximum only in the tail past the last whole block).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 256
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximal value of each row of a (b, V) tensor (torch.argmax(-1))."""
+    b, v = logits.shape
+    nb = v // BLOCK
+    if b < 2 or nb < 4 or logits.device.type != "cpu":
+        return logits.argmax(-1)
+    logits = logits.contiguous()
+    top = logits.amax(-1, keepdim=True)  # (b, 1)
+    blocks = logits[:, : nb * BLOCK].view(b, nb, BLOCK)
+    hit = blocks.amax(-1) == top  # (b, nb)
+    if not bool(hit.any(-1).all()):
+        return logits.argmax(-1)
+    first = hit.to(torch.uint8).argmax(-1)  # first block holding the maximum
+    rows = blocks[torch.arange(b, device=logits.device), first]  # (b, BLOCK)
+    return first * BLOCK + (rows == top).to(torch.uint8).argmax(-1)
