@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +44,7 @@ from serving_core.memory import build_memory
 from serving_core.model.dense_state import DenseState
 from serving_core.model.falcon_h1 import FalconH1
 from serving_core.model.paged_attention import decode_attention
+from serving_core.server.runtime import ServedSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -52,15 +52,6 @@ MODEL = "falcon_h1_tiny"
 BATCHES = (8, 32, 53)
 CONTEXT = 1024  # tokens of KV per sequence in the whole-model decode step
 
-
-@dataclass(frozen=True)
-class _Spec:
-    request_id: int
-    arrival_s: float
-    prompt: np.ndarray
-    output_tokens: int
-    context_id: int = -1
-    salt: str = ""
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -209,7 +200,7 @@ def engine_vs_generate(model, checkpoint, batch: int, prompt_len: int, output: i
     spec = loaded_model_spec(model, geometry, "S2", "b63",
                              {"cap": batch, "max_num_batched_tokens": max(2048, prompt_len)})
     engine = build_engine(spec, model=model)
-    specs = [_Spec(i, 0.0, p, output) for i, p in enumerate(prompts)]
+    specs = [ServedSpec(i, 0.0, p, output) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     serve(engine, specs)
     ours = time.perf_counter() - t0

@@ -18,16 +18,7 @@ from serving_core.executor.torch_executor import build_torch_engine
 from serving_core.geometry import load_geometry
 from serving_core.planner import plan_budget, units_for
 from serving_core.scheduler import SchedulerConfig
-
-
-@dataclass(frozen=True)
-class _Spec:
-    request_id: int
-    arrival_s: float
-    prompt: np.ndarray
-    output_tokens: int
-    context_id: int = -1
-    salt: str = ""
+from serving_core.server.runtime import ServedSpec
 
 
 def _serve(model, org, prompts, output, batch_tokens):
@@ -50,7 +41,7 @@ def _serve(model, org, prompts, output, batch_tokens):
         return out
 
     engine.step = recording_step
-    serve(engine, [_Spec(i, 0.0, p, output) for i, p in enumerate(prompts)])
+    serve(engine, [ServedSpec(i, 0.0, p, output) for i, p in enumerate(prompts)])
     return produced, [t.clone() for t in ex.arena.pools.values()], sizes
 
 
