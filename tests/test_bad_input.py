@@ -232,4 +232,4 @@ def test_bench_parts_are_checked(capsys):
 
     assert bench_main(["ledger", "speed"]) == 2  # checked before any part runs
     assert capsys.readouterr().err.strip() == (
-        "error: part=speed: allowed engine, single, campaign, ledger, kernel, serve, profile")
+        "error: part=speed: allowed engine, single, campaign, ledger, kernel, serve, profile, scan")
