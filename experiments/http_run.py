@@ -179,7 +179,9 @@ def serve_over_http(cmd: list[str], specs, *, kind: str = "hsl", records_dir: st
             on_boot(srv)
         t0 = time.perf_counter()  # episode start: orchestration begins, boot excluded
         offset = _clock_offset(srv.base_url, t0) if records_dir else 0.0
-        records, poller = asyncio.run(run_episode(srv.base_url, kind, specs, t0))
+        # the final usage chunk carries the server's record of each request's path
+        usage = {"stream_options": {"include_usage": True}}
+        records, poller = asyncio.run(run_episode(srv.base_url, kind, specs, t0, extra=usage))
         episode_end = math.ceil(time.perf_counter() - t0)
         failed = [r for r in records if not r.ok]
         died = srv.proc.poll()

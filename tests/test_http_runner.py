@@ -43,7 +43,7 @@ def test_runner_over_http_on_the_tiny_model(tag, tmp_path, tiny_checkpoint):  # 
     assert all(round(t / 0.25, 6).is_integer() for t, _ in rss)
     import json
 
-    (engine_config,) = con.sql("SELECT engine_config FROM runs").fetchone()
+    ((engine_config,),) = con.sql("SELECT engine_config FROM runs").fetchall()
     runtime = json.loads(engine_config)["runtime"]  # the server process's settings
     assert runtime["threads"] >= 1 and runtime["allocator"] in ("glibc", "tcmalloc")
     # each request's actual path as the server reported it, joined to its request row
