@@ -134,11 +134,11 @@ _FOOTPRINT = [
 
 # Served runs only: each request's actual path as the server recorded it (our server's
 # usage.hsl_path; vLLM reports cached prompt tokens only), kept by the client.
-REQUEST_PATHS = ("recompute", "device_reuse", "host_reload", "")
+REQUEST_PATHS = ("recompute", "device_reuse", "host_reload")  # the server's record (paths.py)
 _REQUEST_PATHS = [
     _f("request_id", _I, "", "Workload request id (joins requests.request_id)."),
     _f("path", _S, "", 'Actual path of the first admission ("": the server does not say).',
-       REQUEST_PATHS),
+       (*REQUEST_PATHS, "")),
     _f("reused_tokens", _I, "tokens", "Prefix tokens adopted from the device cache (-1: not "
        "reported)."),
     _f("restored_tokens", _I, "tokens", "Prefix tokens the host tier restored, B (-1: not "

@@ -15,12 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ledgers.arms import STORAGE_ORGS
-from ledgers.schemas import _cast, _f
+from ledgers.schemas import REQUEST_PATHS, _cast, _f
 from ledgers.writer import write_atomic
 
 _S, _I, _F, _B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
 RELOAD_CONDITIONS = ("cold", "repeat", "reload")
-REQUEST_PATHS = ("recompute", "device_reuse", "host_reload")
 
 _RELOAD_STUDY = [
     _f("study_id", _S, "", "Study run identifier (UTC start time and a random suffix)."),

@@ -21,6 +21,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from serving_core.server.paths import PATHS
+
 PREFIX = "hsl:"
 # Gauges: name -> (snapshot key, help)
 GAUGES = {
@@ -133,7 +135,7 @@ class SnapshotCollector:
         fam = CounterMetricFamily(PREFIX + PATH_COUNTER,
                                   "Requests admitted, by actual path (recompute, "
                                   "device_reuse, host_reload).", labels=["model_name", "path"])
-        for path in ("recompute", "device_reuse", "host_reload"):
+        for path in PATHS:
             fam.add_metric([self.model, path], snap.get(f"requests_path_{path}", 0))
         yield fam
         pools = snap["pools"]
