@@ -272,20 +272,26 @@ def format_plan(plan: BudgetPlan) -> str:
         pools = plan.pools_of(org)
         for p in pools:
             diff = f"{plan.diff_bytes(org):+,}" if len(pools) == 1 else ""
-            units = f"{p.num_units:,}" + (f"+{p.num_reserved} null" if p.num_reserved else "")
             rows.append(
-                (org, p.pool, units, f"{p.unit_bytes:,}", f"{p.num_bytes:,}",
+                (org, p.pool, _units(p), f"{p.unit_bytes:,}", f"{p.num_bytes:,}",
                  _mib(p.num_bytes), diff)
             )
         if len(pools) > 1:
             total = plan.org_bytes(org)
             rows.append((org, "total", "", "", f"{total:,}", _mib(total),
                          f"{plan.diff_bytes(org):+,}"))
+    return _render(f"model {plan.model}  kv {plan.kv_codec}  budget {plan.label}  nominal "
+                   f"{plan.nominal_bytes:,} B ({_mib(plan.nominal_bytes)} MiB)", header, rows)
+
+
+def _units(p: PoolPlan) -> str:
+    return f"{p.num_units:,}" + (f"+{p.num_reserved} null" if p.num_reserved else "")
+
+
+def _render(title: str, header, rows) -> str:
+    """A title line over a table: the first two columns left-aligned, the rest right."""
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    lines = [
-        f"model {plan.model}  kv {plan.kv_codec}  budget {plan.label}  nominal "
-        f"{plan.nominal_bytes:,} B ({_mib(plan.nominal_bytes)} MiB)"
-    ]
+    lines = [title]
     for row in (header, *rows):
         pairs = enumerate(zip(row, widths, strict=True))
         cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in pairs]
@@ -309,8 +315,7 @@ def format_side_by_side(plans: dict[str, BudgetPlan]) -> str:
             row = [org, pool.pool]
             for codec in codecs:
                 p = pools[codec][i]
-                units = f"{p.num_units:,}" + (f"+{p.num_reserved} null" if p.num_reserved else "")
-                row += [units, f"{p.unit_bytes:,}", f"{plans[codec].diff_bytes(org):+,}"
+                row += [_units(p), f"{p.unit_bytes:,}", f"{plans[codec].diff_bytes(org):+,}"
                         if len(pools[codec]) == 1 else ""]
             rows.append(tuple(row))
         if len(pools[codecs[0]]) > 1:
@@ -318,16 +323,9 @@ def format_side_by_side(plans: dict[str, BudgetPlan]) -> str:
             for codec in codecs:
                 row += ["", "", f"{plans[codec].diff_bytes(org):+,}"]
             rows.append(tuple(row))
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    lines = [
-        f"model {first.model}  budget {first.label}  nominal {first.nominal_bytes:,} B "
-        f"({_mib(first.nominal_bytes)} MiB), the same bytes under {' and '.join(codecs)}"
-    ]
-    for row in (header, *rows):
-        pairs = enumerate(zip(row, widths, strict=True))
-        cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in pairs]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+    return _render(f"model {first.model}  budget {first.label}  nominal "
+                   f"{first.nominal_bytes:,} B ({_mib(first.nominal_bytes)} MiB), the same "
+                   f"bytes under {' and '.join(codecs)}", header, rows)
 
 
 def _parser() -> argparse.ArgumentParser:
