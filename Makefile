@@ -47,7 +47,7 @@ plan: setup ## budget planner tables for b63, b83 and b108 (Falcon-H1-7B), bf16 
 	@for b in b63 b83 b108; do $(BIN)/python -m serving_core.planner --model falcon_h1_7b --budget $$b --kv-codec both; echo; done
 
 calibrate: setup ## fit the A100 step model to conf/calibration/ anchors; anchor table (~3 min)
-	$(BIN)/python -m experiments.calibrate $(ARGS)
+	$(BIN)/python -m experiments.studies.calibrate $(ARGS)
 
 BENCH ?= engine single campaign ledger kernel
 BENCH_PARTS := engine single campaign ledger kernel scan
@@ -158,7 +158,7 @@ campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, 
 
 campaign-plan: setup ## list the runs of C=<campaign> (and whether complete) without running
 	@test -n "$(C)" || { echo "usage: make campaign-plan C=<name of conf/campaign/*.yaml>"; exit 2; }
-	$(BIN)/python -m experiments.campaign campaign=$(C) ledger_root=$(LEDGER_ROOT) \
+	$(BIN)/python -m experiments.campaigns.campaign campaign=$(C) ledger_root=$(LEDGER_ROOT) \
 		$(if $(filter $(SMOKE_ON),$(SMOKE)),hydra.sweeper.smoke=true) $(ARGS)
 
 smoke: setup ## every question q1..q9 at smoke size, then check the ledgers
@@ -179,9 +179,9 @@ demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs) i
 	@echo "report: $(abspath $(REPORT_DIR))/index.md"
 
 sensitivity: setup ## rerun Q1 EXT-22 and Q6-17 under each alternative engine rule (SMOKE=1: 3 seeds, 60 requests), then sensitivity.md
-	$(BIN)/python -m experiments.sensitivity --ledgers $(LEDGER_ROOT) \
+	$(BIN)/python -m experiments.studies.sensitivity --ledgers $(LEDGER_ROOT) \
 		$(if $(filter $(SMOKE_ON),$(SMOKE)),--smoke) $(ARGS)
-	$(BIN)/python -m analysis.sensitivity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) > /dev/null
+	$(BIN)/python -m analysis.studies.sensitivity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) > /dev/null
 	@echo "sensitivity page: $(abspath $(REPORT_DIR))/sensitivity.md"
 
 .PHONY: $(QUESTIONS) n0 campaign campaign-plan smoke demo sensitivity
@@ -206,19 +206,19 @@ http-smoke: setup $(TINY_MODEL)/config.json ## one run over HTTP on the tiny mod
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
 
 fidelity: setup $(TINY_MODEL)/config.json ## simulator vs real: 24 real tiny-model runs over HTTP, fitted profile, 24 simulated, table
-	$(BIN)/python -m experiments.fidelity --ledger-root $(LEDGER_ROOT) $(ARGS)
-	$(BIN)/python -m analysis.fidelity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)
+	$(BIN)/python -m experiments.studies.fidelity --ledger-root $(LEDGER_ROOT) $(ARGS)
+	$(BIN)/python -m analysis.studies.fidelity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)
 
 continuation: setup $(TINY_MODEL)/config.json ## reload-from-host boundary matrix + byte audits, S0/S1/S2/D0/N0 x 9 lengths (last line: JSON)
-	$(BIN)/python -m experiments.continuation --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) \
+	$(BIN)/python -m experiments.studies.continuation --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) \
 		--report-dir $(REPORT_DIR) $(ARGS)
 
 reload-study: setup $(TINY_MODEL)/config.json ## order-balanced cold/repeat/reload TTFT over HTTP (host tier OFF/ON pairs), page reload_study.md (last line: JSON)
-	$(BIN)/python -m experiments.reload_study --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) $(ARGS)
-	$(BIN)/python -m analysis.reload_study $(LEDGER_ROOT) --out $(REPORT_DIR)
+	$(BIN)/python -m experiments.studies.reload_study --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) $(ARGS)
+	$(BIN)/python -m analysis.studies.reload_study $(LEDGER_ROOT) --out $(REPORT_DIR)
 
 continuation-http: setup $(TINY_MODEL)/config.json ## the boundary matrix over HTTP (host tier on, last boundary split; ARGS='--orgs d0 --cases 2C-1')
-	$(BIN)/python -m experiments.continuation_http --checkpoint $(TINY_MODEL) \
+	$(BIN)/python -m experiments.studies.continuation_http --checkpoint $(TINY_MODEL) \
 		--ledger-root $(LEDGER_ROOT) --report-dir $(REPORT_DIR) $(ARGS)
 
 .PHONY: serve http-smoke continuation fidelity reload-study continuation-http

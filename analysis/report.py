@@ -23,12 +23,12 @@ from pathlib import Path
 import pandas as pd
 
 import ledgers
-from analysis import (
-    common,
-    fidelity,
+from analysis.inference import prereg
+from analysis.pages import common, readouts
+from analysis.pages.render import md_table
+from analysis.questions import (
     n0_native,
     n0_validate,
-    prereg,
     q1,
     q2,
     q3,
@@ -39,12 +39,10 @@ from analysis import (
     q8,
     q9,
     q10_tq4,
-    readouts,
-    sensitivity,
     supporting,
     vllm_arm,
 )
-from analysis.render import md_table
+from analysis.studies import fidelity, sensitivity
 
 QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES, q10_tq4)
 OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
@@ -83,8 +81,9 @@ def analysis_version() -> str:
     except metadata.PackageNotFoundError:
         version = "unknown"
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + path.read_bytes())
+    package = Path(__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
     return f"hybrid-state-lab {version}, analysis sources sha256:{digest.hexdigest()[:12]}"
 
 

@@ -62,7 +62,7 @@ def time_campaign(workers: int, start: str) -> dict:
 def analyse(root: str, out: str) -> None:
     """The Q1 analysis as the report runs it: catalog, readouts, families, figures."""
     import ledgers
-    from analysis import q1
+    from analysis.questions import q1
 
     con = ledgers.connect(root)
     result = q1.analyze(con)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from experiments.cell import run_cell
+from experiments.runners.cell import run_cell
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 
 from bench.tiny import tiny_checkpoint
-from experiments.server_process import ALLOCATORS, allocator_env
+from experiments.runners.server_process import ALLOCATORS, allocator_env
 from ledgers.arms import ARMS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,8 +89,8 @@ async def _batch(url, model, prompts, output, extra):
 
 def _ours(checkpoint, org, args, records):
     """Our server on the checkpoint: the spec composed from run overrides, as `make serve`."""
+    from experiments.runners.server_process import hsl_server_command
     from experiments.serve import server_spec
-    from experiments.server_process import hsl_server_command
 
     spec = server_spec([f"model={MODEL}", "executor=torch", f"executor.checkpoint={checkpoint}",
                         f"org={org.lower()}", f"budget={args.budget}", f"engine.cap={args.cap}",
@@ -101,7 +101,12 @@ def _ours(checkpoint, org, args, records):
 
 
 def _vllm(checkpoint, args):
-    from experiments.vllm_arm import VllmExecutorConfig, free_port, kv_cache_bytes, vllm_command
+    from experiments.runners.vllm_arm import (
+        VllmExecutorConfig,
+        free_port,
+        kv_cache_bytes,
+        vllm_command,
+    )
     from serving_core.geometry import load_geometry
     from serving_core.layout import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
     from serving_core.planner import plan_budget
@@ -124,11 +129,11 @@ def _vllm(checkpoint, args):
 
 
 def run_arm(arm, checkpoint, prompts, args, allocator):
-    from experiments.server_process import ServerProcess
+    from experiments.runners.server_process import ServerProcess
 
     with tempfile.TemporaryDirectory() as tmp:
         if arm == "vllm":
-            from experiments.vllm_arm import vllm_env
+            from experiments.runners.vllm_arm import vllm_env
 
             cmd, url, vcfg = _vllm(checkpoint, args)
             srv = ServerProcess(cmd, base_url=url, env=vllm_env(vcfg), health_timeout_s=900,

@@ -1,7 +1,7 @@
 """Single-run entry point: `python -m experiments.run org=s2 budget=b63 seed=42000`.
 
 Prints a short human summary and, as its last line, one JSON object whose keys
-(experiments.cell.LAST_LINE_KEYS) are the same whether the run ran or was skipped.
+(experiments.runners.cell.LAST_LINE_KEYS) are the same whether the run ran or was skipped.
 
 With ledgers on (the default) the run is recorded under `ledger_root=`
 (default $LEDGER_ROOT or ledgers/data): a run whose run_id is already complete,
@@ -9,7 +9,7 @@ its files intact, is skipped, and its last line is read back from its runs row
 and manifest; a complete run whose files are damaged is moved to the quarantine
 (ledgers.integrity) and redone; anything else is (re)run, its manifest written,
 then its tables and, last, its runs row. A cell that raises is recorded with
-status failed. Bad input ends with one line and exit code 2 (experiments.bad_input).
+status failed. Bad input ends with one line and exit code 2 (experiments.config.bad_input).
 `-m campaign=q1` runs a campaign (conf/campaign/) through the campaign sweeper
 and the configured launcher.
 """
@@ -29,14 +29,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments.bad_input import (
+from experiments.config.bad_input import (
     EXIT_BAD_INPUT,
     bad_input_message,
     exit_bad_input,
     report_bad_input,
 )
-from experiments.cell import CellResult, clock_label, format_summary, last_line, run_cell
-from experiments.ledger_io import (
+from experiments.config.validation import check_ledger_root, validate_config
+from experiments.runners.cell import CellResult, clock_label, format_summary, last_line, run_cell
+from experiments.runners.ledger_io import (
     RunKey,
     completed_row,
     failed_runs_row,
@@ -46,8 +47,7 @@ from experiments.ledger_io import (
     runs_row,
     skipped_line,
 )
-from experiments.manifest import build_manifest, read_manifest, write_manifest
-from experiments.validation import check_ledger_root, validate_config
+from experiments.runners.manifest import build_manifest, read_manifest, write_manifest
 from ledgers.writer import write_run
 
 # `HSL_PHASES=<file>`: at exit, write the marks of this process's phases there (wall clock
@@ -121,7 +121,7 @@ def _manifest_or_none(root: Path, key: RunKey) -> dict | None:
 def main_run(cfg: DictConfig) -> dict:
     """Validate, skip or run the cell, print the summary and last-line JSON; return it.
 
-    The last line has the same keys (experiments.cell.LAST_LINE_KEYS) whether the run
+    The last line has the same keys (experiments.runners.cell.LAST_LINE_KEYS) whether the run
     ran or was skipped as complete.
     """
     _mark("composed")

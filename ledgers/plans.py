@@ -1,7 +1,7 @@
 """Preregistered plan identity: the hash every runs row carries and analysis checks.
 
 A leaf module (PyYAML and the standard library only) that the runner
-(experiments, writing `prereg_plan_hash`) and the analysis (analysis.prereg,
+(experiments, writing `prereg_plan_hash`) and the analysis (analysis.inference.prereg,
 comparing it) both import, so the hash is computed one way.
 """
 

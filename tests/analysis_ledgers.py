@@ -1,8 +1,8 @@
 """Small real ledgers for the analysis tests, built from the REAL preregistered plans.
 
 Every cell of the chosen families (conf/prereg) is turned into the overrides of a run and
-run with `experiments.cell.run_cell` on a short synthetic workload; its runs row comes from
-`experiments.ledger_io.runs_row` (stamped with the real plan hash of the campaign that
+run with `experiments.runners.cell.run_cell` on a short synthetic workload; its runs row comes from
+`experiments.runners.ledger_io.runs_row` (stamped with the real plan hash of the campaign that
 collects it) and is written with `ledgers.write_run`, as `experiments.run` records a run.
 Main-stage families are written at their planned seeds; smoke-stage ones under
 `<campaign>_smoke` at the first three seeds, as `make <q> SMOKE=1` collects them. Q9's
@@ -22,10 +22,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import build_once, compose_config  # noqa: E402
 
-from analysis import prereg  # noqa: E402
-from experiments.cell import run_cell  # noqa: E402
-from experiments.ledger_io import run_key, runs_row  # noqa: E402
-from experiments.sweeps import williams_rows  # noqa: E402
+from analysis.inference import prereg  # noqa: E402
+from experiments.campaigns.sweeps import williams_rows  # noqa: E402
+from experiments.runners.cell import run_cell  # noqa: E402
+from experiments.runners.ledger_io import run_key, runs_row  # noqa: E402
 from ledgers import write_run  # noqa: E402
 
 WORKLOAD = ("workload.source=synthetic", "workload.num_requests=36",

@@ -18,8 +18,10 @@ from analysis_ledgers import brute_sign_flip, shared_ledger
 from statsmodels.stats.multitest import multipletests
 
 import ledgers
-from analysis import common, q1, q2, q3, q4, q5, q6, q7, q8, q9, report
-from analysis.families import SMOKE_STATUS
+from analysis import report
+from analysis.inference.families import SMOKE_STATUS
+from analysis.pages import common
+from analysis.questions import q1, q2, q3, q4, q5, q6, q7, q8, q9
 
 QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9)
 
@@ -321,7 +323,7 @@ def test_partial_families_say_what_is_missing_and_how_to_fill_it(analyzed):
 
 
 def test_changed_plan_is_refused_unless_allowed(ledger, tmp_path):
-    from analysis import prereg
+    from analysis.inference import prereg
 
     plans = tmp_path / "plans"
     shutil.copytree(prereg.PLAN_DIR, plans)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.cell import ARMS
-from experiments.workload import ARRIVALS, REUSE_MODES
+from experiments.runners.cell import ARMS
+from experiments.workloads.workload import ARRIVALS, REUSE_MODES
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ("workload.source=synthetic", "workload.num_requests=5")
@@ -86,7 +86,8 @@ def _command(kind: str, args: tuple[str, ...], tmp: Path) -> list[str]:
         return [sys.executable, "-m", "ledgers.check", *args]
     if kind == "report":
         return [sys.executable, "-m", "analysis.report", *args]
-    return [sys.executable, "-m", "experiments.campaign", *args, f"ledger_root={tmp}/ledgers"]
+    return [sys.executable, "-m", "experiments.campaigns.campaign", *args,
+            f"ledger_root={tmp}/ledgers"]
 
 
 def _listing(path: Path) -> set[str]:
@@ -98,7 +99,7 @@ def _listing(path: Path) -> set[str]:
 PARALLEL = max(1, min(4, os.cpu_count() or 1))
 # Every case is its own `python -m` process, forked by tests/cli_batch.py from one
 # interpreter that imported these once (the imports were most of each case's CPU).
-PRELOAD = ("experiments.run", "experiments.campaign")
+PRELOAD = ("experiments.run", "experiments.campaigns.campaign")
 
 
 def _run_cases(commands: list[list[str]]) -> list[tuple[int, str, str]]:

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from conftest import compose_config
 
-from experiments import calibrate as cal
-from experiments.cell import run_cell
+from experiments.runners.cell import run_cell
+from experiments.studies import calibrate as cal
 from serving_core.executor import AdditiveStepModel, load_device_profile
 
 KNOWN = {
@@ -57,7 +57,7 @@ class Recording:
 
 def test_steps_ledger_columns_carry_the_model_features(falcon):
     """Feature sums rebuilt from the steps ledger equal those of the timed batches."""
-    from experiments.workload import build_workload
+    from experiments.workloads.workload import build_workload
     from serving_core.engine import run_engine
     from serving_core.scheduler import SchedulerConfig
 

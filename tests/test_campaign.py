@@ -21,9 +21,9 @@ from hydra.types import RunMode
 from omegaconf import open_dict
 
 import ledgers
-from experiments import campaign as camp
-from experiments.cell import cell_config, config_hash
-from experiments.ledger_io import cell_columns
+from experiments.campaigns import campaign as camp
+from experiments.runners.cell import cell_config, config_hash
+from experiments.runners.ledger_io import cell_columns
 from ledgers import check as ledger_check
 
 REPO = Path(__file__).resolve().parent.parent
@@ -193,7 +193,7 @@ def test_smoke_campaign_writes_ledgers_and_rerun_adds_nothing(tmp_path):
     cut.write_bytes(cut.read_bytes()[:100])
     (root / "poller" / part / "garbage.parquet").write_bytes(b"not parquet" * 20)
     assert ledger_check.main([str(root)]) == 1
-    listing = subprocess.run([sys.executable, "-m", "experiments.campaign", *args,
+    listing = subprocess.run([sys.executable, "-m", "experiments.campaigns.campaign", *args,
                               f"ledger_root={root}"], cwd=REPO, capture_output=True, text=True)
     assert listing.returncode == 0, listing.stderr
     assert sum(" damaged " in line for line in listing.stdout.splitlines()) == 2

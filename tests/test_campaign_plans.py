@@ -14,10 +14,10 @@ from collections import Counter
 import pandas as pd
 import pytest
 
-from analysis import prereg
-from experiments import campaign as camp
-from experiments.ledger_io import cell_columns
-from experiments.provenance import prereg_plan_hash
+from analysis.inference import prereg
+from experiments.campaigns import campaign as camp
+from experiments.runners.ledger_io import cell_columns
+from experiments.runners.provenance import prereg_plan_hash
 
 CAMPAIGNS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9", "d0_split", "caps",
              "bursts", "pinning", "orig5", "q10_tq4", "q6_development")

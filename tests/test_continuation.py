@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-import experiments.continuation as cont
-from experiments.continuation import ORGS, main
-from experiments.workload import RequestSpec
+import experiments.studies.continuation as cont
+from experiments.studies.continuation import ORGS, main
+from experiments.workloads.workload import RequestSpec
 from serving_core.engine import VirtualClock
 from serving_core.executor.host_tier import HostTier
 from serving_core.executor.torch_executor import build_torch_engine
@@ -294,7 +294,7 @@ def test_damaged_host_state_changes_the_continuation(tiny_model, monkeypatch, pa
     reloaded attention blocks, changes the generated tokens while B = p still holds.
     (Zeroing only the SSM state does not change this random tiny model's greedy tokens:
     its SSM contribution at 512 tokens is below the argmax margins.)"""
-    import experiments.continuation as cont
+    import experiments.studies.continuation as cont
     from serving_core.geometry import load_geometry
 
     restore = HostTier.restore

@@ -13,8 +13,9 @@ import pandas as pd
 import pytest
 from test_paper_families import runs_for
 
-from analysis import development, prereg
-from analysis.families import evaluate_family
+from analysis.inference import prereg
+from analysis.inference.families import evaluate_family
+from analysis.questions import development
 
 
 def dev_runs(means: dict, ext: dict | None = None) -> pd.DataFrame:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import compose_config
 
-from experiments.cell import run_cell
+from experiments.runners.cell import run_cell
 
 # Synthetic prompts: a 1,200-token context (shared with probability q) + a 200-token question,
 # so S-org checkpoints fall at 512 and 1,024 inside the shared context.

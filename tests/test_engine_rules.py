@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import compose_config
 
-from experiments.cell import run_cell
-from experiments.workload import RequestSpec
+from experiments.runners.cell import run_cell
+from experiments.workloads.workload import RequestSpec
 from serving_core.engine import run_engine
 from serving_core.memory import build_memory
 from serving_core.records import Recorder
@@ -301,7 +301,7 @@ def test_reserve_output_config_is_checked_and_read_from_the_engine_keys():
         SchedulerConfig(admission="reserve_output", reserve_output_tokens=-1)
     with pytest.raises(ValueError, match="reserve_output_tokens=8: applies only with"):
         SchedulerConfig(admission="full_prompt", reserve_output_tokens=8)
-    from experiments.spec import engine_spec
+    from experiments.config.spec import engine_spec
     from serving_core.builder import build_engine
 
     cfg = compose_config("engine.admission=reserve_output", "engine.reserve_output_tokens=64")

@@ -1,4 +1,4 @@
-"""Section-2 estimands (analysis.estimands) against expectations computed here by hand or
+"""Section-2 estimands (analysis.inference.estimands) against expectations computed here by hand or
 with independent tools (numpy percentiles, statsmodels, brute-force sign flips), on small
 hand-made frames and on a small real ledger read back from its Parquet files."""
 
@@ -16,8 +16,9 @@ from statsmodels.stats.weightstats import DescrStatsW
 from test_paper_families import runs_for
 
 import ledgers
-from analysis import estimands, prereg, q1, q6, supporting
-from analysis.families import evaluate_family
+from analysis.inference import estimands, prereg
+from analysis.inference.families import evaluate_family
+from analysis.questions import q1, q6, supporting
 from serving_core.geometry import geometry_from_config
 from serving_core.layout import org_layout
 
@@ -136,8 +137,8 @@ def test_q6_bounds_are_bonferroni_one_sided_t_bounds():
 
 
 def test_q6_page_prints_the_section_5_4_bound():
-    from analysis import q6
-    from analysis.render import QuestionResult
+    from analysis.pages.render import QuestionResult
+    from analysis.questions import q6
 
     plan = prereg.load_plan("q6")
     spec, chosen = plan.raw["simultaneous_upper_bounds"], plan.raw["preselected_f"]

@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import fidelity as fa
-from experiments import fidelity as fe
-from experiments.campaign import plan_campaign
+from analysis.studies import fidelity as fa
+from experiments.campaigns.campaign import plan_campaign
+from experiments.studies import fidelity as fe
 
 KNOWN = {"memory_efficiency": 0.02, "matmul_efficiency": 0.05, "scan_efficiency": 0.01,
          "attention_efficiency": 0.025, "mixed_step_s": 0.02, "per_step_overhead_s": 0.03,

@@ -15,10 +15,11 @@ from analysis_ledgers import WORKLOAD, cell_overrides
 from conftest import compose_config
 
 import ledgers
-from analysis import paper_figures as pf
-from analysis import prereg, q1, q5, q6
-from experiments.cell import run_cell
-from experiments.ledger_io import run_key, runs_row
+from analysis.inference import prereg
+from analysis.pages import paper_figures as pf
+from analysis.questions import q1, q5, q6
+from experiments.runners.cell import run_cell
+from experiments.runners.ledger_io import run_key, runs_row
 from ledgers import write_run
 
 SMOKE_REQUESTS = 24

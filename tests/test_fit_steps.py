@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import compose_config
 
-from experiments.cell import run_cell
+from experiments.runners.cell import run_cell
 from serving_core.executor import load_device_profile
 from serving_core.executor.fit_steps import design, fit_steps
 from serving_core.executor.simulated import AdditiveStepModel

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from conftest import compose_config
 
-from experiments.spec import engine_spec
-from experiments.workload import RequestSpec
+from experiments.config.spec import engine_spec
+from experiments.workloads.workload import RequestSpec
 from serving_core.builder import build_engine
 from serving_core.engine import serve
 from serving_core.engine_spec import EngineSpec, ExecutorSpec

@@ -1,4 +1,4 @@
-"""`python -m analysis.kret`: CSV and ledger inputs, last-line JSON, named errors."""
+"""`python -m analysis.inference.kret`: CSV and ledger inputs, last-line JSON, named errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import duckdb
 import pandas as pd
 import pytest
 
-from analysis import kret, prereg
+from analysis.inference import kret, prereg
 
 REPO = Path(__file__).resolve().parent.parent
 SEEDS = list(range(88001, 88007))
@@ -48,7 +48,7 @@ def _expected_k_ret(diffs: list[float]) -> tuple[float, float, float]:
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "analysis.kret", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "analysis.inference.kret", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 from conftest import compose_config
 
-from experiments.cell import run_cell
+from experiments.runners.cell import run_cell
 from serving_core.memory import build_memory
 from serving_core.memory.invariants import check_invariants
 from serving_core.memory.s2 import slab_occupancy

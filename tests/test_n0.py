@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import ledger_io
-from experiments.cell import run_cell
+from experiments.runners import ledger_io
+from experiments.runners.cell import run_cell
 from serving_core.geometry import load_geometry
 from serving_core.layout import (
     N0_CPU_BLOCK_ALIGNMENT,

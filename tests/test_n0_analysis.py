@@ -1,5 +1,5 @@
-"""analysis.n0_native on small real ledgers (campaign n0_a100, simulated): the per-org means
-and intervals and N0's paired effects agree with values computed directly from the written
+"""analysis.questions.n0_native on small real ledgers (campaign n0_a100, simulated): the per-org
+means and intervals and N0's paired effects agree with values computed directly from the written
 tables; the page, its figure and the report hold up with N0 runs present or absent."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 from scipy import stats as scipy_stats
 
 import ledgers
-from analysis import n0_native, report
-from analysis import paper_figures as pf
+from analysis import report
+from analysis.pages import paper_figures as pf
+from analysis.questions import n0_native
 from ledgers.catalog import LedgerWarning
 from tests.analysis_ledgers import write_cells
 

@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 import ledgers
-from analysis import n0_validate as nv
-from experiments.campaign import plan_campaign
+from analysis.questions import n0_validate as nv
+from experiments.campaigns.campaign import plan_campaign
 from serving_core.geometry import load_geometry
 from serving_core.layout import org_layout
 from serving_core.planner import plan_budget, units_for

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import compose_config
 
+from experiments.config.spec import engine_spec
+from experiments.runners.server_process import ServerProcess, hsl_server_command
 from experiments.serve import server_spec
-from experiments.server_process import ServerProcess, hsl_server_command
-from experiments.spec import engine_spec
 from ledgers.arms import ARMS, STORAGE_ORGS
 from serving_core.builder import build_engine, preflight
 from serving_core.engine_spec import EngineSpec, check_effective
@@ -123,7 +123,7 @@ def test_a_real_run_records_its_process_settings(tiny_checkpoint):
     and allocator, read back from the process (the server's `runtime` line over HTTP)."""
     import torch
 
-    from experiments.cell import run_cell
+    from experiments.runners.cell import run_cell
     from serving_core.server.process_settings import allocator_in_use
 
     cfg = compose_config(*TINY, "executor=torch_inproc", f"executor.checkpoint={tiny_checkpoint}",
@@ -297,8 +297,8 @@ def test_server_help_names_no_organization_flags():
 
 
 def test_runner_and_analysis_hash_plans_the_same_way():
-    from analysis.prereg import PLAN_DIR, load_plan
-    from experiments.provenance import prereg_plan_hash
+    from analysis.inference.prereg import PLAN_DIR, load_plan
+    from experiments.runners.provenance import prereg_plan_hash
 
     for path in sorted(PLAN_DIR.glob("q*.yaml")):
         assert prereg_plan_hash(path.stem) == load_plan(path.stem).plan_hash != ""
@@ -328,7 +328,7 @@ def test_keys_added_at_their_neutral_default_keep_run_identities():
     identity unchanged at the default that reproduces the earlier engine."""
     from omegaconf import OmegaConf, open_dict
 
-    from experiments.cell import IDENTITY_NEUTRAL_DEFAULTS, config_hash
+    from experiments.runners.cell import IDENTITY_NEUTRAL_DEFAULTS, config_hash
 
     for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
         # executor keys live in the executors that have them (the real one's)

@@ -10,8 +10,8 @@ import pytest
 from analysis_ledgers import brute_sign_flip
 from statsmodels.stats.multitest import multipletests
 
-from analysis import prereg, stats
-from analysis.families import evaluate_family
+from analysis.inference import prereg, stats
+from analysis.inference.families import evaluate_family
 
 
 def two_look(d: pd.Series) -> float:

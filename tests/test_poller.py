@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from experiments.poller import parse_metrics, parse_rss
+from experiments.runners.poller import parse_metrics, parse_rss
 from ledgers.schemas import to_table
 from serving_core.server.metrics import HISTOGRAMS, make_registry, render
 
@@ -91,8 +91,8 @@ def test_footprint_table_takes_the_poller_samples():
 
 
 def test_request_paths_table_keeps_the_servers_record_per_request():
-    from experiments.http_client import ClientRecord
-    from experiments.http_run import request_paths_table
+    from experiments.runners.http_client import ClientRecord
+    from experiments.runners.http_run import request_paths_table
 
     reload = ClientRecord(7, path="host_reload", reused_tokens=0, restored_tokens=1792,
                           first_batch_computed=1792, first_batch_scheduled=1791)

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from analysis import prereg
+from analysis.inference import prereg
 
 PLAN_DIR = Path(__file__).resolve().parent.parent / "conf" / "prereg"
 QUESTIONS = [f"q{i}" for i in range(1, 10)]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from experiments import server_process as sp
+from experiments.runners import server_process as sp
 from serving_core.server import __main__ as server_main
 from serving_core.server.process_settings import apply_threads, default_threads
 

@@ -10,8 +10,10 @@ import math
 
 import pandas as pd
 
-from analysis import common, prereg, q10_tq4
-from analysis.families import FamilyResult
+from analysis.inference import prereg
+from analysis.inference.families import FamilyResult
+from analysis.pages import common
+from analysis.questions import q10_tq4
 
 
 def _family(name: str, rows: list[dict]) -> FamilyResult:

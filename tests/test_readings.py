@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from analysis import prereg
+from analysis.inference import prereg
 
 
 def test_every_register_item_has_a_reading_and_an_alternative():

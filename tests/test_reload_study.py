@@ -9,9 +9,9 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import reload_study as page
-from experiments import continuation_http as http
-from experiments import reload_study as study
+from analysis.studies import reload_study as page
+from experiments.studies import continuation_http as http
+from experiments.studies import reload_study as study
 from ledgers.check import check
 from ledgers.studies import STUDY_SCHEMAS, check_studies, read_study, write_study
 

@@ -12,9 +12,11 @@ import pytest
 from analysis_ledgers import WORKLOAD, shared_ledger
 from conftest import compose_config
 
-from analysis import figures, prereg, report
-from analysis import paper_figures as pf
-from analysis.families import SMOKE_STATUS
+from analysis import report
+from analysis.inference import prereg
+from analysis.inference.families import SMOKE_STATUS
+from analysis.pages import figures
+from analysis.pages import paper_figures as pf
 from experiments.run import main_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

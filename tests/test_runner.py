@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import ledgers
-from analysis import prereg
-from experiments import cell, ledger_io, manifest, provenance
+from analysis.inference import prereg
 from experiments import run as runner
+from experiments.runners import cell, ledger_io, manifest, provenance
 from ledgers import check as ledger_check
 from ledgers import writer
 from ledgers.schemas import SCHEMAS

@@ -1,5 +1,5 @@
 """make sensitivity: the primary families rerun under declared alternative engine rules, and
-the sensitivity.md page (analysis.sensitivity) that marks contrasts whose sign or decision
+the sensitivity.md page (analysis.studies.sensitivity) that marks contrasts whose sign or decision
 changes. The page's rules are checked in the default suite; the pipeline end to end (smoke
 size, ~15 s of CPU, and the full design) runs with the slow tests (`make test-all`)."""
 
@@ -12,8 +12,8 @@ import pytest
 
 import ledgers
 from analysis import report
-from analysis import sensitivity as page
-from experiments import sensitivity as sens
+from analysis.studies import sensitivity as page
+from experiments.studies import sensitivity as sens
 
 
 def test_plan_cells_map_to_run_overrides():

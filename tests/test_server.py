@@ -11,7 +11,7 @@ import pytest
 from conftest import wait_until
 from fastapi.testclient import TestClient
 
-from experiments.poller import parse_metrics
+from experiments.runners.poller import parse_metrics
 from serving_core.engine import Engine, SimulatedExecutor, WallClock
 from serving_core.executor.profiles import load_device_profile
 from serving_core.executor.simulated import StepTimeModel

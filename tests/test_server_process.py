@@ -22,8 +22,8 @@ import httpx
 import pytest
 from conftest import wait_until
 
-from experiments.http_run import serve_over_http
-from experiments.server_process import ServerError, ServerProcess, hsl_server_command
+from experiments.runners.http_run import serve_over_http
+from experiments.runners.server_process import ServerError, ServerProcess, hsl_server_command
 from serving_core.server.records_out import read_records
 
 TAG = "HSL_TEST_SERVER_TAG"
@@ -153,7 +153,7 @@ def test_server_that_exits_during_boot(tag, tmp_path):
 def _specs(n: int, prompt: int, output: int):
     import numpy as np
 
-    from experiments.workload import RequestSpec
+    from experiments.workloads.workload import RequestSpec
 
     return [RequestSpec(i, 0.05 * i, np.arange(1 + i, 1 + i + prompt, dtype=np.int32), output,
                         -1, "") for i in range(n)]
@@ -285,7 +285,7 @@ def test_killing_the_server_mid_run_fails_the_run(tag, tmp_path, monkeypatch):
     """SIGKILL on the server while the client streams: a clear error, no process left."""
     import asyncio
 
-    import experiments.http_run as http_run
+    import experiments.runners.http_run as http_run
 
     send = http_run.send_workload
 
@@ -316,7 +316,7 @@ def test_killing_the_client_stops_the_server(tag, tmp_path):
     rec = tmp_path / "rec"
     script = textwrap.dedent(f"""
         import json, sys, time
-        from experiments.server_process import ServerProcess
+        from experiments.runners.server_process import ServerProcess
         srv = ServerProcess({json.dumps(_sim_cmd(rec))}, health_timeout_s=300).start()
         print(srv.pid, flush=True)
         time.sleep(600)

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats as sps
 from statsmodels.stats.multitest import multipletests
 
-from analysis import stats
+from analysis.inference import stats
 
 # t quantiles typed in rather than computed. SPEC's t(0.975, 5) = 2.5705818366147395 is
 # 3.8e-10 (relative) above the true quantile 2.5705818356363155 (mpmath, 40 digits, which

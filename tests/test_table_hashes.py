@@ -45,7 +45,7 @@ def digest(table: dict) -> str:
 def table_hashes(cell: tuple[str, ...]) -> dict[str, str]:
     from hydra import compose, initialize_config_dir
 
-    from experiments.cell import run_cell
+    from experiments.runners.cell import run_cell
 
     with initialize_config_dir(version_base="1.3", config_dir=CONF):
         cfg = compose(config_name="config",

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.workload import RequestSpec
+from experiments.workloads.workload import RequestSpec
 from serving_core.engine import VirtualClock
 from serving_core.executor.torch_executor import build_torch_engine
 from serving_core.geometry import Geometry, load_geometry
@@ -142,7 +142,7 @@ def test_tq4_reload_continues_like_the_cold_run(tiny_checkpoint, tmp_path, capsy
     """The continuation matrix with the codec on (S0/S1/S2/D0 x 9 reference lengths): the
     reload from packed host copies equals the same model's cold generation, byte audits
     at 136 B of KV per token."""
-    from experiments.continuation import main
+    from experiments.studies.continuation import main
 
     code = main(["--checkpoint", str(tiny_checkpoint), "--preset", "falcon_h1_tiny_tq4",
                  "--orgs", "s0,s1,s2,d0", "--output-tokens", "4",

@@ -1,4 +1,4 @@
-"""analysis.vllm_arm on small real ledgers (simulated cells in campaign vllm_native): the
+"""analysis.questions.vllm_arm on small real ledgers (simulated cells in campaign vllm_native): the
 per-arm table agrees with values computed directly from the written tables."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 import ledgers
-from analysis import vllm_arm
+from analysis.questions import vllm_arm
 from tests.analysis_ledgers import write_cells
 
 

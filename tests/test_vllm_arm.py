@@ -1,7 +1,7 @@
 """executor=vllm: settings, command line, effective-cache parsing (no vLLM needed), and,
 with a vLLM venv, end-to-end runs through the runner and the CPU prefix-caching workaround.
 
-Expected numbers are derived independently of experiments.vllm_arm: the tiny model's
+Expected numbers are derived independently of experiments.runners.vllm_arm: the tiny model's
 per-layer KV is 2 (K, V) x 2 KV heads x 64 dims x 4 bytes = 1,024 B per token; one Mamba2
 state is 12 x 64 x 512 x 4 (SSM) + (768 + 2 x 512) x 3 x 4 (conv) = 1,594,368 B, so
 vLLM's CPU block is the smallest multiple of 128 tokens whose KV holds it:
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.server_process import ServerProcess
-from experiments.vllm_arm import (
+from experiments.runners.server_process import ServerProcess
+from experiments.runners.vllm_arm import (
     boot_log_facts,
     cache_config_info,
     effective_cache,

@@ -10,8 +10,8 @@ import pytest
 from conftest import build_once
 from omegaconf import OmegaConf
 
-from experiments import sharegpt, workload
-from experiments.workload import UNIQUE_PREFIX_TOKENS, arrival_times, build_workload
+from experiments.workloads import sharegpt, workload
+from experiments.workloads.workload import UNIQUE_PREFIX_TOKENS, arrival_times, build_workload
 
 SEED = 42000
 SYNTHETIC = {"source": "synthetic", "num_requests": 120}

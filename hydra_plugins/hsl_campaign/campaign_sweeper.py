@@ -1,6 +1,6 @@
 """Campaign sweeper: blocks of Hydra sweeps, run order, smoke mode, skip of complete runs.
 
-The work is done by experiments.campaign (imported lazily: Hydra imports every
+The work is done by experiments.campaigns.campaign (imported lazily: Hydra imports every
 plugin module at start-up, single runs included).
 """
 
@@ -35,7 +35,7 @@ class CampaignSweeper(Sweeper):
         )
 
     def sweep(self, arguments: Sequence[str]) -> Any:
-        from experiments.campaign import CampaignSpec, run_campaign
+        from experiments.campaigns.campaign import CampaignSpec, run_campaign
 
         assert self.hydra_context is not None and self.config is not None
         spec = CampaignSpec.from_config(self.sweeper_config)

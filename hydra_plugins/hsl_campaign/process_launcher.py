@@ -109,7 +109,7 @@ def run_forked_task(task_function: TaskFunction, cfg: DictConfig) -> int:
     """Inside a forked job: run the task, return the exit code the command would give."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from experiments.bad_input import EXIT_BAD_INPUT, bad_input_message
+    from experiments.config.bad_input import EXIT_BAD_INPUT, bad_input_message
 
     try:
         task_function(cfg)
@@ -156,9 +156,9 @@ class ProcessLauncher(Launcher):
         return self.start == "fork" and hasattr(os, "fork") and self.hydra_context is not None
 
     def compose(self, overrides: Sequence[str]) -> DictConfig:
-        """A job's config, composed as Hydra would (experiments.composer)."""
+        """A job's config, composed as Hydra would (experiments.campaigns.composer)."""
         if self._composer is None:
-            from experiments.composer import CellComposer
+            from experiments.campaigns.composer import CellComposer
 
             self._composer = CellComposer(self.hydra_context.config_loader, self.config)
         return self._composer.compose(list(overrides))

@@ -27,7 +27,7 @@ SSD_CHUNK_TOKENS = 256
 STEP_MODELS = ("roofline", "additive")
 
 # TQ4 codec work per K/V element (serving_core.kv_codec), NOMINAL A100 values, not fitted: the
-# only real TQ4 steps are the torch executor's on this machine's CPU (experiments.codec_fit
+# only real TQ4 steps are the torch executor's on this machine's CPU (experiments.studies.codec_fit
 # fits them there, fit_steps.fit_codec), whose reference codec's cost says nothing about an
 # A100 kernel, and no A100 is available to time one. The work runs on CUDA cores (A100
 # datasheet: 19.5 TFLOP/s fp32 non-tensor), taken at half that rate. Decoding one element is

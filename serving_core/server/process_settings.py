@@ -7,7 +7,7 @@ event loop for the core it needs to stream tokens. `auto` therefore leaves one c
 rest (one thread on 1-2 cores). Measured on the 2-core machine, bench serve, S2, tcmalloc,
 load average 8-11 from other work: 1 thread 87.4 / 86.5 output tok/s, 2 threads 84.8 / 78.8
 (alternating runs). The allocator is set by the launcher (LD_PRELOAD,
-experiments.server_process.allocator_env); the server reads back which one its process
+experiments.runners.server_process.allocator_env); the server reads back which one its process
 actually has mapped.
 """
 

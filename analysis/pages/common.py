@@ -1,0 +1,380 @@
+"""Shared loading and paired summaries for the per-question analyses (SPEC sections 7-9).
+
+Everything is read through the DuckDB catalog (`ledgers.connect`): adopted
+complete runs serving a set of questions, and run-level readouts computed per run
+from the requests, steps and poller views. Latency percentiles are run-level
+p99s (linear interpolation over the run's finished requests, as the engine
+summary computes them); arm summaries average run-level values, never pooled
+requests. A cell is one experimental condition: the design columns plus the
+model, executor and pool sizes (which separate D0 pool splits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+
+from analysis.inference import stats
+from ledgers.arms import ARMS, LEDGER_ORGS
+
+DESIGN_COLUMNS = ("stage", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
+                  "retention_k", "pinning_k", "d0_attention_fraction", "trace")
+# Settings that only one org has (-1 / NaN elsewhere): never part of a pairing condition.
+ORG_SETTINGS = ("retention_k", "d0_attention_fraction")
+IDENTITY_COLUMNS = (*DESIGN_COLUMNS, "model", "executor", "units_detail")
+# Order and names of runs.org values: the one table of arms (ledgers.arms).
+ORG_ORDER = LEDGER_ORGS
+ORG_NAMES = {a.ledger_org: a.label for a in ARMS.values() if a.label != a.ledger_org}
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """A run-level readout: its unit, and whether arms compare by log ratio or difference."""
+
+    name: str
+    unit: str
+    scale: str  # "log": paired log ratios, effects in %; "diff": paired differences
+    label: str
+
+
+METRICS = {m.name: m for m in (
+    Metric("throughput_ledger", "tokens/s", "log", "throughput, ledger timebase"),
+    Metric("throughput_span", "tokens/s", "log", "throughput, request-span timebase"),
+    Metric("ttft_p99", "s", "log", "TTFT p99 (run-level)"),
+    Metric("e2e_p99", "s", "log", "E2E p99 (run-level)"),
+    Metric("prefill_tokens_computed", "tokens", "log", "prefill tokens computed"),
+    Metric("prefill_tokens_initial", "tokens", "diff", "prefill tokens, first admissions"),
+    Metric("prefill_tokens_resume", "tokens", "diff", "prefill tokens recomputed on resume"),
+    Metric("poller_running_mean", "requests", "diff", "running requests (poller mean)"),
+    Metric("poller_waiting_mean", "requests", "diff", "waiting requests (poller mean)"),
+    Metric("preemptions", "count", "diff", "preemptions per run"),
+    Metric("ttft_p50", "s", "log", "TTFT p50 (run-level)"),
+    Metric("e2e_p50", "s", "log", "E2E p50 (run-level)"),
+    Metric("tpot_p99", "s", "log", "request-TPOT p99 (run-level)"),
+    Metric("requests_per_s", "requests/s", "log", "completed requests per second, request span"),
+    Metric("c_once_tokens", "tokens", "log", "C_once: prompt minus first-admission prefix"),
+    Metric("h_tokens", "tokens", "log", "H = C_once + output tokens"),
+    Metric("engine_steps", "count", "log", "K: engine steps (steps-ledger rows)"),
+    Metric("h_per_k", "tokens/step", "log", "H/K per run"),
+    Metric("running_median", "requests", "diff", "running gauge, run median"),
+    Metric("running_max", "requests", "diff", "running gauge, run maximum"),
+    Metric("waiting_median", "requests", "diff", "waiting gauge, run median"),
+    Metric("waiting_max", "requests", "diff", "waiting gauge, run maximum"),
+    Metric("waiting_p99", "requests", "diff", "waiting gauge, run p99"),
+    Metric("jadopt_initial_mean", "tokens", "diff", "Jadopt, INITIAL admissions"),
+    Metric("rmax_m1_initial_mean", "tokens", "diff", "Rmax (M1), INITIAL admissions"),
+    Metric("amax_m1_initial_mean", "tokens", "diff", "Amax (M1), INITIAL admissions"),
+    Metric("rmax_m0_initial_mean", "tokens", "diff", "Rmax (M0), INITIAL admissions"),
+    Metric("amax_m0_initial_mean", "tokens", "diff", "Amax (M0), INITIAL admissions"),
+    Metric("gap_r_initial_mean", "tokens", "diff", "GapR = Rmax (M1) - Jadopt, INITIAL"),
+    Metric("gap_r_m0_initial_mean", "tokens", "diff", "GapR = Rmax (M0) - Jadopt, INITIAL"),
+    Metric("jadopt_tokens_mean", "tokens", "diff", "adopted joint depth Jadopt"),
+    Metric("jenter_tokens_mean", "tokens", "diff", "joint depth at queue entry"),
+    Metric("amax_tokens_mean", "tokens", "diff", "attention depth Amax (M0)"),
+    Metric("rmax_tokens_mean", "tokens", "diff", "recurrent depth Rmax (M0)"),
+    Metric("gap_r_tokens_mean", "tokens", "diff", "GapR = Rmax - Jadopt (M0)"),
+)}
+
+
+# ---------------------------------------------------------------------------
+# Loading through the catalog
+# ---------------------------------------------------------------------------
+
+
+def _literal(text: str) -> str:
+    return "'" + str(text).replace("'", "''") + "'"
+
+
+def _in_list(column: str, values: Sequence[str]) -> str:
+    """`column IN ('a', 'b')` (literals, so DuckDB can prune hive partitions); FALSE if empty."""
+    return f"{column} IN ({', '.join(map(_literal, values))})" if values else "FALSE"
+
+
+_REQUEST_METRICS = """
+    SELECT run_id,
+           quantile_cont(ttft_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(ttft_s))
+               AS ttft_p99,
+           quantile_cont(e2e_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(e2e_s))
+               AS e2e_p99,
+           quantile_cont(ttft_s, 0.5) FILTER (WHERE status = 'finished' AND NOT isnan(ttft_s))
+               AS ttft_p50,
+           quantile_cont(e2e_s, 0.5) FILTER (WHERE status = 'finished' AND NOT isnan(e2e_s))
+               AS e2e_p50,
+           quantile_cont(tpot_s, 0.99) FILTER (WHERE status = 'finished' AND NOT isnan(tpot_s))
+               AS tpot_p99,
+           count(*) FILTER (WHERE status = 'finished') AS finished_requests,
+           count(*) AS num_requests,
+           sum(preemptions) AS preemptions,
+           sum(prompt_tokens - adopted_prefix_tokens) FILTER (WHERE NOT isnan(start_s))
+               AS c_once_tokens,
+           sum(output_tokens) AS request_output_tokens
+    FROM requests WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id
+"""
+_STEP_METRICS = """
+    SELECT run_id, sum(prefill_tokens_initial) AS prefill_tokens_initial,
+           sum(prefill_tokens_resume) AS prefill_tokens_resume, count(*) AS engine_steps
+    FROM steps WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id
+"""
+# D0 samples two pools per second with the same running/waiting gauges: one value per second.
+_POLLER_METRICS = """
+    SELECT run_id, avg(running) AS poller_running_mean, avg(waiting) AS poller_waiting_mean,
+           median(running) AS running_median, max(running) AS running_max,
+           median(waiting) AS waiting_median, max(waiting) AS waiting_max,
+           quantile_cont(waiting, 0.99) AS waiting_p99
+    FROM (SELECT run_id, t_s, max(running) AS running, max(waiting) AS waiting
+          FROM poller WHERE {campaigns} AND run_id IN ({adopted}) GROUP BY run_id, t_s)
+    GROUP BY run_id
+"""
+
+
+@dataclass
+class RunSet:
+    """Adopted complete runs serving some questions, with run-level readouts and cell labels.
+
+    `runs` holds one run per (cell, seed): the earliest-written one. Two adopted runs
+    can share a cell and seed when their configs differ outside the identity columns
+    (e.g. workload size); the later ones are in `set_aside`, named by the analyses,
+    and still seen by the preregistration check (`all_runs`), which refuses them.
+    """
+
+    questions: tuple[str, ...]
+    campaigns: tuple[str, ...]  # the campaigns those runs were collected in
+    runs: pd.DataFrame
+    set_aside: pd.DataFrame
+
+    @property
+    def all_runs(self) -> pd.DataFrame:
+        return pd.concat([self.runs, self.set_aside], ignore_index=True)
+
+    @property
+    def empty(self) -> bool:
+        return self.runs.empty
+
+    def notes(self) -> list[str]:
+        return [f"set aside: run {r.run_id} duplicates cell {r.cell} seed {r.seed} "
+                f"(an earlier adopted run is analysed)" for r in self.set_aside.itertuples()]
+
+
+RUN_IDS_VIEW = "analysis_run_ids"  # registered per query: the run set's run ids
+
+
+def query(con, sql: str, runset: RunSet) -> pd.DataFrame:
+    """Run `sql` with {campaigns} (the run set's campaigns) and {adopted} (its run ids) filled.
+
+    The run ids are registered as a relation rather than re-selected from the runs
+    view, which would read every runs file again for each query.
+    """
+    ids = pd.concat([runset.runs["run_id"], runset.set_aside["run_id"]], ignore_index=True)
+    con.register(RUN_IDS_VIEW, pd.DataFrame({"run_id": ids.astype(str)}))
+    try:
+        text = sql.format(campaigns=_in_list("campaign", runset.campaigns),
+                          adopted=f"SELECT run_id FROM {RUN_IDS_VIEW}")
+        return con.execute(text).df()
+    finally:
+        con.unregister(RUN_IDS_VIEW)
+
+
+_RUN_CACHE: dict | None = None  # set while a report runs: one load per set of questions
+
+
+@contextlib.contextmanager
+def cached_runs():
+    """Within the block, `load_runs` loads each (connection, questions) once."""
+    global _RUN_CACHE
+    _RUN_CACHE = {}
+    try:
+        yield
+    finally:
+        _RUN_CACHE = None
+
+
+def load_runs(con, questions: Sequence[str]) -> RunSet:
+    """`_load_runs`, memoized inside `cached_runs()` (the frames are copied out)."""
+    if _RUN_CACHE is None:
+        return _load_runs(con, questions)
+    key = (id(con), tuple(questions))
+    if key not in _RUN_CACHE:
+        _RUN_CACHE[key] = _load_runs(con, questions)
+    runset = _RUN_CACHE[key]
+    return RunSet(runset.questions, runset.campaigns, runset.runs.copy(),
+                  runset.set_aside.copy())
+
+
+def _load_runs(con, questions: Sequence[str]) -> RunSet:
+    """Adopted complete runs whose `question` is one of `questions`, with readouts and cells.
+
+    Runs of every campaign serving the question count (q1, q1_smoke, demo_q1); the
+    collection stage (main, smoke, demo) is a design column, so stages never pool. org is
+    upper-cased and reuse lower-cased (the plans compare them that way).
+    """
+    questions = tuple(questions)
+    runs = con.execute(f"SELECT * FROM runs WHERE {_in_list('question', questions)}"
+                       " AND status = 'complete' AND adopted ORDER BY campaign, seed, run_id").df()
+    campaigns = tuple(sorted(runs["campaign"].unique()))
+    runs["org"] = runs["org"].astype(str).str.strip().str.upper()
+    runs["reuse"] = runs["reuse"].astype(str).str.strip().str.lower()
+    runs["trace"] = runs["trace"].astype(bool)
+    runs["stage"] = runs["campaign"].map(stage_of)
+    staged = RunSet(questions, campaigns, runs, runs.head(0))
+    for sql in (_REQUEST_METRICS, _STEP_METRICS, _POLLER_METRICS):
+        metrics = query(con, sql, staged)
+        # Readouts are recomputed from the raw tables; the runs row's own copies (written by
+        # newer engines) give way, so old and new ledgers are read the same way.
+        runs = runs.drop(columns=[c for c in metrics.columns if c != "run_id" and c in runs])
+        runs = runs.merge(metrics, on="run_id", how="left")
+    runs["prefill_tokens_computed"] = runs["prefill_tokens_initial"] + runs["prefill_tokens_resume"]
+    add_work_readouts(runs)
+    runs["cell"] = cell_labels(runs)
+    ordered = runs.sort_values(["created_at", "run_id"], kind="stable")
+    extra = ordered.duplicated(["cell", "seed"], keep="first")
+    return RunSet(questions, campaigns, ordered[~extra].sort_index().reset_index(drop=True),
+                  ordered[extra].reset_index(drop=True))
+
+
+def add_work_readouts(runs: pd.DataFrame) -> None:
+    """H = C_once + output tokens, H/K, and completed requests per request-span second.
+
+    C_once (PAPER_DESIGN 2.4) is the sum over admitted requests of prompt tokens minus the
+    prefix adopted at their FIRST admission (requests ledger); K is the number of engine
+    steps (steps ledger rows). The engine counts every step, so K is a step count here.
+    """
+    runs["h_tokens"] = runs["c_once_tokens"] + runs["request_output_tokens"]
+    runs["h_per_k"] = runs["h_tokens"] / runs["engine_steps"]
+    span = runs["span_end_s"].astype(float) - runs["span_start_s"].astype(float)
+    runs["requests_per_s"] = runs["completed_requests"].astype(float) / span.where(span > 0)
+
+
+# ---------------------------------------------------------------------------
+# Cells
+# ---------------------------------------------------------------------------
+
+
+MAIN_STAGE = "main"
+
+
+def stage_of(campaign: str) -> str:
+    """Collection stage of a campaign: main, smoke (`<c>_smoke`) or demo (`demo_<c>`).
+
+    Runs reused across campaigns pool into one cell (the campaign that collected a run
+    is not a condition); stages never pool.
+    """
+    campaign = str(campaign)
+    if campaign.endswith("_smoke"):
+        return "smoke"
+    return "demo" if campaign.startswith("demo_") else MAIN_STAGE
+
+
+LABEL_PREFIX = {"retention_k": "K", "pinning_k": "pin K", "d0_attention_fraction": "attn"}
+
+
+def fmt_value(column: str, value) -> str:
+    """Label fragment of one design value ("" for an unset org-specific setting)."""
+    if column == "trace":
+        return "trace on" if bool(value) else "trace off"
+    if column == "stage":
+        return "" if value == MAIN_STAGE else str(value)
+    if column in ("campaign", "budget", "reuse", "arrival"):
+        return str(value)
+    if pd.isna(value) or (column in LABEL_PREFIX and float(value) < 0):
+        return ""
+    return f"{LABEL_PREFIX.get(column, column)} {float(value):g}"
+
+
+def _units_text(units_detail: str) -> str:
+    try:
+        units = json.loads(units_detail)
+    except (TypeError, ValueError):
+        return str(units_detail)
+    return ", ".join(f"{k} {v}" for k, v in sorted(units.items()))
+
+
+def cell_labels(runs: pd.DataFrame) -> pd.Series:
+    """Short label per run: org plus the design columns that vary in `runs`.
+
+    Two cells sharing a label (e.g. D0 pool splits) get their pool sizes appended.
+    """
+    if runs.empty:
+        return pd.Series([], dtype=object, index=runs.index)
+    per_org = runs.groupby("org")
+    varying = [c for c in DESIGN_COLUMNS if c != "org" and (
+        per_org[c].nunique(dropna=False).max() > 1
+        or (c not in ORG_SETTINGS and runs[c].nunique(dropna=False) > 1))]
+    labels = runs.apply(lambda r: " ".join(
+        [ORG_NAMES.get(r["org"], r["org"]), *(t for c in varying if (t := fmt_value(c, r[c])))]),
+        axis=1)
+    identity = runs[list(IDENTITY_COLUMNS)].map(str).agg("|".join, axis=1)
+    ambiguous = identity.groupby(labels).transform("nunique") > 1
+    labels[ambiguous] = labels[ambiguous] + " [" + runs.loc[ambiguous, "units_detail"].map(
+        _units_text) + "]"
+    # Same units, different model (e.g. S0 under bf16 and TQ4 KV): name the model.
+    ambiguous = identity.groupby(labels).transform("nunique") > 1
+    labels[ambiguous] = labels[ambiguous] + " " + runs.loc[ambiguous, "model"].astype(str)
+    return labels
+
+
+def org_rank(org: str) -> int:
+    return ORG_ORDER.index(org) if org in ORG_ORDER else len(ORG_ORDER)
+
+
+def cell_order(runs: pd.DataFrame) -> list[str]:
+    """Cells sorted by the design columns (org last within a condition)."""
+    if runs.empty:
+        return []
+    first = runs.drop_duplicates("cell").copy()
+    first["_org"] = first["org"].map(org_rank)
+    keys = [c for c in DESIGN_COLUMNS if c not in ("org", "budget")]
+    first["_budget"] = first["budget"].map(budget_rank)
+    return first.sort_values(["_budget", *keys, "_org", "cell"])["cell"].tolist()
+
+
+def budget_rank(label: str) -> float:
+    """Sort key of a budget label (b63 < b83 < b108; p254 after the b budgets)."""
+    text = str(label).strip().lower()
+    try:
+        return float(text[1:]) + (1e6 if text.startswith("p") else 0.0)
+    except ValueError:
+        return math.inf
+
+
+def seeds_text(seeds) -> str:
+    """Compact seed list: 42000-42011, 0-2, 5."""
+    values = sorted(int(s) for s in seeds)
+    parts, start = [], None
+    for i, s in enumerate(values):
+        start = s if start is None else start
+        if i + 1 == len(values) or values[i + 1] != s + 1:
+            parts.append(str(s) if s == start else f"{start}-{s}")
+            start = None
+    return ", ".join(parts)
+
+
+def cell_summary(runs: pd.DataFrame, metrics: Sequence[str] = (
+        "throughput_ledger", "throughput_span", "ttft_p99", "e2e_p99")) -> pd.DataFrame:
+    """One row per cell: design columns, seeds, and per metric the mean of run values.
+
+    Throughput metrics also get the geometric mean (the arm summary of SPEC section 8).
+    """
+    rows = []
+    for cell in cell_order(runs):
+        group = runs[runs["cell"] == cell]
+        row = {"cell": cell, **{c: group[c].iloc[0] for c in DESIGN_COLUMNS},
+               "n": len(group), "seeds": seeds_text(group["seed"])}
+        for name in metrics:
+            values = group[name].astype(float)
+            row[f"{name}_mean"] = float(values.mean())
+            if name.startswith("throughput"):
+                row[f"{name}_geomean"] = _geomean(values)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _geomean(values: pd.Series) -> float:
+    values = values.dropna()
+    if values.empty or (values <= 0).any():
+        return math.nan
+    return stats.geometric_mean(values.to_numpy())

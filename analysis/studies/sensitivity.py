@@ -1,0 +1,236 @@
+"""Which conclusions survive the engine rules the anchors cannot identify (sensitivity.md).
+
+`make sensitivity` reruns the primary families (conf/sensitivity/alternatives.yaml: Q1's
+EXT-22, which also decides Q4's D0/S2 rows, and Q6's Q6-17) under each declared alternative
+rule, into campaign `sens_<alternative>` (`..._smoke` at smoke size), question
+`sensitivity`. Here each family is evaluated per alternative with the question's own
+machinery (analysis.inference.families.evaluate_family on the preregistered family, its cells moved
+to that campaign and its seeds cut to those collected): the primary estimand's seedwise
+effect, Holm-adjusted decision and all. One table: every primary contrast's estimate and
+decision under every alternative; a contrast whose sign or decision differs from the
+`default` alternative's is marked, and it is robust when none does.
+
+The sensitivity runs carry no preregistered plan of their own (question `sensitivity`), so
+the derived plans check cells and seeds, not plan hashes.
+
+    python -m analysis.studies.sensitivity --ledgers ROOT [--out DIR]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from analysis import cli
+from analysis.inference import families, prereg
+from analysis.pages import common
+from analysis.pages.render import md_table
+
+PAGE = "sensitivity.md"
+QUESTION = "sensitivity"
+ALTERNATIVES_YAML = Path(__file__).resolve().parents[2] / "conf" / "sensitivity" / \
+    "alternatives.yaml"
+CAMPAIGN_PREFIX, SMOKE_SUFFIX = "sens_", "_smoke"
+NO_PLAN_HASH = "<none>"  # what the plan check reads for a run collected under no plan
+FILL = ("make sensitivity (python -m experiments.studies.sensitivity, then "
+        "python -m analysis.studies.sensitivity)")
+CHANGED = "**changed**"
+
+
+def load_alternatives(path: Path = ALTERNATIVES_YAML) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def derived_plan(plan: prereg.Plan, family: str, campaign: str,
+                 seeds: set[int]) -> prereg.Plan:
+    """The plan's `family` with every cell moved to `campaign` and its seeds cut to those in
+    `seeds` (plan order kept); hash checks are off (the runs carry no plan)."""
+    fam = plan.family(family)
+    cells = tuple(dataclasses.replace(c, keys={**c.keys, "campaign": campaign},
+                                      seeds=tuple(s for s in c.seeds if s in seeds))
+                  for c in fam.cells)
+    fam = dataclasses.replace(fam, cells=cells, seeds=tuple(s for s in fam.seeds if s in seeds))
+    return dataclasses.replace(plan, campaign=campaign, families=(fam,), plan_hash=NO_PLAN_HASH)
+
+
+def campaigns_present(runs: pd.DataFrame, alternatives: list[str]) -> dict[str, str]:
+    """{alternative: campaign}: the full-size campaign when it has runs, else the smoke one."""
+    present = set(runs["campaign"].astype(str)) if len(runs) else set()
+    out = {}
+    for alt in alternatives:
+        for campaign in (f"{CAMPAIGN_PREFIX}{alt}", f"{CAMPAIGN_PREFIX}{alt}{SMOKE_SUFFIX}"):
+            if campaign in present:
+                out[alt] = campaign
+                break
+    return out
+
+
+def evaluate(runs: pd.DataFrame, spec: dict, plan_dir=None) -> tuple[pd.DataFrame, dict]:
+    """Long table (alternative, question, family, test, label, n, effect, p_holm, decision,
+    status) of every primary contrast under every alternative with runs; and {alt: status}."""
+    alts = list(spec["alternatives"])
+    found = campaigns_present(runs, alts)
+    rows, status = [], {}
+    for alt, campaign in found.items():
+        mine = runs[runs["campaign"].astype(str) == campaign]
+        seeds = {int(s) for s in mine["seed"]}
+        for entry in spec["families"]:
+            plan = prereg.load_plan(entry["plan"], plan_dir or prereg.PLAN_DIR)
+            derived = derived_plan(plan, entry["family"], campaign, seeds)
+            fam = derived.families[0]
+            res = families.evaluate_family(derived, fam, mine)
+            n = len(fam.seeds)
+            status[(alt, entry["family"])] = f"{res.status} (campaign {campaign}, n = {n})"
+            table = res.tables.get(fam.primary_estimand.name)
+            if table is None:
+                continue
+            for r in table.itertuples():
+                rows.append({"alternative": alt, "campaign": campaign,
+                             "question": plan.question, "family": entry["family"],
+                             "test": r.test, "label": r.label, "predicted": r.predicted,
+                             "n": r.n, "effect": r.effect, "unit": r.unit,
+                             "p_holm": r.p_holm, "decision": r.decision,
+                             "status": res.status})
+    return pd.DataFrame(rows), status
+
+
+def _sign(x: float) -> int:
+    return 0 if x is None or (isinstance(x, float) and math.isnan(x)) or x == 0 else (
+        1 if x > 0 else -1)
+
+
+def robustness(long: pd.DataFrame) -> pd.DataFrame:
+    """One row per contrast: per alternative 'effect (decision)', with a change in sign
+    (opposite nonzero signs; an effect of exactly 0, e.g. identical runs, flips nothing) or
+    in decision against `default` marked; `robust` says whether no alternative changed it."""
+    if long.empty:
+        return pd.DataFrame()
+    alts = list(dict.fromkeys(long["alternative"]))
+    out = []
+    for (family, test), rows in long.groupby(["family", "test"], sort=False):
+        by = rows.set_index("alternative")
+        base = by.loc["default"] if "default" in by.index else None
+        row = {"family": family, "contrast": test, "label": rows["label"].iloc[0]}
+        changed = []
+        for alt in alts:
+            if alt not in by.index:
+                row[alt] = ""
+                continue
+            r = by.loc[alt]
+            text = f"{r.effect:+.1f}{'%' if str(r.unit).startswith('%') else ''}"
+            text += f" ({_short(r.decision)})"
+            if base is not None and alt != "default":
+                flips = []
+                if _sign(r.effect) * _sign(base.effect) < 0:  # opposite, both nonzero
+                    flips.append("sign")
+                if str(r.decision) != str(base.decision):
+                    flips.append("decision")
+                if flips:
+                    changed.append(f"{alt}: {' and '.join(flips)}")
+                    text += f" {CHANGED}"
+            row[alt] = text
+        compared = base is not None and len(by.index) > 1
+        row["robust"] = "no" if changed else ("yes" if compared else "")
+        row["changes"] = "; ".join(changed)
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def _short(decision: str) -> str:
+    d = str(decision)
+    return {"not rejected": "n.s.", "refused": "refused"}.get(
+        d, d.replace("reject H0 (positive)", "H0 rejected, +").replace(
+            "reject H0 (negative)", "H0 rejected, -"))
+
+
+def section(runs: pd.DataFrame, spec: dict, plan_dir=None) -> tuple[str, dict, dict]:
+    long, status = evaluate(runs, spec, plan_dir)
+    alts = spec["alternatives"]
+    text = ["# Sensitivity: which conclusions survive the rules the anchors cannot identify",
+            ""]
+    if long.empty:
+        text += [f"No sensitivity runs in these ledgers. Fill with `{FILL}`.", ""]
+        return "\n".join(text), {"contrasts": 0}, {}
+    table = robustness(long)
+    shown_alts = [a for a in alts if a in set(long["alternative"])]
+    n_seeds = long.groupby("alternative")["n"].max().to_dict()
+    smoke = any(str(c).endswith(SMOKE_SUFFIX) for c in long["campaign"])
+    text += [
+        "Each primary family (" + ", ".join(f"{e['plan'].upper()} `{e['family']}`"
+                                           for e in spec["families"])
+        + ") rerun under every declared alternative engine rule "
+        "(conf/sensitivity/alternatives.yaml), evaluated by the question's own preregistered "
+        "decision (mean seedwise percent change of the primary estimand; exact sign-flip "
+        "test, Holm within the family). Cells: as preregistered, collected in campaign "
+        "`sens_<alternative>`; seeds per run set: "
+        + ", ".join(f"{a} n = {int(n_seeds[a])}" for a in shown_alts) + ".", ""]
+    n_min = int(min(n_seeds.values()))
+    if smoke:
+        text += ["**Smoke size** (`*_smoke` campaigns: fewer requests per run than the "
+                 "preregistered design; seeds as collected): for checking the pipeline and "
+                 "for a first look, not for conclusions about the full design."]
+    if 2.0 / 2 ** n_min > 0.05:
+        text += [f"With n = {n_min} seeds the smallest exact two-sided sign-flip p is "
+                 f"2 / 2^{n_min} = {2.0 / 2 ** n_min:.3g} > 0.05: no test can be rejected, so "
+                 "decision changes are impossible and only signs are informative."]
+    text.append("")
+    text += ["## Alternatives", ""]
+    text += [f"- `{a}`: {', '.join(alts[a].get('overrides') or []) or 'no override'}; "
+             f"{alts[a].get('why', '')}" for a in shown_alts]
+    text += ["", "## Family status per alternative", ""]
+    text += [f"- {alt} / {fam}: {st}" for (alt, fam), st in status.items()]
+    robust = table[table["robust"] == "yes"]
+    fragile = table[table["robust"] == "no"]
+    text += ["", "## Primary contrasts under each alternative", "",
+             f"Effect (mean seedwise % change; interactions in pp) and decision; {CHANGED} "
+             "marks a sign (opposite, both nonzero) or decision that differs from `default`.",
+             "",
+             md_table(table, ["family", "contrast", "label", *shown_alts, "robust"]), ""]
+    text += ["## Robust and fragile conclusions", "",
+             f"Robust to every alternative ({len(robust)} of {len(table)}): "
+             + (", ".join(f"`{c}`" for c in robust["contrast"]) or "none") + ".", "",
+             f"Fragile ({len(fragile)}):", ""]
+    text += [f"- `{r.contrast}` ({r.family}): {r.changes}" for r in fragile.itertuples()]
+    if fragile.empty:
+        text.append("- none")
+    info = {"contrasts": int(len(table)), "robust": int(len(robust)),
+            "fragile": int(len(fragile)), "alternatives": shown_alts, "smoke": smoke}
+    return "\n".join(text) + "\n", info, {"long": long, "robustness": table}
+
+
+def write_page(con, out: Path, plan_dir=None) -> tuple[Path, dict]:
+    """Write sensitivity.md and its tables (without runs, the page names the fill command)."""
+    runs = common.load_runs(con, [QUESTION]).all_runs
+    text, info, tables = section(runs, load_alternatives(), plan_dir)
+    (out / "tables").mkdir(parents=True, exist_ok=True)
+    for name, frame in tables.items():
+        frame.to_csv(out / "tables" / f"sensitivity_{name}.csv", index=False)
+    path = Path(out) / PAGE
+    path.write_text(text, encoding="utf-8")
+    return path, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cli.parser("analysis.studies.sensitivity", __doc__)
+    p.add_argument("--out", default="reports", help="report directory for sensitivity.md")
+    args = p.parse_args(argv)
+
+    def show(con) -> int:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        path, info = write_page(con, Path(args.out))
+        print(path.read_text(encoding="utf-8"))
+        print(f"page: {path}")
+        print(json.dumps(info))
+        return 0 if info.get("contrasts") else 1
+
+    return cli.with_ledgers(args.ledgers, show)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Config checks run before any cell starts; every error names the offending field.
+
+`validate_config` builds everything a run derives from its config that is
+cheap to build (geometry, budget plan, device profile, scheduler settings,
+normalized workload and load) without building the workload itself, so a
+campaign can check all of its cells before launching the first one.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from experiments.config.spec import SIMULATED, VLLM, engine_spec, executor_path
+from experiments.runners.cell import arm_of
+from experiments.workloads.workload import normalize_load_config, normalize_workload_config
+from serving_core.executor.profiles import load_device_profile
+from serving_core.geometry import geometry_from_config
+from serving_core.planner import plan_budget
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # the ledger writer's campaign names
+
+
+SECTIONS = ("engine", "retention", "load", "workload", "model", "executor")
+
+
+def _integer(value, field: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{field}={value!r}: allowed integers >= {low}")
+    return int(value)
+
+
+def _flag(value, field: str) -> bool:
+    """Booleans are exactly true or false (`maybe`, `no`, `off`, `1` are refused)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}={value!r}: allowed true, false")
+    return value
+
+
+def _positive_finite(value, field: str) -> float:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{field}={value!r}: allowed finite numbers > 0")
+    return float(value)
+
+
+def _optional_integer(value, field: str, low: int) -> int | None:
+    return None if value is None else _integer(value, field, low)
+
+
+def _number(value, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{field}={value!r}: allowed finite numbers")
+    return float(value)
+
+
+def _prefixed(section: str, build, *args):
+    try:
+        return build(*args)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{section}: {err}") from err
+
+
+def check_ledger_root(root: str | os.PathLike) -> Path:
+    """Create the ledger root if needed and prove it is writable; return it absolute."""
+    path = Path(root).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-", suffix=".tmp"):
+            pass
+    except OSError as err:
+        raise ValueError(f"ledger_root={str(root)!r}: not a writable directory ({err})") from err
+    return path.resolve()
+
+
+def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
+    """Raise ValueError naming the first bad field of a cell config."""
+    for section in SECTIONS:
+        if not isinstance(cfg.get(section), DictConfig):
+            raise ValueError(f"{section}={cfg.get(section)!r}: allowed a config group or "
+                             f"{section}.<key>=value overrides, not a value")
+    arm = arm_of(cfg.org)
+    _integer(cfg.seed, "seed", 0)
+    _integer(cfg.replicate, "replicate", 0)
+    _flag(cfg.trace, "trace")
+    _flag(cfg.write_ledgers, "write_ledgers")
+    name = cfg.campaign_name
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"campaign_name={name!r}: allowed letters, digits, '_', '.', '-' (not leading)"
+        )
+    if not isinstance(cfg.question, str):
+        raise ValueError(f"question={cfg.question!r}: expected a string")
+    geometry = _prefixed("model", geometry_from_config, cfg.model)
+    plan_budget(geometry, str(cfg.budget))
+    path = executor_path(cfg.executor)
+    if path == VLLM:  # real vLLM: N0, its interpreter, a matching checkpoint
+        from experiments.runners.vllm_arm import check_vllm_cell, vllm_executor_config
+        from serving_core.executor.torch_config import check_checkpoint
+
+        device = vllm_executor_config(cfg.executor)
+        check_vllm_cell(device, arm)
+        check_checkpoint(device, geometry)
+    elif path != SIMULATED:  # the real executor: its checkpoint must match the model
+        from serving_core.executor.torch_config import check_checkpoint, torch_executor_config
+
+        check_checkpoint(torch_executor_config(cfg.executor), geometry)
+    else:
+        _prefixed("executor", load_device_profile, cfg.executor)
+    eng = cfg.engine
+    _integer(eng.cap, "engine.cap", 1)
+    _optional_integer(eng.max_num_batched_tokens, "engine.max_num_batched_tokens", 1)
+    _number(eng.headroom, "engine.headroom")
+    _optional_integer(eng.pinning_k, "engine.pinning_k", 1)
+    _number(eng.indirection_overhead, "engine.indirection_overhead")
+    _integer(cfg.retention.k, "retention.k", 1)
+    spec = engine_spec(cfg)  # range checks (headroom in [0, 1), ...)
+    if path != VLLM:
+        from serving_core.builder import preflight
+
+        preflight(spec)  # the engine would run the requested rules, or the run is refused
+    normalize_workload_config(cfg.workload)
+    for key in ("rate", "on_s"):  # rate=inf would put every arrival at t = 0
+        if key in cfg.load:
+            _positive_finite(cfg.load[key], f"load.{key}")
+    off = cfg.load.get("off_s", 0.0)
+    if isinstance(off, numbers.Real) and not math.isfinite(off):
+        raise ValueError(f"load.off_s={off!r}: allowed finite numbers >= 0")
+    normalize_load_config(cfg.load)
+    if check_root and cfg.write_ledgers:
+        check_ledger_root(cfg.ledger_root)

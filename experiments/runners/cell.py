@@ -1,0 +1,218 @@
+"""One serving cell: resolve a config into geometry, budget plan, workload and executor, run it.
+
+`run_cell` is the plain function behind the Hydra entry point (experiments.run),
+testable without a command line. It returns the engine's tables, the summary the
+command prints, and the episode bounds the ledgers record.
+
+Timings: `engine_seconds` is the engine loop alone, `run_seconds` the whole cell
+(workload build plus engine; no process start-up, no ledger writes). In
+`CellResult.summary` the engine time keeps the engine's own key `wall_seconds`;
+`last_line` gives the command's output its one shape with the unambiguous names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.config.spec import (
+    SIMULATED,
+    TORCH_HTTP,
+    TORCH_INPROC,
+    VLLM,
+    engine_spec,
+    executor_path,
+)
+from ledgers.arms import ARM_NAMES, arm
+from serving_core.records import MECHANISM_KEYS
+
+ARMS = ARM_NAMES  # ledgers.arms: the one table of arm names
+SUMMARY_KEYS = (
+    "org",
+    "budget",
+    "seed",
+    "completed",
+    "failed",
+    "output_tokens",
+    "throughput_ledger",
+    "throughput_span",
+    "ttft_p50",
+    "ttft_p99",
+    "e2e_p50",
+    "e2e_p99",
+    "tpot_p99",
+    "itl_p50",  # inter-token times at the client (runs over HTTP only)
+    "itl_p99",
+    "preemptions",
+    "prefix_hit_tokens",
+    "prefill_tokens_computed",
+    "max_running",
+    "max_waiting",
+    *MECHANISM_KEYS,
+    "sim_seconds",
+    "wall_seconds",
+)
+# The command's last-line JSON: the same keys whether the run ran or was skipped.
+LAST_LINE_KEYS = (
+    *(k for k in SUMMARY_KEYS if k != "wall_seconds"),
+    "engine_seconds", "run_seconds", "run_id", "skipped",
+)
+# Keys that define a cell's identity (what the run_id hashes); bookkeeping keys are excluded.
+_NON_IDENTITY_KEYS = ("ledger_root", "write_ledgers", "hydra", "campaign", "replicate", "progress")
+# Keys added after runs were collected, at the default that reproduces the earlier engine
+# exactly: at that value they stay out of a cell's identity, so runs collected before the
+# key existed keep their run_id (a test holds each default to the config file's).
+IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
+    ("engine", "reserve_output_tokens"): 0,
+    ("engine", "free_queue"): "free_first",
+    ("engine", "checkpoint_recency"): "release",
+    ("model", "kv_group_heads"): None,
+    ("engine", "interleave"): None,
+    ("engine", "split_last_boundary"): False,
+    ("executor", "prefill_batch_tokens"): None,
+}
+
+
+@dataclass
+class CellResult:
+    summary: dict
+    tables: dict[str, dict[str, list]]
+    episode: dict[str, Any]  # ledger episode and request-span bounds (seconds)
+    workload_meta: dict = field(default_factory=dict)
+    units: dict[str, int] = field(default_factory=dict)
+    memory: object = field(default=None, repr=False)  # final allocator state (inspection, tests)
+    run_seconds: float = float("nan")  # workload build + engine
+
+    engine_config: dict = field(default_factory=dict)  # the rules the engine ran (its record)
+
+    @property
+    def engine_seconds(self) -> float:
+        return float(self.summary["wall_seconds"])
+
+
+def arm_of(org: str) -> str:
+    """The arm name of an `org=` value (ledgers.arms); ValueError lists the choices."""
+    return arm(org).name
+
+
+def cell_config(cfg: DictConfig | dict) -> dict:
+    """The resolved config that identifies a cell (no paths, no bookkeeping)."""
+    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    out = {k: v for k, v in data.items() if k not in _NON_IDENTITY_KEYS}
+    for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
+        group = out.get(section)
+        if isinstance(group, dict) and key in group and group[key] == default:
+            out[section] = {k: v for k, v in group.items() if k != key}
+    return out
+
+
+def config_hash(cfg: DictConfig | dict) -> str:
+    blob = json.dumps(cell_config(cfg), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass
+class _Served:
+    """Tables and summary of a run served over HTTP (no allocator to inspect)."""
+
+    tables: dict
+    summary: dict
+    memory: object = None
+    engine_config: dict = field(default_factory=dict)
+
+
+def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
+    """Run one cell (simulated time, or wall time on a real executor) and return its
+    records, its summary and the rules its engine ran (read back from the engine).
+
+    `on_step(scheduler, memory)` is the engine's per-step hook (invariant checks in tests).
+    """
+    from experiments.workloads.workload import build_workload
+
+    run0 = time.perf_counter()
+    name = arm_of(cfg.org)
+    path = executor_path(cfg.executor)
+    spec = engine_spec(cfg)
+    geometry = spec.geometry()
+    if path == VLLM:
+        from experiments.runners.vllm_arm import check_vllm_cell, vllm_executor_config
+
+        device = vllm_executor_config(cfg.executor)
+        check_vllm_cell(device, name)
+    workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
+    wall0 = time.perf_counter()
+    pool_units = spec.units(geometry)
+    if path == VLLM:  # real vLLM over HTTP: its own organization (N0), the blocks it allocated
+        from experiments.runners.vllm_arm import run_cell_on_vllm
+
+        result = run_cell_on_vllm(cfg, device, geometry, spec.scheduler, workload.requests)
+        pool_units = result.units
+    elif path == TORCH_HTTP:  # the server in a subprocess, driven over HTTP
+        from experiments.runners.http_run import run_cell_over_http
+
+        tables, served, effective = run_cell_over_http(spec, workload.requests)
+        result = _Served(tables, served, engine_config=effective)
+    else:
+        assert path in (SIMULATED, TORCH_INPROC)
+        from serving_core.builder import build_engine
+        from serving_core.engine import serve
+
+        engine = build_engine(spec, on_step=on_step)
+        result = serve(engine, workload.requests)
+        if path == TORCH_INPROC:  # wall-clock timings depend on this process's settings
+            from serving_core.server.process_settings import runtime_settings
+
+            result.engine_config = {**result.engine_config, "runtime": runtime_settings()}
+    summary = {"org": name, "budget": str(cfg.budget), "seed": int(cfg.seed)}
+    summary.update({k: result.summary[k] for k in SUMMARY_KEYS if k in result.summary})
+    summary["wall_seconds"] = time.perf_counter() - wall0
+    episode = {
+        k: result.summary[k]
+        for k in ("episode_start_s", "episode_end_s", "span_start_s", "span_end_s")
+    }
+    return CellResult(
+        summary, result.tables, episode, dict(workload.meta), pool_units, result.memory,
+        run_seconds=time.perf_counter() - run0,
+        engine_config=dict(getattr(result, "engine_config", {}) or {}),
+    )
+
+
+def last_line(summary: Mapping, *, run_id: str, skipped: bool, engine_seconds: float,
+              run_seconds: float) -> dict:
+    """The command's last-line JSON, keys LAST_LINE_KEYS (a key the summary lacks is None)."""
+    values = {**summary, "engine_seconds": engine_seconds, "run_seconds": run_seconds,
+              "run_id": run_id, "skipped": skipped}
+    return {k: values.get(k) for k in LAST_LINE_KEYS}
+
+
+def clock_label(executor_cfg) -> str:
+    """The unit of a run's episode time: "simulated s" for the simulated executor,
+    "wall-clock s" for real ones (torch, torch_inproc, vllm)."""
+    return "simulated s" if executor_path(executor_cfg) == SIMULATED else "wall-clock s"
+
+
+def format_summary(summary: Mapping, clock: str = "simulated s") -> str:
+    """A short human summary of one run (from its `last_line`); `clock` names the unit of
+    its episode time (`clock_label` of the run's executor)."""
+    s = summary
+    return "\n".join(
+        [
+            f"{s['org']} {s['budget']} seed {s['seed']}: {s['completed']} completed, "
+            f"{s['failed']} failed, {s['output_tokens']} output tokens in "
+            f"{s['sim_seconds']:.1f} {clock}",
+            f"  throughput   {s['throughput_ledger']:.1f} tok/s (ledger)  "
+            f"{s['throughput_span']:.1f} tok/s (span)",
+            f"  TTFT p50/p99 {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} s   E2E p50/p99 "
+            f"{s['e2e_p50']:.2f} / {s['e2e_p99']:.2f} s   TPOT p99 {1000 * s['tpot_p99']:.1f} ms",
+            f"  preemptions  {s['preemptions']}   prefix-hit tokens {s['prefix_hit_tokens']}   "
+            f"prefill computed {s['prefill_tokens_computed']}   max running/waiting "
+            f"{s['max_running']}/{s['max_waiting']}",
+            f"  wall clock   engine {s['engine_seconds']:.2f} s, cell {s['run_seconds']:.2f} s",
+        ]
+    )

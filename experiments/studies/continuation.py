@@ -1,0 +1,561 @@
+"""Continuation correctness: a reloaded state continues exactly like recomputation.
+
+`python -m experiments.studies.continuation` (make continuation). Per organization with
+checkpoints (S0, S1, S2, D0, N0) and per prompt length N at the reference offsets
+from its checkpoint interval C (2C-1, 2C, 2C+1, 2C+3, 2C+4, 2C+5, 3C-1, 3C, 3C+1:
+for D0, C = 1,792, the lengths 3,583 ... 5,377; S0/S1/S2 C = 512; N0 C = 1,568 on
+the tiny model), greedy decoding, EOS ignored:
+1. generate the target cold, saving every published entry to the host tier
+   (a save counts once its copy completed);
+2. generate two interposer requests (other prompts of min(N, C+1) tokens, also saved);
+3. reset the device cache (a new engine: fresh pools and arenas), keeping the tier;
+4. reload the target's deepest held prefix into freshly allocated units, each filled
+   with NaN before the restore writes it (poisoning), and regenerate the target;
+   compare every generated token id.
+
+Expected p follows the placement rule the engine runs (read back from it): the
+deepest checkpoint boundary strictly inside the prompt that the rule publishes for
+a lone cold prefill. `every_boundary` (D0, N0) publishes every boundary a chunk
+crosses, so p = C floor((N-1)/C). `step_end` with aligned chunks (S0/S1/S2, vLLM's
+align mode) publishes only at chunk ends: a prompt of exactly kC tokens that fits
+one step runs as one chunk ending at N, so the state at N - C is never published
+and p is smaller (`reuse_lost` = C floor((N-1)/C) - p). A tier entry at B = N (the
+state after the whole prompt) is never used: the last prompt token is always
+computed. Per pair every column must hold (exit 1 otherwise): tokens equal,
+B = p = expected p, the first reload batch computes B and schedules the expected
+first chunk from B, the restore wrote every poisoned byte (read back bit-exact, no
+NaN), and it copied exactly layers x (B x KV bytes per token + SSM + conv bytes)
+host-to-device into the units the organization's layout gives B. On the
+`--delayed-save-cases`, saves are held incomplete for `--save-delay` seconds of the
+tier's clock and a request arriving in that window must recompute (B = p = 0).
+Rows go to the `continuation` ledger table (<ledger_root>/continuation/), a report
+section to <report_dir>/continuation.md; the LAST output line is JSON
+{"pairs", "equal", "B_equals_p", "audits_ok", "ok"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from experiments.workloads.workload import RequestSpec
+from ledgers.arms import ARMS, arm
+
+# The arms with checkpoints this check covers (S2+Retention runs S2's storage).
+ORGS = tuple(a.name for a in ARMS.values() if not a.retention)
+# The reference lengths as offsets from multiples of C (for C = 1,792: 3,583 ... 5,377).
+OFFSETS = ("2C-1", "2C", "2C+1", "2C+3", "2C+4", "2C+5", "3C-1", "3C", "3C+1")
+_CASE = re.compile(r"^(\d*)C([+-]\d+)?$")
+FAULTS = ("credit_n_minus_1",)
+VOCAB = 128_256
+INTERPOSER_TOKENS = 2  # generated tokens per interposer
+MAX_BATCHED_TOKENS = 2048
+
+
+def parse_case(label: str) -> tuple[int, int]:
+    """'2C+3' -> (2, 3): N = k C + d. ValueError for anything else or N < 1."""
+    m = _CASE.match(str(label).strip().upper())
+    if not m:
+        raise ValueError(f"case {label!r} is not of the form kC, kC+d or kC-d")
+    k, d = int(m.group(1) or 1), int(m.group(2) or 0)
+    if k < 1:
+        raise ValueError(f"case {label!r}: k must be >= 1")
+    return k, d
+
+
+# ----- the placement rule, computed independently of the scheduler ---------------------------
+def chunk_ends(start: int, n: int, C: int, budget: int, align: bool,
+               split: bool = False) -> list[int]:
+    """Ends of the prefill chunks of a lone request computing [start, n) under a token
+    budget: aligned chunks stop at the last multiple of C within the budget, then the
+    tail after the last boundary runs alone; with `split` (split_last_boundary), an
+    aligned chunk that would end at n = k C ends at n - C when that is past its start."""
+    ends, pos = [], start
+    while pos < n:
+        end = min(n, pos + budget)
+        aligned = end // C * C
+        if align and split and aligned == n and aligned - C > pos:
+            aligned -= C
+        if align and aligned > pos:
+            end = aligned
+        ends.append(end)
+        pos = end
+    return ends
+
+
+def published_boundaries(n: int, C: int, budget: int, step_end: bool, align: bool,
+                         split: bool = False) -> list[int]:
+    """Checkpoint boundaries a cold prefill of n tokens publishes: chunk ends on a
+    multiple of C (step_end), or every multiple of C a chunk reaches (every_boundary)."""
+    ends = chunk_ends(0, n, C, budget, align, split)
+    if step_end:
+        return [e for e in ends if e % C == 0]
+    return list(range(C, n + 1, C))
+
+
+def expected_prefix(n: int, C: int, budget: int, step_end: bool, align: bool,
+                    split: bool = False) -> int:
+    """p: the deepest published boundary strictly inside the prompt (0 if none)."""
+    inside = [b for b in published_boundaries(n, C, budget, step_end, align, split) if b < n]
+    return max(inside, default=0)
+
+
+@dataclass
+class PairResult:
+    org: str
+    length_case: str
+    n_tokens: int
+    interval: int
+    placement: str
+    align_chunks: bool
+    split_last_boundary: bool
+    output_tokens: int
+    restored_prefix_b: int
+    credited_prefix_p: int
+    expected_p: int
+    full_prefix: int  # C floor((N-1)/C)
+    reuse_lost: int  # full_prefix - expected_p
+    tier_full_depth: int  # deepest prefix the tier held over ALL the prompt's blocks
+    first_context: int  # tokens the first reload batch had computed (must be B)
+    first_scheduled: int  # tokens it scheduled for the target
+    expected_first: int  # the rule's first chunk from B (N - B when it fits the budget)
+    bytes_h2d: int
+    expected_bytes: int  # layers x (B x KV bytes/token + SSM + conv bytes)
+    unit_capacity_bytes: int  # bytes of the destination units the restore allocated
+    restored_units: int
+    expected_units: int  # the organization's demand for B (attention blocks + a composite)
+    poisoned_units: int
+    restored_exact: bool  # every restored view equals the host copy bit for bit, no NaN
+    window_b: int  # delayed-save audit: B / p of a request inside the window (-1: not run)
+    window_p: int
+    window_pending: int  # saves still incomplete when it arrived
+    window_tokens_equal: bool
+    fault: str
+    tokens_equal: bool
+    first_mismatch: int
+    cold_tokens: str
+    reload_tokens: str
+    host_saves: int
+    reload_units_fresh: bool
+
+    @property
+    def b_equals_p(self) -> bool:
+        return self.restored_prefix_b == self.credited_prefix_p == self.expected_p
+
+    @property
+    def window_ok(self) -> bool:
+        if self.window_b < 0:
+            return True
+        return (self.window_pending > 0 and self.window_b == self.window_p == 0
+                and self.window_tokens_equal)
+
+    @property
+    def audits_ok(self) -> bool:
+        return (self.restored_exact and self.bytes_h2d == self.expected_bytes
+                and self.bytes_h2d <= self.unit_capacity_bytes
+                and self.restored_units == self.expected_units
+                and self.poisoned_units == self.restored_units and self.window_ok)
+
+    @property
+    def ok(self) -> bool:
+        return (self.tokens_equal and self.b_equals_p and self.reload_units_fresh
+                and self.first_context == self.restored_prefix_b
+                and self.first_scheduled == self.expected_first and self.audits_ok)
+
+
+_ARROW = {int: pa.int64(), bool: pa.bool_(), str: pa.string()}
+SCHEMA = pa.schema(
+    [(f.name, _ARROW[{"int": int, "bool": bool, "str": str}[f.type]])
+     for f in fields(PairResult)]
+    + [("ok", pa.bool_()), ("model", pa.string()), ("created_at", pa.string())]
+)
+
+
+def _spec(rid: int, arrival: float, prompt: np.ndarray, output_tokens: int) -> RequestSpec:
+    return RequestSpec(rid, arrival, prompt, output_tokens, -1, "")
+
+
+def _generate(engine, specs, host=None) -> tuple[list[int], object]:
+    """Serve requests together to completion; the first one's generated ids and Request.
+    With a host tier, every step's published entries are saved (and the due copies
+    completed)."""
+    for spec in specs:
+        engine.add_request(spec)
+    first = specs[0].request_id
+    tokens: list[int] = []
+    target = engine.num_finished + len(specs)
+    arena = engine.executor.arena
+    while engine.num_finished < target:
+        out = engine.step()
+        if out is not None:
+            tokens += [tok for rid, tok in out.produced if rid == first]
+        if host is not None:
+            host.save_published(engine.mem, arena)
+            host.complete(arena.device)
+    req = next(r for r in engine.requests if r.rid == first)
+    return tokens, req
+
+
+def _first_batch(engine, rid: int) -> dict:
+    """Record (context, scheduled tokens) of the first batch that schedules `rid`."""
+    seen: dict = {}
+    schedule = engine.sched.schedule
+
+    def recording(now):
+        plan = schedule(now)
+        for item in plan:
+            if item.req.rid == rid and not seen:
+                seen.update(context=item.context, scheduled=item.num_new)
+        return plan
+
+    engine.sched.schedule = recording
+    return seen
+
+
+def _restored_exact(host, arena, keys: list[int], restored) -> bool:
+    """Every restored attention block and the checkpoint read back equal to the host
+    copies bit for bit, with no NaN left from the poisoning."""
+    import torch
+
+    for i, obj in enumerate(restored.blocks):
+        saved = host.blocks[keys[i]]
+        for layer in range(arena.layers):
+            got = arena.kv_view(layer)[obj.units[0]].cpu()
+            if torch.isnan(got).any() or not torch.equal(got, saved[layer].to(got.dtype)):
+                return False
+    if restored.checkpoint is not None:
+        saved = host.checkpoints[keys[len(restored.blocks) - 1]]
+        for (c, s), (c0, s0) in zip(arena.read(restored.checkpoint), saved, strict=True):
+            c, s = c.cpu(), s.cpu()
+            if (torch.isnan(c).any() or torch.isnan(s).any()
+                    or not torch.equal(c, c0.float()) or not torch.equal(s, s0.float())):
+                return False
+    return True
+
+
+def _restore_sizes(mem, geometry, restored) -> tuple[int, int, int, int]:
+    """(expected bytes, unit capacity bytes, units restored, units the layout gives B)."""
+    b, layers = restored.prefix_tokens, geometry.num_layers
+    state = geometry.ssm_bytes + geometry.conv_bytes if b and mem.checkpoint_interval else 0
+    expected = layers * (b * geometry.attention_bytes_per_token + state)
+    objs = restored.blocks + ([restored.checkpoint] if restored.checkpoint else [])
+    capacity = units = 0
+    for obj in objs:
+        units += len(obj.units)
+        capacity += len(obj.units) * mem.pools[obj.pool].unit_bytes * layers
+        if obj.kind and mem.has_slabs:
+            capacity += mem.layout.conv_slot_bytes * layers
+    # The layout's units for B: one attention unit per block, one composite's units (an S2
+    # composite's conv state is a slot in a shared slab page, not a unit of its own).
+    need = b // mem.block_tokens + (mem.units_per_composite() if state else 0)
+    return expected, capacity, units, need
+
+
+def _force_credit(engine, rid: int, keys: list[int], p: int) -> None:
+    """Fault injection: admit `rid` crediting p tokens over the blocks of `keys` and the
+    checkpoint at the last of them (what a tier entry at B = N offers)."""
+    from serving_core.state_manager import Adoption
+
+    state, mem = engine.sched.state, engine.mem
+    adoption = state.adoption
+
+    def forced(req):
+        found = adoption(req)
+        if req.rid != rid:
+            return found
+        blocks = [mem.cached_attention(k) for k in keys]
+        ckpt = mem.cached_checkpoint(keys[-1])
+        return Adoption(found.hit, found.keys, p, blocks, ckpt,
+                        mem.pinned_by_adoption(blocks + [ckpt]))
+
+    state.adoption = forced
+
+
+def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: int,
+             seed: int, *, delayed_save: bool = False, save_delay_s: float = 1.0,
+             fault: str | None = None, interposer_tokens: int | None = None,
+             poison: bool = True, split_last_boundary: bool = False) -> PairResult:
+    """The protocol for one organization and one prompt length (see the module doc)."""
+    from serving_core.builder import build_engine, loaded_model_spec
+    from serving_core.executor.host_tier import HostTier
+    from serving_core.request import Request
+
+    if fault is not None and fault not in FAULTS:
+        raise ValueError(f"fault={fault!r}: allowed values are {', '.join(FAULTS)}")
+    spec = loaded_model_spec(model, geometry, arm(org).org, budget,
+                             {"cap": 8, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+                              "split_last_boundary": split_last_boundary})
+
+    def fresh_engine():
+        return build_engine(spec, model=model)
+
+    cold = fresh_engine()
+    sched = cold.sched  # the rules the engine runs, read back from it
+    C, bt = cold.mem.checkpoint_interval, cold.mem.block_tokens
+    k, d = parse_case(case)
+    n = k * C + d
+    if n < 1:
+        raise ValueError(f"case {case!r} gives N = {n} < 1 for C = {C}")
+    rng = np.random.default_rng(seed)
+    side = min(n, C + 1) if interposer_tokens is None else interposer_tokens or n
+    prompts = [rng.integers(0, VOCAB, n).astype(np.int32)]
+    prompts += [rng.integers(0, VOCAB, side).astype(np.int32) for _ in range(2)]
+    target = _spec(0, 0.0, prompts[0], output_tokens)
+    clock = [0.0]  # the tier's clock (seconds): saves of the delayed-save audit wait on it
+    host = HostTier(poison=poison, save_delay_s=save_delay_s if delayed_save else 0.0,
+                    clock=lambda: clock[0])
+    cold_tokens, _ = _generate(cold, [target], host)
+    lookup_keys = Request(target, bt).lookup_keys()
+
+    window = {"b": -1, "p": -1, "pending": 0, "equal": False}
+    if delayed_save:  # a request arriving while the saves are held incomplete
+        clock[0] += save_delay_s / 2
+        host.complete(cold.executor.arena.device)
+        window["pending"] = host.num_pending
+        early = fresh_engine()
+        got = host.restore(early.mem, early.executor.arena, lookup_keys)
+        early_tokens, early_req = _generate(early, [_spec(0, 0.0, prompts[0], output_tokens)])
+        window.update(b=got.prefix_tokens, p=early_req.adopted_first,
+                      equal=early_tokens == cold_tokens)
+        clock[0] += save_delay_s  # the window has passed: the copies land
+        host.complete(cold.executor.arena.device)
+    # Interposers: two other prompts through the same device (their own state published).
+    _generate(cold, [_spec(i, 0.0, prompts[i], INTERPOSER_TOKENS) for i in (1, 2)], host)
+    clock[0] += save_delay_s
+    host.complete(cold.executor.arena.device)
+    saves = host.saves_completed
+
+    warm = fresh_engine()  # device cache reset; the host tier is kept
+    full_keys = Request(target, bt).ensure_keys(n // bt)
+    tier_full = host.restorable_prefix(full_keys, bt, C)
+    empty = all(used == cached == 0 for used, cached, _, _ in warm.mem.usage().values())
+    keys = lookup_keys
+    if fault == "credit_n_minus_1":
+        if tier_full != n:
+            raise ValueError(f"fault {fault}: the tier holds no entry at B = N = {n} "
+                             f"(deepest over the whole prompt: {tier_full})")
+        keys = full_keys
+    arena = warm.executor.arena
+    restored = host.restore(warm.mem, arena, keys)
+    exact = _restored_exact(host, arena, keys, restored)
+    expected_bytes, capacity, units, expected_units = _restore_sizes(warm.mem, geometry,
+                                                                     restored)
+    objs = restored.blocks + ([restored.checkpoint] if restored.checkpoint else [])
+    # Fresh units: the reset device held nothing, and the reload's objects live there now.
+    fresh = empty and all(o.valid and o.cached and warm.mem.live.get(o.oid) is o for o in objs)
+    if fault == "credit_n_minus_1":
+        _force_credit(warm, 0, full_keys, n - 1)
+    first = _first_batch(warm, 0)
+    reload_tokens, req = _generate(warm, [_spec(0, 0.0, prompts[0], output_tokens)])
+    mismatch = next((i for i, (a, b) in enumerate(zip(cold_tokens, reload_tokens,
+                                                      strict=False)) if a != b), -1)
+    if mismatch < 0 and len(cold_tokens) != len(reload_tokens):
+        mismatch = min(len(cold_tokens), len(reload_tokens))
+    budget_tokens = sched.max_num_batched_tokens
+    split = sched.split_last_boundary
+    p_rule = expected_prefix(n, C, budget_tokens, sched.step_end, sched.align, split)
+    b = restored.prefix_tokens
+    return PairResult(
+        org=org, length_case=case, n_tokens=n, interval=C,
+        placement="step_end" if sched.step_end else "every_boundary",
+        align_chunks=bool(sched.align), split_last_boundary=split,
+        output_tokens=output_tokens,
+        restored_prefix_b=b, credited_prefix_p=req.adopted_first, expected_p=p_rule,
+        full_prefix=C * ((n - 1) // C), reuse_lost=C * ((n - 1) // C) - p_rule,
+        tier_full_depth=tier_full, first_context=first.get("context", -1),
+        first_scheduled=first.get("scheduled", -1),
+        expected_first=next(iter(chunk_ends(b, n, C, budget_tokens, sched.align, split)),
+                            b) - b,
+        bytes_h2d=restored.bytes_h2d, expected_bytes=expected_bytes,
+        unit_capacity_bytes=capacity, restored_units=units, expected_units=expected_units,
+        poisoned_units=restored.poisoned_units, restored_exact=exact,
+        window_b=window["b"], window_p=window["p"], window_pending=window["pending"],
+        window_tokens_equal=window["equal"], fault=fault or "",
+        tokens_equal=cold_tokens == reload_tokens, first_mismatch=mismatch,
+        cold_tokens=json.dumps(cold_tokens), reload_tokens=json.dumps(reload_tokens),
+        host_saves=saves, reload_units_fresh=fresh,
+    )
+
+
+def write_ledger(root: str | os.PathLike, rows: list[PairResult], model: str) -> Path:
+    out = Path(root) / "continuation"
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    data = {name: [] for name in SCHEMA.names}
+    for row in rows:
+        values = {**asdict(row), "ok": row.ok, "model": model, "created_at": now}
+        for name, value in values.items():
+            data[name].append(value)
+    table = pa.Table.from_pydict(data, schema=SCHEMA)
+    path = out / f"continuation-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}.parquet"
+    tmp = path.with_name("." + path.name + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def report_section(rows: list[PairResult], model: str) -> str:
+    lines = [
+        "## Continuation correctness",
+        "",
+        f"Model {model}; greedy, EOS ignored; per organization and prompt length N the target",
+        "is generated cold, two interposers run, the device cache is reset keeping the host",
+        "tier, and the target is regenerated from the reloaded prefix, restored into units",
+        "filled with NaN beforehand. B: restored prefix; p: prefix the scheduler credited;",
+        "expected p: the deepest boundary strictly inside the prompt that the engine's",
+        "placement rule publishes; full = C floor((N-1)/C); lost = full - expected p.",
+        "First batch: tokens computed / scheduled by the first reload step. Bytes:",
+        "host-to-device bytes of the restore (all equal layers x (B x KV bytes/token +",
+        "SSM + conv) where marked yes). Window: B / p of a request arriving while the",
+        "saves were held incomplete (delayed-save audit; '-' where not run).",
+        "",
+        "| org | N | C | rule | B | p | expected p | full | lost | tier at N | first batch "
+        "| bytes H2D | bytes ok | window | tokens equal | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rule = "step_end+align" if r.align_chunks else r.placement
+        rule += "+split" if r.split_last_boundary else ""
+        window = "-" if r.window_b < 0 else f"{r.window_b} / {r.window_p}"
+        tokens = "yes" if r.tokens_equal else f"no (first at {r.first_mismatch})"
+        fault = f" fault {r.fault}" if r.fault else ""
+        lines.append(
+            f"| {r.org} | {r.n_tokens} ({r.length_case}{fault}) | {r.interval} | {rule} | "
+            f"{r.restored_prefix_b} | {r.credited_prefix_p} | {r.expected_p} | "
+            f"{r.full_prefix} | {r.reuse_lost} | {r.tier_full_depth} | "
+            f"{r.first_context} / {r.first_scheduled} | {r.bytes_h2d:,} | "
+            f"{_yes(r.bytes_h2d == r.expected_bytes and r.restored_exact)} | {window} | "
+            f"{tokens} | {_yes(r.ok)} |")
+    ok = sum(r.ok for r in rows)
+    lines += ["", f"{ok} of {len(rows)} pairs pass every column.", ""]
+    lost = [r for r in rows if r.reuse_lost]
+    if lost:
+        lines.append("Reuse lost under the engine's rule (prompt N = k C run as one aligned "
+                     "chunk; no checkpoint at N - C): " + "; ".join(
+                         f"{r.org} N={r.n_tokens}: {r.reuse_lost} tokens" for r in lost) + ".")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def summary(rows: list[PairResult]) -> dict:
+    return {"pairs": len(rows), "equal": sum(r.tokens_equal for r in rows),
+            "B_equals_p": all(r.b_equals_p for r in rows),
+            "audits_ok": all(r.audits_ok for r in rows), "ok": sum(r.ok for r in rows)}
+
+
+def _choices(value: str, allowed, name: str, check=None) -> list[str] | None:
+    items = [v.strip() for v in str(value).split(",") if v.strip()]
+    bad = [v for v in items if (check(v) if check else v not in allowed)]
+    if bad or not items:
+        print(f"error: --{name}={value!r}: allowed values are {', '.join(allowed)}",
+              file=sys.stderr)
+        return None
+    return items
+
+
+def _bad_case(label: str) -> bool:
+    try:
+        parse_case(label)
+    except ValueError:
+        return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.continuation",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", default="models/falcon_h1_tiny")
+    p.add_argument("--preset", default="falcon_h1_tiny")
+    p.add_argument("--orgs", default=",".join(ORGS))
+    p.add_argument("--cases", default=",".join(OFFSETS),
+                   help="offsets from multiples of C: kC, kC+d, kC-d")
+    p.add_argument("--delayed-save-cases", default="2C+1",
+                   help="cases that also run the delayed-save audit ('none': no case)")
+    p.add_argument("--save-delay", type=float, default=1.0,
+                   help="seconds of the tier's clock a delayed save stays incomplete")
+    p.add_argument("--fault", default="none", help="fault injection: none | credit_n_minus_1")
+    p.add_argument("--split-last-boundary", action="store_true",
+                   help="engine.split_last_boundary: aligned chunks of a k C prompt end at N - C")
+    p.add_argument("--budget", default="b63")
+    p.add_argument("--output-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ledger-root", default=os.environ.get("LEDGER_ROOT", "ledgers/data"))
+    p.add_argument("--report-dir", default="reports")
+    args = p.parse_args(argv)
+    orgs = _choices(args.orgs, ORGS, "orgs")
+    cases = _choices(args.cases, ("kC", "kC+d", "kC-d"), "cases", _bad_case)
+    delayed = ([] if args.delayed_save_cases.strip() == "none" else
+               _choices(args.delayed_save_cases, ("kC", "kC+d", "kC-d", "none"),
+                        "delayed-save-cases", _bad_case))
+    if orgs is None or cases is None or delayed is None:
+        return 2
+    if args.fault not in ("none", *FAULTS):
+        print(f"error: --fault={args.fault!r}: allowed values are none, {', '.join(FAULTS)}",
+              file=sys.stderr)
+        return 2
+    if args.output_tokens < 1:
+        print(f"error: --output-tokens={args.output_tokens}: expected >= 1", file=sys.stderr)
+        return 2
+    if args.save_delay <= 0:
+        print(f"error: --save-delay={args.save_delay}: expected > 0", file=sys.stderr)
+        return 2
+    from serving_core.executor.torch_config import TorchExecutorConfig, check_checkpoint
+    from serving_core.geometry import load_geometry
+    from serving_core.model.falcon_h1 import FalconH1
+
+    try:
+        geometry = load_geometry(args.preset)
+        check_checkpoint(TorchExecutorConfig(args.checkpoint), geometry)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    model = FalconH1.load(args.checkpoint)
+    fault = None if args.fault == "none" else args.fault
+    delayed_keys = {parse_case(c) for c in delayed}
+    rows = []
+    total = len(orgs) * len(cases)
+    for org in orgs:
+        for i, case in enumerate(cases):
+            t = time.perf_counter()
+            try:
+                row = run_pair(model, geometry, org, args.budget, case, args.output_tokens,
+                               args.seed + i, delayed_save=parse_case(case) in delayed_keys,
+                               save_delay_s=args.save_delay, fault=fault,
+                               split_last_boundary=args.split_last_boundary)
+            except ValueError as err:  # a case the organization cannot run (N < 1, fault)
+                print(f"error: org={org} case={case}: {err}", file=sys.stderr)
+                return 2
+            rows.append(row)
+            window = "" if row.window_b < 0 else f"; window B={row.window_b} p={row.window_p}"
+            print(f"[{len(rows)}/{total}] {org:>3} N={row.n_tokens:>5} ({case:>4}) "
+                  f"C={row.interval}: B={row.restored_prefix_b} p={row.credited_prefix_p} "
+                  f"expected {row.expected_p} (lost {row.reuse_lost}); first batch "
+                  f"{row.first_context}/{row.first_scheduled}; {row.bytes_h2d:,} B H2D{window}; "
+                  f"tokens {'equal' if row.tokens_equal else 'DIFFER'}; "
+                  f"{'ok' if row.ok else 'FAIL'} ({time.perf_counter() - t:.1f} s)", flush=True)
+    path = write_ledger(args.ledger_root, rows, args.preset)
+    report = Path(args.report_dir)
+    report.mkdir(parents=True, exist_ok=True)
+    (report / "continuation.md").write_text(report_section(rows, args.preset))
+    print(f"ledger: {path}; report: {report / 'continuation.md'}")
+    print(json.dumps(summary(rows)), flush=True)
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Simulator versus real: run cells for real, fit a step profile to them, simulate them.
+
+`python -m experiments.studies.fidelity [--ledger-root ROOT] [--skip-real] [OVERRIDE ...]`
+(`make fidelity`, which then writes the comparison with `analysis.studies.fidelity`):
+
+1. campaign fidelity_real (conf/campaign/): every organization at a budget where memory
+   binds and one where it does not, 3 seeds, the tiny checkpoint served over HTTP
+   (executor=torch), one run at a time. Complete runs are kept; rerunning repairs the rest.
+2. a bounded least-squares fit (serving_core.executor.fit_steps) of the CPU profile's free
+   constants to the steps ledgers of those runs; written with its residuals and the run ids
+   it used to ROOT/fidelity/profile.yaml.
+3. campaign fidelity_sim: the same cells in simulation under the fitted profile, passed as
+   executor.* overrides (its name, sim:<name> in the runs ledger, tells fits apart).
+
+OVERRIDEs go to both campaigns (e.g. hydra.sweeper.smoke=true). The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+import ledgers
+from experiments.config.bad_input import EXIT_BAD_INPUT
+from serving_core.executor.fit_steps import STEP_COLUMNS, fit_steps
+from serving_core.geometry import load_geometry
+
+REAL, SIM = "fidelity_real", "fidelity_sim"
+START_PROFILE = "cpu"  # conf/executor/cpu.yaml: the starting point of the fit
+MODEL = "falcon_h1_tiny"
+FITTED_FIELDS = ("name", "memory_efficiency", "matmul_efficiency", "attention_efficiency",
+                 "scan_efficiency", "mixed_step_s", "per_step_overhead_s", "per_seq_overhead_s",
+                 "indirection_overhead", "calibration")
+
+
+def _campaign(name: str, root: Path, overrides: list[str]) -> int:
+    """One campaign through the runner (one run at a time: wall-clock timing)."""
+    cmd = [sys.executable, "-m", "experiments.run", "-m", f"campaign={name}",
+           f"ledger_root={root}", "hydra.launcher.n_jobs=1", *overrides]
+    print("fidelity: " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    return subprocess.call(cmd)
+
+
+def real_runs(root: Path) -> list[tuple[str, str, dict]]:
+    """(run_id, org, steps table) of the adopted complete real runs of the newest executor."""
+    con = ledgers.connect(root)
+    try:
+        runs = con.execute(
+            "SELECT run_id, org, executor, created_at FROM runs WHERE campaign = ? AND "
+            "status = 'complete' AND adopted ORDER BY created_at", [REAL]).df()
+        if runs.empty:
+            return []
+        newest = runs["executor"].iloc[-1]
+        runs = runs[runs["executor"] == newest]
+        steps = con.execute(
+            f"SELECT run_id, step, {', '.join(STEP_COLUMNS)} FROM steps WHERE campaign = ? "
+            "ORDER BY run_id, step", [REAL]).df()
+    finally:
+        con.close()
+    tables = dict(tuple(steps.groupby("run_id")))
+    return [(str(run_id), str(org), tables[run_id].to_dict("list"))
+            for run_id, org in zip(runs["run_id"], runs["org"], strict=True)
+            if run_id in tables]
+
+
+def fit_profile(root: Path) -> tuple[dict, list[str]]:
+    """Fit the start profile to the real runs; write ROOT/fidelity/profile.yaml."""
+    runs = real_runs(root)
+    if not runs:
+        raise ValueError(f"campaign {REAL} has no complete runs under {root}")
+    fit = fit_steps(load_geometry(MODEL), START_PROFILE, [(org, t) for _, org, t in runs],
+                    source=f"campaign {REAL}")
+    profile = asdict(fit.profile)
+    record = {**profile, "fit": {
+        "parameters": fit.parameters, "rows": fit.rows, "rms_rel_error": fit.rms_rel_error,
+        "total_rel_error_by_org": fit.total_rel_error, "start": START_PROFILE,
+        "runs": sorted(run_id for run_id, _, _ in runs)}}
+    out = root / "fidelity" / "profile.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("# Step profile fitted by experiments.studies.fidelity to the real runs' steps "
+                   "ledgers (bounded least squares).\n" + yaml.safe_dump(record, sort_keys=False))
+    overrides = []
+    for key in FITTED_FIELDS:
+        value = profile[key]
+        text = "'" + value.replace("'", "") + "'" if isinstance(value, str) else repr(value)
+        overrides.append(f"executor.{key}={text}")
+    return record, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.fidelity",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--ledger-root", default="ledgers/data")
+    p.add_argument("--skip-real", action="store_true",
+                   help="fit to the real runs already in the ledgers; run none")
+    p.add_argument("overrides", nargs="*", help="overrides for both campaigns")
+    args = p.parse_args(argv)
+    root = Path(args.ledger_root)
+    if not args.skip_real:
+        rc = _campaign(REAL, root, args.overrides)
+        if rc != 0:
+            print(f"fidelity: campaign {REAL} exited {rc}; rerun to repair", file=sys.stderr)
+            return rc
+    try:
+        record, overrides = fit_profile(root)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    fit = record["fit"]
+    print(f"fidelity: profile {record['name']} from {fit['rows']} steps of {len(fit['runs'])} "
+          f"runs; rms relative step error {fit['rms_rel_error']:.3f}; summed step time "
+          "error by org " + ", ".join(f"{o} {v:+.1%}" for o, v in
+                                       fit["total_rel_error_by_org"].items()), file=sys.stderr)
+    rc = _campaign(SIM, root, [*overrides, *args.overrides])
+    if rc != 0:
+        return rc
+    print(json.dumps({"profile": record["name"], "real_runs": len(fit["runs"]),
+                      "steps": fit["rows"], "rms_rel_error": fit["rms_rel_error"],
+                      "ledger_root": str(root)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Rerun the primary families under alternative engine rules (make sensitivity).
+
+Some engine rules cannot be identified from the calibration anchors (slab policy, admission
+gate, checkpoint placement, the free queue, checkpoint recency). For each alternative of
+conf/sensitivity/alternatives.yaml and each primary family listed there (Q1's EXT-22, which
+also decides Q4's D0/S2 rows, and Q6's Q6-17), every cell of the family's preregistered plan
+(conf/prereg/<plan>.yaml) is run at its seeds with the alternative's overrides, into
+campaign `sens_<alternative>` (`sens_<alternative>_smoke` at smoke size: the first seeds and
+fewer requests), question `sensitivity`. Runs go through experiments.run (complete runs are
+skipped, the ledgers written as for any run). `analysis.studies.sensitivity` then evaluates the
+families on those runs.
+
+    python -m experiments.studies.sensitivity --ledgers ROOT [--smoke] [--alternatives a,b]
+        [--seeds N] [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+ALTERNATIVES_YAML = ROOT / "conf" / "sensitivity" / "alternatives.yaml"
+PREREG_DIR = ROOT / "conf" / "prereg"
+QUESTION = "sensitivity"
+CAMPAIGN_PREFIX = "sens_"
+SMOKE_SUFFIX = "_smoke"
+# Plan cell keys (conf/prereg) -> Hydra overrides of one run.
+CELL_KEYS = {"org": "org", "budget": "budget", "cap": "engine.cap", "rate": "load.rate",
+             "q": "workload.q", "f": "engine.headroom", "pinning_k": "engine.pinning_k",
+             "reuse": "workload.reuse", "arrival": "load.arrival", "trace": "trace",
+             "model": "model", "d0_attention_fraction": "model.d0_attention_fraction"}
+IGNORED_KEYS = ("campaign",)  # replaced by the sensitivity campaign
+EXECUTORS = {"sim:a100-calibrated": "a100"}
+
+
+@dataclass(frozen=True)
+class Alternative:
+    name: str
+    overrides: tuple[str, ...]
+    why: str
+
+
+def campaign_name(alternative: str, smoke: bool) -> str:
+    return f"{CAMPAIGN_PREFIX}{alternative}{SMOKE_SUFFIX if smoke else ''}"
+
+
+def load_alternatives(path: Path = ALTERNATIVES_YAML) -> tuple[dict, dict[str, Alternative]]:
+    """(the file's mapping, {name: Alternative}) in file order."""
+    raw = yaml.safe_load(Path(path).read_text())
+    alts = {name: Alternative(name, tuple(spec.get("overrides") or ()), str(spec.get("why", "")))
+            for name, spec in raw["alternatives"].items()}
+    if "default" not in alts:
+        raise ValueError(f"{path}: alternatives must include `default` (today's rules)")
+    return raw, alts
+
+
+def _override_value(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)
+
+
+def family_cells(plan_name: str, family: str, plan_dir: Path = PREREG_DIR) -> list[dict]:
+    """[{id, keys, seeds}] of one family: the plan's defaults, the family's, then the cell's
+    own keys (the merge order conf/prereg documents)."""
+    plan = yaml.safe_load((Path(plan_dir) / f"{plan_name}.yaml").read_text())
+    fams = [f for f in plan["families"] if f["name"] == family]
+    if not fams:
+        raise ValueError(f"conf/prereg/{plan_name}.yaml has no family {family!r}")
+    fam = fams[0]
+    out = []
+    for cell in fam["cells"]:
+        keys = {**plan.get("defaults", {}), **fam.get("defaults", {}), **cell}
+        keys.pop("id")
+        out.append({"id": cell["id"], "keys": keys,
+                    "seeds": list(cell.get("seeds", fam["seeds"]))})
+    return out
+
+
+def cell_overrides(keys: dict) -> list[str]:
+    """Hydra overrides reproducing a plan cell; refuses keys it cannot map."""
+    out = []
+    for key, value in keys.items():
+        if key in IGNORED_KEYS:
+            continue
+        if key == "executor":
+            if value not in EXECUTORS:
+                raise ValueError(f"cell executor {value!r}: allowed {', '.join(EXECUTORS)}")
+            out.append(f"executor={EXECUTORS[value]}")
+            continue
+        if key not in CELL_KEYS:
+            raise ValueError(f"cell key {key!r} has no run override "
+                             f"(known: {', '.join(CELL_KEYS)})")
+        if key == "d0_attention_fraction" and str(keys.get("org", "")).upper() != "D0":
+            continue
+        value = str(value).lower() if key == "org" else value
+        out.append(f"{CELL_KEYS[key]}={_override_value(value)}")
+    return out
+
+
+def planned_jobs(alternatives: list[Alternative], families: list[dict], *, smoke: bool,
+                 seeds: int | None, requests: int | None) -> list[list[str]]:
+    """Every run's overrides: alternative x family cell x seed."""
+    jobs = []
+    for alt in alternatives:
+        campaign = campaign_name(alt.name, smoke)
+        for fam in families:
+            for cell in family_cells(fam["plan"], fam["family"]):
+                chosen = cell["seeds"][:seeds] if seeds else cell["seeds"]
+                for seed in chosen:
+                    job = [*cell_overrides(cell["keys"]), *alt.overrides,
+                           f"campaign_name={campaign}", f"question={QUESTION}", f"seed={seed}"]
+                    if requests:
+                        job.append(f"workload.num_requests={requests}")
+                    jobs.append(job)
+    return jobs
+
+
+def run_jobs(jobs: list[list[str]], ledger_root: Path, progress: bool = True) -> dict:
+    """Run (or skip as complete) every job through experiments.run; counts by outcome."""
+    from hydra import compose, initialize_config_dir
+    from tqdm import tqdm
+
+    from experiments.run import main_run
+
+    counts = {"ran": 0, "skipped": 0}
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        for job in tqdm(jobs, desc="sensitivity runs", disable=not progress, file=sys.stderr):
+            cfg = compose(config_name="config", overrides=[*job, f"ledger_root={ledger_root}"])
+            with contextlib.redirect_stdout(io.StringIO()):
+                line = main_run(cfg)
+            counts["skipped" if line.get("skipped") else "ran"] += 1
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ledgers", type=Path, default=Path("ledgers/data"), help="ledger root")
+    p.add_argument("--alternatives", default="",
+                   help="comma-separated subset of conf/sensitivity/alternatives.yaml")
+    p.add_argument("--smoke", action="store_true",
+                   help="smoke size: the file's smoke seeds and requests, *_smoke campaigns")
+    p.add_argument("--seeds", type=int, default=None, help="first N seeds of every cell")
+    p.add_argument("--requests", type=int, default=None, help="requests per run")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    raw, alts = load_alternatives()
+    names = [n for n in args.alternatives.split(",") if n] or list(alts)
+    unknown = [n for n in names if n not in alts]
+    if unknown:
+        print(f"--alternatives: unknown {', '.join(unknown)}; allowed values are "
+              f"{', '.join(alts)}", file=sys.stderr)
+        return 2
+    for flag in ("seeds", "requests"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            print(f"--{flag}={getattr(args, flag)}: must be >= 1", file=sys.stderr)
+            return 2
+    seeds, requests = args.seeds, args.requests
+    if args.smoke:
+        seeds = seeds or int(raw["smoke"]["seeds"])
+        requests = requests or int(raw["smoke"]["requests"])
+    jobs = planned_jobs([alts[n] for n in names], raw["families"], smoke=args.smoke,
+                        seeds=seeds, requests=requests)
+    counts = run_jobs(jobs, args.ledgers, progress=not args.quiet)
+    print(f"sensitivity: {len(jobs)} runs ({counts['ran']} ran, {counts['skipped']} skipped) "
+          f"for {len(names)} alternatives into {args.ledgers}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
