@@ -1,8 +1,11 @@
 """Regenerate the report from the ledgers: `python -m analysis.report --ledgers ROOT --out DIR`.
 
 Writes DIR/index.md (links and provenance: ledger root, run counts, code
-versions, plan hashes), DIR/q1.md ... q9.md, DIR/tables/*.csv and
-DIR/figures/*.png. Reads the ledgers only, through the DuckDB catalog; a
+versions, plan hashes, the readings of the AMBIGUOUS items), a page per question
+(q1.md ... q9.md, q10_tq4.md), per supporting campaign (orig5, pinning, d0_split,
+caps, bursts) and per study (vllm_native, fidelity, n0_native, n0_validate,
+sensitivity), DIR/tables/*.csv and DIR/figures/*.png and *.svg. Reads the ledgers
+only, through the DuckDB catalog, and the plans in conf/prereg; a
 question without data says so. A question whose analysis raises gets an error
 page and the command exits 1 after writing everything else. Prints the wall
 time as its last line.
@@ -232,7 +235,8 @@ def index_markdown(con, root: Path, plan_dir: Path, allow_changed_plan: bool,
     readings = prereg.load_readings(plan_dir)
     if readings:
         out += ["## Readings of the AMBIGUOUS items", "",
-                f"PAPER_DESIGN.md section 8 leaves these open; the reading each analysis uses "
+                f"The paper leaves these open (docs/paper_design.md, section 8); the reading "
+                f"each analysis uses "
                 f"and the one it names as the alternative ({prereg.READINGS_FILE} in the plan "
                 f"directory).", "", md_table(pd.DataFrame(readings)), ""]
     return "\n".join(out)

@@ -3,8 +3,8 @@
 raw_<table> views read every committed file found at connect time (hive
 partitions, union by name) and add `attempt`, the file's basename stem `<run_id>-<nonce>`. The table
 canonical_attempts holds, per (campaign, run_id), the first complete attempt
-(ordered by created_at, then attempt). The public views runs, requests, poller, trace,
-slab and steps keep only rows of canonical attempts: a crashed attempt's
+(ordered by created_at, then attempt). The public views (one per table of
+ledgers.schemas.TABLES) keep only rows of canonical attempts: a crashed attempt's
 files, failed runs and accidental duplicate attempts never count.
 
 canonical_attempts is a snapshot taken at connect time, so one connection sees

@@ -9,8 +9,9 @@ checkpoint boundaries of a chunk, the checkpoint it adopted, the checkpoints it
 retains (S2+Retention) and its preemption-time pin. The objects are recorded on
 the request (`attn`, `working`, `dests`, `adopted`, `retained`, `pin`) as this
 manager's record; only this manager changes them. It answers the scheduler with
-demands (units per pool), small slotted results (`Adoption`) and token counts;
-the scheduler never calls the memory organization itself. An executor that
+demands (units per pool), small slotted results (`Adoption`) and token counts; the
+scheduler reads only the organization's facts (block, interval, pool sizes, its class's
+default rules) and never changes its state itself. An executor that
 addresses state (the torch executor) gets a `ChunkState` per scheduled chunk in
 the plan instead: the attention unit ids, the composites it reads and writes, and
 after publication where each boundary's state went.

@@ -12,9 +12,9 @@ from statsmodels.stats.multitest import multipletests
 
 from analysis.inference import stats
 
-# t quantiles typed in rather than computed. SPEC's t(0.975, 5) = 2.5705818366147395 is
+# t quantiles typed in rather than computed. The design's t(0.975, 5) = 2.5705818366147395 is
 # 3.8e-10 (relative) above the true quantile 2.5705818356363155 (mpmath, 40 digits, which
-# SciPy reproduces); intervals are checked against SPEC's value to 1e-8 and the exact one
+# SciPy reproduces); intervals are checked against the design's value to 1e-8 and the exact one
 # to 1e-12.
 T_975_DF5_SPEC = 2.5705818366147395
 T_975_DF5 = 2.5705818356363155

@@ -1,4 +1,4 @@
-"""Paired, seed-level statistics for serving campaigns (SPEC section 8).
+"""Paired, seed-level statistics for serving campaigns (docs/statistics.md).
 
 Seeds are the independent repeats and arms are paired by seed. Every effect is
 estimated on paired log ratios d(s) = ln(G_A(s) / G_B(s)) and displayed in
@@ -350,8 +350,9 @@ class InteractionResult:
     """Difference of two paired effects, per seed in log space.
 
     `effect_pp` = mean over seeds of [e_a(s) - e_b(s)] with e = 100 (exp(d) - 1) the
-    seedwise percent change (percentage points, the paper's display, PAPER_DESIGN 2.2; not
-    the difference of back-transformed effects, which `effect_a_pct - effect_b_pct` gives);
+    seedwise percent change (percentage points, the paper's display; docs/statistics.md
+    section 2.5), not the difference of back-transformed effects, which
+    `effect_a_pct - effect_b_pct` gives;
     `ratio_pct` = 100 (exp(mean(d_a - d_b)) - 1); `test` is the sign-flip test on the
     per-seed differences d_a - d_b.
     """

@@ -1,4 +1,4 @@
-"""Shared loading and paired summaries for the per-question analyses (SPEC sections 7-9).
+"""Shared loading and paired summaries for the per-question analyses (docs/statistics.md).
 
 Everything is read through the DuckDB catalog (`ledgers.connect`): adopted
 complete runs serving a set of questions, and run-level readouts computed per run
@@ -239,8 +239,9 @@ def _load_runs(con, questions: Sequence[str]) -> RunSet:
 def add_work_readouts(runs: pd.DataFrame) -> None:
     """H = C_once + output tokens, H/K, and completed requests per request-span second.
 
-    C_once (PAPER_DESIGN 2.4) is the sum over admitted requests of prompt tokens minus the
-    prefix adopted at their FIRST admission (requests ledger); K is the number of engine
+    C_once (docs/statistics.md section 2.3) is the sum over admitted requests of prompt
+    tokens minus the prefix adopted at their FIRST admission (requests ledger); K is the
+    number of engine
     steps (steps ledger rows). The engine counts every step, so K is a step count here.
     """
     runs["h_tokens"] = runs["c_once_tokens"] + runs["request_output_tokens"]
@@ -357,7 +358,7 @@ def cell_summary(runs: pd.DataFrame, metrics: Sequence[str] = (
         "throughput_ledger", "throughput_span", "ttft_p99", "e2e_p99")) -> pd.DataFrame:
     """One row per cell: design columns, seeds, and per metric the mean of run values.
 
-    Throughput metrics also get the geometric mean (the arm summary of SPEC section 8).
+    Throughput metrics also get the geometric mean (docs/statistics.md section 2.5).
     """
     rows = []
     for cell in cell_order(runs):

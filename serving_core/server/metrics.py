@@ -5,7 +5,7 @@ label as vLLM's do: request latency histograms (`time_to_first_token_seconds`,
 `time_per_output_token_seconds`, `e2e_request_latency_seconds`, vLLM's buckets),
 `prefix_cache_queries` / `prefix_cache_hits` (tokens) and `kv_cache_usage_perc` (used
 fraction of all units). Per-pool series carry a `pool` label as well (shared for
-S0/S1/S2, attention and recurrent for D0); the older names the poller reads
+S0/S1/S2/N0, attention and recurrent for D0); the older names the poller reads
 (`prefix_cache_hit_tokens`, `pool_usage_perc`) stay.
 
 The host tier (`--host-tier`) and request paths: `external_tier_saves_started` /
