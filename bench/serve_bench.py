@@ -67,10 +67,10 @@ async def _batch(url, model, prompts, output, extra):
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
         warm = {"model": model, "prompt": prompts[0][:32], "max_tokens": 4,
-                "ignore_eos": True, "stream": True, **extra}
+                "ignore_eos": True, "temperature": 0.0, "stream": True, **extra}
         await _one(client, url, warm, 4)
         bodies = [{"model": model, "prompt": p, "max_tokens": output, "ignore_eos": True,
-                   "stream": True, **extra} for p in prompts]
+                   "temperature": 0.0, "stream": True, **extra} for p in prompts]
         t0 = time.perf_counter()
         results = await asyncio.gather(*[_one(client, url, b, output) for b in bodies])
         wall = time.perf_counter() - t0

@@ -180,7 +180,7 @@ def _generated_tokens(base_url: str) -> float:
 
     text = httpx.get(base_url + "/metrics", timeout=30).text
     (value,) = [s.value for fam in text_string_to_metric_families(text)
-                for s in fam.samples if s.name == "hsl:generation_tokens_total"]
+                for s in fam.samples if s.name == "vllm:generation_tokens_total"]
     return float(value)
 
 
