@@ -13,8 +13,12 @@ below 1e-5) or temperature, min_p, top_k, top_p and a random draw. Logprobs are 
 raw model distribution (vLLM's default `raw_logprobs`).
 
 Randomness is keyed, not stateful: the draw for a request's j-th output token uses a
-generator seeded with (seed, j) (`token_seed`), so a seeded request gives the same tokens
-however it is batched, preempted or recomputed, and two seeds give independent draws.
+uniform from a generator seeded with (seed, j) (`token_seed`), so a seeded request gives
+the same tokens however it is batched, preempted or recomputed (up to the fp32 rounding by
+which a batch's logits differ from a lone row's), and two seeds give independent draws.
+The draws are not vLLM's (its generator is per request and stateful, its noise per vocab
+entry): the same seed gives different tokens on the two servers, as it does across any two
+implementations.
 """
 
 from __future__ import annotations

@@ -69,8 +69,7 @@ def test_bias_allowed_ids_and_the_min_tokens_mask():
 def test_temperature_min_p_top_k_top_p():
     logp = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
     keep = lambda t: [i for i, v in enumerate(t.tolist()) if v > -math.inf]  # noqa: E731
-    assert truncate(logp, SamplingParams(temperature=2.0)).tolist() == \
-        pytest.approx((logp / 2).tolist())
+    assert truncate(logp, SamplingParams(temperature=2.0)).tolist() == logp.tolist()
     # min_p 0.2: drop tokens below 0.2 x 0.5 = 0.1
     assert keep(truncate(logp, SamplingParams(temperature=1.0, min_p=0.2))) == [0, 1, 2]
     assert keep(truncate(logp, SamplingParams(temperature=1.0, top_k=2))) == [0, 1]
@@ -80,10 +79,11 @@ def test_temperature_min_p_top_k_top_p():
     assert keep(truncate(logp, SamplingParams(temperature=1.0, top_p=1e-6))) == [0]
 
 
-def test_seeded_draws_repeat_per_output_index_and_follow_the_distribution():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log()
-    p = SamplingParams(temperature=1.0, seed=11)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_seeded_draws_repeat_per_output_index_and_follow_the_distribution(temperature):
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log() * temperature
+    probs = (logits / temperature).softmax(-1)  # = [0.5, 0.3, 0.15, 0.05]
+    p = SamplingParams(temperature=temperature, seed=11)
     draws = [sample_row(logits, p, _Req([0], [9] * j))[0] for j in range(4000)]
     again = [sample_row(logits, p, _Req([0], [9] * j))[0] for j in range(50)]
     assert again == draws[:50]  # the same (seed, index), the same token
@@ -94,6 +94,20 @@ def test_seeded_draws_repeat_per_output_index_and_follow_the_distribution():
     se = (probs * (1 - probs) / len(draws)).sqrt()
     assert ((freq - probs).abs() < 4 * se).all(), freq
     assert token_seed(11, 0) != token_seed(11, 1) != token_seed(12, 1)
+
+
+def test_a_batch_draws_what_each_row_draws_alone():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 1000)
+    params = [SamplingParams(temperature=0.8, seed=s, top_k=k, top_p=tp)
+              for s, k, tp in ((1, 0, 1.0), (2, 40, 1.0), (3, 0, 0.9), (4, 5, 0.5))]
+    reqs = [_Req([0], [7] * j) for j in range(4)]
+    batch, _ = sample(logits, list(zip(params, reqs, strict=True)))
+    alone = [sample_row(logits[i], params[i], reqs[i])[0] for i in range(4)]
+    assert batch == alone
+    for i, tok in enumerate(batch):  # inside each row's truncation
+        kept = truncate(logits[i] / 0.8, params[i])
+        assert kept[tok] > -math.inf
 
 
 def test_logprobs_are_the_raw_distribution_with_top_alternatives():

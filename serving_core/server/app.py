@@ -290,7 +290,10 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
         return delta, new_lps
 
     def _prompt_text(req, p: int) -> str:
-        return text.decode(req.prompts[p], skip_special=False)
+        """The prompt echoed: the text as sent, or its token ids decoded."""
+        if p < len(req.prompt_texts) and req.prompt_texts[p] is not None:
+            return req.prompt_texts[p]
+        return text.decode(req.prompts[p], skip_special=req.skip_special)
 
     async def _generate(request: Request, req: GenerationRequest):
         loop = asyncio.get_running_loop()

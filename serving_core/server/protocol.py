@@ -117,6 +117,7 @@ class GenerationRequest:
     tokens_as_ids: bool = False
     chat: bool = False
     max_tokens_param: int | None = None
+    prompt_texts: tuple[str | None, ...] = ()  # a text prompt as sent (echo), else None
 
     def choice_sampling(self, i: int) -> SamplingParams:
         """Choice i's parameters: seed + i (vLLM), or a fresh random seed."""
@@ -283,8 +284,9 @@ def _truncate(ids: list[int], body: dict) -> list[int]:
     return ids[-k:] if side == "left" else ids[:k]
 
 
-def _prompts(body: dict, vocab_size: int, encode) -> list[list[int]]:
-    """The batch of prompts: text, token ids, or a list of either."""
+def _prompts(body: dict, vocab_size: int, encode) -> tuple[list[list[int]], list]:
+    """The batch of prompts (text, token ids, or a list of either) as token ids, and each
+    text prompt as sent (None for token ids, or text cut by truncate_prompt_tokens)."""
     if "prompt" not in body:
         raise BadRequest("prompt: required (text, token ids, or a list of either)", "prompt")
     prompt = body["prompt"]
@@ -297,13 +299,15 @@ def _prompts(body: dict, vocab_size: int, encode) -> list[list[int]]:
         raise BadRequest("prompt: expected text, a list of integer token ids, or a list of "
                          "either", "prompt")
     add_special = _bool(body, "add_special_tokens", True)
-    out = []
+    out, texts = [], []
     for p in batch:
         ids = encode(p, add_special) if isinstance(p, str) else _ids(p, "prompt", vocab_size)
         if not ids:
             raise BadRequest("prompt: must have at least one token", "prompt")
-        out.append(_truncate(ids, body))
-    return out
+        kept = _truncate(ids, body)
+        out.append(kept)
+        texts.append(p if isinstance(p, str) and len(kept) == len(ids) else None)
+    return out, texts
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, prompts,
@@ -349,12 +353,12 @@ def parse_completion(body, vocab_size: int, encode, *, max_model_len: int = 1 <<
         raise BadRequest("echo=true with logprobs: prompt logprobs are not computed (allowed: "
                          "echo without logprobs)", "echo")
     common = _common(body, COMPLETION_APPLIED, vocab_size, eos_token_ids, logprobs, has_text)
-    prompts = _prompts(body, vocab_size, encode)
+    prompts, texts = _prompts(body, vocab_size, encode)
     max_tokens, param = _max_tokens(body, ("max_tokens",), DEFAULT_MAX_TOKENS, prompts,
                                     max_model_len, echo)
     _check_min_tokens(common["sampling"], max_tokens)
     return GenerationRequest(prompts, max_tokens, echo=echo, logprobs=logprobs,
-                             max_tokens_param=param, **common)
+                             max_tokens_param=param, prompt_texts=tuple(texts), **common)
 
 
 def parse_chat(body, vocab_size: int, encode, render, *, max_model_len: int = 1 << 62,
