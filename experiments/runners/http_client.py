@@ -3,9 +3,10 @@ OpenAI-compatible /v1/completions endpoint and measures each request at the clie
 
 Prompts go as token ids (the engine sees exactly the workload's tokens), with
 max_tokens = the planned output length, ignore_eos, greedy (temperature 0: both servers
-default to 1, OpenAI's default), streaming, and the request's cache_salt when it has one. Per request the client records send time, first-token
-time, every token's arrival (inter-token times) and the finish time, all in
-seconds since the episode start t0 (perf_counter based).
+default to 1, OpenAI's default), streaming, and the request's cache_salt when it has one.
+Per request the client records send time, first-token time, every token's arrival
+(inter-token times) and the finish time, all in seconds since the episode start t0
+(perf_counter based).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ serving text need the checkpoint's tokenizer files; the tiny checkpoint has rand
 over Llama-3's 128,256-token vocabulary, so its tokenizer is Llama-3's, rebuilt here from
 quicktok's bundled ranks (no download): byte-level BPE whose merges are read off the ranks
 (every split of a token into two tokens, ordered by the token's rank, then the pieces':
-how Hugging Face's TikTokenConverter reads a tiktoken file), Llama-3's pre-tokenizer pattern, its 256 special tokens, a BOS
-post-processor, `<|eot_id|>` as eos_token (the chat template ends each turn with it) and
+how Hugging Face's TikTokenConverter reads a tiktoken file), Llama-3's pre-tokenizer
+pattern, its 256 special tokens, a BOS post-processor, `<|eot_id|>` as eos_token (the chat template ends each turn with it) and
 the chat template of serving_core/server/chat.py. tests/test_hf_tokenizer.py checks that
 both tokenizers give the same ids.
 """
