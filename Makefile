@@ -67,10 +67,11 @@ bench: setup ## benchmarks; BENCH="engine single campaign ledger kernel" (defaul
 tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1_tiny (offline)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny models/falcon_h1_tiny
 
-# CLIENT=ours|vllm: who measures (vllm: vLLM's own `vllm bench serve` client from .venv-vllm)
+# CLIENT=ours|vllm|guidellm: who measures (vllm: vLLM's own `vllm bench serve` client from
+# .venv-vllm; guidellm: from .venv-guidellm, make setup-guidellm)
 CLIENT ?= ours
 bench-serve: setup ## our server (S2, S0, D0) vs vLLM's (if .venv-vllm), saturating streamed load (CLIENT=vllm: vLLM's client)
-	@case "$(CLIENT)" in ours|vllm) ;; *) echo "CLIENT=$(CLIENT): allowed values are ours, vllm"; exit 2;; esac
+	@case "$(CLIENT)" in ours|vllm|guidellm) ;; *) echo "CLIENT=$(CLIENT): allowed values are ours, vllm, guidellm"; exit 2;; esac
 	$(BIN)/python -m bench.serve_bench --client $(CLIENT) $(ARGS)
 
 .PHONY: help setup test test-all test-cpu lint plan bench bench-serve calibrate tiny-model

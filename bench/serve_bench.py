@@ -27,6 +27,10 @@ the checkpoint's tokenizer, re-aligned to the server's /tokenize), `--ignore-eos
 tokenizes text (ours with the llama3 encoding, vLLM with the checkpoint's files, no
 --skip-tokenizer-init). The table then reads vLLM's result file (its TPOT is the same
 per-request formula, its throughput its own duration) and says which client measured.
+`--client guidellm` does the same with guidellm (`make setup-guidellm`): its openai_http
+backend, synthetic text of `--prompt` tokens (the checkpoint's tokenizer), `--output`
+tokens, all `--requests` at once (concurrent streams = requests, max_requests = requests),
+its own sampling defaults (no temperature sent: both servers then sample at 1.0).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = "falcon_h1_tiny"
 OUR_ORGS = ("S2", "S0", "D0")
-CLIENTS = ("ours", "vllm")
+CLIENTS = ("ours", "vllm", "guidellm")
 def _pct(values, q) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
@@ -125,6 +129,43 @@ def _vllm_client(url, checkpoint, args, out_dir: Path) -> dict:
     }
 
 
+def _guidellm_client(url, checkpoint, args, out_dir: Path) -> dict:
+    """One batch measured by guidellm (see the module docstring): its result."""
+    import subprocess
+
+    path = out_dir / "guidellm.json"
+    cmd = [str(args.guidellm), "run", "--backend",
+           f"kind=openai_http,target={url},model={MODEL}",
+           "--profile", f"kind=concurrent,streams={args.requests}",
+           "--constraint", f"kind=max_requests,count={args.requests}",
+           "--data", f"kind=synthetic_text,prompt_tokens={args.prompt},"
+                     f"output_tokens={args.output}",
+           "--tokenizer", f"kind=huggingface_auto,model={checkpoint}",
+           "--output", f"kind=json,path={path}", "--disable-console-interactive"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=out_dir)
+    if res.returncode != 0 or not path.exists():
+        raise RuntimeError(f"guidellm failed ({res.returncode}): {res.stderr[-1500:]}")
+    bench = json.loads(path.read_text())["benchmarks"][0]
+    m = bench["metrics"]
+
+    def pct(name, q):
+        return m[name]["successful"]["percentiles"][q] / 1e3
+
+    totals = m["request_totals"]
+    return {
+        "wall_s": bench["duration"],
+        "output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
+        "total_tok_s": m["tokens_per_second"]["successful"]["mean"],
+        "ttft_p50_s": pct("time_to_first_token_ms", "p50"),
+        "ttft_p99_s": pct("time_to_first_token_ms", "p99"),
+        "tpot_p50_s": pct("time_per_output_token_ms", "p50"),
+        "tpot_p99_s": pct("time_per_output_token_ms", "p99"),
+        "e2e_p50_s": m["request_latency"]["successful"]["percentiles"]["p50"],
+        "completed": totals["successful"], "failed": totals["errored"] + totals["incomplete"],
+        "output_tokens": m["output_token_count"]["successful"]["total_sum"],
+    }
+
+
 def _ours(checkpoint, org, args, records):
     """Our server on the checkpoint: the spec composed from run overrides, as `make serve`."""
     from experiments.runners.server_process import hsl_server_command
@@ -136,7 +177,7 @@ def _ours(checkpoint, org, args, records):
     path = Path(tempfile.mkdtemp(prefix="hsl-bench-")) / "spec.json"
     path.write_text(spec.to_json())
     return hsl_server_command(spec=str(path), records=records, threads=args.threads,
-                              tokenizer="llama3" if args.client == "vllm" else "none")
+                              tokenizer="none" if args.client == "ours" else "llama3")
 
 
 def _vllm(checkpoint, args):
@@ -164,7 +205,7 @@ def _vllm(checkpoint, args):
                        max_model_len=geometry.max_model_len,
                        kv_bytes=kv_cache_bytes(plan.nominal_bytes, geometry.num_layers),
                        block_tokens=layout.block_tokens)
-    if args.client == "vllm":  # text prompts: vLLM tokenizes with the checkpoint's files
+    if args.client != "ours":  # text prompts: vLLM tokenizes with the checkpoint's files
         cmd.remove("--skip-tokenizer-init")
     return cmd, f"http://127.0.0.1:{port}", vcfg
 
@@ -187,6 +228,8 @@ def run_arm(arm, checkpoint, prompts, args, allocator):
         with srv:
             if args.client == "vllm":
                 row = _vllm_client(srv.base_url, checkpoint, args, Path(tmp))
+            elif args.client == "guidellm":
+                row = _guidellm_client(srv.base_url, checkpoint, args, Path(tmp))
             else:
                 row = asyncio.run(_batch(srv.base_url, MODEL, prompts, args.output, extra))
             # ours reads its settings back; vLLM's threads are its own (all cores on CPU)
@@ -216,8 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="vLLM's interpreter (the arm is skipped when it is absent)")
     parser.add_argument("--client", default="ours", choices=CLIENTS,
-                        help="who measures: our client, or vLLM's own (`vllm bench serve`)")
+                        help="who measures: our client, vLLM's own (`vllm bench serve`) or "
+                             "guidellm")
+    parser.add_argument("--guidellm", default=str(ROOT / ".venv-guidellm" / "bin" / "guidellm"),
+                        help="guidellm's command (--client guidellm)")
     args = parser.parse_args(argv)
+    if args.client == "guidellm" and not Path(args.guidellm).exists():
+        print(f"error: --client=guidellm: {args.guidellm} does not exist (make "
+              "setup-guidellm); allowed without it: ours, vllm", file=sys.stderr)
+        return 2
     if args.client == "vllm" and not Path(args.vllm_python).exists():
         print(f"error: --client=vllm: vLLM's client runs with {args.vllm_python}, which does "
               "not exist (make setup-vllm VLLM_DEVICE=cpu); allowed without it: ours",
@@ -250,10 +300,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1}: {arm} ...", flush=True)
                 rows.append(dict(run_arm(arm, str(checkpoint), prompts, args, args.allocator),
                                  round=r + 1))
-        who = "vLLM's client (vllm bench serve, random dataset)" if args.client == "vllm" \
-            else "our client (token-id prompts)"
+        who = {"vllm": "vLLM's client (vllm bench serve, random dataset, greedy)",
+               "guidellm": "guidellm (synthetic text, its sampling defaults)",
+               "ours": "our client (token-id prompts, greedy)"}[args.client]
         print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
-              f"all at once, streamed, EOS ignored, greedy; measured by {who}; "
+              f"all at once, streamed, EOS ignored; measured by {who}; "
               f"{os.cpu_count()} CPUs")
         print(f"{'arm':9} {'client':6} {'alloc':8} {'thr':>3} {'ok':>5} {'out tok/s':>9} "
               f"{'total tok/s':>11} {'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>7} "
@@ -269,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                "output_tokens": args.output, "budget": args.budget, "cap": args.cap, "rows": rows}
         print(json.dumps(out))
         RESULTS.mkdir(parents=True, exist_ok=True)
-        name = "serve.json" if args.client == "ours" else "serve_vllm_client.json"
+        name = "serve.json" if args.client == "ours" else f"serve_{args.client}_client.json"
         (RESULTS / name).write_text(json.dumps(out, indent=2))
     return 0
 

@@ -102,7 +102,7 @@ def test_a_batch_draws_what_each_row_draws_alone():
     params = [SamplingParams(temperature=0.8, seed=s, top_k=k, top_p=tp)
               for s, k, tp in ((1, 0, 1.0), (2, 40, 1.0), (3, 0, 0.9), (4, 5, 0.5))]
     reqs = [_Req([0], [7] * j) for j in range(4)]
-    batch, _ = sample(logits, list(zip(params, reqs, strict=True)))
+    batch, _ = sample(logits.clone(), list(zip(params, reqs, strict=True)))  # rows rewritten
     alone = [sample_row(logits[i], params[i], reqs[i])[0] for i in range(4)]
     assert batch == alone
     for i, tok in enumerate(batch):  # inside each row's truncation
@@ -128,3 +128,17 @@ def test_stop_rule():
                        ignore_eos=False, min_tokens=3)
     assert not p.stops(7, 2) and p.stops(7, 3) and p.stops(2, 4) and not p.stops(5, 9)
     assert not SamplingParams(eos_token_ids=frozenset({2})).stops(2, 5)  # EOS ignored
+
+
+def test_inverse_cdf_draw_by_hand():
+    from serving_core.model.sampler import draw
+
+    x = torch.tensor([[0.1, 0.0, 0.2, 0.7, 0.0]]).log()  # zeros are masked (-inf)
+    # cumulative 0.1, 0.1, 0.3, 1.0, 1.0: the first token whose cumulative mass exceeds u
+    for block in (2, 256):
+        us = (0.0, 0.05, 0.0999, 0.1001, 0.29, 0.31, 0.9999)
+        got = [draw(x.clone(), [u], block)[0] for u in us]  # draw overwrites its input
+        assert got == [0, 0, 0, 2, 2, 3, 3], block
+    wide = torch.full((3, 1000), float("-inf"))
+    wide[0, 999], wide[1, 0], wide[2, 517] = 0.0, 0.0, 0.0  # one token left in each row
+    assert draw(wide, [0.5, 0.999, 0.0]) == [999, 0, 517]

@@ -9,9 +9,10 @@ min_tokens mask, repetition / frequency / presence penalties; then greedy rows t
 argmax, random rows are divided by their temperatures, truncated per row (min_p, top_k,
 top_p) and drawn together by inverse CDF: the first token whose cumulative probability
 exceeds u x total, with one uniform u per token from a generator seeded by (seed, output
-index) (`token_uniform`). One uniform per token keeps the draw batchable (softmax, cumsum
-and searchsorted over the batch, not a 128k-wide noise tensor per row) and independent of
-the batch. Logprobs are log_softmax of the raw row.
+index) (`token_uniform`). One uniform per token keeps the draw batchable and independent of
+the batch; the CDF is searched in two levels (`draw`: 256-token block sums, then within
+the block), so a 128k-wide row costs one exp and one sum, not a sequential cumsum.
+Logprobs are log_softmax of the raw row.
 """
 
 from __future__ import annotations
@@ -41,43 +42,72 @@ def token_uniform(p: SamplingParams, index: int) -> float:
 
 def sample(logits: torch.Tensor, rows) -> tuple[list[int], list[Logprobs | None]]:
     """`rows`: per row of the (b, V) logits, (SamplingParams or None, request) where the
-    request gives its tokens (`num_prompt`, `num_generated`, `token_ids`)."""
+    request gives its tokens (`num_prompt`, `num_generated`, `token_ids`). The rows of
+    processed requests are overwritten in place (float32 logits; a batch's logits are read
+    by nothing after its sampling), which spares a copy of the batch per step."""
     tokens = argmax_rows(logits).tolist()
     logprobs: list[Logprobs | None] = [None] * len(tokens)
     special = [i for i, (p, _) in enumerate(rows) if not _plain(p)]
     if not special:
         return tokens, logprobs
-    x = logits[special].float().clone()
-    params = [rows[i][0] for i in special]
-    for j, i in enumerate(special):
-        if params[j].changes_logits:
-            x[j] = process_logits(x[j], params[j], rows[i][1])
-    greedy = [j for j, p in enumerate(params) if p.greedy]
-    if greedy:
-        for j, tok in zip(greedy, argmax_rows(x[greedy]).tolist(), strict=True):
-            tokens[special[j]] = tok
-    drawn = [j for j, p in enumerate(params) if not p.greedy]
+    raw = {i: logits[i].float().log_softmax(-1) for i in special
+           if rows[i][0].logprobs is not None}  # before any rule moves the row
+    x = logits if logits.dtype == torch.float32 else logits.float()
+    drawn = []
+    for i in special:
+        p, req = rows[i]
+        if p.changes_logits:
+            x[i] = process_logits(x[i], p, req)
+        if p.greedy:
+            tokens[i] = int(x[i].argmax())
+            continue
+        x[i].div_(p.temperature)
+        if p.min_p or p.top_k or p.top_p < 1.0:
+            x[i] = truncate(x[i], p)
+        drawn.append(i)
     if drawn:
-        xr = x[drawn] / torch.tensor([[params[j].temperature] for j in drawn])
-        for k, j in enumerate(drawn):
-            if params[j].min_p or params[j].top_k or params[j].top_p < 1.0:
-                xr[k] = truncate(xr[k], params[j])
-        u = torch.tensor([[token_uniform(params[j], rows[special[j]][1].num_generated)]
-                          for j in drawn], dtype=torch.float32)
-        cdf = xr.softmax(-1).cumsum(-1)
-        picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-        picks = picks.clamp_(max=x.shape[1] - 1)[:, 0].tolist()
-        for j, tok in zip(drawn, picks, strict=True):
-            tokens[special[j]] = tok
-    for j, i in enumerate(special):
-        if params[j].logprobs is not None:
-            logprobs[i] = _logprobs(logits[i], tokens[i], params[j].logprobs)
+        u = [token_uniform(rows[i][0], rows[i][1].num_generated) for i in drawn]
+        sub = x if len(drawn) == x.shape[0] else x[drawn]
+        for i, tok in zip(drawn, draw(sub, u), strict=True):
+            tokens[i] = tok
+    for i, lsm in raw.items():
+        logprobs[i] = _logprobs(lsm, tokens[i], rows[i][0].logprobs)
     return tokens, logprobs
 
 
+def draw(x: torch.Tensor, u: list[float], block: int = 256) -> list[int]:
+    """Per row of logits `x` (b, V), the first token whose cumulative probability exceeds
+    u x total (inverse CDF), searched over block sums and then inside the chosen block.
+    A token of probability 0 (masked) is never chosen: the block is one whose cumulative
+    mass passes the target, and inside it the choice moves to a token of positive mass."""
+    b, vocab = x.shape
+    w = x.sub_(x.amax(-1, keepdim=True)).exp_()  # in place: unnormalized probabilities
+    pad = (-vocab) % block
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+    blocks = w.view(b, -1, block)
+    cum = blocks.sum(-1).double().cumsum(-1)  # (b, blocks)
+    target = torch.tensor(u, dtype=torch.float64)[:, None] * cum[:, -1:]
+    bi = torch.searchsorted(cum, target, right=True)[:, 0].clamp_(max=cum.shape[1] - 1)
+    rows = torch.arange(b)
+    before = torch.where(bi > 0, cum[rows, (bi - 1).clamp(min=0)], torch.zeros((), dtype=cum.dtype))
+    inner = blocks[rows, bi].double()  # (b, block)
+    j = torch.searchsorted(inner.cumsum(-1), (target[:, 0] - before)[:, None], right=True)
+    j = j[:, 0].clamp_(max=block - 1)
+    out = []
+    for r in range(b):
+        k = int(j[r])
+        if inner[r, k] <= 0:  # rounding moved it off the mass: the nearest positive token
+            positive = torch.nonzero(inner[r] > 0)[:, 0]
+            after = positive[positive >= k]
+            k = int(after[0] if after.numel() else positive[-1])
+        out.append(int(bi[r]) * block + k)
+    return out
+
+
 def sample_row(row: torch.Tensor, p: SamplingParams, req) -> tuple[int, Logprobs | None]:
-    """One row's token (and logprobs): `sample` of a batch of one."""
-    tokens, lps = sample(row[None], [(p, req)])
+    """One row's token (and logprobs): `sample` of a batch of one (`row` is not changed)."""
+    tokens, lps = sample(row[None].clone(), [(p, req)])
     return tokens[0], lps[0]
 
 
@@ -129,8 +159,8 @@ def truncate(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
-def _logprobs(row: torch.Tensor, token: int, k: int) -> Logprobs:
-    raw = row.float().log_softmax(-1)
+def _logprobs(raw: torch.Tensor, token: int, k: int) -> Logprobs:
+    """(the token's logprob, top k) of a row's log_softmax."""
     top = ()
     if k:
         values, ids = torch.topk(raw, k)
