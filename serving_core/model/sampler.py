@@ -40,6 +40,7 @@ def token_uniform(p: SamplingParams, index: int) -> float:
     return random.Random(token_seed(p.seed, index)).random()
 
 
+@torch.inference_mode()  # the model's logits are inference tensors, rewritten in place
 def sample(logits: torch.Tensor, rows) -> tuple[list[int], list[Logprobs | None]]:
     """`rows`: per row of the (b, V) logits, (SamplingParams or None, request) where the
     request gives its tokens (`num_prompt`, `num_generated`, `token_ids`). The rows of
