@@ -246,3 +246,34 @@ def test_chat_completions_whole_and_streamed(client):
     assert chunks[-1]["usage"]["completion_tokens"] == 6
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "robot"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_truncations_that_leave_one_token_are_greedy(client, greedy):
+    """top_k 1, a tiny top_p and min_p 1 each keep only the most likely token: sampling at
+    any temperature then gives the greedy tokens (each rule reaches the engine's sampler)."""
+    ids, _ = greedy
+    for rule in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        assert _ids(client, max_tokens=24, ignore_eos=True, temperature=1.7, seed=3,
+                    **rule) == ids, rule
+
+
+def test_prompt_and_format_fields(client, greedy):
+    ids, _ = greedy
+    # truncate_prompt_tokens keeps the last k prompt tokens (truncation_side left)
+    cut = _post(client, {"prompt": [999, 998, *PROMPT], "truncate_prompt_tokens": len(PROMPT),
+                         "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+    assert cut["usage"]["prompt_tokens"] == len(PROMPT)
+    assert cut["choices"][0]["token_ids"] == ids
+    lp = _post(client, {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+                        "return_tokens_as_token_ids": True})["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids[:3]]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = _post(client, {"messages": messages, "max_completion_tokens": 3, "max_tokens": 9,
+                          "temperature": 0, "ignore_eos": True}, "/v1/chat/completions")
+    assert chat["usage"]["completion_tokens"] == 3  # max_completion_tokens wins, as OpenAI's
+    bare = _post(client, {"messages": messages, "max_tokens": 1, "temperature": 0,
+                          "add_generation_prompt": False}, "/v1/chat/completions")
+    assert bare["usage"]["prompt_tokens"] == len(
+        client.post("/tokenize", json={"messages": messages,
+                                       "add_generation_prompt": False}).json()["tokens"])
+    assert bare["usage"]["prompt_tokens"] < chat["usage"]["prompt_tokens"]
