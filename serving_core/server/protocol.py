@@ -255,7 +255,7 @@ def _sampling(body: dict, vocab_size: int, eos_token_ids, max_logprobs: int | No
         ignore_eos=_bool(body, "ignore_eos", False), min_tokens=min_tokens)
 
 
-def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+def _stream_options(body: dict) -> tuple[bool, bool]:
     options = body.get("stream_options")
     if options is None:
         return False, False
@@ -328,7 +328,7 @@ def _common(body, applied, vocab_size, eos_token_ids, logprobs, has_text):
     check_fields(body, applied)
     n = _int(body.get("n", 1) if body.get("n") is not None else 1, "n", 1, MAX_N)
     stream = _bool(body, "stream", False)
-    include_usage, continuous = _stream_options(body, stream)
+    include_usage, continuous = _stream_options(body)
     salt = body.get("cache_salt") or ""
     if not isinstance(salt, str):
         raise BadRequest(f"cache_salt={salt!r}: expected a string", "cache_salt")
