@@ -70,6 +70,7 @@ class StepOutcome:
     num_scheduled: int
     produced: list[tuple[int, int]]  # (request id, token id) in plan order
     finished: list[int]  # request ids that finished in this step
+    logprobs: dict[int, tuple] = field(default_factory=dict)  # ExecutorOutput.logprobs
 
 
 def check_feasible(mem: MemoryOrganization, specs, org: str, budget: str) -> None:
@@ -229,6 +230,9 @@ class Engine:
                     token = req.next_generated_token()
                 req.next_token = token
                 produced.append((req.rid, token))
+                params = getattr(req.spec, "sampling", None)  # serving_core/sampling_params.py
+                if params is not None and params.stops(token, req.num_generated + 1):
+                    req.target_output = req.num_generated + 1  # a stop token ends it here
         t1 = self.clock.step_done(t0, out.duration_s)
         # Publication, sampled tokens and finishes become visible when the step completes.
         rec.now = t1
@@ -257,7 +261,7 @@ class Engine:
             **sched.plan_columns(plan, crossings),
         )
         self._poll()
-        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished)
+        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished, out.logprobs)
 
     # ----- what this engine runs ---------------------------------------------------------------
     def effective_rules(self) -> dict[str, Any]:
