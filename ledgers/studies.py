@@ -225,7 +225,7 @@ def write_study(root: str | os.PathLike, table: str, columns: Mapping[str, list]
     return path
 
 
-def rows_to_columns(table: str, rows: list[Mapping], **fixed) -> dict[str, list]:
+def rows_to_columns(table: str, rows: list[Mapping], /, **fixed) -> dict[str, list]:
     """Columns of `table` from row mappings, each column taken from `fixed` (the values
     every row shares: study_id, created_at, model, ...) or else from the rows."""
     return {name: [fixed[name]] * len(rows) if name in fixed else [r[name] for r in rows]

@@ -134,3 +134,15 @@ def test_a_study_table_refuses_a_missing_column_and_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match="allowed values are reload_study, continuation"):
         write_study(tmp_path, "nope", {})
     assert study_files(tmp_path) == []
+
+
+def test_rows_to_columns_takes_shared_values_even_for_a_column_named_rows():
+    from ledgers.studies import rows_to_columns
+
+    fitted = [{"parameter": "mixed_step_s", "value": 0.02},
+              {"parameter": "per_step_overhead_s", "value": 0.03}]
+    columns = rows_to_columns("fidelity_fit", fitted, study_id="s", created_at="t",
+                              model="m", start="cpu", profile="p", rows=120,
+                              rms_rel_error=0.1, org_errors="{}", runs="[]", overrides="[]")
+    assert columns["rows"] == [120, 120] and columns["value"] == [0.02, 0.03]
+    assert list(columns) == STUDY_SCHEMAS["fidelity_fit"].names
