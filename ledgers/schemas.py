@@ -20,7 +20,6 @@ import pyarrow as pa
 
 TABLES = ("runs", "requests", "poller", "trace", "slab", "steps", "footprint", "request_paths")
 RUN_TABLES = TABLES[1:]  # per-run tables the engine produces; runs is written last
-KEY_COLUMNS = ("run_id", "campaign")  # prepended by the writer to every run table
 
 POOLS = ("shared", "attention", "recurrent")
 REQUEST_STATUSES = ("finished", "failed", "unfinished")
@@ -262,12 +261,6 @@ SCHEMAS: dict[str, pa.Schema] = {
     name: schema if name == "runs" else pa.schema([*_KEY_FIELDS, *schema])
     for name, schema in ENGINE_SCHEMAS.items()
 }
-
-
-def field_doc(table: str, column: str) -> tuple[str, str]:
-    """(doc, unit) of one stored column."""
-    meta = SCHEMAS[table].field(column).metadata
-    return meta[b"doc"].decode(), meta[b"unit"].decode()
 
 
 def _check_names(table: str, given: Sequence[str], expected: Sequence[str]) -> None:

@@ -102,7 +102,10 @@ def _percentile(values: list[float], q: float) -> float:
 class Engine:
     """Continuous batching over one memory organization, driven step by step.
 
-    `on_step(scheduler, memory)` runs after every step when given (invariant checks).
+    `on_step(scheduler, memory)` runs after every step when given (invariant checks);
+    `on_plan(plan)`, when set, sees each step's plan (the `Scheduled` items) after the
+    scheduler made it and before the executor runs it: an observer for studies and tests
+    (experiments/studies/continuation.py reads a request's first batch from it).
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class Engine:
         self.sched.state_views = bool(getattr(executor, "reads_state", False))
         self.clock = clock or VirtualClock()
         self.on_step = on_step
+        self.on_plan = None  # observer of each step's plan (see the class docstring)
         self.host_tier = None  # an EngineTier (serving_core.executor.host_tier) when on
         # Requests are materialized at arrival and drop their token lists when they finish,
         # so memory follows the live set, not the workload size.
@@ -214,6 +218,8 @@ class Engine:
         t0 = self.clock.now()
         rec.step, rec.now = sched.step + 1, t0
         plan = sched.schedule(t0)
+        if self.on_plan is not None:
+            self.on_plan(plan)
         if not plan:
             raise RuntimeError(
                 f"step {sched.step}: nothing schedulable with {len(sched.waiting)} waiting"

@@ -80,6 +80,9 @@ class HybridStateManager:
         self.step_end = step_end
         self.retention_k = retention_k
         self.track_demand = track_demand  # retention or pinning needs per-key demand counts
+        # Fault injection (tests, experiments/studies/continuation.py): when set,
+        # adoption_hook(req, adoption) returns what admitting `req` adopts instead.
+        self.adoption_hook = None
 
     # ----- geometry of a chunk ---------------------------------------------------------------
     def boundaries(self, start: int, end: int) -> range:
@@ -155,7 +158,8 @@ class HybridStateManager:
         blocks = [mem.cached_attention(keys[i]) for i in range(jadopt // self.B)]
         ckpt = mem.cached_checkpoint(keys[jadopt // self.B - 1]) if jadopt and self.C else NULL
         adopted = blocks + ([ckpt] if ckpt else [])
-        return Adoption(hit, keys, jadopt, blocks, ckpt, mem.pinned_by_adoption(adopted))
+        found = Adoption(hit, keys, jadopt, blocks, ckpt, mem.pinned_by_adoption(adopted))
+        return found if self.adoption_hook is None else self.adoption_hook(req, found)
 
     def admit(self, req: Request, adoption: Adoption, n: int) -> None:
         """Adopt the cached prefix and allocate the first chunk [jadopt, jadopt + n) with a

@@ -65,7 +65,7 @@ class FamilyResult:
         if self.no_data:
             return NO_RUNS
         if not self.accepted:
-            return "refused"
+            return REFUSED
         if self.smoke:
             return SMOKE_STATUS
         return "accepted (plan changed; --allow-changed-plan)" if self.plan_changed else ACCEPTED
@@ -461,7 +461,7 @@ def _decide(table: pd.DataFrame, fam: prereg.Family, estimand: prereg.Estimand,
     method = fam.decision["method"]
     labelled = fam.role == "primary" and estimand.role == "primary"
     if not accepted:
-        table["decision"] = "refused"
+        table["decision"] = REFUSED
         return
     if method == "containment":
         table["decision"] = table["decision"].replace("", "not evaluated")

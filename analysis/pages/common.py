@@ -21,6 +21,7 @@ import pandas as pd
 
 from analysis.inference import stats
 from ledgers.arms import ARMS, LEDGER_ORGS
+from ledgers.studies import STUDY_SCHEMAS
 
 DESIGN_COLUMNS = ("stage", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
                   "retention_k", "pinning_k", "d0_attention_fraction", "trace")
@@ -379,3 +380,12 @@ def _geomean(values: pd.Series) -> float:
     if values.empty or (values <= 0).any():
         return math.nan
     return stats.geometric_mean(values.to_numpy())
+
+
+def latest_study(con, table: str) -> pd.DataFrame:
+    """Rows of the newest study run (greatest `study_id`: its UTC start time) of a study
+    table (ledgers.studies), in the order written; empty when the table has none."""
+    if table not in STUDY_SCHEMAS:
+        raise ValueError(f"study table {table!r}: allowed values are {', '.join(STUDY_SCHEMAS)}")
+    return con.execute(f"SELECT * FROM {table} WHERE study_id = "
+                       f"(SELECT max(study_id) FROM {table})").df()
