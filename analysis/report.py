@@ -9,7 +9,7 @@ DIR/figures/*.png and *.svg. Before writing it removes the files it owns (`owned
 derived from the same registries). Reads the ledgers only, through the DuckDB catalog, and
 the plans in conf/prereg. A page whose analysis raises gets an error page and the command
 exits 1 after writing everything else. Prints the wall time as its last line.
-""""""
+"""
 
 from __future__ import annotations
 
