@@ -202,6 +202,11 @@ class Checker:
                                 "the repository; cite the docs/ page that holds it")
         return problems
 
+    def is_report_intro(self, path: Path) -> bool:
+        """A campaign's report intro (`conf/campaign/<name>.md`, `analysis.report --intro`)
+        opens the report's index, so its links name pages of the report directory."""
+        return path.parent == self.root / "conf" / "campaign"
+
     def markdown_links(self, path: Path) -> list[str]:
         """Relative links of a Markdown file: inside the repository, existing, anchors too."""
         text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"),
@@ -216,6 +221,10 @@ class Checker:
             file_part, _, anchor = target.partition("#")
             if file_part.startswith("/"):
                 problems.append(f"{where}: absolute link {target!r}")
+                continue
+            if self.is_report_intro(path) and file_part:
+                if file_part not in report_pages():
+                    problems.append(f"{where}: {target!r} is not a page the report writes")
                 continue
             dest = (path.parent / file_part).resolve() if file_part else path.resolve()
             if not dest.is_relative_to(self.root):
@@ -270,6 +279,13 @@ class Checker:
             problems.append(f"{where}: {outside - in_values} design-note name(s) outside the "
                             "frozen values (an inline comment?)")
         return problems
+
+
+def report_pages() -> set[str]:
+    """The page files `analysis.report` writes (its registries)."""
+    from analysis.report import owned_files
+
+    return {name for name in owned_files() if "*" not in name}
 
 
 def violations(root: Path = REPO, files: list[Path] | None = None) -> list[str]:
@@ -357,6 +373,7 @@ def test_the_planted_repository_is_clean(planted):
     ("notes.md", "[rules](/abs/docs/engine_rules.md)\n", "absolute link"),
     ("notes.md", "[up](../../outside.md)\n", "leaves the repository"),
     ("notes.md", "[gone](docs/gone.md)\n", "does not exist"),
+    ("conf/campaign/intro.md", "See [Q99](q99.md).\n", "not a page the report writes"),
     ("notes.md", "[rules](docs/engine_rules.md#nope)\n", "has no heading"),
     ("notes.md", "[rules](docs/engine_rules.md), section 9\n", "has no section 9"),
     ("conf/prereg/q1.yaml", f"description: '({_DESIGN} 7.7)'\n", "has no section 7.7"),
