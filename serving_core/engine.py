@@ -70,6 +70,7 @@ class StepOutcome:
     num_scheduled: int
     produced: list[tuple[int, int]]  # (request id, token id) in plan order
     finished: list[int]  # request ids that finished in this step
+    logprobs: dict[int, tuple] = field(default_factory=dict)  # ExecutorOutput.logprobs
 
 
 def check_feasible(mem: MemoryOrganization, specs, org: str, budget: str) -> None:
@@ -101,7 +102,10 @@ def _percentile(values: list[float], q: float) -> float:
 class Engine:
     """Continuous batching over one memory organization, driven step by step.
 
-    `on_step(scheduler, memory)` runs after every step when given (invariant checks).
+    `on_step(scheduler, memory)` runs after every step when given (invariant checks);
+    `on_plan(plan)`, when set, sees each step's plan (the `Scheduled` items) after the
+    scheduler made it and before the executor runs it: an observer for studies and tests
+    (experiments/studies/continuation.py reads a request's first batch from it).
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class Engine:
         self.sched.state_views = bool(getattr(executor, "reads_state", False))
         self.clock = clock or VirtualClock()
         self.on_step = on_step
+        self.on_plan = None  # observer of each step's plan (see the class docstring)
         self.host_tier = None  # an EngineTier (serving_core.executor.host_tier) when on
         # Requests are materialized at arrival and drop their token lists when they finish,
         # so memory follows the live set, not the workload size.
@@ -213,6 +218,8 @@ class Engine:
         t0 = self.clock.now()
         rec.step, rec.now = sched.step + 1, t0
         plan = sched.schedule(t0)
+        if self.on_plan is not None:
+            self.on_plan(plan)
         if not plan:
             raise RuntimeError(
                 f"step {sched.step}: nothing schedulable with {len(sched.waiting)} waiting"
@@ -229,6 +236,9 @@ class Engine:
                     token = req.next_generated_token()
                 req.next_token = token
                 produced.append((req.rid, token))
+                params = getattr(req.spec, "sampling", None)  # serving_core/sampling_params.py
+                if params is not None and params.stops(token, req.num_generated + 1):
+                    req.target_output = req.num_generated + 1  # a stop token ends it here
         t1 = self.clock.step_done(t0, out.duration_s)
         # Publication, sampled tokens and finishes become visible when the step completes.
         rec.now = t1
@@ -257,7 +267,7 @@ class Engine:
             **sched.plan_columns(plan, crossings),
         )
         self._poll()
-        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished)
+        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished, out.logprobs)
 
     # ----- what this engine runs ---------------------------------------------------------------
     def effective_rules(self) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""Allocation cost and capacity of logical state sets per organization (SPEC section 3).
+"""Allocation cost and capacity of logical state sets per organization.
+
+The cost rules: docs/engine_rules.md section 3.1.
 
 A logical state set is xA attention blocks of 512 tokens and xR complete recurrent
 checkpoints. Each organization's class (serving_core/memory/) prices it in its own units

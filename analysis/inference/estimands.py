@@ -1,4 +1,4 @@
-"""Secondary and descriptive estimands of PAPER_DESIGN section 2 computed from the ledgers.
+"""Secondary and descriptive estimands (docs/paper_design.md section 2) from the ledgers.
 
 Latency ratios D0/comparator (2.3, Tab. E-13), latency-qualified goodput (2.4, E.8), the
 central-arrival window with its full-run gap and drift count (2.1, E.9, Tab. E-14),
@@ -93,7 +93,7 @@ def generation_curves(con, runs: pd.DataFrame) -> dict[str, tuple[np.ndarray, np
 
 
 # ---------------------------------------------------------------------------
-# Central-arrival window and drift (PAPER_DESIGN 2.1, E.9, Tab. E-14)
+# Central-arrival window and drift (docs/paper_design.md section 2.1; E.9, Tab. E-14)
 # ---------------------------------------------------------------------------
 
 
@@ -123,7 +123,7 @@ def drift(curve, start: float, end: float) -> float:
 
 
 # ---------------------------------------------------------------------------
-# Latency-qualified goodput (PAPER_DESIGN 2.4, E.8)
+# Latency-qualified goodput (docs/paper_design.md section 2.4; E.8)
 # ---------------------------------------------------------------------------
 
 
@@ -298,7 +298,7 @@ def pair_table(con, cell_runs: pd.DataFrame, tests: Sequence, cfg: Mapping) -> p
 
 
 # ---------------------------------------------------------------------------
-# Stranded bytes of D0 (PAPER_DESIGN 2.4, B.4) and cap-sweep ratios (Tab. E-11)
+# Stranded bytes of D0 (docs/paper_design.md section 2.4; B.4) and cap-sweep ratios (E-11)
 # ---------------------------------------------------------------------------
 
 
@@ -406,7 +406,7 @@ def units_bytes_note(runs: pd.DataFrame) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Q6: simultaneous upper bounds (PAPER_DESIGN 3.4, AMBIGUOUS A4)
+# Q6: simultaneous upper bounds (docs/paper_design.md section 3.4, AMBIGUOUS A4)
 # ---------------------------------------------------------------------------
 
 
@@ -481,7 +481,7 @@ def simultaneous_bounds(runs: pd.DataFrame, spec: Mapping, metric: str = "throug
 
 
 # ---------------------------------------------------------------------------
-# EXT-22 adoption scenarios (PAPER_DESIGN 3.2, E.14, Tab. E-17)
+# EXT-22 adoption scenarios (docs/statistics.md section 11; E.14, Tab. E-17)
 # ---------------------------------------------------------------------------
 
 
