@@ -188,7 +188,7 @@ def _vllm(checkpoint, args):
         vllm_command,
     )
     from serving_core.geometry import load_geometry
-    from serving_core.layout import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
+    from serving_core.memory.n0 import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
     from serving_core.planner import plan_budget
 
     geometry = load_geometry(MODEL)

@@ -296,6 +296,7 @@ class Engine:
             "headroom": sched.headroom_fraction,
             "headroom_units": dict(sched.headroom),
             "pool_units": {p: pool.num_units for p, pool in mem.pools.items()},
+            "pool_unit_bytes": {p: pool.unit_bytes for p, pool in mem.pools.items()},
             "step_model": None,
             "clock": self.clock.kind,
             "trace": bool(self.trace),

@@ -74,7 +74,7 @@ class EngineSpec:
     host_tier: bool = False
 
     def __post_init__(self) -> None:
-        from serving_core.layout import normalize_org
+        from serving_core.memory import normalize_org
 
         object.__setattr__(self, "org", normalize_org(self.org))
         if self.clock is not None and self.clock not in CLOCKS:
@@ -183,7 +183,7 @@ def _known(data: Mapping, cls, where: str) -> None:
 
 
 def _checkpoint_interval(geometry: Geometry, org: str) -> int:
-    from serving_core.layout import org_layout
+    from serving_core.memory import org_layout
 
     return org_layout(geometry, org).checkpoint_interval
 

@@ -165,7 +165,7 @@ def test_rule_helper_agrees_with_the_engine(org):
     """The independent rule (chunk ends, published boundaries) matches the checkpoints a
     simulated engine publishes for one cold prompt, at every reference offset and N = kC."""
     from serving_core.engine import run_engine
-    from serving_core.layout import org_layout
+    from serving_core.memory import org_layout
 
     geometry = load_geometry("falcon_h1_tiny")
     C = org_layout(geometry, org).checkpoint_interval

@@ -201,7 +201,7 @@ def test_random_operations_keep_all_invariants_under_each_rule(falcon, org, pool
 
     recorder = tmi.Recorder()
     mem = build_memory(falcon, org, pools, recorder, **rules)
-    driver = tmi.Driver(mem, 3, 6 if org == "S2" else 4)
+    driver = tmi.Driver(mem, 3, 6 if mem.has_slabs else 4)
     tmi.run(driver, 3000, lambda: check_invariants(mem))
     assert driver.stats["admitted"] > 50 and len(recorder.losses) > 20, driver.stats
     for req in list(driver.running):

@@ -22,7 +22,7 @@ from experiments.workloads.workload import RequestSpec
 from serving_core.engine import VirtualClock
 from serving_core.executor.torch_executor import build_torch_engine
 from serving_core.geometry import Geometry, load_geometry
-from serving_core.layout import org_layout
+from serving_core.memory import org_layout
 from serving_core.planner import plan_budget, units_for
 from serving_core.scheduler import SchedulerConfig
 

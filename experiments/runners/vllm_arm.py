@@ -328,7 +328,7 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
 
 def run_cell_on_vllm(cfg, vcfg: VllmExecutorConfig, geometry, sched_cfg, specs) -> VllmServed:
     """executor=vllm: the cell's workload through a vLLM server at the cell's budget."""
-    from serving_core.layout import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
+    from serving_core.memory.n0 import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
     from serving_core.planner import plan_budget
 
     plan = plan_budget(geometry, str(cfg.budget))

@@ -215,7 +215,7 @@ def _occupancy(cfg, org: str, slab: dict) -> dict:
     """S2 slab occupancy of one run (serving_core.memory.s2.slab_occupancy), prefixed slab_."""
     if org != "S2":
         return {f"slab_{k}": math.nan for k in OCCUPANCY_KEYS}
-    from serving_core.layout import org_layout
+    from serving_core.memory import org_layout
     from serving_core.memory.s2 import slab_occupancy
 
     per = org_layout(_geometry(cfg), "S2").slots_per_slab

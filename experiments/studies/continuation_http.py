@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 Server(spec, Path(tmp)) as srv:
             eff = srv.effective
             C = 0
-            from serving_core.layout import org_layout
+            from serving_core.memory import org_layout
 
             C = org_layout(spec.geometry(), spec.org).checkpoint_interval
             todo = []

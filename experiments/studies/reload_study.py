@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         specs = {tier: server_spec(args.checkpoint, args.preset, args.org, args.budget, tier,
                                    True) for tier in (False, True)}
         from serving_core.executor.torch_config import TorchExecutorConfig, check_checkpoint
-        from serving_core.layout import org_layout
+        from serving_core.memory import org_layout
 
         check_checkpoint(TorchExecutorConfig(args.checkpoint), specs[True].geometry())
         interval = org_layout(specs[True].geometry(), specs[True].org).checkpoint_interval

@@ -25,7 +25,7 @@ context, so every conversation fits every slot and no resampling is needed.
 Contexts are windows of the corpus of model turns that no request uses as a
 question or an output: the eight shared ones from its start, the unique ones
 laid back to back after them from a seeded offset. Every context window starts
-with a 16-token run (the smallest cache unit in `serving_core.layout`) that no
+with a 16-token run (the smallest cache unit, serving_core/memory/d0.py) that no
 other window starts with, so a unique context shares no cacheable prefix.
 
 Synthetic: fixed lengths from a deterministic arithmetic token pattern whose
@@ -53,7 +53,7 @@ SOURCES = ("sharegpt", "synthetic")
 REUSE_MODES = ("share", "isolate")
 OUTPUT_RULES = ("tokenizer_ratio", "raw")
 ARRIVALS = ("poisson", "onoff")
-UNIQUE_PREFIX_TOKENS = 16  # smallest cache unit (D0 attention block, serving_core.layout)
+UNIQUE_PREFIX_TOKENS = 16  # smallest cache unit (D0 attention block, serving_core.memory.d0)
 
 WORKLOAD_DEFAULTS = {
     "source": "sharegpt",

@@ -34,15 +34,13 @@ from typing import Any
 
 from serving_core.executor.profiles import DeviceProfile, load_device_profile, model_costs
 from serving_core.geometry import Geometry
-from serving_core.layout import normalize_org
-from serving_core.memory import ORG_TO_CLASS
+from serving_core.memory import org_class
 
-# Organizations whose recurrent state is reached through an extra level of
-# indirection (their class says `indirect`): S1 SSM member pages and its conv page,
-# S2 member pages and packed conv slots. S0 keeps a composite contiguous in one page;
-# D0 stores native composites. Attention blocks are paged the same way in S0/S1/S2,
+# The indirection overhead applies to organizations whose recurrent state is reached through
+# an extra level of indirection (their class says `indirect`): S1 SSM member pages and its
+# conv page, S2 member pages and packed conv slots. S0 keeps a composite contiguous in one
+# page; D0 stores native composites. Attention blocks are paged the same way in S0/S1/S2,
 # so KV traffic carries no org-specific overhead.
-INDIRECT_ORGS = frozenset(org for org, cls in ORG_TO_CLASS.items() if cls.indirect)
 
 
 def _indirection(value: Any) -> float:
@@ -73,6 +71,7 @@ class StepTimeModel:
         "geometry",
         "device",
         "org",
+        "indirect",
         "indirection_overhead",
         "effective_indirection",
         "costs",
@@ -100,10 +99,11 @@ class StepTimeModel:
     ) -> None:
         self.geometry = geometry
         self.device = load_device_profile(device)
-        self.org = normalize_org(org)
+        cls = org_class(org)
+        self.org, self.indirect = cls.org, cls.indirect
         overhead = _indirection(indirection_overhead)
         self.indirection_overhead = overhead
-        self.effective_indirection = overhead if self.org in INDIRECT_ORGS else 0.0
+        self.effective_indirection = overhead if self.indirect else 0.0
         self.costs = costs = model_costs(geometry)
 
         # Fold every device constant into per-unit seconds once, so a call only
@@ -332,6 +332,7 @@ class AdditiveStepModel:
         "geometry",
         "device",
         "org",
+        "indirect",
         "indirection",
         "costs",
         "_w",
@@ -353,9 +354,10 @@ class AdditiveStepModel:
     def __init__(self, geometry: Geometry, device, org: str, extra_indirection: float = 0.0):
         self.geometry = geometry
         self.device = dev = load_device_profile(device)
-        self.org = normalize_org(org)
+        cls = org_class(org)
+        self.org, self.indirect = cls.org, cls.indirect
         extra = _indirection(extra_indirection)
-        self.indirection = dev.indirection_overhead + extra if self.org in INDIRECT_ORGS else 0.0
+        self.indirection = dev.indirection_overhead + extra if self.indirect else 0.0
         self.costs = c = model_costs(geometry)
         bw, peak = dev.hbm_bytes_per_s, dev.peak_flops
         self._w = c.weight_bytes / bw
