@@ -101,7 +101,7 @@ def _assemble(spec: EngineSpec, make_executor, on_step=None) -> Engine:
     )
     engine.spec = spec
     if spec.host_tier:
-        from serving_core.executor.host_tier import EngineTier
+        from serving_core.host_tier import EngineTier
 
         engine.host_tier = EngineTier()
     return engine

@@ -133,7 +133,7 @@ class Engine:
         self.sched.state_views = bool(getattr(executor, "reads_state", False))
         self.clock = clock or VirtualClock()
         self.on_step = on_step
-        self.host_tier = None  # an EngineTier (serving_core.executor.host_tier) when on
+        self.host_tier = None  # an EngineTier (serving_core.host_tier) when on
         # Requests are materialized at arrival and drop their token lists when they finish,
         # so memory follows the live set, not the workload size.
         self.requests: list[Request] = []

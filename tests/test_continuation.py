@@ -17,9 +17,9 @@ import experiments.studies.continuation as cont
 from experiments.studies.continuation import ORGS, main
 from experiments.workloads.workload import RequestSpec
 from serving_core.engine import VirtualClock
-from serving_core.executor.host_tier import HostTier
 from serving_core.executor.torch_executor import build_torch_engine
 from serving_core.geometry import load_geometry
+from serving_core.host_tier import HostTier
 from serving_core.planner import plan_budget, units_for
 from serving_core.request import Request
 from serving_core.scheduler import SchedulerConfig

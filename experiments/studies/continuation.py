@@ -288,7 +288,7 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
              poison: bool = True, split_last_boundary: bool = False) -> PairResult:
     """The protocol for one organization and one prompt length (see the module doc)."""
     from serving_core.builder import build_engine, loaded_model_spec
-    from serving_core.executor.host_tier import HostTier
+    from serving_core.host_tier import HostTier
     from serving_core.request import Request
 
     if fault is not None and fault not in FAULTS:

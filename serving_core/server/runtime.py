@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving_core.executor.host_tier import reset_device_cache
+from serving_core.host_tier import reset_device_cache
 from serving_core.request import Status
 from serving_core.server.metrics import new_histograms
 from serving_core.server.paths import PathRecorder
