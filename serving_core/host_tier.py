@@ -1,13 +1,21 @@
 """An external (host) tier for published state: attention blocks and recurrent
-checkpoints copied out of the device arenas by prefix key, and reloaded later.
+checkpoints held by prefix key in host memory, saved from a device and restored later.
 
-Saving is two-phase: `save_published` starts a copy of every published entry the
-tier does not hold yet; `complete` waits for the copies (a device sync on GPU) and
-only then adds them to the index. An entry whose copy has not completed is never
-restorable. `restore` reloads the deepest prefix the tier holds completely (every
-attention block up to a checkpoint boundary, and that checkpoint) into freshly
-allocated units of a (possibly reset) device and publishes it there, so the
-scheduler's ordinary lookup finds and adopts it.
+Two layers, on the model of a serving engine's offloading manager:
+- `HostTier` is the store: which entries it holds, their host buffers, two-phase saves
+  and the lookup of the deepest restorable prefix. It sees keys and tensors only: never
+  a scheduler queue, the allocator or a device arena.
+- `EngineTier` is one engine's link to a store: the engine calls `before_admission` with
+  the requests that entered since its last step and `after_step` once a step's states are
+  in their units; it asks the engine's state manager (serving_core.state_manager), which
+  owns every allocation, publication and copy (through the executor's copy port,
+  serving_core/executor/state_copy.py), to save the newly published entries and to
+  restore a held prefix into fresh units before admission looks it up. The device cache
+  is reset by the engine (`Engine.reset_prefix_cache`); the tier keeps what it holds.
+
+Saving is two-phase: `save` starts a copy of one entry the tier does not hold yet;
+`complete` waits for the copies (a device sync on GPU) and only then adds them to the
+index. An entry whose copy has not completed is never restorable.
 
 Audit hooks (the continuation check's byte audits):
 - `poison`: before a restore writes a destination unit, the unit is filled with NaN,
@@ -23,29 +31,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from serving_core.executor.state_arena import StateArena
-from serving_core.memory import MemoryOrganization
-
-
-@dataclass
-class RestoreResult:
-    """What one restore put back: the restored prefix B (tokens), the new objects, the
-    bytes copied host-to-device and the destination units it poisoned beforehand."""
-
-    prefix_tokens: int
-    blocks: list = field(default_factory=list)
-    checkpoint: object = None
-    bytes_h2d: int = 0
-    poisoned_units: int = 0
+from serving_core.state_manager import BLOCK, HybridStateManager, RestoreResult
 
 
 @dataclass
 class _Pending:
-    kind: str  # "a" attention block | "c" checkpoint
+    kind: str  # BLOCK | CHECKPOINT
     key: int
     data: object  # host buffer(s) the index will hold
     staged: object  # source snapshot still to land in `data` (delayed saves), else None
@@ -63,7 +58,13 @@ def _nan_like(t: torch.Tensor) -> torch.Tensor:
 
 
 class HostTier:
-    """Host copies of published entries, keyed by their chained prefix keys."""
+    """Host copies of published entries, keyed by their chained prefix keys.
+
+    What a state manager calls: `holds` and `save` (start a copy), `complete` (land the
+    due copies), `restorable_prefix` (lookup), `entry` (a held copy, what a restore
+    writes back), `record_restore` (counters) and the audit flag `poison`. The host
+    buffers are `blocks` and `checkpoints` (key -> data; the continuation audit reads them).
+    """
 
     def __init__(self, *, poison: bool = True, save_delay_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -73,6 +74,7 @@ class HostTier:
         self.checkpoints: dict[int, list] = {}  # key -> per layer (conv, ssm)
         self._pending: list[_Pending] = []
         self._held: set[tuple[str, int]] = set()  # entries held or being copied
+        self._sync = False  # a started copy came from a GPU: complete() syncs first
         self.poison = poison
         self.save_delay_s = float(save_delay_s)
         self.clock = clock
@@ -83,56 +85,46 @@ class HostTier:
         self.bytes_h2d = 0
 
     # ----- save -------------------------------------------------------------------------------
-    def _stage(self, kind: str, key: int, snapshot, now: float) -> None:
-        """Queue the copy of one entry. Without a delay the copy is issued now; with one,
-        the host buffer stays NaN until `complete` lands the snapshot after the delay."""
+    def holds(self, kind: str, key: int) -> bool:
+        """Whether the entry is held or being copied (a second save would duplicate it)."""
+        return (kind, key) in self._held
+
+    def save(self, kind: str, key: int, snapshot) -> None:
+        """Start copying one entry: `snapshot` is its device state (a block's tensor, or a
+        checkpoint's (conv, ssm) per layer). Without a delay the copy is issued now; with
+        one, the host buffer stays NaN until `complete` lands the snapshot after the delay."""
+        now = self.clock()
+        if _on_cuda(snapshot):
+            self._sync = True
         if not self.save_delay_s:
-            data = (_host_copy(snapshot) if kind == "a"
+            data = (_host_copy(snapshot) if kind == BLOCK
                     else [(_host_copy(c), _host_copy(s)) for c, s in snapshot])
             self._pending.append(_Pending(kind, key, data, None, now))
-            return
-        data = (_nan_like(snapshot) if kind == "a"
-                else [(_nan_like(c), _nan_like(s)) for c, s in snapshot])
-        self._pending.append(_Pending(kind, key, data, snapshot, now + self.save_delay_s))
+        else:
+            data = (_nan_like(snapshot) if kind == BLOCK
+                    else [(_nan_like(c), _nan_like(s)) for c, s in snapshot])
+            self._pending.append(_Pending(kind, key, data, snapshot, now + self.save_delay_s))
+        self._held.add((kind, key))
+        self.saves_started += 1
 
-    def save_published(self, mem: MemoryOrganization, arena: StateArena) -> int:
-        """Start copying every published entry not yet held; returns how many started."""
-        held = self._held
-        now = self.clock()
-        started = 0
-        for key, obj in mem.cache.attention.items():
-            if ("a", key) not in held:
-                unit = obj.units[0]
-                snap = torch.stack([arena.kv_view(layer)[unit] for layer in range(arena.layers)])
-                self._stage("a", key, snap, now)
-                held.add(("a", key))
-                started += 1
-        for key, obj in mem.cache.checkpoints.items():
-            if ("c", key) not in held:
-                snap = [(c.to(arena.dtype), s.to(arena.dtype)) for c, s in arena.read(obj)]
-                self._stage("c", key, snap, now)
-                held.add(("c", key))
-                started += 1
-        self.saves_started += started
-        return started
-
-    def complete(self, device: torch.device | str = "cpu", now: float | None = None) -> int:
+    def complete(self, now: float | None = None) -> int:
         """Wait for the started copies that are due (all, without a save delay), then
         index them; returns how many completed. The others stay pending: not restorable."""
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
+        if self._sync:  # copies from a GPU were issued asynchronously
+            torch.cuda.synchronize()
+            self._sync = False
         now = self.clock() if now is None else now
         due = [p for p in self._pending if p.ready_at <= now]
         self._pending = [p for p in self._pending if p.ready_at > now]
         for p in due:
             if p.staged is not None:  # the delayed copy lands now
-                if p.kind == "a":
+                if p.kind == BLOCK:
                     p.data.copy_(p.staged)
                 else:
                     for (c, s), (c0, s0) in zip(p.data, p.staged, strict=True):
                         c.copy_(c0)
                         s.copy_(s0)
-            (self.blocks if p.kind == "a" else self.checkpoints)[p.key] = p.data
+            (self.blocks if p.kind == BLOCK else self.checkpoints)[p.key] = p.data
         self.saves_completed += len(due)
         return len(due)
 
@@ -156,127 +148,60 @@ class HostTier:
                 return k * interval
         return 0
 
-    def _poison(self, mem: MemoryOrganization, arena: StateArena, obj) -> int:
-        """Fill every unit `obj` owns (and an S2 conv slot) with NaN; returns the units."""
-        if not self.poison:
-            return 0
-        pool = arena.pools[obj.pool]
-        for unit in obj.units:
-            pool[:, unit].fill_(math.nan)
-        if obj.kind and mem.has_slabs:  # the conv slot's line in its slab page
-            arena.conv_slot(mem.conv_line(obj)).fill_(math.nan)
-        return len(obj.units)
+    def entry(self, kind: str, key: int):
+        """The host copy of a completed entry (what a restore writes back)."""
+        return (self.blocks if kind == BLOCK else self.checkpoints)[key]
 
-    def _to_device(self, t: torch.Tensor, arena: StateArena, result: RestoreResult):
-        result.bytes_h2d += t.numel() * t.element_size()
-        return t.to(arena.device, copy=True)
-
-    def _write_block(self, arena: StateArena, unit: int, data: torch.Tensor,
-                     result: RestoreResult) -> None:
-        for layer in range(arena.layers):
-            arena.kv_view(layer)[unit] = self._to_device(data[layer], arena, result)
-
-    def _write_checkpoint(self, arena: StateArena, obj, states: list,
-                          result: RestoreResult) -> None:
-        arena.write(obj, [(self._to_device(c, arena, result), self._to_device(s, arena, result))
-                          for c, s in states])
-
-    def restore(self, mem: MemoryOrganization, arena: StateArena, keys: list[int]) -> RestoreResult:
-        """Reload the deepest complete prefix of `keys` into freshly allocated units and
-        publish it as cached entries (unreferenced, evictable) on that device. Entries the
-        device still holds are kept (held during the restore so its allocations cannot
-        evict them) and not copied again."""
-        bt, interval = mem.block_tokens, mem.checkpoint_interval
-        depth = self.restorable_prefix(keys, bt, interval)
-        result = RestoreResult(depth)
-        if not depth:
-            return result
-        nblocks = depth // bt
-        held = [mem.cached_attention(keys[i]) for i in range(nblocks)]
-        ckpt_key = keys[nblocks - 1]
-        held_ckpt = mem.cached_checkpoint(ckpt_key) if interval else None
-        kept = [o for o in (*held, held_ckpt) if o is not None]
-        need = mem.demand(sum(o is None for o in held),
-                          1 if interval and held_ckpt is None else 0)
-        for obj in kept:
-            mem.acquire(obj)
-        try:
-            if not mem.can_allocate(need):
-                raise MemoryError(
-                    f"restoring {depth} tokens needs {need} units; the device has "
-                    f"{ {p: pool.num_available for p, pool in mem.pools.items()} }")
-            for i in range(nblocks):
-                if held[i] is not None:
-                    continue
-                obj = mem.allocate_attention(-1)
-                result.poisoned_units += self._poison(mem, arena, obj)
-                self._write_block(arena, obj.units[0], self.blocks[keys[i]], result)
-                if not mem.publish(obj, keys[i], (i + 1) * bt):
-                    raise RuntimeError(f"block {i} of the restored prefix is already cached")
-                mem.release(obj)  # cached, evictable: the scheduler's lookup will adopt it
-                result.blocks.append(obj)
-            if interval and held_ckpt is None:
-                obj = mem.allocate_composite(-1)
-                result.poisoned_units += self._poison(mem, arena, obj)
-                self._write_checkpoint(arena, obj, self.checkpoints[ckpt_key], result)
-                if not mem.publish(obj, ckpt_key, depth):
-                    raise RuntimeError(f"the checkpoint at {depth} is already cached")
-                mem.release(obj)
-                result.checkpoint = obj
-        finally:
-            for obj in kept:
-                mem.release(obj)
+    def record_restore(self, result: RestoreResult) -> None:
+        """Count one restore a state manager made from this tier."""
         self.restores += 1
-        self.restored_tokens += depth
+        self.restored_tokens += result.prefix_tokens
         self.bytes_h2d += result.bytes_h2d
-        return result
 
 
 class EngineTier:
-    """The host tier inside a serving engine (`EngineSpec.host_tier`, `--host-tier`).
+    """One engine's link to a host tier (`EngineSpec.host_tier`, `--host-tier`).
 
-    The engine calls `before_schedule` once arrivals entered the waiting queue and
-    `after_step` once a step's states were written to their units. Before its first
-    admission, a request whose prompt the tier holds deeper than the device's prefix
-    cache gets that prefix restored (deepest complete boundary, see HostTier.restore),
-    so the scheduler's ordinary lookup adopts exactly B tokens. After every step that
-    changed the device cache, each newly published entry is saved (two-phase: started,
-    then completed once its copy landed). `restored` maps request id -> B.
+    Before its first admission, a request whose prompt the tier holds deeper than the
+    device's prefix cache gets that prefix restored (deepest complete boundary, see
+    HybridStateManager.restore_prefix), so the scheduler's ordinary lookup adopts exactly
+    B tokens. After every step that changed the device cache, each newly published entry
+    is saved (two-phase: started, then completed once its copy landed). `restored` maps
+    request id -> B. Every call goes through the engine's state manager and this
+    engine's copy port (`copier`, over its arena); the link holds no device state.
     """
 
-    def __init__(self, tier: HostTier | None = None) -> None:
-        self.tier = tier or HostTier()
+    def __init__(self, tier: HostTier, copier) -> None:
+        self.tier = tier
+        self.copier = copier
         self.restored: dict[int, int] = {}
         self.query_tokens = 0  # prompt tokens looked up in the tier
         self.restore_failures = 0  # restores the device had no room for (recomputed)
-        self._checked: set[int] = set()
-        self._version = -1
+        self._version = -1  # the device cache version last saved from
 
-    def before_schedule(self, engine) -> None:
-        mem, tier = engine.mem, self.tier
-        for req in engine.sched.waiting:
-            if req.episodes or req.rid in self._checked:
-                continue
-            self._checked.add(req.rid)
+    def before_admission(self, state: HybridStateManager, requests) -> None:
+        """Restore held prefixes for `requests` (entered, never admitted), in order."""
+        tier = self.tier
+        for req in requests:
             keys = req.lookup_keys()
             self.query_tokens += req.num_prompt
-            device = mem.lookup(keys).jadopt
-            if tier.restorable_prefix(keys, mem.block_tokens, mem.checkpoint_interval) <= device:
+            held = tier.restorable_prefix(keys, state.B, state.C)
+            if held <= state.peek(req).jadopt:
                 continue
             try:
-                got = tier.restore(mem, engine.executor.arena, keys)
+                got = state.restore_prefix(keys, tier, self.copier)
             except MemoryError:
                 self.restore_failures += 1
                 continue
             self.restored[req.rid] = got.prefix_tokens
 
-    def after_step(self, engine) -> None:
-        mem, arena = engine.mem, engine.executor.arena
-        if mem.cache.version != self._version:
-            self.tier.save_published(mem, arena)
-            self._version = mem.cache.version
+    def after_step(self, state: HybridStateManager) -> None:
+        """Save what the step published (when the device cache changed), land due copies."""
+        if state.cache_version != self._version:
+            state.save_published(self.tier, self.copier)
+            self._version = state.cache_version
         if self.tier.num_pending:
-            self.tier.complete(arena.device)
+            self.tier.complete()
 
     def counters(self) -> dict[str, int]:
         t = self.tier
@@ -286,16 +211,7 @@ class EngineTier:
                 "tier_restore_failures": self.restore_failures}
 
 
-def reset_device_cache(mem: MemoryOrganization) -> dict[str, int]:
-    """Drop the device prefix cache: every cached, unreferenced entry is evicted through
-    the allocator's own eviction path and its units freed. Returns the entries dropped and
-    the cached units freed; raises RuntimeError when a cached entry is still referenced
-    (a request holds it: the caller must wait until nothing runs)."""
-    busy = [o for o in (*mem.cache.attention.values(), *mem.cache.checkpoints.values())
-            if o.ref_count]
-    if busy:
-        raise RuntimeError(f"{len(busy)} cached entries are referenced by requests")
-    entries = len(mem.cache.attention) + len(mem.cache.checkpoints)
-    freed = mem.drop_cached()
-    return {"entries": entries - len(mem.cache.attention) - len(mem.cache.checkpoints),
-            "units": freed}
+def _on_cuda(snapshot) -> bool:
+    """Whether a block tensor or a checkpoint's (conv, ssm) list lives on a GPU."""
+    first = snapshot if isinstance(snapshot, torch.Tensor) else snapshot[0][0]
+    return first.device.type == "cuda"
