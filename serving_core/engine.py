@@ -74,6 +74,7 @@ class StepOutcome:
     num_scheduled: int
     produced: list[tuple[int, int]]  # (request id, token id) in plan order
     finished: list[int]  # request ids that finished in this step
+    logprobs: dict[int, tuple] = field(default_factory=dict)  # ExecutorOutput.logprobs
 
 
 def check_feasible(mem: MemoryOrganization, specs, org: str, budget: str) -> None:
@@ -102,7 +103,10 @@ class Engine:
 
     Built by serving_core.builder.build_engine, which makes every collaborator from the
     spec; the engine makes only its scheduler (over `memory`, recording to `recorder`).
-    `on_step(scheduler, memory)` runs after every step when given (invariant checks).
+    `on_step(scheduler, memory)` runs after every step when given (invariant checks);
+    `on_plan(plan)`, when set, sees each step's plan (the `Scheduled` items) after the
+    scheduler made it and before the executor runs it: an observer for studies and tests
+    (experiments/studies/continuation.py reads a request's first batch from it).
     """
 
     spec: EngineSpec  # what the engine was built from (its requested rules)
@@ -118,6 +122,7 @@ class Engine:
     vocab_size: int  # token ids the engine produces lie in [0, vocab_size)
     host_tier: EngineTier | None  # saves published state, restores held prefixes (or off)
     on_step: Callable[[Scheduler, MemoryOrganization], None] | None
+    on_plan: Callable[[list], None] | None  # set by an observer (see above)
     requests: list[Request]
     num_finished: int
 
@@ -149,6 +154,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.host_tier = host_tier
         self.on_step = on_step
+        self.on_plan = None  # observer of each step's plan (see the class docstring)
         # Requests are materialized at arrival and drop their token lists when they finish,
         # so memory follows the live set, not the workload size.
         self.requests = []
@@ -232,6 +238,8 @@ class Engine:
         t0 = self.clock.now()
         rec.step, rec.now = sched.step + 1, t0
         plan = sched.schedule(t0)
+        if self.on_plan is not None:
+            self.on_plan(plan)
         if not plan:
             raise RuntimeError(
                 f"step {sched.step}: nothing schedulable with {len(sched.waiting)} waiting"
@@ -248,6 +256,9 @@ class Engine:
                     token = req.next_generated_token()
                 req.next_token = token
                 produced.append((req.rid, token))
+                params = getattr(req.spec, "sampling", None)  # serving_core/sampling_params.py
+                if params is not None and params.stops(token, req.num_generated + 1):
+                    req.target_output = req.num_generated + 1  # a stop token ends it here
         t1 = self.clock.step_done(t0, out.duration_s)
         # Publication, sampled tokens and finishes become visible when the step completes.
         rec.now = t1
@@ -276,7 +287,7 @@ class Engine:
             **sched.plan_columns(plan, crossings),
         )
         self._poll()
-        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished)
+        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished, out.logprobs)
 
     # ----- what this engine runs ---------------------------------------------------------------
     def effective_rules(self) -> dict[str, Any]:

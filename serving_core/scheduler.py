@@ -9,7 +9,7 @@ cover the admission gate plus headroom H. The scheduler keeps queue policy only:
 every allocation, adoption, publication and release of a request's state goes
 through the HybridStateManager (serving_core.state_manager).
 
-Rules (SchedulerConfig; SPEC section 5):
+Rules (SchedulerConfig; docs/engine_rules.md sections 5-12):
 - admission `full_prompt`: the gate is the whole remaining prompt beyond the
   adopted prefix J (attention for [J, N), one composite per checkpoint boundary
   inside (J, N), the working composite); `first_chunk`: the first chunk only;

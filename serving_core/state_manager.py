@@ -9,8 +9,9 @@ checkpoint boundaries of a chunk, the checkpoint it adopted, the checkpoints it
 retains (S2+Retention) and its preemption-time pin. The objects are recorded on
 the request (`attn`, `working`, `dests`, `adopted`, `retained`, `pin`) as this
 manager's record; only this manager changes them. It answers the scheduler with
-demands (units per pool), small slotted results (`Adoption`) and token counts;
-the scheduler never calls the memory organization itself, nor reads these fields. An
+demands (units per pool), small slotted results (`Adoption`) and token counts; the
+scheduler reads only the organization's facts (block, interval, pool sizes, its class's
+default rules), never changes its state itself and never reads these fields. An
 executor that addresses state (the torch executor) gets a `ChunkState` per scheduled
 chunk in the plan instead: the attention unit ids, the composites it reads and writes,
 and after publication where each boundary's state went and where the chunk's final
@@ -103,6 +104,9 @@ class HybridStateManager:
         self.pinning_k = pinning_k  # preemption pins a checkpoint asked for by >= k requests
         # retention or pinning needs per-key demand counts
         self.track_demand = retention_k is not None or pinning_k is not None
+        # Fault injection (tests, experiments/studies/continuation.py): when set,
+        # adoption_hook(req, adoption) returns what admitting `req` adopts instead.
+        self.adoption_hook = None
 
     # ----- geometry of a chunk ---------------------------------------------------------------
     def boundaries(self, start: int, end: int) -> range:
@@ -178,7 +182,8 @@ class HybridStateManager:
         blocks = [mem.cached_attention(keys[i]) for i in range(jadopt // self.B)]
         ckpt = mem.cached_checkpoint(keys[jadopt // self.B - 1]) if jadopt and self.C else NULL
         adopted = blocks + ([ckpt] if ckpt else [])
-        return Adoption(hit, keys, jadopt, blocks, ckpt, mem.pinned_by_adoption(adopted))
+        found = Adoption(hit, keys, jadopt, blocks, ckpt, mem.pinned_by_adoption(adopted))
+        return found if self.adoption_hook is None else self.adoption_hook(req, found)
 
     def admit(self, req: Request, adoption: Adoption, n: int) -> None:
         """Adopt the cached prefix and allocate the first chunk [jadopt, jadopt + n) with a

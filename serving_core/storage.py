@@ -1,4 +1,6 @@
-"""Allocation cost and capacity of logical state sets per organization (SPEC section 3).
+"""Allocation cost and capacity of logical state sets per organization.
+
+The cost rules: docs/engine_rules.md section 3.1.
 
 A logical state set is xA attention blocks of 512 tokens and xR complete
 recurrent checkpoints. S0/S1/S2 charge whole pages of one shared pool; S2 also

@@ -15,6 +15,7 @@ import pytest
 from engines import run_simulated, torch_engine
 
 import experiments.studies.continuation as cont
+from analysis.studies import continuation as page
 from experiments.studies.continuation import ORGS, main
 from experiments.workloads.workload import RequestSpec
 from serving_core.executor.state_copy import ArenaCopier
@@ -96,11 +97,14 @@ def test_restore_goes_into_fresh_units_and_equals_the_saved_state(tiny_model):
 def test_continuation_command_last_line(tiny_checkpoint, tmp_path, capsys):
     code = main(["--checkpoint", str(tiny_checkpoint), "--orgs", "s2", "--cases", "C+1",
                  "--output-tokens", "3", "--delayed-save-cases", "none",
-                 "--ledger-root", str(tmp_path / "led"), "--report-dir", str(tmp_path / "rep")])
+                 "--ledger-root", str(tmp_path / "led")])
     out = capsys.readouterr().out.strip().splitlines()
     assert code == 0
     assert json.loads(out[-1]) == {"pairs": 1, "equal": 1, "B_equals_p": True,
                                    "audits_ok": True, "ok": 1}
+    # the page, from the study table (analysis.studies.continuation): the same last line
+    assert page.main(["--ledgers", str(tmp_path / "led"), "--out", str(tmp_path / "rep")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == out[-1]
     rows = pq.read_table(next((tmp_path / "led" / "continuation").glob("*.parquet"))).to_pylist()
     assert [(r["n_tokens"], r["restored_prefix_b"], r["credited_prefix_p"]) for r in rows] == [
         (513, 512, 512)]
@@ -279,8 +283,7 @@ def test_a_tier_entry_at_n_never_skips_the_last_prompt_token(tiny_model, tmp_pat
     assert (row.first_context, row.first_scheduled) == (0, 512) and row.ok
     code = main(["--checkpoint", str(tiny_checkpoint), "--orgs", "s2", "--cases", "C",
                  "--fault", "credit_n_minus_1", "--output-tokens", "3",
-                 "--delayed-save-cases", "none", "--ledger-root", str(tmp_path / "l"),
-                 "--report-dir", str(tmp_path / "r")])
+                 "--delayed-save-cases", "none", "--ledger-root", str(tmp_path / "l")])
     out = capsys.readouterr().out.strip().splitlines()
     assert code == 1 and json.loads(out[-1])["B_equals_p"] is False
     rows = pq.read_table(next((tmp_path / "l" / "continuation").glob("*.parquet"))).to_pylist()
@@ -292,7 +295,7 @@ def test_a_tier_entry_at_n_never_skips_the_last_prompt_token(tiny_model, tmp_pat
 def test_every_org_and_reference_length_continues_exactly(tiny_checkpoint, tmp_path, capsys):
     """The whole matrix (make continuation): 5 organizations x 9 lengths, every column."""
     code = main(["--checkpoint", str(tiny_checkpoint), "--ledger-root", str(tmp_path / "l"),
-                 "--report-dir", str(tmp_path / "r"), "--output-tokens", "4"])
+                 "--output-tokens", "4"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and last == {"pairs": 45, "equal": 45, "B_equals_p": True,
                                   "audits_ok": True, "ok": 45}

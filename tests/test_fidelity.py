@@ -94,7 +94,8 @@ def test_pipeline_recovers_a_known_profile_end_to_end(tmp_path, capsys):
     assert list(ranks["real"]) == list(ranks["sim"])  # ties (S1 = S2 at b63) included
     assert info["ranking_agrees"]["b8"]
     assert info["throughput_span_abs_err_pct_max"] < 1.0
-    assert (tmp_path / "report" / "fidelity.md").exists()
+    page = (tmp_path / "report" / "fidelity.md").read_text()
+    assert "## Fitted step profile" in page and "| per_step_overhead_s |" in page
     assert (tmp_path / "report" / "figures" / "fidelity_throughput.svg").exists()
 
 

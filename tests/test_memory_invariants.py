@@ -1,4 +1,6 @@
-"""Property tests of the four design invariants (SPEC section 3) for every memory organization.
+"""Property tests of the four design invariants for every memory organization.
+
+The invariants: docs/engine_rules.md section 3.3.
 
 A seeded driver plays pseudo requests against one allocator the way the scheduler
 will: admission looks the prompt up, adopts the cached prefix (taking references,

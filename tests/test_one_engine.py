@@ -1,6 +1,6 @@
 """One engine: every path builds through serving_core.builder and runs the rules its record
-states. Expectations are written out by hand per setting (SPEC section 5 and each
-organization's class), not derived from the code under test."""
+states. Expectations are written out by hand per setting (docs/engine_rules.md sections
+5-13 and each organization's class), not derived from the code under test."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ PAPER_S2 = {"org": "S2", "admission": "full_prompt", "checkpoint_placement": "st
             "align_chunks": True, "slab_policy": "write_once", "free_queue": "free_first",
             "checkpoint_recency": "release", "retention_k": None, "pinning_k": None, "cap": 63,
             "headroom": 0.0, "interleave": None, "split_last_boundary": False}
-# (overrides, the rules an engine must run for them), by hand from SPEC section 5.
+# (overrides, the rules an engine must run for them), by hand from docs/engine_rules.md
+# section 13.
 SETTINGS = {
     "paper": ((), PAPER_S2),
     "first_chunk": (("semantics=first_chunk",),

@@ -1,4 +1,4 @@
-"""Budget planner: expected units worked out by hand from SPEC section 4."""
+"""Budget planner: expected units worked out by hand from docs/engine_rules.md section 4."""
 
 from __future__ import annotations
 

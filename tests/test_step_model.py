@@ -1,6 +1,6 @@
 """Step-time model of the simulated executor, checked against hand-derived values.
 
-Model constants below are typed from the Falcon-H1-7B config and SPEC section 2
+Model constants below are typed from the Falcon-H1-7B config and docs/engine_rules.md section 2
 (not read from the geometry code); device constants are read straight from the
 profile YAML, and the datasheet peaks are asserted literally.
 """
@@ -20,7 +20,7 @@ from serving_core.geometry import load_geometry
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "executor"
 
-# Falcon-H1-7B-Instruct, bf16 (SPEC section 2 and conf/model/falcon_h1_7b.yaml).
+# Falcon-H1-7B-Instruct, bf16 (docs/engine_rules.md section 2, conf/model/falcon_h1_7b.yaml).
 LAYERS = 44
 PARAMS = 7_590_000_000
 KV_PER_LAYER = 1_024  # 2 KV heads x 128 x (K, V) x 2 B

@@ -1,4 +1,5 @@
-"""Allocation cost and capacity: expected values worked out by hand from SPEC section 3."""
+"""Allocation cost and capacity: expected values worked out by hand from docs/engine_rules.md
+section 3.1."""
 
 from __future__ import annotations
 

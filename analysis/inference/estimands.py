@@ -1,4 +1,4 @@
-"""Secondary and descriptive estimands of PAPER_DESIGN section 2 computed from the ledgers.
+"""Secondary and descriptive estimands (docs/paper_design.md section 2) from the ledgers.
 
 Latency ratios D0/comparator (2.3, Tab. E-13), latency-qualified goodput (2.4, E.8), the
 central-arrival window with its full-run gap and drift count (2.1, E.9, Tab. E-14),
@@ -22,8 +22,9 @@ from scipy import stats as sps
 from analysis.inference import stats
 from analysis.pages.common import RunSet, query
 
-# Bytes per unit of D0's two pools (per layer; PAPER_DESIGN 1.2, 1.3 and Tab. B-3). The
-# analysis does not import serving_core; tests check this table against its layout.
+# Bytes per unit of D0's two pools (per layer; docs/paper_design.md sections 1.2, 1.3 and
+# Tab. B-3). The analysis does not import serving_core; tests check this table against its
+# layout.
 D0_UNIT_BYTES = {
     "falcon_h1_7b": {"attention": 16_384, "recurrent": 1_594_368},
     "falcon_h1_7b_random": {"attention": 16_384, "recurrent": 1_594_368},
@@ -99,7 +100,7 @@ def generation_curves(con, runs: pd.DataFrame) -> dict[str, tuple[np.ndarray, np
 
 
 # ---------------------------------------------------------------------------
-# Central-arrival window and drift (PAPER_DESIGN 2.1, E.9, Tab. E-14)
+# Central-arrival window and drift (docs/paper_design.md section 2.1; E.9, Tab. E-14)
 # ---------------------------------------------------------------------------
 
 
@@ -129,7 +130,7 @@ def drift(curve, start: float, end: float) -> float:
 
 
 # ---------------------------------------------------------------------------
-# Latency-qualified goodput (PAPER_DESIGN 2.4, E.8)
+# Latency-qualified goodput (docs/paper_design.md section 2.4; E.8)
 # ---------------------------------------------------------------------------
 
 
@@ -304,7 +305,7 @@ def pair_table(con, cell_runs: pd.DataFrame, tests: Sequence, cfg: Mapping) -> p
 
 
 # ---------------------------------------------------------------------------
-# Stranded bytes of D0 (PAPER_DESIGN 2.4, B.4) and cap-sweep ratios (Tab. E-11)
+# Stranded bytes of D0 (docs/paper_design.md section 2.4; B.4) and cap-sweep ratios (E-11)
 # ---------------------------------------------------------------------------
 
 
@@ -395,7 +396,7 @@ def units_bytes_note(runs: pd.DataFrame) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Q6: simultaneous upper bounds (PAPER_DESIGN 3.4, AMBIGUOUS A4)
+# Q6: simultaneous upper bounds (docs/paper_design.md section 3.4, AMBIGUOUS A4)
 # ---------------------------------------------------------------------------
 
 
@@ -470,7 +471,7 @@ def simultaneous_bounds(runs: pd.DataFrame, spec: Mapping, metric: str = "throug
 
 
 # ---------------------------------------------------------------------------
-# EXT-22 adoption scenarios (PAPER_DESIGN 3.2, E.14, Tab. E-17)
+# EXT-22 adoption scenarios (docs/statistics.md section 11; E.14, Tab. E-17)
 # ---------------------------------------------------------------------------
 
 

@@ -71,11 +71,6 @@ class VllmExecutorConfig:
     name: str = VLLM_KIND
 
 
-def is_vllm_executor(cfg) -> bool:
-    """True for an executor config node of kind vllm."""
-    return hasattr(cfg, "get") and cfg.get("kind") == VLLM_KIND
-
-
 def _flag(data: dict, key: str, default: bool) -> bool:
     value = data.get(key, default)
     if not isinstance(value, bool):

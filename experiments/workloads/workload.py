@@ -15,7 +15,7 @@ stream]))`, so changing one knob never reshuffles another:
 - arrivals: unit exponentials scaled by the rate (common random numbers
   across rates).
 
-ShareGPT (SPEC section 6): the question is the first human turn, the output
+ShareGPT (docs/paper_design.md section 1.4): the question is the first human turn, the output
 is the token length of the first model turn after it, capped at
 `max_output_tokens`. Context k has length `L * (1 + spread * (2k / (K - 1) - 1))`
 with the mean length L chosen so that mean(context + question) is
@@ -61,7 +61,7 @@ WORKLOAD_DEFAULTS = {
     "q": 1.0,
     "reuse": "share",
     "num_contexts": 8,
-    "mean_input_tokens": 3365,  # measured mean input (PAPER_ANCHORS.md section E)
+    "mean_input_tokens": 3365,  # measured mean input (docs/calibration.md section E)
     # context k spans mean * (1 -/+ spread), linearly over k; 0.035 keeps every shared
     # context within [3,072, 3,583] tokens: exactly six full 512-token blocks, as measured
     "context_spread": 0.035,

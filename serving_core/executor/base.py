@@ -31,10 +31,13 @@ class ExecutorOutput:
     duration_s: modelled seconds (virtual clock); a wall-clock engine measures instead.
     sampled: request id -> next token id for the scheduled requests that produce one;
     a request missing here gets the workload's synthetic token (simulated runs).
+    logprobs: request id -> (the token's logprob, top alternatives) where its
+    SamplingParams asked for them (serving_core/model/sampler.py).
     """
 
     duration_s: float = 0.0
     sampled: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, tuple] = field(default_factory=dict)
 
 
 class Executor(Protocol):

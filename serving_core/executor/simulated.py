@@ -1,8 +1,11 @@
-"""Step-time model of the simulated executor.
+"""Step-time models of the simulated executor.
 
-The engine calls `StepTimeModel.step_seconds` once per engine step with the
-scheduled batch and advances its virtual clock by the result. The model is a
-roofline over the step's memory traffic and FLOPs plus host overhead:
+`build_step_model` picks the profile's model (`step_model`): `AdditiveStepModel`, terms
+added (the calibrated A100 profile conf/executor/a100.yaml; its class docstring gives the
+terms, docs/calibration.md section 4), or `StepTimeModel`, the datasheet roofline
+(a100_roofline, h200). The executor calls `step_seconds` once per engine step with the
+scheduled batch and the virtual clock advances by the result. The roofline is over the
+step's memory traffic and FLOPs plus host overhead:
 
     step = max(memory_s, compute_s) + per_step_overhead + per_seq_overhead x B
 

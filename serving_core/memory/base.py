@@ -1,11 +1,12 @@
 """The interface every memory organization offers the scheduler, and its shared mechanics.
 
 Layering follows the block-pool / manager split of continuous-batching engines:
-the scheduler sees only this class (demand, availability, allocate, acquire,
-release, publish, lookup); below it sit the unit pools and the prefix cache.
-Subclasses say where each kind of logical object lives (S0, S1, S2, D0).
+the hybrid-state manager (serving_core.state_manager) sees only this class (demand,
+availability, allocate, acquire, release, publish, lookup); below it sit the unit pools
+and the prefix cache. Subclasses say where each kind of logical object lives (S0, S1, S2,
+D0, N0) and carry their organization's facts (class attributes below).
 
-Invariants kept here (SPEC section 3):
+Invariants kept here (docs/engine_rules.md section 3.3):
 1. a checkpoint is found only when all its members and its conv state are valid;
 2. every unit of an object a request holds is referenced (never in the LRU);
 3. before a unit is reassigned, every entry depending on it is invalidated
@@ -26,7 +27,7 @@ from serving_core.memory.prefix_cache import PrefixCache, PrefixHit
 # free_blocks() appends it at the tail) refreshes it at every last release, the producer's
 # at publication and each adopter's after its first step; `publication` keeps the stamp of
 # the producer's release, so adoption protects the checkpoint without refreshing it (the
-# rule SPEC 3 states for write-once slab pages, applied to the member pages).
+# rule of write-once slab pages applied to the member pages; docs/engine_rules.md section 9.2).
 CHECKPOINT_RECENCIES = ("release", "publication")
 
 

@@ -16,8 +16,9 @@ Slab policy (SLAB_POLICIES):
   every last release refreshes the slab's recency.
 - `dense`: `refill`'s placement (freed slots are refilled, referenced slabs first, so
   slabs stay packed) with `write_once`'s recency (last write; adoption protects a slab
-  without refreshing it). PAPER_ANCHORS.md F: the measured slabs were densely packed
-  (14.3 and 13.8 of 16 slots live in two state dumps) and still reclaimed slabs holding
+  without refreshing it). Anchor F (docs/calibration.md section F): the measured slabs
+  were densely packed (14.3 and 13.8 of 16 slots live in two state dumps) and still
+  reclaimed slabs holding
   cached checkpoints in 35 of 63 runs; `write_once` gives the second, `refill` the first.
 """
 
@@ -62,7 +63,8 @@ def decode_conv_line(line: int, slots_per_slab: int) -> tuple[int, int]:
 
 
 def slab_occupancy(slab: dict, slots_per_slab: int) -> dict[str, float]:
-    """Slab occupancy of one run from its slab ledger (PAPER_ANCHORS.md F's dump figures).
+    """Slab occupancy of one run from its slab ledger, comparable with anchor F's dumps
+    (docs/calibration.md section F).
 
     Occupancy = live conv slots / (slots_per_slab x slab pages). The state after the last
     event at each instant is held until the next instant; `mean` weights it by that time
