@@ -146,6 +146,7 @@ class Scheduled:
     num_new: int
     context: int  # tokens already computed before this step
     state: ChunkState | None = None  # what the chunk addresses (executors that read state)
+    admitted: bool = False  # the first chunk of an episode (it may read an adopted checkpoint)
 
 
 class Scheduler:
@@ -369,7 +370,7 @@ class Scheduler:
             return None
         self.state.admit(req, adoption, n)
         self._start_episode(req, adoption)
-        return Scheduled(req, n, adoption.jadopt)
+        return Scheduled(req, n, adoption.jadopt, admitted=True)
 
     def _start_episode(self, req: Request, adoption) -> None:
         """Queue bookkeeping of an admitted request: status, episode, hit counters, trace."""
@@ -458,7 +459,7 @@ class Scheduler:
         """
         initial = resume = decode = 0
         self.num_finished_step = 0
-        complete_chunk = self.state.complete_chunk
+        complete_chunk, B = self.state.complete_chunk, self.B
         for item in plan:
             req, c0, n = item.req, item.context, item.num_new
             c1 = c0 + n
@@ -472,8 +473,11 @@ class Scheduler:
                 else:
                     resume += prefill
                 decode += n - prefill
-            # publication (recorded in the chunk's state view); the adopted state was read
-            complete_chunk(req, c0, c1, item.state)
+            # Publication (recorded in the chunk's state view) and the release of an adopted
+            # checkpoint: only a chunk that fills a block or starts an episode has either, so
+            # the manager is not called for the other decodes (most items of a step).
+            if c1 // B > c0 // B or item.admitted:
+                complete_chunk(req, c0, c1, item.state)
             req.num_computed = c1
             if c1 == req.num_prompt + req.num_generated:
                 req.append_generated()

@@ -306,8 +306,8 @@ class HybridStateManager:
                        view: ChunkState | None = None) -> None:
         """Publish what computing [c0, c1) produced: every attention block it filled and the
         checkpoints at its boundaries (recorded in `view`, when given, for the executor);
-        the adopted checkpoint has been read and is released. Called for every chunk of a
-        step: a decode that fills no block and adopted nothing returns at once."""
+        the adopted checkpoint has been read and is released. A chunk that neither fills a
+        block nor starts an episode has nothing here (the scheduler skips the call)."""
         B = self.B
         if c1 // B > c0 // B:  # iterate only when a block fills: decode steps mostly skip
             mem, C = self.mem, self.C
