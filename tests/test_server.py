@@ -9,10 +9,10 @@ import time
 
 import pytest
 from conftest import wait_until
+from engines import simulated_engine
 from fastapi.testclient import TestClient
 
 from experiments.runners.poller import parse_metrics
-from serving_core.engine import Engine, SimulatedExecutor, WallClock
 from serving_core.executor.profiles import load_device_profile
 from serving_core.executor.simulated import StepTimeModel
 from serving_core.planner import plan_budget, units_for
@@ -24,12 +24,12 @@ from serving_core.server.runtime import EngineRuntime
 VOCAB = GENERATED_TOKEN_SPACE
 
 
-def _engine(geometry, org="S2", budget="b63", executor=SimulatedExecutor):
+def _engine(geometry, org="S2", budget="b63", kind="simulated"):
     units = units_for(plan_budget(geometry, budget), org)
     model = StepTimeModel(geometry, load_device_profile("a100"), org, 0.0)
     cfg = SchedulerConfig(cap=8, max_num_batched_tokens=2048, headroom=0.0)
-    return Engine(geometry, org, units, cfg, executor(model), clock=WallClock(),
-                  budget_label=budget, trace=True)
+    return simulated_engine(geometry, org, units, cfg, model, kind=kind, clock="wall",
+                            budget=budget, trace=True)
 
 
 @pytest.fixture()
@@ -365,12 +365,11 @@ def test_client_disconnect_aborts_the_request_and_frees_its_state():
 
     import uvicorn
 
-    from serving_core.executor.modelled import PacedExecutor
     from serving_core.geometry import load_geometry
 
     # Paced steps (each sleeps its modelled time): 5,000 tokens take far longer than the
     # disconnect needs to reach the server, however fast or slow the machine is.
-    engine = _engine(load_geometry("falcon_h1_tiny"), "S2", executor=PacedExecutor)
+    engine = _engine(load_geometry("falcon_h1_tiny"), "S2", kind="paced")
     runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len)
     app = create_app(runtime, model_name="tiny", vocab_size=VOCAB)
     aborted_at = []

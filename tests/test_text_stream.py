@@ -56,7 +56,8 @@ def test_stop_strings_are_held_back_and_cut():
 def scripted_client():
     """A server whose engine generates SCRIPT (the simulated step model on a wall clock,
     the tokens given)."""
-    from serving_core.engine import Engine, WallClock
+    from engines import simulated_engine
+
     from serving_core.executor.modelled import SimulatedExecutor
     from serving_core.executor.profiles import load_device_profile
     from serving_core.executor.simulated import StepTimeModel
@@ -77,9 +78,10 @@ def scripted_client():
 
     geometry = load_geometry("falcon_h1_tiny")
     model = StepTimeModel(geometry, load_device_profile("a100"), "S2", 0.0)
-    engine = Engine(geometry, "S2", units_for(plan_budget(geometry, "b63"), "S2"),
-                    SchedulerConfig(cap=8, max_num_batched_tokens=2048, headroom=0.0),
-                    Scripted(model), clock=WallClock(), budget_label="b63")
+    engine = simulated_engine(geometry, "S2", units_for(plan_budget(geometry, "b63"), "S2"),
+                              SchedulerConfig(cap=8, max_num_batched_tokens=2048, headroom=0.0),
+                              model, clock="wall", budget="b63")
+    engine.executor = Scripted(model)  # the same step model, the scripted tokens
     runtime = EngineRuntime(engine, max_model_len=geometry.max_model_len)
     app = create_app(runtime, model_name="tiny", vocab_size=128_256, tokenizer=ENC)
     with TestClient(app) as client:

@@ -199,16 +199,30 @@ def _generate(engine, specs, host=None) -> tuple[list[int], object]:
     first = specs[0].request_id
     tokens: list[int] = []
     target = engine.num_finished + len(specs)
-    arena = engine.executor.arena
+    copier = _copier(engine)
     while engine.num_finished < target:
         out = engine.step()
         if out is not None:
             tokens += [tok for rid, tok in out.produced if rid == first]
         if host is not None:
-            host.save_published(engine.mem, arena)
-            host.complete(arena.device)
+            engine.sched.state.save_published(host, copier)
+            host.complete()
     req = next(r for r in engine.requests if r.rid == first)
     return tokens, req
+
+
+def _copier(engine):
+    """The copy port over the engine's state arena (what the host tier saves and restores
+    through, called by the engine's state manager)."""
+    from serving_core.executor.state_copy import ArenaCopier
+
+    return ArenaCopier(engine.executor.arena)
+
+
+def _restore(engine, host, keys: list[int]):
+    """Restore the deepest prefix of `keys` the tier holds into `engine` (its state
+    manager allocates, writes and publishes)."""
+    return engine.sched.state.restore_prefix(keys, host, _copier(engine))
 
 
 def _first_batch(engine, rid: int) -> dict:
@@ -289,7 +303,7 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
              poison: bool = True, split_last_boundary: bool = False) -> PairResult:
     """The protocol for one organization and one prompt length (see the module doc)."""
     from serving_core.builder import build_engine, loaded_model_spec
-    from serving_core.executor.host_tier import HostTier
+    from serving_core.host_tier import HostTier
     from serving_core.request import Request
 
     if fault is not None and fault not in FAULTS:
@@ -322,19 +336,19 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     window = {"b": -1, "p": -1, "pending": 0, "equal": False}
     if delayed_save:  # a request arriving while the saves are held incomplete
         clock[0] += save_delay_s / 2
-        host.complete(cold.executor.arena.device)
+        host.complete()
         window["pending"] = host.num_pending
         early = fresh_engine()
-        got = host.restore(early.mem, early.executor.arena, lookup_keys)
+        got = _restore(early, host, lookup_keys)
         early_tokens, early_req = _generate(early, [_spec(0, 0.0, prompts[0], output_tokens)])
         window.update(b=got.prefix_tokens, p=early_req.adopted_first,
                       equal=early_tokens == cold_tokens)
         clock[0] += save_delay_s  # the window has passed: the copies land
-        host.complete(cold.executor.arena.device)
+        host.complete()
     # Interposers: two other prompts through the same device (their own state published).
     _generate(cold, [_spec(i, 0.0, prompts[i], INTERPOSER_TOKENS) for i in (1, 2)], host)
     clock[0] += save_delay_s
-    host.complete(cold.executor.arena.device)
+    host.complete()
     saves = host.saves_completed
 
     warm = fresh_engine()  # device cache reset; the host tier is kept
@@ -348,7 +362,7 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
                              f"(deepest over the whole prompt: {tier_full})")
         keys = full_keys
     arena = warm.executor.arena
-    restored = host.restore(warm.mem, arena, keys)
+    restored = _restore(warm, host, keys)
     exact = _restored_exact(host, arena, keys, restored)
     expected_bytes, capacity, units, expected_units = _restore_sizes(warm.mem, geometry,
                                                                      restored)

@@ -156,7 +156,9 @@ class StepTimeModel:
         context_tokens: Sequence[int],
         checkpoint_writes: int = 0,
     ) -> dict[str, Any]:
-        """The step_seconds computation with its bytes, FLOPs and times itemized."""
+        """The step_seconds computation with its bytes, FLOPs and times itemized. For
+        inspection: the engine calls step_seconds; tests/test_step_model.py holds each item
+        to bytes and FLOPs computed by hand."""
         agg = self._aggregate(new_tokens, context_tokens, checkpoint_writes)
         num_seqs, sum_new, sum_ctx, _, _, num_chunks, intra_pairs, attention_pairs = agg
         weights_s, kv_s, state_s, dense_s, attention_s, scan_s, codec_s, overhead_s = self._times(

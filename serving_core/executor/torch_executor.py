@@ -352,27 +352,3 @@ class TorchExecutor:
             if state.final:
                 self.arena.write(state.final, final)
 
-
-def build_torch_engine(
-    model,
-    geometry,
-    org: str,
-    pool_units: dict[str, int],
-    sched_cfg,
-    *,
-    clock=None,
-    trace: bool = False,
-    budget_label: str = "",
-    on_step=None,
-):
-    """An Engine whose executor runs an already loaded `model` on arenas of the
-    organization's pools: serving_core.builder.build_engine with kind torch (`clock`: a
-    clock object whose kind is used, VirtualClock or WallClock)."""
-    from dataclasses import asdict
-
-    from serving_core.builder import build_engine, loaded_model_spec
-
-    spec = loaded_model_spec(model, geometry, org, budget_label or "explicit",
-                             asdict(sched_cfg), clock=None if clock is None else clock.kind,
-                             trace=trace, pool_units=pool_units)
-    return build_engine(spec, on_step=on_step, model=model)

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving_core.executor.host_tier import reset_device_cache
 from serving_core.request import Status
 from serving_core.sampling_params import SamplingParams
 from serving_core.server.paths import PathRecorder
@@ -239,7 +238,7 @@ class EngineRuntime:
                               "the server is idle")
         else:
             try:
-                control[1] = dict(reset_device_cache(eng.mem), status="ok")
+                control[1] = dict(eng.reset_prefix_cache(), status="ok")
                 self.resets += 1
             except RuntimeError as err:
                 control[1] = Busy(str(err))
@@ -270,7 +269,8 @@ class EngineRuntime:
             done.add(req.rid)
             if req.status == Status.FINISHED:
                 continue
-            if req.status == Status.WAITING and not req.episodes and not req.pin:
+            if (req.status == Status.WAITING and not req.episodes
+                    and not sched.state.any_pinned((req,))):
                 sched.waiting.remove(req)  # holds no state
                 req.status = Status.FINISHED
                 req.finish_s = eng.clock.now()
