@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = CPU_SMOKE if args.cpu_smoke else H200
     device = torch.device(device_name)
+    if args.cpu_smoke:
+        torch.set_num_threads(1)  # a shared CPU: one intra-op thread is the steady choice
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -143,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         holder["model"] = model = random_model(plan.model, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        n = sum(w.numel() for w in model.w.values() if w.data_ptr() != 0)
+        unique = {w.data_ptr(): w for w in model.w.values()}.values()  # tied: counted once
         return {"model": plan.model, "dtype": str(model.dtype).removeprefix("torch."),
-                "parameters": n, "build_s": time.perf_counter() - t0,
-                "weight_bytes": sum(w.numel() * w.element_size() for w in model.w.values()),
+                "parameters": sum(w.numel() for w in unique), "build_s": time.perf_counter() - t0,
+                "weight_bytes": sum(w.numel() * w.element_size() for w in unique),
                 "complete": True}
 
     _stage(results, "build", build)
