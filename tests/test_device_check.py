@@ -52,7 +52,7 @@ def test_cpu_smoke_runs_every_stage_and_exactness_holds(smoke):
         assert stage.get("complete", True), (name, stage.get("stopped"))
     ex = stages["exactness"]
     assert ex["reference"] == "transformers" and ex["contiguous_equal"]
-    assert set(ex["orgs"]) == {"S0", "S1", "S2", "D0"} and ex["all_equal"]
+    assert set(ex["orgs"]) == set(CPU_SMOKE.orgs) >= {"S0", "S1", "S2", "D0"} and ex["all_equal"]
     for org in ("S0", "S1", "S2"):  # the second request adopted the first's checkpoint
         assert ex["orgs"][org]["adopted_prefix_tokens"] == [0, 512]
     assert data["device"]["device"] == "cpu" and data["device"]["torch"] == torch.__version__
@@ -60,13 +60,13 @@ def test_cpu_smoke_runs_every_stage_and_exactness_holds(smoke):
     rows = stages["steps"]["rows"]
     per_org = 2 * len(CPU_SMOKE.prefill_chunks) + len(CPU_SMOKE.decode_batches) * len(
         CPU_SMOKE.decode_contexts)
-    assert len(rows) == 4 * per_org
     mixed = [r for r in rows if r["kind"] == "mixed"]
     assert all(r["num_decode_seqs"] == CPU_SMOKE.prefill_decodes for r in mixed)
     assert all(r["duration_s"] > 0 for r in rows)
     paged = stages["paged"]["rows"]
     assert {(r["org"], r["batch"]) for r in paged} == {
         (o, b) for o in CPU_SMOKE.orgs for b in CPU_SMOKE.decode_batches}
+    assert len(rows) == len(CPU_SMOKE.orgs) * per_org
     assert all(r["ratio"] > 0 for r in paged)
     assert not any(data["imports"][m] for m in ABSENT_ON_DEVICE), data["imports"]
 
@@ -99,7 +99,8 @@ def test_cpu_smoke_fits_a_loadable_profile_and_runs_the_cell_both_ways(smoke):
 
 def test_the_h200_plan_fits_its_budget_and_covers_the_issue():
     assert sum(H200.limits_s.values()) <= 560 + 30  # under the wrapper's `timeout 560` + start
-    assert H200.model == "falcon_h1_7b_random" and H200.orgs == ("S0", "S1", "S2", "D0")
+    assert H200.model == "falcon_h1_7b_random"
+    assert {"S0", "S1", "S2", "D0"} <= set(H200.orgs) and "N0" not in H200.orgs
     assert H200.prefill_chunks == (512, 1536, 2048) and H200.prefill_decodes == 15
     assert H200.decode_batches == (1, 8, 32, 64)
     assert min(H200.decode_contexts) >= 1000 and max(H200.decode_contexts) <= 8192

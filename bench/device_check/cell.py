@@ -25,9 +25,8 @@ import numpy as np
 from bench.device_check.exactness import Spec
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import serve
-from serving_core.engine_spec import EngineSpec, ExecutorSpec
+from serving_core.engine_spec import EngineSpec
 from serving_core.geometry import Geometry
-from serving_core.scheduler import SchedulerConfig
 
 METRICS = ("throughput_ledger", "throughput_span", "c_once_tokens", "ttft_p50", "ttft_p99",
            "e2e_p99", "completed", "output_tokens", "preemptions", "engine_steps",
@@ -56,8 +55,8 @@ def workload(plan, rate: float | None, seed: int = SEED) -> list[Spec]:
 
 
 def _scheduler(plan) -> dict:
-    return asdict(SchedulerConfig(cap=plan.cell_cap,
-                                  max_num_batched_tokens=plan.max_num_batched_tokens))
+    """The cell's scheduler fields (the rest: SchedulerConfig's defaults)."""
+    return {"cap": plan.cell_cap, "max_num_batched_tokens": plan.max_num_batched_tokens}
 
 
 def simulated(geometry: Geometry, org: str, plan, profile: dict, specs) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,7 +23,6 @@ from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import serve
 from serving_core.geometry import load_geometry
 from serving_core.model.dense_state import DenseState
-from serving_core.scheduler import SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -85,9 +84,8 @@ def contiguous_greedy(model, prompts, n: int) -> list[list[int]]:
 
 def engine_greedy(model, geometry, org: str, plan, prompts) -> tuple[list[list[int]], list[int],
                                                                      dict]:
-    sched = SchedulerConfig(cap=4, max_num_batched_tokens=2048)
-    spec = loaded_model_spec(model, geometry, org, plan.exact_budget, asdict(sched),
-                             clock="virtual")
+    sched = {"cap": 4, "max_num_batched_tokens": 2048}  # the rest: SchedulerConfig's defaults
+    spec = loaded_model_spec(model, geometry, org, plan.exact_budget, sched, clock="virtual")
     engine = build_engine(spec, model=model)
     produced: dict[int, list[int]] = {}
     original = engine.step

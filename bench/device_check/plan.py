@@ -33,6 +33,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serving_core.memory import ORG_TO_CLASS
+
+# The organizations the torch executor serves here: every registered one but N0 (vLLM's
+# native page, which vLLM's own arm serves).
+ORGS = tuple(org for org in ORG_TO_CLASS if org != "N0")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -66,7 +72,7 @@ class Plan:
 H200 = Plan(
     name="h200", model="falcon_h1_7b_random", exact_model="falcon_h1_tiny",
     exact_prompt=1000, exact_suffixes=(10, 15), exact_output=32, exact_budget="b12",
-    orgs=("S0", "S1", "S2", "D0"), prefill_chunks=(512, 1536, 2048), prefill_decodes=15,
+    orgs=ORGS, prefill_chunks=(512, 1536, 2048), prefill_decodes=15,
     decode_batches=(1, 8, 32, 64), decode_contexts=(1000, 2000, 4000, 8000),
     paged_context=4000, warmup=2, repeats=5,
     cell_orgs=("S1", "S2"), cell_requests=60, cell_budget="b63", cell_cap=63,
@@ -79,7 +85,7 @@ H200 = Plan(
 CPU_SMOKE = Plan(
     name="cpu-smoke", model="falcon_h1_tiny", exact_model="falcon_h1_tiny",
     exact_prompt=520, exact_suffixes=(5, 9), exact_output=4, exact_budget="b12",
-    orgs=("S0", "S1", "S2", "D0"), prefill_chunks=(16, 40), prefill_decodes=2,
+    orgs=ORGS, prefill_chunks=(16, 40), prefill_decodes=2,
     decode_batches=(1, 2), decode_contexts=(100, 600), paged_context=100, warmup=1,
     repeats=1, cell_orgs=("S1", "S2"), cell_requests=5, cell_budget="b12", cell_cap=8,
     cell_context_tokens=520, cell_suffix=(5, 30), cell_output=(2, 5), cell_load=0.7,

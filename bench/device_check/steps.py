@@ -200,8 +200,9 @@ def step_grid(model, geometry: Geometry, plan, deadline: float, emit) -> dict:
                 items = bench.decode_items(a, b)
             else:
                 items = bench.decode_items(b, plan.decode_contexts[0]) + [bench.prefill_item(a)]
-            rows.append(bench.row(kind, items, timed(lambda items=items: bench.run(items), dev,
-                                                     plan.warmup, plan.repeats)))
+            seconds = timed(lambda items=items, bench=bench: bench.run(items), dev,
+                            plan.warmup, plan.repeats)
+            rows.append(bench.row(kind, items, seconds))
         bench.close()
         del bench
         if dev.type == "cuda":
@@ -265,13 +266,13 @@ def paged_vs_contiguous(model, geometry: Geometry, plan, deadline: float) -> dic
                      for _ in range(model.num_layers)]
             rows = [(None, it.req) for it in items]
 
-            def paged(items=items, ids=ids, pos=pos, gathered=gathered, rows=rows):
+            def paged(items=items, ids=ids, pos=pos, gathered=gathered, rows=rows, a=a):
                 io = _DecodeIO(a, items, gathered=gathered)
                 assert isinstance(io, PagedRecurrentIO)
                 sample(model.forward(ids, pos, io), rows)
 
             def contiguous(items=items, ids=ids, pos=pos, gathered=gathered, dense=dense,
-                           rows=rows):
+                           rows=rows, a=a):
                 sample(model.forward(ids, pos, ContiguousRecurrentDecodeIO(a, items, dense,
                                                                            gathered)), rows)
 

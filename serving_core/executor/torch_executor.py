@@ -100,8 +100,8 @@ class _DecodeIO(PagedRecurrentIO):
         # one fused attention per layer (a fixed number of kernels per step, whatever the
         # batch); the mask is needed only when the contexts differ.
         self.gathered = gathered
-        self.valid_new = (None if min(ctx) == self.max_ctx else
-                          torch.arange(self.max_ctx + 1, device=dev)[None, :] < self.seq_lens[:, None])
+        self.valid_new = None if min(ctx) == self.max_ctx else (
+            torch.arange(self.max_ctx + 1, device=dev)[None, :] < self.seq_lens[:, None])
 
     def attend(self, layer, q, k, v):
         """Packed KV: store the new tokens encoded, then attend page by page (b, 1, H hd)."""
