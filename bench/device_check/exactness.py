@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -126,9 +127,7 @@ def run(plan, device: torch.device, deadline: float) -> dict:
     try:
         with tempfile.TemporaryDirectory(prefix="hsl-device-tiny-") as tmp:
             if reference_kind == "transformers":
-                from serving_core.model.make_tiny import build
-
-                checkpoint = build(tmp, plan.exact_model)
+                checkpoint, out["checkpoint"] = _checkpoint(tmp, plan.exact_model)
                 model = FalconH1.load(checkpoint, device, "float32")
                 t0 = time.perf_counter()
                 reference = transformers_greedy(checkpoint, prompts, device, plan.exact_output)
@@ -157,6 +156,21 @@ def run(plan, device: torch.device, deadline: float) -> dict:
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     return out
+
+
+def _checkpoint(folder, model: str):
+    """The tiny checkpoint, written by transformers' own FalconH1ForCausalLM (make_tiny.build,
+    as the tests' is) or, where that builder fails (another transformers version), from our
+    random weights through safetensors; which one is said."""
+    from serving_core.model.make_tiny import build
+
+    try:
+        return build(folder, model, tokenizer=False), "transformers FalconH1ForCausalLM"
+    except Exception as err:  # noqa: BLE001 - the fallback is recorded with the reason
+        from serving_core.model.random_weights import write_checkpoint
+
+        path = write_checkpoint(Path(folder) / "ours", model)
+        return path, f"serving_core.model.random_weights ({type(err).__name__}: {err})"
 
 
 def _first_mismatch(tokens, reference) -> list | None:

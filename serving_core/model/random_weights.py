@@ -109,3 +109,27 @@ def random_model(model: str, device: torch.device | str = "cpu", dtype: str | No
         dtype = {2: "bfloat16", 4: "float32"}[int(preset(model)["dtype_bytes"])]
     weights = random_weights(cfg, device, DTYPES[dtype], seed)
     return FalconH1(cfg, weights, device=device, dtype=dtype, scan_chunk=scan_chunk)
+
+
+def write_checkpoint(out, model: str, seed: int = 0):
+    """A Hugging Face-format folder (config.json + model.safetensors) of preset `model` with
+    weights from `random_weights` on the CPU, written without transformers: the checkpoint
+    where transformers' own builder (make_tiny.build) cannot run, for transformers or our
+    loader to read."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from serving_core.model.falcon_h1 import DTYPES
+
+    cfg = preset_config(model)
+    dtype = {2: "bfloat16", 4: "float32"}[int(preset(model)["dtype_bytes"])]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = random_weights(cfg, "cpu", DTYPES[dtype], seed)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = {"architectures": ["FalconH1ForCausalLM"], "torch_dtype": dtype, **cfg}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
