@@ -103,6 +103,18 @@ def _steps(data: dict) -> list[str]:
                    "prefill tokens", "measured ms"], rows)
 
 
+def _syncs(data: dict) -> list[str]:
+    audit = data["stages"].get("steps", {}).get("sync_audit", {})
+    if not audit:
+        return []
+    rows = [[org, v.get("syncs") if v.get("syncs") is not None else "n/a",
+             v.get("batch", ""), v.get("context", ""),
+             "; ".join(v.get("messages", [])) or v.get("note", "")] for org, v in audit.items()]
+    return ["Host synchronisations in one decode step (torch's CUDA sync debug mode; the "
+            "sampler's read of the tokens is the one expected):", ""] + _table(
+        ["org", "syncs", "batch", "context", "messages"], rows)
+
+
 def _fit(stage: dict) -> list[str]:
     out = [f"Started from `{stage.get('start')}`; {stage.get('rows')} steps; RMS relative error "
            f"{_num(stage.get('rms_rel_error'))} (the `h200` datasheet profile on the same "
@@ -131,7 +143,8 @@ def _cell(stage: dict) -> list[str]:
            f"{stage.get('cap')}; arrivals at {_num(stage.get('rate_rps'))} requests/s = "
            f"{stage.get('load')} x the capacity the {stage.get('profile')} profile predicts "
            f"({', '.join(f'{k} {_num(v)}' for k, v in stage.get('capacity_rps', {}).items())} "
-           f"requests/s); mean prompt {_num(stage.get('prompt_tokens_mean'))} tokens, mean "
+           f"requests/s{'; raised to the span floor' if stage.get('rate_floor_applied') else ''}"
+           f"); mean prompt {_num(stage.get('prompt_tokens_mean'))} tokens, mean "
            f"output {_num(stage.get('output_tokens_mean'))} tokens.", ""]
     rows = []
     for org, v in stage.get("orgs", {}).items():
@@ -168,6 +181,7 @@ def render(data: dict) -> str:
                       f"parameters, {build.get('dtype')}, built on the device in "
                       f"{_num(build.get('build_s'))} s).", ""]
             lines += _steps(data) if "steps" in stages else ["Not measured.", ""]
+            lines += _syncs(data)
         lines += [f"## {title}", ""]
         if stage is None or ("error" in stage and len(stage) <= 4):
             lines += [_status(stage) + ".", ""]

@@ -6,7 +6,9 @@ of them opening with one of four shared contexts of `cell_context_tokens` tokens
 prefix reuse, and with it C_once, depends on the organization), own prompt tokens and
 output lengths uniform in the plan's ranges, Poisson arrivals. The arrival rate is scaled
 to the device: `cell_load` times the capacity the fitted profile predicts for this
-workload (requests per second of the same cell simulated with every request at t = 0).
+workload (requests per second of the same cell simulated with every request at t = 0),
+at least `cell_requests / cell_max_span_s` (the run stays inside its time limit even when
+the fit predicts a slow device; the result says when the floor applied).
 
 Both runs use one EngineSpec but for the executor: the real run is the torch executor on
 the device on a wall clock, the simulated one the fitted profile on a virtual clock.
@@ -91,7 +93,10 @@ def run(model, geometry: Geometry, plan, profile: dict, profile_source: str,
     # One rate for both organizations (the slower one's capacity), so they see one workload.
     caps = {org: capacity_rps(geometry, org, plan, profile) for org in plan.cell_orgs}
     rate = plan.cell_load * min(caps.values())
-    out.update({"capacity_rps": caps, "rate_rps": rate})
+    floor = plan.cell_requests / plan.cell_max_span_s  # bounds the real run's arrival span
+    out.update({"capacity_rps": caps, "rate_rps": max(rate, floor),
+                "rate_floor_applied": rate < floor})
+    rate = max(rate, floor)
     specs = workload(plan, rate)
     out["prompt_tokens_mean"] = float(np.mean([len(s.prompt) for s in specs]))
     out["output_tokens_mean"] = float(np.mean([s.output_tokens for s in specs]))

@@ -65,6 +65,7 @@ class Plan:
     cell_suffix: tuple[int, int]  # own prompt tokens, uniform range
     cell_output: tuple[int, int]  # output tokens, uniform range
     cell_load: float  # offered load as a fraction of the fitted profile's capacity
+    cell_max_span_s: float  # arrivals span at most this (a rate floor, if the fit is slow)
     max_num_batched_tokens: int
     limits_s: dict  # per stage
 
@@ -77,6 +78,7 @@ H200 = Plan(
     paged_context=4000, warmup=2, repeats=5,
     cell_orgs=("S1", "S2"), cell_requests=60, cell_budget="b63", cell_cap=63,
     cell_context_tokens=1500, cell_suffix=(50, 800), cell_output=(32, 160), cell_load=0.7,
+    cell_max_span_s=30.0,
     max_num_batched_tokens=2048,
     limits_s={"exactness": 60, "build": 30, "steps": 200, "paged": 60, "fit": 30,
               "cell": 200},
@@ -89,6 +91,7 @@ CPU_SMOKE = Plan(
     decode_batches=(1, 2), decode_contexts=(100, 600), paged_context=100, warmup=1,
     repeats=1, cell_orgs=("S1", "S2"), cell_requests=5, cell_budget="b12", cell_cap=8,
     cell_context_tokens=520, cell_suffix=(5, 30), cell_output=(2, 5), cell_load=0.7,
+    cell_max_span_s=3.0,
     max_num_batched_tokens=512,
     limits_s={"exactness": 60, "build": 30, "steps": 60, "paged": 30, "fit": 30,
               "cell": 60},

@@ -177,11 +177,35 @@ def timed(fn, device, warmup: int, repeats: int) -> list[float]:
     return out
 
 
+def sync_audit(bench: OrgBench, batch: int, context: int) -> dict:
+    """Host synchronisations of one decode step, counted by torch's CUDA sync debug mode
+    (every synchronising call warns): the sampler's read of the tokens is the one
+    expected. On a CPU there is nothing to count."""
+    if bench.model.device.type != "cuda":
+        return {"syncs": None, "note": "no accelerator: nothing to synchronise"}
+    import warnings
+
+    items = bench.decode_items(batch, context)
+    bench.run(items)  # warm: allocator and kernels first used outside the count
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            bench.run(items)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    messages = [str(w.message).splitlines()[0] for w in caught
+                if "synchroniz" in str(w.message).lower()]
+    return {"syncs": len(messages), "messages": sorted(set(messages))[:5],
+            "batch": batch, "context": context}
+
+
 def step_grid(model, geometry: Geometry, plan, deadline: float, emit) -> dict:
     """Every organization's prefill and decode shapes; `emit(rows)` after each organization
     (partial results survive a stop)."""
     dev = model.device
     rows: list[dict] = []
+    audits: dict[str, dict] = {}
     stopped = None
     tokens = max(max(plan.decode_contexts) + 1, max(plan.prefill_chunks))
     for org in plan.orgs:
@@ -189,6 +213,7 @@ def step_grid(model, geometry: Geometry, plan, deadline: float, emit) -> dict:
             stopped = f"time limit reached before {org}"
             break
         bench = OrgBench(model, geometry, org, max(plan.decode_batches), tokens)
+        audits[org] = sync_audit(bench, plan.decode_batches[-1], plan.decode_contexts[0])
         shapes = [("prefill", n, 0) for n in plan.prefill_chunks]
         shapes += [("mixed", n, plan.prefill_decodes) for n in plan.prefill_chunks]
         shapes += [("decode", b, c) for b in plan.decode_batches for c in plan.decode_contexts]
@@ -207,10 +232,10 @@ def step_grid(model, geometry: Geometry, plan, deadline: float, emit) -> dict:
         del bench
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        emit({"rows": rows, "stopped": stopped})
+        emit({"rows": rows, "sync_audit": audits, "stopped": stopped})
         if stopped:
             break
-    return {"rows": rows, "stopped": stopped, "complete": stopped is None}
+    return {"rows": rows, "sync_audit": audits, "stopped": stopped, "complete": stopped is None}
 
 
 class ContiguousRecurrentDecodeIO(_DecodeIO):
