@@ -277,3 +277,31 @@ def test_exactness_without_transformers_says_its_reference_is_our_contiguous_pat
     out = exactness.run(CPU_SMOKE, torch.device("cpu"), time.perf_counter() + 600)
     assert out["reference"] == "contiguous" and out["transformers"] is None
     assert out["complete"] and out["all_equal"]
+
+
+def test_bf16_storage_as_on_the_device_runs_every_step_shape_and_the_paged_comparison():
+    """The 7B stores bf16: state is gathered into fp32 and scattered back (no in-place SSM
+    views), a path the fp32 tiny smoke does not take. Every organization's step shapes and
+    the paged-vs-contiguous comparison run on the tiny model in bf16."""
+    import time
+    from dataclasses import replace
+
+    model = random_model("falcon_h1_tiny", dtype="bfloat16", seed=1)
+    geometry = replace(load_geometry("falcon_h1_tiny"), dtype_bytes=2)
+    plan = replace(CPU_SMOKE, prefill_chunks=(24,), decode_batches=(2,), decode_contexts=(600,),
+                   repeats=1, warmup=0)
+    grid = steps.step_grid(model, geometry, plan, time.perf_counter() + 600, lambda _: None)
+    assert grid["complete"] and len(grid["rows"]) == 3 * len(plan.orgs)
+    paged = steps.paged_vs_contiguous(model, geometry, plan, time.perf_counter() + 600)
+    assert paged["complete"] and not any(r["ssm_in_place"] for r in paged["rows"])
+    bench = steps.OrgBench(model, geometry, "S2", 2, 700, seed=3)
+    assert bench.arena.dtype == torch.bfloat16 and not bench.arena.ssm_in_place
+    items = bench.decode_items(2, 600)
+    ids = torch.tensor([[it.req.tokens[-1]] for it in items])
+    pos = torch.tensor([[600], [600]])
+    saved = {k: v.clone() for k, v in bench.arena.raw.items()}
+    a = model.forward(ids, pos, _DecodeIO(bench.arena, items, gathered=False))
+    for k, v in saved.items():
+        bench.arena.raw[k].copy_(v)
+    b = model.forward(ids, pos, _DecodeIO(bench.arena, items, gathered=True))
+    torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # bf16 operands, summed apart
