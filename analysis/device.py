@@ -180,6 +180,13 @@ def render(data: dict) -> str:
                       f"Model {build.get('model')} ({_num(build.get('parameters'))} random "
                       f"parameters, {build.get('dtype')}, built on the device in "
                       f"{_num(build.get('build_s'))} s).", ""]
+            ceil = build.get("ceilings")
+            if ceil:
+                lines += [f"Measured ceilings: bf16 {ceil['matmul_n']}^3 matrix product "
+                          f"{_num(ceil['bf16_flops'] / 1e12)} TFLOP/s, device copy of "
+                          f"{_num(ceil['copy_bytes'] / 2**30)} GiB "
+                          f"{_num(ceil['copy_bytes_per_s'] / 1e12)} TB/s (read + written; "
+                          "medians of 10 after 3 warm-ups).", ""]
             lines += _steps(data) if "steps" in stages else ["Not measured.", ""]
             lines += _syncs(data)
         lines += [f"## {title}", ""]

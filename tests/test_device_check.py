@@ -59,6 +59,8 @@ def test_cpu_smoke_runs_every_stage_and_exactness_holds(smoke):
     for org in ("S0", "S1", "S2"):  # the second request adopted the first's checkpoint
         assert ex["orgs"][org]["adopted_prefix_tokens"] == [0, 512]
     assert data["device"]["device"] == "cpu" and data["device"]["torch"] == torch.__version__
+    ceil = stages["build"]["ceilings"]
+    assert ceil["bf16_flops"] > 0 and ceil["copy_bytes_per_s"] > 0
     # Prefill alone, beside decodes, and every decode shape, for every organization.
     rows = stages["steps"]["rows"]
     per_org = 2 * len(CPU_SMOKE.prefill_chunks) + len(CPU_SMOKE.decode_batches) * len(
@@ -98,6 +100,7 @@ def test_cpu_smoke_fits_a_loadable_profile_and_runs_the_cell_both_ways(smoke):
                     "## 2b. Paged versus contiguous", "## 4. Real cell", "## Imports"):
         assert heading in page
     assert torch.__version__ in page and "| S2 | throughput_ledger |" in page
+    assert "Measured ceilings" in page and "Host synchronisations" in page
 
 
 def test_the_h200_plan_fits_its_budget_and_covers_the_issue():

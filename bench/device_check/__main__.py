@@ -148,10 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         holder["model"] = model = random_model(plan.model, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        built = time.perf_counter() - t0
         unique = {w.data_ptr(): w for w in model.w.values()}.values()  # tied: counted once
+        smoke = device.type == "cpu"
         return {"model": plan.model, "dtype": str(model.dtype).removeprefix("torch."),
-                "parameters": sum(w.numel() for w in unique), "build_s": time.perf_counter() - t0,
+                "parameters": sum(w.numel() for w in unique), "build_s": built,
                 "weight_bytes": sum(w.numel() * w.element_size() for w in unique),
+                "ceilings": steps.ceilings(device, 256 if smoke else 8192,
+                                           2**24 if smoke else 2**32),
                 "complete": True}
 
     _stage(results, "build", build)

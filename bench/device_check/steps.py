@@ -323,3 +323,20 @@ def paged_vs_contiguous(model, geometry: Geometry, plan, deadline: float) -> dic
         if stopped:
             break
     return {"rows": out, "stopped": stopped, "complete": stopped is None}
+
+
+def ceilings(device: torch.device, n: int, copy_bytes: int, repeats: int = 10) -> dict:
+    """The device's two measured ceilings (the yardsticks of the fitted efficiencies): a bf16
+    n x n x n matrix product on random data (FLOP/s) and a device-to-device copy of
+    `copy_bytes` (bytes read plus written per second), each the median of `repeats` timed
+    runs after three warm-ups, timed with the device synchronised around each run."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device, generator=gen).to(torch.bfloat16)
+    src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device=device).normal_(
+        generator=gen)
+    dst = torch.empty_like(src)
+    mm = statistics.median(timed(lambda: torch.matmul(a, b), device, 3, repeats))
+    cp = statistics.median(timed(lambda: dst.copy_(src), device, 3, repeats))
+    return {"matmul_n": n, "matmul_s": mm, "bf16_flops": 2 * n ** 3 / mm,
+            "copy_bytes": copy_bytes, "copy_s": cp, "copy_bytes_per_s": 2 * copy_bytes / cp}
