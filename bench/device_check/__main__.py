@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
         _stage(results, "cell", cell_stage)
     results.data["total_s"] = time.perf_counter() - t_start
-    results.data["imports"] = {m: m in sys.modules for m in WATCHED}
+    results.data["imports"] = {m: sys.modules.get(m) is not None for m in WATCHED}
     results.data["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
     results.flush()
     print(f"[device_check] wrote {results.path} in {results.data['total_s']:.1f} s", flush=True)
