@@ -116,7 +116,7 @@ def test_cpu_smoke_fits_a_loadable_profile_and_runs_the_cell_both_ways(smoke):
 
 
 def test_the_h200_plan_fits_its_budget_and_covers_the_issue():
-    assert sum(H200.limits_s.values()) <= 560 + 30  # under the wrapper's `timeout 560` + start
+    assert sum(H200.limits_s.values()) + 30 <= 560  # with the start, inside `timeout 560`
     assert H200.model == "falcon_h1_7b_random"
     assert {"S0", "S1", "S2", "D0"} <= set(H200.orgs) and "N0" not in H200.orgs
     assert H200.prefill_chunks == (512, 1536, 2048) and H200.prefill_decodes == 15
@@ -127,6 +127,16 @@ def test_the_h200_plan_fits_its_budget_and_covers_the_issue():
     assert g.dtype_bytes == 2  # bf16 on the device
     interval = 512  # S organizations' checkpoint interval: decodes must not land on one
     assert all((c + 1) % interval for c in H200.decode_contexts)
+
+
+def test_the_device_command_fits_the_run_tool():
+    from bench.device_check.plan import DEVICE_COMMAND, DEVICE_TIMEOUT_S
+
+    assert len(DEVICE_COMMAND) <= 2000 and DEVICE_TIMEOUT_S <= 600
+    limit = int(re.search(r"timeout -k (\d+) (\d+) ", DEVICE_COMMAND).group(2))
+    assert limit + 30 <= DEVICE_TIMEOUT_S  # the page is still written after a timeout
+    assert "-m bench.device_check $OUT --device cuda" in DEVICE_COMMAND
+    assert "-m analysis.device $OUT/device_check.json" in DEVICE_COMMAND
 
 
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(tmp_path):
