@@ -25,11 +25,11 @@ notes record them: ~790 TFLOP/s dense bf16 and ~4.3 TB/s device-to-device copy):
   batch ~20-40 (~40 ms a step) and ~110k prefill tokens (~55 chunks of 2,048, ~0.2 s
   each): ~20-30 s each, the arrival span at most 30 s; limit 170 s for both.
 Sum of limits: 60 + 30 (build) + 180 + 60 + 30 + 170 = 530 s, with the start 560 s worst
-case, ~4 minutes expected; a stage that reaches its limit stops, says so, and the stages after it still run.
-The device command (DEVICE_COMMAND, below) wraps the check in `timeout 560` under the run
-tool's timeout_s 600, with nothing carried: the H200 image has every package the real path
-imports (torch, numpy, safetensors, transformers, scipy, PyYAML, pyarrow), and the tracked
-tree is a few MB. Its files come back from $OUT: the JSON, the fitted profile, the page
+case, ~4 minutes expected; a stage that reaches its limit stops, says so, and the stages
+after it still run. The device command (DEVICE_COMMAND, below) wraps the check in `timeout
+560` under the run tool's timeout_s 600, with nothing carried: the H200 image has every
+package the real path imports (torch, numpy, safetensors, transformers, scipy, PyYAML,
+pyarrow), and the tracked tree is a few MB. Its files come back from $OUT: the JSON, the fitted profile, the page
 (written from the JSON even after a timeout), the log and nvidia-smi's report.
 """
 
