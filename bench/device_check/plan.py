@@ -29,8 +29,9 @@ case, ~4 minutes expected; a stage that reaches its limit stops, says so, and th
 after it still run. The device command (DEVICE_COMMAND, below) wraps the check in `timeout
 560` under the run tool's timeout_s 600, with nothing carried: the H200 image has every
 package the real path imports (torch, numpy, safetensors, transformers, scipy, PyYAML,
-pyarrow), and the tracked tree is a few MB. Its files come back from $OUT: the JSON, the fitted profile, the page
-(written from the JSON even after a timeout), the log and nvidia-smi's report.
+pyarrow), and the tracked tree is a few MB. Its files come back from $OUT: the JSON, the
+fitted profile, the page (written from the JSON even after a timeout), the log and
+nvidia-smi's report.
 """
 
 from __future__ import annotations
