@@ -47,6 +47,9 @@ ORDERS = (("off_on", (False, True)), ("on_off", (True, False)))
 VOCAB = 128_256
 WARMUP_DOCUMENT = -1
 TABLE = "reload_study"  # study table (ledgers.studies); page analysis/studies/
+# The ON servers' host tier: 1 GiB holds every entry the study publishes (each prompt's
+# chain and checkpoints, a few MiB on the tiny model), so no eviction interferes.
+TIER_CAPACITY_BYTES = 1 << 30
 
 
 def prompt_ids(n: int, document: int, seed: int) -> list[int]:
@@ -57,7 +60,8 @@ def prompt_ids(n: int, document: int, seed: int) -> list[int]:
 
 
 def server_spec(checkpoint: str, preset: str, org: str, budget: str, host_tier: bool,
-                split: bool, max_batched: int = 2048):
+                split: bool, max_batched: int = 2048, *,
+                capacity_bytes: int = TIER_CAPACITY_BYTES, poison: bool = False):
     from serving_core.engine_spec import EngineSpec
     from serving_core.geometry import load_geometry
 
@@ -66,7 +70,7 @@ def server_spec(checkpoint: str, preset: str, org: str, budget: str, host_tier: 
         "scheduler": {"cap": 8, "max_num_batched_tokens": max_batched,
                       "split_last_boundary": split},
         "executor": {"kind": "torch", "checkpoint": checkpoint},
-        "host_tier": host_tier,
+        "host_tier": {"capacity_bytes": capacity_bytes, "poison": poison} if host_tier else None,
     })
 
 
