@@ -36,7 +36,8 @@ external_tier_restores / _resume_restores, external_tier_evictions / _evicted_by
 _rejected_saves, external_tier_saved_bytes / _restored_bytes and the gauges
 external_tier_usage_bytes / _capacity_bytes / _entries, device_prefix_cache_hits (tokens
 adopted from the device cache without a restore), prefix_cache_resets and
-requests_by_path{path=recompute|device_reuse|host_reload}. The process_* series come from Prometheus' process collector, as vLLM's.
+requests_by_path{path=recompute|device_reuse|host_reload}. The process_* series come from
+Prometheus' process collector, as vLLM's.
 """
 
 from __future__ import annotations
