@@ -285,6 +285,7 @@ class EngineTier:
         self.resume_restores = 0
         self._resuming: dict[int, object] = {}  # preempted, not running again yet
         self.restore_seconds = 0.0  # modelled transfer time charged to steps (simulated)
+        self.restore_transfers = 0  # objects written by restores (one copy each)
 
     def before_admission(self, state: HybridStateManager, requests) -> float:
         """Restore held prefixes for `requests` (entered, never admitted) and for preempted
@@ -324,11 +325,10 @@ class EngineTier:
             return None
 
     def _seconds(self, got: RestoreResult) -> float:
-        model = getattr(self.copier, "seconds", None)
-        if model is None:
-            return 0.0
         parts = len(got.blocks) + (got.checkpoint is not None)
-        return model(got.bytes_h2d, parts)
+        self.restore_transfers += parts
+        model = getattr(self.copier, "seconds", None)
+        return 0.0 if model is None else model(got.bytes_h2d, parts)
 
     def after_step(self, state: HybridStateManager) -> None:
         """Land the copies that finished, start saving what the step published."""

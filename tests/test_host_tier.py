@@ -6,6 +6,7 @@ tiny torch model (tokens compared with an engine that never used the tier)."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -236,3 +237,85 @@ def test_a_preempted_request_restores_on_resume_with_b_equal_p(tiny_model, org, 
     assert got == want
     assert req.preemptions == 1 and eng.host_tier.resumed[0] == b == req.adopted_resume
     assert eng.host_tier.counters()["tier_resume_restores"] == 1
+
+
+# ----- the simulated tier ---------------------------------------------------------------------
+def test_the_modelled_link_charges_bytes_over_bandwidth_plus_latency():
+    """Falcon-H1-7B S2: a block is 44 x 512 x 1,024 B, a checkpoint 44 x (1,536 + 21) KiB;
+    the A100 profile's nominal PCIe 4.0 x16 link is 16 GT/s x 16 x 128/130 / 8 B/s."""
+    from dataclasses import asdict
+
+    from serving_core.builder import build_engine
+    from serving_core.engine_spec import EngineSpec, ExecutorSpec
+    from serving_core.executor.profiles import load_device_profile
+
+    profile = load_device_profile("a100")
+    assert profile.host_link_bandwidth_Bps == pytest.approx(31.50769230769e9)
+    assert profile.host_link_latency_s == 10e-6
+    spec = EngineSpec(model=asdict(load_geometry("falcon_h1_7b")), org="S2", budget="b63",
+                      executor=ExecutorSpec("simulated", profile=asdict(profile)),
+                      host_tier={"capacity_bytes": 1 << 34})
+    link = build_engine(spec).host_tier.copier
+    assert (link.block_bytes, link.state_bytes) == (23_068_672, 70_152_192)
+    bw = 16e9 * 16 * 128 / 130 / 8
+    assert link.seconds(23_068_672 + 70_152_192, 2) == pytest.approx(
+        (23_068_672 + 70_152_192) / bw + 2e-5)
+    assert link.seconds(0) == 0.0
+
+
+def _sim_cell(*overrides):
+    from conftest import compose_config
+
+    from experiments.runners.cell import run_cell
+
+    cfg = compose_config("org=d0", "budget=b63", "workload.num_requests=60",
+                         "write_ledgers=false", *overrides)
+    return run_cell(cfg)
+
+
+def test_a_simulated_campaign_cell_runs_the_tier_and_records_it():
+    off = _sim_cell()
+    small = _sim_cell("host_tier.capacity_bytes=2000000000")
+    again = _sim_cell("host_tier.capacity_bytes=2000000000")
+    assert off.engine_config["host_tier"] is False and "host_tier_copies" not in off.engine_config
+    rules = small.engine_config
+    assert rules["host_tier"] == {"capacity_bytes": 2_000_000_000, "poison": False}
+    assert rules["host_tier_copies"] == {"copies": "modelled",
+                                         "link_bandwidth_Bps": pytest.approx(31.50769230769e9),
+                                         "link_latency_s": 10e-6}
+    assert small.tables == again.tables  # a pure function of (config, seed)
+    assert small.tables != off.tables
+
+
+def test_a_small_simulated_tier_evicts_and_restores_cost_their_transfer_time():
+    from conftest import compose_config
+
+    from experiments.config.spec import engine_spec
+    from experiments.workloads.workload import build_workload
+    from serving_core.builder import build_engine
+    from serving_core.engine import serve
+
+    cfg = compose_config("org=d0", "budget=b63", "workload.num_requests=60",
+                         "host_tier.capacity_bytes=1500000000", "write_ledgers=false")
+    engine = build_engine(engine_spec(cfg))
+    serve(engine, build_workload(cfg.workload, cfg.load, int(cfg.seed)).requests)
+    link = engine.host_tier
+    c = link.counters()
+    assert c["tier_evictions"] > 0 and c["tier_usage_bytes"] <= 1_500_000_000
+    assert c["tier_restores"] > 0 and c["tier_bytes_d2h"] > 0
+    bw, lat = link.copier.bandwidth_Bps, link.copier.latency_s
+    assert link.restore_seconds == pytest.approx(
+        c["tier_bytes_h2d"] / bw + link.restore_transfers * lat)
+
+
+def test_bad_tier_capacity_is_refused_with_one_line():
+    from conftest import compose_config
+
+    from experiments.config.validation import validate_config
+
+    for value, message in (("0", "host_tier.capacity_bytes=0: allowed integers >= 1"),
+                           ("1.5", "host_tier.capacity_bytes=1.5: allowed integers >= 1"),
+                           ("true", "host_tier.capacity_bytes=True: allowed integers >= 1")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            validate_config(compose_config(f"host_tier.capacity_bytes={value}"),
+                            check_root=False)
