@@ -389,7 +389,7 @@ class HybridStateManager:
         reference). Returns the token `end_copy_hold` needs: the LRU stamps the units had
         when the object sat unreferenced in the LRU (None otherwise)."""
         pool = self.mem.pools[obj.pool]
-        stamps = [pool.stamp_of(u) for u in obj.units] if not obj.ref_count else None
+        stamps = [pool.evictable.get(u) for u in obj.units] if not obj.ref_count else None
         self.mem.acquire(obj)
         return stamps
 
