@@ -319,3 +319,21 @@ def test_bad_tier_capacity_is_refused_with_one_line():
         with pytest.raises(ValueError, match=re.escape(message)):
             validate_config(compose_config(f"host_tier.capacity_bytes={value}"),
                             check_root=False)
+
+
+def test_a_copy_hold_keeps_the_lru_recency_the_entry_had(tiny_model):
+    """A save's hold is not a use: after it ends, the cached units sit in the LRU where they
+    were; a plain reference (an adopter) would have moved them to the MRU end."""
+    eng = _engine(tiny_model, tier_bytes=None)
+    _serve(eng, 0, _prompt(5, 599))
+    state, mem = eng.sched.state, eng.mem
+    (obj,) = mem.cache.checkpoints.values()
+    pool = mem.pools[obj.pool]
+    before = [pool.evictable[u] for u in obj.units]
+    token = state.hold_for_copy(obj)
+    assert obj.ref_count == 1 and not any(u in pool.evictable for u in obj.units)
+    state.end_copy_hold(obj, token)
+    assert [pool.evictable[u] for u in obj.units] == before
+    mem.acquire(obj)
+    mem.release(obj)
+    assert [pool.evictable[u] for u in obj.units] != before  # control: a use refreshes

@@ -110,11 +110,25 @@ class ArenaCopier:
     def _index(self, r: Region) -> torch.Tensor:
         return torch.tensor(r.units, dtype=torch.long, device=self.arena.device)
 
+    def _source(self, r: Region) -> torch.Tensor:
+        """The region's bytes as a (layers, units, bytes) tensor: a view of the arena when
+        its units are consecutive (one unit, or S1/S2 member pages in a row), else a gather."""
+        view = self._view(r)
+        first, n = r.units[0], len(r.units)
+        if r.units == tuple(range(first, first + n)):
+            return view.narrow(1, first, n)
+        return view.index_select(1, self._index(r))
+
     # ----- device -> tier ---------------------------------------------------------------------
     def gather(self, obj) -> list[torch.Tensor]:
         """Copies of `obj`'s regions, (layers, units, bytes) uint8 each, on the arena's
-        device (one gather per region). On the CPU these are the host copies."""
-        return [self._view(r).index_select(1, self._index(r)) for r in self.regions(obj)]
+        device (one copy per region). On the CPU these are the host copies."""
+        out = []
+        for r in self.regions(obj):
+            src = self._source(r)
+            out.append(src.clone(memory_format=torch.contiguous_format)
+                       if src._base is not None else src)
+        return out
 
     def read(self, obj) -> list[torch.Tensor]:
         """Host copies of `obj`'s regions (what a tier holds for it)."""
@@ -139,9 +153,13 @@ class ArenaCopier:
         if len(regions) != len(data):
             raise ValueError(f"{len(data)} saved regions for an object of {len(regions)}")
         moved = 0
+        device = self.arena.device
         for r, t in zip(regions, data, strict=True):
-            self._view(r).index_copy_(1, self._index(r), t.to(self.arena.device,
-                                                                non_blocking=True))
+            view, first, n = self._view(r), r.units[0], len(r.units)
+            if r.units == tuple(range(first, first + n)):  # consecutive units: a slice
+                view.narrow(1, first, n).copy_(t, non_blocking=True)
+            else:
+                view.index_copy_(1, self._index(r), t.to(device, non_blocking=True))
             moved += t.numel()
         return moved
 
@@ -264,11 +282,11 @@ class ThreadCopier:
             if self.gpu:
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(event)
-                    data = [to_host(copier._view(r).index_select(1, copier._index(r)),
-                                    self._stream) for r in regions]
+                    data = [to_host(copier._source(r), self._stream) for r in regions]
                     self._stream.synchronize()
             else:
-                data = [copier._view(r).index_select(1, copier._index(r)) for r in regions]
+                data = [copier._source(r).clone(memory_format=torch.contiguous_format)
+                        for r in regions]
             with self._lock:
                 self._done.append((token, data))
                 self._inflight -= 1
