@@ -111,7 +111,7 @@ def _profile(fn, top: int = 8) -> list[dict]:
     prof.disable()
     stats = pstats.Stats(prof, stream=io.StringIO())
     rows = []
-    for (path, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
+    for (path, _line, name), (_, calls, tottime, _cum, _) in stats.stats.items():
         rows.append({"function": f"{path.rsplit('/', 1)[-1]}:{name}", "calls": calls,
                      "tottime_ms": 1e3 * tottime})
     rows.sort(key=lambda r: -r["tottime_ms"])
@@ -164,8 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     profiles = {name: _profile(lambda n=name: restore(n)) for name in ("old", "new")}
 
     # ----- save on the engine thread, alternating ----------------------------------------
-    objs = [(BLOCK, k, o) for k, o in cold.mem.cache.attention.items()]
-    objs += [(CHECKPOINT, k, o) for k, o in cold.mem.cache.checkpoints.items()]
     cold.reset_prefix_cache()
     _serve(cold, prompt, 1)  # publish again (the reset dropped them)
     objs = [(BLOCK, k, o) for k, o in cold.mem.cache.attention.items()]
@@ -203,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 repeat_s.append(_serve(warm, prompt, rid))
     warm.host_tier.close()
-    warm.close() if hasattr(warm, "close") else None
 
     med = statistics.median
     out = {
