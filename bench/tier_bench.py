@@ -13,8 +13,9 @@ new in one run (median of `reps`):
   host copy) against the new engine-thread part (copy holds and hand-off to the worker), and
   the worker's copy itself;
 - where one restore spends its time (cProfile, by function, old and new);
-- in-process TTFT of a reload (reset + request) against the device-reuse repeat of the same
-  prompt on the same engine (same B), alternating.
+- in-process TTFT of cold requests with the tier off and on (two engines, alternating, each
+  rep a new document), and of a reload (reset + request) against the device-reuse repeat of
+  the same prompt on the same engine (same B), alternating.
 
 The last line is JSON with every number. Measured side by side, never asserted in tests.
 """
@@ -185,11 +186,21 @@ def main(argv: list[str] | None = None) -> int:
             state.end_copy_hold(obj, token)
     worker.close()
 
-    # ----- reload vs device-reuse repeat, in process, alternating -------------------------
+    # ----- cold TTFT, tier off and on, in process, alternating ---------------------------
     warm = _engine(args.org, True)
-    _serve(warm, prompt_ids(1024, -1, 0), 0)
-    reload_s, repeat_s = [], []
+    off = _engine(args.org, False)
+    for engine in (warm, off):
+        _serve(engine, prompt_ids(1024, -1, 0), 0)
+    cold_on, cold_off = [], []
     rid = 10
+    for i in range(args.reps):
+        fresh = prompt_ids(args.tokens, 100 + i, 0)  # its own document: a cold request
+        for engine in ((off, warm) if i % 2 == 0 else (warm, off)):
+            rid += 1
+            (cold_on if engine is warm else cold_off).append(_serve(engine, fresh, rid))
+
+    # ----- reload vs device-reuse repeat, in process, alternating -------------------------
+    reload_s, repeat_s = [], []
     _serve(warm, prompt, rid)
     for i in range(args.reps):
         order = ("repeat", "reload") if i % 2 == 0 else ("reload", "repeat")
@@ -212,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
                                   "new (hold + hand-off)": 1e3 * med(save_new),
                                   "new worker copy (hand-off to done)": 1e3 * med(copy_new)},
         "save_entries": len(objs),
-        "ttft_s": {"repeat (device reuse)": med(repeat_s), "reload (host tier)": med(reload_s),
-                   "reload / repeat": med(reload_s) / med(repeat_s)},
+        "ttft_s": {"cold, tier off": med(cold_off), "cold, tier on": med(cold_on),
+                   "cold on / off (median of per-rep ratios)": med(
+                       [a / b for a, b in zip(cold_on, cold_off, strict=True)]),
+                   "repeat (device reuse)": med(repeat_s), "reload (host tier)": med(reload_s),
+                   "reload / repeat (median of per-rep ratios)": med(
+                       [a / b for a, b in zip(reload_s, repeat_s, strict=True)])},
         "profile_top_tottime": profiles,
     }
     print(f"{out['org']} N={args.tokens}: restore B={depth} ({moved['new'][2]} blocks + "

@@ -140,10 +140,11 @@ class ArenaCopier:
         fp32, bf16 and a TQ4 norm); returns the units."""
         arena = self.arena
         raw = arena.raw[obj.pool]
-        raw[:, list(obj.units)] = 0xFF
+        for unit in obj.units:  # basic indexing: a view per unit, filled in place
+            raw[:, unit].fill_(0xFF)
         if obj.kind and arena.slots:
             r = self.regions(obj)[-1]
-            self._view(r)[:, list(r.units)] = 0xFF
+            self._view(r)[:, r.units[0]].fill_(0xFF)
         return len(obj.units)
 
     def write(self, obj, data: list[torch.Tensor]) -> int:
