@@ -171,7 +171,7 @@ n0: setup ## N0 (vLLM native, simulated) next to S0/S1/S2/D0 at b63/b83/b108: 18
 	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT)
 	@echo "N0 page: $(abspath $(REPORT_DIR))/n0_native.md"
 
-campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, pinning, orig5, q6_development)
+campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, pinning, orig5, q6_development, tier)
 	@test -n "$(C)" || { echo "usage: make campaign C=<name of conf/campaign/*.yaml>"; exit 2; }
 	$(call campaign_run,$(C))
 

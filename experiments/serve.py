@@ -38,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain", default="finish")
     p.add_argument("--tokenizer", default="llama3")
     p.add_argument("--exit-with-parent", action="store_true")
-    p.add_argument("--host-tier", action="store_true",
-                   help="host tier on (torch): the spec's host_tier")
+    p.add_argument("--host-tier-capacity-bytes", type=int, default=None, metavar="N",
+                   help="host tier on (torch) with N bytes of capacity: the spec's host_tier")
     p.add_argument("--threads", default="0", help="torch intra-op threads (0: auto)")
     p.add_argument("--spec-out", help="write the engine spec here (kept)")
     return p
@@ -76,11 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         if message is None:
             raise
         exit_bad_input(message)
-    if args.host_tier:
+    if args.host_tier_capacity_bytes is not None:
+        from serving_core.engine_spec import HostTierSpec
+
         try:
-            spec = dataclasses.replace(spec, host_tier=True)
+            spec = dataclasses.replace(spec,
+                                       host_tier=HostTierSpec(args.host_tier_capacity_bytes))
         except ValueError as err:
-            print(f"error: --host-tier: {err}", file=sys.stderr)
+            print(f"error: --host-tier-capacity-bytes: {err}", file=sys.stderr)
             return 2
     path = args.spec_out or os.path.join(tempfile.mkdtemp(prefix="hsl-spec-"), "spec.json")
     Path(path).write_text(spec.to_json() + "\n", encoding="utf-8")

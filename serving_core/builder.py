@@ -88,13 +88,29 @@ EXECUTORS: dict[str, Callable[..., Any]] = {
 }
 
 
-def _host_tier(executor):
-    """A host tier for the engine over `executor`'s state arena (copies go through the
-    arena's copier; the tier itself never touches the arena)."""
-    from serving_core.executor.state_copy import ArenaCopier
+def _host_tier(spec: EngineSpec, executor, geometry, mem, clock):
+    """A host tier of the spec's capacity for the engine over `executor`: real copies
+    through the arena's copier on a worker thread (torch), or the profile's host-link
+    model (simulated: `host_link_bandwidth_Bps`, `host_link_latency_s`). The tier itself
+    never touches the arena."""
     from serving_core.host_tier import EngineTier, HostTier
 
-    return EngineTier(HostTier(), ArenaCopier(executor.arena))
+    tier = HostTier(spec.host_tier.capacity_bytes, poison=spec.host_tier.poison)
+    if spec.executor.kind == "torch":
+        from serving_core.executor.state_copy import ArenaCopier, ThreadCopier
+
+        copier = ArenaCopier(executor.arena)
+        return EngineTier(tier, copier, ThreadCopier(copier))
+    from serving_core.executor.profiles import load_device_profile
+    from serving_core.executor.state_copy import ModelledCopier
+
+    if not spec.executor.profile:
+        raise ValueError("host_tier: a simulated host tier needs the executor profile's host "
+                         "link (host_link_bandwidth_Bps, host_link_latency_s)")
+    profile = load_device_profile(spec.executor.profile)
+    link = ModelledCopier(mem, geometry, profile.host_link_bandwidth_Bps,
+                          profile.host_link_latency_s, clock.now)
+    return EngineTier(tier, link, link)
 
 
 def _assemble(spec: EngineSpec, make_executor, on_step=None) -> Engine:
@@ -106,10 +122,12 @@ def _assemble(spec: EngineSpec, make_executor, on_step=None) -> Engine:
     recorder = Recorder(trace=spec.trace, slab=org_class(spec.org).has_slabs)
     mem = build_memory(geometry, spec.org, units, recorder, **spec.scheduler.memory_rules())
     executor = make_executor(geometry, mem)
+    clock = CLOCK_CLASSES[spec.clock_kind]()
     return Engine(
-        spec, geometry, mem, recorder, executor, CLOCK_CLASSES[spec.clock_kind](),
+        spec, geometry, mem, recorder, executor, clock,
         vocab_size=_vocab_size(executor),
-        host_tier=_host_tier(executor) if spec.host_tier else None, on_step=on_step,
+        host_tier=(_host_tier(spec, executor, geometry, mem, clock)
+                   if spec.host_tier is not None else None), on_step=on_step,
     )
 
 

@@ -153,6 +153,8 @@ class Engine:
         self.clock = clock
         self.vocab_size = vocab_size
         self.host_tier = host_tier
+        if host_tier is not None:  # the tier saves what the state manager logs
+            self.sched.state.log_publications()
         self.on_step = on_step
         self.on_plan = None  # observer of each step's plan (see the class docstring)
         # Requests are materialized at arrival and drop their token lists when they finish,
@@ -232,8 +234,9 @@ class Engine:
                 self.clock.wait_until(self._planned[0][0])  # idle: jump/sleep to the next arrival
                 self._poll()
             return None
-        if self._entered:  # host tier: restore held prefixes before admission looks them up
-            self.host_tier.before_admission(sched.state, self._entered)
+        restore_s = 0.0  # modelled restore transfers (simulated tier), charged to the step
+        if self.host_tier is not None:  # restore held prefixes before admission looks them up
+            restore_s = self.host_tier.before_admission(sched.state, self._entered)
             self._entered = []
         t0 = self.clock.now()
         rec.step, rec.now = sched.step + 1, t0
@@ -259,7 +262,7 @@ class Engine:
                 params = getattr(req.spec, "sampling", None)  # serving_core/sampling_params.py
                 if params is not None and params.stops(token, req.num_generated + 1):
                     req.target_output = req.num_generated + 1  # a stop token ends it here
-        t1 = self.clock.step_done(t0, out.duration_s)
+        t1 = self.clock.step_done(t0, out.duration_s + restore_s)
         # Publication, sampled tokens and finishes become visible when the step completes.
         rec.now = t1
         initial, resume, decode = sched.complete_step(plan, t1)
@@ -267,7 +270,7 @@ class Engine:
         if self.host_tier is not None:  # save the newly published entries (two-phase)
             self.host_tier.after_step(sched.state)
         # A wall clock measures the step (commit included); a virtual one takes the model's.
-        dt = self.clock.now() - t0 if self.clock.wall else out.duration_s
+        dt = self.clock.now() - t0 if self.clock.wall else out.duration_s + restore_s
         finished = [item.req.rid for item in plan if item.req.status == Status.FINISHED]
         self.num_finished += sched.num_finished_step
         if self.on_step is not None:
@@ -320,8 +323,10 @@ class Engine:
             "step_model": None,
             "clock": self.clock.kind,
             "trace": bool(self.trace),
-            "host_tier": self.host_tier is not None,
+            "host_tier": self.host_tier.describe() if self.host_tier is not None else False,
         }
+        if self.host_tier is not None:
+            rules["host_tier_copies"] = self.host_tier.describe_transfer()
         described = self.executor.describe()
         assert described.keys() <= set(EXECUTOR_RULE_KEYS), sorted(described)
         rules.update(described)
@@ -329,7 +334,10 @@ class Engine:
 
     def reset_prefix_cache(self) -> dict[str, int]:
         """Drop the device prefix cache (nothing may run): see
-        HybridStateManager.reset_prefix_cache. A host tier keeps what it holds."""
+        HybridStateManager.reset_prefix_cache. A host tier keeps what it holds; its copies
+        in flight land first (their holds are references)."""
+        if self.host_tier is not None:
+            self.host_tier.flush(self.sched.state)
         return self.sched.state.reset_prefix_cache()
 
     # ----- results ----------------------------------------------------------------------------

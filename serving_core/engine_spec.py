@@ -62,6 +62,56 @@ class ExecutorSpec:
 
 
 @dataclass(frozen=True)
+class HostTierSpec:
+    """An external (host) state tier beside the state manager (serving_core/host_tier.py).
+
+    capacity_bytes: host bytes the tier may hold (required, > 0: there is no unbounded
+    default); whole entries (a checkpoint with its attention chain) are evicted least
+    recently used first. The torch executor copies real state; a simulated executor
+    models the copies with its profile's host-link constants (`host_link_bandwidth_Bps`,
+    `host_link_latency_s`). poison: fill every destination unit with NaN before a restore
+    writes it (the boundary audits over HTTP; off when serving).
+    """
+
+    capacity_bytes: int
+    poison: bool = False
+
+    def __post_init__(self) -> None:
+        cap = self.capacity_bytes
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+            raise ValueError(f"host_tier.capacity_bytes={cap!r}: allowed values are "
+                             f"integers > 0 (bytes; required, no unbounded default)")
+        if self.poison not in (True, False):
+            raise ValueError(f"host_tier.poison={self.poison!r}: allowed values are true, false")
+
+    def rules(self) -> dict[str, Any]:
+        return {"capacity_bytes": int(self.capacity_bytes), "poison": bool(self.poison)}
+
+    @classmethod
+    def of(cls, value: Any) -> HostTierSpec | None:
+        """None (off) from None/false, the spec of a mapping {capacity_bytes: N}."""
+        if value is None or value is False:
+            return None
+        if isinstance(value, HostTierSpec):
+            return value
+        if value is True:
+            raise ValueError("host_tier.capacity_bytes: required (an integer > 0 bytes); "
+                             "the host tier has no unbounded default")
+        if not isinstance(value, Mapping):
+            raise ValueError(f"host_tier={value!r}: allowed values are null or "
+                             f"{{capacity_bytes: N}}")
+        _known(value, cls, "host_tier")
+        if "capacity_bytes" not in value:
+            raise ValueError("host_tier.capacity_bytes: required (an integer > 0 bytes); "
+                             "the host tier has no unbounded default")
+        return cls(**value)
+
+
+# executors a host tier runs on (torch: real copies; simulated: a transfer-time model)
+HOST_TIER_EXECUTORS = ("torch", "simulated")
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     model: Mapping[str, Any]  # geometry fields (conf/model/<name>.yaml, resolved)
     org: str  # storage organization: S0 | S1 | S2 | D0 | N0
@@ -71,8 +121,9 @@ class EngineSpec:
     clock: str | None = None  # virtual | wall | None: the executor's default
     trace: bool = False
     pool_units: Mapping[str, int] | None = None  # None: the planner's units for the budget
-    # Save published state to a host tier and restore held prefixes on admission (torch).
-    host_tier: bool = False
+    # Save published state to a host tier and restore held prefixes on admission
+    # (None: off; see HostTierSpec).
+    host_tier: HostTierSpec | None = None
 
     def __post_init__(self) -> None:
         from serving_core.memory import normalize_org
@@ -80,11 +131,10 @@ class EngineSpec:
         object.__setattr__(self, "org", normalize_org(self.org))
         if self.clock is not None and self.clock not in CLOCKS:
             raise ValueError(f"clock={self.clock!r}: allowed values are {', '.join(CLOCKS)}")
-        if self.host_tier not in (True, False):
-            raise ValueError(f"host_tier={self.host_tier!r}: allowed values are true, false")
-        if self.host_tier and self.executor.kind != "torch":
-            raise ValueError(f"host_tier=true: the host tier copies real state and needs "
-                             f"executor.kind=torch, not {self.executor.kind!r}")
+        object.__setattr__(self, "host_tier", HostTierSpec.of(self.host_tier))
+        if self.host_tier is not None and self.executor.kind not in HOST_TIER_EXECUTORS:
+            raise ValueError(f"host_tier: a host tier runs on executor.kind "
+                             f"{' or '.join(HOST_TIER_EXECUTORS)}, not {self.executor.kind!r}")
 
     # ----- derived --------------------------------------------------------------------------
     @property
@@ -134,13 +184,15 @@ class EngineSpec:
             **_requested_executor_rules(self.executor, geometry),
             "clock": self.clock_kind,
             "trace": bool(self.trace),
-            "host_tier": bool(self.host_tier),
+            "host_tier": self.host_tier.rules() if self.host_tier is not None else False,
         }
 
     # ----- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["model"] = dict(self.model)
+        if self.host_tier is None:
+            data["host_tier"] = None
         return data
 
     def to_json(self) -> str:

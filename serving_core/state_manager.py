@@ -17,10 +17,15 @@ chunk in the plan instead: the attention unit ids, the composites it reads and w
 and after publication where each boundary's state went and where the chunk's final
 state belongs (both filled here).
 
-A state tier (serving_core.host_tier) sits beside this manager: the manager saves the
-published entries to it, restores a held prefix from it into fresh units (published,
-unreferenced: admission adopts it through the ordinary lookup) and resets the device
-prefix cache; all copies go through the executor's copy port
+A state tier (serving_core.host_tier) sits beside this manager: with `log_publications`
+on, the manager logs every entry it publishes (a checkpoint with the keys of its attention
+chain; without recurrent state, each block with its chain) and every preempted request;
+it starts the tier's saves of the logged entries (`start_saves`), holds the device
+objects a save still reads (`hold_for_copy` / `end_copy_hold`: an execution reference,
+so the allocator cannot reassign their units before the copy released them; the LRU
+recency they had is given back), restores a held prefix from the tier into fresh units
+(published, unreferenced: admission adopts it through the ordinary lookup) and resets the
+device prefix cache; all copies go through the executor's copy port
 (serving_core/executor/state_copy.py). The tier sees keys and tensors, never the
 allocator, the arena or the scheduler's queues.
 
@@ -107,6 +112,10 @@ class HybridStateManager:
         # Fault injection (tests, experiments/studies/continuation.py): when set,
         # adoption_hook(req, adoption) returns what admitting `req` adopts instead.
         self.adoption_hook = None
+        # A state tier's logs (None: off, see log_publications): entries published as
+        # (kind, key, chain keys), and requests preempted, since the tier last drained them.
+        self.publications: list | None = None
+        self.preempted: list | None = None
 
     # ----- geometry of a chunk ---------------------------------------------------------------
     def boundaries(self, start: int, end: int) -> range:
@@ -267,6 +276,8 @@ class HybridStateManager:
             self.pin_rightmost(req, self.pinning_k)
         self.release_all(req)
         req.memo_hit = None
+        if self.preempted is not None:
+            self.preempted.append(req)
 
     def pin_rightmost(self, req: Request, k: int) -> None:
         """Preemption-time pin on the request's rightmost cached checkpoint when at least
@@ -313,12 +324,16 @@ class HybridStateManager:
             mem, C = self.mem, self.C
             keys = req.ensure_keys(c1 // B)
             attn = req.attn
+            log = self.publications
             for bi in range(c0 // B, c1 // B):
                 obj = attn[bi]
                 if not obj.cached:
-                    mem.publish(obj, keys[bi], (bi + 1) * B)
+                    if mem.publish(obj, keys[bi], (bi + 1) * B) and log is not None and not C:
+                        log.append((BLOCK, keys[bi], keys[: bi + 1]))
             for j in self.boundaries(c0, c1):
                 published = self._cross_boundary(req, keys[j * C // B - 1], j * C)
+                if published and log is not None:
+                    log.append((CHECKPOINT, keys[j * C // B - 1], keys[: j * C // B]))
                 if view is not None and published:
                     view.published.append((j * C, published))
         if req.adopted:
@@ -356,20 +371,78 @@ class HybridStateManager:
         """Changes whenever the device prefix cache does (a tier saves only then)."""
         return self.mem.cache.version
 
-    def save_published(self, tier, copier) -> int:
-        """Start saving to `tier` every published entry it does not hold yet, read through
-        `copier` (serving_core/executor/state_copy.py); returns how many started."""
-        cache = self.mem.cache
-        started = 0
-        for key, obj in cache.attention.items():
-            if not tier.holds(BLOCK, key):
-                tier.save(BLOCK, key, copier.snapshot_block(obj))
-                started += 1
-        for key, obj in cache.checkpoints.items():
-            if not tier.holds(CHECKPOINT, key):
-                tier.save(CHECKPOINT, key, copier.snapshot_checkpoint(obj))
+    def log_publications(self) -> None:
+        """Start logging publications and preemptions for a state tier (idempotent)."""
+        if self.publications is None:
+            self.publications, self.preempted = [], []
+
+    def drain_preempted(self) -> list[Request]:
+        """The requests preempted since the last call (a tier restores them on resume)."""
+        out = self.preempted
+        if not out:
+            return []
+        self.preempted = []
+        return out
+
+    def hold_for_copy(self, obj):
+        """Keep `obj`'s units from being reassigned while a copy reads them (an execution
+        reference). Returns the token `end_copy_hold` needs: the LRU stamps the units had
+        when the object sat unreferenced in the LRU (None otherwise)."""
+        pool = self.mem.pools[obj.pool]
+        stamps = [pool.evictable.get(u) for u in obj.units] if not obj.ref_count else None
+        self.mem.acquire(obj)
+        return stamps
+
+    def end_copy_hold(self, obj, stamps) -> None:
+        """Drop a copy's hold; an object that goes back to the LRU gets the recency it had
+        before the hold (a copy is not a use), so a tier does not reorder device eviction."""
+        self.mem.release(obj)
+        if stamps is not None and obj.cached and not obj.ref_count:
+            pool = self.mem.pools[obj.pool]
+            for unit, stamp in zip(obj.units, stamps, strict=True):
+                if stamp is not None:
+                    pool.add_evictable(unit, stamp)
+
+    def start_saves(self, tier, copier, submit=None) -> int:
+        """Start saving to `tier` every entry published since the last call (the log): a
+        checkpoint with the blocks of its chain the tier lacks (an entry is whole or absent;
+        one whose chain left the device is skipped), or a block with its chain without
+        recurrent state. `submit(kind, key, obj)`: hand one part's copy to a copier that
+        works off this thread (the caller holds the object, see hold_for_copy); None: copy
+        now through `copier` (serving_core/executor/state_copy.py). Returns the parts
+        started."""
+        log = self.publications
+        if not log:
+            return 0
+        self.publications = []
+        mem, started = self.mem, 0
+        for kind, key, chain in log:
+            if tier.holds_entry(key):
+                tier.touch(key)
+                continue
+            ckpt = mem.cached_checkpoint(key) if kind == CHECKPOINT else None
+            blocks = [(k, mem.cached_attention(k)) for k in chain if not tier.holds(BLOCK, k)]
+            if (kind == CHECKPOINT and ckpt is None) or any(o is None for _, o in blocks):
+                tier.skipped_saves += 1  # part of the entry already left the device
+                continue
+            parts = [(BLOCK, k, o) for k, o in blocks]
+            if ckpt is not None:
+                parts.append((CHECKPOINT, key, ckpt))
+            if not tier.begin_entry(key, chain, [(p, k, copier.nbytes(o)) for p, k, o in parts]):
+                continue  # rejected: it does not fit the tier's capacity
+            for part, k, obj in parts:
+                if submit is None:
+                    tier.save(part, k, copier.read(obj))
+                else:
+                    submit(part, k, obj)
                 started += 1
         return started
+
+    def save_published(self, tier, copier) -> int:
+        """Start saving every entry published since the last call, copying now (see
+        start_saves); logging is switched on at the first call."""
+        self.log_publications()
+        return self.start_saves(tier, copier)
 
     def restore_prefix(self, keys: list[int], tier, copier) -> RestoreResult:
         """Reload the deepest prefix of `keys` that `tier` holds completely into freshly
@@ -378,11 +451,23 @@ class HybridStateManager:
         adopts it through the ordinary lookup. Entries the device still holds are kept
         (held during the restore so its allocations cannot evict them) and not copied
         again. MemoryError when the device has no room for the rest."""
-        mem, bt, interval = self.mem, self.B, self.C
+        bt, interval = self.B, self.C
         depth = tier.restorable_prefix(keys, bt, interval)
         result = RestoreResult(depth)
         if not depth:
             return result
+        nblocks = depth // bt
+        tier.pin(keys[nblocks - 1])  # the entry cannot be evicted while this reads it
+        try:
+            self._restore_into(keys, depth, tier, copier, result)
+        finally:
+            tier.unpin(keys[nblocks - 1])
+        tier.record_restore(result)
+        return result
+
+    def _restore_into(self, keys: list[int], depth: int, tier, copier,
+                      result: RestoreResult) -> None:
+        mem, bt, interval = self.mem, self.B, self.C
         nblocks = depth // bt
         held = [mem.cached_attention(keys[i]) for i in range(nblocks)]
         ckpt_key = keys[nblocks - 1]
@@ -420,8 +505,6 @@ class HybridStateManager:
         finally:
             for obj in kept:
                 mem.release(obj)
-        tier.record_restore(result)
-        return result
 
     def reset_prefix_cache(self) -> dict[str, int]:
         """Drop the device prefix cache: every cached, unreferenced entry is evicted through

@@ -8,7 +8,7 @@ an already loaded model (torch).
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import Engine, EngineResult, serve
@@ -37,9 +37,11 @@ def run_simulated(geometry, org: str, pool_units: dict[str, int], sched_cfg, spe
 
 def torch_engine(model, geometry, org: str, pool_units: dict[str, int], sched_cfg, *,
                  clock: str | None = None, trace: bool = False, budget: str = "explicit",
-                 on_step=None) -> Engine:
+                 on_step=None, host_tier: dict | None = None) -> Engine:
     """A torch engine over an already loaded `model` (`clock` virtual | wall | None:
-    the torch executor's default, wall)."""
+    the torch executor's default, wall; `host_tier`: {capacity_bytes: N} or None)."""
     spec = loaded_model_spec(model, geometry, org, budget, asdict(sched_cfg), clock=clock,
                              trace=trace, pool_units=pool_units)
+    if host_tier is not None:
+        spec = replace(spec, host_tier=host_tier)
     return build_engine(spec, on_step=on_step, model=model)

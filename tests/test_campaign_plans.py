@@ -21,7 +21,7 @@ from experiments.runners.ledger_io import cell_columns
 from experiments.runners.provenance import prereg_plan_hash
 
 CAMPAIGNS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9", "d0_split", "caps",
-             "bursts", "pinning", "orig5", "q10_tq4", "q6_development")
+             "bursts", "pinning", "orig5", "q10_tq4", "q6_development", "tier")
 EXT = tuple(range(42000, 42012))
 
 
@@ -74,6 +74,7 @@ COUNTS = {
     "orig5": (84, {"orig5": 54, "q5": 12, "caps": 6, "bursts": 12}),  # 2 x (6 + 4 x 9)
     "q10_tq4": (288, {"q10_tq4": 144, "q1": 108, "q4": 36}),  # TQ4 144; bf16 Exp 1a + Q4 D0
     "q6_development": (105, {"q6_development": 105}),  # 2 x 3 x 5 x 3 + S2 b83 5 x 3
+    "tier": (216, {"tier": 144, "q1": 48, "q4": 24}),  # 3 orgs x 2 budgets x 2 tiers x 12
 }
 
 

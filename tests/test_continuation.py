@@ -26,13 +26,18 @@ from serving_core.request import Request
 from serving_core.scheduler import SchedulerConfig
 from serving_core.state_manager import HybridStateManager
 
+CAPACITY = 1 << 30  # a tier that holds everything these tests publish
+
 
 def _engine(model, org="S2"):
+    """A torch engine whose state manager logs its publications (what a tier saves)."""
     geometry = load_geometry("falcon_h1_tiny")
     units = units_for(plan_budget(geometry, "b63"), org)
-    return torch_engine(model, geometry, org, units,
-                        SchedulerConfig(cap=4, max_num_batched_tokens=2048, headroom=0.0),
-                        clock="virtual")
+    eng = torch_engine(model, geometry, org, units,
+                       SchedulerConfig(cap=4, max_num_batched_tokens=2048, headroom=0.0),
+                       clock="virtual")
+    eng.sched.state.log_publications()
+    return eng
 
 
 def _served(model, prompt_tokens: int):
@@ -58,10 +63,11 @@ def _restore(eng, host, keys):
 def test_a_save_counts_only_after_its_copy_completed(tiny_model):
     eng, spec = _served(tiny_model, 599)
     keys = Request(spec, eng.mem.block_tokens).lookup_keys()
-    host = HostTier()
+    host = HostTier(CAPACITY, poison=True)
     started = _save(eng, host)
-    # the 512-token block and the checkpoint at 512
+    # one entry: the checkpoint at 512 with its 512-token block
     assert started == len(eng.mem.cache.attention) + len(eng.mem.cache.checkpoints) == 2
+    assert host.num_entries == 1 and host.used_bytes == 2 * (512 * 1024 + 1557 * 1024)
     assert host.restorable_prefix(keys, 512, 512) == 0  # copies started, not completed
     assert host.complete() == 2 and host.num_pending == 0
     assert host.restorable_prefix(keys, 512, 512) == 512
@@ -72,7 +78,7 @@ def test_restore_goes_into_fresh_units_and_equals_the_saved_state(tiny_model):
     import torch
 
     eng, spec = _served(tiny_model, 699)
-    host = HostTier()
+    host = HostTier(CAPACITY, poison=True)
     _save(eng, host)
     host.complete()
     keys = Request(spec, 512).lookup_keys()
@@ -206,7 +212,7 @@ def test_restore_bytes_match_the_layout_and_a_skipped_copy_shows(tiny_model, mon
     skips the checkpoint copy is caught by the count and by the read-back."""
     geometry = load_geometry("falcon_h1_tiny")
     eng, spec = _served(tiny_model, 599)
-    host = HostTier()
+    host = HostTier(CAPACITY, poison=True)
     _save(eng, host)
     host.complete()
     keys = Request(spec, 512).lookup_keys()
@@ -217,18 +223,19 @@ def test_restore_bytes_match_the_layout_and_a_skipped_copy_shows(tiny_model, mon
     assert capacity == 2 * (4 * 524_288 + 32_768) >= got.bytes_h2d
     assert got.poisoned_units == 4 and cont._restored_exact(host, reset.executor.arena, keys, got)
 
-    monkeypatch.setattr(ArenaCopier, "load_checkpoint", lambda self, obj, states: 0)
+    monkeypatch.setattr(ArenaCopier, "load_checkpoint", lambda self, obj, data: 0)
     reset = _engine(tiny_model)
     bad = _restore(reset, host, keys)
     assert bad.bytes_h2d == 2 * 512 * 1024 != cont._restore_sizes(reset.mem, geometry, bad)[0]
     assert not cont._restored_exact(host, reset.executor.arena, keys, bad)  # NaN left
 
 
-def _ssm_missed(self, obj, states):
-    """A faulty restore: writes the conv windows, leaves the SSM state as it found it."""
-    current = self.arena.read(obj)
-    self.arena.write(obj, [(conv, now_ssm) for (conv, _), (_, now_ssm)
-                           in zip(states, current, strict=True)])
+def _ssm_missed(self, obj, data):
+    """A faulty restore: writes the conv window (the last region), leaves the SSM member
+    pages as it found them."""
+    regions = self.regions(obj)
+    view = self._view(regions[-1])
+    view.index_copy_(1, self._index(regions[-1]), data[-1])
     return 0
 
 
@@ -314,13 +321,13 @@ def test_damaged_host_state_changes_the_continuation(tiny_model, monkeypatch, pa
     restore = HybridStateManager.restore_prefix
 
     def damaged(self, keys, tier, copier):
-        if part == "conv":
-            for states in tier.checkpoints.values():
-                for conv, _ssm in states:
-                    conv.zero_()
+        if part == "conv":  # a checkpoint's last region: its conv window
+            for regions in tier.checkpoints.values():
+                regions[-1].zero_()
         else:
-            for block in tier.blocks.values():
-                block.zero_()
+            for regions in tier.blocks.values():
+                for region in regions:
+                    region.zero_()
         return restore(self, keys, tier, copier)
 
     monkeypatch.setattr(HybridStateManager, "restore_prefix", damaged)

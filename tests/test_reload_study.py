@@ -83,6 +83,33 @@ def test_page_groups_by_actual_path_and_counts(tmp_path, capsys):
     assert (tmp_path / "rep" / page.FIGURE).stat().st_size > 10_000
 
 
+def test_ratio_table_pairs_the_requests_of_each_trial():
+    """Per-trial ratios pair requests of the same (pair, trial); hand-computed values."""
+    import pandas as pd
+
+    rows = []
+    for pair, trial, off, on, rep, rel in ((0, 0, 2.0, 2.2, 1.0, 1.05),
+                                           (0, 1, 4.0, 4.0, 1.0, 1.2),
+                                           (1, 0, 3.0, 2.7, 2.0, 2.0)):
+        common = {"pair": pair, "trial": trial}
+        rows += [_row(condition="cold", path="recompute", host_tier=False, ttft_s=off, **common),
+                 _row(condition="cold", path="recompute", ttft_s=on, **common),
+                 _row(condition="repeat", path="device_reuse", ttft_s=rep, **common),
+                 _row(condition="reload", ttft_s=rel, **common)]
+    table = page.ratio_table(pd.DataFrame(rows)).set_index("ratio")
+    cold = table.loc["ON cold / OFF cold"]
+    assert cold["per-trial"] == "1.100, 1.000, 0.900" and cold["n"] == 3
+    assert cold["median of per-trial ratios"] == pytest.approx(1.0)
+    assert cold["ratio of medians"] == pytest.approx(2.7 / 3.0) and cold["within"] == "yes"
+    reload = table.loc["reload / repeat (ON, same B)"]
+    assert reload["per-trial"] == "1.050, 1.200, 1.000"
+    assert reload["median of per-trial ratios"] == pytest.approx(1.05)
+    assert reload["within"] == "yes" and reload["bound"] == "<= 1.10"
+    benefit = table.loc["OFF cold / ON reload"]
+    assert benefit["median of per-trial ratios"] == pytest.approx(2.0 / 1.05)
+    assert benefit["within"] == ""
+
+
 def test_templates_are_deterministic_token_ids_of_their_text():
     import quicktok
 

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving_core.builder import build_engine, loaded_model_spec
-from serving_core.engine_spec import EngineSpec
+from serving_core.engine_spec import EngineSpec, ExecutorSpec
 from serving_core.geometry import load_geometry
 from serving_core.server.app import create_app
 from serving_core.server.runtime import EngineRuntime
@@ -64,7 +64,8 @@ def tier_engine(tiny_model):
     spec = loaded_model_spec(tiny_model, load_geometry("falcon_h1_tiny"), "S2", "b63",
                              {"cap": 4, "max_num_batched_tokens": 2048,
                               "split_last_boundary": True}, clock="wall")
-    return build_engine(replace(spec, host_tier=True), model=tiny_model)
+    return build_engine(replace(spec, host_tier={"capacity_bytes": 1 << 30}),
+                        model=tiny_model)
 
 
 def test_cold_repeat_reset_reload_paths_and_counters(tier_engine):
@@ -74,7 +75,8 @@ def test_cold_repeat_reset_reload_paths_and_counters(tier_engine):
     Every output equals the cold one."""
     engine = tier_engine
     rules = engine.effective_rules()
-    assert rules["host_tier"] is True and rules["split_last_boundary"] is True
+    assert rules["host_tier"] == {"capacity_bytes": 1 << 30, "poison": False}
+    assert rules["split_last_boundary"] is True
     prompt = [int(t) for t in np.random.default_rng(7).integers(0, 128_256, 1024)]
     client, runtime = _client(engine)
     with client:
@@ -140,9 +142,23 @@ def test_reset_is_refused_while_a_request_runs(tiny_model):
         assert (again["path"], again["reused_tokens"]) == ("recompute", 0)
 
 
-def test_host_tier_needs_the_torch_executor():
+def test_host_tier_needs_a_capacity_and_an_executor_it_runs_on():
     from dataclasses import asdict
 
-    with pytest.raises(ValueError, match="host_tier=true: .* needs executor.kind=torch"):
-        EngineSpec(model=asdict(load_geometry("falcon_h1_tiny")), org="S2", budget="b63",
-                   host_tier=True)
+    model = asdict(load_geometry("falcon_h1_tiny"))
+    with pytest.raises(ValueError, match="host_tier.capacity_bytes: required"):
+        EngineSpec(model=model, org="S2", budget="b63", host_tier=True)
+    with pytest.raises(ValueError, match="host_tier.capacity_bytes: required"):
+        EngineSpec.from_dict({"model": model, "org": "S2", "budget": "b63", "host_tier": {}})
+    with pytest.raises(ValueError, match=r"host_tier.capacity_bytes=0: allowed values are "
+                                         r"integers > 0"):
+        EngineSpec(model=model, org="S2", budget="b63", host_tier={"capacity_bytes": 0})
+    with pytest.raises(ValueError, match="host_tier: unknown keys"):
+        EngineSpec(model=model, org="S2", budget="b63", host_tier={"capacity": 1})
+    with pytest.raises(ValueError, match="host_tier: a host tier runs on executor.kind torch "
+                                         "or simulated, not 'paced'"):
+        EngineSpec(model=model, org="S2", budget="b63", host_tier={"capacity_bytes": 1},
+                   executor=ExecutorSpec(kind="paced"))
+    spec = EngineSpec(model=model, org="S2", budget="b63", host_tier={"capacity_bytes": 8})
+    assert EngineSpec.from_json(spec.to_json()) == spec
+    assert spec.requested_rules()["host_tier"] == {"capacity_bytes": 8, "poison": False}

@@ -24,7 +24,7 @@ from ledgers.arms import ARMS, LEDGER_ORGS
 from ledgers.studies import STUDY_SCHEMAS
 
 DESIGN_COLUMNS = ("stage", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
-                  "retention_k", "pinning_k", "d0_attention_fraction", "trace")
+                  "retention_k", "pinning_k", "d0_attention_fraction", "trace", "host_tier_bytes")
 # Settings that only one org has (-1 / NaN elsewhere): never part of a pairing condition.
 ORG_SETTINGS = ("retention_k", "d0_attention_fraction")
 IDENTITY_COLUMNS = (*DESIGN_COLUMNS, "model", "executor", "units_detail")
@@ -221,6 +221,7 @@ def _load_runs(con, questions: Sequence[str]) -> RunSet:
     runs["reuse"] = runs["reuse"].astype(str).str.strip().str.lower()
     runs["trace"] = runs["trace"].astype(bool)
     runs["stage"] = runs["campaign"].map(stage_of)
+    runs["host_tier_bytes"] = runs["engine_config"].map(host_tier_bytes)
     staged = RunSet(questions, campaigns, runs, runs.head(0))
     for sql in (_REQUEST_METRICS, _STEP_METRICS, _POLLER_METRICS):
         metrics = query(con, sql, staged)
@@ -235,6 +236,15 @@ def _load_runs(con, questions: Sequence[str]) -> RunSet:
     extra = ordered.duplicated(["cell", "seed"], keep="first")
     return RunSet(questions, campaigns, ordered[~extra].sort_index().reset_index(drop=True),
                   ordered[extra].reset_index(drop=True))
+
+
+def host_tier_bytes(engine_config: str) -> int:
+    """The host tier capacity a run's engine ran (its record's `host_tier`), -1: none."""
+    try:
+        tier = json.loads(engine_config or "{}").get("host_tier")
+    except (TypeError, ValueError):
+        return -1
+    return int(tier["capacity_bytes"]) if isinstance(tier, dict) else -1
 
 
 def add_work_readouts(runs: pd.DataFrame) -> None:
@@ -280,6 +290,8 @@ def fmt_value(column: str, value) -> str:
         return "trace on" if bool(value) else "trace off"
     if column == "stage":
         return "" if value == MAIN_STAGE else str(value)
+    if column == "host_tier_bytes":
+        return "tier off" if value < 0 else f"tier {value / 2**30:g} GiB"
     if column in ("campaign", "budget", "reuse", "arrival"):
         return str(value)
     if pd.isna(value) or (column in LABEL_PREFIX and float(value) < 0):

@@ -1,4 +1,5 @@
-"""Pages of the supporting campaigns: ORIG-5, pinning (PIN-2), D0 split, caps, bursts.
+"""Pages of the supporting campaigns: ORIG-5, pinning (PIN-2), D0 split, caps, bursts, and
+the host tier (TIER-1, TIER-2).
 
 Each page shows arithmetic run means per cell of its plan and every family of the plan;
 the split page also shows EXT-22 rows 12-19, decided in that family (conf/prereg/q1.yaml).
@@ -25,7 +26,8 @@ SPLIT_ROWS = tuple(f"D0_{n}_vs_default_{b}" for b in ("b63", "b108")
                    for n in ("RM10", "RM05", "RP05", "RP10"))
 METRICS = ("throughput_span", "throughput_ledger", "e2e_p99", "tpot_p99", "waiting_p99",
            "preemptions")
-BY = ("budget", "cap", "rate", "arrival", "pinning_k", "d0_attention_fraction", "org")
+BY = ("budget", "cap", "rate", "arrival", "pinning_k", "d0_attention_fraction",
+      "host_tier_bytes", "org")
 
 
 @dataclass(frozen=True)
@@ -144,4 +146,5 @@ PAGES = (
     SupportingPage("d0_split", "D0 pool split", SPLIT_ROWS, extras=_split),
     SupportingPage("caps", "Concurrency caps", extras=_caps, cells_family="cap_curves"),
     SupportingPage("bursts", "Arrival bursts", extras=_bursts),
+    SupportingPage("tier", "The host state tier as a campaign axis (TIER-1, TIER-2)"),
 )

@@ -65,6 +65,53 @@ def ttft_table(frame: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values(["N", "_c", "tier", "path"]).drop(columns="_c")
 
 
+def _paired(frame: pd.DataFrame, num: tuple[str, str, bool], den: tuple[str, str, bool]
+            ) -> list[float]:
+    """Per (pair, trial): TTFT of the numerator request over the denominator's, each given
+    as (condition, actual path, tier); trials lacking either are skipped."""
+    def pick(cond, path, tier):
+        g = frame[(frame.condition == cond) & (frame.path == path) & (frame.host_tier == tier)]
+        return g.set_index(["pair", "trial"]).ttft_s
+
+    a, b = pick(*num), pick(*den)
+    both = a.index.intersection(b.index)
+    return [float(a[k] / b[k]) for k in sorted(both)]
+
+
+RATIOS = (  # name, numerator, denominator, acceptance bound (None: none)
+    ("ON cold / OFF cold", ("cold", "recompute", True), ("cold", "recompute", False), 1.05),
+    ("reload / repeat (ON, same B)", ("reload", "host_reload", True),
+     ("repeat", "device_reuse", True), 1.10),
+    ("OFF cold / ON reload", ("cold", "recompute", False), ("reload", "host_reload", True), None),
+)
+
+
+def ratio_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per N and ratio: the median over trials of the per-trial ratio (the two requests of a
+    trial ran back to back, so machine load cancels), the ratio of the medians, every
+    per-trial ratio, and the acceptance bound the median ratio is read against."""
+    def med(g: pd.DataFrame, spec: tuple[str, str, bool]) -> float:
+        cond, path, tier = spec
+        return float(np.median(g[(g.condition == cond) & (g.path == path)
+                                 & (g.host_tier == tier)].ttft_s))
+
+    rows = []
+    for n, g in frame.groupby("n_tokens"):
+        for name, num, den, bound in RATIOS:
+            paired = _paired(g, num, den)
+            if not paired:
+                continue
+            median = float(np.median(paired))
+            rows.append({"N": int(n), "ratio": name, "n": len(paired),
+                         "median of per-trial ratios": median,
+                         "ratio of medians": med(g, num) / med(g, den),
+                         "bound": "" if bound is None else f"<= {bound:.2f}",
+                         "within": "" if bound is None else ("yes" if median <= bound
+                                                             else "NO"),
+                         "per-trial": ", ".join(f"{v:.3f}" for v in paired)})
+    return pd.DataFrame(rows)
+
+
 def figure(frame: pd.DataFrame, path: Path) -> Path:
     lengths = sorted(frame.n_tokens.unique())
     groups = [(c, p) for c in RELOAD_CONDITIONS for p in REQUEST_PATHS
@@ -125,7 +172,9 @@ def page(frame: pd.DataFrame, table: pd.DataFrame, info: dict) -> str:
         f"{info['interval']}), budget {info['budget']}; effective split_last_boundary "
         f"{'on' if info['split'] else 'off'} (requested on; it acts on aligned chunks only, "
         "S0/S1/S2). Two order-balanced server pairs (OFF then ON, ON "
-        "then OFF; ON = host tier), each server fresh with one excluded warmup; per N, "
+        "then OFF; ON = host tier), each server fresh with one excluded warmup; the two "
+        "servers of a pair run at the same time and take turns, a trial's requests on both "
+        "back to back (server order and repeat/reload order alternate by trial); per N, "
         f"{info['trials']} trials with distinct early documents, {info['output_tokens']} "
         "generated tokens, serial streaming over loopback. Conditions: cold, immediate repeat, "
         "and (tier on) reload after POST /reset_prefix_cache. Rows are grouped by the ACTUAL "
@@ -154,6 +203,19 @@ def page(frame: pd.DataFrame, table: pd.DataFrame, info: dict) -> str:
         + "; ".join(f"N={n}: B={'/'.join(map(str, sorted(set(g.restored_tokens))))}, "
                     f"recomputed N - B={'/'.join(map(str, sorted(set(g.suffix_tokens))))}"
                     for n, g in reloads.groupby("n_tokens")) + ".",
+        "",
+        "TTFT ratios per N (acceptance: ON cold at most 1.05x OFF cold; a reload at most 1.10x "
+        "the device-reuse repeat of the same B on the same server), read on the median of the "
+        "per-trial ratios:",
+        "",
+        "| N | ratio | n | median of per-trial ratios | ratio of medians | bound | within "
+        "| per-trial |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in ratio_table(frame).itertuples(index=False):
+        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]} | {r[6]} "
+                     f"| {r[7]} |")
+    lines += [
         "",
         f"![TTFT per condition and actual path]({FIGURE})",
         "",

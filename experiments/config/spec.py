@@ -84,7 +84,19 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
         "scheduler": scheduler,
         "executor": executor,
         "trace": bool(cfg.trace),
+        "host_tier": _host_tier(cfg),
     })
+
+
+def _host_tier(cfg: DictConfig) -> dict | None:
+    """host_tier.capacity_bytes -> the spec's host tier (null: none)."""
+    section = cfg.get("host_tier")
+    capacity = None if section is None else section.get("capacity_bytes")
+    if capacity is None:
+        return None
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise ValueError(f"host_tier.capacity_bytes={capacity!r}: allowed integers >= 1")
+    return {"capacity_bytes": int(capacity)}
 
 
 # engine.<key> -> how its value becomes a SchedulerConfig field (None: as it is)

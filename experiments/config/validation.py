@@ -27,7 +27,7 @@ from serving_core.planner import plan_budget
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # the ledger writer's campaign names
 
 
-SECTIONS = ("engine", "retention", "load", "workload", "model", "executor")
+SECTIONS = ("engine", "retention", "load", "workload", "model", "executor", "host_tier")
 
 
 def _integer(value, field: str, low: int) -> int:
@@ -120,6 +120,13 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     _optional_integer(eng.pinning_k, "engine.pinning_k", 1)
     _number(eng.indirection_overhead, "engine.indirection_overhead")
     _integer(cfg.retention.k, "retention.k", 1)
+    unknown = sorted(set(cfg.host_tier) - {"capacity_bytes"})
+    if unknown:
+        raise ValueError(f"host_tier.{unknown[0]}: unknown key; allowed keys are capacity_bytes")
+    _optional_integer(cfg.host_tier.capacity_bytes, "host_tier.capacity_bytes", 1)
+    if cfg.host_tier.capacity_bytes is not None and path == VLLM:
+        raise ValueError("host_tier.capacity_bytes: the vLLM arm runs no host tier of ours; "
+                         "allowed null")
     spec = engine_spec(cfg)  # range checks (headroom in [0, 1), ...)
     if path != VLLM:
         from serving_core.builder import preflight

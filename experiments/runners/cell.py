@@ -76,7 +76,11 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("engine", "interleave"): None,
     ("engine", "split_last_boundary"): False,
     ("executor", "prefill_batch_tokens"): None,
+    ("host_tier", "capacity_bytes"): None,
 }
+# Sections added after runs were collected: left out of the identity once empty (every
+# key of theirs at its neutral default).
+IDENTITY_NEUTRAL_SECTIONS = ("host_tier",)
 
 
 @dataclass
@@ -109,6 +113,9 @@ def cell_config(cfg: DictConfig | dict) -> dict:
         group = out.get(section)
         if isinstance(group, dict) and key in group and group[key] == default:
             out[section] = {k: v for k, v in group.items() if k != key}
+    for section in IDENTITY_NEUTRAL_SECTIONS:
+        if out.get(section) == {}:
+            del out[section]
     return out
 
 

@@ -70,6 +70,7 @@ FAULTS = CONTINUATION_FAULTS
 VOCAB = 128_256
 INTERPOSER_TOKENS = 2  # generated tokens per interposer
 MAX_BATCHED_TOKENS = 2048
+TIER_CAPACITY_BYTES = 1 << 30  # holds every entry a pair publishes: nothing is evicted
 TABLE = "continuation"  # study table (ledgers.studies); page analysis/studies/
 
 
@@ -241,22 +242,30 @@ def _first_batch(engine, rid: int) -> dict:
 
 def _restored_exact(host, arena, keys: list[int], restored) -> bool:
     """Every restored attention block and the checkpoint read back equal to the host
-    copies bit for bit, with no NaN left from the poisoning."""
+    copies byte for byte, with no NaN left from the poisoning."""
     import torch
 
+    from serving_core.executor.state_copy import ArenaCopier
+
+    copier = ArenaCopier(arena)
+
+    def equal(obj, saved) -> bool:
+        got = copier.read(obj)
+        return len(got) == len(saved) and all(
+            torch.equal(a.cpu(), b) for a, b in zip(got, saved, strict=True))
+
     for i, obj in enumerate(restored.blocks):
-        saved = host.blocks[keys[i]]
         for layer in range(arena.layers):
-            got = arena.kv_view(layer)[obj.units[0]].cpu()
-            if torch.isnan(got).any() or not torch.equal(got, saved[layer].to(got.dtype)):
+            if torch.isnan(arena.kv_view(layer)[obj.units[0]].float()).any():
                 return False
+        if not equal(obj, host.blocks[keys[i]]):
+            return False
     if restored.checkpoint is not None:
-        saved = host.checkpoints[keys[len(restored.blocks) - 1]]
-        for (c, s), (c0, s0) in zip(arena.read(restored.checkpoint), saved, strict=True):
-            c, s = c.cpu(), s.cpu()
-            if (torch.isnan(c).any() or torch.isnan(s).any()
-                    or not torch.equal(c, c0.float()) or not torch.equal(s, s0.float())):
+        for c, s in arena.read(restored.checkpoint):
+            if torch.isnan(c).any() or torch.isnan(s).any():
                 return False
+        if not equal(restored.checkpoint, host.checkpoints[keys[len(restored.blocks) - 1]]):
+            return False
     return True
 
 
@@ -313,7 +322,9 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
                               "split_last_boundary": split_last_boundary})
 
     def fresh_engine():
-        return build_engine(spec, model=model)
+        engine = build_engine(spec, model=model)
+        engine.sched.state.log_publications()  # the tier saves what it publishes
+        return engine
 
     cold = fresh_engine()
     sched = cold.sched  # the rules the engine runs, read back from it
@@ -328,8 +339,8 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     prompts += [rng.integers(0, VOCAB, side).astype(np.int32) for _ in range(2)]
     target = _spec(0, 0.0, prompts[0], output_tokens)
     clock = [0.0]  # the tier's clock (seconds): saves of the delayed-save audit wait on it
-    host = HostTier(poison=poison, save_delay_s=save_delay_s if delayed_save else 0.0,
-                    clock=lambda: clock[0])
+    host = HostTier(TIER_CAPACITY_BYTES, poison=poison,
+                    save_delay_s=save_delay_s if delayed_save else 0.0, clock=lambda: clock[0])
     cold_tokens, _ = _generate(cold, [target], host)
     lookup_keys = Request(target, bt).lookup_keys()
 

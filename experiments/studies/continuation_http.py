@@ -2,7 +2,8 @@
 the server's host tier (issue 21, sections 2 and 4).
 
 `python -m experiments.studies.continuation_http` (make continuation-http). Per organization
-with checkpoints one fresh server (`--host-tier`, `engine.split_last_boundary=true`;
+with checkpoints one fresh server (host tier on, poisoning restores (an audit),
+`engine.split_last_boundary=true`;
 its engine line must say both), and per case five serial operations on it: the target
 cold, two interposer requests (other prompts of min(N, C+1) tokens), POST
 /reset_prefix_cache, the target again (reload). Greedy, EOS ignored. Cases: the nine
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[HttpCase] = []
     total = len(orgs) * (len(cases) + len(templates) * len(lengths))
     for org in orgs:
-        spec = server_spec(args.checkpoint, args.preset, org, args.budget, True, True)
+        spec = server_spec(args.checkpoint, args.preset, org, args.budget, True, True,
+                           poison=True)
         with tempfile.TemporaryDirectory(prefix="continuation-http-") as tmp, \
                 Server(spec, Path(tmp)) as srv:
             eff = srv.effective

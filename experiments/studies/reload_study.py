@@ -1,12 +1,13 @@
 """The order-balanced cold / repeat / reload TTFT study over HTTP (issue 21, section 3).
 
 `python -m experiments.studies.reload_study` (make reload-study). Two fresh server pairs in
-opposite orders, OFF then ON and ON then OFF (ON = `--host-tier`; every server new,
-started and stopped here, never left running). Each server: one excluded warmup, then
+opposite orders, OFF then ON and ON then OFF (ON = a host tier of 1 GiB, TIER_CAPACITY_BYTES;
+every server new, started and stopped here, never left running). The two servers of a pair
+run at the same time and take turns (see run_pair): each gets one excluded warmup, then
 per prompt length N (default 3,583, 3,584, 5,376: 2C-1, 2C, 3C for D0's C = 1,792 on
 the tiny model) three trials, each a prompt with its own early document identity
 (random token ids seeded by the document), greedy, EOS ignored, serial streaming
-completions over loopback:
+completions over loopback, a trial's requests on both servers back to back:
 - cold: the prompt's first request on this server;
 - repeat: the same prompt at once (the device prefix cache may serve it);
 - reload (ON only): `POST /reset_prefix_cache`, then the prompt again (the host tier may
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -47,6 +49,9 @@ ORDERS = (("off_on", (False, True)), ("on_off", (True, False)))
 VOCAB = 128_256
 WARMUP_DOCUMENT = -1
 TABLE = "reload_study"  # study table (ledgers.studies); page analysis/studies/
+# The ON servers' host tier: 1 GiB holds every entry the study publishes (each prompt's
+# chain and checkpoints, a few MiB on the tiny model), so no eviction interferes.
+TIER_CAPACITY_BYTES = 1 << 30
 
 
 def prompt_ids(n: int, document: int, seed: int) -> list[int]:
@@ -57,7 +62,8 @@ def prompt_ids(n: int, document: int, seed: int) -> list[int]:
 
 
 def server_spec(checkpoint: str, preset: str, org: str, budget: str, host_tier: bool,
-                split: bool, max_batched: int = 2048):
+                split: bool, max_batched: int = 2048, *,
+                capacity_bytes: int = TIER_CAPACITY_BYTES, poison: bool = False):
     from serving_core.engine_spec import EngineSpec
     from serving_core.geometry import load_geometry
 
@@ -66,7 +72,7 @@ def server_spec(checkpoint: str, preset: str, org: str, budget: str, host_tier: 
         "scheduler": {"cap": 8, "max_num_batched_tokens": max_batched,
                       "split_last_boundary": split},
         "executor": {"kind": "torch", "checkpoint": checkpoint},
-        "host_tier": host_tier,
+        "host_tier": {"capacity_bytes": capacity_bytes, "poison": poison} if host_tier else None,
     })
 
 
@@ -128,17 +134,26 @@ class Server:
         return r.json()
 
 
-def run_server(spec, *, pair: int, order: str, position: int, lengths: list[int],
-               trials: int, output_tokens: int, warmup_tokens: int, seed: int,
-               reference: dict[int, list[int]], interval: int, log) -> list[dict]:
-    """Warmup, then per N and trial: cold, repeat and (tier on) reset + reload."""
+def run_pair(specs, *, pair: int, order: str, lengths: list[int], trials: int,
+             output_tokens: int, warmup_tokens: int, seed: int,
+             reference: dict[int, list[int]], interval: int, log) -> list[dict]:
+    """Both servers of a pair up at once (`specs` in the pair's order); one warmup each, then
+    per N and trial each condition on both servers back to back, so the OFF and ON cold
+    requests of a trial see the same machine load. The server order alternates by trial
+    (even: the pair's order; odd: reversed), and on the ON server so does the order of
+    repeat and reload (even: cold, repeat, reset, reload; odd: cold, reset, reload, repeat;
+    a repeat after a reload is served by the device as after a cold run, same B)."""
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="reload-study-") as tmp, \
-            Server(spec, Path(tmp)) as srv:
-        tier = bool(srv.effective["host_tier"])
-        split = bool(srv.effective["split_last_boundary"])
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for position, spec in enumerate(specs):
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="reload-study-"))
+            servers.append((position, stack.enter_context(Server(spec, Path(tmp)))))
 
-        def send(n: int, trial: int, document: int, condition: str, tokens: int) -> None:
+        def send(position: int, srv: Server, n: int, trial: int, document: int,
+                 condition: str, tokens: int) -> None:
+            tier = bool(srv.effective["host_tier"])
+            split = bool(srv.effective["split_last_boundary"])
             prompt = prompt_ids(n, document, seed)
             rec = srv.complete(prompt, tokens)
             key = document if condition != "warmup" else None
@@ -155,29 +170,38 @@ def run_server(spec, *, pair: int, order: str, position: int, lengths: list[int]
                 "first_batch_scheduled": rec.first_batch_scheduled,
                 "ttft_s": rec.first_token_s - rec.sent_s, "e2e_s": rec.finish_s - rec.sent_s,
                 "output_tokens": len(rec.token_ids), "output_ids": json.dumps(rec.token_ids),
-                "output_matches": matches, "_server_id": rec.server_id,
+                "output_matches": matches, "_server": position, "_server_id": rec.server_id,
             })
             log(f"pair {pair} ({order}) server {position} tier {'ON ' if tier else 'OFF'} "
                 f"N={n} trial {trial} {condition:>6}: {rec.path} B/reused={rec.reused_tokens} "
                 f"first batch {rec.first_batch_computed}/{rec.first_batch_scheduled} "
                 f"TTFT {rows[-1]['ttft_s']:.3f} s{'' if matches else ' OUTPUT MISMATCH'}")
 
-        send(warmup_tokens, -1, WARMUP_DOCUMENT, "warmup", min(8, output_tokens))
+        for position, srv in servers:
+            send(position, srv, warmup_tokens, -1, WARMUP_DOCUMENT, "warmup",
+                 min(8, output_tokens))
         for i, n in enumerate(lengths):
             for trial in range(trials):
                 document = i * trials + trial
-                send(n, trial, document, "cold", output_tokens)
-                send(n, trial, document, "repeat", output_tokens)
-                if tier:
-                    srv.reset_prefix_cache()
-                    send(n, trial, document, "reload", output_tokens)
-    # The server's own records (written at shutdown) must state the same paths.
+                ordered = servers if trial % 2 == 0 else servers[::-1]
+                for position, srv in ordered:
+                    send(position, srv, n, trial, document, "cold", output_tokens)
+                steps = ("repeat", "reload") if trial % 2 == 0 else ("reload", "repeat")
+                for condition in steps:
+                    for position, srv in ordered:
+                        if condition == "reload":
+                            if not srv.effective["host_tier"]:
+                                continue
+                            srv.reset_prefix_cache()
+                        send(position, srv, n, trial, document, condition, output_tokens)
+    # Each server's own records (written at shutdown) must state the same paths.
+    recorded = {position: srv.recorded_paths for position, srv in servers}
     for row in rows:
         rid = row.pop("_server_id").rsplit("-", 1)[-1]
-        recorded = srv.recorded_paths.get(rid, {})
-        if recorded.get("path") != row["path"]:
+        got = recorded[row.pop("_server")].get(rid, {})
+        if got.get("path") != row["path"]:
             raise ServerError(f"request {rid}: path {row['path']} in its usage, "
-                              f"{recorded.get('path')} in the server's records")
+                              f"{got.get('path')} in the server's records")
     return rows
 
 
@@ -239,13 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     t0 = time.perf_counter()
     for pair, order in enumerate(pairs):
-        for position, tier in enumerate(orders[order]):
-            rows += run_server(specs[tier], pair=pair, order=order, position=position,
-                               lengths=lengths, trials=args.trials,
-                               output_tokens=args.output_tokens,
-                               warmup_tokens=args.warmup_tokens, seed=args.seed,
-                               reference=reference, interval=interval,
-                               log=lambda line: print(line, flush=True))
+        rows += run_pair([specs[tier] for tier in orders[order]], pair=pair, order=order,
+                         lengths=lengths, trials=args.trials, output_tokens=args.output_tokens,
+                         warmup_tokens=args.warmup_tokens, seed=args.seed,
+                         reference=reference, interval=interval,
+                         log=lambda line: print(line, flush=True))
     path = write_study(args.ledger_root, TABLE, rows_to_columns(
         TABLE, rows, study_id=study_id, created_at=now_iso(), model=args.preset,
         org=specs[True].org, budget=args.budget))

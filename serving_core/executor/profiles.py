@@ -36,6 +36,15 @@ STEP_MODELS = ("roofline", "additive")
 # Encoding is about 17 (fast Walsh-Hadamard butterfly, log2(128) = 7, and the sign flip; the
 # squared norm, 2; the scale, 1; a 4-step binary search over 15 boundaries; packing, 2; and a
 # margin of 1): 17 / 9.75e12.
+# The host link a host tier's copies cross (serving_core/host_tier.py), NOMINAL A100 values,
+# not fitted (nothing here measured an A100's copies): PCIe 4.0 x16, the A100-PCIE-40GB's host
+# interface (NVIDIA A100 datasheet: "PCIe Gen4: 64 GB/s", both directions together), is
+# 16 GT/s per lane x 16 lanes with 128b/130b encoding (PCI-SIG PCIe 4.0 base specification):
+# 16e9 x 16 x 128 / 130 / 8 = 31.5e9 B/s per direction, before protocol overhead. The
+# per-transfer latency, 10 us, is a nominal round figure for issuing one DMA copy (no
+# datasheet states it).
+NOMINAL_HOST_LINK_BANDWIDTH_BPS = 16e9 * 16 * 128 / 130 / 8
+NOMINAL_HOST_LINK_LATENCY_S = 10e-6
 NOMINAL_KV_DECODE_S_PER_ELEMENT = 4 / 9.75e12
 NOMINAL_KV_ENCODE_S_PER_ELEMENT = 17 / 9.75e12
 
@@ -71,6 +80,10 @@ class DeviceProfile:
     # the geometry's kv_codec is not bf16. Default: the nominal A100 values above.
     kv_decode_s_per_element: float = NOMINAL_KV_DECODE_S_PER_ELEMENT
     kv_encode_s_per_element: float = NOMINAL_KV_ENCODE_S_PER_ELEMENT
+    # The host link of a host tier (bytes/s per direction, seconds per copy); default: the
+    # nominal A100 PCIe 4.0 x16 values above.
+    host_link_bandwidth_Bps: float = NOMINAL_HOST_LINK_BANDWIDTH_BPS
+    host_link_latency_s: float = NOMINAL_HOST_LINK_LATENCY_S
 
     def __post_init__(self) -> None:
         if self.step_model not in STEP_MODELS:
@@ -79,7 +92,8 @@ class DeviceProfile:
             )
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name={self.name!r} must be a non-empty string")
-        for f in ("hbm_bytes_per_s", "peak_flops", "hbm_capacity_bytes"):
+        for f in ("hbm_bytes_per_s", "peak_flops", "hbm_capacity_bytes",
+                  "host_link_bandwidth_Bps"):
             value = getattr(self, f)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{f}={value} must be positive and finite")
@@ -88,7 +102,8 @@ class DeviceProfile:
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{f}={value} must lie in (0, 1]")
         for f in ("per_step_overhead_s", "per_seq_overhead_s", "mixed_step_s",
-                  "indirection_overhead", "kv_decode_s_per_element", "kv_encode_s_per_element"):
+                  "indirection_overhead", "kv_decode_s_per_element", "kv_encode_s_per_element",
+                  "host_link_latency_s"):
             value = getattr(self, f)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{f}={value} must be finite and >= 0")
@@ -120,6 +135,8 @@ _PROFILE_CASTS = {
     "calibration": str,
     "kv_decode_s_per_element": float,
     "kv_encode_s_per_element": float,
+    "host_link_bandwidth_Bps": float,
+    "host_link_latency_s": float,
 }
 _OPTIONAL_FIELDS = {f.name for f in fields(DeviceProfile) if f.default is not MISSING}
 assert set(_PROFILE_CASTS) == {f.name for f in fields(DeviceProfile)}

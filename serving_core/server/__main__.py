@@ -1,4 +1,4 @@
-"""`python -m serving_core.server --spec SPEC.json [--port 0] [--host-tier]`.
+"""`python -m serving_core.server --spec SPEC.json [--port 0] [--host-tier-capacity-bytes N]`.
 
 Builds the engine the spec describes (serving_core.builder: the same builder
 every run uses; the spec is serving_core.engine_spec.EngineSpec as JSON, written
@@ -8,10 +8,11 @@ starts with `engine {JSON}` (the effective rules read back from the built
 engine), `runtime {JSON}` (intra-op threads and allocator, read back from the process)
 and then `listening on http://HOST:PORT`. SIGTERM/SIGINT shut down
 gracefully (`--drain finish|abort`; a second signal aborts) and write the records
-(--records). `--host-tier` turns the spec's `host_tier` on (save every published
-entry to a host tier, restore held prefixes on admission; torch executor only);
-the engine line states it either way. With --records, `request_paths.json` holds
-every request's actual path and first batch.
+(--records). `--host-tier-capacity-bytes N` turns the spec's `host_tier` on with a
+capacity of N bytes (save every published entry to a host tier, evicting least recently
+used entries beyond N; restore held prefixes on admission and on resume; torch executor),
+or sets the capacity of the spec's tier; the engine line states it either way. With
+--records, `request_paths.json` holds every request's actual path and first batch.
 Bad arguments or a bad spec: one line on stderr, exit 2; a model that does not load: exit 1.
 """
 
@@ -48,8 +49,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--records", help="folder for the engine's records at shutdown")
     p.add_argument("--drain", default="finish", help=f"one of {', '.join(DRAIN_MODES)}")
-    p.add_argument("--host-tier", action="store_true",
-                   help="host tier on (else the spec's host_tier, default off)")
+    p.add_argument("--host-tier-capacity-bytes", type=int, default=None, metavar="N",
+                   help="host tier on with N bytes of capacity (else the spec's host_tier, "
+                        "default off)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="shut down (abort) when the launching process dies")
     p.add_argument("--threads", type=int, default=0,
@@ -163,13 +165,16 @@ def serve(args) -> int:
     from serving_core.server.runtime import EngineRuntime
 
     spec = load_spec(args.spec)
-    if args.host_tier and not spec.host_tier:
+    if args.host_tier_capacity_bytes is not None:
         from dataclasses import replace
 
+        from serving_core.engine_spec import HostTierSpec
+
+        poison = spec.host_tier.poison if spec.host_tier is not None else False
         try:
-            spec = replace(spec, host_tier=True)
+            spec = replace(spec, host_tier=HostTierSpec(args.host_tier_capacity_bytes, poison))
         except ValueError as err:
-            raise UsageError(f"--host-tier: {err}") from None
+            raise UsageError(f"--host-tier-capacity-bytes: {err}") from None
     sock = bind(args.host, args.port)  # before the model loads: a taken port fails fast
     apply_threads(args.threads)
     engine = build_engine(spec)

@@ -32,9 +32,12 @@ not vLLM's prompt_tokens), engine_clock_seconds, engine_steps,
 requests_received / finished / aborted / rejected, per-pool units (pool_units_used, _cached,
 _free, _total and pool_usage_perc, labelled `pool`: shared for S0/S1/S2/N0, attention and
 recurrent for D0), the host tier's external_tier_saves_started / _completed,
-external_tier_restores, device_prefix_cache_hits (tokens adopted from the device cache
-without a restore), prefix_cache_resets and requests_by_path{path=recompute|device_reuse|
-host_reload}. The process_* series come from Prometheus' process collector, as vLLM's.
+external_tier_restores / _resume_restores, external_tier_evictions / _evicted_bytes /
+_rejected_saves, external_tier_saved_bytes / _restored_bytes and the gauges
+external_tier_usage_bytes / _capacity_bytes / _entries, device_prefix_cache_hits (tokens
+adopted from the device cache without a restore), prefix_cache_resets and
+requests_by_path{path=recompute|device_reuse|host_reload}. The process_* series come from
+Prometheus' process collector, as vLLM's.
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ CACHED_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 
 # ----- ours (hsl:) ------------------------------------------------------------------------
 GAUGES = {"engine_clock_seconds": ("clock_s", "Engine clock (seconds since it started).")}
+# The host tier's occupancy (0 without a tier); LMCache calls the first local_cache_usage.
+TIER_GAUGES = {
+    "external_tier_usage_bytes": ("tier_usage_bytes",
+                                  "Host-tier bytes held or reserved by saves in flight."),
+    "external_tier_capacity_bytes": ("tier_capacity_bytes", "Host-tier capacity in bytes."),
+    "external_tier_entries": ("tier_entries",
+                              "Host-tier entries (a checkpoint with its attention chain)."),
+}
 COUNTERS = {  # exposed with the _total suffix: name -> (snapshot key, help)
     "prompt_tokens": ("prompt_tokens_total",
                       "Prompt tokens computed (prefill, recompute after preemption included)."),
@@ -68,6 +79,16 @@ COUNTERS = {  # exposed with the _total suffix: name -> (snapshot key, help)
     "external_tier_saves_completed": ("tier_saves_completed",
                                       "Host-tier saves completed (entries restorable)."),
     "external_tier_restores": ("tier_restores", "Prefixes restored from the host tier."),
+    "external_tier_resume_restores": ("tier_resume_restores",
+                                      "Restores for preempted requests resuming."),
+    "external_tier_evictions": ("tier_evictions",
+                                "Host-tier entries evicted (least recently used first)."),
+    "external_tier_evicted_bytes": ("tier_evicted_bytes", "Host-tier bytes evicted."),
+    "external_tier_rejected_saves": ("tier_rejected_saves",
+                                     "Entries not saved: they did not fit the capacity."),
+    "external_tier_saved_bytes": ("tier_bytes_d2h", "Bytes copied device-to-host by saves."),
+    "external_tier_restored_bytes": ("tier_bytes_h2d",
+                                     "Bytes copied host-to-device by restores."),
     "device_prefix_cache_hits": ("device_prefix_hit_tokens",
                                  "Prompt tokens adopted from the device cache (no restore)."),
     "prefix_cache_resets": ("prefix_cache_resets", "POST /reset_prefix_cache calls done."),
@@ -260,6 +281,10 @@ class SnapshotCollector:
         for name, (key, doc) in GAUGES.items():
             fam = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             fam.add_metric(m, snap[key])
+            yield fam
+        for name, (key, doc) in TIER_GAUGES.items():
+            fam = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            fam.add_metric(m, snap.get(key, 0))
             yield fam
         for name, (key, doc) in COUNTERS.items():
             fam = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
