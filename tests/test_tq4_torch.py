@@ -145,7 +145,7 @@ def test_tq4_reload_continues_like_the_cold_run(tiny_checkpoint, tmp_path, capsy
 
     code = main(["--checkpoint", str(tiny_checkpoint), "--preset", "falcon_h1_tiny_tq4",
                  "--orgs", "s0,s1,s2,d0", "--output-tokens", "4",
-                 "--ledger-root", str(tmp_path / "l"), "--report-dir", str(tmp_path / "r")])
+                 "--ledger-root", str(tmp_path / "l")])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and last == {"pairs": 36, "equal": 36, "B_equals_p": True,
                                   "audits_ok": True, "ok": 36}
