@@ -33,6 +33,7 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("s2_retention", "S2", "S2_RETENTION", "S2+Retention", "S2+Retention", "#8172b2",
         retention=True),
     Arm("n0", "N0", "N0", "N0", "N0 (vLLM native)", "#937860"),
+    Arm("jenga", "JENGA", "JENGA", "Jenga", "Jenga (two-level)", "#da8bc3"),
 )}
 ARM_NAMES = tuple(ARMS)
 BY_LEDGER_ORG: dict[str, Arm] = {a.ledger_org: a for a in ARMS.values()}

@@ -96,6 +96,8 @@ _SCHEDULER_RULES = {
     "slab_policy": str,
     "free_queue": str,
     "checkpoint_recency": str,
+    "cache_policy": str,
+    "marconi_alpha": None,
     "interleave": lambda value: None if value is None else _plain(value),
     "split_last_boundary": None,
 }
