@@ -16,10 +16,14 @@ Where this arm follows Jenga:
   pages, free ones first and then its own least recently used cached one (in large pages
   that are still in use); only when the type has none does it ask the large-page level,
   which hands out a free large page or, failing that, reclaims the least recently used
-  large page that nothing references (its recency: the newest of its small pages), of
-  either type, evicting every cached entry on it. A type's allocations thus never take
-  another type's cached state while it has its own, and whole large pages are reclaimed in
-  recency order across types (Jenga's LCM-level eviction);
+  large page that nothing references (its recency: the newest of its small pages, one
+  clock for both types), of either type, evicting every cached entry on it. A type's
+  allocations thus never take another type's cached state while it has its own, and whole
+  large pages are reclaimed in recency order across types (Jenga's LCM-level eviction).
+  Unlike the single-level organizations' free-first rule, a type evicts its own cached
+  small page in an in-use large page before it takes a free large page; `can_allocate` is
+  exact for this order (each type's own in-use pages first, then whole large pages from
+  one shared count);
 - prefix-subset order: a request releases its attention blocks tail first (the state
   manager), so of one prefix the deepest blocks are the least recent and go first.
 
@@ -114,6 +118,10 @@ class _SmallPages(UnitPool):
     def num_available(self) -> int:
         return self.owner_org.available_alone(self.name)
 
+    def tick(self) -> int:
+        """One recency clock for both types (large pages compare stamps across them)."""
+        return self.owner_org.tick()
+
     def make_least_recent(self, unit: int) -> None:
         super().make_least_recent(unit)
         self.owner_org._restamp(self.name, unit)
@@ -205,6 +213,7 @@ class JengaTwoLevel(MemoryOrganization):
         else:
             pool_units = {"attention": att}
         self.per = {name: per[name] for name in pool_units}
+        self.clock = 0  # the recency clock of both small-page types
         super().__init__(layout, pool_units, events, **rules)
         n = self.num_large
         self.large_free: deque[int] = deque(range(n))
@@ -227,6 +236,10 @@ class JengaTwoLevel(MemoryOrganization):
     def _make_pool(self, name: str, num_units: int, unit_bytes: int,
                    free_queue: str) -> UnitPool:
         return _SmallPages(name, num_units, unit_bytes, self)
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
 
     # ----- small-page state transitions ---------------------------------------------------
     def _page(self, pool: str, unit: int) -> int:
