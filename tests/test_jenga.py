@@ -15,7 +15,6 @@ import pytest
 from test_memory_invariants import CONFIG, assert_exercised, new_run, run
 
 from serving_core import planner, storage
-from serving_core.geometry import load_geometry
 from serving_core.memory import build_memory, org_layout
 from serving_core.memory.invariants import check_invariants
 from serving_core.memory.jenga import JengaTwoLevel
@@ -95,7 +94,7 @@ def test_a_type_evicts_its_own_cached_pages_before_another_types(falcon):
     goes first; then a new attention page takes A (the type's own LRU, in an in-use large
     page) although S is older, and a new state takes page 1 back from S."""
     mem = _mem(falcon)
-    held = mem.allocate_attention(1)
+    mem.allocate_attention(1)  # held: large page 0 stays in use
     s = mem.allocate_composite(2)
     mem.publish(s, 7, 512)
     mem.release(s, producer=True)  # S cached first (oldest)
