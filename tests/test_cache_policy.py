@@ -131,6 +131,24 @@ def test_marconi_evicts_the_least_useful_checkpoint_by_hand(falcon):
         check_invariants(mem)
 
 
+def test_marconi_keeps_attention_blocks_in_recency_order(falcon):
+    """D0's attention pool under marconi: blocks carry no FLOP term, so the victim is the
+    least recent, whatever its depth (a request releases its deepest block first): blocks
+    at 16, 32, 48 tokens released 48, 32, 16 go in that order."""
+    mem = build_memory(falcon, "D0", {"attention": 3, "recurrent": 1}, cache_policy="marconi")
+    blocks = {}
+    for key, depth in ((1, 16), (2, 32), (3, 48)):
+        blocks[depth] = mem.allocate_attention(1)
+        mem.publish(blocks[depth], key, depth)
+    for depth in (48, 32, 16):
+        mem.release(blocks[depth])
+    lost = []
+    for _ in range(3):
+        mem.allocate_attention(2)
+        lost += [d for d, b in blocks.items() if not b.valid and d not in lost]
+    assert lost == [48, 32, 16]
+
+
 def test_marconi_ranks_attention_blocks_and_slabs_in_s2(falcon):
     """S2 under marconi keeps the allocator's invariants on a shared workload (every pool
     ranked, slab pages by their best cached checkpoint) and completes every request."""

@@ -210,7 +210,7 @@ class MemoryOrganization:
         """FLOPs a hit on a cached entry saves per byte of the units it holds."""
         num_bytes = len(obj.units) * self.pools[obj.pool].unit_bytes
         return self.cache_policy.efficiency(obj.kind == Kind.COMPOSITE, obj.boundary,
-                                            self.layout.block_tokens, num_bytes)
+                                            num_bytes)
 
     @property
     def cache_policy_name(self) -> str:

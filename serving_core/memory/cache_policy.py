@@ -18,8 +18,12 @@
   * eviction by utility: among a pool's evictable units the victim minimizes
     S = recency' + alpha x efficiency', each min-max normalized over the candidates
     (Marconi section 4.2), recency being the unit's LRU stamp and efficiency the FLOPs a
-    hit on the entry saves per byte it holds (`FlopModel`); alpha is `engine.marconi_alpha`
-    (alpha = 0 is LRU order). Ties go to the older stamp, then the lower unit.
+    hit on a recurrent checkpoint saves per byte it holds (`FlopModel`); alpha is
+    `engine.marconi_alpha` (alpha = 0 is LRU order). Ties go to the older stamp, then the
+    lower unit. Attention blocks carry no FLOP term (efficiency 0, recency order, tail
+    first): Marconi evicts only radix nodes without children, so a shared shallow block
+    that deeper hits need never goes before them; ranking blocks by their own FLOPs would
+    evict exactly those.
   Simplifications, stated: Marconi's radix tree checkpoints at the exact token where
   sequences diverge and at the exact last token; here checkpoints exist only on the
   organization's grid, so both points are rounded down to it; the final boundary is
@@ -111,16 +115,13 @@ class CachePolicy:
         return frozenset(out)
 
     # ----- eviction ------------------------------------------------------------------------
-    def efficiency(self, is_checkpoint: bool, boundary: int, block_tokens: int,
-                   num_bytes: int) -> float:
+    def efficiency(self, is_checkpoint: bool, boundary: int, num_bytes: int) -> float:
         """FLOPs a hit on the entry saves per byte it holds: a checkpoint at boundary b
         saves the whole prefix F(b) (the state cannot be rebuilt from part of it); an
-        attention block ending at b saves its own tokens after the prefix before it."""
-        if num_bytes <= 0 or boundary <= 0:
+        attention block is ranked by recency alone (0; module doc)."""
+        if not is_checkpoint or num_bytes <= 0 or boundary <= 0:
             return 0.0
-        saved = (self.flops.prefix(boundary) if is_checkpoint
-                 else self.flops.span(max(boundary - block_tokens, 0), boundary))
-        return saved / num_bytes
+        return self.flops.prefix(boundary) / num_bytes
 
     def make_pool(self, name: str, num_units: int, unit_bytes: int, free_queue: str,
                   weight_of: Callable[[int], float]) -> ScoredPool:
