@@ -184,3 +184,18 @@ def test_invariants_over_100k_random_operations(name):
     assert_exercised(CONFIG[name], driver, recorder)
     # large pages moved between the types: both carved over the run, reclaimed across types
     assert driver.stats["admitted"] > 1000
+
+
+def test_a_served_cell_keeps_the_invariants_after_every_step():
+    """The Jenga arm in the engine (b63, 40 requests of the default workload): every
+    invariant after every step, all requests complete, the record names the organization."""
+    from conftest import compose_config
+
+    from experiments.runners.cell import run_cell
+
+    cfg = compose_config("org=jenga", "budget=b63", "workload.num_requests=40",
+                         "write_ledgers=false")
+    res = run_cell(cfg, on_step=lambda sched, mem: check_invariants(mem))
+    assert res.summary["completed"] == 40
+    assert res.engine_config["org"] == "JENGA"
+    assert res.engine_config["pool_units"] == {"attention": 63 * 98, "recurrent": 63}

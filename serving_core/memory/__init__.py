@@ -23,6 +23,10 @@ Adding an organization (tests/test_org_registry.py does it with a 256-token-page
    then runs, plans, prices and records it;
 4. tests: a config in tests/test_memory_invariants.py (a test asks for one per registered
    organization) and hand-computed sizes beside tests/test_planner.py and test_storage.py.
+An allocator whose pools do not own all their units at once (jenga.py: small pages exist
+only inside large pages carved for their type) says which units are its pool's
+(`carved(pool, unit)`) and checks its own bookkeeping (`check_own()`); memory/invariants.py
+reads both. A cache policy (cache_policy.py) is a rule of every organization, not one.
 """
 
 from __future__ import annotations
