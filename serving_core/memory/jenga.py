@@ -509,14 +509,15 @@ class JengaTwoLevel(MemoryOrganization):
         return want_pages <= pages_left
 
     def usage(self) -> dict[str, tuple[int, int, int, int]]:
-        """Per type: (used, cached, free, total) small pages; free counts the type's free
-        small pages plus every free large page carved for it."""
+        """Per type: (used, cached, free, total) small pages of its id space (L x its small
+        pages per large page); free is what is neither used nor cached by the type (its
+        free small pages, and the small pages of large pages not carved for it), so the four
+        add up as for every organization; `num_available` says what the type can obtain."""
         out = {}
         for name, pool in self.pools.items():
             used = sum(1 for s in self.state[name] if s == _USED)
             cached = len(pool.evictable)
-            free = len(pool.free) + len(self.large_free) * self.per[name]
-            out[name] = (used, cached, free, pool.num_units)
+            out[name] = (used, cached, pool.num_units - used - cached, pool.num_units)
         return out
 
     # ----- bookkeeping check (tests; memory/invariants.py calls it) ------------------------
