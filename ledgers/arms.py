@@ -3,7 +3,8 @@
 An arm is what a user asks for (`org=s2_retention`); it runs on a storage
 organization of serving_core (`S2`) with its own settings (retention K) and is
 recorded in the ledgers under its own `org` value (`S2_RETENTION`) and `arm`
-label (`S2+Retention`). The runner's choices, the ledgers' values, and the
+label (`S2+Retention`); a cache-policy arm (`s2_marconi`) runs its organization under
+that `engine.cache_policy`. The runner's choices, the ledgers' values, and the
 analysis' order, display names and colours all derive from `ARMS`; the table's
 order is the order of every figure and table. (serving_core names only its
 storage organizations, on the organization classes; a test checks the two agree.)
@@ -23,6 +24,7 @@ class Arm:
     display: str  # figure legends
     color: str  # figure colour
     retention: bool = False  # producer-side checkpoint retention (retention.k applies)
+    cache_policy: str = "lru"  # the arm's engine.cache_policy (serving_core/memory/cache_policy.py)
 
 
 ARMS: dict[str, Arm] = {a.name: a for a in (
@@ -33,6 +35,11 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("s2_retention", "S2", "S2_RETENTION", "S2+Retention", "S2+Retention", "#8172b2",
         retention=True),
     Arm("n0", "N0", "N0", "N0", "N0 (vLLM native)", "#937860"),
+    Arm("jenga", "JENGA", "JENGA", "Jenga", "Jenga (two-level)", "#da8bc3"),
+    Arm("s2_marconi", "S2", "S2_MARCONI", "S2+Marconi", "S2 + Marconi cache", "#2f7d3e",
+        cache_policy="marconi"),
+    Arm("d0_marconi", "D0", "D0_MARCONI", "D0+Marconi", "D0 + Marconi cache", "#8c2d30",
+        cache_policy="marconi"),
 )}
 ARM_NAMES = tuple(ARMS)
 BY_LEDGER_ORG: dict[str, Arm] = {a.ledger_org: a for a in ARMS.values()}

@@ -184,7 +184,8 @@ _RUNS = [
     *_KEY_FIELDS,
     _f("question", _S, "", "Paper question the run serves (q1..q9 or a supporting sweep)."),
     _f("arm", _S, "", "Arm label within the question (e.g. S2, S2+Retention)."),
-    _f("org", _S, "", "Arm's organization (ledgers.arms: S0, S1, S2, D0, S2_RETENTION, N0)."),
+    _f("org", _S, "", ("Arm's organization (ledgers.arms: S0, S1, S2, D0, S2_RETENTION, N0, JENGA, "
+                     "S2_MARCONI, D0_MARCONI).")),
     _f("budget", _S, "", "Memory budget name (e.g. b63)."),
     _f("units", _I, "units", "Total units of the budget (both D0 pools summed)."),
     _f("units_detail", _S, "", "JSON object of units per pool."),

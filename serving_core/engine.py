@@ -311,6 +311,8 @@ class Engine:
             "free_queue": _one({"single_queue" if pool.single_queue else "free_first"
                                 for pool in mem.pools.values()}),
             "checkpoint_recency": mem.checkpoint_recency,
+            "cache_policy": mem.cache_policy_name,
+            "marconi_alpha": None if mem.cache_policy is None else mem.cache_policy.alpha,
             "interleave": None if sched.interleave is None else dict(sched.interleave),
             "retention_k": sched.retention_k,
             "pinning_k": sched.pinning_k,

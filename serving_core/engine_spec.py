@@ -175,6 +175,8 @@ class EngineSpec:
             "slab_policy": sc.slab_policy if cls.has_slabs else None,
             "free_queue": sc.free_queue,
             "checkpoint_recency": sc.checkpoint_recency,
+            "cache_policy": sc.cache_policy,
+            "marconi_alpha": float(sc.marconi_alpha) if sc.cache_policy != "lru" else None,
             "interleave": sc.interleave,
             "retention_k": sc.retention_k,
             "pinning_k": sc.pinning_k,

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from serving_core.memory import SLAB_POLICIES, MemoryOrganization
 from serving_core.memory.base import CHECKPOINT_RECENCIES
+from serving_core.memory.cache_policy import DEFAULT_MARCONI_ALPHA, check_cache_policy
 from serving_core.memory.pool import FREE_QUEUES
 from serving_core.planner import headroom_units
 from serving_core.request import Request, Status
@@ -72,11 +73,14 @@ class SchedulerConfig:
     # plus at most m prefill tokens (running chunks and admissions together), and so on.
     interleave: Mapping[str, int] | None = None
     split_last_boundary: bool = False  # aligned: a chunk ending at N = k C ends at N - C
+    cache_policy: str = "lru"  # lru | marconi (memory.cache_policy)
+    marconi_alpha: float = DEFAULT_MARCONI_ALPHA  # marconi: weight of FLOPs saved per byte
 
     def memory_rules(self) -> dict[str, str]:
         """The allocator's rules (build_memory keyword arguments)."""
         return {"slab_policy": self.slab_policy, "free_queue": self.free_queue,
-                "checkpoint_recency": self.checkpoint_recency}
+                "checkpoint_recency": self.checkpoint_recency,
+                "cache_policy": self.cache_policy, "marconi_alpha": self.marconi_alpha}
 
     def __post_init__(self) -> None:
         choices = (
@@ -92,6 +96,10 @@ class SchedulerConfig:
                 raise ValueError(
                     f"engine.{name}={getattr(self, name)!r}: allowed values are {shown}"
                 )
+        check_cache_policy(self.cache_policy, self.marconi_alpha)
+        if self.cache_policy == "marconi" and self.free_queue != "free_first":
+            raise ValueError(f"engine.free_queue={self.free_queue!r}: with "
+                             "engine.cache_policy=marconi the allowed value is free_first")
         if self.align_chunks not in (True, False, None):
             raise ValueError(
                 f"engine.align_chunks={self.align_chunks!r}: allowed values are true, false, null"

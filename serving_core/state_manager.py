@@ -109,6 +109,10 @@ class HybridStateManager:
         self.pinning_k = pinning_k  # preemption pins a checkpoint asked for by >= k requests
         # retention or pinning needs per-key demand counts
         self.track_demand = retention_k is not None or pinning_k is not None
+        # engine.cache_policy=marconi: the checkpoint boundaries each running request may
+        # publish (memory.cache_policy.CachePolicy.admitted_boundaries); None: every one.
+        self.admitted: dict[int, frozenset[int]] | None = (
+            None if mem.cache_policy is None else {})
         # Fault injection (tests, experiments/studies/continuation.py): when set,
         # adoption_hook(req, adoption) returns what admitting `req` adopts instead.
         self.adoption_hook = None
@@ -208,6 +212,10 @@ class HybridStateManager:
         req.adopted = adoption.checkpoint
         req.num_computed = adoption.jadopt
         self._allocate(req, adoption.jadopt, n, bool(self.C))
+        if self.admitted is not None:
+            self.admitted[req.rid] = mem.cache_policy.admitted_boundaries(
+                adoption.hit.attention, adoption.jadopt, req.num_tokens,
+                req.num_prompt + req.target_output - 1, self.C)
         if self.track_demand:
             mem.cache.record_demand(adoption.keys, self.B, self.C, req.rid)
 
@@ -311,6 +319,8 @@ class HybridStateManager:
             mem.release(req.adopted)
             req.adopted = NULL
         self.drop_retained(req)
+        if self.admitted is not None:
+            self.admitted.pop(req.rid, None)
 
     # ----- after a step -------------------------------------------------------------------------
     def complete_chunk(self, req: Request, c0: int, c1: int,
@@ -351,8 +361,10 @@ class HybridStateManager:
         returns the composite published (NULL for a no-op publication)."""
         mem = self.mem
         dest = req.dests.pop(0)
-        if mem.cached_checkpoint(key) is not None:
-            # already cached: publishing is a no-op, the destination is freed
+        if mem.cached_checkpoint(key) is not None or (
+                self.admitted is not None and boundary not in self.admitted.get(req.rid, ())):
+            # already cached (or not admitted by the cache policy): publishing is a no-op,
+            # the destination is freed
             mem.release(dest, producer=True)
             return NULL
         produced = req.working

@@ -49,7 +49,7 @@ SINGLE = [
     (("~org",), "error: org: required, it cannot be removed"),
 ]
 MULTI = [
-    (("campaign=q99",), "error: campaign=q99: allowed bursts, caps, d0_split, demo"),
+    (("campaign=q99",), "error: campaign=q99: allowed arms, bursts, caps, d0_split, demo"),
     (("campaign=q9", "org=s0,s9"), "error: org='s9': allowed values are s0, s1, s2, d0"),
     (("campaign=q9", "hydra.sweeper.order=shuffled"),
      "error: hydra.sweeper.order='shuffled': allowed values are product, seed_major, balanced"),

@@ -29,7 +29,7 @@ from ledgers import check as ledger_check
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
 SYNTH = ("workload.source=synthetic", "workload.num_requests=20")
-QUESTIONS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9")
+QUESTIONS = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9", "arms")  # `make <q>` targets
 
 
 @functools.cache

@@ -142,7 +142,8 @@ def test_rules_keep_the_invariants_and_complete(org, rule):
 def test_default_rules_are_todays():
     cfg = SchedulerConfig()
     assert cfg.memory_rules() == {"slab_policy": "write_once", "free_queue": "free_first",
-                                  "checkpoint_recency": "release"}
+                                  "checkpoint_recency": "release", "cache_policy": "lru",
+                                  "marconi_alpha": 1.0}
     eng = compose_config().engine
     assert (eng.free_queue, eng.checkpoint_recency) == ("free_first", "release")
 

@@ -30,8 +30,8 @@ from serving_core.memory import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-UNKNOWN = "jenga"  # not (yet) registered
-ALLOWED = "allowed values are S0, S1, S2, D0, N0"
+UNKNOWN = "tetris"  # not registered
+ALLOWED = "allowed values are S0, S1, S2, D0, N0, JENGA"
 
 
 def test_every_registered_class_states_its_rules():

@@ -208,8 +208,11 @@ def test_falcon_tq4_budget_table_by_hand(falcon, label):
     assert units_for(plan, "d0") == {"attention": d0_a, "recurrent": d0_r}
     assert units_for(plan, "n0") == {"shared": n0}
     units = {p.org + p.pool: p.unit_bytes for p in plan.pools}
+    # Jenga: 16 tokens x 264 B = 4,224-B attention pages; the composite padded to whole
+    # attention pages, ceil(1,594,368 / 4,224) = 378 pages = 1,596,672 B
     assert units == {"S0shared": 1_594_368, "S1shared": 135_168, "S2shared": 135_168,
-                     "D0attention": 4_224, "D0recurrent": 1_594_368, "N0shared": 1_596_672}
+                     "D0attention": 4_224, "D0recurrent": 1_594_368, "N0shared": 1_596_672,
+                     "JENGAattention": 4_224, "JENGArecurrent": 1_596_672}
 
 
 def test_tq4_layout_by_hand(falcon):
@@ -247,12 +250,18 @@ def test_plan_to_dict_shape(falcon):
     data = plan_to_dict(plan_budget(falcon, "b63"))
     assert set(data) == {"model", "kv_codec", "budget", "nominal_bytes", "orgs"}
     assert data["kv_codec"] == "bf16"
-    assert set(data["orgs"]) == {"S0", "S1", "S2", "D0", "N0"}
+    assert set(data["orgs"]) == {"S0", "S1", "S2", "D0", "N0", "JENGA"}
     assert data["orgs"]["S1"] == {"units": 193, "unit_bytes": 524_288, "bytes": 101_187_584}
     d0 = data["orgs"]["D0"]
     assert d0["attention"] == {"units": 3_256, "unit_bytes": 16_384, "bytes": 53_346_304}
     assert d0["recurrent"] == {"units": 29, "unit_bytes": 1_594_368, "bytes": 46_236_672}
     assert d0["bytes"] == 99_582_976
+    # Jenga: 63 x 1,605,632 B = 63 large pages, each 98 attention pages or one state page;
+    # the state pages are carved from the same bytes (counted once)
+    jenga = data["orgs"]["JENGA"]
+    assert jenga["attention"] == {"units": 63 * 98, "unit_bytes": 16_384, "bytes": 101_154_816}
+    assert jenga["recurrent"] == {"units": 63, "unit_bytes": 1_605_632, "bytes": 0}
+    assert jenga["bytes"] == 101_154_816
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -90,11 +90,11 @@ def long_reference(tiny_checkpoint, long_prompts):
     return _transformers_greedy(tiny_checkpoint, long_prompts)
 
 
-def serve_greedy(model, org, budget, specs, max_tokens=2048, cap=4):
+def serve_greedy(model, org, budget, specs, max_tokens=2048, cap=4, **rules):
     geometry = load_geometry("falcon_h1_tiny")
     units = units_for(plan_budget(geometry, budget), org)
     engine = torch_engine(model, geometry, org, units,
-                          SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens),
+                          SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens, **rules),
                           clock="virtual")
     produced: dict[int, list[int]] = {}
     original = engine.step
@@ -127,7 +127,7 @@ def _check_adoption(model, prompts, reference, org, adopted, max_tokens=2048):
     return result
 
 
-@pytest.mark.parametrize("org", ["S0", "S1", "S2"])
+@pytest.mark.parametrize("org", ["S0", "S1", "S2", "JENGA"])
 def test_greedy_equals_transformers_and_adopted_prefix_continues_exactly(
     tiny_model, prompts, reference, org
 ):
@@ -142,9 +142,14 @@ def test_d0_greedy_and_adoption_with_a_boundary_inside_a_chunk(
     assert max(result.tables["steps"]["prefill_tokens_initial"]) == 1000
 
 
-def test_preemption_and_resume_continue_exactly(tiny_model, prompts, reference):
+# Jenga: 5 large pages, first-chunk admission and 256-token chunks, so that three requests
+# run at once and must preempt (whole-prompt admission would make them wait instead)
+@pytest.mark.parametrize(("org", "budget", "rules"), [
+    ("S2", "p13", {}), ("JENGA", "b5", {"admission": "first_chunk", "max_tokens": 256})])
+def test_preemption_and_resume_continue_exactly(tiny_model, prompts, reference, org, budget,
+                                                 rules):
     specs = _specs(prompts, (0, 1, 2), (0.0, 0.0, 0.0))
-    result, produced = serve_greedy(tiny_model, "S2", "p13", specs)
+    result, produced = serve_greedy(tiny_model, org, budget, specs, **rules)
     assert result.summary["preemptions"] >= 1
     requests = result.tables["requests"]
     resumed = [i for i, n in enumerate(requests["preemptions"]) if n]
@@ -153,7 +158,7 @@ def test_preemption_and_resume_continue_exactly(tiny_model, prompts, reference):
         assert produced[i] == reference[i], f"request {i}"
 
 
-@pytest.mark.parametrize(("org", "chunk"), [("S1", 300), ("S2", 700)])
+@pytest.mark.parametrize(("org", "chunk"), [("S1", 300), ("S2", 700), ("JENGA", 700)])
 def test_chunked_prefill_continues_exactly(tiny_model, prompts, reference, org, chunk):
     specs = _specs(prompts, (2,), (0.0,))
     result, produced = serve_greedy(tiny_model, org, "b12", specs, max_tokens=chunk)

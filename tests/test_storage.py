@@ -198,8 +198,12 @@ def test_cli_cost_json():
     result = _cli("--attention-blocks", "16", "--checkpoints", "16", "--slabs", "1", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert set(data) == {"S0", "S1", "S2", "D0", "N0"}
+    assert set(data) == {"S0", "S1", "S2", "D0", "N0", "JENGA"}
     assert data["S0"] == {"bytes": 51_019_776, "mib": 48.65625}
+    # Jenga: 16 x 512 / 16 = 512 attention pages -> ceil(512 / 98) = 6 large pages, plus 16
+    # state pages = 22 large pages of 1,605,632 B (1.53125 MiB)
+    assert data["JENGA"]["bytes"] == 22 * 1_605_632 == 35_323_904
+    assert data["JENGA"]["mib"] == 33.6875
     assert data["S1"] == {"bytes": 41_943_040, "mib": 40.0}
     assert data["S2"] == {"bytes": 34_078_720, "mib": 32.5, "slabs": 1}
     assert data["D0"]["bytes"] == 33_104 * KIB

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from ledgers.arms import LEDGER_ORGS
+from ledgers.arms import ARMS, LEDGER_ORGS
 from ledgers.plans import PLAN_DIR, canonical_json, plan_hash  # noqa: F401 (re-exported)
 
 PLAN_HASH_COLUMN = "prereg_plan_hash"  # ledgers/schemas.py runs column
@@ -39,7 +39,10 @@ REUSE_VALUES = ("share", "isolate")
 CELL_REQUIRED_KEYS = ("org", "budget", "cap", "rate", "arrival", "q", "f", "reuse", "pinning_k",
                       "trace", "model", "executor")
 # Org-specific design columns: required for that org, sentinel for the others.
-ORG_REQUIRED_KEYS = {"D0": ("d0_attention_fraction",), "S2_RETENTION": ("retention_k",)}
+ORG_REQUIRED_KEYS = {
+    **{a.ledger_org: ("d0_attention_fraction",) for a in ARMS.values() if a.org == "D0"},
+    **{a.ledger_org: ("retention_k",) for a in ARMS.values() if a.retention},
+}
 STATISTICS = ("log_ratio", "relative_pct")
 TEST_INTERVALS = ("none",)  # a test's own `intervals` (absent: the family's decision says)
 # Decision methods and the fields each needs besides `method` and `rule`.

@@ -77,6 +77,8 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
     for key, convert in _SCHEDULER_RULES.items():
         if key in eng:
             scheduler[key] = eng[key] if convert is None else convert(eng[key])
+    if a.cache_policy != "lru":  # a cache-policy arm (ledgers.arms) runs under its policy
+        scheduler["cache_policy"] = a.cache_policy
     return EngineSpec.from_dict({
         "model": _plain(cfg.model),
         "org": a.org,
@@ -108,6 +110,8 @@ _SCHEDULER_RULES = {
     "slab_policy": str,
     "free_queue": str,
     "checkpoint_recency": str,
+    "cache_policy": str,
+    "marconi_alpha": None,
     "interleave": lambda value: None if value is None else _plain(value),
     "split_last_boundary": None,
 }

@@ -72,6 +72,8 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("engine", "reserve_output_tokens"): 0,
     ("engine", "free_queue"): "free_first",
     ("engine", "checkpoint_recency"): "release",
+    ("engine", "cache_policy"): "lru",
+    ("engine", "marconi_alpha"): 1.0,
     ("model", "kv_group_heads"): None,
     ("engine", "interleave"): None,
     ("engine", "split_last_boundary"): False,

@@ -23,6 +23,10 @@ Adding an organization (tests/test_org_registry.py does it with a 256-token-page
    then runs, plans, prices and records it;
 4. tests: a config in tests/test_memory_invariants.py (a test asks for one per registered
    organization) and hand-computed sizes beside tests/test_planner.py and test_storage.py.
+An allocator whose pools do not own all their units at once (jenga.py: small pages exist
+only inside large pages carved for their type) says which units are its pool's
+(`carved(pool, unit)`) and checks its own bookkeeping (`check_own()`); memory/invariants.py
+reads both. A cache policy (cache_policy.py) is a rule of every organization, not one.
 """
 
 from __future__ import annotations
@@ -30,8 +34,14 @@ from __future__ import annotations
 from serving_core.geometry import Geometry
 from serving_core.layout import OrgLayout
 from serving_core.memory.base import CONV_ADDRESSING, MemoryOrganization
+from serving_core.memory.cache_policy import (
+    CACHE_POLICIES,
+    DEFAULT_MARCONI_ALPHA,
+    build_cache_policy,
+)
 from serving_core.memory.d0 import D0DualPools
 from serving_core.memory.events import MemoryEvents
+from serving_core.memory.jenga import JengaTwoLevel
 from serving_core.memory.n0 import N0UniformPages
 from serving_core.memory.objects import NO_SLOT, NULL, Kind, StateObject
 from serving_core.memory.prefix_cache import PrefixHit
@@ -41,7 +51,8 @@ from serving_core.memory.s2 import SLAB_POLICIES, S2PagingConvSlots
 
 ORG_TO_CLASS: dict[str, type[MemoryOrganization]] = {
     cls.org: cls
-    for cls in (S0CoarsePages, S1RecurrentPaging, S2PagingConvSlots, D0DualPools, N0UniformPages)
+    for cls in (S0CoarsePages, S1RecurrentPaging, S2PagingConvSlots, D0DualPools, N0UniformPages,
+                JengaTwoLevel)
 }
 
 
@@ -73,11 +84,14 @@ def build_memory(
     slab_policy: str = "write_once",
     free_queue: str = "free_first",
     checkpoint_recency: str = "release",
+    cache_policy: str = "lru",
+    marconi_alpha: float = DEFAULT_MARCONI_ALPHA,
 ) -> MemoryOrganization:
     """The runtime allocator of `org` with pools sized by the planner ({pool: units}).
 
     `slab_policy` (organizations with slabs): see memory.s2.SLAB_POLICIES; `free_queue`
-    (memory.pool) and `checkpoint_recency` (memory.base) apply to every organization."""
+    (memory.pool), `checkpoint_recency` (memory.base) and `cache_policy` with its
+    `marconi_alpha` (memory.cache_policy) apply to every organization."""
     cls = org_class(org)
     layout = cls.unit_layout(geometry)
     expected = set(cls.pool_names)
@@ -91,17 +105,23 @@ def build_memory(
             f"engine.slab_policy={slab_policy!r}: allowed values are {', '.join(SLAB_POLICIES)}"
         )
     rules = {"free_queue": free_queue, "checkpoint_recency": checkpoint_recency}
+    policy = build_cache_policy(cache_policy, geometry, marconi_alpha)
+    if policy is not None:
+        rules["cache_policy"] = policy
     if cls.has_slabs:
         rules["slab_policy"] = slab_policy
     return cls(layout, dict(pool_units), events, **rules)
 
 
 __all__ = [
+    "CACHE_POLICIES",
+    "DEFAULT_MARCONI_ALPHA",
     "CONV_ADDRESSING",
     "NO_SLOT",
     "NULL",
     "ORG_TO_CLASS",
     "D0DualPools",
+    "JengaTwoLevel",
     "Kind",
     "MemoryEvents",
     "MemoryOrganization",

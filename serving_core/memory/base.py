@@ -170,6 +170,7 @@ class MemoryOrganization:
         *,
         free_queue: str = "free_first",
         checkpoint_recency: str = "release",
+        cache_policy=None,
     ):
         if checkpoint_recency not in CHECKPOINT_RECENCIES:
             raise ValueError(f"engine.checkpoint_recency={checkpoint_recency!r}: allowed values "
@@ -182,12 +183,38 @@ class MemoryOrganization:
         self.cache = PrefixCache()
         self.pools: dict[str, UnitPool] = {}
         self._owner: dict[str, list] = {}
+        # engine.cache_policy (memory.cache_policy): None is `lru`, the pools' own order
+        self.cache_policy = cache_policy
         unit_bytes = self.pool_unit_bytes(layout)
         for name, n in pool_units.items():
-            self.pools[name] = UnitPool(name, n, unit_bytes[name], free_queue)
+            self.pools[name] = self._make_pool(name, n, unit_bytes[name], free_queue)
             self._owner[name] = [None] * n
         self.live: dict[int, StateObject] = {}  # objects owning storage, by oid
         self._next_oid = 0
+
+    def _make_pool(self, name: str, num_units: int, unit_bytes: int,
+                   free_queue: str) -> UnitPool:
+        """One pool: LRU (UnitPool), or ranked by the cache policy's utility."""
+        if self.cache_policy is None:
+            return UnitPool(name, num_units, unit_bytes, free_queue)
+        return self.cache_policy.make_pool(
+            name, num_units, unit_bytes, free_queue,
+            lambda unit, pool=name: self.unit_efficiency(pool, unit))
+
+    def unit_efficiency(self, pool: str, unit: int) -> float:
+        """FLOPs saved per byte by the cached entry on `unit` (cache policy ranking)."""
+        obj = self._owner[pool][unit]
+        return self.entry_efficiency(obj) if isinstance(obj, StateObject) else 0.0
+
+    def entry_efficiency(self, obj: StateObject) -> float:
+        """FLOPs a hit on a cached entry saves per byte of the units it holds."""
+        num_bytes = len(obj.units) * self.pools[obj.pool].unit_bytes
+        return self.cache_policy.efficiency(obj.kind == Kind.COMPOSITE, obj.boundary,
+                                            num_bytes)
+
+    @property
+    def cache_policy_name(self) -> str:
+        return "lru" if self.cache_policy is None else self.cache_policy.name
 
     # ----- geometry of the organization -------------------------------------------------
     @property

@@ -41,6 +41,9 @@ def _expected_units(mem: MemoryOrganization, obj: StateObject) -> int:
 def _check_pools(mem: MemoryOrganization) -> None:
     """Pool partition and invariant 2 seen from the units."""
     slabs = getattr(mem, "slabs", {})
+    # A two-level allocator (memory/jenga.py) says which units lie in large pages carved
+    # for a pool; the others belong to no one and are neither free nor evictable there.
+    carved = getattr(mem, "carved", None)
     for name, pool in mem.pools.items():
         n = pool.num_units
         owners = mem._owner[name]
@@ -60,6 +63,10 @@ def _check_pools(mem: MemoryOrganization) -> None:
             assert unit not in free, f"pool {name}: unit {unit} is both free and evictable"
         for unit in range(n):
             owner = owners[unit]
+            if carved is not None and not carved(name, unit):
+                assert owner is None and unit not in free and unit not in pool.evictable, (
+                    f"pool {name}: uncarved unit {unit} is in use, free or evictable")
+                continue
             if unit in free:
                 assert owner is None, f"pool {name}: free unit {unit} still owned by {owner!r}"
                 continue
@@ -240,3 +247,6 @@ def check_invariants(mem: MemoryOrganization) -> None:
     num_cached = _check_objects(mem)
     _check_cache(mem, num_cached)
     _check_slabs(mem)
+    check_own = getattr(mem, "check_own", None)  # an organization's own bookkeeping
+    if check_own is not None:
+        check_own()

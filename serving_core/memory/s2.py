@@ -366,6 +366,14 @@ class S2PagingConvSlots(MemoryOrganization):
         self._owner[pool_name][unit] = None
         self.events.on_slab("SLAB_RECLAIM", unit, NO_SLOT, cause, 0, len(victims))
 
+    def unit_efficiency(self, pool: str, unit: int) -> float:
+        """A slab page ranks as the best cached checkpoint on it (reclaiming it loses all)."""
+        owner = self._owner[pool][unit]
+        if isinstance(owner, Slab):
+            return max((self.entry_efficiency(obj) for obj in owner.slots
+                        if obj is not None and obj.cached), default=0.0)
+        return super().unit_efficiency(pool, unit)
+
     # ----- addressing ---------------------------------------------------------------------
     def conv_line(self, obj: StateObject) -> int:
         """Line id 16 p + s of the composite's conv slot, or NO_SLOT."""
