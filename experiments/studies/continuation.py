@@ -262,7 +262,7 @@ def _restored_exact(host, arena, keys: list[int], restored) -> bool:
 
 def _restore_sizes(mem, geometry, restored) -> tuple[int, int, int, int]:
     """(expected bytes, unit capacity bytes, units restored, units the layout gives B)."""
-    b, layers = restored.prefix_tokens, geometry.num_layers
+    b, layers = restored.prefix_tokens, geometry.scope_layers
     state = geometry.ssm_bytes + geometry.conv_bytes if b and mem.checkpoint_interval else 0
     expected = layers * (b * geometry.attention_bytes_per_token + state)
     objs = restored.blocks + ([restored.checkpoint] if restored.checkpoint else [])

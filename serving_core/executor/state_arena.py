@@ -77,6 +77,11 @@ class StateArena:
         self.dtype = storage_dtype(geometry)
         self.device = torch.device(device)
         elem = geometry.dtype_bytes
+        if geometry.scope_layers != geometry.num_layers:
+            raise ValueError(f"model={geometry.name!r}: the torch arena holds models whose "
+                             "every layer carries attention and Mamba2 side by side "
+                             "(Falcon-H1 presets); this one has a layer pattern "
+                             f"({geometry.state_layer_counts})")
         self.layers = geometry.num_layers
         self.kv_heads, self.head_dim = geometry.num_kv_heads, geometry.head_dim
         self.token_elems = geometry.attention_bytes_per_token // elem
