@@ -85,6 +85,8 @@ class BudgetPlan:
     scope_layers: int = 1  # copies of the storage group the model holds
     kv_bytes_per_token: int = 0  # whole model, every attention layer
     recurrent_bytes_per_checkpoint: int = 0  # whole model, every recurrent layer
+    # Organizations that cannot hold the model's layer pattern: {org: the one-line reason}.
+    refused: tuple[tuple[str, str], ...] = ()
 
     @property
     def model_nominal_bytes(self) -> int:
@@ -92,7 +94,11 @@ class BudgetPlan:
         return self.nominal_bytes * self.scope_layers
 
     def pools_of(self, org: str) -> tuple[PoolPlan, ...]:
+        """The organization's pools; one that cannot hold the model is refused here."""
         org = normalize_org(org)
+        reason = dict(self.refused).get(org)
+        if reason is not None:
+            raise ValueError(reason)
         return tuple(p for p in self.pools if p.org == org)
 
     def org_bytes(self, org: str) -> int:
@@ -129,16 +135,31 @@ def nominal_bytes(geometry: Geometry, budget: str | Budget) -> int:
     return parsed.count * paged_page_bytes(reference)
 
 
+def refusals(geometry: Geometry) -> tuple[tuple[str, str], ...]:
+    """(org, reason) of every organization whose layout cannot hold the model's pattern."""
+    out = []
+    for org, cls in ORG_TO_CLASS.items():
+        try:
+            cls.unit_layout(geometry)
+        except ValueError as exc:
+            out.append((org, str(exc)))
+    return tuple(out)
+
+
 def _build_pools(geometry: Geometry, budget: Budget) -> tuple[int, tuple[PoolPlan, ...]]:
     nominal = nominal_bytes(geometry, budget)
+    refused = dict(refusals(geometry))
     pools: list[PoolPlan] = []
-    for cls in ORG_TO_CLASS.values():
-        pools.extend(cls.plan_pools(geometry, cls.unit_layout(geometry), nominal))
+    for org, cls in ORG_TO_CLASS.items():
+        if org not in refused:
+            pools.extend(cls.plan_pools(geometry, cls.unit_layout(geometry), nominal))
     return nominal, tuple(pools)
 
 
 def _shortfalls(geometry: Geometry, pools: tuple[PoolPlan, ...]) -> list[str]:
-    need = {org: cls.min_units(cls.unit_layout(geometry)) for org, cls in ORG_TO_CLASS.items()}
+    refused = dict(refusals(geometry))
+    need = {org: cls.min_units(cls.unit_layout(geometry)) for org, cls in ORG_TO_CLASS.items()
+            if org not in refused}
     return [f"{p.org} {p.pool} gets {p.num_units} units, needs {need[p.org][p.pool]}"
             for p in pools if p.num_units < need[p.org][p.pool]]
 
@@ -169,6 +190,10 @@ def plan_budget(geometry: Geometry, budget: str | Budget) -> BudgetPlan:
     """Convert a budget label to whole units per organization and pool."""
     parsed = budget if isinstance(budget, Budget) else parse_budget(budget)
     nominal, pools = _build_pools(geometry, parsed)
+    refused = refusals(geometry)
+    if len(refused) == len(ORG_TO_CLASS):
+        raise ValueError(f"model {geometry.name!r}: no organization holds it "
+                         f"({'; '.join(reason for _, reason in refused)})")
     short = _shortfalls(geometry, pools)
     if short:
         minimum = _smallest_feasible(geometry, parsed.kind)
@@ -179,7 +204,7 @@ def plan_budget(geometry: Geometry, budget: str | Budget) -> BudgetPlan:
         )
     return BudgetPlan(geometry.name, parsed.label, nominal, pools, geometry.kv_codec,
                       geometry.scope_layers, geometry.kv_bytes_per_token,
-                      geometry.recurrent_bytes_per_checkpoint)
+                      geometry.recurrent_bytes_per_checkpoint, refused)
 
 
 def _orgs(orgs: Sequence[str] | None) -> tuple[str, ...]:
@@ -196,7 +221,11 @@ def plan_to_dict(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> dict:
     the whole model's KV bytes per token, recurrent bytes per checkpoint and nominal bytes
     (the group's x scope_layers)."""
     out: dict[str, dict] = {}
+    refused = dict(plan.refused)
     for org in _orgs(orgs):
+        if org in refused:
+            out[org] = {"refused": refused[org]}
+            continue
         entries = {
             p.pool: {"units": p.num_units, "unit_bytes": p.unit_bytes, "bytes": p.num_bytes}
             | ({"reserved_units": p.num_reserved} if p.num_reserved else {})
@@ -228,7 +257,11 @@ def format_plan(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> str:
     has more than one pool)."""
     header = ("org", "pool", "units", "unit bytes", "bytes", "MiB", "diff to nominal")
     rows = []
+    refused = dict(plan.refused)
     for org in _orgs(orgs):
+        if org in refused:
+            rows.append((org, "refused", "", "", "", "", ""))
+            continue
         pools = plan.pools_of(org)
         for p in pools:
             diff = f"{plan.diff_bytes(org):+,}" if len(pools) == 1 else ""
@@ -275,6 +308,9 @@ def format_side_by_side(plans: dict[str, BudgetPlan], orgs: Sequence[str] | None
         header += [f"{codec} units", f"{codec} unit bytes", f"{codec} diff"]
     rows = []
     for org in _orgs(orgs):
+        if any(org in dict(plan.refused) for plan in plans.values()):
+            rows.append((org, "refused", *([""] * (len(header) - 2))))
+            continue
         pools = {codec: plan.pools_of(org) for codec, plan in plans.items()}
         for i, pool in enumerate(pools[codecs[0]]):
             row = [org, pool.pool]

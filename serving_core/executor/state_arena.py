@@ -66,6 +66,11 @@ class StateArena:
     """The pools of one memory organization as torch tensors, with typed views."""
 
     def __init__(self, mem: MemoryOrganization, geometry: Geometry, device="cpu") -> None:
+        if geometry.scope_layers != geometry.num_layers:
+            raise ValueError(f"model={geometry.name!r}: the torch arena holds models whose "
+                             "every layer carries attention and Mamba2 side by side "
+                             "(Falcon-H1 presets); this one has a layer pattern "
+                             f"({geometry.state_layer_counts})")
         self.mem = mem
         self.org = org_class(mem.org).org  # refuses an organization the registry lacks
         self.conv_addressing = type(mem).conv_addressing
@@ -77,11 +82,6 @@ class StateArena:
         self.dtype = storage_dtype(geometry)
         self.device = torch.device(device)
         elem = geometry.dtype_bytes
-        if geometry.scope_layers != geometry.num_layers:
-            raise ValueError(f"model={geometry.name!r}: the torch arena holds models whose "
-                             "every layer carries attention and Mamba2 side by side "
-                             "(Falcon-H1 presets); this one has a layer pattern "
-                             f"({geometry.state_layer_counts})")
         self.layers = geometry.num_layers
         self.kv_heads, self.head_dim = geometry.num_kv_heads, geometry.head_dim
         self.token_elems = geometry.attention_bytes_per_token // elem
