@@ -126,7 +126,6 @@ class StateArena:
                 self.slot_elems = mem.layout.conv_slot_bytes // elem
                 self.slots_per_slab = mem.layout.slots_per_slab
         self._page_views: dict[int, tuple] = {}
-        self._kv_scratch: torch.Tensor | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -160,25 +159,6 @@ class StateArena:
                                                           self.kv_heads, self.head_dim)
         kv = kv[:, :length]
         return kv[:, :, 0], kv[:, :, 1]
-
-    def gather_kv_heads(self, layer: int, units: torch.Tensor, length: int):
-        """K and V (b, KV heads, length, head dim) of each row of block units (b, nb): whole
-        units copied (one contiguous copy each) into a scratch buffer the arena keeps, so a
-        decode step allocates nothing large (no page faults); the views are strided, which
-        attention reads as they are. Valid until the next call."""
-        if self.packed:
-            raise RuntimeError("packed (tq4) KV is read through decode/prefill_attention")
-        view = self.kv_view(layer)
-        b, nb = units.shape
-        n = b * nb
-        buf = self._kv_scratch
-        if buf is None or buf.shape[0] < n:
-            buf = torch.empty((max(n, 2 * (0 if buf is None else buf.shape[0])), *view.shape[1:]),
-                              dtype=view.dtype, device=view.device)
-            self._kv_scratch = buf
-        kv = torch.index_select(view, 0, units.reshape(-1), out=buf[:n])
-        kv = kv.view(b, nb * self.block_tokens, 2, self.kv_heads, self.head_dim)[:, :length]
-        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
     def store_kv(self, layer: int, units: torch.Tensor, offsets: torch.Tensor, k, v):
         """Write K, V (n, KVH, hd) at (unit, token offset) pairs. Packed: encoded, and the
