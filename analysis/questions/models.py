@@ -15,6 +15,7 @@ against the runner-up and that pair's test.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -49,38 +50,45 @@ def _family_table(families, model: str) -> tuple[pd.DataFrame | None, str]:
 
 def winners(runs: pd.DataFrame, families) -> pd.DataFrame:
     """Per stage, model and budget: the organization with the highest mean request-span
-    throughput, the runner-up, the winner's mean seedwise percent change against it (seeds
-    where both ran), and the declared test of that pair (exact and Holm p, decision)."""
+    throughput (organizations with the same mean are one tied `best`, joined by "="), the
+    runner-up (the best of the rest), the winner's mean seedwise percent change against it
+    (seeds where both ran), and the declared test of that pair (exact and Holm p, decision).
+    When every organization ties, memory does not bind at that budget: no runner-up."""
     rows = []
     for (stage, model, budget), part in runs.groupby(["stage", "model", "budget"], sort=False):
-        means = part.groupby("org")[ESTIMAND].mean().sort_values(ascending=False)
+        means = part.groupby("org")[ESTIMAND].mean().sort_values(ascending=False, kind="stable")
         if len(means) < 2:
             continue
-        best, second = means.index[0], means.index[1]
-        wide = part.pivot_table(index="seed", columns="org", values=ESTIMAND).dropna(
-            subset=[best, second])
-        pct = 100 * (wide[best] / wide[second] - 1)
-        table, role = _family_table(families, str(model))
-        test = None
-        if table is not None:
-            ids = {f"{best}_vs_{second}_{budget}", f"{second}_vs_{best}_{budget}"}
-            hit = table[table["test"].isin(ids)]
-            test = hit.iloc[0] if len(hit) else None
-        rows.append({
-            "stage": stage, "model": model, "budget": budget,
-            "model_bytes": model_bytes(budget),
-            "best": best, "best_tokens_s": float(means.iloc[0]), "runner_up": second,
-            "runner_up_tokens_s": float(means.iloc[1]), "n": int(len(pct)),
-            "effect_pct": float(pct.mean()) if len(pct) else float("nan"),
-            "min_seed_pct": float(pct.min()) if len(pct) else float("nan"),
-            "max_seed_pct": float(pct.max()) if len(pct) else float("nan"),
-            "wins": int((pct > 0).sum()),
-            "family": f"{model} ({role})" if role else "",
-            "p_exact": float(test["p_exact"]) if test is not None else float("nan"),
-            "p_holm": float(test["p_holm"]) if test is not None else float("nan"),
-            "decision": str(test["decision"]) if test is not None else "",
-            "ranking": " > ".join(means.index),
-        })
+        top = float(means.iloc[0])
+        tied = [o for o, v in means.items() if math.isclose(v, top, rel_tol=1e-12)]
+        rest = means.drop(tied)
+        row = {"stage": stage, "model": model, "budget": budget,
+               "model_bytes": model_bytes(budget), "best": "=".join(tied),
+               "best_tokens_s": top, "runner_up": "", "runner_up_tokens_s": math.nan,
+               "n": 0, "effect_pct": math.nan, "min_seed_pct": math.nan,
+               "max_seed_pct": math.nan, "wins": 0, "family": "", "p_exact": math.nan,
+               "p_holm": math.nan, "decision": "all organizations tie" if rest.empty else "",
+               "ranking": " > ".join(means.index)}
+        if not rest.empty:
+            best, second = tied[0], rest.index[0]
+            wide = part.pivot_table(index="seed", columns="org", values=ESTIMAND).dropna(
+                subset=[best, second])
+            pct = 100 * (wide[best] / wide[second] - 1)
+            table, role = _family_table(families, str(model))
+            test = None
+            if table is not None:
+                ids = {f"{best}_vs_{second}_{budget}", f"{second}_vs_{best}_{budget}"}
+                hit = table[table["test"].isin(ids)]
+                test = hit.iloc[0] if len(hit) else None
+            row.update({
+                "runner_up": second, "runner_up_tokens_s": float(rest.iloc[0]),
+                "n": int(len(pct)), "effect_pct": float(pct.mean()),
+                "min_seed_pct": float(pct.min()), "max_seed_pct": float(pct.max()),
+                "wins": int((pct > 0).sum()), "family": f"{model} ({role})" if role else "",
+                "p_exact": float(test["p_exact"]) if test is not None else math.nan,
+                "p_holm": float(test["p_holm"]) if test is not None else math.nan,
+                "decision": str(test["decision"]) if test is not None else ""})
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
