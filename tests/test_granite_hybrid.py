@@ -76,7 +76,7 @@ def reference(checkpoint, prompts):
 def test_parameters_of_the_pattern_equal_the_checkpoints(reference):
     g = load_geometry(PRESET)
     total, _ = g.pattern_params()
-    assert total == reference[1] == g.num_params == 17_412_680
+    assert total == reference[1] == g.num_params == 33_829_448
 
 
 def test_greedy_tokens_equal_transformers(checkpoint, prompts, reference):
@@ -96,6 +96,8 @@ def test_state_bytes_match_the_geometry(checkpoint):
     model = GraniteMoeHybrid.load(checkpoint)
     state = DenseState(model)
     ssm, conv = state.ssm[0], state.conv[0]
-    # one Mamba2 layer's SSM and conv, fp32; the group holds three of them
-    assert g.ssm_bytes == 3 * ssm.numel() * 4 and g.conv_bytes == 3 * conv.numel() * 4
+    # one storage group: its three Mamba2 layers' SSM (8 heads x 32 x 64 each) and conv
+    # windows ((256 + 2 x 64) channels x 3 each), fp32, stacked
+    assert tuple(ssm.shape) == (1, 3 * 8, 32, 64) and tuple(conv.shape) == (1, 3 * 384, 3)
+    assert g.ssm_bytes == ssm.numel() * 4 and g.conv_bytes == conv.numel() * 4
     assert g.attention_bytes_per_token == model.kv_heads * model.head_dim * 2 * 4

@@ -285,5 +285,5 @@ def test_a_pattern_needs_its_mixer_fields():
 def test_torch_arena_refuses_a_pattern():
     from serving_core.executor.state_arena import StateArena
 
-    with pytest.raises(ValueError, match="torch arena holds models"):
-        StateArena(object(), load_geometry("granite_4_0_h_tiny"))
+    with pytest.raises(ValueError, match="torch arena holds storage groups of one attention"):
+        StateArena(object(), load_geometry("qwen3_next_80b_a3b"))

@@ -9,8 +9,14 @@ multiplied by `embedding_multiplier` (transformers'
 models/granitemoehybrid/modeling_granitemoehybrid.py defines the model this equals).
 
 State goes through the same `StateIO` as Falcon-H1 (serving_core/model/falcon_h1.py), indexed
-by ordinal: the j-th attention layer's KV is `io.kv(j)`, the j-th Mamba2 layer's state
-`io.recurrent(j)`. The Mamba2 kernels are Falcon-H1's (serving_core/model/mamba.py).
+by storage group (serving_core/layer_pattern.py): the model is g groups of one attention layer
+and k Mamba2 layers (g = the attention layers, k = Mamba2 layers / g). The j-th attention
+layer's KV is `io.kv(j)`; the j-th Mamba2 layer is member j % k of group j // k, whose state
+`io.recurrent(j // k)` holds the k members' states stacked (conv channels k x Cd, SSM heads
+k x H), so that one composite carries the group's whole recurrent state. The attributes a
+StateIO sizes state by (`num_layers`, `conv_dim`, `m_heads`) are the group's; the per-layer
+ones are `layer_conv_dim` and `layer_heads`. The Mamba2 kernels are Falcon-H1's
+(serving_core/model/mamba.py).
 """
 
 from __future__ import annotations
@@ -58,6 +64,13 @@ class GraniteMoeHybrid:
             self.ordinal.append(counts[t])
             counts[t] += 1
         self.attention_layers, self.mamba_layers = counts[ATTENTION], counts[MAMBA]
+        if not self.attention_layers or self.mamba_layers % self.attention_layers:
+            raise ValueError(f"layer_types: {self.mamba_layers} Mamba2 layers over "
+                             f"{self.attention_layers} attention layers; the storage groups "
+                             "need one attention layer and the same Mamba2 count each")
+        self.total_layers = self.num_layers
+        self.num_layers = self.attention_layers  # storage groups: what a StateIO indexes
+        self.members = self.mamba_layers // self.attention_layers  # Mamba2 layers per group
         self.hidden = int(cfg["hidden_size"])
         self.heads = int(cfg["num_attention_heads"])
         self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
@@ -68,7 +81,10 @@ class GraniteMoeHybrid:
         self.d_state = int(cfg["mamba_d_state"])
         self.n_groups = int(cfg["mamba_n_groups"])
         self.d_conv = int(cfg["mamba_d_conv"])
-        self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state
+        self.layer_conv_dim = self.d_inner + 2 * self.n_groups * self.d_state
+        self.layer_heads = self.m_heads
+        self.conv_dim = self.members * self.layer_conv_dim  # a group's stacked state
+        self.m_heads = self.members * self.layer_heads
         self.top_k = int(cfg["num_experts_per_tok"])
         self.num_experts = int(cfg["num_local_experts"])
         self.chunk = int(scan_chunk or SCAN_CHUNK)
@@ -149,6 +165,7 @@ class GraniteMoeHybrid:
         """ids (b, T) at positions (b, T); returns the last position's logits (b, V) fp32."""
         h = F.embedding(ids, self.w["model.embed_tokens.weight"]) * self.embedding_multiplier
         cos = sin = None
+        self._group_state: dict[int, tuple] = {}
         if self.rope:
             freqs = positions[..., None].float() * self.inv_freq
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -236,8 +253,14 @@ class GraniteMoeHybrid:
         j = self.ordinal[i]
         b, t, _ = x.shape
         proj = self._lin(x, p + "in_proj")
-        gate, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.m_heads], dim=-1)
-        conv, ssm = io.recurrent(j)
+        heads, cd = self.layer_heads, self.layer_conv_dim
+        gate, xbc, dt = proj.split([self.d_inner, cd, heads], dim=-1)
+        group, member = divmod(j, self.members)
+        if member == 0:
+            self._group_state[group] = io.recurrent(group)
+        conv_g, ssm_g = self._group_state[group]
+        conv = conv_g[:, member * cd:(member + 1) * cd]  # views: updates land in the group's
+        ssm = ssm_g[:, member * heads:(member + 1) * heads]
         w = self.w[p + "conv1d.weight"].squeeze(1)
         xbc, window = mamba.conv_scan(conv, xbc, w, self.w.get(p + "conv1d.bias"))
         conv.copy_(window.to(conv.dtype))
@@ -247,19 +270,19 @@ class GraniteMoeHybrid:
         D = self.w[p + "D"]
         if t == 1:
             y = mamba.state_update(
-                ssm, xs.view(b, self.m_heads, self.m_head_dim), dt.view(b, self.m_heads),
+                ssm, xs.view(b, heads, self.m_head_dim), dt.view(b, heads),
                 self.A[i], B.view(b, self.n_groups, self.d_state),
                 C.view(b, self.n_groups, self.d_state), D,
             )[:, None]
         else:
-            initial = ssm if isinstance(ssm, torch.Tensor) else ssm.read()
             y, final = mamba.chunk_scan(
-                xs.view(b, t, self.m_heads, self.m_head_dim), dt, self.A[i],
+                xs.view(b, t, heads, self.m_head_dim), dt, self.A[i],
                 B.view(b, t, self.n_groups, self.d_state),
-                C.view(b, t, self.n_groups, self.d_state), D, self.chunk, initial,
+                C.view(b, t, self.n_groups, self.d_state), D, self.chunk, ssm,
             )
             ssm.copy_(final)
-        io.store_recurrent(j, conv, ssm)
+        if member == self.members - 1:
+            io.store_recurrent(group, conv_g, ssm_g)
         y = y.reshape(b, t, self.d_inner).float() * F.silu(gate.float())
         hg = y.view(b, t, self.n_groups, self.d_inner // self.n_groups)
         hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + self.eps)
