@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from serving_core.executor.torch_config import TorchExecutorConfig, check_checkpoint
     from serving_core.geometry import load_geometry
-    from serving_core.model.falcon_h1 import FalconH1
+    from serving_core.model.loader import load_model
 
     try:
         geometry = load_geometry(args.preset)
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    model = FalconH1.load(args.checkpoint)
+    model = load_model(args.checkpoint)
     fault = None if args.fault == "none" else args.fault
     delayed_keys = {parse_case(c) for c in delayed}
     rows = []
