@@ -101,3 +101,19 @@ def test_state_bytes_match_the_geometry(checkpoint):
     assert tuple(ssm.shape) == (1, 3 * 8, 32, 64) and tuple(conv.shape) == (1, 3 * 384, 3)
     assert g.ssm_bytes == ssm.numel() * 4 and g.conv_bytes == conv.numel() * 4
     assert g.attention_bytes_per_token == model.kv_heads * model.head_dim * 2 * 4
+
+
+def test_a_checkpoint_loads_into_the_model_its_type_names(checkpoint, tmp_path):
+    import json
+
+    from serving_core.executor.torch_config import TorchExecutorConfig, check_checkpoint
+    from serving_core.model.loader import load_model
+
+    assert isinstance(load_model(checkpoint), GraniteMoeHybrid)
+    check_checkpoint(TorchExecutorConfig(str(checkpoint)), load_geometry(PRESET))
+    with pytest.raises(ValueError, match="does not match model='falcon_h1_tiny'"):
+        check_checkpoint(TorchExecutorConfig(str(checkpoint)), load_geometry("falcon_h1_tiny"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type='llama'; allowed values are falcon_h1, "
+                                         "granitemoehybrid"):
+        load_model(tmp_path)
