@@ -124,7 +124,7 @@ def test_executor_rules_use_the_one_list_of_keys(tiny_model):
     spec = loaded_model_spec(tiny_model, load_geometry("falcon_h1_tiny"), "S2", "b63", {})
     described = build_engine(spec, model=tiny_model).executor.describe()
     assert described.keys() == {"executor", "device", "dtype", "scan_chunk", "kv_codec",
-                                "kv_group_heads", "prefill_batch_tokens"}
+                                "kv_group_heads", "prefill_batch_tokens", "decode_attention"}
     assert described.keys() <= set(EXECUTOR_RULE_KEYS)
     # preflight leaves exactly these keys to the built executor
     effective = preflight(spec)
