@@ -27,6 +27,7 @@ from analysis.pages.render import QuestionResult, Section
 QUESTION = "models"
 TITLE = "Which memory organization serves each hybrid model best"
 ESTIMAND = "throughput_span"
+ALPHA = 0.05  # conf/prereg/models.yaml
 MAIN = ("throughput_span", "throughput_ledger", "e2e_p99", "ttft_p99", "c_once_tokens",
         "running_mean", "preemptions")
 CAVEAT = (
@@ -68,6 +69,7 @@ def winners(runs: pd.DataFrame, families) -> pd.DataFrame:
                "n": 0, "effect_pct": math.nan, "min_seed_pct": math.nan,
                "max_seed_pct": math.nan, "wins": 0, "family": "", "p_exact": math.nan,
                "p_holm": math.nan, "decision": "all organizations tie" if rest.empty else "",
+               "holm_below_alpha": False,
                "ranking": " > ".join(means.index)}
         if not rest.empty:
             best, second = tied[0], rest.index[0]
@@ -87,7 +89,9 @@ def winners(runs: pd.DataFrame, families) -> pd.DataFrame:
                 "wins": int((pct > 0).sum()), "family": f"{model} ({role})" if role else "",
                 "p_exact": float(test["p_exact"]) if test is not None else math.nan,
                 "p_holm": float(test["p_holm"]) if test is not None else math.nan,
-                "decision": str(test["decision"]) if test is not None else ""})
+                "decision": str(test["decision"]) if test is not None else "",
+                # the Holm step-down at the plan's alpha, shown for secondary families too
+                "holm_below_alpha": bool(test is not None and test["p_holm"] <= ALPHA)})
         rows.append(row)
     return pd.DataFrame(rows)
 
