@@ -203,7 +203,7 @@ def _vllm(checkpoint, args):
     cmd = vllm_command(vcfg, served_name=MODEL, port=port, cap=args.cap,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=geometry.max_model_len,
-                       kv_bytes=kv_cache_bytes(plan.nominal_bytes, geometry.num_layers),
+                       kv_bytes=kv_cache_bytes(plan.nominal_bytes, geometry.scope_layers),
                        block_tokens=layout.block_tokens)
     if args.client != "ours":  # text prompts: vLLM tokenizes with the checkpoint's files
         cmd.remove("--skip-tokenizer-init")

@@ -58,13 +58,13 @@ def _torch(spec: EngineSpec, geometry: Geometry, mem: MemoryOrganization, *,
         raise ValueError(f"model={geometry.name!r}: the torch executor serves hybrid models only")
     ex = spec.executor
     if model is None:
-        from serving_core.model.falcon_h1 import FalconH1
+        from serving_core.model.loader import load_model
 
         tcfg = TorchExecutorConfig(str(ex.checkpoint), ex.device, ex.dtype,
                                    spec.scheduler.max_num_batched_tokens)
         check_checkpoint(tcfg, geometry)
         try:
-            model = FalconH1.load(tcfg.checkpoint, tcfg.device, tcfg.dtype, ex.scan_chunk)
+            model = load_model(tcfg.checkpoint, tcfg.device, tcfg.dtype, ex.scan_chunk)
         except Exception as err:  # corrupt weights, wrong shapes: the folder does not load
             raise RuntimeError(f"executor.checkpoint={tcfg.checkpoint!r}: the checkpoint does "
                                f"not load ({type(err).__name__}: {err})") from None

@@ -1,8 +1,11 @@
-"""Per-layer state geometry of a hybrid attention + state-space model.
+"""State geometry of a hybrid attention + state-space model, from its layer pattern.
 
-All storage arithmetic in the project happens in one normalized per-layer scope
-(one representative layer). Byte counts are derived from model-config fields,
-never typed in, so a new preset only needs its config.
+All storage arithmetic in the project happens in one normalized scope: one group of the
+layer pattern (serving_core/layer_pattern.py), which the model holds `scope_layers` copies
+of. For a model whose every layer carries attention and Mamba2 (Falcon-H1, no `layers`
+key) the group is one layer, as before; for Granite-4.0-H (4 attention, 36 Mamba2 layers)
+it is 1 attention and 9 Mamba2 layers, held 4 times. Byte counts are derived from
+model-config fields, never typed in, so a new preset only needs its config.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from serving_core import layer_pattern as lp
 
 MODEL_CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 
@@ -54,8 +59,43 @@ class Geometry:
     # N0's attention-kernel block alignment (tokens): 16 for vLLM's FlashAttention (A100),
     # 128 for its CPU backend (serving_core.memory.n0); a backend property, set per run.
     n0_block_alignment: int = 16
+    # ----- the layer pattern (serving_core/layer_pattern.py); None: every layer hybrid+mlp
+    layers: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # attention window (tokens); null: full attention
+    attention_output_gate: bool = False  # q_proj also emits a per-head gate (Qwen3-Next)
+    # Gated DeltaNet: key heads x key dim (q, k), value heads x value dim (v); conv kernel.
+    gdn_key_heads: int = 0
+    gdn_key_head_dim: int = 0
+    gdn_value_heads: int = 0
+    gdn_value_head_dim: int = 0
+    gdn_conv: int = 0
+    # Mamba (v1, Jamba): inner width, state size, dt rank, conv kernel.
+    mamba1_d_inner: int = 0
+    mamba1_d_state: int = 0
+    mamba1_dt_rank: int = 0
+    mamba1_d_conv: int = 0
+    # Parameter-count fields (weights, not state): vocabulary, dense MLP and MoE blocks.
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
+    intermediate_size: int = 0  # dense MLP width
+    mlp_gated: bool = True  # gate, up, down (SwiGLU); false: up, down (Nemotron-H relu^2)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert (Qwen3-Next)
 
     def __post_init__(self) -> None:
+        if self.layers is not None:
+            object.__setattr__(self, "layers", lp.expand_layers(self.layers))
+            if len(self.layers) != self.num_layers:
+                raise ValueError(f"model.layers lists {len(self.layers)} layers but "
+                                 f"num_layers={self.num_layers}: they must agree")
+        self._check_pattern_fields()
+        if self.sliding_window is not None:
+            raise ValueError(f"model.sliding_window={self.sliding_window!r}: no memory "
+                             "organization holds sliding-window attention (each keeps every "
+                             "block of a context); allowed value: null")
         if self.kv_codec not in KV_CODECS:
             raise ValueError(f"kv_codec={self.kv_codec!r}: allowed values are {KV_CODECS}")
         for f in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_model_len",
@@ -85,13 +125,77 @@ class Geometry:
                 f"d0_attention_fraction={self.d0_attention_fraction} must lie in (0, 1]"
             )
 
+    def _check_pattern_fields(self) -> None:
+        """A pattern's mixers need their fields; a field no layer uses must stay 0."""
+        if self.layers is None:
+            return
+        mixers = lp.mixer_counts(self.layers)
+        ffns = lp.ffn_counts(self.layers)
+        needs = {
+            "gdn": ("gdn_key_heads", "gdn_key_head_dim", "gdn_value_heads",
+                    "gdn_value_head_dim", "gdn_conv"),
+            "mamba1": ("mamba1_d_inner", "mamba1_d_state", "mamba1_dt_rank", "mamba1_d_conv"),
+        }
+        for mixer, names in needs.items():
+            for name in names:
+                value = getattr(self, name)
+                if mixers[mixer] and value <= 0:
+                    raise ValueError(f"model.{name}={value}: a pattern with {mixer} layers "
+                                     "needs it positive")
+                if not mixers[mixer] and value:
+                    raise ValueError(f"model.{name}={value}: no layer of model.layers is "
+                                     f"{mixer}; allowed value is 0")
+        if (mixers["mamba2"] or mixers["hybrid"]) and self.mamba_heads <= 0:
+            raise ValueError(f"model.mamba_heads={self.mamba_heads}: a pattern with mamba2 "
+                             "layers needs it positive")
+        if not (mixers["mamba2"] or mixers["hybrid"]) and self.mamba_heads:
+            raise ValueError(f"model.mamba_heads={self.mamba_heads}: no layer of model.layers "
+                             "is mamba2 or hybrid; allowed value is 0")
+        if ffns["moe"] and min(self.num_experts, self.experts_per_token,
+                               self.expert_intermediate_size) <= 0:
+            raise ValueError("model.num_experts, experts_per_token and "
+                             "expert_intermediate_size: a pattern with moe layers needs them "
+                             "positive")
+        if ffns["mlp"] and self.intermediate_size <= 0:
+            raise ValueError(f"model.intermediate_size={self.intermediate_size}: a pattern "
+                             "with mlp layers needs it positive")
+        if self.vocab_size <= 0:
+            raise ValueError(f"model.vocab_size={self.vocab_size}: a preset with model.layers "
+                             "needs it positive (its parameters are derived from the pattern)")
+
+    # ----- the pattern and its storage scope --------------------------------------------
     @property
-    def has_recurrent(self) -> bool:
-        return self.mamba_heads > 0
+    def layer_strings(self) -> tuple[str, ...]:
+        """Every layer's `mixer+ffn` (a preset without a pattern: hybrid+mlp throughout)."""
+        if self.layers is not None:
+            return self.layers
+        return (("hybrid+mlp" if self.mamba_heads > 0 else "attention+mlp"),) * self.num_layers
 
     @property
-    def attention_bytes_per_token(self) -> int:
-        """KV bytes of one token: KV heads x (K and V) vectors of head_dim elements.
+    def state_layer_counts(self) -> dict[str, int]:
+        """Whole-model layers carrying attention KV and each recurrent state shape."""
+        return lp.state_counts(self.layer_strings)
+
+    @property
+    def scope_layers(self) -> int:
+        """g: copies of the storage scope (one group of the pattern) the model holds."""
+        return lp.scope_copies(self.layer_strings)
+
+    def _per_scope(self, kind: str) -> int:
+        return self.state_layer_counts[kind] // self.scope_layers
+
+    @property
+    def attention_layers(self) -> int:
+        return self.state_layer_counts["attention"]
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(self.state_layer_counts[k] for k in ("mamba2", "gdn", "mamba1"))
+
+    @property
+    def layer_kv_bytes_per_token(self) -> int:
+        """KV bytes of one token in one attention layer: KV heads x (K and V) vectors of
+        head_dim elements.
 
         bf16 stores each element in dtype_bytes; tq4 stores each vector as head_dim x 4 / 8
         bytes of codes plus a 2-byte norm (Falcon-H1-7B: 2 x 2 x 66 = 264 B, 25.8 % of 1,024).
@@ -102,8 +206,23 @@ class Geometry:
         return vectors * self.head_dim * self.dtype_bytes
 
     @property
+    def attention_bytes_per_token(self) -> int:
+        """KV bytes of one token in the storage scope (its attention layers)."""
+        return self._per_scope("attention") * self.layer_kv_bytes_per_token
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token, whole model (Granite-4.0-H: 4 layers x 2,048 = 8,192)."""
+        return self.attention_bytes_per_token * self.scope_layers
+
+    @property
+    def recurrent_bytes_per_checkpoint(self) -> int:
+        """One sequence's complete recurrent state, whole model (every recurrent layer)."""
+        return self.composite_bytes * self.scope_layers
+
+    @property
     def kv_elements_per_token(self) -> int:
-        """K and V elements of one token (what the codec encodes and decodes)."""
+        """K and V elements of one token in one attention layer (what the codec encodes)."""
         return self.num_kv_heads * 2 * self.head_dim
 
     def with_codec(self, kv_codec: str) -> Geometry:
@@ -115,23 +234,58 @@ class Geometry:
     def mamba_inner(self) -> int:
         return self.mamba_heads * self.mamba_head_dim
 
+    def layer_state_bytes(self, kind: str) -> tuple[int, int]:
+        """(SSM, conv) bytes of one layer's recurrent state of `kind`.
+
+        mamba2: heads x head dim x d_state; conv over x, B and C (inner + 2 G N channels).
+        gdn: value heads x key dim x value dim; conv over q, k, v (2 Hk dk + Hv dv channels).
+        mamba1: inner x d_state; conv over x (inner channels). Conv keeps d_conv - 1 inputs.
+        """
+        e = self.dtype_bytes
+        if kind == "mamba2":
+            conv_dim = self.mamba_inner + 2 * self.n_groups * self.d_state
+            return self.mamba_inner * self.d_state * e, conv_dim * (self.d_conv - 1) * e
+        if kind == "gdn":
+            ssm = self.gdn_value_heads * self.gdn_key_head_dim * self.gdn_value_head_dim * e
+            conv_dim = (2 * self.gdn_key_heads * self.gdn_key_head_dim
+                        + self.gdn_value_heads * self.gdn_value_head_dim)
+            return ssm, conv_dim * (self.gdn_conv - 1) * e
+        if kind == "mamba1":
+            return (self.mamba1_d_inner * self.mamba1_d_state * e,
+                    self.mamba1_d_inner * (self.mamba1_d_conv - 1) * e)
+        raise ValueError(f"recurrent kind={kind!r}: allowed values are mamba2, gdn, mamba1")
+
+    def _scope_state(self, part: int) -> int:
+        return sum(self._per_scope(kind) * self.layer_state_bytes(kind)[part]
+                   for kind in ("mamba2", "gdn", "mamba1") if self.state_layer_counts[kind])
+
     @property
     def ssm_bytes(self) -> int:
-        """Mamba2 SSM state: heads x head dim x d_state elements."""
-        return self.mamba_inner * self.d_state * self.dtype_bytes
+        """SSM state of the storage scope: every recurrent layer's, summed (one shape per
+        layer kind; a scope with several shapes holds them side by side)."""
+        return self._scope_state(0)
 
     @property
     def conv_bytes(self) -> int:
-        """Causal-conv state over x, B and C channels for the last d_conv - 1 inputs."""
-        if not self.has_recurrent:
-            return 0
-        conv_dim = self.mamba_inner + 2 * self.n_groups * self.d_state
-        return conv_dim * (self.d_conv - 1) * self.dtype_bytes
+        """Causal-conv state of the storage scope, every recurrent layer's summed."""
+        return self._scope_state(1)
 
     @property
     def composite_bytes(self) -> int:
-        """Complete recurrent state of one sequence (SSM + conv)."""
+        """Complete recurrent state of one sequence in the storage scope (SSM + conv)."""
         return self.ssm_bytes + self.conv_bytes
+
+    def pattern_params(self) -> tuple[int, int]:
+        """(total, active) parameters derived from the pattern (serving_core/param_count.py)."""
+        from serving_core.param_count import count_params
+
+        return count_params(self)
+
+    @property
+    def compute_params(self) -> int:
+        """Parameters one token multiplies through: the published count for a preset
+        without a pattern (Falcon-H1, as before); the pattern's active count otherwise."""
+        return self.num_params if self.layers is None else self.pattern_params()[1]
 
     @property
     def weight_bytes(self) -> int:
@@ -150,6 +304,8 @@ def geometry_from_config(cfg: Any, **overrides: Any) -> Geometry:
     data = dict(cfg.items()) if hasattr(cfg, "items") else dict(cfg)
     data.update(overrides)
     data.pop(ARCHITECTURE_KEY, None)  # checkpoint-building fields, not state geometry
+    if data.get("layers") is not None:
+        data["layers"] = tuple(e if isinstance(e, str) else list(e) for e in data["layers"])
     known = {f.name for f in fields(Geometry)}
     unknown = sorted(set(data) - known)
     if unknown:

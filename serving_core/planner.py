@@ -2,7 +2,10 @@
 
 A label `bN` means N uniform hybrid pages (N x layout.uniform_page_bytes); a
 label `pN` (or "N pages") means exactly N paged-attention-block pages (S1/S2's), and
-every organization gets the same nominal bytes. Both are sized in the model's reference KV
+every organization gets the same nominal bytes; a label `NMiB` names N MiB of state memory for
+the whole model (every layer), the form that compares models: the planner works in one storage
+group of the layer pattern (serving_core/layer_pattern.py), so its nominal bytes are
+N x 2^20 / Geometry.scope_layers, floored. bN and pN are sized in the model's reference KV
 representation (bf16, geometry.REFERENCE_KV_CODEC), so a label names the same bytes under
 every codec: with kv_codec=tq4, b63 is still 63 bf16 uniform pages of bytes, and each
 organization fits its (smaller) attention units into them. Each organization's class
@@ -32,29 +35,32 @@ from serving_core.geometry import (
 from serving_core.layout import PoolPlan, exact_fraction, paged_page_bytes, uniform_page_bytes
 from serving_core.memory import ORG_TO_CLASS, normalize_org
 
-BUDGET_FORMS = "bN (N uniform hybrid pages), pN or 'N pages' (N S1/S2 pages), N a positive integer"
+BUDGET_FORMS = ("bN (N uniform hybrid pages), pN or 'N pages' (N S1/S2 pages), NMiB (N MiB for "
+                "the whole model), N a positive integer")
 _MAX_SEARCH_COUNT = 1 << 40
 _BUDGET_PATTERNS = (
     ("b", re.compile(r"b(\d+)")),
     ("p", re.compile(r"p(\d+)")),
     ("p", re.compile(r"(\d+)\s*pages?")),
+    ("m", re.compile(r"(\d+)\s*mib")),
 )
 
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """A parsed budget label: `kind` is "b" (uniform pages) or "p" (S1/S2 pages)."""
+    """A parsed budget label: `kind` is "b" (uniform pages), "p" (S1/S2 pages) or "m" (MiB
+    for the whole model)."""
 
     kind: str
     count: int
 
     @property
     def label(self) -> str:
-        return f"{self.kind}{self.count}"
+        return f"{self.count}MiB" if self.kind == "m" else f"{self.kind}{self.count}"
 
 
 def parse_budget(label: str) -> Budget:
-    """Parse "b63", "p254" or "254 pages" (case-insensitive)."""
+    """Parse "b63", "p254", "254 pages" or "4096MiB" (case-insensitive)."""
     text = str(label).strip().lower()
     for kind, pattern in _BUDGET_PATTERNS:
         match = pattern.fullmatch(text)
@@ -76,9 +82,23 @@ class BudgetPlan:
     nominal_bytes: int
     pools: tuple[PoolPlan, ...]
     kv_codec: str = REFERENCE_KV_CODEC
+    scope_layers: int = 1  # copies of the storage group the model holds
+    kv_bytes_per_token: int = 0  # whole model, every attention layer
+    recurrent_bytes_per_checkpoint: int = 0  # whole model, every recurrent layer
+    # Organizations that cannot hold the model's layer pattern: {org: the one-line reason}.
+    refused: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def model_nominal_bytes(self) -> int:
+        """The nominal bytes for the whole model (every layer)."""
+        return self.nominal_bytes * self.scope_layers
 
     def pools_of(self, org: str) -> tuple[PoolPlan, ...]:
+        """The organization's pools; one that cannot hold the model is refused here."""
         org = normalize_org(org)
+        reason = dict(self.refused).get(org)
+        if reason is not None:
+            raise ValueError(reason)
         return tuple(p for p in self.pools if p.org == org)
 
     def org_bytes(self, org: str) -> int:
@@ -108,21 +128,38 @@ def nominal_bytes(geometry: Geometry, budget: str | Budget) -> int:
     """Bytes a label names: counted in the reference (bf16) representation's units."""
     parsed = budget if isinstance(budget, Budget) else parse_budget(budget)
     reference = geometry.with_codec(REFERENCE_KV_CODEC)
+    if parsed.kind == "m":
+        return parsed.count * 2**20 // geometry.scope_layers
     if parsed.kind == "b":
         return parsed.count * uniform_page_bytes(reference)
     return parsed.count * paged_page_bytes(reference)
 
 
+def refusals(geometry: Geometry) -> tuple[tuple[str, str], ...]:
+    """(org, reason) of every organization whose layout cannot hold the model's pattern."""
+    out = []
+    for org, cls in ORG_TO_CLASS.items():
+        try:
+            cls.unit_layout(geometry)
+        except ValueError as exc:
+            out.append((org, str(exc)))
+    return tuple(out)
+
+
 def _build_pools(geometry: Geometry, budget: Budget) -> tuple[int, tuple[PoolPlan, ...]]:
     nominal = nominal_bytes(geometry, budget)
+    refused = dict(refusals(geometry))
     pools: list[PoolPlan] = []
-    for cls in ORG_TO_CLASS.values():
-        pools.extend(cls.plan_pools(geometry, cls.unit_layout(geometry), nominal))
+    for org, cls in ORG_TO_CLASS.items():
+        if org not in refused:
+            pools.extend(cls.plan_pools(geometry, cls.unit_layout(geometry), nominal))
     return nominal, tuple(pools)
 
 
 def _shortfalls(geometry: Geometry, pools: tuple[PoolPlan, ...]) -> list[str]:
-    need = {org: cls.min_units(cls.unit_layout(geometry)) for org, cls in ORG_TO_CLASS.items()}
+    refused = dict(refusals(geometry))
+    need = {org: cls.min_units(cls.unit_layout(geometry)) for org, cls in ORG_TO_CLASS.items()
+            if org not in refused}
     return [f"{p.org} {p.pool} gets {p.num_units} units, needs {need[p.org][p.pool]}"
             for p in pools if p.num_units < need[p.org][p.pool]]
 
@@ -153,6 +190,10 @@ def plan_budget(geometry: Geometry, budget: str | Budget) -> BudgetPlan:
     """Convert a budget label to whole units per organization and pool."""
     parsed = budget if isinstance(budget, Budget) else parse_budget(budget)
     nominal, pools = _build_pools(geometry, parsed)
+    refused = refusals(geometry)
+    if len(refused) == len(ORG_TO_CLASS):
+        raise ValueError(f"model {geometry.name!r}: no organization holds it "
+                         f"({'; '.join(reason for _, reason in refused)})")
     short = _shortfalls(geometry, pools)
     if short:
         minimum = _smallest_feasible(geometry, parsed.kind)
@@ -161,7 +202,9 @@ def plan_budget(geometry: Geometry, budget: str | Budget) -> BudgetPlan:
             f"budget={parsed.label!r} cannot hold one checkpoint for {geometry.name} "
             f"({'; '.join(short)}); {bound}"
         )
-    return BudgetPlan(geometry.name, parsed.label, nominal, pools, geometry.kv_codec)
+    return BudgetPlan(geometry.name, parsed.label, nominal, pools, geometry.kv_codec,
+                      geometry.scope_layers, geometry.kv_bytes_per_token,
+                      geometry.recurrent_bytes_per_checkpoint, refused)
 
 
 def _orgs(orgs: Sequence[str] | None) -> tuple[str, ...]:
@@ -174,9 +217,15 @@ def _orgs(orgs: Sequence[str] | None) -> tuple[str, ...]:
 
 def plan_to_dict(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> dict:
     """The JSON shape of a plan: per-org units, unit bytes and bytes (one pool: its entry;
-    more: one entry per pool and the organization's total bytes)."""
+    more: one entry per pool and the organization's total bytes), all in one storage group;
+    the whole model's KV bytes per token, recurrent bytes per checkpoint and nominal bytes
+    (the group's x scope_layers)."""
     out: dict[str, dict] = {}
+    refused = dict(plan.refused)
     for org in _orgs(orgs):
+        if org in refused:
+            out[org] = {"refused": refused[org]}
+            continue
         entries = {
             p.pool: {"units": p.num_units, "unit_bytes": p.unit_bytes, "bytes": p.num_bytes}
             | ({"reserved_units": p.num_reserved} if p.num_reserved else {})
@@ -191,6 +240,10 @@ def plan_to_dict(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> dict:
         "kv_codec": plan.kv_codec,
         "budget": plan.label,
         "nominal_bytes": plan.nominal_bytes,
+        "scope_layers": plan.scope_layers,
+        "model_nominal_bytes": plan.model_nominal_bytes,
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "recurrent_bytes_per_checkpoint": plan.recurrent_bytes_per_checkpoint,
         "orgs": out,
     }
 
@@ -204,7 +257,11 @@ def format_plan(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> str:
     has more than one pool)."""
     header = ("org", "pool", "units", "unit bytes", "bytes", "MiB", "diff to nominal")
     rows = []
+    refused = dict(plan.refused)
     for org in _orgs(orgs):
+        if org in refused:
+            rows.append((org, "refused", "", "", "", "", ""))
+            continue
         pools = plan.pools_of(org)
         for p in pools:
             diff = f"{plan.diff_bytes(org):+,}" if len(pools) == 1 else ""
@@ -216,8 +273,13 @@ def format_plan(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> str:
             total = plan.org_bytes(org)
             rows.append((org, "total", "", "", f"{total:,}", _mib(total),
                          f"{plan.diff_bytes(org):+,}"))
-    return _render(f"model {plan.model}  kv {plan.kv_codec}  budget {plan.label}  nominal "
-                   f"{plan.nominal_bytes:,} B ({_mib(plan.nominal_bytes)} MiB)", header, rows)
+    title = (f"model {plan.model}  kv {plan.kv_codec}  budget {plan.label}  nominal "
+             f"{plan.nominal_bytes:,} B ({_mib(plan.nominal_bytes)} MiB)")
+    if plan.scope_layers > 1 and plan.kv_bytes_per_token:
+        title += (f" per storage group x {plan.scope_layers}; whole model: KV "
+                  f"{plan.kv_bytes_per_token:,} B/token, recurrent "
+                  f"{plan.recurrent_bytes_per_checkpoint:,} B/checkpoint")
+    return _render(title, header, rows)
 
 
 def _units(p: PoolPlan) -> str:
@@ -246,6 +308,9 @@ def format_side_by_side(plans: dict[str, BudgetPlan], orgs: Sequence[str] | None
         header += [f"{codec} units", f"{codec} unit bytes", f"{codec} diff"]
     rows = []
     for org in _orgs(orgs):
+        if any(org in dict(plan.refused) for plan in plans.values()):
+            rows.append((org, "refused", *([""] * (len(header) - 2))))
+            continue
         pools = {codec: plan.pools_of(org) for codec, plan in plans.items()}
         for i, pool in enumerate(pools[codecs[0]]):
             row = [org, pool.pool]

@@ -20,9 +20,10 @@ from omegaconf import DictConfig
 from experiments.config.spec import SIMULATED, VLLM, engine_spec, executor_path
 from experiments.runners.cell import arm_of
 from experiments.workloads.workload import normalize_load_config, normalize_workload_config
+from ledgers.arms import arm as arm_row
 from serving_core.executor.profiles import load_device_profile
 from serving_core.geometry import geometry_from_config
-from serving_core.planner import plan_budget
+from serving_core.planner import plan_budget, units_for
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # the ledger writer's campaign names
 
@@ -98,7 +99,8 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     if not isinstance(cfg.question, str):
         raise ValueError(f"question={cfg.question!r}: expected a string")
     geometry = _prefixed("model", geometry_from_config, cfg.model)
-    plan_budget(geometry, str(cfg.budget))
+    units_for(plan_budget(geometry, str(cfg.budget)), arm_row(cfg.org).org)  # refuses an org the
+    # layer pattern does not fit (serving_core/planner.py, refusals)
     path = executor_path(cfg.executor)
     if path == VLLM:  # real vLLM: N0, its interpreter, a matching checkpoint
         from experiments.runners.vllm_arm import check_vllm_cell, vllm_executor_config

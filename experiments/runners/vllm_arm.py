@@ -130,8 +130,9 @@ def free_port() -> int:
 
 
 def kv_cache_bytes(nominal_layer_bytes: int, num_layers: int) -> int:
-    """vLLM's `--kv-cache-memory-bytes` for a budget: the same bytes per layer as ours
-    (vLLM divides its cache by page x layers into blocks)."""
+    """vLLM's `--kv-cache-memory-bytes` for a budget: the same bytes per storage group as
+    ours, times the groups (`num_layers`: Geometry.scope_layers, Falcon-H1's layer count;
+    vLLM divides its cache by page x layers of a KV-cache group into blocks)."""
     return int(nominal_layer_bytes) * int(num_layers)
 
 
@@ -333,12 +334,12 @@ def run_cell_on_vllm(cfg, vcfg: VllmExecutorConfig, geometry, sched_cfg, specs) 
 
     plan = plan_budget(geometry, str(cfg.budget))
     align = N0_CPU_BLOCK_ALIGNMENT if vcfg.device == "cpu" else N0_BLOCK_ALIGNMENT
-    layers = geometry.num_layers
+    layers = geometry.scope_layers  # copies of the storage group (Falcon-H1: its layers)
     return serve_on_vllm(
         vcfg, specs, served_name=str(geometry.name), cap=sched_cfg.cap,
         max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
         max_model_len=int(cfg.model.max_model_len),
         kv_bytes=kv_cache_bytes(plan.nominal_bytes, layers),
-        kv_token_bytes=geometry.attention_bytes_per_token, num_layers=layers,
+        kv_token_bytes=geometry.layer_kv_bytes_per_token, num_layers=layers,
         block_tokens=n0_layout(geometry, align).block_tokens,
     )

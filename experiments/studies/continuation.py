@@ -271,7 +271,7 @@ def _restored_exact(host, arena, keys: list[int], restored) -> bool:
 
 def _restore_sizes(mem, geometry, restored) -> tuple[int, int, int, int]:
     """(expected bytes, unit capacity bytes, units restored, units the layout gives B)."""
-    b, layers = restored.prefix_tokens, geometry.num_layers
+    b, layers = restored.prefix_tokens, geometry.scope_layers
     state = geometry.ssm_bytes + geometry.conv_bytes if b and mem.checkpoint_interval else 0
     expected = layers * (b * geometry.attention_bytes_per_token + state)
     objs = restored.blocks + ([restored.checkpoint] if restored.checkpoint else [])
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from serving_core.executor.torch_config import TorchExecutorConfig, check_checkpoint
     from serving_core.geometry import load_geometry
-    from serving_core.model.falcon_h1 import FalconH1
+    from serving_core.model.loader import load_model
 
     try:
         geometry = load_geometry(args.preset)
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    model = FalconH1.load(args.checkpoint)
+    model = load_model(args.checkpoint)
     fault = None if args.fault == "none" else args.fault
     delayed_keys = {parse_case(c) for c in delayed}
     rows = []

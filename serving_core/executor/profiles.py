@@ -198,28 +198,47 @@ def load_device_profile(name_or_mapping: str | Any) -> DeviceProfile:
 class ModelCosts:
     """Whole-model byte and FLOP coefficients of one serving step.
 
-    Symbols: L layers, Ha attention heads, d head dim, H Mamba heads, P Mamba
-    head dim, N d_state, G groups, Q the SSD chunk length.
+    Symbols: La attention layers, Ha attention heads, d head dim; per recurrent layer H
+    heads, P head dim, N state size, G groups (serving_core.executor.profiles.scan_shape),
+    summed over the recurrent layers; Q the SSD chunk length.
     """
 
-    weight_bytes: int  # num_params x dtype bytes; streamed once per step
-    kv_bytes_per_token: int  # attention K+V of one token, all L layers
-    state_bytes_per_composite: int  # one recurrent composite (SSM + conv), all L layers
-    dense_flops_per_token: int  # 2 x num_params (one multiply-add per weight)
-    attention_flops_per_pair: int  # 4 Ha d L: QK^T and PV per (query, key) pair
-    scan_flops_per_token: int  # 4 H P N L: chunk-state build and read-out
-    scan_flops_per_chunk: int  # 2 H P N L: passing the state across one chunk
-    scan_flops_per_intra_pair: int  # 2 (H P + G N) L: intra-chunk C B^T and its product with X
+    # num_params x dtype bytes, streamed once per step (a MoE model's every expert: a step
+    # of a batch reaches most of them; the conservative bound)
+    weight_bytes: int
+    kv_bytes_per_token: int  # attention K+V of one token, all La attention layers
+    state_bytes_per_composite: int  # one recurrent composite (SSM + conv), every layer
+    dense_flops_per_token: int  # 2 x the parameters a token passes (MoE: the active ones)
+    attention_flops_per_pair: int  # 4 Ha d La: QK^T and PV per (query, key) pair
+    scan_flops_per_token: int  # 4 sum(H P N): chunk-state build and read-out
+    scan_flops_per_chunk: int  # 2 sum(H P N): passing the state across one chunk
+    scan_flops_per_intra_pair: int  # 2 sum(H P + G N): intra-chunk C B^T and its product
     ssd_chunk_tokens: int  # Q
-    codec_elements_per_token: int = 0  # K/V elements of one token, all L layers (0: bf16)
+    codec_elements_per_token: int = 0  # K/V elements of one token, all La layers (0: bf16)
 
     @property
     def has_recurrent(self) -> bool:
         return self.state_bytes_per_composite > 0
 
 
+def scan_shape(geometry: Geometry, kind: str) -> tuple[int, int, int, int]:
+    """(H, P, N, G) a recurrent layer of `kind` scans with: Mamba2 heads x head dim x
+    d_state over G groups; Gated DeltaNet value heads x value dim x key dim over its key
+    heads (the chunked delta rule has the same four stages); Mamba (v1) inner channels of
+    one element each x d_state, one group (its selective scan has no intra-chunk matmul:
+    the intra term is an approximation kept so that every recurrent layer is costed)."""
+    g = geometry
+    if kind == "mamba2":
+        return g.mamba_heads, g.mamba_head_dim, g.d_state, g.n_groups
+    if kind == "gdn":
+        return g.gdn_value_heads, g.gdn_value_head_dim, g.gdn_key_head_dim, g.gdn_key_heads
+    if kind == "mamba1":
+        return g.mamba1_d_inner, 1, g.mamba1_d_state, 1
+    raise ValueError(f"recurrent kind={kind!r}: allowed values are mamba2, gdn, mamba1")
+
+
 def model_costs(geometry: Geometry, ssd_chunk_tokens: int = SSD_CHUNK_TOKENS) -> ModelCosts:
-    """Derive a model's per-step cost coefficients from its geometry.
+    """Derive a model's per-step cost coefficients from its geometry's layer pattern.
 
     Scan FLOPs follow the four stages of the Mamba-2 SSD algorithm for a chunk
     of q tokens (per layer): intra-chunk C B^T per group (2 q^2 N G) and its
@@ -228,26 +247,34 @@ def model_costs(geometry: Geometry, ssd_chunk_tokens: int = SSD_CHUNK_TOKENS) ->
     (2 N P H per chunk). Per token: 4 HPN + 2 q (HP + GN) + 2 HPN / q; n new
     tokens split into chunks of at most Q. A single
     decode token (q = 1) gives ~6 HPN, close to the 5 HPN of the recurrent update
-    (decay, outer product, add; read-out).
+    (decay, outer product, add; read-out). Every term is summed over the layers that
+    carry it (attention terms over attention layers, scan terms over each recurrent
+    layer with its own shape, `scan_shape`); dense FLOPs are 2 x the parameters a token
+    multiplies through (Geometry.compute_params: a MoE model's active count). A model
+    whose every layer is alike (Falcon-H1) gives L x its per-layer terms, as before.
     """
     if ssd_chunk_tokens <= 0:
         raise ValueError(f"ssd_chunk_tokens={ssd_chunk_tokens} must be positive")
     g = geometry
-    layers = g.num_layers
-    recurrent = g.has_recurrent
-    hpn = g.mamba_heads * g.mamba_head_dim * g.d_state
-    intra = (g.mamba_inner + g.n_groups * g.d_state) if recurrent else 0
+    counts = g.state_layer_counts
+    hpn = intra = 0
+    for kind in ("mamba2", "gdn", "mamba1"):
+        if counts[kind]:
+            heads, head_dim, state, groups = scan_shape(g, kind)
+            hpn += counts[kind] * heads * head_dim * state
+            intra += counts[kind] * (heads * head_dim + groups * state)
+    attention_layers = counts["attention"]
     return ModelCosts(
         weight_bytes=g.weight_bytes,
-        kv_bytes_per_token=g.attention_bytes_per_token * layers,
-        state_bytes_per_composite=g.composite_bytes * layers,
-        dense_flops_per_token=2 * g.num_params,
-        attention_flops_per_pair=4 * g.num_attention_heads * g.head_dim * layers,
-        scan_flops_per_token=4 * hpn * layers,
-        scan_flops_per_chunk=2 * hpn * layers,
-        scan_flops_per_intra_pair=2 * intra * layers,
+        kv_bytes_per_token=g.kv_bytes_per_token,
+        state_bytes_per_composite=g.recurrent_bytes_per_checkpoint,
+        dense_flops_per_token=2 * g.compute_params,
+        attention_flops_per_pair=4 * g.num_attention_heads * g.head_dim * attention_layers,
+        scan_flops_per_token=4 * hpn,
+        scan_flops_per_chunk=2 * hpn,
+        scan_flops_per_intra_pair=2 * intra,
         ssd_chunk_tokens=ssd_chunk_tokens,
         codec_elements_per_token=(
-            g.kv_elements_per_token * layers if g.kv_codec != "bf16" else 0
+            g.kv_elements_per_token * attention_layers if g.kv_codec != "bf16" else 0
         ),
     )

@@ -43,6 +43,19 @@ def storage_dtype(geometry: Geometry) -> torch.dtype:
     return STORAGE_DTYPES[geometry.dtype_bytes]
 
 
+def group_members(geometry: Geometry) -> int:
+    """Mamba2 layers per storage group of a model the arena holds: one attention layer and
+    k Mamba2 layers per group (serving_core/layer_pattern.py; Falcon-H1: k = 1, its hybrid
+    layer). Other patterns are refused in one line."""
+    counts = geometry.state_layer_counts
+    g = geometry.scope_layers
+    if counts["gdn"] or counts["mamba1"] or counts["attention"] != g or not counts["mamba2"]:
+        raise ValueError(f"model={geometry.name!r}: the torch arena holds storage groups of "
+                         "one attention layer and Mamba2 layers; this pattern has "
+                         f"{counts} over {g} groups")
+    return counts["mamba2"] // g
+
+
 class PagedSSM:
     """SSM states (b, H, P, N) of a batch held in their member pages, as a list of
     (H / members, P, N) views in (sequence, member) order: updated in place
@@ -67,6 +80,7 @@ class StateArena:
     """The pools of one memory organization as torch tensors, with typed views."""
 
     def __init__(self, mem: MemoryOrganization, geometry: Geometry, device="cpu") -> None:
+        self.members_per_group = group_members(geometry)
         self.mem = mem
         self.org = org_class(mem.org).org  # refuses an organization the registry lacks
         self.conv_addressing = type(mem).conv_addressing
@@ -78,14 +92,16 @@ class StateArena:
         self.dtype = storage_dtype(geometry)
         self.device = torch.device(device)
         elem = geometry.dtype_bytes
-        self.layers = geometry.num_layers
+        self.layers = geometry.scope_layers  # storage groups (Falcon-H1: its layers)
         self.kv_heads, self.head_dim = geometry.num_kv_heads, geometry.head_dim
         self.token_elems = geometry.attention_bytes_per_token // elem
         self.block_tokens = mem.block_tokens
         self.ssm_elems = geometry.ssm_bytes // elem
         self.conv_elems = geometry.conv_bytes // elem
-        self.ssm_shape = (geometry.mamba_heads, geometry.mamba_head_dim, geometry.d_state)
-        self.conv_shape = (geometry.mamba_inner + 2 * geometry.n_groups * geometry.d_state,
+        # a group's Mamba2 layers stacked: SSM heads k x H, conv channels k x Cd
+        k = self.members_per_group
+        self.ssm_shape = (k * geometry.mamba_heads, geometry.mamba_head_dim, geometry.d_state)
+        self.conv_shape = (k * (geometry.mamba_inner + 2 * geometry.n_groups * geometry.d_state),
                            geometry.d_conv - 1)
         self.kv_codec = geometry.kv_codec
         self.codec = None
@@ -279,7 +295,8 @@ class StateArena:
         """True when a decode can update the SSM state through views of its units, with no
         copy in or out: fp32 storage, and S0/D0 (the state leads its composite's unit) or
         S1/S2 member pages that hold whole heads."""
-        if not self.mem.has_recurrent or self.dtype != torch.float32:
+        if (not self.mem.has_recurrent or self.dtype != torch.float32
+                or self.members_per_group != 1):  # a model slices a group's stacked state
             return False
         if self.contiguous:
             return True

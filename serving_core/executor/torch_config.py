@@ -8,6 +8,7 @@ from pathlib import Path
 
 from serving_core.geometry import Geometry
 from serving_core.model.config import check_geometry, read_config
+from serving_core.model.loader import model_type
 
 TORCH_KIND = "torch"
 _FIELDS = ("name", "kind", "checkpoint", "device", "dtype", "max_num_batched_tokens",
@@ -68,7 +69,9 @@ def torch_executor_config(cfg) -> TorchExecutorConfig:
 def check_checkpoint(tcfg: TorchExecutorConfig, geometry: Geometry) -> dict:
     """The checkpoint's config, after checking it has weights and matches the preset."""
     try:
-        cfg = read_config(tcfg.checkpoint)
+        has_config = (Path(tcfg.checkpoint) / "config.json").is_file()
+        cfg = read_config(tcfg.checkpoint,
+                          model_type(tcfg.checkpoint) if has_config else "falcon_h1")
     except ValueError as err:
         raise ValueError(f"executor.{err}") from None
     if not any(Path(tcfg.checkpoint).glob("*.safetensors")):

@@ -66,7 +66,12 @@ class D0DualPools(MemoryOrganization):
 
     @classmethod
     def unit_layout(cls, geometry: Geometry) -> OrgLayout:
-        """16-token attention units; one native composite per recurrent unit."""
+        """16-token attention units; one native composite per recurrent unit.
+
+        Over a layer pattern: an attention unit is 16 tokens of the storage group's
+        attention layers, a recurrent unit the group's whole recurrent state (every layer,
+        every shape); the pools split the budget by the preset's d0_attention_fraction.
+        """
         rec = geometry.has_recurrent
         return OrgLayout(org=cls.org, block_tokens=D0_BLOCK_TOKENS,
                          checkpoint_interval=D0_CHECKPOINT_INTERVAL if rec else 0,

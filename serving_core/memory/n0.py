@@ -37,6 +37,32 @@ N0_BLOCK_ALIGNMENT = 16
 N0_CPU_BLOCK_ALIGNMENT = 128
 
 
+def n0_layer_shape(geometry: Geometry) -> tuple[int, int, int]:
+    """(one attention layer's KV bytes per token, the largest one-layer recurrent state,
+    recurrent layers per storage group) as vLLM's allocator sees a model.
+
+    vLLM pages every layer on its own: layers are grouped into KV-cache groups of equal
+    size (one attention group per attention layer of the storage group, one Mamba group
+    per recurrent layer), every Mamba page is padded to the one page size, and a request's
+    recurrent state takes one page in each Mamba group. In the storage scope
+    (serving_core/layer_pattern.py) that is one page per attention block and one page per
+    recurrent layer of the group per checkpoint. For Falcon-H1 (one attention and one
+    Mamba2 layer per group) this is the per-layer page as before.
+
+    A storage group with several attention layers would take several pages per block;
+    N0 refuses it (every preset has one attention layer per group).
+    """
+    g = geometry.scope_layers
+    counts = geometry.state_layer_counts
+    if counts["attention"] // g != 1:
+        raise ValueError(f"org=n0 cannot hold model {geometry.name!r}: its storage group has "
+                         f"{counts['attention'] // g} attention layers; N0 sizes one page "
+                         "per attention block of one attention layer (allowed: 1)")
+    kinds = [k for k in ("mamba2", "gdn", "mamba1") if counts[k]]
+    state = max((sum(geometry.layer_state_bytes(k)) for k in kinds), default=0)
+    return geometry.layer_kv_bytes_per_token, state, sum(counts[k] for k in kinds) // g
+
+
 def n0_block_tokens(geometry: Geometry, alignment: int = N0_BLOCK_ALIGNMENT) -> int:
     """Attention block of vLLM's native hybrid page: the smallest multiple of `alignment`
     tokens whose per-layer KV bytes hold one recurrent composite.
@@ -48,14 +74,17 @@ def n0_block_tokens(geometry: Geometry, alignment: int = N0_BLOCK_ALIGNMENT) -> 
     `mamba_cache_mode == "align"` then sets mamba_block_size = block_size. (Earlier
     releases' mamba_cache_mode "all" rounded up to lcm(Mamba2 chunk, alignment) tokens
     instead: 1,792 for Falcon-H1, the unit of the paper's earlier uniform path.)
-    An attention-only model keeps the default block of `alignment` tokens.
+    An attention-only model keeps the default block of `alignment` tokens. Per layer
+    (`n0_layer_shape`): the KV bytes of one attention layer, the state of one recurrent
+    layer.
     """
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"alignment={alignment!r} must be a positive integer (tokens)")
     if not geometry.has_recurrent:
         return alignment
-    per_block = alignment * geometry.attention_bytes_per_token
-    return alignment * math.ceil(geometry.composite_bytes / per_block)
+    layer_kv, layer_state, _ = n0_layer_shape(geometry)
+    per_block = alignment * layer_kv
+    return alignment * math.ceil(layer_state / per_block)
 
 
 def n0_layout(geometry: Geometry, alignment: int = N0_BLOCK_ALIGNMENT) -> OrgLayout:
@@ -66,14 +95,17 @@ def n0_layout(geometry: Geometry, alignment: int = N0_BLOCK_ALIGNMENT) -> OrgLay
     size and attention page size are exactly equal"), so `recurrent_unit_bytes` is the
     page and `n0_padding_bytes` says how much of it the state leaves unused. Mamba
     prefix caching ("align" mode) keeps a state only at block boundaries, so the
-    checkpoint interval is the block.
+    checkpoint interval is the block. A checkpoint takes one page per recurrent layer of
+    the storage group (`n0_layer_shape`; one for Falcon-H1).
     """
     block = n0_block_tokens(geometry, alignment)
-    page = block * geometry.attention_bytes_per_token
     rec = geometry.has_recurrent
+    layer_kv, _, pages = n0_layer_shape(geometry) if rec else (
+        geometry.attention_bytes_per_token, 0, 0)
+    page = block * layer_kv
     return OrgLayout(org=N0UniformPages.org, block_tokens=block,
                      checkpoint_interval=block if rec else 0, page_bytes=page,
-                     units_per_composite=1 if rec else 0, ssm_members=1 if rec else 0,
+                     units_per_composite=pages, ssm_members=pages,
                      recurrent_unit_bytes=page)
 
 
@@ -81,7 +113,8 @@ def n0_padding_bytes(geometry: Geometry, alignment: int = N0_BLOCK_ALIGNMENT) ->
     """Bytes of one N0 page a recurrent composite leaves unused (0 without recurrent state)."""
     if not geometry.has_recurrent:
         return 0
-    return n0_layout(geometry, alignment).page_bytes - geometry.composite_bytes
+    layout = n0_layout(geometry, alignment)
+    return layout.page_bytes * layout.units_per_composite - geometry.composite_bytes
 
 
 class N0UniformPages(MemoryOrganization):

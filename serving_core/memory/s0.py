@@ -15,7 +15,13 @@ class S0CoarsePages(MemoryOrganization):
 
     @classmethod
     def unit_layout(cls, geometry: Geometry) -> OrgLayout:
-        """One page of max(paged attention block, composite) bytes per block or composite."""
+        """One page of max(paged attention block, composite) bytes per block or composite.
+
+        Over a layer pattern (serving_core/layer_pattern.py) the page holds one 512-token
+        block of every attention layer of the storage group, or the group's whole
+        recurrent state (every recurrent layer, of every shape, contiguous): with attention
+        in few layers the page is sized by the recurrent side and a block uses less of it.
+        """
         rec = geometry.has_recurrent
         page = max(paged_page_bytes(geometry), geometry.composite_bytes)
         return OrgLayout(org=cls.org, block_tokens=PAGED_BLOCK_TOKENS,

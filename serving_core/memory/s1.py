@@ -21,9 +21,19 @@ class S1RecurrentPaging(MemoryOrganization):
     @classmethod
     def unit_layout(cls, geometry: Geometry) -> OrgLayout:
         """Paged-attention-block pages; ceil(SSM / page) member pages and one conv page per
-        composite."""
+        composite.
+
+        Over a layer pattern: the page is one 512-token block of the storage group's
+        attention layers; the members split the group's SSM state (its recurrent layers'
+        states one after another, several shapes side by side) and the conv page holds
+        every recurrent layer's conv window; a group whose conv state exceeds one page is
+        refused.
+        """
         rec = geometry.has_recurrent
         page = paged_page_bytes(geometry)
+        if rec and geometry.conv_bytes > page:
+            raise ValueError(f"org=s1 cannot hold model {geometry.name!r}: its conv state of "
+                             f"{geometry.conv_bytes} B does not fit one {page}-B conv page")
         members = math.ceil(geometry.ssm_bytes / page) if rec else 0
         conv_pages = 1 if rec else 0
         return OrgLayout(org=cls.org, block_tokens=PAGED_BLOCK_TOKENS,

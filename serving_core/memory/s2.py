@@ -137,14 +137,20 @@ class S2PagingConvSlots(MemoryOrganization):
     @classmethod
     def unit_layout(cls, geometry: Geometry) -> OrgLayout:
         """Paged-attention-block pages; ceil(SSM / page) member pages per composite and a
-        conv slot of the smallest power of two >= the conv state, page / slot per slab."""
+        conv slot of the smallest power of two >= the conv state, page / slot per slab.
+
+        Over a layer pattern: pages and members as S1 (the storage group's attention
+        layers per page, its whole SSM state over the members); one slot holds every
+        recurrent layer's conv window of the group, so a group of several recurrent layers
+        has larger slots and fewer per slab; a slot larger than a page is refused.
+        """
         rec = geometry.has_recurrent
         page = paged_page_bytes(geometry)
         members = math.ceil(geometry.ssm_bytes / page) if rec else 0
         slot = next_pow2(geometry.conv_bytes) if rec else 0
         if rec and slot > page:
-            raise ValueError(f"conv state of {geometry.conv_bytes} B does not fit one "
-                             f"{page}-B page")
+            raise ValueError(f"org=s2 cannot hold model {geometry.name!r}: its conv state of "
+                             f"{geometry.conv_bytes} B does not fit one {page}-B page")
         return OrgLayout(org=cls.org, block_tokens=PAGED_BLOCK_TOKENS,
                          checkpoint_interval=PAGED_BLOCK_TOKENS if rec else 0, page_bytes=page,
                          units_per_composite=members, ssm_members=members,

@@ -14,8 +14,9 @@ from serving_core.geometry import Geometry
 CHECKPOINT_FIELDS = "config.json and *.safetensors"
 
 
-def read_config(folder: str | Path) -> dict:
-    """config.json of a checkpoint folder; ValueError (one line) when absent or unreadable."""
+def read_config(folder: str | Path, model_type: str = "falcon_h1") -> dict:
+    """config.json of a checkpoint folder of `model_type`; ValueError (one line) when absent,
+    unreadable or of another model type."""
     path = Path(folder)
     if not path.is_dir():
         raise ValueError(f"checkpoint={str(folder)!r}: not a directory (needs {CHECKPOINT_FIELDS})")
@@ -26,10 +27,10 @@ def read_config(folder: str | Path) -> dict:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"checkpoint={str(folder)!r}: unreadable config.json ({err})") from None
-    if cfg.get("model_type") != "falcon_h1":
+    if cfg.get("model_type") != model_type:
         raise ValueError(
             f"checkpoint={str(folder)!r}: model_type={cfg.get('model_type')!r}, "
-            "expected 'falcon_h1'"
+            f"expected {model_type!r}"
         )
     return cfg
 

@@ -1,7 +1,8 @@
-"""Build a random-weight Falcon-H1 checkpoint offline from a conf/model/ preset.
+"""Build a random-weight checkpoint offline from a conf/model/ preset.
 
 `python -m serving_core.model.make_tiny OUT [--model falcon_h1_tiny] [--seed 0]` writes
-config.json and model.safetensors with transformers' own FalconH1ForCausalLM, so the
+config.json and model.safetensors with transformers' own FalconH1ForCausalLM (a preset with a
+`layers` pattern of attention and Mamba2 layers: GraniteMoeHybridForCausalLM), so the
 checkpoint is what the reference implementation loads, and (a model over Llama-3's
 vocabulary) the llama3 tokenizer as Hugging Face files (serving_core/model/hf_tokenizer.py),
 so clients that tokenize and vLLM serving text find it. Seeded; no network.
@@ -60,19 +61,70 @@ def hf_config_kwargs(data: dict) -> dict:
     }
 
 
+# transformers' GraniteMoeHybrid layer types for our pattern's mixers.
+GRANITE_LAYER_TYPES = {"mamba2": "linear_attention", "attention": "full_attention"}
+
+
+def granite_config_kwargs(data: dict) -> dict:
+    """GraniteMoeHybridConfig arguments from a preset with a `layers` pattern of mamba2 and
+    attention layers, each with a MoE block (serving_core/layer_pattern.py)."""
+    from serving_core.layer_pattern import expand_layers, parse_layer
+
+    types = []
+    for text in expand_layers(data["layers"]):
+        mixer, ffn = parse_layer(text)
+        if mixer not in GRANITE_LAYER_TYPES or ffn != "moe":
+            raise ValueError(f"model={data['name']!r}: layer {text!r}: a GraniteMoeHybrid "
+                             "checkpoint has mamba2+moe or attention+moe layers")
+        types.append(GRANITE_LAYER_TYPES[mixer])
+    if data["hidden_size"] != data["num_attention_heads"] * data["head_dim"]:
+        raise ValueError(f"model={data['name']!r}: head_dim x heads must equal hidden_size")
+    inner = data["mamba_heads"] * data["mamba_head_dim"]
+    if inner % data["hidden_size"]:
+        raise ValueError(f"model={data['name']!r}: Mamba2 inner width {inner} is not a "
+                         "multiple of hidden_size (mamba_expand)")
+    return {
+        **dict(data[ARCHITECTURE_KEY]),
+        "hidden_size": data["hidden_size"],
+        "num_hidden_layers": data["num_layers"],
+        "layer_types": types,
+        "num_attention_heads": data["num_attention_heads"],
+        "num_key_value_heads": data["num_kv_heads"],
+        "mamba_n_heads": data["mamba_heads"],
+        "mamba_d_head": data["mamba_head_dim"],
+        "mamba_expand": inner // data["hidden_size"],
+        "mamba_d_state": data["d_state"],
+        "mamba_n_groups": data["n_groups"],
+        "mamba_d_conv": data["d_conv"],
+        "num_local_experts": data["num_experts"],
+        "num_experts_per_tok": data["experts_per_token"],
+        "intermediate_size": data["expert_intermediate_size"],
+        "shared_intermediate_size": data["shared_expert_intermediate_size"],
+        "max_position_embeddings": data["max_model_len"],
+    }
+
+
 def build(out: str | Path, model: str = DEFAULT_MODEL, seed: int = 0,
           tokenizer: bool = True) -> Path:
     """Write the checkpoint folder `out` and return it; `tokenizer=False` leaves out the
     tokenizer files (checks that feed token ids, on machines without quicktok)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import FalconH1Config, FalconH1ForCausalLM
 
     data = preset(model)
     dtype = {4: torch.float32, 2: torch.bfloat16}[int(data["dtype_bytes"])]
-    config = FalconH1Config(**hf_config_kwargs(data))
+    if data.get("layers") is not None:
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        config = GraniteMoeHybridConfig(**granite_config_kwargs(data))
+        cls = GraniteMoeHybridForCausalLM
+    else:
+        from transformers import FalconH1Config, FalconH1ForCausalLM
+
+        config = FalconH1Config(**hf_config_kwargs(data))
+        cls = FalconH1ForCausalLM
     torch.manual_seed(seed)
-    net = FalconH1ForCausalLM(config).to(dtype)
+    net = cls(config).to(dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     net.save_pretrained(out)

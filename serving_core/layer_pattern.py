@@ -1,0 +1,90 @@
+"""A model's layer pattern: which sequence mixer and which feed-forward block each layer has.
+
+A layer is written `mixer` or `mixer+ffn` (an FFN-only layer is written `mlp` or `moe`):
+
+- mixers: `hybrid` (attention and Mamba2 side by side in one layer, Falcon-H1), `attention`,
+  `mamba2`, `gdn` (Gated DeltaNet, Qwen3-Next), `mamba1` (Jamba's Mamba), `none`;
+- feed-forward: `mlp` (dense), `moe` (routed experts, optionally a shared expert), `none`.
+
+A preset lists its layers in order, each entry a layer string or a run `[count, layer]`
+(serving_core/geometry.py expands and checks them against `num_layers`). A preset without a
+pattern is Falcon-H1-shaped: every layer `hybrid+mlp`.
+
+The storage scope (`scope_counts`): every state-carrying layer kind's count shares a
+greatest common divisor g; the model is g copies of one group holding count / g layers of
+each kind. Every organization sizes its units for one group (the per-layer scope of a
+uniform model such as Falcon-H1, where g is the layer count) and the arenas hold g copies:
+the same grouping vLLM's hybrid allocator makes (layers split into groups of equal size,
+one page shared by one layer of each group). The group keeps the model's exact ratio of
+attention to recurrent bytes; whole-model bytes are group bytes x g.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+MIXERS = ("hybrid", "attention", "mamba2", "gdn", "mamba1", "none")
+FFNS = ("mlp", "moe", "none")
+# The state each mixer carries: attention KV, a recurrent state of one shape.
+ATTENTION_MIXERS = ("hybrid", "attention")
+RECURRENT_KINDS = {"hybrid": "mamba2", "mamba2": "mamba2", "gdn": "gdn", "mamba1": "mamba1"}
+LAYER_FORMS = (f"'mixer' or 'mixer+ffn' with mixer one of {', '.join(MIXERS)} and ffn one of "
+               f"{', '.join(FFNS)} ('mlp' or 'moe' alone: an FFN-only layer), or a run "
+               "[count, layer]")
+
+
+def parse_layer(text: str) -> tuple[str, str]:
+    """(mixer, ffn) of one layer string; a mixer alone has no FFN block."""
+    if not isinstance(text, str):
+        raise ValueError(f"model.layers entry {text!r}: allowed forms are {LAYER_FORMS}")
+    parts = text.strip().split("+")
+    if len(parts) == 1 and parts[0] in ("mlp", "moe"):
+        return "none", parts[0]
+    if len(parts) == 1 and parts[0] in MIXERS:
+        return parts[0], "none"
+    if len(parts) == 2 and parts[0] in MIXERS and parts[1] in FFNS:
+        return parts[0], parts[1]
+    raise ValueError(f"model.layers entry {text!r}: allowed forms are {LAYER_FORMS}")
+
+
+def expand_layers(entries: Iterable[Any]) -> tuple[str, ...]:
+    """The per-layer strings of a pattern written with runs `[count, layer]`."""
+    out: list[str] = []
+    for entry in entries:
+        if isinstance(entry, str):
+            parse_layer(entry)
+            out.append(entry.strip())
+            continue
+        if (isinstance(entry, Sequence) and len(entry) == 2 and isinstance(entry[0], int)
+                and not isinstance(entry[0], bool) and entry[0] > 0):
+            parse_layer(entry[1])
+            out.extend([str(entry[1]).strip()] * entry[0])
+            continue
+        raise ValueError(f"model.layers entry {entry!r}: allowed forms are {LAYER_FORMS}")
+    return tuple(out)
+
+
+def mixer_counts(layers: Sequence[str]) -> Counter:
+    return Counter(parse_layer(s)[0] for s in layers)
+
+
+def ffn_counts(layers: Sequence[str]) -> Counter:
+    return Counter(parse_layer(s)[1] for s in layers)
+
+
+def state_counts(layers: Sequence[str]) -> dict[str, int]:
+    """Layers carrying each kind of state: attention KV and each recurrent shape."""
+    mixers = mixer_counts(layers)
+    out = {"attention": sum(mixers[m] for m in ATTENTION_MIXERS)}
+    for mixer, kind in RECURRENT_KINDS.items():
+        out[kind] = out.get(kind, 0) + mixers[mixer]
+    return out
+
+
+def scope_copies(layers: Sequence[str]) -> int:
+    """g: the greatest common divisor of the state-carrying layer counts (1 if none)."""
+    counts = [c for c in state_counts(layers).values() if c > 0]
+    return math.gcd(*counts) if counts else 1

@@ -1,0 +1,170 @@
+"""The second architecture served by the torch executor over every organization's pages.
+
+The Granite-4.0-H-style tiny checkpoint (attention in one layer of four, Mamba2 in three,
+MoE blocks; conf/model/granite_hybrid_tiny.yaml) is one storage group of one attention and
+three Mamba2 layers: its composite carries the three layers' states stacked. Our engine serves
+the prompts with the model's KV and recurrent state in the organization's units and must
+produce transformers' own greedy tokens (GraniteMoeHybridForCausalLM.generate) for S0, S1, S2
+and D0: when a later request adopts the checkpoint a first one published, when a tiny budget
+forces preemption and resumption, and when prefill is chunked at sizes that do not align with
+the checkpoint interval.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from engines import torch_engine
+
+from serving_core.engine import serve
+from serving_core.geometry import load_geometry
+from serving_core.model.granite_moe_hybrid import GraniteMoeHybrid
+from serving_core.model.make_tiny import build
+from serving_core.planner import plan_budget, units_for
+from serving_core.scheduler import SchedulerConfig
+
+PRESET = "granite_hybrid_tiny"
+OUTPUT_TOKENS = 32
+SHORT = (1000, (10, 15, 20))  # checkpoints at 512 (S orgs)
+LONG = (1800, (10, 15))  # D0: its checkpoint at 1,792
+
+
+@dataclass(frozen=True)
+class Spec:
+    request_id: int
+    arrival_s: float
+    prompt: np.ndarray
+    output_tokens: int
+    context_id: int = 0
+    salt: str = ""
+
+
+def _prompt_set(seed, context, suffixes):
+    rng = np.random.default_rng(seed)
+    ctx = rng.integers(0, 128_256, context)
+    return [np.concatenate([ctx, rng.integers(0, 128_256, n)]).astype(np.int32) for n in suffixes]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("granite_hybrid_tiny_paged"), PRESET, seed=1)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return GraniteMoeHybrid.load(checkpoint)
+
+
+def _transformers_greedy(checkpoint, prompts):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import GraniteMoeHybridForCausalLM
+
+    net = GraniteMoeHybridForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt.tolist()], dtype=torch.long)
+            gen = net.generate(ids, max_new_tokens=OUTPUT_TOKENS, min_new_tokens=OUTPUT_TOKENS,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return _prompt_set(2026, *SHORT)
+
+
+@pytest.fixture(scope="module")
+def long_prompts():
+    return _prompt_set(2027, *LONG)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts):
+    return _transformers_greedy(checkpoint, prompts)
+
+
+@pytest.fixture(scope="module")
+def long_reference(checkpoint, long_prompts):
+    return _transformers_greedy(checkpoint, long_prompts)
+
+
+def serve_greedy(model, org, budget, specs, max_tokens=2048, cap=4):
+    geometry = load_geometry(PRESET)
+    units = units_for(plan_budget(geometry, budget), org)
+    engine = torch_engine(model, geometry, org, units,
+                          SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens),
+                          clock="virtual")
+    produced: dict[int, list[int]] = {}
+    original = engine.step
+
+    def step():
+        out = original()
+        if out is not None:
+            for rid, tok in out.produced:
+                produced.setdefault(rid, []).append(tok)
+        return out
+
+    engine.step = step
+    return serve(engine, specs), produced
+
+
+def _specs(prompts, which, arrivals):
+    return [Spec(i, a, prompts[w], OUTPUT_TOKENS)
+            for i, (w, a) in enumerate(zip(which, arrivals, strict=True))]
+
+
+def _check_adoption(model, prompts, reference, org, adopted, max_tokens=2048):
+    specs = _specs(prompts, (0, 1), (0.0, 1e6))
+    result, produced = serve_greedy(model, org, "b12", specs, max_tokens=max_tokens)
+    assert result.tables["requests"]["adopted_prefix_tokens"] == [0, adopted]
+    assert produced[0] == reference[0]
+    assert produced[1] == reference[1]
+    return result
+
+
+def test_one_group_of_one_attention_and_three_mamba2_layers():
+    g = load_geometry(PRESET)
+    assert (g.scope_layers, g.state_layer_counts["attention"], g.state_layer_counts["mamba2"]) \
+        == (1, 1, 3)
+    # KV 2 heads x 32 x (K, V) x 4 B; the composite 3 x (8 x 32 x 64 + 384 x 3) x 4 B
+    assert (g.attention_bytes_per_token, g.composite_bytes) == (512, 3 * (65_536 + 4_608))
+
+
+@pytest.mark.parametrize("org", ["S0", "S1", "S2"])
+def test_greedy_equals_transformers_and_adopted_prefix_continues_exactly(
+    model, prompts, reference, org
+):
+    _check_adoption(model, prompts, reference, org, 512)
+
+
+def test_d0_greedy_and_adoption_with_a_boundary_inside_a_chunk(
+    model, long_prompts, long_reference
+):
+    result = _check_adoption(model, long_prompts, long_reference, "D0", 1792, 1000)
+    assert max(result.tables["steps"]["prefill_tokens_initial"]) == 1000
+
+
+def test_preemption_and_resume_continue_exactly(model, prompts, reference):
+    specs = _specs(prompts, (0, 1, 2), (0.0, 0.0, 0.0))
+    result, produced = serve_greedy(model, "S2", "p7", specs)
+    assert result.summary["preemptions"] >= 1
+    requests = result.tables["requests"]
+    resumed = [i for i, n in enumerate(requests["preemptions"]) if n]
+    assert resumed and all(requests["episodes"][i] >= 2 for i in resumed)
+    for i in range(3):
+        assert produced[i] == reference[i], f"request {i}"
+
+
+@pytest.mark.parametrize(("org", "chunk"), [("S1", 300), ("S2", 700), ("S0", 450)])
+def test_chunked_prefill_continues_exactly(model, prompts, reference, org, chunk):
+    specs = _specs(prompts, (2,), (0.0,))
+    result, produced = serve_greedy(model, org, "b12", specs, max_tokens=chunk)
+    prefill_steps = [n for n in result.tables["steps"]["prefill_tokens_initial"] if n]
+    assert max(prefill_steps) <= chunk and len(prefill_steps) == -(-len(prompts[2]) // chunk)
+    assert produced[0] == reference[2]

@@ -1,0 +1,289 @@
+"""Layer patterns and the presets of today's hybrids: state bytes and parameters by hand.
+
+Every expectation is hand arithmetic on the public config fields quoted in the preset's
+comment (conf/model/<name>.yaml); parameter totals are checked within 2 % of the size the
+model card publishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serving_core import layer_pattern as lp
+from serving_core.executor.profiles import model_costs
+from serving_core.geometry import load_geometry
+from serving_core.memory import org_layout
+from serving_core.memory.n0 import n0_layout
+from serving_core.planner import nominal_bytes, plan_budget, plan_to_dict, units_for
+
+REPO = Path(__file__).resolve().parent.parent
+PATTERN_PRESETS = ("granite_4_0_h_tiny", "granite_4_0_h_small", "nemotron_h_8b",
+                   "qwen3_next_80b_a3b", "jamba_v0_1")
+# Published total sizes (model cards): 7B, 32B, 8B (8.1B), 80B, 52B.
+PUBLISHED = {"granite_4_0_h_tiny": 7.0e9, "granite_4_0_h_small": 32.0e9,
+             "nemotron_h_8b": 8.1e9, "qwen3_next_80b_a3b": 80.0e9, "jamba_v0_1": 52.0e9}
+
+
+def test_layer_strings_parse_and_runs_expand():
+    assert lp.parse_layer("mamba2+moe") == ("mamba2", "moe")
+    assert lp.parse_layer("attention") == ("attention", "none")
+    assert lp.parse_layer("mlp") == ("none", "mlp")
+    assert lp.expand_layers([[2, "gdn+moe"], "attention+moe"]) == (
+        "gdn+moe", "gdn+moe", "attention+moe")
+    for bad in ("mamba3", "attention+ffn", [0, "mlp"], [True, "mlp"], 7):
+        with pytest.raises(ValueError, match="model.layers entry"):
+            lp.expand_layers([bad])
+
+
+@pytest.mark.parametrize("name, counts, g", [
+    ("falcon_h1_7b", {"attention": 44, "mamba2": 44, "gdn": 0, "mamba1": 0}, 44),
+    ("granite", {"attention": 40, "mamba2": 40, "gdn": 0, "mamba1": 0}, 40),
+    ("granite_4_0_h_tiny", {"attention": 4, "mamba2": 36, "gdn": 0, "mamba1": 0}, 4),
+    ("granite_4_0_h_small", {"attention": 4, "mamba2": 36, "gdn": 0, "mamba1": 0}, 4),
+    ("nemotron_h_8b", {"attention": 4, "mamba2": 24, "gdn": 0, "mamba1": 0}, 4),
+    ("qwen3_next_80b_a3b", {"attention": 12, "mamba2": 0, "gdn": 36, "mamba1": 0}, 12),
+    ("jamba_v0_1", {"attention": 4, "mamba2": 0, "gdn": 0, "mamba1": 28}, 4),
+    ("attention_only", {"attention": 44, "mamba2": 0, "gdn": 0, "mamba1": 0}, 44),
+])
+def test_pattern_sums_and_storage_groups(name, counts, g):
+    geometry = load_geometry(name)
+    assert geometry.state_layer_counts == counts
+    assert geometry.scope_layers == g
+    assert len(geometry.layer_strings) == geometry.num_layers
+
+
+def test_nemotron_pattern_is_the_published_override_string():
+    # hybrid_override_pattern of nvidia/Nemotron-H-8B-Base-8K: M mamba2, * attention, - mlp
+    published = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+    kinds = {"M": "mamba2", "*": "attention", "-": "mlp"}
+    assert load_geometry("nemotron_h_8b").layers == tuple(kinds[c] for c in published)
+
+
+def test_granite_tiny_attention_positions():
+    layers = load_geometry("granite_4_0_h_tiny").layers
+    assert [i for i, s in enumerate(layers) if s.startswith("attention")] == [5, 15, 25, 35]
+    assert all(s.endswith("+moe") for s in layers)
+
+
+# Whole-model KV bytes per token: attention layers x KV heads x head_dim x (K, V) x 2 B.
+@pytest.mark.parametrize("name, kv", [
+    ("falcon_h1_7b", 44 * 2 * 128 * 2 * 2),          # 45,056
+    ("granite_4_0_h_tiny", 4 * 4 * 128 * 2 * 2),     # 8,192
+    ("granite_4_0_h_small", 4 * 8 * 128 * 2 * 2),    # 16,384
+    ("nemotron_h_8b", 4 * 8 * 128 * 2 * 2),          # 16,384
+    ("qwen3_next_80b_a3b", 12 * 2 * 256 * 2 * 2),    # 24,576
+    ("jamba_v0_1", 4 * 8 * 128 * 2 * 2),             # 16,384
+])
+def test_kv_bytes_per_token_by_hand(name, kv):
+    g = load_geometry(name)
+    assert g.kv_bytes_per_token == kv
+    assert g.attention_bytes_per_token * g.scope_layers == kv
+
+
+def test_granite_tiny_kv_is_its_four_attention_layers():
+    g = load_geometry("granite_4_0_h_tiny")
+    assert g.kv_bytes_per_token == 4 * 2_048 == 8_192
+    # the paper's Granite preset puts KV on all 40 layers: ten times as much
+    assert load_geometry("granite").kv_bytes_per_token == 40 * 2_048 == 10 * 8_192
+
+
+# Per-checkpoint recurrent bytes, whole model (bf16).
+def test_recurrent_bytes_per_checkpoint_by_hand():
+    # Granite-4.0-H-Tiny: 36 Mamba2 layers; SSM 48 x 64 x 128 x 2 = 786,432;
+    # conv (48 x 64 + 2 x 1 x 128) x 3 x 2 = 3,328 x 6 = 19,968
+    tiny = load_geometry("granite_4_0_h_tiny")
+    assert tiny.recurrent_bytes_per_checkpoint == 36 * (786_432 + 19_968) == 29_030_400
+    assert (tiny.ssm_bytes, tiny.conv_bytes) == (9 * 786_432, 9 * 19_968)  # one group
+    # Granite-4.0-H-Small: SSM 128 x 64 x 128 x 2 = 2,097,152; conv (8,192 + 256) x 6 = 50,688
+    small = load_geometry("granite_4_0_h_small")
+    assert small.recurrent_bytes_per_checkpoint == 36 * (2_097_152 + 50_688)
+    # Nemotron-H-8B: 24 layers; conv channels 8,192 + 2 x 8 x 128 = 10,240 -> 61,440
+    nem = load_geometry("nemotron_h_8b")
+    assert nem.recurrent_bytes_per_checkpoint == 24 * (2_097_152 + 61_440)
+    # Qwen3-Next: 36 GDN layers; state 32 x 128 x 128 x 2 = 1,048,576;
+    # conv (2 x 16 x 128 + 32 x 128) x 3 x 2 = 8,192 x 6 = 49,152
+    qwen = load_geometry("qwen3_next_80b_a3b")
+    assert qwen.recurrent_bytes_per_checkpoint == 36 * (1_048_576 + 49_152)
+    assert (qwen.ssm_bytes, qwen.conv_bytes) == (3 * 1_048_576, 3 * 49_152)
+    # Jamba: 28 Mamba layers; state 8,192 x 16 x 2 = 262,144; conv 8,192 x 3 x 2 = 49,152
+    jamba = load_geometry("jamba_v0_1")
+    assert jamba.recurrent_bytes_per_checkpoint == 28 * (262_144 + 49_152)
+
+
+def test_falcon_scope_is_one_layer_as_before():
+    f = load_geometry("falcon_h1_7b")
+    assert (f.attention_bytes_per_token, f.ssm_bytes, f.conv_bytes) == (1_024, 1_572_864, 21_504)
+    assert f.recurrent_bytes_per_checkpoint == 44 * 1_594_368
+
+
+@pytest.mark.parametrize("name", PATTERN_PRESETS)
+def test_parameters_from_the_pattern_within_two_percent(name):
+    total, active = load_geometry(name).pattern_params()
+    assert abs(total / PUBLISHED[name] - 1) < 0.02, total
+    assert active <= total
+
+
+def test_falcon_h1_7b_parameters_from_its_pattern():
+    # tiiuae/Falcon-H1-7B-Instruct config.json: vocab_size 130048, intermediate_size 12288,
+    # untied embeddings; every layer attention + Mamba2 + MLP (the preset has no pattern).
+    f = dataclasses.replace(load_geometry("falcon_h1_7b"), layers=("hybrid+mlp",) * 44,
+                            vocab_size=130_048, intermediate_size=12_288)
+    total, _ = f.pattern_params()
+    assert abs(total / 7.59e9 - 1) < 0.02
+
+
+def test_nemotron_parameters_exactly_by_hand():
+    # embeddings 2 x 131,072 x 4,096; Mamba2 layer: in_proj 4,096 x 18,560, conv 10,240 x 5,
+    # A/D/dt 384, norm 8,192, out_proj 8,192 x 4,096; attention 4,096 x (4,096 + 2 x 1,024)
+    # + 4,096 x 4,096; MLP 2 x 4,096 x 21,504; one norm per layer and a final one.
+    mamba = 4_096 * 18_560 + 10_240 * 5 + 384 + 8_192 + 8_192 * 4_096
+    attention = 4_096 * (4_096 + 2 * 1_024) + 4_096 * 4_096
+    mlp = 2 * 4_096 * 21_504
+    expected = 2 * 131_072 * 4_096 + 24 * mamba + 4 * attention + 24 * mlp + 53 * 4_096
+    assert load_geometry("nemotron_h_8b").pattern_params() == (expected, expected)
+    assert expected == 8_100_852_736
+
+
+def test_moe_active_parameters_by_hand():
+    # Granite-4.0-H-Tiny: per layer, 64 experts of 3 x 1,536 x 512 (6 active), router
+    # 1,536 x 64, shared expert 3 x 1,536 x 1,024
+    g = load_geometry("granite_4_0_h_tiny")
+    total, active = g.pattern_params()
+    assert total - active == 40 * (64 - 6) * 3 * 1_536 * 512
+
+
+def test_step_model_terms_sum_over_the_layers_that_carry_them():
+    g = load_geometry("granite_4_0_h_tiny")
+    c = model_costs(g)
+    assert c.kv_bytes_per_token == 8_192
+    assert c.state_bytes_per_composite == 29_030_400
+    assert c.attention_flops_per_pair == 4 * 12 * 128 * 4  # four attention layers
+    assert c.scan_flops_per_token == 4 * 36 * 48 * 64 * 128  # 36 Mamba2 layers
+    assert c.scan_flops_per_intra_pair == 2 * 36 * (48 * 64 + 1 * 128)
+    assert c.dense_flops_per_token == 2 * g.pattern_params()[1]  # active parameters
+    q = model_costs(load_geometry("qwen3_next_80b_a3b"))
+    # GDN scans value heads x value dim x key dim, grouped over the key heads
+    assert q.scan_flops_per_token == 4 * 36 * 32 * 128 * 128
+    assert q.scan_flops_per_intra_pair == 2 * 36 * (32 * 128 + 16 * 128)
+
+
+def test_falcon_step_model_terms_unchanged():
+    c = model_costs(load_geometry("falcon_h1_7b"))
+    assert c.kv_bytes_per_token == 44 * 1_024
+    assert c.dense_flops_per_token == 2 * 7_590_000_000
+    assert c.scan_flops_per_token == 4 * 24 * 128 * 256 * 44
+
+
+def test_organization_layouts_over_granite_tiny():
+    g = load_geometry("granite_4_0_h_tiny")
+    group_state = 9 * (786_432 + 19_968)  # 7,257,600
+    # S0: max(512 x 2,048, group composite)
+    assert org_layout(g, "S0").page_bytes == max(512 * 2_048, group_state) == 7_257_600
+    s1 = org_layout(g, "S1")
+    assert (s1.page_bytes, s1.ssm_members) == (1_048_576, 7)  # ceil(7,077,888 / 1 MiB)
+    s2 = org_layout(g, "S2")
+    # one slot holds the group's 9 conv windows: 179,712 B -> 256 KiB, 4 per 1-MiB slab
+    assert (s2.conv_slot_bytes, s2.slots_per_slab) == (262_144, 4)
+    d0 = org_layout(g, "D0")
+    assert (d0.page_bytes, d0.recurrent_unit_bytes) == (16 * 2_048, group_state)
+    # N0 as vLLM pages it: per layer, 806,400 B of state -> 16 x ceil(806,400 / 32,768)
+    # = 400-token blocks, a page of 819,200 B; a checkpoint is one page per Mamba2 layer
+    n0 = n0_layout(g)
+    assert (n0.block_tokens, n0.page_bytes, n0.units_per_composite) == (400, 819_200, 9)
+
+
+def test_paper_granite_numbers_stay_exact():
+    g = load_geometry("granite")
+    plan = plan_budget(g, "b160")
+    assert plan.nominal_bytes == 173_015_040
+    assert org_layout(g, "D0").page_bytes == 32_768
+    assert org_layout(g, "D0").recurrent_unit_bytes == 1_074_688
+    assert g.d0_attention_fraction == 0.199699
+
+
+def test_mib_budget_is_whole_model_bytes():
+    g = load_geometry("granite_4_0_h_tiny")
+    assert nominal_bytes(g, "4096MiB") == 4_096 * 2**20 // 4
+    assert plan_budget(g, "4096MiB").model_nominal_bytes == 4_096 * 2**20
+    # Falcon: 44 groups of one layer
+    assert nominal_bytes(load_geometry("falcon_h1_7b"), "4400MiB") == 4_400 * 2**20 // 44
+
+
+def test_planner_json_carries_whole_model_bytes():
+    out = subprocess.run([sys.executable, "-m", "serving_core.planner", "--model",
+                          "granite_4_0_h_tiny", "--budget", "4096MiB", "--json"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["kv_bytes_per_token"] == 8_192
+    assert data["recurrent_bytes_per_checkpoint"] == 29_030_400
+    assert (data["scope_layers"], data["model_nominal_bytes"]) == (4, 4_096 * 2**20)
+
+
+def test_an_organization_that_cannot_hold_the_pattern_is_refused_alone():
+    # one KV head: a 512-token page is 512 x 512 B = 256 KiB; the group's conv state
+    # (6 x 61,440 = 368,640 B) fits neither S1's conv page nor S2's 512-KiB slot; S0, D0
+    # and N0 still hold it
+    g = dataclasses.replace(load_geometry("nemotron_h_8b"), num_kv_heads=1)
+    plan = plan_budget(g, "4096MiB")
+    assert {org for org, _ in plan.refused} == {"S1", "S2"}
+    with pytest.raises(ValueError, match="org=s1 cannot hold model 'nemotron_h_8b'"):
+        units_for(plan, "s1")
+    assert units_for(plan, "s0")["shared"] > 0
+    assert plan_to_dict(plan)["orgs"]["S2"]["refused"].startswith("org=s2 cannot hold")
+
+
+def test_n0_refuses_a_group_with_two_attention_layers():
+    # 8 attention and 36 Mamba2 layers: gcd 4, two attention layers per group
+    layers = ("attention+mlp",) * 8 + ("mamba2+mlp",) * 36
+    g = dataclasses.replace(load_geometry("nemotron_h_8b"), num_layers=44, layers=layers)
+    assert g.scope_layers == 4
+    with pytest.raises(ValueError, match="org=n0 cannot hold.*2 attention layers"):
+        org_layout(g, "N0")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.num_layers=39", "model.layers lists 40 layers but num_layers=39"),
+    ("model.sliding_window=4096", "model.sliding_window=4096"),
+    ("model.vocab_size=0", "model.vocab_size=0"),
+])
+def test_bad_pattern_is_one_line_exit_2_nothing_written(tmp_path, override, message):
+    root = tmp_path / "ledgers"
+    out = subprocess.run([sys.executable, "-m", "experiments.run", "model=granite_4_0_h_tiny",
+                          override, "budget=4096MiB", f"ledger_root={root}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not root.exists()
+
+
+def test_an_org_refusal_through_the_run_is_one_line_exit_2(tmp_path):
+    root = tmp_path / "ledgers"
+    out = subprocess.run([sys.executable, "-m", "experiments.run", "model=nemotron_h_8b",
+                          "model.num_kv_heads=1", "org=s2", "budget=4096MiB",
+                          f"ledger_root={root}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "org=s2 cannot hold model 'nemotron_h_8b'" in out.stderr
+    assert not root.exists()
+
+
+def test_a_pattern_needs_its_mixer_fields():
+    g = load_geometry("qwen3_next_80b_a3b")
+    with pytest.raises(ValueError, match="model.gdn_key_heads=0"):
+        dataclasses.replace(g, gdn_key_heads=0)
+    with pytest.raises(ValueError, match="model.mamba1_d_inner=8"):
+        dataclasses.replace(g, mamba1_d_inner=8)
+
+
+def test_torch_arena_refuses_a_pattern():
+    from serving_core.executor.state_arena import StateArena
+
+    with pytest.raises(ValueError, match="torch arena holds storage groups of one attention"):
+        StateArena(object(), load_geometry("qwen3_next_80b_a3b"))
