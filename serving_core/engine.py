@@ -278,6 +278,9 @@ class Engine:
             "free_queue": _one({"single_queue" if pool.single_queue else "free_first"
                                 for pool in mem.pools.values()}),
             "checkpoint_recency": mem.checkpoint_recency,
+            "conv_page_recency": mem.conv_page_recency,
+            "release_order": mem.release_order,
+            "duplicates": mem.duplicates,
             "interleave": None if sched.interleave is None else dict(sched.interleave),
             "retention_k": sched.retention_k,
             "pinning_k": sched.pinning_k,

@@ -124,6 +124,10 @@ class EngineSpec:
             "slab_policy": sc.slab_policy if cls.has_slabs else None,
             "free_queue": sc.free_queue,
             "checkpoint_recency": sc.checkpoint_recency,
+            "conv_page_recency": (sc.conv_page_recency if _conv_pages(geometry, self.org)
+                                  else None),
+            "release_order": sc.release_order,
+            "duplicates": sc.duplicates,
             "interleave": sc.interleave,
             "retention_k": sc.retention_k,
             "pinning_k": sc.pinning_k,
@@ -186,6 +190,13 @@ def _checkpoint_interval(geometry: Geometry, org: str) -> int:
     from serving_core.layout import org_layout
 
     return org_layout(geometry, org).checkpoint_interval
+
+
+def _conv_pages(geometry: Geometry, org: str) -> int:
+    """Dedicated conv pages per composite (S1: 1), which conv_page_recency applies to."""
+    from serving_core.layout import org_layout
+
+    return org_layout(geometry, org).conv_pages
 
 
 def _requested_step_model(ex: ExecutorSpec) -> str | None:

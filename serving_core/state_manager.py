@@ -15,9 +15,11 @@ addresses state (the torch executor) gets a `ChunkState` per scheduled chunk in
 the plan instead: the attention unit ids, the composites it reads and writes, and
 after publication where each boundary's state went.
 
-Release order (kept in one place, `release_all`): attention blocks deepest first
-(so the deepest enter the LRU first and are evicted first), then destinations,
-the working composite, the adopted checkpoint and the retained ones.
+Release order (kept in one place, `release_all`; the organization's `release_order`,
+serving_core.memory.base.RELEASE_ORDERS): attention blocks deepest first (so the
+deepest enter the LRU first and are evicted first), then destinations, the working
+composite, the adopted checkpoint and the retained ones; or the state first, then the
+attention blocks deepest first.
 """
 
 from __future__ import annotations
@@ -244,10 +246,21 @@ class HybridStateManager:
 
     def release_all(self, req: Request) -> None:
         """Everything a finishing or preempted request holds, in the release order."""
+        if self.mem.release_order == "attention_first":
+            self._release_attention(req)
+            self._release_state(req)
+        else:
+            self._release_state(req)
+            self._release_attention(req)
+
+    def _release_attention(self, req: Request) -> None:
         mem = self.mem
         for obj in reversed(req.attn):
             mem.release(obj)
         req.attn = []
+
+    def _release_state(self, req: Request) -> None:
+        mem = self.mem
         for obj in req.dests:
             mem.release(obj, producer=True)
         req.dests = []
@@ -286,7 +299,7 @@ class HybridStateManager:
         returns the composite published (NULL for a no-op publication)."""
         mem = self.mem
         dest = req.dests.pop(0)
-        if mem.cached_checkpoint(key) is not None:
+        if not mem.cache_duplicates and mem.cached_checkpoint(key) is not None:
             # already cached: publishing is a no-op, the destination is freed
             mem.release(dest, producer=True)
             return NULL

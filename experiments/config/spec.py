@@ -82,6 +82,9 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
             "slab_policy": str(eng.get("slab_policy", "write_once")),
             "free_queue": str(eng.get("free_queue", "free_first")),
             "checkpoint_recency": str(eng.get("checkpoint_recency", "release")),
+            "conv_page_recency": str(eng.get("conv_page_recency", "members")),
+            "release_order": str(eng.get("release_order", "attention_first")),
+            "duplicates": str(eng.get("duplicates", "drop")),
             "interleave": (None if eng.get("interleave") is None
                            else _plain(eng.interleave)),
             "split_last_boundary": eng.get("split_last_boundary", False),

@@ -40,12 +40,18 @@ def build_memory(
     slab_policy: str = "write_once",
     free_queue: str = "free_first",
     checkpoint_recency: str = "release",
+    conv_page_recency: str = "members",
+    release_order: str = "attention_first",
+    duplicates: str = "drop",
 ) -> MemoryOrganization:
     """The runtime allocator of `org` with pools sized by the planner ({pool: units}).
 
-    `slab_policy` (S2 only): see memory.s2.SLAB_POLICIES; `free_queue` (memory.pool) and
-    `checkpoint_recency` (memory.base) apply to every organization."""
-    rules = {"free_queue": free_queue, "checkpoint_recency": checkpoint_recency}
+    `slab_policy` (S2 only): see memory.s2.SLAB_POLICIES; `free_queue` (memory.pool),
+    `checkpoint_recency`, `release_order` and `duplicates` (memory.base) apply to every
+    organization, `conv_page_recency` (memory.base) to one with a dedicated conv page (S1)."""
+    rules = {"free_queue": free_queue, "checkpoint_recency": checkpoint_recency,
+             "conv_page_recency": conv_page_recency, "release_order": release_order,
+             "duplicates": duplicates}
     layout = org_layout(geometry, org)
     cls = ORG_TO_CLASS[layout.org]
     expected = {"attention", "recurrent"} if layout.org == "D0" else {"shared"}
