@@ -9,15 +9,25 @@ STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
 
+# Question targets: every conf/campaign/<name>.yaml with a `# make: <description>` line is a
+# target `make <name>` running that campaign (QUESTIONS below); `make help` lists them last.
 help: ## list the targets
-	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's/:.*## /\t/' | column -t -s $$'\t'
+	@{ grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST); \
+	  for q in $(QUESTIONS); do sed -n "s/^# make: /$$q: ## /p" conf/campaign/$$q.yaml; done; } \
+	  | sed -e 's/:.*## /\t/' | column -t -s $$'\t'
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
+# Servers preload tcmalloc when one is installed (experiments/runners/server_process.py:
+# under glibc malloc our server's decode steps page-fault their temporaries afresh, +70 %
+# output tokens/s with tcmalloc on 2 cores); setup says so when there is none.
+TCMALLOC_DIRS := /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64 /usr/lib /usr/local/lib
 setup: $(STAMP) ## create .venv and install the project with dev extras (idempotent)
+	@ls $(foreach d,$(TCMALLOC_DIRS),$(d)/libtcmalloc_minimal.so.4 $(d)/libtcmalloc.so.4 $(d)/libtcmalloc_minimal.so $(d)/libtcmalloc.so) >/dev/null 2>&1 || \
+		echo "note: no tcmalloc found; servers and benchmarks run on glibc malloc (much slower serving): apt-get install libtcmalloc-minimal4"
 
 # Tests run in parallel (pytest-xdist): WORKERS=n processes (default: one per core, at most
 # 4), each test file on one worker (--dist loadfile: its module-scoped fixtures are built
@@ -61,8 +71,12 @@ bench: setup ## benchmarks; BENCH="engine single campaign ledger kernel" (defaul
 tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1_tiny (offline)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny models/falcon_h1_tiny
 
-bench-serve: setup ## our server (S2, S0, D0) vs vLLM's (if .venv-vllm), saturating streamed load
-	$(BIN)/python -m bench serve
+# CLIENT=ours|vllm|guidellm: who measures (vllm: vLLM's own `vllm bench serve` client from
+# .venv-vllm; guidellm: from .venv-guidellm, make setup-guidellm)
+CLIENT ?= ours
+bench-serve: setup ## our server (S2, S0, D0) vs vLLM's (if .venv-vllm), saturating streamed load (CLIENT=vllm: vLLM's client)
+	@case "$(CLIENT)" in ours|vllm|guidellm) ;; *) echo "CLIENT=$(CLIENT): allowed values are ours, vllm, guidellm"; exit 2;; esac
+	$(BIN)/python -m bench.serve_bench --client $(CLIENT) $(ARGS)
 
 .PHONY: help setup test test-all test-cpu lint plan bench bench-serve calibrate tiny-model
 
@@ -93,6 +107,18 @@ setup-vllm: $(VLLM_STAMP) ## vLLM 0.32.0 in its own venv VLLM_VENV=.venv-vllm (V
 
 .PHONY: setup-vllm
 
+# ---- guidellm (a third-party benchmark client) in its own venv ------------------------------
+GUIDELLM_VENV ?= .venv-guidellm
+$(GUIDELLM_VENV)/.installed: pyproject.toml
+	test -x $(GUIDELLM_VENV)/bin/python || $(PY) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/pip install -q --disable-pip-version-check $$($(PY) -c "import tomllib; \
+		print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['guidellm'])")
+	touch $@
+
+setup-guidellm: $(GUIDELLM_VENV)/.installed ## guidellm 0.8.1 in its own venv GUIDELLM_VENV=.venv-guidellm
+
+.PHONY: setup-guidellm
+
 report: setup ## regenerate reports/ from the ledgers
 	$(BIN)/python -m analysis.report --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)
 
@@ -122,30 +148,15 @@ endif
 ifneq ($(filter-out $(LAUNCHERS),$(LAUNCHER)),)
 $(error LAUNCHER=$(LAUNCHER): allowed $(LAUNCHERS), or empty for local)
 endif
-QUESTIONS := q1 q2 q3 q4 q5 q6 q7 q8 q9
+QUESTIONS := $(basename $(notdir $(shell grep -l '^\# make: ' conf/campaign/*.yaml | sort -V)))
 campaign_run = $(BIN)/python -m experiments.run -m campaign=$(1) ledger_root=$(LEDGER_ROOT) \
 	$(if $(filter $(SMOKE_ON),$(SMOKE)),hydra.sweeper.smoke=true) \
 	$(if $(LAUNCHER),hydra/launcher=$(LAUNCHER)) $(if $(JOBS),hydra.launcher.n_jobs=$(JOBS)) $(ARGS)
 
-q1: setup ## Q1 S0->S1->S2: Exp 1a at b63/b83/b108 (108) and Exp 1b low load (18): 126 runs
-	$(call campaign_run,q1)
-q2: setup ## Q2 anchors 2a/2b (18) + Exp 2c = Q3's q=0 runs (36, reused): 54 runs
-	$(call campaign_run,q2)
-q3: setup ## Q3 org x sharing at b83: 144 runs (q=1 reused from Q1/Q4; 96 fresh)
-	$(call campaign_run,q3)
-q4: setup ## Q4 four orgs across budget: D0 (36) + Q1's Exp 1a (108, reused)
-	$(call campaign_run,q4)
-q5: setup ## Q5 D0 vs S2 load curves at b63 and b108, seeds 0-2 (66) + b108 common six (12): 78 runs
-	$(call campaign_run,q5)
-q6: setup ## Q6 admission headroom f x budget, D0 and S2: 360 runs
-	$(call campaign_run,q6)
-q7: setup ## Q7 reuse depth, D0/S2 x f 0/.19 x trace OFF/ON: 24 runs
-	$(call campaign_run,q7)
-q8: setup ## Q8 S2 vs S2+Retention at 254 pages, trace ON: 6 runs
-	$(call campaign_run,q8)
+$(QUESTIONS): %: setup
+	$(call campaign_run,$*)
+# Q9's balanced order is the runs' write order only when they run one at a time.
 q9: JOBS := $(or $(JOBS),$(if $(LAUNCHER),,1))
-q9: setup ## Q9 retention x reuse (SHARE/ISOLATE), balanced order, one run at a time: 24 runs
-	$(call campaign_run,q9)
 
 n0: setup ## N0 (vLLM native, simulated) next to S0/S1/S2/D0 at b63/b83/b108: 180 runs, then the report
 	$(call campaign_run,n0_a100)
@@ -165,16 +176,18 @@ smoke: setup ## every question q1..q9 at smoke size, then check the ledgers
 	@for q in $(QUESTIONS); do $(MAKE) --no-print-directory $$q SMOKE=1 || exit 1; done
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
 
-# The demo keeps its own ledger root and report directory, so its 60-request runs at seeds
-# 0-2 never share a ledger with a later `make q1` (DEMO_LEDGER_ROOT=, DEMO_REPORT_DIR= move them).
+# The demo keeps its own ledger root and report directory, so its runs (campaigns demo_q1,
+# demo_q9) never share a ledger with a later `make q1` (DEMO_LEDGER_ROOT=, DEMO_REPORT_DIR=
+# move them). Its index opens with conf/campaign/demo.md.
 DEMO_LEDGER_ROOT ?= ledgers/demo
 DEMO_REPORT_DIR ?= $(REPORT_DIR)/demo
 demo: LEDGER_ROOT := $(DEMO_LEDGER_ROOT)
 demo: REPORT_DIR := $(DEMO_REPORT_DIR)
-demo: setup ## end-to-end demo: Q1 Exp 1b and Q9 K_ret at smoke size (30 runs) in ledgers/demo, check, report
+demo: setup ## end-to-end demo: Q1 Exp 1a at b63, Exp 1b, Q9 K_ret, 3 seeds each (39 runs) in ledgers/demo, check, report
 	$(call campaign_run,demo)
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
-	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT) REPORT_DIR=$(REPORT_DIR)
+	$(BIN)/python -m analysis.report --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) \
+		--intro conf/campaign/demo.md
 	@echo "ledgers: $(abspath $(LEDGER_ROOT)) (campaigns demo_q1, demo_q9; DuckDB views: python -c 'import ledgers; ledgers.connect(\"$(LEDGER_ROOT)\")')"
 	@echo "report: $(abspath $(REPORT_DIR))/index.md"
 
@@ -209,17 +222,22 @@ fidelity: setup $(TINY_MODEL)/config.json ## simulator vs real: 24 real tiny-mod
 	$(BIN)/python -m experiments.studies.fidelity --ledger-root $(LEDGER_ROOT) $(ARGS)
 	$(BIN)/python -m analysis.studies.fidelity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)
 
-continuation: setup $(TINY_MODEL)/config.json ## reload-from-host boundary matrix + byte audits, S0/S1/S2/D0/N0 x 9 lengths (last line: JSON)
-	$(BIN)/python -m experiments.studies.continuation --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) \
-		--report-dir $(REPORT_DIR) $(ARGS)
+# A study's driver writes its table, then its page is written from the ledgers (also when
+# a case failed: exit 1); the page's last line is the study's JSON summary.
+study_page = rc=$$?; if [ $$rc -le 1 ]; then $(BIN)/python -m analysis.studies.$(1) \
+	--ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) || exit $$?; fi; exit $$rc
+
+continuation: setup $(TINY_MODEL)/config.json ## reload-from-host boundary matrix + byte audits, S0/S1/S2/D0/N0 x 9 lengths, page continuation.md (last line: JSON)
+	$(BIN)/python -m experiments.studies.continuation --checkpoint $(TINY_MODEL) \
+		--ledger-root $(LEDGER_ROOT) $(ARGS); $(call study_page,continuation)
 
 reload-study: setup $(TINY_MODEL)/config.json ## order-balanced cold/repeat/reload TTFT over HTTP (host tier OFF/ON pairs), page reload_study.md (last line: JSON)
 	$(BIN)/python -m experiments.studies.reload_study --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) $(ARGS)
 	$(BIN)/python -m analysis.studies.reload_study $(LEDGER_ROOT) --out $(REPORT_DIR)
 
-continuation-http: setup $(TINY_MODEL)/config.json ## the boundary matrix over HTTP (host tier on, last boundary split; ARGS='--orgs d0 --cases 2C-1')
+continuation-http: setup $(TINY_MODEL)/config.json ## the boundary matrix over HTTP (host tier on, last boundary split; ARGS='--orgs d0 --cases 2C-1'), page continuation_http.md
 	$(BIN)/python -m experiments.studies.continuation_http --checkpoint $(TINY_MODEL) \
-		--ledger-root $(LEDGER_ROOT) --report-dir $(REPORT_DIR) $(ARGS)
+		--ledger-root $(LEDGER_ROOT) $(ARGS); $(call study_page,continuation_http)
 
 .PHONY: serve http-smoke continuation fidelity reload-study continuation-http
 

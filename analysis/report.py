@@ -1,11 +1,14 @@
 """Regenerate the report from the ledgers: `python -m analysis.report --ledgers ROOT --out DIR`.
 
-Writes DIR/index.md (links and provenance: ledger root, run counts, code
-versions, plan hashes), DIR/q1.md ... q9.md, DIR/tables/*.csv and
-DIR/figures/*.png. Reads the ledgers only, through the DuckDB catalog; a
-question without data says so. A question whose analysis raises gets an error
-page and the command exits 1 after writing everything else. Prints the wall
-time as its last line.
+Writes DIR/index.md (links and provenance: ledger root, run counts, code versions, plan
+hashes, the readings of the AMBIGUOUS items; `--intro FILE` opens it with that file's
+text), one page per registered question (analysis/questions/__init__.py: <QUESTION>.md, a
+question without data says so), one per campaign and study page whose data are present
+(analysis/questions/__init__.py, analysis/studies/__init__.py), DIR/tables/*.csv and
+DIR/figures/*.png and *.svg. Before writing it removes the files it owns (`owned_files()`,
+derived from the same registries). Reads the ledgers only, through the DuckDB catalog, and
+the plans in conf/prereg. A page whose analysis raises gets an error page and the command
+exits 1 after writing everything else. Prints the wall time as its last line.
 """
 
 from __future__ import annotations
@@ -26,29 +29,21 @@ import ledgers
 from analysis.inference import prereg
 from analysis.pages import common, readouts
 from analysis.pages.render import md_table
-from analysis.questions import (
-    n0_native,
-    n0_validate,
-    q1,
-    q2,
-    q3,
-    q4,
-    q5,
-    q6,
-    q7,
-    q8,
-    q9,
-    q10_tq4,
-    supporting,
-    vllm_arm,
-)
-from analysis.studies import fidelity, sensitivity
+from analysis.questions import campaign_pages, question_pages
+from analysis.studies import study_pages
 
-QUESTIONS = (q1, q2, q3, q4, q5, q6, q7, q8, q9, *supporting.PAGES, q10_tq4)
-OWNED_GLOBS = ("index.md", "q[1-9].md", *(f"{p.QUESTION}.md" for p in supporting.PAGES),
-               f"{q10_tq4.QUESTION}.md",
-               "tables/*.csv", "figures/*.png", "figures/*.svg", vllm_arm.PAGE,
-               fidelity.PAGE, n0_native.PAGE, n0_validate.PAGE, sensitivity.PAGE)
+QUESTIONS = question_pages()
+CAMPAIGN_PAGES = campaign_pages()
+STUDY_PAGES = study_pages()
+OUTPUT_GLOBS = ("tables/*.csv", "figures/*.png", "figures/*.svg")
+
+
+def owned_files() -> tuple[str, ...]:
+    """File names and globs under the report directory that the report writes (and removes
+    before writing): the index, every registered page, the tables and figures."""
+    return ("index.md", *(f"{q.QUESTION}.md" for q in QUESTIONS),
+            *(p.PAGE for p in (*CAMPAIGN_PAGES, *STUDY_PAGES)), *OUTPUT_GLOBS)
+
 
 _CAMPAIGN_COUNTS = """
     SELECT campaign, count(*) AS runs_rows, count(DISTINCT run_id) AS run_ids,
@@ -106,7 +101,7 @@ def plan_hashes(con, plan_dir: Path) -> pd.DataFrame:
 
 
 def _clean(out: Path) -> None:
-    for pattern in OWNED_GLOBS:
+    for pattern in owned_files():
         for path in out.glob(pattern):
             path.unlink()
 
@@ -146,8 +141,9 @@ def _question_page(module, con, out: Path, plan_dir: Path, allow_changed_plan: b
 
 
 def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool = False,
-                 plan_dir: str | Path | None = None) -> ReportSummary:
-    """Analyse every question from the ledger root and write the report under `out`."""
+                 plan_dir: str | Path | None = None, intro: str = "") -> ReportSummary:
+    """Analyse every registered page from the ledger root and write the report under `out`;
+    `intro` (Markdown) opens the index."""
     root, out = Path(root), Path(out)
     plan_dir = Path(plan_dir) if plan_dir else prereg.PLAN_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -158,60 +154,51 @@ def write_report(root: str | Path, out: str | Path, *, allow_changed_plan: bool 
         with common.cached_runs():
             rows = [_question_page(m, con, out, plan_dir, allow_changed_plan, summary)
                     for m in QUESTIONS]
-        vllm_page = vllm_arm.write_page(con, out)  # real vLLM arm, when its campaign ran
-        if vllm_page is not None:
-            summary.pages.append(vllm_page)
-        fidelity_page = fidelity.write_page(con, out)  # simulator vs real, when it ran
-        if fidelity_page is not None:
-            summary.pages.append(fidelity_page[0])
-        _n0_page(con, out, summary)
-        validate_page = n0_validate.write_page(con, out)  # N0 vs real vLLM, when it ran
-        if validate_page is not None:
-            summary.pages.append(validate_page[0])
-        summary.pages.append(sensitivity.write_page(con, out)[0])  # rules we cannot identify
+            campaigns = [m for m in CAMPAIGN_PAGES if _page(m, con, out, summary)]
+            studies = [m for m in STUDY_PAGES if _page(m, con, out, summary)]
         index = index_markdown(con, root, plan_dir, allow_changed_plan, pd.DataFrame(rows),
-                               summary)
+                               summary, intro)
     finally:
         con.close()
-    if vllm_page is not None:
-        index += f"\n## Real vLLM arm\n\n[{vllm_arm.PAGE}]({vllm_arm.PAGE})\n"
-    if fidelity_page is not None:
-        index += f"\n## Simulator versus real\n\n[{fidelity.PAGE}]({fidelity.PAGE})\n"
-    index += (f"\n## vLLM's native organization (N0) at A100 scale\n\n"
-              f"[{n0_native.PAGE}]({n0_native.PAGE})\n")
-    if validate_page is not None:
-        index += (f"\n## Simulated N0 against real vLLM\n\n"
-                  f"[{n0_validate.PAGE}]({n0_validate.PAGE})\n")
-    index += (f"\n## Which conclusions survive the engine rules the anchors cannot identify\n\n"
-              f"[{sensitivity.PAGE}]({sensitivity.PAGE})\n")
+    for heading, pages in (("Campaigns without a preregistered question", campaigns),
+                           ("Studies", studies)):
+        if pages:
+            index += f"\n## {heading}\n\n" + "".join(
+                f"- [{m.TITLE}]({m.PAGE})\n" for m in pages)
     (out / "index.md").write_text(index, encoding="utf-8")
     summary.pages.insert(0, out / "index.md")
+    summary.tables = sorted(out.glob("tables/*.csv"))
+    summary.figures = sorted(out.glob("figures/*.png"))
     return summary
 
 
-def _n0_page(con, out: Path, summary: ReportSummary) -> None:
-    """The N0 page (always written: without runs it names the command that fills it)."""
-    page_path = out / n0_native.PAGE
+def _page(module, con, out: Path, summary: ReportSummary) -> bool:
+    """Write one campaign or study page (`module.write_page`); True when it wrote one (None:
+    no data). One that raises gets an error page, like a question page."""
+    path = out / module.PAGE
     try:
-        page = n0_native.write_page(con, out)
-    except Exception:  # like a question page: an error page, the rest still written
+        written = module.write_page(con, out)
+    except Exception:  # one page's failure must not hide the others
         text = traceback.format_exc()
-        summary.errors[n0_native.QUESTION] = text.strip().splitlines()[-1]
-        page_path.write_text(f"# N0 page: analysis failed\n\n```\n{text}```\n",
-                             encoding="utf-8")
-    else:
-        summary.tables += n0_native.table_paths(out, page)
-        summary.figures += page.figures
-    summary.pages.append(page_path)
+        summary.errors[module.__name__.rsplit(".", 1)[-1]] = text.strip().splitlines()[-1]
+        path.write_text(f"# {module.TITLE}: analysis failed\n\n```\n{text}```\n",
+                        encoding="utf-8")
+        written = path
+    if written is None:
+        return False
+    summary.pages.append(path)
+    return True
 
 
 def index_markdown(con, root: Path, plan_dir: Path, allow_changed_plan: bool,
-                   questions: pd.DataFrame, summary: ReportSummary) -> str:
+                   questions: pd.DataFrame, summary: ReportSummary, intro: str = "") -> str:
     campaigns = con.execute(_CAMPAIGN_COUNTS).df()
     hashes = plan_hashes(con, plan_dir)
     analysable = int(campaigns["adopted_complete"].sum()) if len(campaigns) else 0
-    out = ["# Hybrid State Lab report", "",
-           f"Generated {datetime.now(UTC).isoformat(timespec='seconds')} from the ledgers only.",
+    out = ["# Hybrid State Lab report", ""]
+    if intro.strip():
+        out += [intro.strip(), ""]
+    out += [f"Generated {datetime.now(UTC).isoformat(timespec='seconds')} from the ledgers only.",
            "", "## Provenance", "",
            f"- ledger root: `{root.resolve()}`",
            f"- analysis code: {analysis_version()}",
@@ -232,7 +219,8 @@ def index_markdown(con, root: Path, plan_dir: Path, allow_changed_plan: bool,
     readings = prereg.load_readings(plan_dir)
     if readings:
         out += ["## Readings of the AMBIGUOUS items", "",
-                f"PAPER_DESIGN.md section 8 leaves these open; the reading each analysis uses "
+                f"The paper leaves these open (docs/paper_design.md, section 8); the reading "
+                f"each analysis uses "
                 f"and the one it names as the alternative ({prereg.READINGS_FILE} in the plan "
                 f"directory).", "", md_table(pd.DataFrame(readings)), ""]
     return "\n".join(out)
@@ -246,6 +234,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--allow-changed-plan", action="store_true",
                         help="accept families whose runs carry another plan hash (stated)")
     parser.add_argument("--plans", default=None, help="plan directory (default conf/prereg)")
+    parser.add_argument("--intro", default=None,
+                        help="Markdown file whose text opens the index (make demo: "
+                             "conf/campaign/demo.md)")
     return parser
 
 
@@ -254,9 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.ledgers).is_dir():
         print(f"error: --ledgers={args.ledgers!r}: no such directory", file=sys.stderr)
         return 2
+    if args.intro is not None and not Path(args.intro).is_file():
+        print(f"error: --intro={args.intro!r}: no such file", file=sys.stderr)
+        return 2
+    intro = Path(args.intro).read_text(encoding="utf-8") if args.intro else ""
     start = time.perf_counter()
     summary = write_report(args.ledgers, args.out, allow_changed_plan=args.allow_changed_plan,
-                           plan_dir=args.plans)
+                           plan_dir=args.plans, intro=intro)
     print(f"wrote {len(summary.pages)} pages, {len(summary.tables)} tables, "
           f"{len(summary.figures)} figures to {summary.out}")
     for question, error in summary.errors.items():

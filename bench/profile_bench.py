@@ -33,7 +33,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from bench.kernel_bench import MODEL, ROOT, _Spec
+from bench.kernel_bench import MODEL, ROOT
 from bench.tiny import tiny_checkpoint
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import Engine, serve
@@ -41,6 +41,7 @@ from serving_core.executor import torch_executor as tx
 from serving_core.executor.state_arena import StateArena
 from serving_core.geometry import load_geometry
 from serving_core.model.falcon_h1 import FalconH1
+from serving_core.server.runtime import ServedSpec
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -108,7 +109,7 @@ def run(model, org: str, budget: str, requests: int, prompt: int, output: int,
     spec = loaded_model_spec(model, geometry, org, budget,
                              {"cap": requests, "max_num_batched_tokens": chunk})
     engine = build_engine(spec, model=model)
-    specs = [_Spec(i, 0.0, rng.integers(3, 128_000, prompt).astype(np.int32), output)
+    specs = [ServedSpec(i, 0.0, rng.integers(3, 128_000, prompt).astype(np.int32), output)
              for i in range(requests)]
     timer = _Timer()
     restore = install_hooks(timer)

@@ -15,7 +15,22 @@ malloc are mmapped and page-faulted every step; tcmalloc keeps them.
 Per request, client side: TTFT (send to first token), TPOT ((last - first token) /
 (tokens - 1)), end to end. Per arm: output and total (prompt + output) tokens per second
 over the batch's wall time, TTFT / TPOT p50 and p99. Prints one table and a JSON line;
-writes bench/results/serve.json. Numbers, not assertions.
+writes bench/results/serve.json (serve_vllm_client.json with --client vllm). Numbers, not
+assertions.
+
+Clients: `--client ours` (default) is the client above (token-id prompts, greedy).
+`--client vllm` measures every arm with vLLM's own benchmark client instead, unmodified
+(bench/vllm_bench_client.py runs its `vllm bench serve` module with .venv-vllm's
+interpreter): its random dataset (prompts of `--prompt` random tokens decoded to text with
+the checkpoint's tokenizer, re-aligned to the server's /tokenize), `--ignore-eos
+--temperature 0`, streamed, all at once, its own warm-up request; every server then
+tokenizes text (ours with the llama3 encoding, vLLM with the checkpoint's files, no
+--skip-tokenizer-init). The table then reads vLLM's result file (its TPOT is the same
+per-request formula, its throughput its own duration) and says which client measured.
+`--client guidellm` does the same with guidellm (`make setup-guidellm`): its openai_http
+backend, synthetic text of `--prompt` tokens (the checkpoint's tokenizer), `--output`
+tokens, all `--requests` at once (concurrent streams = requests, max_requests = requests),
+its own sampling defaults (no temperature sent: both servers then sample at 1.0).
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = "falcon_h1_tiny"
 OUR_ORGS = ("S2", "S0", "D0")
+CLIENTS = ("ours", "vllm", "guidellm")
 def _pct(values, q) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
@@ -67,10 +83,10 @@ async def _batch(url, model, prompts, output, extra):
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
         warm = {"model": model, "prompt": prompts[0][:32], "max_tokens": 4,
-                "ignore_eos": True, "stream": True, **extra}
+                "ignore_eos": True, "temperature": 0.0, "stream": True, **extra}
         await _one(client, url, warm, 4)
         bodies = [{"model": model, "prompt": p, "max_tokens": output, "ignore_eos": True,
-                   "stream": True, **extra} for p in prompts]
+                   "temperature": 0.0, "stream": True, **extra} for p in prompts]
         t0 = time.perf_counter()
         results = await asyncio.gather(*[_one(client, url, b, output) for b in bodies])
         wall = time.perf_counter() - t0
@@ -87,6 +103,69 @@ async def _batch(url, model, prompts, output, extra):
     }
 
 
+def _vllm_client(url, checkpoint, args, out_dir: Path) -> dict:
+    """One batch measured by vLLM's own client (see the module docstring): its result."""
+    import subprocess
+
+    cmd = [str(args.vllm_python), str(ROOT / "bench" / "vllm_bench_client.py"),
+           "--backend", "vllm", "--base-url", url, "--model", MODEL, "--tokenizer",
+           str(checkpoint), "--dataset-name", "random", "--random-input-len", str(args.prompt),
+           "--random-output-len", str(args.output), "--num-prompts", str(args.requests),
+           "--ignore-eos", "--temperature", "0", "--num-warmups", "1", "--disable-tqdm",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+           "--save-result", "--result-dir", str(out_dir), "--result-filename", "result.json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        raise RuntimeError(f"vLLM's client failed ({res.returncode}): {res.stderr[-1500:]}")
+    r = json.loads((out_dir / "result.json").read_text())
+    return {
+        "wall_s": r["duration"], "output_tok_s": r["output_throughput"],
+        "total_tok_s": r["total_token_throughput"],
+        "ttft_p50_s": r["p50_ttft_ms"] / 1e3, "ttft_p99_s": r["p99_ttft_ms"] / 1e3,
+        "tpot_p50_s": r["p50_tpot_ms"] / 1e3, "tpot_p99_s": r["p99_tpot_ms"] / 1e3,
+        "e2e_p50_s": r["p50_e2el_ms"] / 1e3, "completed": r["completed"],
+        "failed": r["failed"], "input_tokens": r["total_input_tokens"],
+        "output_tokens": r["total_output_tokens"],
+    }
+
+
+def _guidellm_client(url, checkpoint, args, out_dir: Path) -> dict:
+    """One batch measured by guidellm (see the module docstring): its result."""
+    import subprocess
+
+    path = out_dir / "guidellm.json"
+    cmd = [str(args.guidellm), "run", "--backend",
+           f"kind=openai_http,target={url},model={MODEL}",
+           "--profile", f"kind=concurrent,streams={args.requests}",
+           "--constraint", f"kind=max_requests,count={args.requests}",
+           "--data", f"kind=synthetic_text,prompt_tokens={args.prompt},"
+                     f"output_tokens={args.output}",
+           "--tokenizer", f"kind=huggingface_auto,model={checkpoint}",
+           "--output", f"kind=json,path={path}", "--disable-console-interactive"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=out_dir)
+    if res.returncode != 0 or not path.exists():
+        raise RuntimeError(f"guidellm failed ({res.returncode}): {res.stderr[-1500:]}")
+    bench = json.loads(path.read_text())["benchmarks"][0]
+    m = bench["metrics"]
+
+    def pct(name, q):
+        return m[name]["successful"]["percentiles"][q] / 1e3
+
+    totals = m["request_totals"]
+    return {
+        "wall_s": bench["duration"],
+        "output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
+        "total_tok_s": m["tokens_per_second"]["successful"]["mean"],
+        "ttft_p50_s": pct("time_to_first_token_ms", "p50"),
+        "ttft_p99_s": pct("time_to_first_token_ms", "p99"),
+        "tpot_p50_s": pct("time_per_output_token_ms", "p50"),
+        "tpot_p99_s": pct("time_per_output_token_ms", "p99"),
+        "e2e_p50_s": m["request_latency"]["successful"]["percentiles"]["p50"],
+        "completed": totals["successful"], "failed": totals["errored"] + totals["incomplete"],
+        "output_tokens": m["output_token_count"]["successful"]["total_sum"],
+    }
+
+
 def _ours(checkpoint, org, args, records):
     """Our server on the checkpoint: the spec composed from run overrides, as `make serve`."""
     from experiments.runners.server_process import hsl_server_command
@@ -97,7 +176,8 @@ def _ours(checkpoint, org, args, records):
                         f"engine.max_num_batched_tokens={args.max_num_batched_tokens}"])
     path = Path(tempfile.mkdtemp(prefix="hsl-bench-")) / "spec.json"
     path.write_text(spec.to_json())
-    return hsl_server_command(spec=str(path), records=records, threads=args.threads)
+    return hsl_server_command(spec=str(path), records=records, threads=args.threads,
+                              tokenizer="none" if args.client == "ours" else "llama3")
 
 
 def _vllm(checkpoint, args):
@@ -108,7 +188,7 @@ def _vllm(checkpoint, args):
         vllm_command,
     )
     from serving_core.geometry import load_geometry
-    from serving_core.layout import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
+    from serving_core.memory.n0 import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
     from serving_core.planner import plan_budget
 
     geometry = load_geometry(MODEL)
@@ -125,6 +205,8 @@ def _vllm(checkpoint, args):
                        max_model_len=geometry.max_model_len,
                        kv_bytes=kv_cache_bytes(plan.nominal_bytes, geometry.num_layers),
                        block_tokens=layout.block_tokens)
+    if args.client != "ours":  # text prompts: vLLM tokenizes with the checkpoint's files
+        cmd.remove("--skip-tokenizer-init")
     return cmd, f"http://127.0.0.1:{port}", vcfg
 
 
@@ -144,10 +226,15 @@ def run_arm(arm, checkpoint, prompts, args, allocator):
                                 health_timeout_s=300, allocator=allocator)
             extra = {}
         with srv:
-            row = asyncio.run(_batch(srv.base_url, MODEL, prompts, args.output, extra))
+            if args.client == "vllm":
+                row = _vllm_client(srv.base_url, checkpoint, args, Path(tmp))
+            elif args.client == "guidellm":
+                row = _guidellm_client(srv.base_url, checkpoint, args, Path(tmp))
+            else:
+                row = asyncio.run(_batch(srv.base_url, MODEL, prompts, args.output, extra))
             # ours reads its settings back; vLLM's threads are its own (all cores on CPU)
             settings = srv.runtime_config() or {"allocator": srv.allocator, "threads": None}
-    return {"arm": "vllm" if arm == "vllm" else f"ours {arm}",
+    return {"arm": "vllm" if arm == "vllm" else f"ours {arm}", "client": args.client,
             "allocator": settings["allocator"], "threads": settings["threads"],
             "load_avg": os.getloadavg()[0], **row}
 
@@ -171,7 +258,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="our servers' torch intra-op threads (0: the server's auto)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="vLLM's interpreter (the arm is skipped when it is absent)")
+    parser.add_argument("--client", default="ours", choices=CLIENTS,
+                        help="who measures: our client, vLLM's own (`vllm bench serve`) or "
+                             "guidellm")
+    parser.add_argument("--guidellm", default=str(ROOT / ".venv-guidellm" / "bin" / "guidellm"),
+                        help="guidellm's command (--client guidellm)")
     args = parser.parse_args(argv)
+    if args.client == "guidellm" and not Path(args.guidellm).exists():
+        print(f"error: --client=guidellm: {args.guidellm} does not exist (make "
+              "setup-guidellm); allowed without it: ours, vllm", file=sys.stderr)
+        return 2
+    if args.client == "vllm" and not Path(args.vllm_python).exists():
+        print(f"error: --client=vllm: vLLM's client runs with {args.vllm_python}, which does "
+              "not exist (make setup-vllm VLLM_DEVICE=cpu); allowed without it: ours",
+              file=sys.stderr)
+        return 2
     orgs = [o.strip().upper() for o in args.orgs.split(",") if o.strip()]
     allowed = [a.org for a in ARMS.values() if not a.retention and a.org != "N0"]
     bad = [o for o in orgs if o not in allowed]
@@ -199,21 +300,28 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1}: {arm} ...", flush=True)
                 rows.append(dict(run_arm(arm, str(checkpoint), prompts, args, args.allocator),
                                  round=r + 1))
+        who = {"vllm": "vLLM's client (vllm bench serve, random dataset, greedy)",
+               "guidellm": "guidellm (synthetic text, its sampling defaults)",
+               "ours": "our client (token-id prompts, greedy)"}[args.client]
         print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
-              f"all at once, streamed, EOS ignored; {os.cpu_count()} CPUs")
-        print(f"{'arm':9} {'alloc':8} {'thr':>3} {'out tok/s':>9} {'total tok/s':>11} "
-              f"{'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>7} {'load':>5}")
+              f"all at once, streamed, EOS ignored; measured by {who}; "
+              f"{os.cpu_count()} CPUs")
+        print(f"{'arm':9} {'client':6} {'alloc':8} {'thr':>3} {'ok':>5} {'out tok/s':>9} "
+              f"{'total tok/s':>11} {'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>7} "
+              f"{'load':>5}")
         for row in rows:
             thr = "-" if row["threads"] is None else str(row["threads"])
-            print(f"{row['arm']:9} {row['allocator']:8} {thr:>3} {row['output_tok_s']:>9.1f} "
-                  f"{row['total_tok_s']:>11.1f} {row['ttft_p50_s']:>8.2f} "
-                  f"{row['ttft_p99_s']:>7.2f} {row['tpot_p50_s']:>8.3f} "
-                  f"{row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f}")
-        out = {"requests": args.requests, "prompt_tokens": args.prompt,
+            ok = f"{row.get('completed', args.requests)}/{args.requests}"
+            print(f"{row['arm']:9} {row['client']:6} {row['allocator']:8} {thr:>3} {ok:>5} "
+                  f"{row['output_tok_s']:>9.1f} {row['total_tok_s']:>11.1f} "
+                  f"{row['ttft_p50_s']:>8.2f} {row['ttft_p99_s']:>7.2f} "
+                  f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f}")
+        out = {"requests": args.requests, "prompt_tokens": args.prompt, "client": args.client,
                "output_tokens": args.output, "budget": args.budget, "cap": args.cap, "rows": rows}
         print(json.dumps(out))
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "serve.json").write_text(json.dumps(out, indent=2))
+        name = "serve.json" if args.client == "ours" else f"serve_{args.client}_client.json"
+        (RESULTS / name).write_text(json.dumps(out, indent=2))
     return 0
 
 

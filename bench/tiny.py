@@ -16,6 +16,10 @@ def tiny_checkpoint(path: str | Path) -> Iterator[Path]:
     offline in a temporary folder that is removed when the block ends."""
     path = Path(path)
     if (path / "config.json").exists():
+        if not (path / "tokenizer.json").exists():  # built before the tokenizer files were
+            from serving_core.model.hf_tokenizer import write_tokenizer
+
+            write_tokenizer(path)
         yield path
         return
     from serving_core.model.make_tiny import build

@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-SERVER_FLAGS = ("--host", "--port", "--records", "--drain", "--tokenizer")
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -55,12 +55,6 @@ def display_name(ledger_org: str) -> str:
     return found.display if found else str(ledger_org)
 
 
-def short_name(ledger_org: str) -> str:
-    """Table name of a runs.org value (S2_RETENTION -> S2+Retention)."""
-    found = BY_LEDGER_ORG.get(str(ledger_org).upper())
-    return found.label if found else str(ledger_org)
-
-
 def color(ledger_org: str) -> str:
     found = BY_LEDGER_ORG.get(str(ledger_org).upper())
     return found.color if found else OTHER_COLOR

@@ -3,9 +3,13 @@
 raw_<table> views read every committed file found at connect time (hive
 partitions, union by name) and add `attempt`, the file's basename stem `<run_id>-<nonce>`. The table
 canonical_attempts holds, per (campaign, run_id), the first complete attempt
-(ordered by created_at, then attempt). The public views runs, requests, poller, trace,
-slab and steps keep only rows of canonical attempts: a crashed attempt's
+(ordered by created_at, then attempt). The public views (one per table of
+ledgers.schemas.TABLES) keep only rows of canonical attempts: a crashed attempt's
 files, failed runs and accidental duplicate attempts never count.
+
+Study tables (ledgers.studies: not runs, one file per study run) get one view each,
+named as the table, over every file of it that reads with the table's schema; a file
+that does not is skipped with a LedgerWarning (ledgers.check lists it).
 
 canonical_attempts is a snapshot taken at connect time, so one connection sees
 one consistent set of runs even while a campaign keeps writing; reconnect (or
@@ -37,6 +41,7 @@ import pyarrow as pa
 from ledgers.commands import module_command
 from ledgers.integrity import LedgerScan, damage_lines, scan_root
 from ledgers.schemas import SCHEMAS, TABLES
+from ledgers.studies import STUDY_SCHEMAS, readable_study_files
 from ledgers.writer import CANONICAL_ORDER
 
 MAX_WARNED = 10  # files or runs named in one warning
@@ -57,9 +62,13 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def _typed_columns(schema: pa.Schema) -> str:
+    return ", ".join(f'CAST(NULL AS {_SQL_TYPES[f.type]}) AS "{f.name}"' for f in schema)
+
+
 def _typed_empty(table: str) -> str:
-    columns = [f'CAST(NULL AS {_SQL_TYPES[f.type]}) AS "{f.name}"' for f in SCHEMAS[table]]
-    return f"SELECT {', '.join(columns)}, CAST(NULL AS VARCHAR) AS attempt WHERE false"
+    return (f"SELECT {_typed_columns(SCHEMAS[table])}, CAST(NULL AS VARCHAR) AS attempt"
+            " WHERE false")
 
 
 def _file_list(files: Sequence[Path]) -> str:
@@ -79,11 +88,11 @@ def raw_sql(table: str, files: Sequence[Path]) -> str:
     return sql
 
 
-def _warn(scan: LedgerScan) -> None:
+def _warn(scan: LedgerScan, num_study_files: int) -> None:
     if not scan.root.is_dir():
         warnings.warn(f"ledger root {scan.root} does not exist: no runs", LedgerWarning,
                       stacklevel=4)
-    elif scan.num_files == 0:
+    elif scan.num_files == 0 and num_study_files == 0:
         warnings.warn(f"ledger root {scan.root} is empty: no ledger files", LedgerWarning,
                       stacklevel=4)
     files, runs = damage_lines(scan)
@@ -104,7 +113,8 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | os.PathLike, *,
     campaigns in a large root probes only their files); warn about skipped files and runs;
     return the scan."""
     scan = scan_root(root, campaigns, deep=deep)
-    _warn(scan)
+    studies = readable_study_files(scan.root)
+    _warn(scan, sum(map(len, studies[0].values())) + len(studies[1]))
     for table in TABLES:
         sql = raw_sql(table, scan.readable.get(table, []))
         con.execute(f"CREATE OR REPLACE TEMP VIEW raw_{table} AS {sql}")
@@ -122,7 +132,24 @@ def create_views(con: duckdb.DuckDBPyConnection, root: str | os.PathLike, *,
             f"CREATE OR REPLACE TEMP VIEW {table} AS SELECT * EXCLUDE (attempt)"
             f" FROM raw_{table} WHERE attempt IN (SELECT attempt FROM canonical_attempts)"
         )
+    _study_views(con, scan.root, *studies)
     return scan
+
+
+def _study_views(con: duckdb.DuckDBPyConnection, root: Path, good: dict[str, list[Path]],
+                 bad: dict[Path, str]) -> None:
+    """One view per study table over its files that read with the table's schema."""
+    for table, schema in STUDY_SCHEMAS.items():
+        sql = f"SELECT {_typed_columns(schema)} WHERE false"
+        if good[table]:
+            sql += f" UNION ALL BY NAME SELECT * FROM read_parquet({_file_list(good[table])})"
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {table} AS {sql}")
+    if bad:
+        shown = "; ".join(f"{p}: {why}" for p, why in list(bad.items())[:MAX_WARNED])
+        more = f"; ... and {len(bad) - MAX_WARNED} more" if len(bad) > MAX_WARNED else ""
+        warnings.warn(f"ledger root {root}: {len(bad)} study files skipped: {shown}{more} "
+                      f"(details: {module_command('ledgers.check', str(root))})",
+                      LedgerWarning, stacklevel=4)
 
 
 def connect(root: str | os.PathLike, database: str = ":memory:", *,

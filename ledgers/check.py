@@ -7,7 +7,8 @@ are missing or damaged (presence, Parquet probe, size, sha256 and row count
 against the runs row's file record), incomplete runs, traced runs whose END is missing or not last,
 trace sequence gaps, dropped or write-error counts, duplicate complete run
 ids, orphan and mislabeled rows, adoption keys without exactly one adopted
-run. A run is identified by (campaign, run_id). Notes (never failing):
+run, study files (ledgers.studies) that do not read or whose schema is not
+their table's. A run is identified by (campaign, run_id). Notes (never failing):
 superseded attempts of runs that later completed, run ids complete in several
 campaigns (distinct runs, each counted in its own campaign), stale temp files
 left by a killed writer, complete runs written without a file record, Parquet
@@ -32,7 +33,7 @@ from ledgers.catalog import LedgerWarning, create_views
 from ledgers.commands import module_command
 from ledgers.integrity import LedgerScan, damage_lines, stray_files
 from ledgers.schemas import TABLES
-from ledgers.studies import check_studies
+from ledgers.studies import check_studies, study_files
 from ledgers.writer import ADOPTION_KEY, TEMP_SUFFIX, attempt_run_id
 
 MAX_LISTED = 20  # detail lines printed per category
@@ -253,7 +254,7 @@ def check(root: str | os.PathLike) -> CheckReport:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", LedgerWarning)  # reported below, file by file
             scan = create_views(con, root, deep=True)
-        report.num_files = scan.num_files
+        report.num_files = scan.num_files + len(study_files(root))
         _materialize(con)
         report.num_complete_runs = _rows(con, "SELECT count(*) FROM c_runs")[0][0]
         incomplete, superseded = _incomplete_and_superseded(con, scan)

@@ -1,4 +1,4 @@
-"""Arrow schemas of the six ledger tables, documented field by field.
+"""Arrow schemas of the eight ledger tables (TABLES), documented field by field.
 
 Every field carries metadata {"doc", "unit"} (and "values" for enumerated
 strings). Units: "s" seconds, "tokens", "units" (allocation units of the
@@ -20,7 +20,6 @@ import pyarrow as pa
 
 TABLES = ("runs", "requests", "poller", "trace", "slab", "steps", "footprint", "request_paths")
 RUN_TABLES = TABLES[1:]  # per-run tables the engine produces; runs is written last
-KEY_COLUMNS = ("run_id", "campaign")  # prepended by the writer to every run table
 
 POOLS = ("shared", "attention", "recurrent")
 REQUEST_STATUSES = ("finished", "failed", "unfinished")
@@ -185,7 +184,7 @@ _RUNS = [
     *_KEY_FIELDS,
     _f("question", _S, "", "Paper question the run serves (q1..q9 or a supporting sweep)."),
     _f("arm", _S, "", "Arm label within the question (e.g. S2, S2+Retention)."),
-    _f("org", _S, "", "Memory organization (s0, s1, s2, d0, n0, s2_retention)."),
+    _f("org", _S, "", "Arm's organization (ledgers.arms: S0, S1, S2, D0, S2_RETENTION, N0)."),
     _f("budget", _S, "", "Memory budget name (e.g. b63)."),
     _f("units", _I, "units", "Total units of the budget (both D0 pools summed)."),
     _f("units_detail", _S, "", "JSON object of units per pool."),
@@ -204,13 +203,15 @@ _RUNS = [
     _f("trace", _B, "", "Whether the trace recorder was on."),
     _f("executor", _S, "", "Executor (sim or real)."),
     _f("model", _S, "", "Model name."),
-    _f("config_hash", _S, "", "Hash of the cell config (seed in; campaign, replicate out)."),
+    _f("config_hash", _S, "", "Hash of the cell config (campaign and question in; seed, "
+       "replicate and bookkeeping keys out)."),
     _f("prereg_plan_hash", _S, "", 'Hash of the campaign\'s preregistered plan ("": none).'),
     _f("code_version", _S, "", "Code version the run was produced with."),
     _f("environment", _S, "", "JSON object: package versions, CPU, Python."),
     _f("engine_config", _S, "",
-       "JSON object: a real engine's effective settings (vLLM: version, block size, page "
-       "padding, cache mode, blocks, bytes, tables not applicable); {} otherwise."),
+       "JSON object: the rules the engine ran, read back from it (Engine.effective_rules(); "
+       "vLLM: version, block size, page padding, cache mode, blocks, bytes, tables not "
+       "applicable); {} for a failed run."),
     _f("episode_start_s", _I, "s", "Ledger episode start (orchestration start, boot excluded)."),
     _f("episode_end_s", _I, "s", "Ledger episode end (completion polling done)."),
     _f("span_start_s", _F, "s", "First request arrival."),
@@ -260,12 +261,6 @@ SCHEMAS: dict[str, pa.Schema] = {
     name: schema if name == "runs" else pa.schema([*_KEY_FIELDS, *schema])
     for name, schema in ENGINE_SCHEMAS.items()
 }
-
-
-def field_doc(table: str, column: str) -> tuple[str, str]:
-    """(doc, unit) of one stored column."""
-    meta = SCHEMAS[table].field(column).metadata
-    return meta[b"doc"].decode(), meta[b"unit"].decode()
 
 
 def _check_names(table: str, given: Sequence[str], expected: Sequence[str]) -> None:

@@ -1,12 +1,19 @@
 """Study tables: one Parquet file per study run under <root>/<table>/, beside the run
-tables (a study is not a cell: it has no run_id or campaign). Each table has a documented
-schema (`STUDY_SCHEMAS`), is written atomically by `write_study`, read by `read_study`
-and audited by `check_studies` (python -m ledgers.check reports a file whose schema is not
-the table's)."""
+tables (a study is not a cell: it has no run_id or campaign).
+
+The one convention every study follows (its driver in experiments/studies/, its page in
+analysis/studies/): the table has a documented schema here (`STUDY_SCHEMAS`, every
+column with its unit and meaning, enumerated values checked), opens with `study_id`
+(`new_study_id()`, one per study run) and `created_at`, is written atomically by
+`write_study`, is audited by `check_studies` (python -m ledgers.check reports a file
+that does not read or whose schema is not its table's) and is read through the DuckDB
+catalog (one view per table, ledgers.catalog) or `read_study`.
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,16 +21,26 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ledgers.arms import STORAGE_ORGS
+from ledgers.arms import ARMS, STORAGE_ORGS
+from ledgers.files import probe
 from ledgers.schemas import REQUEST_PATHS, _cast, _f
 from ledgers.writer import write_atomic
 
 _S, _I, _F, _B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
 RELOAD_CONDITIONS = ("cold", "repeat", "reload")
+# Arms the continuation matrix covers: every one with checkpoints (S2+Retention runs S2).
+CONTINUATION_ORGS = tuple(a.name for a in ARMS.values() if not a.retention)
+CONTINUATION_FAULTS = ("credit_n_minus_1",)  # injected faults; '' in the table: none
+PLACEMENTS = ("step_end", "every_boundary")
+SENSITIVITY_OUTCOMES = ("ran", "skipped")
 
-_RELOAD_STUDY = [
+_STUDY = [
     _f("study_id", _S, "", "Study run identifier (UTC start time and a random suffix)."),
     _f("created_at", _S, "", "UTC time the table was written (ISO 8601)."),
+]
+
+_RELOAD_STUDY = [
+    *_STUDY,
     _f("model", _S, "", "Model geometry name (conf/model/)."),
     _f("org", _S, "", "Storage organization the servers ran.", STORAGE_ORGS),
     _f("budget", _S, "", "Memory budget label (bN | pN)."),
@@ -53,6 +70,114 @@ _RELOAD_STUDY = [
        "Output ids equal those of the first request with the same prompt in the study."),
 ]
 
+_CONTINUATION = [
+    *_STUDY,
+    _f("model", _S, "", "Model geometry name (conf/model/)."),
+    _f("budget", _S, "", "Memory budget label (bN | pN)."),
+    _f("seed", _I, "", "Seed of the pair's prompts (target and interposers)."),
+    _f("org", _S, "", "Arm the pair ran (config value).", CONTINUATION_ORGS),
+    _f("length_case", _S, "", "Prompt length as an offset from multiples of C (kC+d)."),
+    _f("n_tokens", _I, "tokens", "Prompt length N = k C + d."),
+    _f("interval", _I, "tokens", "Checkpoint interval C of the organization."),
+    _f("placement", _S, "", "Checkpoint placement the engine ran.", PLACEMENTS),
+    _f("align_chunks", _B, "", "The engine's effective chunk alignment."),
+    _f("split_last_boundary", _B, "", "The engine's effective split_last_boundary rule."),
+    _f("output_tokens", _I, "tokens", "Tokens generated per run of the target (greedy)."),
+    _f("restored_prefix_b", _I, "tokens", "B: prefix the host tier restored for the reload."),
+    _f("credited_prefix_p", _I, "tokens", "p: prefix the scheduler credited the reload."),
+    _f("expected_p", _I, "tokens",
+       "Deepest boundary strictly inside the prompt that the placement rule publishes."),
+    _f("full_prefix", _I, "tokens", "C floor((N-1)/C)."),
+    _f("reuse_lost", _I, "tokens", "full_prefix - expected_p."),
+    _f("tier_full_depth", _I, "tokens", "Deepest prefix the tier held over all the prompt's "
+                                        "blocks (N when it holds the state at B = N)."),
+    _f("first_context", _I, "tokens", "Tokens computed before the reload's first batch."),
+    _f("first_scheduled", _I, "tokens", "Tokens the reload's first batch scheduled."),
+    _f("expected_first", _I, "tokens", "The rule's first chunk from B."),
+    _f("bytes_h2d", _I, "bytes", "Host-to-device bytes the restore copied."),
+    _f("expected_bytes", _I, "bytes", "layers x (B x KV bytes per token + SSM + conv bytes)."),
+    _f("unit_capacity_bytes", _I, "bytes", "Bytes of the destination units the restore "
+                                           "allocated."),
+    _f("restored_units", _I, "count", "Units the restore allocated."),
+    _f("expected_units", _I, "count",
+       "The organization's units for B (attention blocks + one composite)."),
+    _f("poisoned_units", _I, "count", "Destination units filled with NaN before the restore."),
+    _f("restored_exact", _B, "",
+       "Every restored view equals the host copy bit for bit, no NaN left."),
+    _f("window_b", _I, "tokens",
+       "Delayed-save audit: B of a request inside the save window (-1: not run)."),
+    _f("window_p", _I, "tokens", "Delayed-save audit: its credited p (-1: not run)."),
+    _f("window_pending", _I, "count", "Saves still incomplete when it arrived."),
+    _f("window_tokens_equal", _B, "", "Its tokens equal the cold run's."),
+    _f("fault", _S, "", "Injected fault ('' for none).", ("", *CONTINUATION_FAULTS)),
+    _f("tokens_equal", _B, "", "The reload's generated ids equal the cold run's."),
+    _f("first_mismatch", _I, "", "Index of the first differing token (-1: none)."),
+    _f("cold_tokens", _S, "", "Generated ids of the cold run, JSON list."),
+    _f("reload_tokens", _S, "", "Generated ids of the reload, JSON list."),
+    _f("host_saves", _I, "count", "Saves the tier completed before the device reset."),
+    _f("reload_units_fresh", _B, "",
+       "The reset device held nothing and the reload's objects live there now."),
+    _f("b_equals_p", _B, "", "B = p = expected p."),
+    _f("audits_ok", _B, "", "Byte, unit, poisoning and delayed-save audits all hold."),
+    _f("ok", _B, "", "Every column of the pair holds."),
+]
+
+_CONTINUATION_HTTP = [
+    *_STUDY,
+    _f("model", _S, "", "Model geometry name (conf/model/)."),
+    _f("budget", _S, "", "Memory budget label (bN | pN)."),
+    _f("seed", _I, "", "Seed of the random prompts and interposers."),
+    _f("org", _S, "", "Arm the server ran (config value).", CONTINUATION_ORGS),
+    _f("case", _S, "", "Offset case (kC+d) or N=<n> for a template prompt."),
+    _f("template", _S, "", "Prompt template ('random': random token ids)."),
+    _f("n_tokens", _I, "tokens", "Prompt length N."),
+    _f("interval", _I, "tokens", "Checkpoint interval C of the organization."),
+    _f("output_tokens", _I, "tokens", "Tokens generated per request (greedy)."),
+    _f("cold_path", _S, "", "Actual path of the cold request.", REQUEST_PATHS),
+    _f("reload_path", _S, "", "Actual path of the request after the cache reset.",
+       REQUEST_PATHS),
+    _f("restored_b", _I, "tokens", "B: prefix the server's host tier restored."),
+    _f("credited_p", _I, "tokens", "p: prefix the reload adopted."),
+    _f("expected_p", _I, "tokens", "C floor((N-1)/C)."),
+    _f("first_computed", _I, "tokens", "Tokens computed before the reload's first batch."),
+    _f("first_scheduled", _I, "tokens", "Tokens the reload's first batch scheduled."),
+    _f("expected_first", _I, "tokens", "The rule's first chunk from p."),
+    _f("tokens_equal", _B, "", "The reload's generated ids equal the cold run's."),
+    _f("first_mismatch", _I, "", "Index of the first differing token (-1: none)."),
+    _f("seconds", _F, "s", "Wall time of the case's five operations."),
+    _f("b_equals_p", _B, "", "B = p = expected p."),
+    _f("ok", _B, "", "Every column of the case holds."),
+]
+
+_FIDELITY_FIT = [
+    *_STUDY,
+    _f("model", _S, "", "Model geometry the profile was fitted for (conf/model/)."),
+    _f("start", _S, "", "Step profile the fit started from (conf/executor/)."),
+    _f("profile", _S, "", "Name of the fitted profile (the simulated runs' sim:<name>)."),
+    _f("parameter", _S, "", "A fitted constant of the step profile (one row each)."),
+    _f("value", _F, "", "Its fitted value (unit of the profile field)."),
+    _f("rows", _I, "count", "Steps the fit used."),
+    _f("rms_rel_error", _F, "", "Root mean square relative step-time error of the fit."),
+    _f("org_errors", _S, "",
+       "Per organization: (sum of fitted - sum of measured) / sum of measured, JSON."),
+    _f("runs", _S, "", "Run ids of the real runs whose steps were fitted, JSON list."),
+    _f("overrides", _S, "", "The executor.* overrides the simulated campaign ran, JSON list."),
+]
+
+_SENSITIVITY_RUNS = [
+    *_STUDY,
+    _f("alternative", _S, "", "Engine-rule alternative (conf/sensitivity/alternatives.yaml)."),
+    _f("alternative_overrides", _S, "", "Its overrides as run, JSON list."),
+    _f("plan", _S, "", "Preregistered plan of the family (conf/prereg/<plan>.yaml)."),
+    _f("family", _S, "", "Primary family the cell belongs to."),
+    _f("cell", _S, "", "Cell id within the family."),
+    _f("seed", _I, "", "Seed of the run."),
+    _f("campaign", _S, "", "Campaign the run was recorded in (sens_<alternative>[_smoke])."),
+    _f("run_id", _S, "", "Run id in the runs table."),
+    _f("outcome", _S, "", "Whether the run ran or was skipped as already complete.",
+       SENSITIVITY_OUTCOMES),
+]
+
 IDENTIFY_KINDS = ("constant", "residual", "level", "ratio", "slab", "loss", "target", "levels",
                   "selection")
 _IDENTIFY = [
@@ -79,14 +204,31 @@ _IDENTIFY = [
     _f("org", _S, "", "Organization, the ratio (S1/S0, ...), or ''."),
     _f("metric", _S, "", "Anchor metric, constant name, target, or the selection's reason."),
     _f("measured", _F, "", "Measured value (NaN: none)."),
-    _f("ours", _F, "", "Simulated value: constant, level, ratio - 1, loss (NaN: none)."),
+    _f("ours", _F, "", "Simulated value: constant, level, ratio - 1, loss (NaN: none); "
+       "selection rows: levels the defaults hold within the limit that it moves outside."),
     _f("error", _F, "", "Relative error (levels), gap in pp (ratios), difference (slab)."),
     _f("residual", _F, "", "Error over its declared tolerance (NaN: not scored)."),
     _f("met", _B, "", "Target met; constant fitted; selection row: the adopted default."),
 ]
 
-STUDY_SCHEMAS: dict[str, pa.Schema] = {"reload_study": pa.schema(_RELOAD_STUDY),
-                                       "identify": pa.schema(_IDENTIFY)}
+STUDY_SCHEMAS: dict[str, pa.Schema] = {
+    "reload_study": pa.schema(_RELOAD_STUDY),
+    "continuation": pa.schema(_CONTINUATION),
+    "continuation_http": pa.schema(_CONTINUATION_HTTP),
+    "fidelity_fit": pa.schema(_FIDELITY_FIT),
+    "sensitivity_runs": pa.schema(_SENSITIVITY_RUNS),
+    "identify": pa.schema(_IDENTIFY),
+}
+
+
+def new_study_id() -> str:
+    """A study run's identifier: UTC start time (sorts by time) and a random suffix."""
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def now_iso() -> str:
+    """UTC now, ISO 8601 to the second (the `created_at` of a table being written)."""
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def study_dir(root: str | os.PathLike, table: str) -> Path:
@@ -117,8 +259,18 @@ def write_study(root: str | os.PathLike, table: str, columns: Mapping[str, list]
     return path
 
 
+def rows_to_columns(table: str, rows: list[Mapping], /, **fixed) -> dict[str, list]:
+    """Columns of `table` from row mappings, each column taken from `fixed` (the values
+    every row shares: study_id, created_at, model, ...) or else from the rows."""
+    return {name: [fixed[name]] * len(rows) if name in fixed else [r[name] for r in rows]
+            for name in STUDY_SCHEMAS[table].names}
+
+
 def read_study(root: str | os.PathLike, table: str, latest: bool = True) -> pa.Table | None:
-    """The newest file of the table (or all files concatenated); None when there is none."""
+    """The newest file of the table (or all files concatenated); None when there is none.
+
+    The pages read study tables through the catalog; this direct read of the files is the
+    tests' oracle of what a driver wrote (tests/test_reload_study.py)."""
     files = [p for p in study_files(root) if p.parent.name == table]
     if not files:
         return None
@@ -126,19 +278,38 @@ def read_study(root: str | os.PathLike, table: str, latest: bool = True) -> pa.T
     return pa.concat_tables([pq.read_table(p) for p in chosen])
 
 
+def _problem(path: Path) -> str | None:
+    """Why a study file cannot be read as its table, or None."""
+    why = probe(path)
+    if why is not None:
+        return f"unreadable ({why})"
+    schema = STUDY_SCHEMAS[path.parent.name]
+    try:
+        got = pq.read_schema(path)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a finding
+        return f"unreadable ({type(err).__name__})"
+    if got.remove_metadata() != schema.remove_metadata():
+        missing = sorted(set(schema.names) - set(got.names))
+        extra = sorted(set(got.names) - set(schema.names))
+        return (f"schema differs from {path.parent.name}'s (missing {missing}, "
+                f"extra {extra})")
+    return None
+
+
+def readable_study_files(root: str | os.PathLike) -> tuple[dict[str, list[Path]],
+                                                          dict[Path, str]]:
+    """({table: files that read as the table}, {other study file: why not})."""
+    good: dict[str, list[Path]] = {table: [] for table in STUDY_SCHEMAS}
+    bad: dict[Path, str] = {}
+    for path in study_files(root):
+        why = _problem(path)
+        if why is None:
+            good[path.parent.name].append(path)
+        else:
+            bad[path] = why
+    return good, bad
+
+
 def check_studies(root: str | os.PathLike) -> list[str]:
     """One line per study file that does not read or whose schema is not its table's."""
-    problems = []
-    for path in study_files(root):
-        schema = STUDY_SCHEMAS[path.parent.name]
-        try:
-            got = pq.read_schema(path)
-        except Exception as err:  # noqa: BLE001 - any unreadable file is a finding
-            problems.append(f"{path}: unreadable ({type(err).__name__})")
-            continue
-        if got.remove_metadata() != schema.remove_metadata():
-            missing = sorted(set(schema.names) - set(got.names))
-            extra = sorted(set(got.names) - set(schema.names))
-            problems.append(f"{path}: schema differs from {path.parent.name}'s "
-                            f"(missing {missing}, extra {extra})")
-    return problems
+    return [f"{path}: {why}" for path, why in readable_study_files(root)[1].items()]

@@ -17,6 +17,7 @@ from typing import Any
 
 from serving_core.engine import Engine
 from serving_core.engine_spec import EngineSpec, check_effective
+from serving_core.executor.base import EXECUTOR_RULE_KEYS
 from serving_core.executor.clocks import CLOCK_CLASSES
 from serving_core.geometry import Geometry
 from serving_core.memory import MemoryOrganization, build_memory, org_class
@@ -87,24 +88,29 @@ EXECUTORS: dict[str, Callable[..., Any]] = {
 }
 
 
+def _host_tier(executor):
+    """A host tier for the engine over `executor`'s state arena (copies go through the
+    arena's copier; the tier itself never touches the arena)."""
+    from serving_core.executor.state_copy import ArenaCopier
+    from serving_core.host_tier import EngineTier, HostTier
+
+    return EngineTier(HostTier(), ArenaCopier(executor.arena))
+
+
 def _assemble(spec: EngineSpec, make_executor, on_step=None) -> Engine:
     """Geometry, pools, recorder and memory organization of `spec`, the executor
-    `make_executor(geometry, memory)` makes over them, and the Engine around them."""
+    `make_executor(geometry, memory)` makes over them, the host tier when the spec asks
+    for one, the clock, and the Engine around them."""
     geometry = spec.geometry()
     units = spec.units(geometry)
     recorder = Recorder(trace=spec.trace, slab=org_class(spec.org).has_slabs)
     mem = build_memory(geometry, spec.org, units, recorder, **spec.scheduler.memory_rules())
-    engine = Engine(
-        geometry, spec.org, units, spec.scheduler, make_executor(geometry, mem),
-        clock=CLOCK_CLASSES[spec.clock_kind](), trace=spec.trace, budget_label=spec.budget,
-        on_step=on_step, recorder=recorder, memory=mem,
+    executor = make_executor(geometry, mem)
+    return Engine(
+        spec, geometry, mem, recorder, executor, CLOCK_CLASSES[spec.clock_kind](),
+        vocab_size=_vocab_size(executor),
+        host_tier=_host_tier(executor) if spec.host_tier else None, on_step=on_step,
     )
-    engine.spec = spec
-    if spec.host_tier:
-        from serving_core.executor.host_tier import EngineTier
-
-        engine.host_tier = EngineTier()
-    return engine
 
 
 def build_engine(spec: EngineSpec, *, on_step=None, step_model=None, model=None,
@@ -126,7 +132,6 @@ def build_engine(spec: EngineSpec, *, on_step=None, step_model=None, model=None,
                                             model=model),
         on_step=on_step,
     )
-    engine.vocab_size = _vocab_size(engine.executor)
     if check:
         requested = spec.requested_rules()
         if step_model is not None:
@@ -154,7 +159,11 @@ def loaded_model_spec(model, geometry: Geometry, org: str, budget: str,
 
 
 class _Unbuilt:
-    """Stands in for an executor in `preflight`: runs nothing, describes nothing."""
+    """Stands in for an executor in `preflight`: runs nothing, describes nothing, holds no
+    state (a host tier over it is never used: a preflight engine is never stepped)."""
+
+    reads_state = False
+    arena = None
 
     def execute(self, plan, checkpoint_writes):
         raise RuntimeError("preflight engines do not run")
@@ -166,10 +175,6 @@ class _Unbuilt:
         return {}
 
 
-EXECUTOR_KEYS = ("executor", "step_model", "profile", "indirection", "device", "dtype",
-                 "scan_chunk", "prefill_batch_tokens", "kv_codec", "kv_group_heads")
-
-
 def preflight(spec: EngineSpec) -> dict[str, Any]:
     """Check, before a run starts, that the engine `spec` describes runs the requested
     rules (ValueError, one line); return its effective rules. Modelled executors are
@@ -179,6 +184,7 @@ def preflight(spec: EngineSpec) -> dict[str, Any]:
         return build_engine(spec).effective_rules()
     engine = _assemble(spec, lambda geometry, mem: _Unbuilt())
     effective = engine.effective_rules()
-    requested = {k: v for k, v in spec.requested_rules().items() if k not in EXECUTOR_KEYS}
+    requested = {k: v for k, v in spec.requested_rules().items()
+                 if k not in EXECUTOR_RULE_KEYS}
     check_effective(requested, effective)
     return effective

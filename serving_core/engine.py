@@ -8,7 +8,10 @@ jump to the next arrival, so the same (config, seed) yields the same tables)
 and wall time for a real executor. `submit` may be called from another thread
 (an HTTP server) while a driver thread calls `step()` whenever `has_work()`.
 
-`run_engine` serves a whole workload and returns its tables and summary.
+Engines are built by serving_core.builder.build_engine from an EngineSpec: the engine
+takes its collaborators (memory organization, recorder, executor, clock, host tier)
+ready-made. `serve` plans a whole workload on an engine and returns its tables and
+summary.
 """
 
 from __future__ import annotations
@@ -18,19 +21,22 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from serving_core.executor.base import Executor, ExecutorOutput
+from serving_core.engine_spec import EngineSpec
+from serving_core.executor.base import EXECUTOR_RULE_KEYS, Executor, ExecutorOutput
 from serving_core.executor.clocks import VirtualClock, WallClock
 from serving_core.executor.modelled import PacedExecutor, SimulatedExecutor
 from serving_core.geometry import Geometry
-from serving_core.memory import MemoryOrganization, build_memory, org_class
-from serving_core.records import Recorder, mechanism_summary, request_columns
+from serving_core.memory import MemoryOrganization
+from serving_core.records import Recorder, mechanism_summary, request_columns, run_summary
 from serving_core.request import Request, Status
-from serving_core.scheduler import Scheduler, SchedulerConfig
+from serving_core.scheduler import Scheduler
+
+if TYPE_CHECKING:  # the host tier module needs torch; simulated engines never import it
+    from serving_core.host_tier import EngineTier
 
 # Re-exported: the executor protocol, the modelled executors and the clocks live in
 # serving_core.executor; engines are built by serving_core.builder.build_engine.
@@ -45,9 +51,7 @@ __all__ = [
     "VirtualClock",
     "WallClock",
     "check_feasible",
-    "run_engine",
     "serve",
-    "summarize",
 ]
 
 
@@ -70,6 +74,7 @@ class StepOutcome:
     num_scheduled: int
     produced: list[tuple[int, int]]  # (request id, token id) in plan order
     finished: list[int]  # request ids that finished in this step
+    logprobs: dict[int, tuple] = field(default_factory=dict)  # ExecutorOutput.logprobs
 
 
 def check_feasible(mem: MemoryOrganization, specs, org: str, budget: str) -> None:
@@ -93,51 +98,68 @@ def _one(values: set):
     return next(iter(values))
 
 
-def _percentile(values: list[float], q: float) -> float:
-    arr = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
-    return float(np.percentile(arr, q)) if arr.size else math.nan
-
-
 class Engine:
     """Continuous batching over one memory organization, driven step by step.
 
-    `on_step(scheduler, memory)` runs after every step when given (invariant checks).
+    Built by serving_core.builder.build_engine, which makes every collaborator from the
+    spec; the engine makes only its scheduler (over `memory`, recording to `recorder`).
+    `on_step(scheduler, memory)` runs after every step when given (invariant checks);
+    `on_plan(plan)`, when set, sees each step's plan (the `Scheduled` items) after the
+    scheduler made it and before the executor runs it: an observer for studies and tests
+    (experiments/studies/continuation.py reads a request's first batch from it).
     """
+
+    spec: EngineSpec  # what the engine was built from (its requested rules)
+    geometry: Geometry
+    org: str
+    budget_label: str
+    recorder: Recorder
+    trace: bool
+    mem: MemoryOrganization
+    sched: Scheduler
+    executor: Executor
+    clock: VirtualClock | WallClock
+    vocab_size: int  # token ids the engine produces lie in [0, vocab_size)
+    host_tier: EngineTier | None  # saves published state, restores held prefixes (or off)
+    on_step: Callable[[Scheduler, MemoryOrganization], None] | None
+    on_plan: Callable[[list], None] | None  # set by an observer (see above)
+    requests: list[Request]
+    num_finished: int
 
     def __init__(
         self,
+        spec: EngineSpec,
         geometry: Geometry,
-        org: str,
-        pool_units: dict[str, int],
-        sched_cfg: SchedulerConfig,
-        executor,
+        memory: MemoryOrganization,
+        recorder: Recorder,
+        executor: Executor,
+        clock: VirtualClock | WallClock,
         *,
-        clock=None,
-        trace: bool = False,
-        budget_label: str = "",
-        on_step=None,
-        recorder: Recorder | None = None,
-        memory: MemoryOrganization | None = None,
+        vocab_size: int,
+        host_tier: EngineTier | None = None,
+        on_step: Callable[[Scheduler, MemoryOrganization], None] | None = None,
     ) -> None:
+        self.spec = spec
         self.geometry = geometry
-        self.org = org
-        self.budget_label = budget_label
-        self.recorder = recorder or Recorder(trace=trace, slab=org_class(org).has_slabs)
-        self.trace = self.recorder.trace_enabled
-        self.mem = memory or build_memory(
-            geometry, org, pool_units, self.recorder, **sched_cfg.memory_rules()
-        )
-        self.sched = Scheduler(self.mem, sched_cfg, self.recorder)
+        self.org = spec.org
+        self.budget_label = spec.budget
+        self.recorder = recorder
+        self.trace = recorder.trace_enabled
+        self.mem = memory
+        self.sched = Scheduler(memory, spec.scheduler, recorder)
         self.executor = executor
         # An executor that addresses state gets it in the plan (Scheduled.state).
-        self.sched.state_views = bool(getattr(executor, "reads_state", False))
-        self.clock = clock or VirtualClock()
+        self.sched.state_views = executor.reads_state
+        self.clock = clock
+        self.vocab_size = vocab_size
+        self.host_tier = host_tier
         self.on_step = on_step
-        self.host_tier = None  # an EngineTier (serving_core.executor.host_tier) when on
+        self.on_plan = None  # observer of each step's plan (see the class docstring)
         # Requests are materialized at arrival and drop their token lists when they finish,
         # so memory follows the live set, not the workload size.
-        self.requests: list[Request] = []
+        self.requests = []
         self.num_finished = 0
+        self._entered: list[Request] = []  # entered since the last step (host tier lookups)
         self._planned: list[tuple[float, int, object]] = []  # (arrival, order, spec)
         self._order = 0
         self._inbox: deque = deque()  # specs submitted from other threads
@@ -175,6 +197,8 @@ class Engine:
         self.requests.append(req)
         self.recorder.now = arrival
         self.sched.add_request(req, arrival)
+        if self.host_tier is not None:
+            self._entered.append(req)
         return req
 
     def _release_arrivals(self) -> None:
@@ -208,11 +232,14 @@ class Engine:
                 self.clock.wait_until(self._planned[0][0])  # idle: jump/sleep to the next arrival
                 self._poll()
             return None
-        if self.host_tier is not None:  # restore a held prefix before admission looks it up
-            self.host_tier.before_schedule(self)
+        if self._entered:  # host tier: restore held prefixes before admission looks them up
+            self.host_tier.before_admission(sched.state, self._entered)
+            self._entered = []
         t0 = self.clock.now()
         rec.step, rec.now = sched.step + 1, t0
         plan = sched.schedule(t0)
+        if self.on_plan is not None:
+            self.on_plan(plan)
         if not plan:
             raise RuntimeError(
                 f"step {sched.step}: nothing schedulable with {len(sched.waiting)} waiting"
@@ -229,13 +256,16 @@ class Engine:
                     token = req.next_generated_token()
                 req.next_token = token
                 produced.append((req.rid, token))
+                params = getattr(req.spec, "sampling", None)  # serving_core/sampling_params.py
+                if params is not None and params.stops(token, req.num_generated + 1):
+                    req.target_output = req.num_generated + 1  # a stop token ends it here
         t1 = self.clock.step_done(t0, out.duration_s)
         # Publication, sampled tokens and finishes become visible when the step completes.
         rec.now = t1
         initial, resume, decode = sched.complete_step(plan, t1)
         self.executor.commit(plan)  # write the published states into their units
         if self.host_tier is not None:  # save the newly published entries (two-phase)
-            self.host_tier.after_step(self)
+            self.host_tier.after_step(sched.state)
         # A wall clock measures the step (commit included); a virtual one takes the model's.
         dt = self.clock.now() - t0 if self.clock.wall else out.duration_s
         finished = [item.req.rid for item in plan if item.req.status == Status.FINISHED]
@@ -257,7 +287,7 @@ class Engine:
             **sched.plan_columns(plan, crossings),
         )
         self._poll()
-        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished)
+        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished, out.logprobs)
 
     # ----- what this engine runs ---------------------------------------------------------------
     def effective_rules(self) -> dict[str, Any]:
@@ -289,13 +319,21 @@ class Engine:
             "headroom": sched.headroom_fraction,
             "headroom_units": dict(sched.headroom),
             "pool_units": {p: pool.num_units for p, pool in mem.pools.items()},
+            "pool_unit_bytes": {p: pool.unit_bytes for p, pool in mem.pools.items()},
             "step_model": None,
             "clock": self.clock.kind,
             "trace": bool(self.trace),
             "host_tier": self.host_tier is not None,
         }
-        rules.update(self.executor.describe())
+        described = self.executor.describe()
+        assert described.keys() <= set(EXECUTOR_RULE_KEYS), sorted(described)
+        rules.update(described)
         return rules
+
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """Drop the device prefix cache (nothing may run): see
+        HybridStateManager.reset_prefix_cache. A host tier keeps what it holds."""
+        return self.sched.state.reset_prefix_cache()
 
     # ----- results ----------------------------------------------------------------------------
     def result(self) -> EngineResult:
@@ -312,7 +350,7 @@ class Engine:
             "steps": self.recorder.steps,
         }
         wall = time.perf_counter() - self._wall0
-        summary = summarize(self.requests, self.sched, clock, wall)
+        summary = engine_summary(self.requests, self.sched, clock, wall)
         summary.update(
             mechanism_summary(
                 self.requests, self.sched.step, self.recorder.poller,
@@ -340,70 +378,28 @@ def serve(engine: Engine, specs, max_steps: int | None = None) -> EngineResult:
     return engine.result()
 
 
-def run_engine(
-    geometry: Geometry,
-    org: str,
-    pool_units: dict[str, int],
-    sched_cfg: SchedulerConfig,
-    specs,
-    step_model,
-    trace: bool = False,
-    budget_label: str = "",
-    max_steps: int | None = None,
-    on_step=None,
-) -> EngineResult:
-    """Serve `specs` (RequestSpec, arrival order) on the simulated executor with the given
-    step model object (tests, fits). Built through serving_core.builder like every engine.
-
-    `on_step(scheduler, memory)` runs after every step when given (invariant checks).
-    """
-    from dataclasses import asdict
-
-    from serving_core.builder import build_engine
-    from serving_core.engine_spec import EngineSpec, ExecutorSpec
-
-    if not specs:
-        raise ValueError("workload.num_requests must be >= 1")
-    spec = EngineSpec(
-        model=asdict(geometry), org=org, budget=budget_label or "explicit",
-        scheduler=sched_cfg, executor=ExecutorSpec("simulated"), trace=trace,
-        pool_units=pool_units,
+def engine_summary(requests: list[Request], sched: Scheduler, clock: float,
+                   wall: float) -> dict:
+    """The run summary (serving_core.records.run_summary) of the engine's requests, with
+    the scheduler's counters; the episode ends at the whole second after the last finish."""
+    done = [r.status == Status.FINISHED for r in requests]
+    finish = [r.finish_s for r in requests]
+    summary = run_summary(
+        arrival_s=[r.arrival_s for r in requests],
+        first_token_s=[r.first_token_s for r in requests],
+        finish_s=finish,
+        output_tokens=[r.num_generated for r in requests],
+        done=done,
+        episode_end_s=math.ceil(max((f for f, d in zip(finish, done, strict=True) if d),
+                                    default=0.0)),
+        sim_seconds=clock,
+        wall_seconds=wall,
     )
-    engine = build_engine(spec, on_step=on_step, step_model=step_model)
-    return serve(engine, specs, max_steps)
-
-
-def summarize(requests: list[Request], sched: Scheduler, clock: float, wall: float) -> dict:
-    done = [r for r in requests if r.status == Status.FINISHED]
-    out = sum(r.num_generated for r in done)
-    episode_end = math.ceil(max((r.finish_s for r in done), default=0.0))
-    span_start = min((r.arrival_s for r in requests), default=0.0)
-    span_end = max((r.finish_s for r in done), default=span_start)
-    ttft = [r.first_token_s - r.arrival_s for r in done]
-    e2e = [r.finish_s - r.arrival_s for r in done]
-    tpot = [
-        (r.finish_s - r.first_token_s) / (r.num_generated - 1) for r in done if r.num_generated > 1
-    ]
-    return {
-        "completed": len(done),
-        "failed": len(requests) - len(done),
-        "output_tokens": out,
-        "episode_start_s": 0,
-        "episode_end_s": episode_end,
-        "span_start_s": span_start,
-        "span_end_s": span_end,
-        "throughput_ledger": out / episode_end if episode_end else 0.0,
-        "throughput_span": out / (span_end - span_start) if span_end > span_start else 0.0,
-        "ttft_p50": _percentile(ttft, 50),
-        "ttft_p99": _percentile(ttft, 99),
-        "e2e_p50": _percentile(e2e, 50),
-        "e2e_p99": _percentile(e2e, 99),
-        "tpot_p99": _percentile(tpot, 99),
+    summary.update({
         "preemptions": sched.preemptions_total,
         "prefix_hit_tokens": sched.prefix_hit_tokens_total,
         "prefill_tokens_computed": sched.prompt_tokens_total,
         "max_running": sched.max_running,
         "max_waiting": sched.max_waiting,
-        "sim_seconds": clock,
-        "wall_seconds": wall,
-    }
+    })
+    return summary

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from serving_core.executor.base import EXECUTOR_RULE_KEYS
 from serving_core.geometry import Geometry, geometry_from_config
 from serving_core.scheduler import SchedulerConfig
 
@@ -74,7 +75,7 @@ class EngineSpec:
     host_tier: bool = False
 
     def __post_init__(self) -> None:
-        from serving_core.layout import normalize_org
+        from serving_core.memory import normalize_org
 
         object.__setattr__(self, "org", normalize_org(self.org))
         if self.clock is not None and self.clock not in CLOCKS:
@@ -134,15 +135,7 @@ class EngineSpec:
             "cap": sc.cap,
             "max_num_batched_tokens": sc.max_num_batched_tokens,
             "headroom": sc.headroom,
-            "executor": self.executor.kind,
-            "step_model": _requested_step_model(self.executor),
-            **({"scan_chunk": self.executor.scan_chunk}
-               if self.executor.kind == "torch" and self.executor.scan_chunk else {}),
-            **({"prefill_batch_tokens": self.executor.prefill_batch_tokens}
-               if self.executor.kind == "torch" and self.executor.prefill_batch_tokens
-               is not None else {}),
-            **({"kv_codec": geometry.kv_codec, "kv_group_heads": geometry.kv_group_heads}
-               if self.executor.kind == "torch" else {}),
+            **_requested_executor_rules(self.executor, geometry),
             "clock": self.clock_kind,
             "trace": bool(self.trace),
             "host_tier": bool(self.host_tier),
@@ -187,16 +180,32 @@ def _known(data: Mapping, cls, where: str) -> None:
 
 
 def _checkpoint_interval(geometry: Geometry, org: str) -> int:
-    from serving_core.layout import org_layout
+    from serving_core.memory import org_layout
 
     return org_layout(geometry, org).checkpoint_interval
 
 
 def _conv_pages(geometry: Geometry, org: str) -> int:
     """Dedicated conv pages per composite (S1: 1), which conv_page_recency applies to."""
-    from serving_core.layout import org_layout
+    from serving_core.memory import org_layout
 
     return org_layout(geometry, org).conv_pages
+
+
+def _requested_executor_rules(ex: ExecutorSpec, geometry: Geometry) -> dict[str, Any]:
+    """What the spec asks of its executor, under keys of EXECUTOR_RULE_KEYS (the executor's
+    describe() reports the same keys): its kind and step model; for torch the settings
+    the spec fixes (scan chunk, prefill batch cap, when given) and the model's KV codec."""
+    rules: dict[str, Any] = {"executor": ex.kind, "step_model": _requested_step_model(ex)}
+    if ex.kind == "torch":
+        if ex.scan_chunk:
+            rules["scan_chunk"] = ex.scan_chunk
+        if ex.prefill_batch_tokens is not None:
+            rules["prefill_batch_tokens"] = ex.prefill_batch_tokens
+        rules["kv_codec"] = geometry.kv_codec
+        rules["kv_group_heads"] = geometry.kv_group_heads
+    assert rules.keys() <= set(EXECUTOR_RULE_KEYS), sorted(rules)
+    return rules
 
 
 def _requested_step_model(ex: ExecutorSpec) -> str | None:

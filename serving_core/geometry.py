@@ -52,7 +52,7 @@ class Geometry:
     d0_attention_fraction: float = 0.5
     max_model_len: int = 8192
     # N0's attention-kernel block alignment (tokens): 16 for vLLM's FlashAttention (A100),
-    # 128 for its CPU backend (serving_core.layout); a backend property, set per run.
+    # 128 for its CPU backend (serving_core.memory.n0); a backend property, set per run.
     n0_block_alignment: int = 16
 
     def __post_init__(self) -> None:

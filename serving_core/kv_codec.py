@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 BITS = 4
-LEVELS = 1 << BITS
 ROTATION_SEED = 20_260_401  # one rotation for the whole model (any fixed value)
 FP16_MAX = 65504.0
 _LLOYD_TOL = 1e-13
@@ -66,7 +65,10 @@ def _log_norm_const(dim: int) -> float:
 
 
 def coordinate_density(t: np.ndarray | float, dim: int) -> np.ndarray:
-    """Density of one coordinate of a uniformly random unit vector of length `dim`."""
+    """Density of one coordinate of a uniformly random unit vector of length `dim`.
+
+    A test oracle: the codebook uses the closed-form cell masses and moments; the tests
+    (tests/test_kv_codec.py) integrate this density numerically to check them."""
     _check_dim(dim)
     t = np.asarray(t, dtype=np.float64)
     inside = np.abs(t) < 1
@@ -121,7 +123,9 @@ def expected_distortion(dim: int, bits: int = BITS) -> float:
     """E |y - y_hat|^2 for a uniformly random unit vector y: dim x the per-coordinate MSE.
 
     Per coordinate: the sum over cells of E[X^2] - 2 c E[X] + c^2 P on the cell, all in
-    closed form (incomplete beta functions).
+    closed form (incomplete beta functions). A test oracle: the engine never needs it;
+    tests/test_kv_codec.py holds it against quadrature, the published value and the
+    measured MSE of the codec on random vectors.
     """
     from scipy.special import betainc
 

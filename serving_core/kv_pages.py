@@ -30,12 +30,6 @@ def page_view(codec: TQ4Codec, units: int, block_tokens: int, kv_heads: int) -> 
                        dtype=torch.uint8)
 
 
-def store(view: torch.Tensor, codec: TQ4Codec, units: torch.Tensor, offsets: torch.Tensor,
-          k: torch.Tensor, v: torch.Tensor) -> None:
-    """Encode rows k, v (n, kv_heads, head_dim) into view[units[i], offsets[i]]."""
-    view[units, offsets] = codec.encode_packed(torch.stack([k, v], dim=1))
-
-
 def _split(codec: TQ4Codec, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated-basis vectors |x| c[codes] of packed (..., bytes) as float32 (..., head_dim)."""
     return codec.decode_rotated(*codec.unpack(packed))

@@ -1,14 +1,14 @@
 """Budget planner: one nominal byte budget, converted to each organization's units.
 
 A label `bN` means N uniform hybrid pages (N x layout.uniform_page_bytes); a
-label `pN` (or "N pages") means exactly N S1/S2 pages, and the other
-organizations get the same nominal bytes. Both are sized in the model's reference KV
+label `pN` (or "N pages") means exactly N paged-attention-block pages (S1/S2's), and
+every organization gets the same nominal bytes. Both are sized in the model's reference KV
 representation (bf16, geometry.REFERENCE_KV_CODEC), so a label names the same bytes under
 every codec: with kv_codec=tq4, b63 is still 63 bf16 uniform pages of bytes, and each
-organization fits its (smaller) attention units into them. Each organization keeps its own
-rounding, so arms are planner-matched, not byte-equal; the plan reports the
-difference to nominal for that reason. N0 rounds as vLLM sizes its block pool:
-floor(nominal / page) pages, one of which is vLLM's reserved null block.
+organization fits its (smaller) attention units into them. Each organization's class
+(serving_core/memory/) converts the bytes with its own rounding (`plan_pools`), so arms
+are planner-matched, not byte-equal; the plan reports the difference to nominal for that
+reason. This module loops over the registry and names no organization.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import json
 import math
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from numbers import Real
 
 from serving_core.geometry import (
@@ -29,7 +29,8 @@ from serving_core.geometry import (
     available_models,
     load_geometry,
 )
-from serving_core.layout import ORGS, normalize_org, org_layout, uniform_page_bytes
+from serving_core.layout import PoolPlan, exact_fraction, paged_page_bytes, uniform_page_bytes
+from serving_core.memory import ORG_TO_CLASS, normalize_org
 
 BUDGET_FORMS = "bN (N uniform hybrid pages), pN or 'N pages' (N S1/S2 pages), N a positive integer"
 _MAX_SEARCH_COUNT = 1 << 40
@@ -38,14 +39,6 @@ _BUDGET_PATTERNS = (
     ("p", re.compile(r"p(\d+)")),
     ("p", re.compile(r"(\d+)\s*pages?")),
 )
-
-
-def exact_fraction(value: float) -> Fraction:
-    """The decimal a float was written as (0.527383, not its binary neighbour).
-
-    Floors of fraction x count must not flip on binary representation error.
-    """
-    return Fraction(repr(float(value)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,26 +64,10 @@ def parse_budget(label: str) -> Budget:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolPlan:
-    """Whole units of one pool: `num_units` usable units of `unit_bytes` each, plus
-    `num_reserved` units the pool allocates but never hands out (N0's null block)."""
-
-    org: str
-    pool: str  # "shared" for S0/S1/S2/N0; "attention" or "recurrent" for D0
-    num_units: int
-    unit_bytes: int
-    num_reserved: int = 0
-
-    @property
-    def num_bytes(self) -> int:
-        return (self.num_units + self.num_reserved) * self.unit_bytes
-
-
-@dataclass(frozen=True, slots=True)
 class BudgetPlan:
     """Units per organization and pool for one nominal budget.
 
-    Invariant: every organization in `layout.ORGS` has its pools in `pools`,
+    Invariant: every registered organization (memory.ORG_TO_CLASS) has its pools in `pools`,
     each able to hold at least one complete recurrent checkpoint.
     """
 
@@ -113,7 +90,8 @@ class BudgetPlan:
 
 
 def units_for(plan: BudgetPlan, org: str) -> dict[str, int]:
-    """{"shared": pages} for S0/S1/S2/N0, {"attention": n, "recurrent": m} for D0."""
+    """{pool: units} of one organization: {"shared": pages} for one shared pool,
+    {"attention": n, "recurrent": m} for D0's two."""
     return {p.pool: p.num_units for p in plan.pools_of(org)}
 
 
@@ -126,79 +104,27 @@ def headroom_units(total_units: int, f: float) -> int:
     return math.floor(exact_fraction(f) * total_units)
 
 
-def _round_half_up(numerator: int, denominator: int) -> int:
-    """Nearest integer, halves up, in exact integer arithmetic."""
-    return (2 * numerator + denominator) // (2 * denominator)
-
-
 def nominal_bytes(geometry: Geometry, budget: str | Budget) -> int:
     """Bytes a label names: counted in the reference (bf16) representation's units."""
     parsed = budget if isinstance(budget, Budget) else parse_budget(budget)
     reference = geometry.with_codec(REFERENCE_KV_CODEC)
     if parsed.kind == "b":
         return parsed.count * uniform_page_bytes(reference)
-    return parsed.count * org_layout(reference, "S1").page_bytes
-
-
-def _shared_pool(geometry: Geometry, org: str, nominal: int) -> PoolPlan:
-    """Pages = round(nominal / page); a pN nominal is N whole S1/S2 pages, so they get N."""
-    page = org_layout(geometry, org).page_bytes
-    return PoolPlan(org, "shared", _round_half_up(nominal, page), page)
-
-
-def _d0_pools(geometry: Geometry, nominal: int) -> tuple[PoolPlan, PoolPlan]:
-    layout = org_layout(geometry, "D0")
-    frac = exact_fraction(geometry.d0_attention_fraction)
-    attention = math.floor(frac * nominal / layout.page_bytes)
-    composite = layout.recurrent_unit_bytes
-    recurrent = math.floor((1 - frac) * nominal / composite) if composite else 0
-    return (
-        PoolPlan("D0", "attention", attention, layout.page_bytes),
-        PoolPlan("D0", "recurrent", recurrent, composite),
-    )
-
-
-def _n0_pool(geometry: Geometry, nominal: int) -> PoolPlan:
-    """vLLM's block count for the same per-layer bytes, less its null block.
-
-    vLLM 0.32, v1/core/kv_cache_utils.py `get_kv_cache_config_from_groups`:
-    `num_blocks = available_memory // bytes_per_block`, bytes_per_block being the page
-    times the layers of a group (the attention and Mamba groups alias the same
-    tensors), so per layer it is floor(nominal / page); v1/core/block_pool.py then
-    takes `self.null_block = self.free_block_queue.popleft()`, which no request gets.
-    """
-    page = org_layout(geometry, "N0").page_bytes
-    total = nominal // page
-    return PoolPlan("N0", "shared", max(total - 1, 0), page, min(total, 1))
-
-
-def _min_units(geometry: Geometry, org: str, pool: str) -> int:
-    """Fewest units of a pool that hold one checkpoint (one block without recurrent state)."""
-    layout = org_layout(geometry, org)
-    if not geometry.has_recurrent:
-        return 1 if pool in ("shared", "attention") else 0
-    if org == "S2":
-        return layout.ssm_members + 1  # members plus one slab page for the conv slot
-    if org == "D0":
-        return 1
-    return layout.pages_per_composite
+    return parsed.count * paged_page_bytes(reference)
 
 
 def _build_pools(geometry: Geometry, budget: Budget) -> tuple[int, tuple[PoolPlan, ...]]:
     nominal = nominal_bytes(geometry, budget)
-    pools = [_shared_pool(geometry, org, nominal) for org in ORGS if org not in ("D0", "N0")]
-    pools.extend(_d0_pools(geometry, nominal))
-    pools.append(_n0_pool(geometry, nominal))
+    pools: list[PoolPlan] = []
+    for cls in ORG_TO_CLASS.values():
+        pools.extend(cls.plan_pools(geometry, cls.unit_layout(geometry), nominal))
     return nominal, tuple(pools)
 
 
 def _shortfalls(geometry: Geometry, pools: tuple[PoolPlan, ...]) -> list[str]:
-    short = []
-    for p in pools:
-        need = _min_units(geometry, p.org, p.pool)
-        if p.num_units < need:
-            short.append(f"{p.org} {p.pool} gets {p.num_units} units, needs {need}")
-    return short
+    need = {org: cls.min_units(cls.unit_layout(geometry)) for org, cls in ORG_TO_CLASS.items()}
+    return [f"{p.org} {p.pool} gets {p.num_units} units, needs {need[p.org][p.pool]}"
+            for p in pools if p.num_units < need[p.org][p.pool]]
 
 
 def _feasible(geometry: Geometry, budget: Budget) -> bool:
@@ -238,25 +164,34 @@ def plan_budget(geometry: Geometry, budget: str | Budget) -> BudgetPlan:
     return BudgetPlan(geometry.name, parsed.label, nominal, pools, geometry.kv_codec)
 
 
-def plan_to_dict(plan: BudgetPlan) -> dict:
-    """The JSON shape of a plan: per-org units, unit bytes and bytes; D0 per pool."""
-    orgs: dict[str, dict] = {}
-    for org in ORGS:
+def _orgs(orgs: Sequence[str] | None) -> tuple[str, ...]:
+    """The organizations a table shows: `orgs` (checked, registry order kept) or all."""
+    if orgs is None:
+        return tuple(ORG_TO_CLASS)
+    chosen = {normalize_org(o) for o in orgs}
+    return tuple(o for o in ORG_TO_CLASS if o in chosen)
+
+
+def plan_to_dict(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> dict:
+    """The JSON shape of a plan: per-org units, unit bytes and bytes (one pool: its entry;
+    more: one entry per pool and the organization's total bytes)."""
+    out: dict[str, dict] = {}
+    for org in _orgs(orgs):
         entries = {
             p.pool: {"units": p.num_units, "unit_bytes": p.unit_bytes, "bytes": p.num_bytes}
             | ({"reserved_units": p.num_reserved} if p.num_reserved else {})
             for p in plan.pools_of(org)
         }
-        if org == "D0":
-            orgs[org] = {**entries, "bytes": plan.org_bytes(org)}
+        if len(entries) > 1:
+            out[org] = {**entries, "bytes": plan.org_bytes(org)}
         else:
-            orgs[org] = entries["shared"]
+            (out[org],) = entries.values()
     return {
         "model": plan.model,
         "kv_codec": plan.kv_codec,
         "budget": plan.label,
         "nominal_bytes": plan.nominal_bytes,
-        "orgs": orgs,
+        "orgs": out,
     }
 
 
@@ -264,11 +199,12 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.3f}"
 
 
-def format_plan(plan: BudgetPlan) -> str:
-    """Aligned human table; the diff column is per organization (D0 on its total row)."""
+def format_plan(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> str:
+    """Aligned human table; the diff column is per organization (on its total row where it
+    has more than one pool)."""
     header = ("org", "pool", "units", "unit bytes", "bytes", "MiB", "diff to nominal")
     rows = []
-    for org in ORGS:
+    for org in _orgs(orgs):
         pools = plan.pools_of(org)
         for p in pools:
             diff = f"{plan.diff_bytes(org):+,}" if len(pools) == 1 else ""
@@ -299,7 +235,7 @@ def _render(title: str, header, rows) -> str:
     return "\n".join(lines)
 
 
-def format_side_by_side(plans: dict[str, BudgetPlan]) -> str:
+def format_side_by_side(plans: dict[str, BudgetPlan], orgs: Sequence[str] | None = None) -> str:
     """One row per organization and pool, one units / unit-bytes / diff group per codec.
 
     The plans share a model and a budget label (and so the nominal bytes)."""
@@ -309,7 +245,7 @@ def format_side_by_side(plans: dict[str, BudgetPlan]) -> str:
     for codec in codecs:
         header += [f"{codec} units", f"{codec} unit bytes", f"{codec} diff"]
     rows = []
-    for org in ORGS:
+    for org in _orgs(orgs):
         pools = {codec: plan.pools_of(org) for codec, plan in plans.items()}
         for i, pool in enumerate(pools[codecs[0]]):
             row = [org, pool.pool]
@@ -337,6 +273,8 @@ def _parser() -> argparse.ArgumentParser:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--budget", help=BUDGET_FORMS)
     group.add_argument("--pages", help="N S1/S2 pages (same as --budget pN)")
+    parser.add_argument("--org", action="append", help="show only this organization "
+                        f"(repeatable; one of {', '.join(ORG_TO_CLASS)})")
     parser.add_argument(
         "--kv-codec", choices=(*KV_CODECS, "both"),
         help="attention KV representation (default: the preset's); both: side by side",
@@ -352,16 +290,17 @@ def main(argv: list[str] | None = None) -> int:
         geometry = load_geometry(args.model)
         label = args.budget if args.budget is not None else f"{args.pages} pages"
         codecs = KV_CODECS if args.kv_codec == "both" else (args.kv_codec or geometry.kv_codec,)
+        orgs = _orgs(args.org)
         plans = {c: plan_budget(geometry.with_codec(c), label) for c in codecs}
     except ValueError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     if len(plans) > 1:
-        print(json.dumps({c: plan_to_dict(p) for c, p in plans.items()}) if args.json
-              else format_side_by_side(plans))
+        print(json.dumps({c: plan_to_dict(p, orgs) for c, p in plans.items()}) if args.json
+              else format_side_by_side(plans, orgs))
     else:
         plan = next(iter(plans.values()))
-        print(json.dumps(plan_to_dict(plan)) if args.json else format_plan(plan))
+        print(json.dumps(plan_to_dict(plan, orgs)) if args.json else format_plan(plan, orgs))
     return 0
 
 

@@ -1,12 +1,19 @@
-"""Per-run records: requests, poller, trace, slab and steps, kept as column lists.
+"""Per-run records: requests, poller, trace, slab and steps, kept as column lists, and
+the run summary.
 
 Column names match ledgers.schemas exactly; the runner persists them. Trace
 events carry a gapless sequence number and the run ends with one END record.
+`run_summary` is the one builder of a run's latency and throughput summary, for the
+engine's own requests (serving_core.engine) and for a client's records of a served run
+(experiments/runners/http_run.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+import numpy as np
 
 from ledgers.schemas import ENGINE_SCHEMAS
 from serving_core.memory import Kind, MemoryEvents, StateObject
@@ -183,6 +190,52 @@ def request_columns(requests) -> dict[str, list]:
         for col in REQUEST_COLUMNS:
             cols[col].append(row[col])
     return cols
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The q-th percentile of the values that are not NaN (NaN when none are)."""
+    arr = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    return float(np.percentile(arr, q)) if arr.size else math.nan
+
+
+def run_summary(*, arrival_s: Sequence[float], first_token_s: Sequence[float],
+                finish_s: Sequence[float], output_tokens: Sequence[int],
+                done: Sequence[bool], episode_end_s: int, sim_seconds: float,
+                wall_seconds: float, inter_token_s: Sequence[float] | None = None) -> dict:
+    """Counts, spans, throughputs and latency percentiles of one run, per request in the
+    columns (arrival at the engine or the client's send time; `done`: completed).
+
+    Output tokens and latencies count completed requests only; the request span runs
+    from the first arrival of any request to the last completion; the ledger throughput
+    divides by the episode [0, episode_end_s). TPOT is per request over its tokens after
+    the first; `inter_token_s` (a client's token gaps) adds itl_p50 / itl_p99."""
+    rows = list(zip(arrival_s, first_token_s, finish_s, output_tokens, done, strict=True))
+    ok = [(a, f, e, n) for a, f, e, n, d in rows if d]
+    out = sum(n for _, _, _, n in ok)
+    span_start = min(arrival_s, default=0.0)
+    span_end = max((e for _, _, e, _ in ok), default=span_start)
+    summary = {
+        "completed": len(ok),
+        "failed": len(rows) - len(ok),
+        "output_tokens": out,
+        "episode_start_s": 0,
+        "episode_end_s": episode_end_s,
+        "span_start_s": span_start,
+        "span_end_s": span_end,
+        "throughput_ledger": out / episode_end_s if episode_end_s else 0.0,
+        "throughput_span": out / (span_end - span_start) if span_end > span_start else 0.0,
+        "ttft_p50": _percentile([f - a for a, f, _, _ in ok], 50),
+        "ttft_p99": _percentile([f - a for a, f, _, _ in ok], 99),
+        "e2e_p50": _percentile([e - a for a, _, e, _ in ok], 50),
+        "e2e_p99": _percentile([e - a for a, _, e, _ in ok], 99),
+        "tpot_p99": _percentile([(e - f) / (n - 1) for _, f, e, n in ok if n > 1], 99),
+    }
+    if inter_token_s is not None:
+        summary["itl_p50"] = _percentile(list(inter_token_s), 50)
+        summary["itl_p99"] = _percentile(list(inter_token_s), 99)
+    summary["sim_seconds"] = sim_seconds
+    summary["wall_seconds"] = wall_seconds
+    return summary
 
 
 MECHANISM_KEYS = (

@@ -9,7 +9,7 @@ cover the admission gate plus headroom H. The scheduler keeps queue policy only:
 every allocation, adoption, publication and release of a request's state goes
 through the HybridStateManager (serving_core.state_manager).
 
-Rules (SchedulerConfig; SPEC section 5):
+Rules (SchedulerConfig; docs/engine_rules.md sections 5-12):
 - admission `full_prompt`: the gate is the whole remaining prompt beyond the
   adopted prefix J (attention for [J, N), one composite per checkpoint boundary
   inside (J, N), the working composite); `first_chunk`: the first chunk only;
@@ -159,6 +159,7 @@ class Scheduled:
     num_new: int
     context: int  # tokens already computed before this step
     state: ChunkState | None = None  # what the chunk addresses (executors that read state)
+    admitted: bool = False  # the first chunk of an episode (it may read an adopted checkpoint)
 
 
 class Scheduler:
@@ -201,10 +202,8 @@ class Scheduler:
                 f"{mem.org}'s checkpoint interval {self.C} with aligned chunks no prefill "
                 "could progress while requests decode; allowed: prefill_tokens >= "
                 f"{self.C}, or engine.align_chunks=false")
-        self.state = HybridStateManager(
-            mem, step_end=self.step_end, retention_k=cfg.retention_k,
-            track_demand=cfg.retention_k is not None or cfg.pinning_k is not None,
-        )
+        self.state = HybridStateManager(mem, step_end=self.step_end,
+                                        retention_k=cfg.retention_k, pinning_k=cfg.pinning_k)
         self.state_views = False  # attach a ChunkState to each planned chunk (Engine sets it)
         self.step = 0
         self.now = 0.0
@@ -322,8 +321,8 @@ class Scheduler:
         its execution (retained checkpoints) and, when it runs alone, waiting requests'
         pins. True if anything was released."""
         dropped = self.state.drop_retained(req)
-        if len(self.running) == 1 and any(w.pin for w in self.waiting):
-            self._release_waiting_pins()
+        if len(self.running) == 1 and self.state.any_pinned(self.waiting):
+            self.state.release_pins(self.waiting)
             dropped = True
         return dropped
 
@@ -369,9 +368,9 @@ class Scheduler:
             return None  # an aligned first chunk needs more budget than is left this step
         n, gate, extra = self._admission_gate(req, adoption, n)
         if not self.state.can_allocate(gate, extra):
-            if not self.running and any(w.pin for w in self.waiting):
+            if not self.running and self.state.any_pinned(self.waiting):
                 # Progress guarantee: with nothing running, pins must not block the head.
-                self._release_waiting_pins()
+                self.state.release_pins(self.waiting)
                 return self._try_admit(req, budget)
             if self.trace and not req.alloc_fail_logged:
                 req.alloc_fail_logged = True
@@ -384,7 +383,7 @@ class Scheduler:
             return None
         self.state.admit(req, adoption, n)
         self._start_episode(req, adoption)
-        return Scheduled(req, n, adoption.jadopt)
+        return Scheduled(req, n, adoption.jadopt, admitted=True)
 
     def _start_episode(self, req: Request, adoption) -> None:
         """Queue bookkeeping of an admitted request: status, episode, hit counters, trace."""
@@ -411,10 +410,6 @@ class Scheduler:
                 "ADOPT", self.now, req.rid, req.episodes, hit_m0=hit, hit_m1=m1, boundary=jadopt
             )
 
-    def _release_waiting_pins(self) -> None:
-        for waiting in self.waiting:
-            self.state.release_pin(waiting)
-
     def _trace_alloc_fail(self, req: Request, need: dict, extra: dict) -> None:
         available = self.state.available()
         for pool, units in need.items():
@@ -425,11 +420,8 @@ class Scheduler:
 
     # ----- release paths ------------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
-        if self.pinning_k is not None:  # pin before release: the checkpoint cannot be lost
-            self.state.pin_rightmost(req, self.pinning_k)
-        self.state.release_all(req)
+        self.state.release_preempted(req)  # pins first (pinning_k), then releases
         req.num_computed = 0
-        req.memo_hit = None  # its token count changed since the last lookup
         req.status = Status.WAITING
         req.preemptions += 1
         self.preemptions_total += 1
@@ -480,6 +472,7 @@ class Scheduler:
         """
         initial = resume = decode = 0
         self.num_finished_step = 0
+        complete_chunk, B = self.state.complete_chunk, self.B
         for item in plan:
             req, c0, n = item.req, item.context, item.num_new
             c1 = c0 + n
@@ -493,9 +486,11 @@ class Scheduler:
                 else:
                     resume += prefill
                 decode += n - prefill
-            if c1 // self.B > c0 // self.B or req.adopted:  # a decode mostly publishes nothing
-                # publication (recorded in the chunk's state view); the adopted state was read
-                self.state.complete_chunk(req, c0, c1, item.state)
+            # Publication (recorded in the chunk's state view) and the release of an adopted
+            # checkpoint: only a chunk that fills a block or starts an episode has either, so
+            # the manager is not called for the other decodes (most items of a step).
+            if c1 // B > c0 // B or item.admitted:
+                complete_chunk(req, c0, c1, item.state)
             req.num_computed = c1
             if c1 == req.num_prompt + req.num_generated:
                 req.append_generated()
@@ -504,7 +499,7 @@ class Scheduler:
                     req.first_token_s = now
                 if req.num_generated >= req.target_output:
                     self._finish(req, now)
-            if item.state is not None and req.status == Status.RUNNING:
-                item.state.final = req.working
+        if self.state_views:  # where each chunk's last state goes (the executor's commit)
+            self.state.record_final_states(plan)
         self.prompt_tokens_total += initial + resume
         return initial, resume, decode

@@ -9,11 +9,20 @@ checkpoint boundaries of a chunk, the checkpoint it adopted, the checkpoints it
 retains (S2+Retention) and its preemption-time pin. The objects are recorded on
 the request (`attn`, `working`, `dests`, `adopted`, `retained`, `pin`) as this
 manager's record; only this manager changes them. It answers the scheduler with
-demands (units per pool), small slotted results (`Adoption`) and token counts;
-the scheduler never calls the memory organization itself. An executor that
-addresses state (the torch executor) gets a `ChunkState` per scheduled chunk in
-the plan instead: the attention unit ids, the composites it reads and writes, and
-after publication where each boundary's state went.
+demands (units per pool), small slotted results (`Adoption`) and token counts; the
+scheduler reads only the organization's facts (block, interval, pool sizes, its class's
+default rules), never changes its state itself and never reads these fields. An
+executor that addresses state (the torch executor) gets a `ChunkState` per scheduled
+chunk in the plan instead: the attention unit ids, the composites it reads and writes,
+and after publication where each boundary's state went and where the chunk's final
+state belongs (both filled here).
+
+A state tier (serving_core.host_tier) sits beside this manager: the manager saves the
+published entries to it, restores a held prefix from it into fresh units (published,
+unreferenced: admission adopts it through the ordinary lookup) and resets the device
+prefix cache; all copies go through the executor's copy port
+(serving_core/executor/state_copy.py). The tier sees keys and tensors, never the
+allocator, the arena or the scheduler's queues.
 
 Release order (kept in one place, `release_all`; the organization's `release_order`,
 serving_core.memory.base.RELEASE_ORDERS): attention blocks deepest first (so the
@@ -30,6 +39,8 @@ from dataclasses import dataclass, field
 from serving_core.memory import NULL, MemoryOrganization
 from serving_core.memory.prefix_cache import PrefixHit
 from serving_core.request import Request
+
+BLOCK, CHECKPOINT = "a", "c"  # kinds of the entries a state tier holds
 
 
 @dataclass(slots=True)
@@ -70,17 +81,34 @@ class ChunkState:
     final: object = NULL
 
 
+@dataclass(slots=True)
+class RestoreResult:
+    """What one restore from a tier put back: the restored prefix B (tokens), the new
+    objects, the bytes copied host-to-device and the destination units poisoned first."""
+
+    prefix_tokens: int
+    blocks: list = field(default_factory=list)
+    checkpoint: object = None
+    bytes_h2d: int = 0
+    poisoned_units: int = 0
+
+
 class HybridStateManager:
     """State objects of the requests over one memory organization (see the module doc)."""
 
     def __init__(self, mem: MemoryOrganization, *, step_end: bool, retention_k: int | None,
-                 track_demand: bool) -> None:
+                 pinning_k: int | None) -> None:
         self.mem = mem
         self.B = mem.block_tokens
         self.C = mem.checkpoint_interval
         self.step_end = step_end
         self.retention_k = retention_k
-        self.track_demand = track_demand  # retention or pinning needs per-key demand counts
+        self.pinning_k = pinning_k  # preemption pins a checkpoint asked for by >= k requests
+        # retention or pinning needs per-key demand counts
+        self.track_demand = retention_k is not None or pinning_k is not None
+        # Fault injection (tests, experiments/studies/continuation.py): when set,
+        # adoption_hook(req, adoption) returns what admitting `req` adopts instead.
+        self.adoption_hook = None
 
     # ----- geometry of a chunk ---------------------------------------------------------------
     def boundaries(self, start: int, end: int) -> range:
@@ -156,7 +184,8 @@ class HybridStateManager:
         blocks = [mem.cached_attention(keys[i]) for i in range(jadopt // self.B)]
         ckpt = mem.cached_checkpoint(keys[jadopt // self.B - 1]) if jadopt and self.C else NULL
         adopted = blocks + ([ckpt] if ckpt else [])
-        return Adoption(hit, keys, jadopt, blocks, ckpt, mem.pinned_by_adoption(adopted))
+        found = Adoption(hit, keys, jadopt, blocks, ckpt, mem.pinned_by_adoption(adopted))
+        return found if self.adoption_hook is None else self.adoption_hook(req, found)
 
     def admit(self, req: Request, adoption: Adoption, n: int) -> None:
         """Adopt the cached prefix and allocate the first chunk [jadopt, jadopt + n) with a
@@ -221,12 +250,25 @@ class HybridStateManager:
         req.retained = []
         return dropped
 
-    def release_pin(self, req: Request) -> bool:
-        if not req.pin:
-            return False
-        self.mem.release(req.pin)
-        req.pin = NULL
-        return True
+    def any_pinned(self, requests) -> bool:
+        """Whether any of `requests` holds a preemption-time pin."""
+        return any(r.pin for r in requests)
+
+    def release_pins(self, requests) -> None:
+        """Release the pins of `requests`, in order (the order their units enter the LRU)."""
+        for req in requests:
+            if req.pin:
+                self.mem.release(req.pin)
+                req.pin = NULL
+
+    def release_preempted(self, req: Request) -> None:
+        """A preempted request: pin its rightmost checkpoint first when pinning is on (so
+        it cannot be lost meanwhile), release everything, forget its lookup (its token
+        count changed since)."""
+        if self.pinning_k is not None:
+            self.pin_rightmost(req, self.pinning_k)
+        self.release_all(req)
+        req.memo_hit = None
 
     def pin_rightmost(self, req: Request, k: int) -> None:
         """Preemption-time pin on the request's rightmost cached checkpoint when at least
@@ -277,9 +319,11 @@ class HybridStateManager:
                        view: ChunkState | None = None) -> None:
         """Publish what computing [c0, c1) produced: every attention block it filled and the
         checkpoints at its boundaries (recorded in `view`, when given, for the executor);
-        the adopted checkpoint has been read and is released."""
-        mem, B, C = self.mem, self.B, self.C
+        the adopted checkpoint has been read and is released. A chunk that neither fills a
+        block nor starts an episode has nothing here (the scheduler skips the call)."""
+        B = self.B
         if c1 // B > c0 // B:  # iterate only when a block fills: decode steps mostly skip
+            mem, C = self.mem, self.C
             keys = req.ensure_keys(c1 // B)
             attn = req.attn
             for bi in range(c0 // B, c1 // B):
@@ -291,8 +335,14 @@ class HybridStateManager:
                 if view is not None and published:
                     view.published.append((j * C, published))
         if req.adopted:
-            mem.release(req.adopted)
+            self.mem.release(req.adopted)
             req.adopted = NULL
+
+    def record_final_states(self, plan) -> None:
+        """After a step completed: each chunk view's `final`, the working composite the
+        chunk's last state belongs in (NULL once its request finished and released it)."""
+        for item in plan:
+            item.state.final = item.req.working
 
     def _cross_boundary(self, req: Request, key: int, boundary: int):
         """Publish the working composite at `boundary` and continue in the next destination;
@@ -312,3 +362,91 @@ class HybridStateManager:
         else:
             mem.release(produced, producer=True)
         return produced
+
+    # ----- a state tier ----------------------------------------------------------------------
+    @property
+    def cache_version(self) -> int:
+        """Changes whenever the device prefix cache does (a tier saves only then)."""
+        return self.mem.cache.version
+
+    def save_published(self, tier, copier) -> int:
+        """Start saving to `tier` every published entry it does not hold yet, read through
+        `copier` (serving_core/executor/state_copy.py); returns how many started."""
+        cache = self.mem.cache
+        started = 0
+        for key, obj in cache.attention.items():
+            if not tier.holds(BLOCK, key):
+                tier.save(BLOCK, key, copier.snapshot_block(obj))
+                started += 1
+        for key, obj in cache.checkpoints.items():
+            if not tier.holds(CHECKPOINT, key):
+                tier.save(CHECKPOINT, key, copier.snapshot_checkpoint(obj))
+                started += 1
+        return started
+
+    def restore_prefix(self, keys: list[int], tier, copier) -> RestoreResult:
+        """Reload the deepest prefix of `keys` that `tier` holds completely into freshly
+        allocated units (written through `copier`, poisoned first when the tier's audit
+        asks) and publish it as cached entries (unreferenced, evictable), so admission
+        adopts it through the ordinary lookup. Entries the device still holds are kept
+        (held during the restore so its allocations cannot evict them) and not copied
+        again. MemoryError when the device has no room for the rest."""
+        mem, bt, interval = self.mem, self.B, self.C
+        depth = tier.restorable_prefix(keys, bt, interval)
+        result = RestoreResult(depth)
+        if not depth:
+            return result
+        nblocks = depth // bt
+        held = [mem.cached_attention(keys[i]) for i in range(nblocks)]
+        ckpt_key = keys[nblocks - 1]
+        held_ckpt = mem.cached_checkpoint(ckpt_key) if interval else None
+        kept = [o for o in (*held, held_ckpt) if o is not None]
+        need = mem.demand(sum(o is None for o in held),
+                          1 if interval and held_ckpt is None else 0)
+        for obj in kept:
+            mem.acquire(obj)
+        try:
+            if not mem.can_allocate(need):
+                raise MemoryError(f"restoring {depth} tokens needs {need} units; the device "
+                                  f"has {self.available()}")
+            for i in range(nblocks):
+                if held[i] is not None:
+                    continue
+                obj = mem.allocate_attention(-1)
+                if tier.poison:
+                    result.poisoned_units += copier.poison(obj)
+                result.bytes_h2d += copier.load_block(obj, tier.entry(BLOCK, keys[i]))
+                if not mem.publish(obj, keys[i], (i + 1) * bt):
+                    raise RuntimeError(f"block {i} of the restored prefix is already cached")
+                mem.release(obj)  # cached, evictable: the scheduler's lookup will adopt it
+                result.blocks.append(obj)
+            if interval and held_ckpt is None:
+                obj = mem.allocate_composite(-1)
+                if tier.poison:
+                    result.poisoned_units += copier.poison(obj)
+                result.bytes_h2d += copier.load_checkpoint(obj,
+                                                        tier.entry(CHECKPOINT, ckpt_key))
+                if not mem.publish(obj, ckpt_key, depth):
+                    raise RuntimeError(f"the checkpoint at {depth} is already cached")
+                mem.release(obj)
+                result.checkpoint = obj
+        finally:
+            for obj in kept:
+                mem.release(obj)
+        tier.record_restore(result)
+        return result
+
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """Drop the device prefix cache: every cached, unreferenced entry is evicted through
+        the allocator's own eviction path and its units freed. Returns the entries dropped
+        and the cached units freed; RuntimeError when a cached entry is still referenced
+        (a request holds it: the caller must wait until nothing runs)."""
+        mem = self.mem
+        cached = (*mem.cache.attention.values(), *mem.cache.checkpoints.values())
+        busy = [o for o in cached if o.ref_count]
+        if busy:
+            raise RuntimeError(f"{len(busy)} cached entries are referenced by requests")
+        entries = len(cached)
+        freed = mem.drop_cached()
+        return {"entries": entries - len(mem.cache.attention) - len(mem.cache.checkpoints),
+                "units": freed}

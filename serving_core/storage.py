@@ -1,13 +1,14 @@
-"""Allocation cost and capacity of logical state sets per organization (SPEC section 3).
+"""Allocation cost and capacity of logical state sets per organization.
 
-A logical state set is xA attention blocks of 512 tokens and xR complete
-recurrent checkpoints. S0/S1/S2 charge whole pages of one shared pool; S2 also
-charges slab pages holding the conv slots. D0 stores the same logical state in
-its native units (512 / 16 attention units per block, one composite per
-checkpoint) in two static pools, each checked alone against its share of the
-budget. N0 holds the xA x 512 attention tokens as one contiguous prefix in its
-own (larger) blocks, ceil(512 xA / block) pages, and one padded page per
-checkpoint, all in one pool. Every size comes from `layout.org_layout`.
+The cost rules: docs/engine_rules.md section 3.1.
+
+A logical state set is xA attention blocks of 512 tokens and xR complete recurrent
+checkpoints. Each organization's class (serving_core/memory/) prices it in its own units
+(`allocation_cost`: S0/S1/S2 whole pages of one shared pool, S2 also slab pages for the
+conv slots; D0 native units in two static pools; N0 the xA x 512 tokens as one contiguous
+prefix in its larger blocks and one padded page per checkpoint) and says which pool pays
+what (`pool_bytes`) and how a budget is shared between its pools (`budget_shares`). This
+module checks the inputs and loops over the registry; it names no organization.
 """
 
 from __future__ import annotations
@@ -16,20 +17,12 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import replace
 from fractions import Fraction
 
 from serving_core.geometry import KV_CODECS, Geometry, available_models, load_geometry
-from serving_core.layout import (
-    D0_BLOCK_TOKENS,
-    ORGS,
-    PAGED_BLOCK_TOKENS,
-    normalize_org,
-    org_layout,
-)
-from serving_core.planner import exact_fraction
-
-MIB = 2**20
+from serving_core.layout import MIB, AllocationCost
+from serving_core.memory import ORG_TO_CLASS, normalize_org, org_class
 
 
 def _check_count(name: str, value: int) -> None:
@@ -47,42 +40,8 @@ def _check_state(geometry: Geometry, attention_blocks: int, checkpoints: int) ->
         )
 
 
-def min_slabs(geometry: Geometry, checkpoints: int) -> int:
-    """Fewest S2 slab pages holding `checkpoints` conv slots (ideal packing)."""
-    _check_count("checkpoints", checkpoints)
-    if not checkpoints:
-        return 0
-    return math.ceil(checkpoints / org_layout(geometry, "S2").slots_per_slab)
-
-
-def n0_attention_pages(geometry: Geometry, attention_blocks: int) -> int:
-    """N0 pages holding `attention_blocks` 512-token blocks as one contiguous prefix."""
-    _check_count("attention_blocks", attention_blocks)
-    block = org_layout(geometry, "N0").block_tokens
-    return math.ceil(attention_blocks * PAGED_BLOCK_TOKENS / block)
-
-
-def d0_units_per_block(geometry: Geometry) -> int:
-    """D0 attention units holding one 512-token paged attention block."""
-    return PAGED_BLOCK_TOKENS // D0_BLOCK_TOKENS
-
-
-@dataclass(frozen=True, slots=True)
-class AllocationCost:
-    """Bytes one organization charges for a logical state set."""
-
-    org: str
-    attention_bytes: int
-    recurrent_bytes: int  # S2: SSM member pages plus slab pages
-    num_slabs: int  # S2 slab pages; 0 for the other organizations
-
-    @property
-    def num_bytes(self) -> int:
-        return self.attention_bytes + self.recurrent_bytes
-
-    @property
-    def mib(self) -> float:
-        return self.num_bytes / MIB
+def _slab_orgs() -> str:
+    return ", ".join(org for org, cls in ORG_TO_CLASS.items() if cls.has_slabs)
 
 
 def allocation_cost(
@@ -92,36 +51,18 @@ def allocation_cost(
     checkpoints: int,
     slabs: int | None = None,
 ) -> AllocationCost:
-    """Cost of xA attention blocks and xR checkpoints; `slabs` is S2 only.
-
-    S2 with `slabs=None` packs ideally (ceil(xR / slots per slab) slab pages);
-    an explicit `slabs` must be at least that minimum.
-    """
-    org = normalize_org(org)
+    """Cost of xA attention blocks and xR checkpoints; `slabs` only where there are slab
+    pages (S2): None packs ideally (the fewest slab pages), an explicit count must be at
+    least that minimum."""
+    cls = org_class(org)
     _check_state(geometry, attention_blocks, checkpoints)
-    layout = org_layout(geometry, org)
-    if slabs is not None and org != "S2":
-        raise ValueError(f"slabs={slabs}: only org S2 has slab pages, allowed value is None")
-    if org == "D0":
-        attention = layout.page_bytes * d0_units_per_block(geometry) * attention_blocks
-        return AllocationCost(org, attention, layout.recurrent_unit_bytes * checkpoints, 0)
-    if org == "N0":
-        attention = layout.page_bytes * n0_attention_pages(geometry, attention_blocks)
-        return AllocationCost(org, attention, layout.page_bytes * checkpoints, 0)
-    attention = layout.page_bytes * attention_blocks
-    recurrent = layout.page_bytes * layout.pages_per_composite * checkpoints
-    if org != "S2":
-        return AllocationCost(org, attention, recurrent, 0)
-    needed = min_slabs(geometry, checkpoints)
-    if slabs is None:
-        slabs = needed
-    _check_count("slabs", slabs)
-    if slabs < needed:
-        raise ValueError(
-            f"slabs={slabs}: {checkpoints} checkpoints need at least {needed} slab pages "
-            f"({layout.slots_per_slab} slots each)"
-        )
-    return AllocationCost(org, attention, recurrent + layout.page_bytes * slabs, slabs)
+    if slabs is not None:
+        if not cls.has_slabs:
+            raise ValueError(f"slabs={slabs}: only org {_slab_orgs()} has slab pages, allowed "
+                             "value is None")
+        _check_count("slabs", slabs)
+    return cls.allocation_cost(geometry, cls.unit_layout(geometry), attention_blocks,
+                               checkpoints, slabs)
 
 
 def cost(
@@ -138,57 +79,47 @@ def cost(
 def all_costs(
     geometry: Geometry, attention_blocks: int, checkpoints: int, slabs: int | None = None
 ) -> dict[str, AllocationCost]:
-    """Costs of every organization; `slabs` applies to S2 only."""
+    """Costs of every organization; `slabs` applies to those with slab pages only."""
     return {
-        org: allocation_cost(
-            geometry, org, attention_blocks, checkpoints, slabs if org == "S2" else None
-        )
-        for org in ORGS
+        org: allocation_cost(geometry, org, attention_blocks, checkpoints,
+                             slabs if cls.has_slabs else None)
+        for org, cls in ORG_TO_CLASS.items()
     }
-
-
-@dataclass(frozen=True, slots=True)
-class D0Split:
-    """Static split of a byte budget between the D0 attention and recurrent pools."""
-
-    attention_fraction: Fraction
-    attention_bytes: int
-    recurrent_bytes: int
-
-
-def d0_split(budget_bytes: int, attention_fraction: float) -> D0Split:
-    """M_A = floor(f x M), M_R = floor((1 - f) x M), f in (0, 1].
-
-    Flooring loses nothing: units are whole, so floor(M_A / u) = floor(floor(M_A) / u).
-    """
-    _check_budget(budget_bytes)
-    if isinstance(attention_fraction, bool) or not 0 < attention_fraction <= 1:
-        raise ValueError(
-            f"d0_attention_fraction={attention_fraction}: allowed values are 0 < f <= 1"
-        )
-    frac = exact_fraction(attention_fraction)
-    return D0Split(frac, math.floor(frac * budget_bytes), math.floor((1 - frac) * budget_bytes))
-
-
-def d0_feasible(
-    geometry: Geometry,
-    attention_blocks: int,
-    checkpoints: int,
-    budget_bytes: int,
-    attention_fraction: float | None = None,
-) -> bool:
-    """True when each D0 pool alone holds its part of the state set."""
-    frac = geometry.d0_attention_fraction if attention_fraction is None else attention_fraction
-    split = d0_split(budget_bytes, frac)
-    need = allocation_cost(geometry, "D0", attention_blocks, checkpoints)
-    return need.attention_bytes <= split.attention_bytes and (
-        need.recurrent_bytes <= split.recurrent_bytes
-    )
 
 
 def _check_budget(budget_bytes: int) -> None:
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive integer")
+
+
+def _with_split(geometry: Geometry, attention_fraction: float | None) -> Geometry:
+    """The geometry with another static pool split (`d0_attention_fraction`), if given."""
+    if attention_fraction is None:
+        return geometry
+    if isinstance(attention_fraction, bool) or not 0 < attention_fraction <= 1:
+        raise ValueError(
+            f"d0_attention_fraction={attention_fraction}: allowed values are 0 < f <= 1"
+        )
+    return replace(geometry, d0_attention_fraction=attention_fraction)
+
+
+def fits(
+    geometry: Geometry,
+    org: str,
+    attention_blocks: int,
+    checkpoints: int,
+    budget_bytes: int,
+    attention_fraction: float | None = None,
+) -> bool:
+    """True when each pool of the organization alone holds its part of the state set
+    within its share of the budget (one shared pool: the cost is at most the budget; D0:
+    each static pool against its split, `attention_fraction` overriding the model's)."""
+    _check_budget(budget_bytes)
+    geometry = _with_split(geometry, attention_fraction)
+    cls = org_class(org)
+    shares = cls.budget_shares(geometry, budget_bytes)
+    need = cls.pool_bytes(allocation_cost(geometry, org, attention_blocks, checkpoints))
+    return all(need[pool] <= shares[pool] for pool in need)
 
 
 def _check_mix(geometry: Geometry, mix: tuple[int, int]) -> None:
@@ -199,37 +130,6 @@ def _check_mix(geometry: Geometry, mix: tuple[int, int]) -> None:
         raise ValueError("mix=(0, 0): at least one of attention_blocks, checkpoints must be > 0")
 
 
-def _shared_capacity(geometry: Geometry, org: str, mix: tuple[int, int], budget: int) -> int:
-    """Largest z with cost(z aA, z aR) <= M, by bisection (cost never decreases with z)."""
-    # One copy's S2 slab page costs at most its member pages, so cost(z copies)
-    # >= z x cost(one copy) / 2 and `high` below is already over budget. N0 packs
-    # copies' attention into shared blocks, so z copies cost at least z x (their
-    # attention bytes + checkpoint pages); that bound is used instead.
-    if org == "N0":
-        layout = org_layout(geometry, org)
-        per_token = layout.page_bytes // layout.block_tokens
-        floor_per_copy = mix[0] * PAGED_BLOCK_TOKENS * per_token + mix[1] * layout.page_bytes
-        high = budget // floor_per_copy + 1
-    else:
-        high = 2 * budget // cost(geometry, org, *mix) + 1
-    low = 0  # invariant: cost(low) <= M < cost(high)
-    while high - low > 1:
-        mid = (low + high) // 2
-        fits = cost(geometry, org, mix[0] * mid, mix[1] * mid) <= budget
-        low, high = (mid, high) if fits else (low, mid)
-    return low
-
-
-def _d0_capacity(geometry: Geometry, mix: tuple[int, int], split: D0Split) -> int:
-    need = allocation_cost(geometry, "D0", *mix)
-    limits = []
-    if need.attention_bytes:
-        limits.append(split.attention_bytes // need.attention_bytes)
-    if need.recurrent_bytes:
-        limits.append(split.recurrent_bytes // need.recurrent_bytes)
-    return min(limits)
-
-
 def capacity(
     geometry: Geometry,
     org: str,
@@ -237,19 +137,33 @@ def capacity(
     budget_bytes: int,
     attention_fraction: float | None = None,
 ) -> int:
-    """How many copies of the mix (aA blocks, aR checkpoints) fit in the budget.
+    """How many copies of the mix (aA blocks, aR checkpoints) fit in the budget: the largest
+    z with every pool's cost of (z aA, z aR) within its share of the budget.
 
-    D0 splits the budget by `attention_fraction` (default: the geometry's) and
-    takes the tighter pool; a type the mix does not use imposes no limit.
+    D0 splits the budget by `attention_fraction` (default: the geometry's) and so takes
+    the tighter pool; a type the mix does not use imposes no limit. Costs never decrease
+    with z, so z is found by doubling, then bisection.
     """
-    org = normalize_org(org)
     mix = tuple(mix)
     _check_budget(budget_bytes)
     _check_mix(geometry, mix)
-    if org != "D0":
-        return _shared_capacity(geometry, org, mix, budget_bytes)
-    frac = geometry.d0_attention_fraction if attention_fraction is None else attention_fraction
-    return _d0_capacity(geometry, mix, d0_split(budget_bytes, frac))
+    geometry = _with_split(geometry, attention_fraction)
+    cls = org_class(org)
+    layout = cls.unit_layout(geometry)
+    shares = cls.budget_shares(geometry, budget_bytes)
+
+    def fits_copies(z: int) -> bool:
+        need = cls.pool_bytes(cls.allocation_cost(geometry, layout, mix[0] * z, mix[1] * z))
+        return all(need[pool] <= shares[pool] for pool in need)
+
+    # Every copy costs at least one byte, so `high` passes the budget within log2(M) steps.
+    low, high = 0, 1  # invariant: fits(low), and not fits(high) once the doubling stops
+    while fits_copies(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits_copies(mid) else (low, mid)
+    return low
 
 
 def mib_to_bytes(mib: str | float) -> int:
@@ -275,44 +189,55 @@ def parse_mix(text: str) -> tuple[int, int]:
 
 
 def costs_to_dict(costs: dict[str, AllocationCost]) -> dict:
-    out = {org: {"bytes": c.num_bytes, "mib": c.mib} for org, c in costs.items()}
-    out["S2"]["slabs"] = costs["S2"].num_slabs
+    """Bytes and MiB per organization, plus the slab pages of those that have them."""
+    out = {}
+    for org, c in costs.items():
+        out[org] = {"bytes": c.num_bytes, "mib": c.mib}
+        if org_class(org).has_slabs:
+            out[org]["slabs"] = c.num_slabs
     return out
 
 
 def capacities_to_dict(
-    geometry: Geometry, mix: tuple[int, int], budget_bytes: int, attention_fraction: float
+    geometry: Geometry, mix: tuple[int, int], budget_bytes: int, attention_fraction: float,
+    orgs: tuple[str, ...] | None = None,
 ) -> dict:
-    """Capacity per organization plus the D0 split used."""
-    out: dict = {
-        org: capacity(geometry, org, mix, budget_bytes, attention_fraction) for org in ORGS
-    }
-    split = d0_split(budget_bytes, attention_fraction)
+    """Capacity per organization plus how each organization that splits the budget split
+    it (`<org>_split`); `orgs` (default: every registered one) picks the organizations."""
+    orgs = tuple(ORG_TO_CLASS) if orgs is None else orgs
+    out: dict = {org: capacity(geometry, org, mix, budget_bytes, attention_fraction)
+                 for org in orgs}
     out["budget_bytes"] = budget_bytes
     out["mix"] = list(mix)
-    out["d0_split"] = {
-        "attention_fraction": float(split.attention_fraction),
-        "attention_bytes": split.attention_bytes,
-        "recurrent_bytes": split.recurrent_bytes,
-    }
+    split_geometry = _with_split(geometry, attention_fraction)
+    for org in orgs:
+        split = org_class(org).split_summary(split_geometry, budget_bytes)
+        if split:
+            out[f"{org.lower()}_split"] = split
     return out
+
+
+def _split_line(org: str, s: dict) -> str:
+    return (f"{org} split f={s['attention_fraction']}: attention {s['attention_bytes']:,} B, "
+            f"recurrent {s['recurrent_bytes']:,} B")
+
+
+def _orgs_in(data: dict) -> list[str]:
+    return [org for org in ORG_TO_CLASS if org in data]
 
 
 def _format(data: dict) -> str:
     lines = []
-    for org in ORGS:
+    for org in _orgs_in(data):
         value = data[org]
         if isinstance(value, dict):
             extra = f"  slabs {value['slabs']}" if "slabs" in value else ""
             lines.append(f"{org}  {value['bytes']:>14,} B  {value['mib']:>12.6f} MiB{extra}")
         else:
             lines.append(f"{org}  {value:>8,} copies")
-    if "d0_split" in data:
-        s = data["d0_split"]
-        lines.append(
-            f"D0 split f={s['attention_fraction']}: attention {s['attention_bytes']:,} B, "
-            f"recurrent {s['recurrent_bytes']:,} B"
-        )
+    for org in _orgs_in(data):
+        if f"{org.lower()}_split" in data:
+            lines.append(_split_line(org, data[f"{org.lower()}_split"]))
     return "\n".join(lines)
 
 
@@ -320,12 +245,13 @@ def _format_side_by_side(data: dict[str, dict]) -> str:
     """One row per organization, one column group per codec (bytes or copies)."""
     codecs = list(data)
     first = data[codecs[0]]
-    capacity_mode = not isinstance(first[ORGS[0]], dict)
+    orgs = _orgs_in(first)
+    capacity_mode = not isinstance(first[orgs[0]], dict)
     header = ["org"] + [f"{c} copies" if capacity_mode else f"{c} bytes" for c in codecs]
     if not capacity_mode:
         header += [f"{c} MiB" for c in codecs]
     rows = []
-    for org in ORGS:
+    for org in orgs:
         if capacity_mode:
             rows.append([org] + [f"{data[c][org]:,}" for c in codecs])
         else:
@@ -336,12 +262,15 @@ def _format_side_by_side(data: dict[str, dict]) -> str:
                        for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
              for r in (header, *rows)]
     if capacity_mode:
-        s = first["d0_split"]
-        lines.append(f"budget {first['budget_bytes']:,} B, mix {first['mix']}; D0 split "
-                     f"f={s['attention_fraction']}: attention {s['attention_bytes']:,} B, "
-                     f"recurrent {s['recurrent_bytes']:,} B")
+        splits = "; ".join(_split_line(org, first[f"{org.lower()}_split"]) for org in orgs
+                           if f"{org.lower()}_split" in first)
+        lines.append(f"budget {first['budget_bytes']:,} B, mix {first['mix']}"
+                     + (f"; {splits}" if splits else ""))
     else:
-        lines.append("S2 slabs: " + ", ".join(f"{c} {data[c]['S2']['slabs']}" for c in codecs))
+        slabbed = [org for org in orgs if "slabs" in first[org]]
+        for org in slabbed:
+            lines.append(f"{org} slabs: " + ", ".join(f"{c} {data[c][org]['slabs']}"
+                                                      for c in codecs))
     return "\n".join(lines)
 
 
@@ -360,6 +289,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--capacity-mib", help="budget M in MiB for capacity mode")
     parser.add_argument("--mix", help="aA,aR: blocks and checkpoints per copy (capacity mode)")
     parser.add_argument("--d0-attention-fraction", type=float, help="D0 split (default: model's)")
+    parser.add_argument("--org", action="append", help="only this organization "
+                        f"(repeatable; one of {', '.join(ORG_TO_CLASS)})")
     parser.add_argument(
         "--kv-codec", choices=(*KV_CODECS, "both"),
         help="attention KV representation (default: the preset's); both: side by side",
@@ -375,7 +306,13 @@ def _run(args: argparse.Namespace) -> dict:
     return _run_one(args, geometry.with_codec(args.kv_codec or geometry.kv_codec))
 
 
+def _chosen_orgs(names: list[str] | None) -> tuple[str, ...]:
+    chosen = {normalize_org(n) for n in names} if names else set(ORG_TO_CLASS)
+    return tuple(org for org in ORG_TO_CLASS if org in chosen)
+
+
 def _run_one(args: argparse.Namespace, geometry: Geometry) -> dict:
+    orgs = _chosen_orgs(args.org)
     capacity_mode = args.capacity_mib is not None or args.mix is not None
     cost_mode = args.attention_blocks is not None or args.checkpoints is not None
     if capacity_mode == cost_mode:
@@ -391,12 +328,13 @@ def _run_one(args: argparse.Namespace, geometry: Geometry) -> dict:
         frac = args.d0_attention_fraction
         frac = geometry.d0_attention_fraction if frac is None else frac
         return capacities_to_dict(geometry, parse_mix(args.mix), mib_to_bytes(args.capacity_mib),
-                                  frac)
+                                  frac, orgs)
     if args.d0_attention_fraction is not None:
         raise ValueError("d0_attention_fraction: only capacity mode takes a D0 split")
     if args.attention_blocks is None or args.checkpoints is None:
         raise ValueError("cost mode needs both --attention-blocks and --checkpoints")
-    return costs_to_dict(all_costs(geometry, args.attention_blocks, args.checkpoints, args.slabs))
+    costs = all_costs(geometry, args.attention_blocks, args.checkpoints, args.slabs)
+    return costs_to_dict({org: costs[org] for org in orgs})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Physical addressing a paged kernel reads (SPEC section 3, "Addressing").
+"""Physical addressing a paged kernel reads (docs/engine_rules.md section 3.2).
 
 S1/S2 SSM: address(b, j, u) = base + page_of(b, j) * page_stride + offset(j, u), member
 pages not necessarily adjacent. S2 conv: line l = 16 p + s (Falcon; slots per slab in

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from engines import torch_engine
 
-from serving_core.engine import VirtualClock, serve
-from serving_core.executor.torch_executor import build_torch_engine
+from serving_core.engine import serve
 from serving_core.geometry import load_geometry
 from serving_core.planner import plan_budget, units_for
 from serving_core.scheduler import SchedulerConfig
@@ -23,10 +23,8 @@ from serving_core.server.runtime import ServedSpec
 
 def _serve(model, org, prompts, output, batch_tokens):
     geometry = load_geometry("falcon_h1_tiny")
-    engine = build_torch_engine(model, geometry, org,
-                                units_for(plan_budget(geometry, "b12"), org),
-                                SchedulerConfig(cap=4, max_num_batched_tokens=2048),
-                                clock=VirtualClock())
+    engine = torch_engine(model, geometry, org, units_for(plan_budget(geometry, "b12"), org),
+                          SchedulerConfig(cap=4, max_num_batched_tokens=2048), clock="virtual")
     ex = engine.executor
     ex.prefill_batch_tokens = batch_tokens
     sizes, group = [], ex._prefill_groups
@@ -61,9 +59,9 @@ def test_short_prefills_batch_and_equal_the_unbatched_run(tiny_model):
 
 
 def test_chunks_over_different_spans_or_past_the_cap_run_alone(tiny_model):
-    ex = build_torch_engine(tiny_model, load_geometry("falcon_h1_tiny"), "S0",
-                            units_for(plan_budget(load_geometry("falcon_h1_tiny"), "b12"), "S0"),
-                            SchedulerConfig(cap=4, max_num_batched_tokens=2048)).executor
+    ex = torch_engine(tiny_model, load_geometry("falcon_h1_tiny"), "S0",
+                      units_for(plan_budget(load_geometry("falcon_h1_tiny"), "b12"), "S0"),
+                      SchedulerConfig(cap=4, max_num_batched_tokens=2048)).executor
 
     @dataclass(eq=False)
     class Item:

@@ -57,8 +57,9 @@ class Recording:
 
 def test_steps_ledger_columns_carry_the_model_features(falcon):
     """Feature sums rebuilt from the steps ledger equal those of the timed batches."""
+    from engines import run_simulated
+
     from experiments.workloads.workload import build_workload
-    from serving_core.engine import run_engine
     from serving_core.scheduler import SchedulerConfig
 
     profile = known_profile()
@@ -66,8 +67,8 @@ def test_steps_ledger_columns_carry_the_model_features(falcon):
     rec = Recording(model)
     cfg = compose_config(*SYNTH)
     wl = build_workload(cfg.workload, cfg.load, 42000)
-    res = run_engine(falcon, "S2", {"shared": 30}, SchedulerConfig(max_num_batched_tokens=2048),
-                     wl.requests, rec)
+    res = run_simulated(falcon, "S2", {"shared": 30},
+                        SchedulerConfig(max_num_batched_tokens=2048), wl.requests, rec)
     from_ledger = cal.step_feature_sums(model, res.tables["steps"])
     from_batches = [sum(x) for x in zip(*((*model.plan_features(*c), len(c[0]))
                                           for c in rec.calls), strict=True)]

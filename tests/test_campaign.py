@@ -129,7 +129,7 @@ def test_supporting_sweeps_couple_caps_to_budgets():
     assert {cell_columns(r.cfg)["arrival"] for r in bursts} == {"poisson", "onoff"}
     # plan coverage and cross-campaign reuse: tests/test_campaign_plans.py
     _, demo = plan("campaign=demo")
-    assert Counter(r.key.campaign for r in demo) == {"demo_q1": 18, "demo_q9": 12}
+    assert Counter(r.key.campaign for r in demo) == {"demo_q1": 27, "demo_q9": 12}
 
 
 def test_fast_composition_equals_hydra_composition():
@@ -301,3 +301,24 @@ def test_plan_listing_runs_nothing(tmp_path, capsys):
     assert not (tmp_path / "ledgers").exists()
     assert camp.main(["campaign=q8", "org=s7", f"ledger_root={tmp_path}"]) == 2
     assert "error: org='s7'" in capsys.readouterr().err
+
+
+def test_make_question_targets_are_the_campaigns_marked_for_make():
+    """`make <q>` exists for exactly the campaign files with a `# make:` line, each with its
+    plan and its report page; `make help` lists each with that line's description."""
+    import re
+
+    from analysis.questions import QUESTION_MODULES
+
+    marked = {p.stem: m.group(1) for p in (CONF / "campaign").glob("*.yaml")
+              if (m := re.search(r"^# make: (.+)$", p.read_text(), re.M))}
+    assert sorted(marked) == sorted(QUESTIONS)
+    run = functools.partial(subprocess.run, cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    listed = run(["make", "-s", "--no-print-directory", "help"]).stdout
+    for name, description in marked.items():
+        assert (CONF / "prereg" / f"{name}.yaml").is_file() and name in QUESTION_MODULES
+        assert re.search(rf"^{name} +{re.escape(description)}$", listed, re.M), name
+        dry = run(["make", "-n", "--no-print-directory", name, "LEDGER_ROOT=/x"]).stdout
+        assert f"experiments.run -m campaign={name} ledger_root=/x" in dry
+    assert "hydra.launcher.n_jobs=1" in run(["make", "-n", "q9"]).stdout  # one at a time

@@ -1,5 +1,6 @@
-"""Campaign run sets against PAPER_DESIGN's counts, cross-campaign reuse, and the
-preregistered plans satisfied by exactly the runs the campaigns collect.
+"""Campaign run sets against the design's counts (docs/paper_design.md sections 4, 5),
+cross-campaign reuse, and the preregistered plans satisfied by exactly the runs the
+campaigns collect.
 
 Every campaign is planned (composed and validated, nothing run) once per session;
 the counts are the document's, written out here, not derived from the configs.
@@ -54,7 +55,8 @@ def _release_plans():
     gc.collect()  # OmegaConf nodes point at their parents: only a collection frees them
 
 
-# (campaign, total runs, runs per home campaign) as PAPER_DESIGN sections 4 and 5 count them.
+# (campaign, total runs, runs per home campaign) as docs/paper_design.md sections 4 and 5
+# count them.
 COUNTS = {
     "q1": (126, {"q1": 126}),                    # Exp 1a 108 + Exp 1b 18
     "q2": (54, {"q2": 18, "q3": 36}),            # anchors 2a/2b 18; Exp 2c = Q3's q = 0

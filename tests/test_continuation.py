@@ -12,25 +12,27 @@ from dataclasses import replace
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from engines import run_simulated, torch_engine
 
 import experiments.studies.continuation as cont
+from analysis.studies import continuation as page
 from experiments.studies.continuation import ORGS, main
 from experiments.workloads.workload import RequestSpec
-from serving_core.engine import VirtualClock
-from serving_core.executor.host_tier import HostTier
-from serving_core.executor.torch_executor import build_torch_engine
+from serving_core.executor.state_copy import ArenaCopier
 from serving_core.geometry import load_geometry
+from serving_core.host_tier import HostTier
 from serving_core.planner import plan_budget, units_for
 from serving_core.request import Request
 from serving_core.scheduler import SchedulerConfig
+from serving_core.state_manager import HybridStateManager
 
 
 def _engine(model, org="S2"):
     geometry = load_geometry("falcon_h1_tiny")
     units = units_for(plan_budget(geometry, "b63"), org)
-    return build_torch_engine(model, geometry, org, units,
-                              SchedulerConfig(cap=4, max_num_batched_tokens=2048, headroom=0.0),
-                              clock=VirtualClock())
+    return torch_engine(model, geometry, org, units,
+                        SchedulerConfig(cap=4, max_num_batched_tokens=2048, headroom=0.0),
+                        clock="virtual")
 
 
 def _served(model, prompt_tokens: int):
@@ -43,17 +45,27 @@ def _served(model, prompt_tokens: int):
     return eng, spec
 
 
+def _save(eng, host) -> int:
+    """Start saving every entry `eng` published (its state manager, its arena's copier)."""
+    return eng.sched.state.save_published(host, ArenaCopier(eng.executor.arena))
+
+
+def _restore(eng, host, keys):
+    """Restore the deepest prefix of `keys` the tier holds into `eng`."""
+    return eng.sched.state.restore_prefix(keys, host, ArenaCopier(eng.executor.arena))
+
+
 def test_a_save_counts_only_after_its_copy_completed(tiny_model):
     eng, spec = _served(tiny_model, 599)
     keys = Request(spec, eng.mem.block_tokens).lookup_keys()
     host = HostTier()
-    started = host.save_published(eng.mem, eng.executor.arena)
+    started = _save(eng, host)
     # the 512-token block and the checkpoint at 512
     assert started == len(eng.mem.cache.attention) + len(eng.mem.cache.checkpoints) == 2
     assert host.restorable_prefix(keys, 512, 512) == 0  # copies started, not completed
     assert host.complete() == 2 and host.num_pending == 0
     assert host.restorable_prefix(keys, 512, 512) == 512
-    assert host.save_published(eng.mem, eng.executor.arena) == 0  # nothing new to copy
+    assert _save(eng, host) == 0  # nothing new to copy
 
 
 def test_restore_goes_into_fresh_units_and_equals_the_saved_state(tiny_model):
@@ -61,12 +73,12 @@ def test_restore_goes_into_fresh_units_and_equals_the_saved_state(tiny_model):
 
     eng, spec = _served(tiny_model, 699)
     host = HostTier()
-    host.save_published(eng.mem, eng.executor.arena)
+    _save(eng, host)
     host.complete()
     keys = Request(spec, 512).lookup_keys()
     reset = _engine(tiny_model)
     before = reset.mem.usage()["shared"]
-    got = host.restore(reset.mem, reset.executor.arena, keys)
+    got = _restore(reset, host, keys)
     assert got.prefix_tokens == 512 and len(got.blocks) == 1 and got.checkpoint is not None
     used, cached, free, total = reset.mem.usage()["shared"]
     assert before == (0, 0, total, total)
@@ -85,11 +97,14 @@ def test_restore_goes_into_fresh_units_and_equals_the_saved_state(tiny_model):
 def test_continuation_command_last_line(tiny_checkpoint, tmp_path, capsys):
     code = main(["--checkpoint", str(tiny_checkpoint), "--orgs", "s2", "--cases", "C+1",
                  "--output-tokens", "3", "--delayed-save-cases", "none",
-                 "--ledger-root", str(tmp_path / "led"), "--report-dir", str(tmp_path / "rep")])
+                 "--ledger-root", str(tmp_path / "led")])
     out = capsys.readouterr().out.strip().splitlines()
     assert code == 0
     assert json.loads(out[-1]) == {"pairs": 1, "equal": 1, "B_equals_p": True,
                                    "audits_ok": True, "ok": 1}
+    # the page, from the study table (analysis.studies.continuation): the same last line
+    assert page.main(["--ledgers", str(tmp_path / "led"), "--out", str(tmp_path / "rep")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == out[-1]
     rows = pq.read_table(next((tmp_path / "led" / "continuation").glob("*.parquet"))).to_pylist()
     assert [(r["n_tokens"], r["restored_prefix_b"], r["credited_prefix_p"]) for r in rows] == [
         (513, 512, 512)]
@@ -160,8 +175,7 @@ def test_expected_prefix_under_every_boundary(n, p):
 def test_rule_helper_agrees_with_the_engine(org):
     """The independent rule (chunk ends, published boundaries) matches the checkpoints a
     simulated engine publishes for one cold prompt, at every reference offset and N = kC."""
-    from serving_core.engine import run_engine
-    from serving_core.layout import org_layout
+    from serving_core.memory import org_layout
 
     geometry = load_geometry("falcon_h1_tiny")
     C = org_layout(geometry, org).checkpoint_interval
@@ -176,8 +190,8 @@ def test_rule_helper_agrees_with_the_engine(org):
                 return 0.01
 
         for split in (False, True):
-            res = run_engine(geometry, org, units, replace(cfg, split_last_boundary=split),
-                             [spec], Step())
+            res = run_simulated(geometry, org, units, replace(cfg, split_last_boundary=split),
+                                [spec], Step())
             got = sorted(o.boundary for o in res.memory.cache.checkpoints.values())
             rules = res.engine_config
             want = cont.published_boundaries(
@@ -193,28 +207,29 @@ def test_restore_bytes_match_the_layout_and_a_skipped_copy_shows(tiny_model, mon
     geometry = load_geometry("falcon_h1_tiny")
     eng, spec = _served(tiny_model, 599)
     host = HostTier()
-    host.save_published(eng.mem, eng.executor.arena)
+    _save(eng, host)
     host.complete()
     keys = Request(spec, 512).lookup_keys()
     reset = _engine(tiny_model)
-    got = host.restore(reset.mem, reset.executor.arena, keys)
+    got = _restore(reset, host, keys)
     expected, capacity, units, need = cont._restore_sizes(reset.mem, geometry, got)
     assert got.bytes_h2d == expected == 4_237_312 and units == need == 4
     assert capacity == 2 * (4 * 524_288 + 32_768) >= got.bytes_h2d
     assert got.poisoned_units == 4 and cont._restored_exact(host, reset.executor.arena, keys, got)
 
-    monkeypatch.setattr(HostTier, "_write_checkpoint", lambda self, arena, obj, states, r: None)
+    monkeypatch.setattr(ArenaCopier, "load_checkpoint", lambda self, obj, states: 0)
     reset = _engine(tiny_model)
-    bad = host.restore(reset.mem, reset.executor.arena, keys)
+    bad = _restore(reset, host, keys)
     assert bad.bytes_h2d == 2 * 512 * 1024 != cont._restore_sizes(reset.mem, geometry, bad)[0]
     assert not cont._restored_exact(host, reset.executor.arena, keys, bad)  # NaN left
 
 
-def _ssm_missed(self, arena, obj, states, result):
+def _ssm_missed(self, obj, states):
     """A faulty restore: writes the conv windows, leaves the SSM state as it found it."""
-    current = arena.read(obj)
-    arena.write(obj, [(conv, now_ssm) for (conv, _), (_, now_ssm)
-                      in zip(states, current, strict=True)])
+    current = self.arena.read(obj)
+    self.arena.write(obj, [(conv, now_ssm) for (conv, _), (_, now_ssm)
+                           in zip(states, current, strict=True)])
+    return 0
 
 
 @pytest.mark.parametrize("poison", [True, False])
@@ -224,7 +239,7 @@ def test_poisoning_turns_a_missed_ssm_copy_into_changed_tokens(tiny_model, monke
     this random tiny model's greedy tokens do not reveal at 513 tokens; with the destination
     poisoned (NaN) the same miss changes the tokens. Removing the poisoning makes the
     poison=True case fail."""
-    monkeypatch.setattr(HostTier, "_write_checkpoint", _ssm_missed)
+    monkeypatch.setattr(ArenaCopier, "load_checkpoint", _ssm_missed)
     row = cont.run_pair(tiny_model, load_geometry("falcon_h1_tiny"), "s2", "b63", "C+1", 3, 0,
                         poison=poison)
     assert row.restored_prefix_b == row.credited_prefix_p == 512
@@ -243,7 +258,7 @@ def test_delayed_save_makes_an_early_request_recompute(tiny_model, monkeypatch):
     assert row.window_tokens_equal and row.window_ok and row.ok
     assert row.restored_prefix_b == row.credited_prefix_p == 512
 
-    def complete_early(self, device="cpu", now=None):
+    def complete_early(self, now=None):
         for p in self._pending:  # indexed at once: the copy has not landed
             (self.blocks if p.kind == "a" else self.checkpoints)[p.key] = p.data
         done, self._pending = len(self._pending), []
@@ -268,8 +283,7 @@ def test_a_tier_entry_at_n_never_skips_the_last_prompt_token(tiny_model, tmp_pat
     assert (row.first_context, row.first_scheduled) == (0, 512) and row.ok
     code = main(["--checkpoint", str(tiny_checkpoint), "--orgs", "s2", "--cases", "C",
                  "--fault", "credit_n_minus_1", "--output-tokens", "3",
-                 "--delayed-save-cases", "none", "--ledger-root", str(tmp_path / "l"),
-                 "--report-dir", str(tmp_path / "r")])
+                 "--delayed-save-cases", "none", "--ledger-root", str(tmp_path / "l")])
     out = capsys.readouterr().out.strip().splitlines()
     assert code == 1 and json.loads(out[-1])["B_equals_p"] is False
     rows = pq.read_table(next((tmp_path / "l" / "continuation").glob("*.parquet"))).to_pylist()
@@ -281,7 +295,7 @@ def test_a_tier_entry_at_n_never_skips_the_last_prompt_token(tiny_model, tmp_pat
 def test_every_org_and_reference_length_continues_exactly(tiny_checkpoint, tmp_path, capsys):
     """The whole matrix (make continuation): 5 organizations x 9 lengths, every column."""
     code = main(["--checkpoint", str(tiny_checkpoint), "--ledger-root", str(tmp_path / "l"),
-                 "--report-dir", str(tmp_path / "r"), "--output-tokens", "4"])
+                 "--output-tokens", "4"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and last == {"pairs": 45, "equal": 45, "B_equals_p": True,
                                   "audits_ok": True, "ok": 45}
@@ -297,19 +311,19 @@ def test_damaged_host_state_changes_the_continuation(tiny_model, monkeypatch, pa
     import experiments.studies.continuation as cont
     from serving_core.geometry import load_geometry
 
-    restore = HostTier.restore
+    restore = HybridStateManager.restore_prefix
 
-    def damaged(self, mem, arena, keys):
+    def damaged(self, keys, tier, copier):
         if part == "conv":
-            for states in self.checkpoints.values():
+            for states in tier.checkpoints.values():
                 for conv, _ssm in states:
                     conv.zero_()
         else:
-            for block in self.blocks.values():
+            for block in tier.blocks.values():
                 block.zero_()
-        return restore(self, mem, arena, keys)
+        return restore(self, keys, tier, copier)
 
-    monkeypatch.setattr(HostTier, "restore", damaged)
+    monkeypatch.setattr(HybridStateManager, "restore_prefix", damaged)
     row = cont.run_pair(tiny_model, load_geometry("falcon_h1_tiny"), "s2", "b63", "C+1", 6, 0)
     assert row.restored_prefix_b == row.credited_prefix_p == 512
     assert not row.tokens_equal and not row.ok

@@ -1,4 +1,6 @@
-"""The Q6 admission-development stage (issue 20, section 6; PAPER_DESIGN 3.4, 5.8, A5).
+"""The Q6 admission-development stage (issue 20, section 6).
+
+Design: docs/paper_design.md sections 3.4, 5.8, A5.
 
 The selection rule is checked on synthetic run means whose answer is worked out by hand;
 `derive_plan` with the paper's values must rebuild the YAML's Q6-17 family exactly.

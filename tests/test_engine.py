@@ -10,6 +10,7 @@ import pytest
 from conftest import compose_config
 
 from experiments.runners.cell import run_cell
+from ledgers.arms import ARM_NAMES
 
 # Synthetic prompts: a 1,200-token context (shared with probability q) + a 200-token question,
 # so S-org checkpoints fall at 512 and 1,024 inside the shared context.
@@ -19,7 +20,7 @@ SYNTH = (
     "workload.synthetic_context_tokens=1200",
     "workload.synthetic_output_tokens=48",
 )
-ORGS = ("s0", "s1", "s2", "d0", "s2_retention")
+ORGS = ("s0", "s1", "s2", "d0", "s2_retention")  # the full-size ShareGPT cells
 
 
 def synth_cfg(*overrides: str, n: int = 60):
@@ -49,7 +50,7 @@ def check_ownership(sched, mem) -> None:
     assert len(sched.running) <= sched.cfg.cap
 
 
-@pytest.mark.parametrize("org", ORGS)
+@pytest.mark.parametrize("org", ARM_NAMES)  # every arm of the table, new ones included
 def test_every_org_completes_with_invariant_checks(org):
     res = run_cell(synth_cfg(f"org={org}", "budget=b63", "load.rate=4"), on_step=check_ownership)
     s = res.summary
@@ -71,7 +72,7 @@ def test_default_sharegpt_cells_complete(org, budget):
 
 def test_memory_is_fully_released_at_the_end():
     """After every request finishes, no unit is referenced: everything is free or cached."""
-    for org in ORGS:
+    for org in ARM_NAMES:
         res = run_cell(synth_cfg(f"org={org}", "engine.pinning_k=1", "load.rate=6"))
         for pool, (used, _, _, _) in res.memory.usage().items():
             assert used == 0, (org, pool)

@@ -9,10 +9,10 @@ import random
 import numpy as np
 import pytest
 from conftest import compose_config
+from engines import run_simulated
 
 from experiments.runners.cell import run_cell
 from experiments.workloads.workload import RequestSpec
-from serving_core.engine import run_engine
 from serving_core.memory import build_memory
 from serving_core.records import Recorder
 from serving_core.scheduler import SchedulerConfig
@@ -32,7 +32,7 @@ def spec(rid: int, prompt: int, output: int, arrival: float = 0.0, first: int = 
 
 def run(falcon, org, units, specs, **cfg):
     sched_cfg = SchedulerConfig(**{"cap": 8, "max_num_batched_tokens": 512, **cfg})
-    return run_engine(falcon, org, units, sched_cfg, specs, ConstantStep(), trace=True)
+    return run_simulated(falcon, org, units, sched_cfg, specs, ConstantStep(), trace=True)
 
 
 # ----- admission gate ---------------------------------------------------------------------

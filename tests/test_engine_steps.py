@@ -7,11 +7,11 @@ import threading
 from dataclasses import replace
 
 from conftest import compose_config
+from engines import simulated_engine
 
 from experiments.config.spec import engine_spec
 from experiments.runners.cell import run_cell
 from experiments.workloads.workload import build_workload
-from serving_core.engine import Engine, SimulatedExecutor, WallClock
 from serving_core.executor.profiles import load_device_profile
 from serving_core.executor.simulated import build_step_model
 from serving_core.geometry import geometry_from_config
@@ -38,10 +38,10 @@ def _parts(cfg):
     return geometry, units, sched_cfg, model, specs
 
 
-def test_manual_stepping_reproduces_run_engine_and_reports_every_token():
+def test_manual_stepping_reproduces_run_cell_and_reports_every_token():
     cfg = compose_config(*SYNTH)
     geometry, units, sched_cfg, model, specs = _parts(cfg)
-    engine = Engine(geometry, "S2", units, sched_cfg, SimulatedExecutor(model))
+    engine = simulated_engine(geometry, "S2", units, sched_cfg, model)
     for spec in specs:
         engine.add_request(spec)
     produced: dict[int, list[int]] = {}
@@ -64,7 +64,7 @@ def test_manual_stepping_reproduces_run_engine_and_reports_every_token():
 def test_requests_submitted_from_another_thread_are_served_on_a_wall_clock():
     cfg = compose_config(*SYNTH)
     geometry, units, sched_cfg, model, specs = _parts(cfg)
-    engine = Engine(geometry, "S2", units, sched_cfg, SimulatedExecutor(model), clock=WallClock())
+    engine = simulated_engine(geometry, "S2", units, sched_cfg, model, clock="wall")
     specs = [replace(s, arrival_s=0.0) for s in specs[:6]]
 
     def client():

@@ -4,6 +4,7 @@ hand-made frames and on a small real ledger read back from its Parquet files."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -19,8 +20,6 @@ import ledgers
 from analysis.inference import estimands, prereg
 from analysis.inference.families import evaluate_family
 from analysis.questions import q1, q6, supporting
-from serving_core.geometry import geometry_from_config
-from serving_core.layout import org_layout
 
 # --- pure pieces ------------------------------------------------------------------------------
 
@@ -75,14 +74,32 @@ def test_stranded_fraction_by_hand():
     assert out["stranded_frac_free_only"] == pytest.approx(free / (6 * total))
 
 
-@pytest.mark.parametrize("model", sorted(estimands.D0_UNIT_BYTES))
-def test_d0_unit_bytes_match_the_layout(model):
-    from omegaconf import OmegaConf
+# Per-layer unit bytes of D0's two pools, by hand: 16 tokens x KV bytes per token, and one
+# composite (Falcon-H1-7B 16 x 1,024 and 1,594,368; its TQ4 KV 16 x 264; Granite 16 x 2,048
+# and 1,074,688).
+D0_UNIT_BYTES = {
+    "falcon_h1_7b": {"attention": 16_384, "recurrent": 1_594_368},
+    "falcon_h1_7b_tq4": {"attention": 4_224, "recurrent": 1_594_368},
+    "granite": {"attention": 32_768, "recurrent": 1_074_688},
+}
 
-    cfg = OmegaConf.load(f"conf/model/{model}.yaml")
-    layout = org_layout(geometry_from_config(cfg), "D0")
-    assert estimands.D0_UNIT_BYTES[model] == {"attention": layout.page_bytes,
-                                              "recurrent": layout.recurrent_unit_bytes}
+
+@pytest.mark.parametrize("model", sorted(D0_UNIT_BYTES))
+def test_d0_runs_record_the_unit_bytes_the_analysis_reads(model):
+    """The stranded-byte estimand takes unit sizes from the run's record (engine_config,
+    read back from the built pools), not from a table of models."""
+    from conftest import compose_config
+
+    from experiments.config.spec import engine_spec
+    from serving_core.builder import build_engine
+
+    cfg = compose_config(f"model={model}", "org=d0", "budget=b63")
+    rules = build_engine(engine_spec(cfg)).effective_rules()
+    assert rules["pool_unit_bytes"] == D0_UNIT_BYTES[model]
+    assert estimands.pool_unit_bytes({"engine_config": json.dumps(rules)}) == D0_UNIT_BYTES[model]
+    assert estimands.pool_unit_bytes({"engine_config": "{}"}) is None  # older records: NaN
+    assert estimands.pool_unit_bytes({"engine_config": json.dumps(
+        {"pool_unit_bytes": {"shared": 524_288}})}) is None  # not the two pools
 
 
 # --- Q6 bounds and EXT-22 scenarios -------------------------------------------------------------
@@ -284,7 +301,7 @@ def test_stranded_table_joins_steps_to_poller_seconds(small):
         s = steps[steps.run_id == run_id]
         per_second = np.floor(s["t_start_s"]).astype(int).value_counts()
         pools = p.assign(steps=p["t_s"].map(per_second).fillna(0))
-        want = estimands.stranded_fractions(pools, estimands.D0_UNIT_BYTES["granite"])
+        want = estimands.stranded_fractions(pools, D0_UNIT_BYTES["granite"])
         assert got.loc[run_id, "stranded_frac"] == pytest.approx(want["stranded_frac"])
         assert got.loc[run_id, "stranded_frac_free_only"] == pytest.approx(
             want["stranded_frac_free_only"])

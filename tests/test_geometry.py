@@ -12,7 +12,8 @@ from serving_core.geometry import (
     geometry_from_config,
     load_geometry,
 )
-from serving_core.layout import normalize_org, org_layout, uniform_page_bytes
+from serving_core.layout import uniform_page_bytes
+from serving_core.memory import normalize_org, org_layout
 
 KIB = 1024
 
@@ -107,7 +108,7 @@ def test_falcon_paged_layouts(falcon):
         assert layout.page_bytes == 512 * 1_024 == 524_288
         # ceil(1,572,864 / 524,288) = 3 member pages
         assert layout.ssm_members == 3
-    assert org_layout(falcon, "S1").pages_per_composite == 3 + 1
+    assert org_layout(falcon, "S1").units_per_composite == 3 + 1
     s2 = org_layout(falcon, "S2")
     # smallest power of two >= 21,504 B is 32 KiB; 512 KiB / 32 KiB = 16 slots
     assert s2.conv_slot_bytes == 32 * KIB

@@ -122,6 +122,65 @@ def test_selection_adopts_the_best_fit_only_if_it_improves_the_check_part():
     assert ident.select([_summary("base", 1.0, 5.0)], space)["adopted"] == "base"
 
 
+def test_selection_refuses_a_combination_that_moves_a_level_outside_10_percent():
+    """Issue 33's rule "without moving any level outside 10 %": the defaults hold B-H S1
+    C_once at +4 % and A's preemptions at 0 (an anchor of 0: within 1.0 absolute); a
+    combination with less fitting and checking loss that takes C_once to -12 % is refused,
+    one that only worsens a level the defaults already miss (D S2 C_once -28 % -> -40 %)
+    or keeps every level within 10 % (-9 %) is adopted; 2 preemptions in A refuse it."""
+    space = ident.load_space()
+    base = {**_summary("base", 2.0, 5.0), "levels": {
+        "B-H S1 c_once": (498476.3, 0.04), "D-low_b63 S2 c_once": (323884.3, -0.28),
+        "A-control S0 preemptions": (0.0, 0.0)}}
+
+    def cand(**levels):
+        return {**_summary("a", 1.0, 4.0), "levels": {**base["levels"], **levels}}
+
+    moved = ident.select([base, cand(**{"B-H S1 c_once": (498476.3, -0.12)})], space)
+    assert moved["adopted"] is None and "B-H S1 c_once" in moved["reason"]
+    assert ident.moved_outside(cand(**{"B-H S1 c_once": (498476.3, -0.12)}), base,
+                               space.selection) == ["B-H S1 c_once"]
+    worse_missed = cand(**{"D-low_b63 S2 c_once": (323884.3, -0.40),
+                           "B-H S1 c_once": (498476.3, -0.09)})
+    assert ident.select([base, worse_missed], space)["adopted"] == "a"
+    preempts = cand(**{"A-control S0 preemptions": (0.0, 2.0)})
+    assert ident.moved_outside(preempts, base, space.selection) == ["A-control S0 preemptions"]
+    assert ident.select([base, preempts], space)["adopted"] is None
+
+
+def test_select_only_runs_nothing_and_lists_what_the_search_did_not_score(tmp_path, capsys):
+    """--select-only applies the rule to the scored rows of a search (read back from the
+    study table) and runs no campaign; an empty search is refused with exit 2."""
+    from ledgers.studies import write_study
+
+    root = tmp_path / "ledgers"
+    assert ident.main(["--ledger-root", str(root), "--select-only", "--search", "full-x",
+                       "--no-conf"]) == 2
+    assert "nothing scored" in capsys.readouterr().err
+    for name, fit, check in (("base", 2.0, 5.0), ("pages", 1.0, 4.0)):
+        rows = [("loss", "fit", fit, False), ("loss", "check", check, False),
+                ("levels", "", math.nan, True)]
+        n = len(rows)
+        cols = {"study_id": ["s"] * n, "created_at": ["2026-01-01T00:00:00+00:00"] * n,
+                "search": ["full-x"] * n, "combination": [name] * n, "label": [name] * n,
+                "form": ["indirection"] * n, "rules": ["{}"] * n, "seeds_per_cell": [3] * n,
+                "requests": [300] * n, "iterations": [3] * n, "converged": [True] * n,
+                "seconds": [10.0] * n, "kind": [r[0] for r in rows],
+                "part": [r[1] for r in rows], "section": [""] * n, "point": [""] * n,
+                "org": [""] * n, "metric": [""] * n, "measured": [math.nan] * n,
+                "ours": [r[2] for r in rows], "error": [math.nan] * n,
+                "residual": [math.nan] * n, "met": [r[3] for r in rows]}
+        write_study(root, "identify", cols)
+    assert ident.main(["--ledger-root", str(root), "--select-only", "--search", "full-x",
+                       "--no-conf", "--design", "one_at_a_time"]) == 0
+    captured = capsys.readouterr()
+    last = json.loads(captured.out.strip().splitlines()[-1])
+    assert last["adopted"] == "pages" and last["combinations"] == 2
+    assert "sq" in last["unscored"] and "base" not in last["unscored"]
+    assert last["search_seconds"] == 20.0 and "ran" not in captured.err
+    assert ident.main(["--search", "full-x"]) == 2
+
+
 def test_bad_arguments_exit_2(capsys):
     assert ident.main(["--design", "nope"]) == 2
     assert ident.main(["--combinations", "zzz", "--design", "smoke"]) == 2
@@ -198,8 +257,8 @@ def test_identified_combinations_become_sensitivity_alternatives(tmp_path, monke
     assert "executor.step_model=additive" in alt.overrides
     assert "engine.conv_page_recency=write" in alt.for_org("s1")
     assert "engine.conv_page_recency=write" not in alt.for_org("s2")
-    jobs = sens.planned_jobs([alt], [{"plan": "q1", "family": "EXT-22"}], smoke=True, seeds=1,
-                             requests=12)
+    jobs = [j.overrides for j in sens.planned_jobs(
+        [alt], [{"plan": "q1", "family": "EXT-22"}], smoke=True, seeds=1, requests=12)]
     s1 = [j for j in jobs if "org=s1" in j]
     s2 = [j for j in jobs if "org=s2" in j]
     assert s1 and s2 and all("engine.conv_page_recency=write" in j for j in s1)
@@ -211,3 +270,21 @@ def test_identified_combinations_become_sensitivity_alternatives(tmp_path, monke
     validate_config(compose_config(*[o for o in s1[0] if not o.startswith(("campaign_name",
                                                                            "question"))]),
                     check_root=False)
+
+
+def test_the_search_key_ignores_reworded_justifications(tmp_path):
+    """A reworded `why` or comment keeps the space's digest (the search resumes); a changed
+    override or tolerance makes a new one."""
+    text = ident.SPACE_YAML.read_text()
+    base = ident.load_space().digest
+    reworded = tmp_path / "reworded.yaml"
+    reworded.write_text("# another comment\n" + text.replace(
+        "why: the two paged-state terms together", "why: both paged-state terms at once"))
+    assert ident.load_space(reworded).digest == base
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(text.replace("max_iterations: 3", "max_iterations: 4"))
+    assert ident.load_space(changed).digest != base
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(text.replace("{s2: [engine.slab_policy=dense]}",
+                                  "{s2: [engine.slab_policy=refill]}"))
+    assert ident.load_space(moved).digest != base

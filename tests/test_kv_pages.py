@@ -44,7 +44,8 @@ def _filled(lengths, seed=0, key_scale=3.0):
         k = torch.randn(n, HKV, D, generator=gen) * key_scale
         v = torch.randn(n, HKV, D, generator=gen)
         pos = torch.arange(n)
-        kv_pages.store(view, codec, units[pos // BLOCK], pos % BLOCK, k, v)
+        # the packed write StateArena.store_kv does
+        view[units[pos // BLOCK], pos % BLOCK] = codec.encode_packed(torch.stack([k, v], dim=1))
         kvs.append((k, v, units))
     return codec, view, table, kvs
 

@@ -1,4 +1,6 @@
-"""Property tests of the four design invariants (SPEC section 3) for every memory organization.
+"""Property tests of the four design invariants for every memory organization.
+
+The invariants: docs/engine_rules.md section 3.3.
 
 A seeded driver plays pseudo requests against one allocator the way the scheduler
 will: admission looks the prompt up, adopts the cached prefix (taking references,
@@ -31,7 +33,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from serving_core.geometry import load_geometry
-from serving_core.layout import org_layout
 from serving_core.memory import (
     NO_SLOT,
     ORG_TO_CLASS,
@@ -40,6 +41,7 @@ from serving_core.memory import (
     MemoryOrganization,
     StateObject,
     build_memory,
+    org_layout,
 )
 from serving_core.memory.invariants import check_invariants
 from serving_core.memory.s2 import Slab, decode_conv_line
@@ -79,6 +81,11 @@ CONFIGS = [
 ]
 CONFIG_IDS = [c.name for c in CONFIGS]
 CONFIG = {c.name: c for c in CONFIGS}
+
+
+def test_every_registered_organization_is_driven_here() -> None:
+    """A new organization's invariants are checked once it has a config above."""
+    assert {c.org for c in CONFIGS} == set(ORG_TO_CLASS)
 
 
 def make_memory(config: Config, events: MemoryEvents | None = None) -> MemoryOrganization:
@@ -469,7 +476,7 @@ def assert_exercised(config: Config, driver: Driver, recorder: Recorder) -> None
     if driver.per:
         assert stats["publish_checkpoint"] > 3 and stats["adopted_checkpoints"] > 0, stats
         assert any(obj.kind == Kind.COMPOSITE for obj, _ in recorder.losses)
-    if config.org == "S2" and driver.per:
+    if ORG_TO_CLASS[config.org].has_slabs and driver.per:
         events = Counter(e[0] for e in recorder.slab_events)
         assert events["SLAB_ALLOC"] > 1, events
         assert events["SLAB_FREE"] + events["SLAB_RECLAIM"] > 0, events
@@ -508,9 +515,9 @@ def assert_complete(mem: MemoryOrganization, driver: Driver, obj: StateObject, w
     assert len(placed.units) == mem.units_per_composite()
     for unit in placed.units:
         assert mem.owner_of(obj.pool, unit) is obj, f"{where}: member {unit} of {obj} reassigned"
-    if mem.org == "S1":
+    if mem.conv_addressing == "page":  # the conv page follows the SSM members
         assert mem.conv_line(obj) == placed.units[mem.layout.ssm_members]
-    if mem.org == "S2":
+    if mem.has_slabs:
         assert (obj.slab_page, obj.slot) == (placed.slab_page, placed.slot), (
             f"{where}: conv slot of {obj} moved or vanished"
         )
@@ -572,13 +579,13 @@ def test_partial_hit_is_a_miss(config: Config) -> None:
     """Reassigning any one unit of a cached checkpoint makes the lookup miss and frees the rest."""
     probe_mem = make_memory(dataclasses.replace(config, pools=(("shared", 8),)))
     num_members = probe_mem.units_per_composite()
-    num_units = num_members + (1 if config.org == "S2" else 0)  # + the slab page
+    num_units = num_members + (1 if ORG_TO_CLASS[config.org].has_slabs else 0)  # + slab page
     for victim in range(num_units):
         mem, recorder, obj = _one_cached_checkpoint(config, num_units)
         assert mem.lookup([77]).rmax == mem.checkpoint_interval  # 512; N0: 1,568
         pool = mem.pools["shared"]
         assert pool.num_free == 0 and pool.num_evictable == num_units
-        units = list(obj.units) + ([obj.slab_page] if config.org == "S2" else [])
+        units = list(obj.units) + ([obj.slab_page] if mem.has_slabs else [])
         taken = units[victim]
         pool.make_least_recent(taken)  # make it the least recently used
         block = mem.allocate_attention(request_id=2)
@@ -719,7 +726,7 @@ def test_invariant3_invalidate_before_reuse(config: Config) -> None:
 
     run(driver, NUM_OPS_NAMED, after_op)
     assert len(recorder.losses) > 20
-    if config.org == "S2" and driver.per and config.model == "falcon_h1_7b":
+    if mem.has_slabs and driver.per and config.model == "falcon_h1_7b":
         assert watch.num_cross_invalidated > 0, "no slab was reclaimed with cached checkpoints"
 
 
@@ -760,7 +767,7 @@ class LocationWatch:
             assert mem.ssm_address(obj, member, 0) == page * stride
         line = mem.conv_line(obj)
         assert type(line) is int and line >= 0, f"live composite {obj} reports conv line {line}"
-        if mem.org == "S2":
+        if mem.has_slabs:
             per = mem.layout.slots_per_slab
             assert decode_conv_line(line, per) == (obj.slab_page, obj.slot), (
                 f"conv line {line} of {obj} does not decode to its slot"
@@ -779,7 +786,7 @@ class LocationWatch:
         )
         if obj.kind == Kind.COMPOSITE:
             assert self.mem.conv_line(obj) == NO_SLOT
-            if self.mem.org == "S2":
+            if self.mem.has_slabs:
                 with pytest.raises(ValueError):
                     self.mem.conv_address(obj, 0)
 
@@ -814,7 +821,7 @@ def test_invariant4_valid_location_or_absence(config: Config) -> None:
         assert 0 in watch.seen_units[name] and max(watch.seen_units[name]) == (
             mem.pools[name].num_units - 1
         ), (name, sorted(watch.seen_units[name]))
-    if mem.org == "S2" and driver.per:
+    if mem.has_slabs and driver.per:
         assert 0 in watch.seen_slots and 0 in watch.seen_units["shared"]
 
 

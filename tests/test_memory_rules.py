@@ -214,7 +214,7 @@ def test_random_operations_keep_all_invariants_under_each_rule(falcon, org, pool
 
     recorder = tmi.Recorder()
     mem = build_memory(falcon, org, pools, recorder, **rules)
-    driver = tmi.Driver(mem, 3, 6 if org == "S2" else 4)
+    driver = tmi.Driver(mem, 3, 6 if mem.has_slabs else 4)
     tmi.run(driver, 3000, lambda: check_invariants(mem))
     assert driver.stats["admitted"] > 50 and len(recorder.losses) > 20, driver.stats
     for req in list(driver.running):
@@ -246,7 +246,7 @@ def test_release_order_decides_what_a_single_queue_takes_first(falcon, order, bl
 
     mem = build_memory(falcon, "S1", {"shared": 8}, free_queue="single_queue",
                        release_order=order)
-    state = HybridStateManager(mem, step_end=True, retention_k=None, track_demand=False)
+    state = HybridStateManager(mem, step_end=True, retention_k=None, pinning_k=None)
     a = mem.allocate_attention(1)
     mem.publish(a, 11, 512)
     w = mem.allocate_composite(1)
@@ -267,7 +267,7 @@ def test_release_order_does_not_matter_when_free_units_go_first(falcon):
 
     for order in ("attention_first", "state_first"):
         mem = build_memory(falcon, "S1", {"shared": 8}, release_order=order)
-        state = HybridStateManager(mem, step_end=True, retention_k=None, track_demand=False)
+        state = HybridStateManager(mem, step_end=True, retention_k=None, pinning_k=None)
         a = mem.allocate_attention(1)
         mem.publish(a, 11, 512)
         state.release_all(_holder([a], mem.allocate_composite(1)))
@@ -358,7 +358,7 @@ def test_duplicates_cache_publishes_a_recomputed_checkpoint(falcon):
 
     for rule, copies in (("drop", 0), ("cache", 1)):
         mem = build_memory(falcon, "S1", {"shared": 24}, duplicates=rule)
-        state = HybridStateManager(mem, step_end=True, retention_k=None, track_demand=False)
+        state = HybridStateManager(mem, step_end=True, retention_k=None, pinning_k=None)
         first = mem.allocate_composite(1)
         mem.publish(first, 7, 512)
         mem.release(first, producer=True)

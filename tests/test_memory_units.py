@@ -1,7 +1,7 @@
 """Hand-worked allocator scenarios: units per object, demand, availability, pinning, LRU order.
 
-Expected numbers come from SPEC section 3 worked by hand (Falcon-H1-7B unless said
-otherwise): S0 pages of 1,594,368 B; S1/S2 pages of 512 KiB with ceil(1,536 KiB /
+Expected numbers come from docs/engine_rules.md section 3, worked by hand (Falcon-H1-7B
+unless said otherwise): S0 pages of 1,594,368 B; S1/S2 pages of 512 KiB with ceil(1,536 KiB /
 512 KiB) = 3 SSM member pages; S1 adds one conv page; S2 puts the 21-KiB conv state in
 a 32-KiB slot, 512 / 32 = 16 slots per slab page; D0 has a 16,384-B attention pool and
 a 1,594,368-B recurrent pool. Granite: 1 MiB pages, one member page, 32 slots per slab.

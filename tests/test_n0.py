@@ -27,17 +27,16 @@ import pytest
 from experiments.runners import ledger_io
 from experiments.runners.cell import run_cell
 from serving_core.geometry import load_geometry
-from serving_core.layout import (
+from serving_core.memory import MemoryEvents, N0UniformPages, build_memory, org_layout
+from serving_core.memory.invariants import check_invariants
+from serving_core.memory.n0 import (
     N0_CPU_BLOCK_ALIGNMENT,
     n0_block_tokens,
     n0_layout,
     n0_padding_bytes,
-    org_layout,
 )
-from serving_core.memory import MemoryEvents, N0UniformPages, build_memory
-from serving_core.memory.invariants import check_invariants
 from serving_core.planner import plan_budget, plan_to_dict, units_for
-from serving_core.storage import allocation_cost, capacity, n0_attention_pages
+from serving_core.storage import allocation_cost, capacity
 
 REPO = Path(__file__).resolve().parent.parent
 FALCON_PAGE = 1_605_632
@@ -57,7 +56,7 @@ def test_falcon_block_page_and_padding(falcon):
     layout = org_layout(falcon, "n0")
     assert (layout.block_tokens, layout.checkpoint_interval) == (1_568, 1_568)
     assert layout.page_bytes == layout.recurrent_unit_bytes == FALCON_PAGE
-    assert layout.pages_per_composite == 1
+    assert layout.units_per_composite == 1
     assert n0_padding_bytes(falcon) == 11_264
 
 
@@ -182,7 +181,8 @@ def test_costs(falcon):
     # 16 x 512 = 8,192 tokens -> ceil(5.22) = 6 pages; + 16 checkpoints = 22 pages
     cost = allocation_cost(falcon, "N0", 16, 16)
     assert (cost.attention_bytes, cost.recurrent_bytes) == (6 * FALCON_PAGE, 16 * FALCON_PAGE)
-    assert n0_attention_pages(falcon, 49) == 16  # 25,088 tokens / 1,568 = 16.0
+    # 49 blocks = 25,088 tokens / 1,568 = 16.0 pages exactly
+    assert N0UniformPages.attention_units(org_layout(falcon, "N0"), 49) == 16
 
 
 @pytest.mark.parametrize(

@@ -168,7 +168,7 @@ def test_report_with_n0_present_and_absent(root, tmp_path):
     summary = report.write_report(root, tmp_path / "with", allow_changed_plan=True)
     assert not summary.errors
     index = (tmp_path / "with" / "index.md").read_text()
-    assert f"[{n0_native.PAGE}]({n0_native.PAGE})" in index
+    assert f"- [{n0_native.TITLE}]({n0_native.PAGE})" in index
     assert tmp_path / "with" / "figures" / "n0_a100_throughput.png" in summary.figures
     assert tmp_path / "with" / "tables" / "n0_a100_effects.csv" in summary.tables
     for module in report.QUESTIONS:  # every question page still written, none failed

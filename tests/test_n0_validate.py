@@ -13,7 +13,7 @@ import ledgers
 from analysis.questions import n0_validate as nv
 from experiments.campaigns.campaign import plan_campaign
 from serving_core.geometry import load_geometry
-from serving_core.layout import org_layout
+from serving_core.memory import org_layout
 from serving_core.planner import plan_budget, units_for
 
 

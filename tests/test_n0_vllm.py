@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from serving_core.geometry import load_geometry
-from serving_core.layout import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
+from serving_core.memory.n0 import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("HSL_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))

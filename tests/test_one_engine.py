@@ -1,6 +1,6 @@
 """One engine: every path builds through serving_core.builder and runs the rules its record
-states. Expectations are written out by hand per setting (SPEC section 5 and each
-organization's class), not derived from the code under test."""
+states. Expectations are written out by hand per setting (docs/engine_rules.md sections
+5-13 and each organization's class), not derived from the code under test."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ PAPER_S2 = {"org": "S2", "admission": "full_prompt", "checkpoint_placement": "st
             "align_chunks": True, "slab_policy": "write_once", "free_queue": "free_first",
             "checkpoint_recency": "release", "retention_k": None, "pinning_k": None, "cap": 63,
             "headroom": 0.0, "interleave": None, "split_last_boundary": False}
-# (overrides, the rules an engine must run for them), by hand from SPEC section 5.
+# (overrides, the rules an engine must run for them), by hand from docs/engine_rules.md
+# section 13.
 SETTINGS = {
     "paper": ((), PAPER_S2),
     "first_chunk": (("semantics=first_chunk",),
@@ -268,11 +269,12 @@ def test_scheduler_config_is_constructed_in_one_place():
 
 
 def test_no_module_spells_a_tuple_of_organization_names():
-    """Lists of org or arm names live in ledgers.arms (and layout.ORGS, the registry's order);
+    """Lists of org or arm names live in ledgers.arms (serving_core iterates its registry,
+    memory.ORG_TO_CLASS, built from the organization classes);
     anywhere else a tuple, list or set naming four or more organizations is a second table
     (a question's own pair or chain, such as Q1's S0 -> S1 -> S2, is its design)."""
     names = {a.name for a in ARMS.values()} | {a.ledger_org for a in ARMS.values()}
-    allowed = {"ledgers/arms.py", "serving_core/layout.py"}
+    allowed = {"ledgers/arms.py"}
     offenders = []
     for path in _python_sources():
         rel = str(path.relative_to(REPO))

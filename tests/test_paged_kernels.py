@@ -18,10 +18,18 @@ import torch
 from serving_core.executor.state_arena import StateArena
 from serving_core.executor.torch_executor import PagedRecurrentIO
 from serving_core.geometry import load_geometry
-from serving_core.memory import NO_SLOT, build_memory
+from serving_core.memory import NO_SLOT, ORG_TO_CLASS, build_memory, org_class
 from serving_core.model.dense_state import DenseState
 
 POOL_PAGES = 240  # 53 composites fit (S1: 4 pages each; S2: 3 + slabs), with pages to spare
+# The registry's organizations by how the arena addresses their composites.
+PAGED = [org for org, cls in ORG_TO_CLASS.items() if cls.conv_addressing != "unit"]
+IN_UNIT = [org for org, cls in ORG_TO_CLASS.items() if cls.conv_addressing == "unit"]
+
+
+def _pool_units(org: str, **per_pool: int) -> dict[str, int]:
+    """Units of each of the organization's own pools (its class names them)."""
+    return {pool: per_pool[pool] for pool in org_class(org).pool_names}
 
 
 def _paged_batch(org: str, batch: int, seed: int):
@@ -42,7 +50,7 @@ def _paged_batch(org: str, batch: int, seed: int):
     return mem, arena, composites, gen
 
 
-@pytest.mark.parametrize("org", ["S1", "S2"])
+@pytest.mark.parametrize("org", PAGED)
 @pytest.mark.parametrize("batch", [8, 32, 53])
 def test_paged_decode_update_equals_contiguous(tiny_model, org, batch):
     model = tiny_model
@@ -50,10 +58,12 @@ def test_paged_decode_update_equals_contiguous(tiny_model, org, batch):
     used = {u for obj in composites for u in obj.units} | {obj.slab_page for obj in composites}
     assert 0 in used
     members = [mem.ssm_member_pages(obj) for obj in composites]
-    assert any(p[1] != p[0] + 1 or p[2] != p[1] + 1 for p in members)  # not adjacent
-    if org == "S2":
+    assert any(b != a + 1 for p in members for a, b in zip(p, p[1:], strict=False))  # not adjacent
+    per = mem.layout.slots_per_slab
+    if mem.has_slabs:
+        assert per == 16  # hand: 512-KiB pages hold 16 slots of 32 KiB
         assert all(mem.conv_line(obj) >= 0 for obj in composites)
-        assert len({obj.slab_page for obj in composites}) == -(-batch // 16)
+        assert len({obj.slab_page for obj in composites}) == -(-batch // per)
     before = {name: t.clone() for name, t in arena.pools.items()}
 
     # Contiguous reference holding exactly the paged initial states.
@@ -77,20 +87,20 @@ def test_paged_decode_update_equals_contiguous(tiny_model, org, batch):
     pool = arena.pools["shared"][0]
     untouched = [u for u in range(POOL_PAGES) if u not in used]
     assert untouched and torch.equal(pool[untouched], before["shared"][0][untouched])
-    if org == "S2":  # free slots of the batch's slab pages are untouched too
+    if mem.has_slabs:  # free slots of the batch's slab pages are untouched too
         slot = arena.slot_elems
         lines = {mem.conv_line(obj) for obj in composites}
         for page in {obj.slab_page for obj in composites}:
-            for s in range(16):
-                if 16 * page + s not in lines:
+            for s in range(per):
+                if per * page + s not in lines:
                     seg = slice(s * slot, (s + 1) * slot)
                     assert torch.equal(pool[page, seg], before["shared"][0, page, seg])
 
 
-@pytest.mark.parametrize("org", ["S0", "S1", "S2", "D0"])
+@pytest.mark.parametrize("org", list(ORG_TO_CLASS))
 def test_composite_write_read_round_trip_is_exact(tiny_model, org):
     geometry = load_geometry("falcon_h1_tiny")
-    units = {"attention": 64, "recurrent": 6} if org == "D0" else {"shared": 40}
+    units = _pool_units(org, shared=40, attention=64, recurrent=6)
     mem = build_memory(geometry, org, units)
     arena = StateArena(mem, geometry)
     objs = [mem.allocate_composite(r) for r in range(3)]
@@ -127,14 +137,14 @@ def test_arena_bytes_equal_the_planned_units():
         assert arena.num_bytes == planned * geometry.num_layers
 
 
-@pytest.mark.parametrize("org", ["S0", "D0"])
+@pytest.mark.parametrize("org", IN_UNIT)
 def test_composite_decode_update_in_place_equals_contiguous(tiny_model, org):
-    """S0/D0: the SSM state leads its composite's unit and is updated there (no copy out
+    """S0/D0/N0: the SSM state leads its composite's unit and is updated there (no copy out
     and back); outputs and states equal the contiguous update bit for bit, and units
     outside the batch are untouched."""
     model = tiny_model
     geometry = load_geometry("falcon_h1_tiny", num_layers=1)
-    units = {"attention": 64, "recurrent": 12} if org == "D0" else {"shared": 16}
+    units = _pool_units(org, shared=16, attention=64, recurrent=12)
     mem = build_memory(geometry, org, units)
     arena = StateArena(mem, geometry)
     assert arena.ssm_in_place

@@ -1,4 +1,4 @@
-"""Budget planner: expected units worked out by hand from SPEC section 4."""
+"""Budget planner: expected units worked out by hand from docs/engine_rules.md section 4."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from serving_core.geometry import load_geometry
-from serving_core.layout import org_layout
+from serving_core.memory import org_layout
 from serving_core.planner import (
     Budget,
     headroom_units,
@@ -217,7 +217,7 @@ def test_tq4_layout_by_hand(falcon):
     s2, s1 = org_layout(tq4, "S2"), org_layout(tq4, "S1")
     assert (s2.page_bytes, s2.ssm_members, s2.conv_slot_bytes, s2.slots_per_slab) == (
         135_168, 12, 32_768, 4)
-    assert (s1.ssm_members, s1.conv_pages, s1.pages_per_composite) == (12, 1, 13)
+    assert (s1.ssm_members, s1.conv_pages, s1.units_per_composite) == (12, 1, 13)
 
 
 def test_pages_label_names_bf16_pages_of_bytes(falcon):

@@ -9,17 +9,20 @@ import pytest
 
 from experiments.runners.poller import parse_metrics, parse_rss
 from ledgers.schemas import to_table
-from serving_core.server.metrics import HISTOGRAMS, make_registry, render
+from serving_core.server.metrics import make_registry, render
+from serving_core.server.request_stats import RequestStats
 
+# Our server: vLLM's names where both export the same quantity, ours (hsl:) for the rest
 HSL_D0 = """\
-# TYPE hsl:num_requests_running gauge
-hsl:num_requests_running 3.0
-hsl:num_requests_waiting 2.0
-# TYPE hsl:num_preemptions counter
-hsl:num_preemptions_total 7.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
 hsl:prompt_tokens_total 12000.0
-hsl:generation_tokens_total 345.0
-hsl:prefix_cache_hit_tokens_total 4096.0
+vllm:prompt_tokens_total{engine="0",model_name="m"} 16096.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 345.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 4096.0
 hsl:pool_units_used{pool="attention"} 100.0
 hsl:pool_units_used{pool="recurrent"} 9.0
 hsl:pool_units_cached{pool="attention"} 20.0
@@ -67,7 +70,7 @@ def test_vllm_names_map_to_the_same_columns():
 
 
 def test_missing_metric_is_marked_not_invented():
-    (row,) = parse_metrics("hsl:num_requests_running 1.0\n", "hsl")
+    (row,) = parse_metrics("vllm:num_requests_running 1.0\n", "hsl")
     assert row["running"] == 1 and row["waiting"] == -1 and math.isnan(row["usage_frac"])
 
 
@@ -75,8 +78,7 @@ def test_server_scrape_carries_its_resident_memory():
     """The server's registry exports process_resident_memory_bytes (Prometheus' process
     collector); the poller reads it back, and it agrees with /proc/self/statm read here."""
     snap = {"running": 0, "waiting": 0, "clock_s": 0.0, "pools": {"shared": (0, 0, 8, 8)},
-            "histograms": {name: ([(str(b), 0) for b in (*buckets, "+Inf")], 0.0)
-                           for name, (_doc, buckets) in HISTOGRAMS.items()}}
+            **RequestStats(8192).snapshot()}
     rss = parse_rss(render(make_registry(lambda: snap)).decode())
     with open("/proc/self/statm") as fh:
         resident_pages = int(fh.read().split()[1])

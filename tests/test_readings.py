@@ -1,5 +1,5 @@
-"""The register of readings for PAPER_DESIGN's AMBIGUOUS items: complete, named in the
-plans consistently, and printed in the report's index."""
+"""The register of readings for the AMBIGUOUS items (docs/paper_design.md section 8): complete,
+named in the plans consistently, and printed in the report's index."""
 
 from __future__ import annotations
 

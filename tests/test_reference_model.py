@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from engines import torch_engine
 
-from serving_core.engine import VirtualClock, serve
-from serving_core.executor.torch_executor import build_torch_engine
+from serving_core.engine import serve
 from serving_core.geometry import load_geometry
 from serving_core.planner import plan_budget, units_for
 from serving_core.scheduler import SchedulerConfig
@@ -93,10 +93,9 @@ def long_reference(tiny_checkpoint, long_prompts):
 def serve_greedy(model, org, budget, specs, max_tokens=2048, cap=4):
     geometry = load_geometry("falcon_h1_tiny")
     units = units_for(plan_budget(geometry, budget), org)
-    engine = build_torch_engine(
-        model, geometry, org, units, SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens),
-        clock=VirtualClock(),
-    )
+    engine = torch_engine(model, geometry, org, units,
+                          SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens),
+                          clock="virtual")
     produced: dict[int, list[int]] = {}
     original = engine.step
 

@@ -140,7 +140,6 @@ def test_boundary_matrix_over_http(tiny_checkpoint, tmp_path, capsys):
     code = http.main(["--checkpoint", str(tiny_checkpoint), "--orgs", "s2,d0",
                       "--cases", "2C-1,2C,2C+1", "--output-tokens", "4",
                       "--templates", "python_code", "--template-lengths", "1100",
-                      "--template-output-tokens", "4", "--ledger-root", str(tmp_path),
-                      "--report-dir", str(tmp_path)])
+                      "--template-output-tokens", "4", "--ledger-root", str(tmp_path)])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and last["cases"] == 8 and last["ok"] == 8 and last["B_equals_p"]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import re
 
 import matplotlib.image as mpimg
 import pandas as pd
+import pyarrow as pa
 import pytest
 from analysis_ledgers import WORKLOAD, shared_ledger
 from conftest import compose_config
@@ -149,3 +151,58 @@ def test_partial_ledger_from_the_runner_names_missing_runs_and_states_allowance(
     plan_hash = prereg.load_plan("q1").plan_hash[:12]
     assert re.search(rf"\| Q1 \| q1 \| {plan_hash} \| q1: {plan_hash} x2 \| match \|", index)
     assert "--allow-changed-plan was given" in index
+
+
+def test_the_pages_the_report_owns_come_from_the_registries(tmp_path, monkeypatch):
+    """Every registered page is owned (cleaned before a report writes), a question added to
+    the registry (a q11) with it, and every page module of analysis/questions is registered."""
+    import pkgutil
+    from types import SimpleNamespace
+
+    from analysis import questions
+
+    owned = report.owned_files()
+    assert {f"{q.QUESTION}.md" for q in report.QUESTIONS} <= set(owned)
+    assert {p.PAGE for p in (*report.CAMPAIGN_PAGES, *report.STUDY_PAGES)} <= set(owned)
+    assert not any("[" in name for name in owned)  # no hand-written q[1-9].md
+    modules = {m.name for m in pkgutil.iter_modules(questions.__path__)}
+    helpers = {"development"}  # Q6's selection stage, shown on q6.md
+    assert modules - helpers == {*questions.QUESTION_MODULES, *questions.CAMPAIGN_PAGE_MODULES}
+    for name in questions.QUESTION_MODULES:
+        module = importlib.import_module(f"analysis.questions.{name}")
+        pages = getattr(module, "PAGES", (module,))
+        assert all(callable(p.analyze) and callable(p.draw) and p.TITLE for p in pages)
+    q11 = SimpleNamespace(QUESTION="q11", TITLE="A later question")
+    monkeypatch.setattr(report, "QUESTIONS", (*report.QUESTIONS, q11))
+    (tmp_path / "q11.md").write_text("stale")
+    (tmp_path / "notes.md").write_text("the user's")
+    report._clean(tmp_path)
+    assert not (tmp_path / "q11.md").exists() and (tmp_path / "notes.md").exists()
+
+
+def test_study_pages_are_written_indexed_and_stale_ones_removed(tmp_path):
+    """A ledger root holding only a continuation study: its page is written and listed under
+    Studies; a stale page of a study without data is removed; the intro opens the index."""
+    from ledgers.studies import STUDY_SCHEMAS, write_study
+
+    row = {f.name: {pa.string(): "", pa.int64(): 0, pa.bool_(): True}[f.type]
+           for f in STUDY_SCHEMAS["continuation"]}
+    row.update(study_id="20260101T000000-abcdef", org="s2", length_case="C+1", n_tokens=513,
+               interval=512, placement="step_end", align_chunks=True,
+               split_last_boundary=False, window_b=-1, window_p=-1, first_mismatch=-1)
+    write_study(tmp_path / "led", "continuation", {k: [v] for k, v in row.items()})
+    out = tmp_path / "report"
+    (out / "tables").mkdir(parents=True)
+    for stale in ("continuation_http.md", "reload_study.md", "tables/old.csv"):
+        (out / stale).write_text("stale")
+    summary = report.write_report(tmp_path / "led", out, intro="What this is.\n")
+    assert not summary.errors
+    assert (out / "continuation.md") in summary.pages
+    assert "| s2 | 513 (C+1) | 512 | step_end+align |" in (out / "continuation.md").read_text()
+    assert not any((out / s).exists() for s in ("continuation_http.md", "reload_study.md",
+                                                  "tables/old.csv"))
+    index = (out / "index.md").read_text()
+    assert index.startswith("# Hybrid State Lab report\n\nWhat this is.\n")
+    studies = index.split("## Studies\n\n")[1]
+    assert "(continuation.md)" in studies and "(sensitivity.md)" in studies
+    assert "continuation_http.md" not in index

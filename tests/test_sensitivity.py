@@ -33,7 +33,8 @@ def test_plan_cells_map_to_run_overrides():
 def test_planned_jobs_cover_every_cell_seed_and_alternative():
     raw, alts = sens.load_alternatives()
     chosen = [alts["default"], alts["slab_dense"]]
-    jobs = sens.planned_jobs(chosen, raw["families"], smoke=True, seeds=2, requests=12)
+    planned = sens.planned_jobs(chosen, raw["families"], smoke=True, seeds=2, requests=12)
+    jobs = [j.overrides for j in planned]
     cells = len(sens.family_cells("q1", "EXT-22")) + len(sens.family_cells("q6", "Q6-17"))
     assert len(jobs) == 2 * cells * 2
     dense = [j for j in jobs if "campaign_name=sens_slab_dense_smoke" in j]

@@ -9,10 +9,10 @@ import time
 
 import pytest
 from conftest import wait_until
+from engines import simulated_engine
 from fastapi.testclient import TestClient
 
 from experiments.runners.poller import parse_metrics
-from serving_core.engine import Engine, SimulatedExecutor, WallClock
 from serving_core.executor.profiles import load_device_profile
 from serving_core.executor.simulated import StepTimeModel
 from serving_core.planner import plan_budget, units_for
@@ -24,12 +24,12 @@ from serving_core.server.runtime import EngineRuntime
 VOCAB = GENERATED_TOKEN_SPACE
 
 
-def _engine(geometry, org="S2", budget="b63", executor=SimulatedExecutor):
+def _engine(geometry, org="S2", budget="b63", kind="simulated"):
     units = units_for(plan_budget(geometry, budget), org)
     model = StepTimeModel(geometry, load_device_profile("a100"), org, 0.0)
     cfg = SchedulerConfig(cap=8, max_num_batched_tokens=2048, headroom=0.0)
-    return Engine(geometry, org, units, cfg, executor(model), clock=WallClock(),
-                  budget_label=budget, trace=True)
+    return simulated_engine(geometry, org, units, cfg, model, kind=kind, clock="wall",
+                            budget=budget, trace=True)
 
 
 @pytest.fixture()
@@ -98,8 +98,10 @@ def test_completion_whole_and_streamed(served):
     tokens = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
     assert tokens == _synthetic(rid2, 5)
     reasons = [ch["finish_reason"] for c in chunks for ch in c["choices"]]
-    assert reasons[-1] == "length" and reasons[:-1] == [None] * 5
-    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    # one chunk per token, the finish reason on the last token's chunk, then the usage chunk
+    assert reasons == [None] * 4 + ["length"]
+    assert [len(ch["token_ids"]) for c in chunks[:-1] for ch in c["choices"]] == [1] * 5
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
 
     m = _metrics(client)["shared"]
     assert m["generation_tokens_total"] == 12
@@ -113,13 +115,20 @@ def test_completion_whole_and_streamed(served):
     [
         ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
         ({"prompt": [1, 2], "max_tokens": -3}, "max_tokens"),
-        ({"prompt": [1, 2], "max_tokens": 2, "best_of": 2}, "unknown fields ['best_of']"),
+        ({"prompt": [1, 2], "max_tokens": 2, "best_of": 2}, "best_of"),
+        ({"prompt": [1, 2], "max_tokens": 2, "frobnicate": 1}, "unknown field 'frobnicate'"),
         ({"prompt": [1, VOCAB], "max_tokens": 2}, "outside the vocabulary"),
         ({"prompt": [], "max_tokens": 2}, "at least one token"),
         ({"max_tokens": 2}, "prompt"),
         ({"prompt": [1] * 8000, "max_tokens": 500}, "max_model_len 8192"),
-        ({"prompt": [1, 2], "max_tokens": 2, "ignore_eos": False}, "ignore_eos"),
-        ({"prompt": [1, 2], "max_tokens": 2, "temperature": 0.7}, "temperature"),
+        ({"prompt": [1, 2], "max_tokens": 2, "ignore_eos": 0}, "ignore_eos"),
+        ({"prompt": [1, 2], "max_tokens": 2, "temperature": -0.5}, "temperature"),
+        ({"prompt": [1, 2], "max_tokens": 2, "top_p": 0}, "top_p"),
+        ({"prompt": [1, 2], "max_tokens": 2, "logprobs": 21}, "logprobs"),
+        ({"prompt": [1, 2], "max_tokens": 2, "stop": "x"}, "stop"),
+        ({"prompt": [1, 2], "max_tokens": 2, "n": 0}, "n"),
+        ({"prompt": [1, 2], "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        ({"prompt": [1, 2], "max_tokens": 2, "stream_options": {"x": 1}}, "stream_options"),
         ({"prompt": [1, 2], "max_tokens": 2, "cache_salt": 5}, "cache_salt"),
         ({"prompt": "text", "max_tokens": 2}, "no tokenizer"),
         ([1, 2], "JSON object"),
@@ -183,9 +192,10 @@ def test_prefix_hits_and_cache_salt(served):
 def test_metrics_pools_match_the_allocator(served):
     client, engine, _ = served
     text = client.get("/metrics").text
-    for name in ("hsl:num_requests_running", "hsl:num_requests_waiting",
-                 "hsl:num_preemptions_total", "hsl:prompt_tokens_total",
-                 "hsl:generation_tokens_total", "hsl:prefix_cache_hit_tokens_total",
+    for name in ('vllm:num_requests_running{engine="0",model_name="tiny"}',
+                 "vllm:num_requests_waiting", "vllm:num_preemptions_total",
+                 "hsl:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:prefix_cache_hits_total",
                  'hsl:pool_units_free{model_name="tiny",pool="shared"}',
                  'hsl:pool_usage_perc{model_name="tiny",pool="shared"}'):
         assert name in text
@@ -277,28 +287,54 @@ def test_latency_histograms_and_vllm_names_with_model_label(served):
     for n in (3, 6):
         r = client.post("/v1/completions", json={"prompt": list(range(1, 30)), "max_tokens": n})
         assert r.status_code == 200
+    _metrics(client)
     text = client.get("/metrics").text
+    vllm_labels = {"model_name": "tiny", "engine": "0"}
 
     def count(name):
-        (s,) = _samples(text, f"hsl:{name}_count")
-        assert s.labels == {"model_name": "tiny"}
+        (s,) = _samples(text, f"vllm:{name}_count")
+        assert s.labels == vllm_labels
+        return s.value
+
+    def value(name, **labels):
+        (s,) = [s for s in _samples(text, name) if all(s.labels[k] == v
+                                                       for k, v in labels.items())]
         return s.value
 
     assert count("time_to_first_token_seconds") == 2  # one per request
-    assert count("time_per_output_token_seconds") == (3 - 1) + (6 - 1)  # one per later token
-    assert count("e2e_request_latency_seconds") == 2
-    buckets = _samples(text, "hsl:e2e_request_latency_seconds_bucket")
+    assert count("inter_token_latency_seconds") == (3 - 1) + (6 - 1)  # one per later token
+    for name in ("e2e_request_latency_seconds", "request_time_per_output_token_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens",
+                 "request_params_max_tokens", "request_params_n",
+                 "request_max_num_generation_tokens", "request_num_preemptions",
+                 "request_prefill_kv_computed_tokens"):
+        assert count(name) == 2, name  # one per finished request
+    assert value("vllm:request_generation_tokens_sum") == 3 + 6
+    assert value("vllm:request_prompt_tokens_sum") == 2 * 29
+    assert value("vllm:request_params_max_tokens_sum") == 3 + 6
+    assert value("vllm:request_success_total", finished_reason="length") == 2
+    assert value("vllm:request_success_total", finished_reason="stop") == 0
+    # every engine step's tokens: prompt tokens computed + tokens generated
+    assert value("vllm:iteration_tokens_total_sum") == \
+        engine.sched.prompt_tokens_total + engine.sched.generation_tokens_total
+    assert count("iteration_tokens_total") == engine.sched.step
+    buckets = _samples(text, "vllm:e2e_request_latency_seconds_bucket")
     assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 2
-    (queries,) = _samples(text, "hsl:prefix_cache_queries_total")
-    (hits,) = _samples(text, "hsl:prefix_cache_hits_total")
-    assert queries.value == 2 * 29 and queries.labels == {"model_name": "tiny"}
+    (queries,) = _samples(text, "vllm:prefix_cache_queries_total")
+    (hits,) = _samples(text, "vllm:prefix_cache_hits_total")
+    assert queries.value == 2 * 29 and queries.labels == vllm_labels
     assert hits.value == engine.sched.prefix_hit_tokens_total
-    (usage,) = _samples(text, "hsl:kv_cache_usage_perc")
+    assert value("vllm:prompt_tokens_total") == 2 * 29
+    assert value("vllm:prompt_tokens_by_source_total", source="local_compute") == \
+        2 * 29 - hits.value
+    (usage,) = _samples(text, "vllm:kv_cache_usage_perc")
     used = sum(u[0] for u in engine.mem.usage().values())
     total = sum(u[3] for u in engine.mem.usage().values())
     assert usage.value == pytest.approx(used / total)
-    for s in _samples(text, "hsl:num_requests_running"):
-        assert s.labels == {"model_name": "tiny"}
+    for s in _samples(text, "hsl:pool_units_total"):
+        assert s.labels == {"model_name": "tiny", "pool": "shared"}
 
 
 def test_drain_answers_503_while_in_flight_requests_finish(served):
@@ -329,12 +365,11 @@ def test_client_disconnect_aborts_the_request_and_frees_its_state():
 
     import uvicorn
 
-    from serving_core.executor.modelled import PacedExecutor
     from serving_core.geometry import load_geometry
 
     # Paced steps (each sleeps its modelled time): 5,000 tokens take far longer than the
     # disconnect needs to reach the server, however fast or slow the machine is.
-    engine = _engine(load_geometry("falcon_h1_tiny"), "S2", executor=PacedExecutor)
+    engine = _engine(load_geometry("falcon_h1_tiny"), "S2", kind="paced")
     runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len)
     app = create_app(runtime, model_name="tiny", vocab_size=VOCAB)
     aborted_at = []

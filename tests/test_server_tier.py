@@ -30,7 +30,7 @@ def _client(engine):
 
 def _complete(client, prompt, max_tokens=3) -> dict:
     """One streamed completion with usage: (token ids, usage)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
     ids, usage = [], None
     with client.stream("POST", "/v1/completions", json=body) as r:
@@ -49,8 +49,9 @@ def _counters(client) -> dict:
     out = {}
     for fam in text_string_to_metric_families(client.get("/metrics").text):
         for s in fam.samples:
-            if s.labels.get("model_name") == "tiny" and s.name.endswith("_total"):
-                key = s.name.removeprefix("hsl:")
+            if (s.labels.get("model_name") == "tiny" and s.name.endswith("_total")
+                    and not set(s.labels) - {"model_name", "engine", "path"}):
+                key = s.name.removeprefix("hsl:").removeprefix("vllm:")
                 if "path" in s.labels:
                     key += ":" + s.labels["path"]
                 out[key] = s.value

@@ -12,9 +12,9 @@ from statsmodels.stats.multitest import multipletests
 
 from analysis.inference import stats
 
-# t quantiles typed in rather than computed. SPEC's t(0.975, 5) = 2.5705818366147395 is
+# t quantiles typed in rather than computed. The design's t(0.975, 5) = 2.5705818366147395 is
 # 3.8e-10 (relative) above the true quantile 2.5705818356363155 (mpmath, 40 digits, which
-# SciPy reproduces); intervals are checked against SPEC's value to 1e-8 and the exact one
+# SciPy reproduces); intervals are checked against the design's value to 1e-8 and the exact one
 # to 1e-12.
 T_975_DF5_SPEC = 2.5705818366147395
 T_975_DF5 = 2.5705818356363155
@@ -216,37 +216,44 @@ def test_paired_t_interval_needs_two_seeds():
 
 
 def test_bootstrap_deterministic_by_seed():
-    d = [0.02, 0.05, -0.01, 0.03, 0.04, 0.00]
-    first = stats.bootstrap_interval(d, seed=3)
-    assert first == stats.bootstrap_interval(d, seed=3)
-    assert first != stats.bootstrap_interval(d, seed=4)
-    assert first.n_resamples == 10_000 and first.seed == 3
-    assert first.low_pct <= first.effect_pct <= first.high_pct
-    constant = stats.bootstrap_interval([0.1, 0.1, 0.1], seed=0)
-    assert constant.low_pct == pytest.approx(constant.high_pct)
+    d = [2.13, 5.41, -1.27, 3.08, 4.66, 0.35]  # seedwise percent changes
+    first = stats.bootstrap_mean_interval(d, seed=3)
+    assert first == stats.bootstrap_mean_interval(d, seed=3)
+    assert first != stats.bootstrap_mean_interval(d, seed=4)
+    assert first[0] <= sum(d) / len(d) <= first[1]
+    low, high = stats.bootstrap_mean_interval([0.1, 0.1, 0.1], seed=0)
+    assert low == pytest.approx(high)
+    with pytest.raises(ValueError, match="n_resamples=0"):
+        stats.bootstrap_mean_interval(d, n_resamples=0)
 
 
 def test_bootstrap_close_to_normal_theory_for_many_seeds():
-    d = np.random.default_rng(11).normal(0.05, 0.1, 400)
-    res = stats.bootstrap_interval(d, seed=1)
+    d = np.random.default_rng(11).normal(5.0, 10.0, 400)
+    low, high = stats.bootstrap_mean_interval(d, seed=1)
     half = 1.959964 * d.std(ddof=0) / math.sqrt(d.size)
-    assert res.low_pct == pytest.approx(100 * math.expm1(d.mean() - half), abs=0.25)
-    assert res.high_pct == pytest.approx(100 * math.expm1(d.mean() + half), abs=0.25)
+    assert low == pytest.approx(d.mean() - half, abs=0.25)
+    assert high == pytest.approx(d.mean() + half, abs=0.25)
 
 
 # --- composite estimands ---------------------------------------------------------
 
 
 def test_interaction_in_percentage_points():
+    """A family's interaction (analysis.inference.families.seedwise): per seed the
+    difference of the two seedwise percent changes (pp) and of the two log ratios."""
+    from analysis.inference.families import seedwise
+
     d_a, d_b = [0.2, 0.1, 0.3], [0.05, 0.0, 0.1]
-    res = stats.interaction(d_a, d_b)
-    assert res.effect_a_pct == pytest.approx(100 * math.expm1(0.2))
-    seedwise = [100 * (math.exp(a) - math.exp(b)) for a, b in zip(d_a, d_b, strict=True)]
-    assert res.effect_pp == pytest.approx(sum(seedwise) / 3)  # mean of seedwise pp
-    back_transformed = res.effect_a_pct - res.effect_b_pct  # the other definition differs
-    assert abs(res.effect_pp - back_transformed) > 0.05
-    assert res.ratio_pct == pytest.approx(100 * math.expm1(0.15))
-    assert res.test.pvalue == 0.25  # differences 0.15, 0.1, 0.2 all positive: 2 / 8
+    frame = pd.DataFrame({"a.treatment": np.exp(d_a), "a.control": 1.0,
+                          "b.treatment": np.exp(d_b), "b.control": 1.0})
+    per = seedwise(frame, "interaction", "log")
+    pp = [100 * (math.exp(a) - math.exp(b)) for a, b in zip(d_a, d_b, strict=True)]
+    assert list(per["pct"]) == pytest.approx(pp)
+    assert per["pct"].mean() == pytest.approx(sum(pp) / 3)  # the mean of seedwise pp
+    back_transformed = 100 * math.expm1(0.2) - 100 * math.expm1(0.05)
+    assert abs(per["pct"].mean() - back_transformed) > 0.05  # the other definition differs
+    assert list(per["log"]) == pytest.approx([0.15, 0.1, 0.2])
+    assert stats.sign_flip_test(per["log"].to_numpy()).pvalue == 0.25  # all positive: 2 / 8
 
 
 def test_containment_pass_and_fail():

@@ -1,6 +1,6 @@
 """Step-time model of the simulated executor, checked against hand-derived values.
 
-Model constants below are typed from the Falcon-H1-7B config and SPEC section 2
+Model constants below are typed from the Falcon-H1-7B config and docs/engine_rules.md section 2
 (not read from the geometry code); device constants are read straight from the
 profile YAML, and the datasheet peaks are asserted literally.
 """
@@ -20,7 +20,7 @@ from serving_core.geometry import load_geometry
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "executor"
 
-# Falcon-H1-7B-Instruct, bf16 (SPEC section 2 and conf/model/falcon_h1_7b.yaml).
+# Falcon-H1-7B-Instruct, bf16 (docs/engine_rules.md section 2, conf/model/falcon_h1_7b.yaml).
 LAYERS = 44
 PARAMS = 7_590_000_000
 KV_PER_LAYER = 1_024  # 2 KV heads x 128 x (K, V) x 2 B
@@ -367,7 +367,7 @@ def test_additive_indirection_scales_device_time_of_paged_orgs_only(falcon):
 
 
 def test_paged_state_pieces_count_what_each_kernel_gathers(falcon):
-    """SPEC 3 addressing: S1 reads 3 SSM member pages and its conv page, S2 3 member pages
+    """Addressing (docs/engine_rules.md section 3.2): S1 reads 3 SSM member pages and its conv page, S2 3 member pages
     and a conv slot; S0, D0 and N0 keep a composite contiguous; no recurrent state, none."""
     from serving_core.executor.simulated import paged_state_pieces
 

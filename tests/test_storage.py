@@ -1,4 +1,5 @@
-"""Allocation cost and capacity: expected values worked out by hand from SPEC section 3."""
+"""Allocation cost and capacity: expected values worked out by hand from docs/engine_rules.md
+section 3.1."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ from pathlib import Path
 import pytest
 
 from serving_core.geometry import load_geometry
+from serving_core.memory import org_layout
+from serving_core.memory.d0 import d0_split
+from serving_core.memory.s2 import min_slabs
 from serving_core.storage import (
     all_costs,
     allocation_cost,
     capacity,
     cost,
-    d0_feasible,
-    d0_split,
+    fits,
     mib_to_bytes,
-    min_slabs,
     parse_mix,
 )
 
@@ -52,8 +54,8 @@ def test_spec_example_sixteen_each(falcon):
 
 def test_s2_slab_packing(falcon):
     # 17 checkpoints need ceil(17 / 16) = 2 slabs: 1,536 x 17 + 512 x 2 = 27,136 KiB
-    assert min_slabs(falcon, 17) == 2
-    assert min_slabs(falcon, 0) == 0
+    assert min_slabs(org_layout(falcon, "S2"), 17) == 2
+    assert min_slabs(org_layout(falcon, "S2"), 0) == 0
     ideal = allocation_cost(falcon, "S2", 0, 17)
     assert (ideal.num_bytes, ideal.num_slabs) == (27_136 * KIB, 2)
     # an explicit third slab is charged: 26,112 + 1,536 KiB
@@ -84,11 +86,15 @@ def test_d0_split_and_feasibility(falcon):
     assert (split.attention_bytes, split.recurrent_bytes) == (55_300_115, 49_557_484)
     # 105 blocks x 524,288 = 55,050,240 fits; 106 -> 55,574,528 does not
     # 31 composites = 49,425,408 fit; 32 -> 51,019,776 do not
-    assert d0_feasible(falcon, 105, 31, BUDGET_100_MIB)
-    assert not d0_feasible(falcon, 106, 0, BUDGET_100_MIB)
+    assert fits(falcon, "D0", 105, 31, BUDGET_100_MIB)
+    assert not fits(falcon, "D0", 106, 0, BUDGET_100_MIB)
     # each pool alone: 32 composites fail although 51 MB < 100 MiB
-    assert not d0_feasible(falcon, 0, 32, BUDGET_100_MIB)
-    assert d0_feasible(falcon, 0, 32, BUDGET_100_MIB, attention_fraction=0.5)
+    assert not fits(falcon, "D0", 0, 32, BUDGET_100_MIB)
+    assert fits(falcon, "D0", 0, 32, BUDGET_100_MIB, attention_fraction=0.5)
+    # one shared pool: the whole cost against the whole budget (S0: 65 x 1,594,368 =
+    # 103,633,920 B fit in 104,857,600; 66 do not)
+    assert fits(falcon, "S0", 0, 65, BUDGET_100_MIB)
+    assert not fits(falcon, "S0", 0, 66, BUDGET_100_MIB)
 
 
 # Capacities under 100 MiB = 102,400 KiB (Falcon, KiB per copy of the mix):

@@ -17,12 +17,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from engines import torch_engine
 
 from experiments.workloads.workload import RequestSpec
-from serving_core.engine import VirtualClock
-from serving_core.executor.torch_executor import build_torch_engine
 from serving_core.geometry import Geometry, load_geometry
-from serving_core.layout import org_layout
+from serving_core.memory import org_layout
 from serving_core.planner import plan_budget, units_for
 from serving_core.scheduler import SchedulerConfig
 
@@ -40,7 +39,7 @@ def _engine(model, geometry: Geometry, org: str, budget: str = "b8", cap: int = 
     units = units_for(plan_budget(geometry, budget), org)
     cfg = SchedulerConfig(cap=cap, max_num_batched_tokens=2048, headroom=0.0,
                           admission=admission)
-    return build_torch_engine(model, geometry, org, units, cfg, clock=VirtualClock())
+    return torch_engine(model, geometry, org, units, cfg, clock="virtual")
 
 
 def _generate(engine, prompts, output_tokens: int) -> dict[int, list[int]]:

@@ -1,4 +1,4 @@
-"""Secondary and descriptive estimands of PAPER_DESIGN section 2 computed from the ledgers.
+"""Secondary and descriptive estimands (docs/paper_design.md section 2) from the ledgers.
 
 Latency ratios D0/comparator (2.3, Tab. E-13), latency-qualified goodput (2.4, E.8), the
 central-arrival window with its full-run gap and drift count (2.1, E.9, Tab. E-14),
@@ -12,6 +12,7 @@ readings chosen where the paper is silent are read from the plan YAML
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -22,14 +23,7 @@ from scipy import stats as sps
 from analysis.inference import stats
 from analysis.pages.common import RunSet, query
 
-# Bytes per unit of D0's two pools (per layer; PAPER_DESIGN 1.2, 1.3 and Tab. B-3). The
-# analysis does not import serving_core; tests check this table against its layout.
-D0_UNIT_BYTES = {
-    "falcon_h1_7b": {"attention": 16_384, "recurrent": 1_594_368},
-    "falcon_h1_7b_random": {"attention": 16_384, "recurrent": 1_594_368},
-    "falcon_h1_7b_tq4": {"attention": 4_224, "recurrent": 1_594_368},
-    "granite": {"attention": 32_768, "recurrent": 1_074_688},
-}
+DUAL_POOLS = ("attention", "recurrent")  # the two pools whose stranded bytes are measured
 DEFAULTS = {"goodput_quantile": 0.9, "window": [0.2, 0.8], "drift_tolerance": 0.10,
             "resamples": 10_000, "seed": 0, "confidence": 0.95}
 PAIR_COLUMNS = ("stage", "test", "label", "estimand", "n", "estimate", "unit", "ci_low",
@@ -99,7 +93,7 @@ def generation_curves(con, runs: pd.DataFrame) -> dict[str, tuple[np.ndarray, np
 
 
 # ---------------------------------------------------------------------------
-# Central-arrival window and drift (PAPER_DESIGN 2.1, E.9, Tab. E-14)
+# Central-arrival window and drift (docs/paper_design.md section 2.1; E.9, Tab. E-14)
 # ---------------------------------------------------------------------------
 
 
@@ -129,7 +123,7 @@ def drift(curve, start: float, end: float) -> float:
 
 
 # ---------------------------------------------------------------------------
-# Latency-qualified goodput (PAPER_DESIGN 2.4, E.8)
+# Latency-qualified goodput (docs/paper_design.md section 2.4; E.8)
 # ---------------------------------------------------------------------------
 
 
@@ -304,7 +298,7 @@ def pair_table(con, cell_runs: pd.DataFrame, tests: Sequence, cfg: Mapping) -> p
 
 
 # ---------------------------------------------------------------------------
-# Stranded bytes of D0 (PAPER_DESIGN 2.4, B.4) and cap-sweep ratios (Tab. E-11)
+# Stranded bytes of D0 (docs/paper_design.md section 2.4; B.4) and cap-sweep ratios (E-11)
 # ---------------------------------------------------------------------------
 
 
@@ -343,16 +337,30 @@ def stranded_fractions(pools: pd.DataFrame, unit_bytes: Mapping[str, int]) -> di
     return out
 
 
+def pool_unit_bytes(run: Mapping) -> dict[str, int] | None:
+    """Bytes per unit of each of a run's pools, as its engine recorded them (the runs row's
+    `engine_config`: `Engine.effective_rules()["pool_unit_bytes"]`, read back from the
+    built memory organization); None where the record does not say (runs recorded before
+    it did, other engines)."""
+    try:
+        units = json.loads(str(run.get("engine_config") or "{}")).get("pool_unit_bytes")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(units, dict) or not set(DUAL_POOLS) <= set(units):
+        return None
+    return {pool: int(units[pool]) for pool in DUAL_POOLS}
+
+
 def stranded_table(con, runs: pd.DataFrame) -> pd.DataFrame:
-    """Per D0 run: step-weighted stranded-byte fractions (NaN when the model's unit sizes are
-    not known here)."""
+    """Per D0 run: step-weighted stranded-byte fractions, in the unit bytes its record
+    states (NaN where the record does not state them)."""
     d0 = runs[runs["org"] == "D0"]
     if d0.empty:
         return pd.DataFrame()
     data = query(con, _POOLS.replace("{campaigns_p}", "p.{campaigns}"), _runset(d0))
     rows = []
     for _, run in d0.iterrows():
-        unit_bytes = D0_UNIT_BYTES.get(str(run["model"]))
+        unit_bytes = pool_unit_bytes(run)
         part = data[data["run_id"] == run["run_id"]]
         values = (stranded_fractions(part, unit_bytes) if unit_bytes and len(part) else
                   {"stranded_frac": math.nan, "stranded_frac_free_only": math.nan,
@@ -389,13 +397,16 @@ def cap_ratios(con, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def units_bytes_note(runs: pd.DataFrame) -> str:
-    """Models of the D0 runs whose unit sizes the stranded-byte table does not know."""
-    unknown = sorted(set(runs.loc[runs["org"] == "D0", "model"].astype(str)) - set(D0_UNIT_BYTES))
-    return f" Unit sizes unknown for model(s) {', '.join(unknown)}: NaN." if unknown else ""
+    """Models of the D0 runs whose records do not state their pools' unit bytes."""
+    d0 = runs[runs["org"] == "D0"]
+    unknown = sorted({str(run["model"]) for _, run in d0.iterrows()
+                      if pool_unit_bytes(run) is None})
+    return (f" Unit sizes not recorded for model(s) {', '.join(unknown)} (runs.engine_config "
+            "without pool_unit_bytes): NaN." if unknown else "")
 
 
 # ---------------------------------------------------------------------------
-# Q6: simultaneous upper bounds (PAPER_DESIGN 3.4, AMBIGUOUS A4)
+# Q6: simultaneous upper bounds (docs/paper_design.md section 3.4, AMBIGUOUS A4)
 # ---------------------------------------------------------------------------
 
 
@@ -470,7 +481,7 @@ def simultaneous_bounds(runs: pd.DataFrame, spec: Mapping, metric: str = "throug
 
 
 # ---------------------------------------------------------------------------
-# EXT-22 adoption scenarios (PAPER_DESIGN 3.2, E.14, Tab. E-17)
+# EXT-22 adoption scenarios (docs/statistics.md section 11; E.14, Tab. E-17)
 # ---------------------------------------------------------------------------
 
 

@@ -65,7 +65,7 @@ class FamilyResult:
         if self.no_data:
             return NO_RUNS
         if not self.accepted:
-            return "refused"
+            return REFUSED
         if self.smoke:
             return SMOKE_STATUS
         return "accepted (plan changed; --allow-changed-plan)" if self.plan_changed else ACCEPTED
@@ -351,7 +351,9 @@ def _sign_flip_p(d: pd.Series, first_look: tuple[int, ...] | None) -> tuple[floa
 
 def _contrast(values, test: prereg.PlannedTest, metric: str,
               fam: prereg.Family) -> tuple[dict, pd.Series]:
-    """One paired test or interaction: display, interval, sign counts, p (PAPER_DESIGN 2.2, 3).
+    """One paired test or interaction: display, interval, sign counts, p.
+
+    Methods: docs/statistics.md sections 2.5, 3-7.
 
     Display (log-scale metrics): the mean of seedwise percent changes (interactions: the mean
     of seedwise pp differences), or 100 (exp(mean d) - 1) where the decision says
@@ -459,7 +461,7 @@ def _decide(table: pd.DataFrame, fam: prereg.Family, estimand: prereg.Estimand,
     method = fam.decision["method"]
     labelled = fam.role == "primary" and estimand.role == "primary"
     if not accepted:
-        table["decision"] = "refused"
+        table["decision"] = REFUSED
         return
     if method == "containment":
         table["decision"] = table["decision"].replace("", "not evaluated")

@@ -1,4 +1,4 @@
-"""Paired-by-seed comparisons of run-level readouts (SPEC section 8).
+"""Paired-by-seed comparisons of run-level readouts (docs/statistics.md sections 2, 3).
 
 Seeds are the independent repeats. A log-scale readout (throughput, latency,
 input work) compares by per-seed log ratios d = ln(T/C), shown as

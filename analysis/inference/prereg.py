@@ -90,10 +90,6 @@ class PlannedTest:
     label: str = ""  # the paper's name of the contrast (legacy ID or row), "" if none
     intervals: str = ""  # "none": this row shows no interval although the family's do
 
-    @property
-    def shown_id(self) -> str:
-        return f"{self.id} ({self.label})" if self.label else self.id
-
 
 @dataclass(frozen=True)
 class Family:
@@ -405,7 +401,11 @@ def _unique(values: list, where: str) -> None:
 
 
 def expected_runs(plan: Plan, family: str | Family) -> pd.DataFrame:
-    """One row per (cell, seed) the family needs: cell_id, seed and the cell's keys."""
+    """One row per (cell, seed) the family needs: cell_id, seed and the cell's keys.
+
+    A test oracle: the tests read a plan's design through it (tests/test_campaign_plans.py
+    checks it against hand-counted runs and the campaigns' cells); the analyses go through
+    `check_family`."""
     fam = plan.family(family) if isinstance(family, str) else family
     rows = [{"cell_id": c.id, "seed": s, **c.keys} for c in fam.cells for s in c.seeds]
     return pd.DataFrame(rows)
@@ -437,10 +437,6 @@ class ChangedPlan:
     run_hash: str
     expected_hash: str
     num_runs: int
-
-
-class FamilyRefused(ValueError):
-    """The ledger does not satisfy a family's preregistered plan."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -481,11 +477,6 @@ class FamilyCheck:
                 for c in self.changed]
         return out
 
-    def raise_if_refused(self) -> None:
-        if not self.accepted:
-            raise FamilyRefused(f"{self.question} family {self.family!r} refused: "
-                                + "; ".join(self.reasons()))
-
 
 def check_family(
     plan: Plan,
@@ -523,14 +514,6 @@ def check_family(
     return FamilyCheck(plan.question, fam.name, plan.plan_hash,
                        sum(len(c.seeds) for c in fam.cells), tuple(missing), tuple(duplicated),
                        changed, bool(allow_changed_plan), found)
-
-
-def require_family(plan: Plan, family: str | Family, runs: pd.DataFrame,
-                   **kwargs: Any) -> FamilyCheck:
-    """`check_family`, raising FamilyRefused with every reason when refused."""
-    check = check_family(plan, family, runs, **kwargs)
-    check.raise_if_refused()
-    return check
 
 
 def _usable_runs(runs: pd.DataFrame, fam: Family, hash_column: str) -> pd.DataFrame:

@@ -1,4 +1,4 @@
-"""Paired, seed-level statistics for serving campaigns (SPEC section 8).
+"""Paired, seed-level statistics for serving campaigns (docs/statistics.md).
 
 Seeds are the independent repeats and arms are paired by seed. Every effect is
 estimated on paired log ratios d(s) = ln(G_A(s) / G_B(s)) and displayed in
@@ -262,9 +262,6 @@ class PairedTInterval:
     def df(self) -> int:
         return self.n - 1
 
-    def excludes_zero(self) -> bool:
-        return self.low_pct > 0.0 or self.high_pct < 0.0
-
     def as_dict(self) -> dict[str, float]:
         return {"effect_pct": self.effect_pct, "ci_low_pct": self.low_pct,
                 "ci_high_pct": self.high_pct}
@@ -293,35 +290,6 @@ def paired_t_interval(d, confidence: float = 0.95) -> PairedTInterval:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class BootstrapInterval:
-    """Seed-level percentile bootstrap of mean d, back-transformed to percent."""
-
-    effect_pct: float
-    low_pct: float
-    high_pct: float
-    confidence: float
-    n_resamples: int
-    seed: int
-
-
-def bootstrap_interval(
-    d, n_resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0, confidence: float = 0.95
-) -> BootstrapInterval:
-    """Resample seeds with replacement; percentile interval of 100 (exp(mean d) - 1)."""
-    arr = _as_sample(d, "d", min_n=2)
-    conf = _as_confidence(confidence)
-    low, high = _bootstrap_quantiles(arr, n_resamples, seed, conf)
-    return BootstrapInterval(
-        effect_pct=100.0 * math.expm1(float(arr.mean())),
-        low_pct=100.0 * math.expm1(float(low)),
-        high_pct=100.0 * math.expm1(float(high)),
-        confidence=conf,
-        n_resamples=int(n_resamples),
-        seed=int(seed),
-    )
-
-
 def bootstrap_mean_interval(values, n_resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
                             confidence: float = 0.95) -> tuple[float, float]:
     """Seed-level percentile bootstrap of the plain mean of `values` (e.g. seedwise % changes)."""
@@ -343,33 +311,6 @@ def _bootstrap_quantiles(arr: np.ndarray, n_resamples: int, seed: int,
 # ---------------------------------------------------------------------------
 # Composite estimands
 # ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class InteractionResult:
-    """Difference of two paired effects, per seed in log space.
-
-    `effect_pp` = mean over seeds of [e_a(s) - e_b(s)] with e = 100 (exp(d) - 1) the
-    seedwise percent change (percentage points, the paper's display, PAPER_DESIGN 2.2; not
-    the difference of back-transformed effects, which `effect_a_pct - effect_b_pct` gives);
-    `ratio_pct` = 100 (exp(mean(d_a - d_b)) - 1); `test` is the sign-flip test on the
-    per-seed differences d_a - d_b.
-    """
-
-    effect_pp: float
-    effect_a_pct: float
-    effect_b_pct: float
-    ratio_pct: float
-    test: SignFlipResult
-
-
-def interaction(d_a, d_b) -> InteractionResult:
-    """Per-seed difference of two log-ratio series (e.g. the q=1 minus the q=0 effect)."""
-    x, y = _as_pairs(d_a, d_b, ("d_a", "d_b"))
-    a_pct, b_pct = effect_pct(x), effect_pct(y)
-    diff = x - y
-    pp = float(np.mean(100.0 * np.expm1(x) - 100.0 * np.expm1(y)))
-    return InteractionResult(pp, a_pct, b_pct, effect_pct(diff), sign_flip_test(diff))
 
 
 @dataclass(frozen=True, slots=True)

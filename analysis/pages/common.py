@@ -1,4 +1,4 @@
-"""Shared loading and paired summaries for the per-question analyses (SPEC sections 7-9).
+"""Shared loading and paired summaries for the per-question analyses (docs/statistics.md).
 
 Everything is read through the DuckDB catalog (`ledgers.connect`): adopted
 complete runs serving a set of questions, and run-level readouts computed per run
@@ -21,6 +21,7 @@ import pandas as pd
 
 from analysis.inference import stats
 from ledgers.arms import ARMS, LEDGER_ORGS
+from ledgers.studies import STUDY_SCHEMAS
 
 DESIGN_COLUMNS = ("stage", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
                   "retention_k", "pinning_k", "d0_attention_fraction", "trace")
@@ -239,8 +240,9 @@ def _load_runs(con, questions: Sequence[str]) -> RunSet:
 def add_work_readouts(runs: pd.DataFrame) -> None:
     """H = C_once + output tokens, H/K, and completed requests per request-span second.
 
-    C_once (PAPER_DESIGN 2.4) is the sum over admitted requests of prompt tokens minus the
-    prefix adopted at their FIRST admission (requests ledger); K is the number of engine
+    C_once (docs/statistics.md section 2.3) is the sum over admitted requests of prompt
+    tokens minus the prefix adopted at their FIRST admission (requests ledger); K is the
+    number of engine
     steps (steps ledger rows). The engine counts every step, so K is a step count here.
     """
     runs["h_tokens"] = runs["c_once_tokens"] + runs["request_output_tokens"]
@@ -357,7 +359,7 @@ def cell_summary(runs: pd.DataFrame, metrics: Sequence[str] = (
         "throughput_ledger", "throughput_span", "ttft_p99", "e2e_p99")) -> pd.DataFrame:
     """One row per cell: design columns, seeds, and per metric the mean of run values.
 
-    Throughput metrics also get the geometric mean (the arm summary of SPEC section 8).
+    Throughput metrics also get the geometric mean (docs/statistics.md section 2.5).
     """
     rows = []
     for cell in cell_order(runs):
@@ -378,3 +380,12 @@ def _geomean(values: pd.Series) -> float:
     if values.empty or (values <= 0).any():
         return math.nan
     return stats.geometric_mean(values.to_numpy())
+
+
+def latest_study(con, table: str) -> pd.DataFrame:
+    """Rows of the newest study run (greatest `study_id`: its UTC start time) of a study
+    table (ledgers.studies), in the order written; empty when the table has none."""
+    if table not in STUDY_SCHEMAS:
+        raise ValueError(f"study table {table!r}: allowed values are {', '.join(STUDY_SCHEMAS)}")
+    return con.execute(f"SELECT * FROM {table} WHERE study_id = "
+                       f"(SELECT max(study_id) FROM {table})").df()

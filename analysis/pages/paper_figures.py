@@ -1,4 +1,4 @@
-"""The paper's figures (PAPER_DESIGN section 6), drawn from the analysis frames.
+"""The paper's figures (docs/paper_design.md section 6), drawn from the analysis frames.
 
 Every figure draws one collection stage (`figure_stages`: main when present; a smoke or
 demo figure says so on the figure with its request count and carries the stage in its file

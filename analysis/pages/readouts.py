@@ -245,8 +245,9 @@ def planned_runs(plan: prereg.Plan, name: str, runs: pd.DataFrame) -> pd.DataFra
 
 def means_table(runs: pd.DataFrame, by: Sequence[str], metrics: Sequence[str],
                 ranges: Sequence[str] = ()) -> pd.DataFrame:
-    """Arithmetic means over runs per group (PAPER_DESIGN 2.2), n seeds, and min-max
-    ranges across runs of the `ranges` metrics (e.g. the waiting gauge's run maxima)."""
+    """Arithmetic means over runs per group (docs/statistics.md section 2.5), n seeds, and
+    min-max ranges across runs of the `ranges` metrics (e.g. the waiting gauge's run
+    maxima)."""
     if runs.empty:
         return pd.DataFrame()
     rows = []

@@ -85,10 +85,6 @@ class QuestionResult:
     notes: list[str] = field(default_factory=list)
     figures: list[tuple[str, Path]] = field(default_factory=list)  # (caption, path)
 
-    @property
-    def has_data(self) -> bool:
-        return self.num_runs > 0
-
     def add(self, name: str, frame: pd.DataFrame) -> pd.DataFrame:
         self.frames[name] = frame
         return frame

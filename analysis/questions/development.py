@@ -1,4 +1,6 @@
-"""Q6 admission development (PAPER_DESIGN 5.8, 3.4; AMBIGUOUS A5): which f this system selects.
+"""Q6 admission development: which f this system selects.
+
+Design: docs/paper_design.md sections 5.8, 3.4; AMBIGUOUS A5.
 
 The development campaign (conf/campaign/q6_development.yaml) reruns the paper's selection
 stage: an initial three-budget search and a b83 extension for S2. `select` applies the

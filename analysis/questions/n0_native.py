@@ -29,6 +29,7 @@ QUESTION = "n0_a100"
 CAMPAIGN = "n0_a100"
 COMMAND = "make n0"
 PAGE = "n0_native.md"
+TITLE = "vLLM's native organization (N0) at A100 scale"
 TREATMENT = "N0"
 # Every other organization without retention, in table order (ledgers.arms).
 CONTROLS = tuple(a.ledger_org for a in ARMS.values() if a.org != TREATMENT and not a.retention)
@@ -277,10 +278,6 @@ def write_page(con, out: Path) -> Page:
         frame.to_csv(path, index=False)
     (out / PAGE).write_text(page.text, encoding="utf-8")
     return page
-
-
-def table_paths(out: Path, page: Page) -> list[Path]:
-    return [Path(out) / "tables" / f"{CAMPAIGN}_{name}.csv" for name in page.tables]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from analysis.pages.render import md_table
 
 CAMPAIGN = "n0_validate"
 PAGE = "n0_validate.md"
+TITLE = "Simulated N0 against real vLLM"
 FILL = "make campaign C=n0_validate JOBS=1 (needs make setup-vllm)"
 
 _RUNS = """

@@ -1,4 +1,4 @@
-"""Q1: does S0 -> S1 -> S2 improve serving? (PAPER_DESIGN Q1)
+"""Q1: does S0 -> S1 -> S2 improve serving? (docs/paper_design.md section Q1)
 
 Exp 1a (main load): arithmetic run means of request-span throughput and mean run-level
 E2E p99 per organization and budget; the six stepwise contrasts are EXT-22 rows 1-6,

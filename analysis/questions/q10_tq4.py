@@ -28,7 +28,6 @@ MAIN = ("throughput_span", "throughput_ledger", "e2e_p99", "ttft_p99", "c_once_t
         "running_mean", "preemptions")
 CONTRASTS = ("tq4_contrasts", "bf16_contrasts")
 INTERACTIONS = "codec_interactions"
-EFFECT = "codec_effect"
 ESTIMAND = "throughput_span"
 SIDE_COLUMNS = ("effect", "min_seed", "max_seed", "n_pos", "n_neg", "p_exact", "p_holm")
 

@@ -1,4 +1,4 @@
-"""Q2: what work and state changes accompany the Q1 steps? (PAPER_DESIGN Q2, 2.4)
+"""Q2: what work and state changes accompany the Q1 steps? (docs/paper_design.md section Q2)
 
 Computed per run from the ledger tables: C_once = sum over admitted requests of prompt
 tokens minus the prefix adopted at FIRST admission (requests), H = C_once + output tokens,

@@ -1,4 +1,4 @@
-"""Q3: does prefix sharing interact with memory organization? (PAPER_DESIGN Q3)
+"""Q3: does prefix sharing interact with memory organization? (docs/paper_design.md section Q3)
 
 Per sharing level q: mean seedwise S1/S0, S2/S1 and D0/S2 percent changes (family
 `sharing_levels`, descriptive). The endpoint interactions (q = 1 minus q = 0, in pp) are

@@ -1,4 +1,4 @@
-"""Q4: all four organizations across memory budget (PAPER_DESIGN Q4).
+"""Q4: all four organizations across memory budget (docs/paper_design.md section Q4).
 
 Q1's S0/S1/S2 runs plus Q4's D0 at the default split, at b63, b83, b108 (λ 3, cap 63).
 The D0/S2 contrasts per budget and their budget interactions are EXT-22 rows 7-11,
@@ -56,4 +56,4 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
-    return []  # PAPER_DESIGN section 6: Q4 has no figure (values in the text and tables)
+    return []  # docs/paper_design.md section 6: Q4 has no figure (values in text and tables)

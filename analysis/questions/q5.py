@@ -1,4 +1,4 @@
-"""Q5: does the D0/S2 ranking change with offered load? (PAPER_DESIGN Q5)
+"""Q5: does the D0/S2 ranking change with offered load? (docs/paper_design.md section Q5)
 
 Load curves: arithmetic means of request-span throughput over seeds 0-2 at the paper's
 grid (b63/cap63: λ 0.8, 1.3, 1.7, 2.2, 3.0; b108/cap109: the same plus 4.5); the D0/S2 gap

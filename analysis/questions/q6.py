@@ -1,4 +1,4 @@
-"""Q6: does admission headroom change the ranking? (PAPER_DESIGN Q6, 3.4)
+"""Q6: does admission headroom change the ranking? (docs/paper_design.md sections Q6, 3.4)
 
 Family Q6-17 decides (Holm over 17, seed-level bootstrap display intervals); the
 headroom curves, completed requests/s and TTFT/E2E/request-TPOT p99 per cell (Tab. B-8)

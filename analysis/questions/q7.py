@@ -7,7 +7,7 @@ valid at the start of that step), Amax (`a_*`), Rmax (`rmax_*`) and Jadopt
 (`j_*`); GapR = Rmax - Jadopt per bracket. The ENTER_WAITING record of the
 same episode carries the entry depth Jenter (`j_m0` at queue entry). Each
 episode is classed by entry vs adopted depth. Depth results are produced only
-after the ON/OFF probe containment gate passes (SPEC section 8).
+after the ON/OFF probe containment gate passes (docs/statistics.md section 9).
 """
 
 from __future__ import annotations
@@ -221,8 +221,8 @@ INITIAL_COLUMNS = {"jadopt_initial_mean": "jadopt", "rmax_m1_initial_mean": "rma
 
 
 def initial_depth(runs: pd.DataFrame, by: str) -> pd.DataFrame:
-    """Per traced run: means over its INITIAL admissions (PAPER_DESIGN 2.5), M1 for Rmax and
-    Amax as plotted, M0 kept for the brackets; GapR = Rmax(M1) - Jadopt."""
+    """Per traced run: means over its INITIAL admissions (docs/statistics.md section 2.4),
+    M1 for Rmax and Amax as plotted, M0 kept for the brackets; GapR = Rmax(M1) - Jadopt."""
     if "jadopt_initial_mean" not in runs:
         return pd.DataFrame()
     traced = runs[runs["trace"] & runs["jadopt_initial_mean"].notna()]

@@ -5,7 +5,7 @@ the split page also shows EXT-22 rows 12-19, decided in that family (conf/prereg
 Section-2 estimands (analysis.inference.estimands): ORIG-5 and bursts get latency ratios and
 goodput (Tab. E-13), ORIG-5 the central-arrival window and drift count (E-14, E.9) and
 D0's stranded bytes (also on the split page); caps get the per-completion ratios (E-11).
-PAPER_DESIGN section 6 draws no figure for them.
+The paper draws no figure for them (docs/paper_design.md section 6).
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def pair_section(result: QuestionResult, con, runs, plan, family: str, tests=Non
         con, cell_runs, chosen, estimands.settings(plan.raw)))
     if len(table):
         result.sections.append(Section(
-            title, "Descriptive and sensitivity estimands of PAPER_DESIGN 2.1-2.4 (Tab. E-13, "
+            title, "Descriptive and sensitivity estimands (docs/paper_design.md sections "
+            "2.1-2.4; Tab. E-13, "
             "E-14, E.9): intervals, no decisions; full-run p-values do not carry over to the "
             "window. Declared readings (conf/prereg): " + estimands.readings_text(
                 plan.raw, PAIR_READINGS),

@@ -22,6 +22,7 @@ from analysis.pages.render import md_table
 
 CAMPAIGN = "vllm_native"
 PAGE = "vllm_native.md"
+TITLE = "Real vLLM arm"
 METRICS = ("throughput", "ttft_p99", "e2e_p99", "prefix_hit_tokens", "preemptions", "boot_s")
 
 _PER_RUN = """

@@ -31,6 +31,8 @@ from analysis.pages.render import md_table
 
 REAL, SIM = "fidelity_real", "fidelity_sim"
 PAGE = "fidelity.md"
+TITLE = "Simulator versus real"
+TABLES = ("fidelity_fit",)  # the fit; the runs are campaigns fidelity_real, fidelity_sim
 FIGURE = "figures/fidelity_throughput.png"
 CELL_METRICS = ("throughput_span", "throughput_ledger", "ttft_p99", "e2e_p99", "preemptions",
                 "c_once_tokens")
@@ -284,12 +286,29 @@ def section(real: pd.DataFrame, sim: pd.DataFrame) -> tuple[str, dict, dict]:
     return "\n".join(lines), info, {"cells": cells, "effects": effects, "rankings": ranks}
 
 
+def fit_section(fit: pd.DataFrame) -> str:
+    """The newest fit (`fidelity_fit` study table): what the simulated half ran, and its
+    residuals."""
+    if fit.empty:
+        return ""
+    head = fit.iloc[0]
+    errors = json.loads(head["org_errors"])
+    return "\n".join([
+        "## Fitted step profile", "",
+        f"Fit {head['study_id']}: profile `{head['profile']}` from `{head['start']}`, "
+        f"{int(head['rows'])} steps of {len(json.loads(head['runs']))} real runs; rms "
+        f"relative step error {head['rms_rel_error']:.3f}; summed step time error by "
+        "organization " + ", ".join(f"{o} {v:+.1%}" for o, v in errors.items()) + ".", "",
+        md_table(fit, ["parameter", "value"]), ""])
+
+
 def write_page(con, out: Path) -> tuple[Path, dict] | None:
     """Write fidelity.md, its CSVs and figure when either campaign has runs."""
     real, sim = load(con, REAL), load(con, SIM)
     if real.empty and sim.empty:
         return None
     text, info, tables = section(real, sim)
+    text += "\n" + fit_section(common.latest_study(con, TABLES[0]))
     (out / "tables").mkdir(parents=True, exist_ok=True)
     for name, frame in tables.items():
         frame.to_csv(out / "tables" / f"fidelity_{name}.csv", index=False)

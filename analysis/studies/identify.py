@@ -12,31 +12,33 @@ the chosen size is shown unless --search names one. The last output line is JSON
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-from ledgers.studies import read_study
+from analysis import cli
 
 PAGE = "identify.md"
+TITLE = "Joint identification of engine rules and step-model constants"
+TABLES = ("identify",)
 CONSTANTS = ("memory_efficiency", "matmul_efficiency", "mixed_step_s", "per_step_overhead_s",
              "indirection_overhead", "state_page_s", "conv_slot_s")
 RATIO_ORDER = ("A-control S1/S0", "A-control S2/S1", "B-L S1/S0", "B-L S2/S1", "C-L D0/S2",
                "B-H S1/S0", "B-H S2/S1", "C-H D0/S2", "C-M D0/S2")
 
 
-def load(root, smoke: bool, search: str | None) -> pd.DataFrame | None:
-    table = read_study(root, "identify", latest=False)
-    if table is None:
-        return None
-    frame = table.to_pandas()
+def one_search(frame: pd.DataFrame, smoke: bool | None = None,
+               search: str | None = None) -> pd.DataFrame:
+    """The rows of one search: `search` when given, else the newest full-size search (of the
+    newest smoke-size one with `smoke`; with None, full-size when there is one)."""
     if search:
         return frame[frame.search == search]
+    if smoke is None:
+        full = frame[frame.search.str.startswith("full-")]
+        return one_search(frame, smoke=full.empty)
     frame = frame[frame.search.str.startswith("smoke-" if smoke else "full-")]
     if frame.empty:
         return frame
@@ -67,7 +69,7 @@ def summaries(rows: pd.DataFrame) -> pd.DataFrame:
                     "fit loss": loss.get("fit", math.nan),
                     "check loss": loss.get("check", math.nan),
                     "targets": f"{int(tg.met.sum())}/{len(tg)}",
-                    "levels ok": bool(g[g.kind == "levels"].met.all()),
+                    "throughput ok": bool(g[g.kind == "levels"].met.all()),
                     "fits": int(g.iterations.iloc[0]), "seconds": float(g.seconds.iloc[0]),
                     **{c: consts.get(c, math.nan) for c in CONSTANTS},
                     **{k: gaps.get(k, math.nan) for k in RATIO_ORDER}})
@@ -134,6 +136,8 @@ def page(frame: pd.DataFrame) -> tuple[str, dict]:
     adopted = sel[sel.met].combination.tolist()
     identified = sel[sel.part == "identified"].combination.tolist()
     reason = sel.metric.iloc[0] if not sel.empty else "no selection written yet"
+    moved = dict(zip(sel.combination, sel.ours, strict=True))
+    summ["levels moved"] = [moved.get(c, math.nan) for c in summ.combination]
     best = summ.combination.iloc[0] if not summ.empty else None
     search = frame.search.iloc[0]
     seeds = int(rows.seeds_per_cell.max()) if not rows.empty else 0
@@ -156,8 +160,12 @@ def page(frame: pd.DataFrame) -> tuple[str, dict]:
         "Ratio columns: gap to the measured throughput ratio, pp (ours - measured); targets: "
         "the 19 acceptance targets (9 ratios within 3 pp, 10 C_once levels within 15 %).",
         "",
-        markdown(summ, ["combination", "form", "fit loss", "check loss", "targets", "levels ok",
-                        "fits", *RATIO_ORDER]),
+        "`throughput ok`: every throughput level within 10 %; `levels moved`: anchor levels "
+        "the refitted defaults hold within 10 % that the combination moves outside it (the "
+        "selection refuses any).",
+        "",
+        markdown(summ, ["combination", "form", "fit loss", "check loss", "targets",
+                        "throughput ok", "levels moved", "fits", *RATIO_ORDER]),
         "",
         "Fitted constants:",
         "",
@@ -176,26 +184,39 @@ def page(frame: pd.DataFrame) -> tuple[str, dict]:
     return "\n".join(lines), info
 
 
+def write_page(con, out: Path, smoke: bool | None = None,
+               search: str | None = None) -> tuple[Path, dict] | None:
+    """Write identify.md from the identify study table; None when no search has run."""
+    frame = one_search(con.execute(f"SELECT * FROM {TABLES[0]}").df(), smoke, search)
+    if frame.empty:
+        return None
+    text, info = page(frame)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / PAGE
+    path.write_text(text + "\n", encoding="utf-8")
+    return path, info
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.studies.identify",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--ledgers", default=os.environ.get("LEDGER_ROOT", "ledgers/data"))
-    p.add_argument("--out", default="reports")
+    p = cli.parser("analysis.studies.identify", __doc__.split("\n\n")[0])
+    p.add_argument("--out", default="reports", help="report directory for identify.md")
     p.add_argument("--smoke", action="store_true", help="the newest smoke-size search")
     p.add_argument("--search", default=None, help="this search key instead of the newest")
     args = p.parse_args(argv)
-    frame = load(args.ledgers, args.smoke, args.search)
-    if frame is None or frame.empty:
-        print(f"error: --ledgers={args.ledgers!r}: no identify search there (run make "
-              "identify)", file=sys.stderr)
-        return 2
-    text, info = page(frame)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / PAGE).write_text(text + "\n")
-    print(f"report: {out / PAGE}")
-    print(json.dumps(info))
-    return 0
+
+    def show(con) -> int:
+        written = write_page(con, Path(args.out), args.smoke, args.search)
+        if written is None:
+            print(f"error: --ledgers={args.ledgers!r}: no identify search there (run make "
+                  "identify)", file=sys.stderr)
+            return 2
+        path, info = written
+        print(f"report: {path}")
+        print(json.dumps(info))
+        return 0
+
+    return cli.with_ledgers(args.ledgers, show)
 
 
 if __name__ == "__main__":

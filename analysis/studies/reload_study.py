@@ -1,12 +1,12 @@
 """The reload study's report page: `python -m analysis.studies.reload_study [ROOT] [--out DIR]`.
 
-Reads the newest `reload_study` table (ledgers.studies) and writes `reload_study.md`
-with one figure (`reload_study_ttft.png`): TTFT per (condition, actual path), one panel
-per prompt length N, every trial a dot, coloured by actual path. Requests are grouped
-by the path the server recorded, never by the condition they were sent under. The two
-server pairs are two paired repetitions, not independent samples: no confidence
-intervals, per-trial values are shown. The LAST output line is JSON {"requests",
-"paths", "mismatches", "study_id"} (measured requests; warmups excluded).
+Reads the newest study run of the `reload_study` table (ledgers.studies) and writes
+`reload_study.md` with one figure (`figures/reload_study_ttft.png`): TTFT per (condition,
+actual path), one panel per prompt length N, every trial a dot, coloured by actual path.
+Requests are grouped by the path the server recorded, never by the condition they were
+sent under. The two server pairs are two paired repetitions, not independent samples: no
+confidence intervals, per-trial values are shown. The LAST output line is JSON
+{"requests", "paths", "mismatches", "study_id"} (measured requests; warmups excluded).
 """
 
 from __future__ import annotations
@@ -24,16 +24,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ledgers.studies import RELOAD_CONDITIONS, REQUEST_PATHS, read_study  # noqa: E402
+import ledgers  # noqa: E402
+from analysis.pages import common  # noqa: E402
+from ledgers.studies import RELOAD_CONDITIONS, REQUEST_PATHS  # noqa: E402
 
 PATH_COLORS = {"recompute": "#4c72b0", "device_reuse": "#55a868", "host_reload": "#c44e52"}
 PAGE = "reload_study.md"
-FIGURE = "reload_study_ttft.png"
+TITLE = "Reload study: cold, repeat and reload TTFT over HTTP"
+TABLES = ("reload_study",)
+FIGURE = "figures/reload_study_ttft.png"
+FILL = "make reload-study (python -m experiments.studies.reload_study)"
 
 
-def measured(table) -> pd.DataFrame:
-    frame = table.to_pandas()
-    return frame[frame["condition"] != "warmup"].copy()
+def measured(full: pd.DataFrame) -> pd.DataFrame:
+    return full[full["condition"] != "warmup"].copy()
 
 
 def ttft_table(frame: pd.DataFrame) -> pd.DataFrame:
@@ -115,7 +119,7 @@ def summary(frame: pd.DataFrame, study_id: str) -> dict:
 def page(frame: pd.DataFrame, table: pd.DataFrame, info: dict) -> str:
     out = summary(frame, info["study_id"])
     lines = [
-        "## Reload study: cold, repeat and reload TTFT",
+        f"# {TITLE}",
         "",
         f"Study {info['study_id']}; model {info['model']}, org {info['org']} (C = "
         f"{info['interval']}), budget {info['budget']}; effective split_last_boundary "
@@ -157,32 +161,47 @@ def page(frame: pd.DataFrame, table: pd.DataFrame, info: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.studies.reload_study",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("root", nargs="?", default=os.environ.get("LEDGER_ROOT", "ledgers/data"))
-    p.add_argument("--out", default="reports")
-    args = p.parse_args(argv)
-    table = read_study(args.root, "reload_study")
-    if table is None:
-        print(f"error: root={args.root!r}: no reload_study table (run make reload-study)",
-              file=sys.stderr)
-        return 2
-    frame = measured(table)
-    full = table.to_pandas()
+def write_page(con, out: Path) -> tuple[Path, dict] | None:
+    """Write reload_study.md and its figure from the newest study run; None without one."""
+    full = common.latest_study(con, TABLES[0])
+    if full.empty:
+        return None
+    frame = measured(full)
     info = {"study_id": str(full.study_id.iloc[0]), "model": str(full.model.iloc[0]),
             "org": str(full.org.iloc[0]), "budget": str(full.budget.iloc[0]),
             "interval": int(full.interval.iloc[0]),
             "split": bool(full.split_last_boundary.all()),
             "trials": int(frame.trial.max() + 1) if len(frame) else 0,
             "output_tokens": int(frame.output_tokens.max()) if len(frame) else 0}
-    out = Path(args.out)
+    out = Path(out)
     figure(frame, out / FIGURE)
-    rows = ttft_table(frame)
-    (out / PAGE).write_text(page(frame, rows, info))
-    print(f"report: {out / PAGE}; figure: {out / FIGURE}")
-    print(json.dumps(summary(frame, info["study_id"])))
-    return 1 if summary(frame, info["study_id"])["mismatches"] else 0
+    path = out / PAGE
+    path.write_text(page(frame, ttft_table(frame), info), encoding="utf-8")
+    return path, summary(frame, info["study_id"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.studies.reload_study",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("root", nargs="?", default=os.environ.get("LEDGER_ROOT", "ledgers/data"))
+    p.add_argument("--out", default="reports")
+    args = p.parse_args(argv)
+    if not Path(args.root).is_dir():
+        print(f"error: root={args.root!r}: not a directory", file=sys.stderr)
+        return 2
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    con = ledgers.connect(args.root)
+    try:
+        written = write_page(con, Path(args.out))
+    finally:
+        con.close()
+    if written is None:
+        print(f"error: root={args.root!r}: no reload_study table ({FILL})", file=sys.stderr)
+        return 2
+    path, info = written
+    print(f"report: {path}; figure: {Path(args.out) / FIGURE}")
+    print(json.dumps(info))
+    return 1 if info["mismatches"] else 0
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ from analysis.pages import common
 from analysis.pages.render import md_table
 
 PAGE = "sensitivity.md"
+TITLE = "Which conclusions survive the engine rules the anchors cannot identify"
+TABLES = ("sensitivity_runs",)  # the study's record; its runs are campaigns sens_*
 QUESTION = "sensitivity"
 ALTERNATIVES_YAML = Path(__file__).resolve().parents[2] / "conf" / "sensitivity" / \
     "alternatives.yaml"
@@ -216,10 +218,26 @@ def section(runs: pd.DataFrame, spec: dict, plan_dir=None) -> tuple[str, dict, d
     return "\n".join(text) + "\n", info, {"long": long, "robustness": table}
 
 
+def runs_section(record: pd.DataFrame) -> str:
+    """What the newest study run (`sensitivity_runs` study table) ran, per alternative."""
+    if record.empty:
+        return ""
+    counts = (record.assign(ran=record["outcome"] == "ran")
+              .groupby(["alternative", "campaign"], sort=False)
+              .agg(runs=("run_id", "size"), ran=("ran", "sum")).reset_index())
+    counts["skipped"] = counts["runs"] - counts["ran"]
+    head = record.iloc[0]
+    return "\n".join(["", "## Runs of the newest study", "",
+                      f"Study {head['study_id']} (written {head['created_at']}): every run "
+                      "it asked for, run or skipped as already complete.", "",
+                      md_table(counts), ""])
+
+
 def write_page(con, out: Path, plan_dir=None) -> tuple[Path, dict]:
     """Write sensitivity.md and its tables (without runs, the page names the fill command)."""
     runs = common.load_runs(con, [QUESTION]).all_runs
     text, info, tables = section(runs, load_alternatives(), plan_dir)
+    text += runs_section(common.latest_study(con, TABLES[0]))
     (out / "tables").mkdir(parents=True, exist_ok=True)
     for name, frame in tables.items():
         frame.to_csv(out / "tables" / f"sensitivity_{name}.csv", index=False)

@@ -65,30 +65,40 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
                     "indirection_overhead": float(cfg.engine.indirection_overhead)}
     eng = cfg.engine
     tokens = eng.max_num_batched_tokens or default_tokens
+    scheduler = {
+        "cap": int(eng.cap),
+        "max_num_batched_tokens": int(tokens),
+        "headroom": float(eng.headroom),
+        "retention_k": int(cfg.retention.k) if a.retention else None,
+        "pinning_k": None if eng.pinning_k is None else int(eng.pinning_k),
+    }
+    # The other rules as the config gives them; a key the config lacks keeps
+    # SchedulerConfig's default (no second spelling of the defaults here).
+    for key, convert in _SCHEDULER_RULES.items():
+        if key in eng:
+            scheduler[key] = eng[key] if convert is None else convert(eng[key])
     return EngineSpec.from_dict({
         "model": _plain(cfg.model),
         "org": a.org,
         "budget": str(cfg.budget),
-        "scheduler": {
-            "cap": int(eng.cap),
-            "max_num_batched_tokens": int(tokens),
-            "headroom": float(eng.headroom),
-            "retention_k": int(cfg.retention.k) if a.retention else None,
-            "pinning_k": None if eng.pinning_k is None else int(eng.pinning_k),
-            "admission": str(eng.get("admission", "full_prompt")),
-            "reserve_output_tokens": int(eng.get("reserve_output_tokens", 0)),
-            "checkpoint_placement": eng.get("checkpoint_placement"),
-            "align_chunks": eng.get("align_chunks"),
-            "slab_policy": str(eng.get("slab_policy", "write_once")),
-            "free_queue": str(eng.get("free_queue", "free_first")),
-            "checkpoint_recency": str(eng.get("checkpoint_recency", "release")),
-            "conv_page_recency": str(eng.get("conv_page_recency", "members")),
-            "release_order": str(eng.get("release_order", "attention_first")),
-            "duplicates": str(eng.get("duplicates", "drop")),
-            "interleave": (None if eng.get("interleave") is None
-                           else _plain(eng.interleave)),
-            "split_last_boundary": eng.get("split_last_boundary", False),
-        },
+        "scheduler": scheduler,
         "executor": executor,
         "trace": bool(cfg.trace),
     })
+
+
+# engine.<key> -> how its value becomes a SchedulerConfig field (None: as it is)
+_SCHEDULER_RULES = {
+    "admission": str,
+    "reserve_output_tokens": int,
+    "checkpoint_placement": None,
+    "align_chunks": None,
+    "slab_policy": str,
+    "free_queue": str,
+    "checkpoint_recency": str,
+    "conv_page_recency": str,
+    "release_order": str,
+    "duplicates": str,
+    "interleave": lambda value: None if value is None else _plain(value),
+    "split_last_boundary": None,
+}

@@ -2,10 +2,11 @@
 OpenAI-compatible /v1/completions endpoint and measures each request at the client.
 
 Prompts go as token ids (the engine sees exactly the workload's tokens), with
-max_tokens = the planned output length, ignore_eos, streaming, and the request's
-cache_salt when it has one. Per request the client records send time, first-token
-time, every token's arrival (inter-token times) and the finish time, all in
-seconds since the episode start t0 (perf_counter based).
+max_tokens = the planned output length, ignore_eos, greedy (temperature 0: both servers
+default to 1, OpenAI's default), streaming, and the request's cache_salt when it has one.
+Per request the client records send time, first-token time, every token's arrival
+(inter-token times) and the finish time, all in seconds since the episode start t0
+(perf_counter based).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def completion_payload(spec, model: str | None = None, extra: dict | None = None
         "prompt": [int(t) for t in spec.prompt],
         "max_tokens": int(spec.output_tokens),
         "ignore_eos": True,
+        "temperature": 0.0,
         "stream": True,
     }
     if spec.salt:

@@ -25,8 +25,7 @@ from experiments.runners.http_client import ClientRecord, send_workload
 from experiments.runners.poller import Poller
 from experiments.runners.server_process import ServerError, ServerProcess, hsl_server_command
 from ledgers.schemas import ENGINE_SCHEMAS
-from serving_core.engine import _percentile
-from serving_core.records import REQUEST_COLUMNS
+from serving_core.records import REQUEST_COLUMNS, run_summary
 from serving_core.server.records_out import RECORD_TABLES, read_records
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request or scrape
@@ -109,33 +108,19 @@ def _remap(table: dict, offset: float, ids: dict[int, int], time_cols, id_cols) 
 
 
 def summarize_client(records: list[ClientRecord], episode_end: int, wall: float) -> dict:
-    done = [r for r in records if r.ok]
-    out = sum(len(r.token_times_s) for r in done)
-    span_start = min((r.sent_s for r in records), default=0.0)
-    span_end = max((r.finish_s for r in done), default=span_start)
-    tpot = [(r.finish_s - r.first_token_s) / (len(r.token_times_s) - 1)
-            for r in done if len(r.token_times_s) > 1]
-    itl = [d for r in done for d in r.inter_token_s()]
-    return {
-        "completed": len(done),
-        "failed": len(records) - len(done),
-        "output_tokens": out,
-        "episode_start_s": 0,
-        "episode_end_s": episode_end,
-        "span_start_s": span_start,
-        "span_end_s": span_end,
-        "throughput_ledger": out / episode_end if episode_end else 0.0,
-        "throughput_span": out / (span_end - span_start) if span_end > span_start else 0.0,
-        "ttft_p50": _percentile([r.first_token_s - r.sent_s for r in done], 50),
-        "ttft_p99": _percentile([r.first_token_s - r.sent_s for r in done], 99),
-        "e2e_p50": _percentile([r.finish_s - r.sent_s for r in done], 50),
-        "e2e_p99": _percentile([r.finish_s - r.sent_s for r in done], 99),
-        "tpot_p99": _percentile(tpot, 99),
-        "itl_p50": _percentile(itl, 50),
-        "itl_p99": _percentile(itl, 99),
-        "sim_seconds": float(episode_end),
-        "wall_seconds": wall,
-    }
+    """The run summary (serving_core.records.run_summary) of the client's records: send
+    times, first-token and finish times and token gaps as the client saw them."""
+    return run_summary(
+        arrival_s=[r.sent_s for r in records],
+        first_token_s=[r.first_token_s for r in records],
+        finish_s=[r.finish_s for r in records],
+        output_tokens=[len(r.token_times_s) for r in records],
+        done=[r.ok for r in records],
+        episode_end_s=episode_end,
+        sim_seconds=float(episode_end),
+        wall_seconds=wall,
+        inter_token_s=[d for r in records if r.ok for d in r.inter_token_s()],
+    )
 
 
 async def run_episode(base_url: str, kind: str, specs, t0: float, *, model: str | None = None,

@@ -21,18 +21,18 @@ from serving_core.records import POLLER_COLUMNS
 # column -> metric sample name (counters with their _total suffix); per-pool columns
 # read the sample whose `pool` label names the pool.
 METRIC_NAMES: dict[str, dict[str, str]] = {
-    "hsl": {
-        "running": "hsl:num_requests_running",
-        "waiting": "hsl:num_requests_waiting",
+    "hsl": {  # vLLM's names where both servers export the same quantity
+        "running": "vllm:num_requests_running",
+        "waiting": "vllm:num_requests_waiting",
         "units_used": "hsl:pool_units_used",
         "units_cached": "hsl:pool_units_cached",
         "units_free": "hsl:pool_units_free",
         "units_total": "hsl:pool_units_total",
         "usage_frac": "hsl:pool_usage_perc",
-        "preemptions_total": "hsl:num_preemptions_total",
-        "prompt_tokens_total": "hsl:prompt_tokens_total",
-        "generation_tokens_total": "hsl:generation_tokens_total",
-        "prefix_hit_tokens_total": "hsl:prefix_cache_hit_tokens_total",
+        "preemptions_total": "vllm:num_preemptions_total",
+        "prompt_tokens_total": "hsl:prompt_tokens_total",  # computed (vLLM's counts all)
+        "generation_tokens_total": "vllm:generation_tokens_total",
+        "prefix_hit_tokens_total": "vllm:prefix_cache_hits_total",
     },
     "vllm": {  # vLLM V1: one KV-cache pool, usage as a fraction, no unit counts
         "running": "vllm:num_requests_running",

@@ -159,9 +159,6 @@ class ServerProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def stderr_tail(self, lines: int = 5) -> str:
         self._log.flush()
         text = Path(self._log.name).read_text(errors="replace").strip().splitlines()

@@ -71,11 +71,6 @@ class VllmExecutorConfig:
     name: str = VLLM_KIND
 
 
-def is_vllm_executor(cfg) -> bool:
-    """True for an executor config node of kind vllm."""
-    return hasattr(cfg, "get") and cfg.get("kind") == VLLM_KIND
-
-
 def _flag(data: dict, key: str, default: bool) -> bool:
     value = data.get(key, default)
     if not isinstance(value, bool):
@@ -333,7 +328,7 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
 
 def run_cell_on_vllm(cfg, vcfg: VllmExecutorConfig, geometry, sched_cfg, specs) -> VllmServed:
     """executor=vllm: the cell's workload through a vLLM server at the cell's budget."""
-    from serving_core.layout import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
+    from serving_core.memory.n0 import N0_BLOCK_ALIGNMENT, N0_CPU_BLOCK_ALIGNMENT, n0_layout
     from serving_core.planner import plan_budget
 
     plan = plan_budget(geometry, str(cfg.budget))

@@ -71,7 +71,7 @@ FITTED = STEP_FORMS[DEFAULT_FORM]
 CHANGE_FLOOR = {"memory_efficiency": 0.01, "matmul_efficiency": 0.01, "mixed_step_s": 1e-4,
                 "indirection_overhead": 0.01, "per_step_overhead_s": 1e-4,
                 "state_page_s": 1e-5, "conv_slot_s": 1e-5}
-# Measured mean output per request by seed group (PAPER_ANCHORS.md sections A, B, E).
+# Measured mean output per request by seed group (docs/calibration.md sections A, B, E).
 OUTPUT_ANCHORS = {"0-2": 243.0, "42000-42011": 261.5}
 
 
@@ -243,7 +243,8 @@ SLAB_DUMPS_CSV = CALIBRATION_DIR / "slab_dumps.csv"
 
 
 def load_slab_dumps(path: Path = SLAB_DUMPS_CSV) -> list[tuple[int, int]]:
-    """PAPER_ANCHORS.md F's S2 state dumps: (live conv objects, slab pages) per dump."""
+    """The S2 state dumps of anchor F (docs/calibration.md section F): (live conv objects,
+    slab pages) per dump."""
     with Path(path).open() as fh:
         return [(int(r["live_conv_objects"]), int(r["slab_pages"])) for r in csv.DictReader(fh)]
 
@@ -252,7 +253,7 @@ def _occupancy(geometry, org: str, slab: dict) -> dict:
     """S2 slab occupancy of one run (serving_core.memory.s2.slab_occupancy), prefixed slab_."""
     if org != "S2":
         return {f"slab_{k}": math.nan for k in OCCUPANCY_KEYS}
-    from serving_core.layout import org_layout
+    from serving_core.memory import org_layout
     from serving_core.memory.s2 import slab_occupancy
 
     per = org_layout(geometry, "S2").slots_per_slab
@@ -495,7 +496,8 @@ def format_table(rows: list[tuple]) -> str:
 
 
 # Organization ratios users read (numerator, denominator) per metric; each is computed at
-# every anchor point where both organizations have the metric (PAPER_ANCHORS.md F).
+# every anchor point where both organizations have the metric (docs/calibration.md
+# section 2, Ratios).
 RATIOS = {"throughput": (("S1", "S0"), ("S2", "S1"), ("D0", "S2")),
           "c_once": (("S2", "S1"), ("S1", "S0"))}
 RATIO_TOLERANCE_PP = 3.0  # throughput ratios: within 3 percentage points of the measured
@@ -613,12 +615,12 @@ def calibrate_anchors(args, log) -> int:
             "mixed_steps": str(Path(args.mixed).name),
             "mixed_steps_sha256": _sha(args.mixed),
             "seeds_per_cell": args.seeds,
-            "source": "PAPER_ANCHORS.md sections A-C (fit), A-D (comparison)",
+            "source": "docs/calibration.md sections A-C (fit), A-D (comparison)",
             "overrides": extra,
         },
     }
     header = PROFILE_HEADER
-    profile = replace(profile, calibration="fitted to PAPER_ANCHORS.md sections A-C "
+    profile = replace(profile, calibration="fitted to docs/calibration.md sections A-C "
                       "(conf/calibration/paper_anchors.csv) by make calibrate")
     if args.out:
         write_profile(profile, args.out, fit, header)
@@ -673,10 +675,11 @@ ABLATIONS = {
     "step=roofline": [],  # the datasheet roofline profile instead of the calibrated one
     "d0=aligned": ["engine.checkpoint_placement=step_end", "engine.align_chunks=true"],
     # candidate rules (default = today's behaviour)
-    "pinning=K2": ["engine.pinning_k=2"],  # PAPER_ANCHORS.md E: pinning K = 2 was on
+    "pinning=K2": ["engine.pinning_k=2"],  # docs/calibration.md section E: K = 2 was on
     "free=single_queue": ["engine.free_queue=single_queue"],  # vLLM BlockPool free queue
-    "recency=publication": ["engine.checkpoint_recency=publication"],  # SPEC 3, slab rule
-    "slab=dense": ["engine.slab_policy=dense"],  # PAPER_ANCHORS.md F occupancy + reclaim
+    # docs/engine_rules.md section 9.2: the write-once slab rule applied to member pages
+    "recency=publication": ["engine.checkpoint_recency=publication"],
+    "slab=dense": ["engine.slab_policy=dense"],  # docs/calibration.md section F
     "single_queue+dense": ["engine.free_queue=single_queue", "engine.slab_policy=dense"],
 }
 ABLATION_METRICS = ("throughput", "c_once", "preemptions", "k", "waiting_median", "event_s",

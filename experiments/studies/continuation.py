@@ -28,9 +28,13 @@ NaN), and it copied exactly layers x (B x KV bytes per token + SSM + conv bytes)
 host-to-device into the units the organization's layout gives B. On the
 `--delayed-save-cases`, saves are held incomplete for `--save-delay` seconds of the
 tier's clock and a request arriving in that window must recompute (B = p = 0).
-Rows go to the `continuation` ledger table (<ledger_root>/continuation/), a report
-section to <report_dir>/continuation.md; the LAST output line is JSON
-{"pairs", "equal", "B_equals_p", "audits_ok", "ok"}.
+Rows go to the `continuation` study table (ledgers.studies, <ledger_root>/continuation/);
+`python -m analysis.studies.continuation` writes the page (continuation.md). The LAST
+output line is JSON {"pairs", "equal", "B_equals_p", "audits_ok", "ok"}.
+
+Faults and observations go through the engine's explicit hooks, never by rebinding its
+methods: `Engine.on_plan` sees each step's plan (the reload's first batch), and
+`HybridStateManager.adoption_hook` replaces what one request adopts (the credit fault).
 """
 
 from __future__ import annotations
@@ -41,26 +45,32 @@ import os
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
-from datetime import UTC, datetime
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from experiments.workloads.workload import RequestSpec
-from ledgers.arms import ARMS, arm
+from ledgers.arms import arm
+from ledgers.studies import (
+    CONTINUATION_FAULTS,
+    CONTINUATION_ORGS,
+    new_study_id,
+    now_iso,
+    rows_to_columns,
+    write_study,
+)
 
 # The arms with checkpoints this check covers (S2+Retention runs S2's storage).
-ORGS = tuple(a.name for a in ARMS.values() if not a.retention)
+ORGS = CONTINUATION_ORGS
 # The reference lengths as offsets from multiples of C (for C = 1,792: 3,583 ... 5,377).
 OFFSETS = ("2C-1", "2C", "2C+1", "2C+3", "2C+4", "2C+5", "3C-1", "3C", "3C+1")
 _CASE = re.compile(r"^(\d*)C([+-]\d+)?$")
-FAULTS = ("credit_n_minus_1",)
+FAULTS = CONTINUATION_FAULTS
 VOCAB = 128_256
 INTERPOSER_TOKENS = 2  # generated tokens per interposer
 MAX_BATCHED_TOKENS = 2048
+TABLE = "continuation"  # study table (ledgers.studies); page analysis/studies/
 
 
 def parse_case(label: str) -> tuple[int, int]:
@@ -113,6 +123,8 @@ def expected_prefix(n: int, C: int, budget: int, step_end: bool, align: bool,
 
 @dataclass
 class PairResult:
+    budget: str
+    seed: int
     org: str
     length_case: str
     n_tokens: int
@@ -174,14 +186,6 @@ class PairResult:
                 and self.first_scheduled == self.expected_first and self.audits_ok)
 
 
-_ARROW = {int: pa.int64(), bool: pa.bool_(), str: pa.string()}
-SCHEMA = pa.schema(
-    [(f.name, _ARROW[{"int": int, "bool": bool, "str": str}[f.type]])
-     for f in fields(PairResult)]
-    + [("ok", pa.bool_()), ("model", pa.string()), ("created_at", pa.string())]
-)
-
-
 def _spec(rid: int, arrival: float, prompt: np.ndarray, output_tokens: int) -> RequestSpec:
     return RequestSpec(rid, arrival, prompt, output_tokens, -1, "")
 
@@ -195,31 +199,43 @@ def _generate(engine, specs, host=None) -> tuple[list[int], object]:
     first = specs[0].request_id
     tokens: list[int] = []
     target = engine.num_finished + len(specs)
-    arena = engine.executor.arena
+    copier = _copier(engine)
     while engine.num_finished < target:
         out = engine.step()
         if out is not None:
             tokens += [tok for rid, tok in out.produced if rid == first]
         if host is not None:
-            host.save_published(engine.mem, arena)
-            host.complete(arena.device)
+            engine.sched.state.save_published(host, copier)
+            host.complete()
     req = next(r for r in engine.requests if r.rid == first)
     return tokens, req
 
 
-def _first_batch(engine, rid: int) -> dict:
-    """Record (context, scheduled tokens) of the first batch that schedules `rid`."""
-    seen: dict = {}
-    schedule = engine.sched.schedule
+def _copier(engine):
+    """The copy port over the engine's state arena (what the host tier saves and restores
+    through, called by the engine's state manager)."""
+    from serving_core.executor.state_copy import ArenaCopier
 
-    def recording(now):
-        plan = schedule(now)
+    return ArenaCopier(engine.executor.arena)
+
+
+def _restore(engine, host, keys: list[int]):
+    """Restore the deepest prefix of `keys` the tier holds into `engine` (its state
+    manager allocates, writes and publishes)."""
+    return engine.sched.state.restore_prefix(keys, host, _copier(engine))
+
+
+def _first_batch(engine, rid: int) -> dict:
+    """Record (context, scheduled tokens) of the first batch that schedules `rid`, read
+    from each step's plan through the engine's plan observer (`Engine.on_plan`)."""
+    seen: dict = {}
+
+    def observe(plan) -> None:
         for item in plan:
             if item.req.rid == rid and not seen:
                 seen.update(context=item.context, scheduled=item.num_new)
-        return plan
 
-    engine.sched.schedule = recording
+    engine.on_plan = observe
     return seen
 
 
@@ -263,15 +279,14 @@ def _restore_sizes(mem, geometry, restored) -> tuple[int, int, int, int]:
 
 
 def _force_credit(engine, rid: int, keys: list[int], p: int) -> None:
-    """Fault injection: admit `rid` crediting p tokens over the blocks of `keys` and the
-    checkpoint at the last of them (what a tier entry at B = N offers)."""
+    """Fault injection through the state manager's adoption hook: admit `rid` crediting
+    p tokens over the blocks of `keys` and the checkpoint at the last of them (what a
+    tier entry at B = N offers)."""
     from serving_core.state_manager import Adoption
 
-    state, mem = engine.sched.state, engine.mem
-    adoption = state.adoption
+    mem = engine.mem
 
-    def forced(req):
-        found = adoption(req)
+    def forced(req, found):
         if req.rid != rid:
             return found
         blocks = [mem.cached_attention(k) for k in keys]
@@ -279,7 +294,7 @@ def _force_credit(engine, rid: int, keys: list[int], p: int) -> None:
         return Adoption(found.hit, found.keys, p, blocks, ckpt,
                         mem.pinned_by_adoption(blocks + [ckpt]))
 
-    state.adoption = forced
+    engine.sched.state.adoption_hook = forced
 
 
 def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: int,
@@ -288,7 +303,7 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
              poison: bool = True, split_last_boundary: bool = False) -> PairResult:
     """The protocol for one organization and one prompt length (see the module doc)."""
     from serving_core.builder import build_engine, loaded_model_spec
-    from serving_core.executor.host_tier import HostTier
+    from serving_core.host_tier import HostTier
     from serving_core.request import Request
 
     if fault is not None and fault not in FAULTS:
@@ -321,19 +336,19 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     window = {"b": -1, "p": -1, "pending": 0, "equal": False}
     if delayed_save:  # a request arriving while the saves are held incomplete
         clock[0] += save_delay_s / 2
-        host.complete(cold.executor.arena.device)
+        host.complete()
         window["pending"] = host.num_pending
         early = fresh_engine()
-        got = host.restore(early.mem, early.executor.arena, lookup_keys)
+        got = _restore(early, host, lookup_keys)
         early_tokens, early_req = _generate(early, [_spec(0, 0.0, prompts[0], output_tokens)])
         window.update(b=got.prefix_tokens, p=early_req.adopted_first,
                       equal=early_tokens == cold_tokens)
         clock[0] += save_delay_s  # the window has passed: the copies land
-        host.complete(cold.executor.arena.device)
+        host.complete()
     # Interposers: two other prompts through the same device (their own state published).
     _generate(cold, [_spec(i, 0.0, prompts[i], INTERPOSER_TOKENS) for i in (1, 2)], host)
     clock[0] += save_delay_s
-    host.complete(cold.executor.arena.device)
+    host.complete()
     saves = host.saves_completed
 
     warm = fresh_engine()  # device cache reset; the host tier is kept
@@ -347,7 +362,7 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
                              f"(deepest over the whole prompt: {tier_full})")
         keys = full_keys
     arena = warm.executor.arena
-    restored = host.restore(warm.mem, arena, keys)
+    restored = _restore(warm, host, keys)
     exact = _restored_exact(host, arena, keys, restored)
     expected_bytes, capacity, units, expected_units = _restore_sizes(warm.mem, geometry,
                                                                      restored)
@@ -367,7 +382,7 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     p_rule = expected_prefix(n, C, budget_tokens, sched.step_end, sched.align, split)
     b = restored.prefix_tokens
     return PairResult(
-        org=org, length_case=case, n_tokens=n, interval=C,
+        budget=budget, seed=seed, org=org, length_case=case, n_tokens=n, interval=C,
         placement="step_end" if sched.step_end else "every_boundary",
         align_chunks=bool(sched.align), split_last_boundary=split,
         output_tokens=output_tokens,
@@ -388,68 +403,12 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     )
 
 
-def write_ledger(root: str | os.PathLike, rows: list[PairResult], model: str) -> Path:
-    out = Path(root) / "continuation"
-    out.mkdir(parents=True, exist_ok=True)
-    now = datetime.now(UTC).isoformat(timespec="seconds")
-    data = {name: [] for name in SCHEMA.names}
-    for row in rows:
-        values = {**asdict(row), "ok": row.ok, "model": model, "created_at": now}
-        for name, value in values.items():
-            data[name].append(value)
-    table = pa.Table.from_pydict(data, schema=SCHEMA)
-    path = out / f"continuation-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}.parquet"
-    tmp = path.with_name("." + path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "NO"
-
-
-def report_section(rows: list[PairResult], model: str) -> str:
-    lines = [
-        "## Continuation correctness",
-        "",
-        f"Model {model}; greedy, EOS ignored; per organization and prompt length N the target",
-        "is generated cold, two interposers run, the device cache is reset keeping the host",
-        "tier, and the target is regenerated from the reloaded prefix, restored into units",
-        "filled with NaN beforehand. B: restored prefix; p: prefix the scheduler credited;",
-        "expected p: the deepest boundary strictly inside the prompt that the engine's",
-        "placement rule publishes; full = C floor((N-1)/C); lost = full - expected p.",
-        "First batch: tokens computed / scheduled by the first reload step. Bytes:",
-        "host-to-device bytes of the restore (all equal layers x (B x KV bytes/token +",
-        "SSM + conv) where marked yes). Window: B / p of a request arriving while the",
-        "saves were held incomplete (delayed-save audit; '-' where not run).",
-        "",
-        "| org | N | C | rule | B | p | expected p | full | lost | tier at N | first batch "
-        "| bytes H2D | bytes ok | window | tokens equal | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        rule = "step_end+align" if r.align_chunks else r.placement
-        rule += "+split" if r.split_last_boundary else ""
-        window = "-" if r.window_b < 0 else f"{r.window_b} / {r.window_p}"
-        tokens = "yes" if r.tokens_equal else f"no (first at {r.first_mismatch})"
-        fault = f" fault {r.fault}" if r.fault else ""
-        lines.append(
-            f"| {r.org} | {r.n_tokens} ({r.length_case}{fault}) | {r.interval} | {rule} | "
-            f"{r.restored_prefix_b} | {r.credited_prefix_p} | {r.expected_p} | "
-            f"{r.full_prefix} | {r.reuse_lost} | {r.tier_full_depth} | "
-            f"{r.first_context} / {r.first_scheduled} | {r.bytes_h2d:,} | "
-            f"{_yes(r.bytes_h2d == r.expected_bytes and r.restored_exact)} | {window} | "
-            f"{tokens} | {_yes(r.ok)} |")
-    ok = sum(r.ok for r in rows)
-    lines += ["", f"{ok} of {len(rows)} pairs pass every column.", ""]
-    lost = [r for r in rows if r.reuse_lost]
-    if lost:
-        lines.append("Reuse lost under the engine's rule (prompt N = k C run as one aligned "
-                     "chunk; no checkpoint at N - C): " + "; ".join(
-                         f"{r.org} N={r.n_tokens}: {r.reuse_lost} tokens" for r in lost) + ".")
-        lines.append("")
-    return "\n".join(lines)
+def write_rows(root: str | os.PathLike, rows: list[PairResult], model: str) -> Path:
+    """The pairs as one file of the `continuation` study table (one study run)."""
+    data = [{**asdict(r), "b_equals_p": r.b_equals_p, "audits_ok": r.audits_ok, "ok": r.ok}
+            for r in rows]
+    return write_study(root, TABLE, rows_to_columns(
+        TABLE, data, study_id=new_study_id(), created_at=now_iso(), model=model))
 
 
 def summary(rows: list[PairResult]) -> dict:
@@ -495,7 +454,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ledger-root", default=os.environ.get("LEDGER_ROOT", "ledgers/data"))
-    p.add_argument("--report-dir", default="reports")
     args = p.parse_args(argv)
     orgs = _choices(args.orgs, ORGS, "orgs")
     cases = _choices(args.cases, ("kC", "kC+d", "kC-d"), "cases", _bad_case)
@@ -548,11 +506,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row.first_context}/{row.first_scheduled}; {row.bytes_h2d:,} B H2D{window}; "
                   f"tokens {'equal' if row.tokens_equal else 'DIFFER'}; "
                   f"{'ok' if row.ok else 'FAIL'} ({time.perf_counter() - t:.1f} s)", flush=True)
-    path = write_ledger(args.ledger_root, rows, args.preset)
-    report = Path(args.report_dir)
-    report.mkdir(parents=True, exist_ok=True)
-    (report / "continuation.md").write_text(report_section(rows, args.preset))
-    print(f"ledger: {path}; report: {report / 'continuation.md'}")
+    path = write_rows(args.ledger_root, rows, args.preset)
+    print(f"ledger: {path}; page: python -m analysis.studies.continuation --ledgers "
+          f"{args.ledger_root}")
     print(json.dumps(summary(rows)), flush=True)
     return 0 if all(r.ok for r in rows) else 1
 

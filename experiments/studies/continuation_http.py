@@ -16,9 +16,10 @@ when no boundary lies inside), its first batch computed B and scheduled the rule
 first chunk from B, and its generated ids equal the cold run's. The host tier poisons
 every destination unit with NaN before a restore writes it, so a missed byte changes
 the tokens. The cold run must recompute (every case's prompt is its own document).
-Rows go to <ledger_root>/continuation_http/, a section to
-<report_dir>/continuation_http.md; the LAST line is JSON {"cases", "equal",
-"B_equals_p", "ok", "seconds_per_case"}.
+Rows go to the `continuation_http` study table (ledgers.studies,
+<ledger_root>/continuation_http/); `python -m analysis.studies.continuation_http` writes the
+page (continuation_http.md). The LAST line is JSON {"cases", "equal", "B_equals_p", "ok",
+"seconds_per_case"}.
 """
 
 from __future__ import annotations
@@ -30,18 +31,17 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from experiments.studies.continuation import OFFSETS, ORGS, VOCAB, chunk_ends, parse_case
 from experiments.studies.reload_study import Server, server_spec
+from ledgers.studies import new_study_id, now_iso, rows_to_columns, write_study
 
 TEMPLATES = ("english_ledger", "chinese_rules", "python_code")
 INTERPOSER_TOKENS = 2
+TABLE = "continuation_http"  # study table (ledgers.studies); page analysis/studies/
 
 
 def template_text(name: str, lines: int, document: int = 0) -> str:
@@ -133,36 +133,13 @@ def run_case(srv: Server, org: str, case: str, template: str, prompt: list[int],
                     mismatch, time.perf_counter() - t0)
 
 
-def report_section(rows: list[HttpCase]) -> str:
-    lines = ["## Continuation over HTTP (host tier in the server)", "",
-             "Per case on one server (--host-tier, split_last_boundary on): target cold, two "
-             "interposers, POST /reset_prefix_cache, target again. B: restored by the tier; "
-             "p: credited (the reload's adopted prefix); expected p = C floor((N-1)/C). "
-             "First batch: computed / scheduled (expected). Paths from the server's records.",
-             "", "| org | case | template | N | C | out | cold path | reload path | B | p | "
-             "expected p | first batch | tokens equal | s | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.org} | {r.case} | {r.template} | {r.n_tokens} | {r.interval} | "
-                     f"{r.output_tokens} | {r.cold_path} | {r.reload_path} | {r.restored_b} | "
-                     f"{r.credited_p} | {r.expected_p} | {r.first_computed} / "
-                     f"{r.first_scheduled} ({r.expected_first}) | "
-                     f"{'yes' if r.tokens_equal else f'no (at {r.first_mismatch})'} | "
-                     f"{r.seconds:.1f} | {'yes' if r.ok else 'NO'} |")
-    lines += ["", f"{sum(r.ok for r in rows)} of {len(rows)} cases pass every column.", ""]
-    return "\n".join(lines)
-
-
-def write_rows(root: str, rows: list[HttpCase], model: str) -> Path:
-    out = Path(root) / "continuation_http"
-    out.mkdir(parents=True, exist_ok=True)
-    data = [{**asdict(r), "ok": r.ok, "model": model} for r in rows]
-    table = pa.Table.from_pylist(data)
-    path = out / f"continuation_http-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}.parquet"
-    tmp = path.with_name("." + path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-    return path
+def write_rows(root: str, rows: list[HttpCase], *, model: str, budget: str,
+               seed: int) -> Path:
+    """The cases as one file of the `continuation_http` study table (one study run)."""
+    data = [{**asdict(r), "b_equals_p": r.b_equals_p, "ok": r.ok} for r in rows]
+    return write_study(root, TABLE, rows_to_columns(
+        TABLE, data, study_id=new_study_id(), created_at=now_iso(),
+        model=model, budget=budget, seed=seed))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="b63")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ledger-root", default=os.environ.get("LEDGER_ROOT", "ledgers/data"))
-    p.add_argument("--report-dir", default="reports")
     args = p.parse_args(argv)
     orgs = [o.strip() for o in args.orgs.split(",") if o.strip()]
     cases = [] if args.cases.strip() == "none" else [
@@ -208,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 Server(spec, Path(tmp)) as srv:
             eff = srv.effective
             C = 0
-            from serving_core.layout import org_layout
+            from serving_core.memory import org_layout
 
             C = org_layout(spec.geometry(), spec.org).checkpoint_interval
             todo = []
@@ -232,11 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row.first_computed}/{row.first_scheduled} ({row.expected_first}); "
                       f"tokens {'equal' if row.tokens_equal else 'DIFFER'}; "
                       f"{'ok' if row.ok else 'FAIL'} ({row.seconds:.1f} s)", flush=True)
-    path = write_rows(args.ledger_root, rows, args.preset)
-    report = Path(args.report_dir)
-    report.mkdir(parents=True, exist_ok=True)
-    (report / "continuation_http.md").write_text(report_section(rows))
-    print(f"ledger: {path}; report: {report / 'continuation_http.md'}")
+    path = write_rows(args.ledger_root, rows, model=args.preset, budget=args.budget,
+                      seed=args.seed)
+    print(f"ledger: {path}; page: python -m analysis.studies.continuation_http --ledgers "
+          f"{args.ledger_root}")
     print(json.dumps({"cases": len(rows), "equal": sum(r.tokens_equal for r in rows),
                       "B_equals_p": all(r.b_equals_p for r in rows),
                       "ok": sum(r.ok for r in rows),

@@ -7,8 +7,8 @@
    binds and one where it does not, 3 seeds, the tiny checkpoint served over HTTP
    (executor=torch), one run at a time. Complete runs are kept; rerunning repairs the rest.
 2. a bounded least-squares fit (serving_core.executor.fit_steps) of the CPU profile's free
-   constants to the steps ledgers of those runs; written with its residuals and the run ids
-   it used to ROOT/fidelity/profile.yaml.
+   constants to the steps ledgers of those runs; recorded with its residuals, the run ids
+   it used and the overrides below in the `fidelity_fit` study table (ledgers.studies).
 3. campaign fidelity_sim: the same cells in simulation under the fitted profile, passed as
    executor.* overrides (its name, sim:<name> in the runs ledger, tells fits apart).
 
@@ -24,14 +24,14 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import yaml
-
 import ledgers
 from experiments.config.bad_input import EXIT_BAD_INPUT
+from ledgers.studies import new_study_id, now_iso, rows_to_columns, write_study
 from serving_core.executor.fit_steps import STEP_COLUMNS, fit_steps
 from serving_core.geometry import load_geometry
 
 REAL, SIM = "fidelity_real", "fidelity_sim"
+TABLE = "fidelity_fit"  # study table (ledgers.studies); page analysis/studies/
 START_PROFILE = "cpu"  # conf/executor/cpu.yaml: the starting point of the fit
 MODEL = "falcon_h1_tiny"
 FITTED_FIELDS = ("name", "memory_efficiency", "matmul_efficiency", "attention_efficiency",
@@ -70,7 +70,8 @@ def real_runs(root: Path) -> list[tuple[str, str, dict]]:
 
 
 def fit_profile(root: Path) -> tuple[dict, list[str]]:
-    """Fit the start profile to the real runs; write ROOT/fidelity/profile.yaml."""
+    """Fit the start profile to the real runs; record the fit in the `fidelity_fit` study
+    table (one row per fitted numeric field of the profile the simulated half runs)."""
     runs = real_runs(root)
     if not runs:
         raise ValueError(f"campaign {REAL} has no complete runs under {root}")
@@ -81,15 +82,18 @@ def fit_profile(root: Path) -> tuple[dict, list[str]]:
         "parameters": fit.parameters, "rows": fit.rows, "rms_rel_error": fit.rms_rel_error,
         "total_rel_error_by_org": fit.total_rel_error, "start": START_PROFILE,
         "runs": sorted(run_id for run_id, _, _ in runs)}}
-    out = root / "fidelity" / "profile.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("# Step profile fitted by experiments.studies.fidelity to the real runs' steps "
-                   "ledgers (bounded least squares).\n" + yaml.safe_dump(record, sort_keys=False))
     overrides = []
     for key in FITTED_FIELDS:
         value = profile[key]
         text = "'" + value.replace("'", "") + "'" if isinstance(value, str) else repr(value)
         overrides.append(f"executor.{key}={text}")
+    fitted = [{"parameter": key, "value": float(profile[key])} for key in FITTED_FIELDS
+              if not isinstance(profile[key], str)]
+    write_study(root, TABLE, rows_to_columns(
+        TABLE, fitted, study_id=new_study_id(), created_at=now_iso(), model=MODEL,
+        start=START_PROFILE, profile=profile["name"], rows=fit.rows,
+        rms_rel_error=fit.rms_rel_error, org_errors=json.dumps(fit.total_rel_error),
+        runs=json.dumps(record["fit"]["runs"]), overrides=json.dumps(overrides)))
     return record, overrides
 
 

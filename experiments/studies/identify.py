@@ -158,8 +158,7 @@ class Space:
 
 
 def load_space(path: Path = SPACE_YAML) -> Space:
-    text = Path(path).read_text()
-    raw = yaml.safe_load(text)
+    raw = yaml.safe_load(Path(path).read_text())
     factors = {}
     for factor, levels in raw["factors"].items():
         factors[factor] = {}
@@ -175,8 +174,16 @@ def load_space(path: Path = SPACE_YAML) -> Space:
         if codes[0] or len(set(codes)) != len(codes):
             raise ValueError(f"{path}: factor {factor}: the default level has code '' and "
                              "every other level a code of its own")
+    # The digest covers what a combination's scores depend on: the levels without their
+    # `why` texts, the designs, the fit and the score (a reworded justification or comment,
+    # or a changed selection rule, which is applied anew at every run, is not a new search).
+    semantic = {**{k: v for k, v in raw.items() if k != "selection"},
+                "factors": {f: {n: {k: v for k, v in spec.items() if k != "why"}
+                                for n, spec in levels.items()}
+                            for f, levels in raw["factors"].items()}}
     return Space(factors, raw["designs"], tuple(raw["full"]), raw["fit"], raw["score"],
-                 raw["selection"], hashlib.sha256(text.encode()).hexdigest()[:12])
+                 raw["selection"], hashlib.sha256(json.dumps(
+                     semantic, sort_keys=True).encode()).hexdigest()[:12])
 
 
 def campaign_blocks(path: Path = CAMPAIGN_YAML) -> dict[str, dict]:
@@ -536,14 +543,38 @@ def summary_of(rows: dict) -> dict:
             "fit_loss": loss.get("fit", math.nan), "check_loss": loss.get("check", math.nan),
             "targets_met": sum(bool(rows["met"][i]) for i in tgt), "targets": len(tgt),
             "levels_ok": bool(rows["met"][pick("levels")[0]]),
+            "levels": {f"{rows['section'][i]}-{rows['point'][i]} {rows['org'][i]} "
+                       f"{rows['metric'][i]}": (rows["measured"][i], rows["error"][i])
+                       for i in pick("level")},
             "constants": {rows["metric"][i]: rows["ours"][i] for i in pick("constant")},
             "ratios": {f"{rows['section'][i]}-{rows['point'][i]} {rows['org'][i]} "
                        f"{rows['metric'][i]}": rows["error"][i] for i in pick("ratio")},
-            "iterations": rows["iterations"][0], "converged": bool(rows["converged"][0])}
+            "iterations": rows["iterations"][0], "converged": bool(rows["converged"][0]),
+            "seconds": float(rows["seconds"][0])}
+
+
+def moved_outside(candidate: dict, base: dict, selection: dict) -> list[str]:
+    """The levels the refitted defaults hold within the selection's limit (relative error;
+    an anchor of 0 by the score's absolute tolerance, `zero_tolerance`) that `candidate`
+    moves outside it: the issue's "without moving any level outside 10 %"."""
+    limit, zero = selection["level_limit"], selection["zero_tolerance"]
+
+    def within(measured: float, error: float) -> bool:
+        return abs(error) <= (zero if measured == 0 else limit)
+
+    out = []
+    for key, (measured, error) in base.get("levels", {}).items():
+        got = candidate.get("levels", {}).get(key)
+        if got is not None and within(measured, error) and not within(*got):
+            out.append(key)
+    return out
 
 
 def select(summaries: list[dict], space: Space) -> dict:
-    """The adopted default (or none) and the identified set (selection rule of the space)."""
+    """The adopted default (or none) and the identified set (selection rule of the space):
+    the combination of least fitting loss is adopted only when it lowers the refitted
+    defaults' checking loss, keeps every throughput level within the limit and moves no
+    level the defaults hold within the limit outside it."""
     finite = [s for s in summaries if math.isfinite(s["fit_loss"])]
     if not finite:
         return {"best": None, "adopted": None, "identified": [], "reason": "nothing scored"}
@@ -552,33 +583,46 @@ def select(summaries: list[dict], space: Space) -> dict:
     tol = space.selection["tolerance"]
     identified = [s["combination"] for s in sorted(finite, key=lambda s: s["fit_loss"])
                   if s["fit_loss"] <= (1 + tol) * best["fit_loss"]]
+    pct = f"{space.selection['level_limit']:.0%}"
+    moved = [] if base is None else moved_outside(best, base, space.selection)
     if base is None:
         adopted, reason = None, "the refitted defaults (base) were not scored"
     elif best["combination"] == "base":
         adopted, reason = "base", "the defaults have the least fitting loss"
     elif not best["levels_ok"]:
-        adopted, reason = None, f"{best['combination']} moves a throughput level outside 10 %"
+        adopted, reason = None, f"{best['combination']} moves a throughput level outside {pct}"
     elif not best["check_loss"] < base["check_loss"]:
         adopted, reason = None, (f"{best['combination']} does not improve the checking part "
                                  f"({best['check_loss']:.3g} against {base['check_loss']:.3g})")
+    elif moved:
+        adopted, reason = None, (
+            f"{best['combination']} lowers the checking loss ({best['check_loss']:.3g} against "
+            f"{base['check_loss']:.3g}) but moves {len(moved)} level(s) the defaults hold "
+            f"within {pct} outside it: {', '.join(moved)}")
     else:
         adopted, reason = best["combination"], (
             f"least fitting loss ({best['fit_loss']:.3g}), checking loss "
-            f"{best['check_loss']:.3g} below the defaults' {base['check_loss']:.3g}")
+            f"{best['check_loss']:.3g} below the defaults' {base['check_loss']:.3g}, no level "
+            f"moved outside {pct}")
     return {"best": best["combination"], "adopted": adopted, "identified": identified,
             "reason": reason}
 
 
-def selection_rows(search: str, study_id: str, selection: dict, summaries) -> dict[str, list]:
+def selection_rows(search: str, study_id: str, selection: dict, summaries,
+                   space: Space) -> dict[str, list]:
+    """One row per combination: identified or not, adopted or not, the reason, and (`ours`)
+    how many levels the refitted defaults hold within the limit it moves outside."""
     from datetime import UTC, datetime
 
     now = datetime.now(UTC).isoformat(timespec="seconds")
+    base = next((s for s in summaries if s["combination"] == "base"), {})
     rows = []
     for s in summaries:
         name = s["combination"]
         rows.append((name, s["label"], s["form"], json.dumps(s["rules"], sort_keys=True),
                      "identified" if name in selection["identified"] else "",
-                     name == selection["adopted"], name == selection["best"]))
+                     name == selection["adopted"],
+                     float(len(moved_outside(s, base, space.selection)))))
     n = len(rows)
     return {"study_id": [study_id] * n, "created_at": [now] * n, "search": [search] * n,
             "combination": [r[0] for r in rows], "label": [r[1] for r in rows],
@@ -587,13 +631,13 @@ def selection_rows(search: str, study_id: str, selection: dict, summaries) -> di
             "converged": [False] * n, "seconds": [0.0] * n, "kind": ["selection"] * n,
             "part": [r[4] for r in rows], "section": [""] * n, "point": [""] * n,
             "org": [""] * n, "metric": [selection["reason"]] * n, "measured": [math.nan] * n,
-            "ours": [math.nan] * n, "error": [math.nan] * n, "residual": [math.nan] * n,
-            "met": [r[5] for r in rows]}
+            "ours": [r[6] for r in rows], "error": [math.nan] * n,
+            "residual": [math.nan] * n, "met": [r[5] for r in rows]}
 
 
 # ----- conf/calibration outputs -------------------------------------------------------------
 def write_conf(summaries: list[dict], selection: dict, space: Space, search: str,
-               settings: Settings, seconds: float) -> None:
+               settings: Settings, seconds: float, unscored: list[str] = ()) -> None:
     """conf/calibration/identify.csv (the search table) and identified.yaml (the set)."""
     import csv
 
@@ -601,12 +645,14 @@ def write_conf(summaries: list[dict], selection: dict, space: Space, search: str
     with OUT_CSV.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["combination", "label", "form", "fit_loss", "check_loss", "targets_met",
-                    "levels_within_10pct", "identified", "adopted", "iterations",
-                    *cal.CONSTANTS, *(f"gap_pp {k}" for k in ratio_keys)])
+                    "levels_within_10pct", "levels_moved_outside", "identified", "adopted",
+                    "iterations", *cal.CONSTANTS, *(f"gap_pp {k}" for k in ratio_keys)])
+        base = next((s for s in summaries if s["combination"] == "base"), {})
         for s in sorted(summaries, key=lambda s: s["fit_loss"]):
+            moved = moved_outside(s, base, space.selection)
             w.writerow([s["combination"], s["label"], s["form"], f"{s['fit_loss']:.4f}",
                         f"{s['check_loss']:.4f}", f"{s['targets_met']}/{s['targets']}",
-                        s["levels_ok"], s["combination"] in selection["identified"],
+                        s["levels_ok"], len(moved), s["combination"] in selection["identified"],
                         s["combination"] == selection["adopted"], s["iterations"],
                         *(f"{s['constants'].get(c, math.nan):.6g}" for c in cal.CONSTANTS),
                         *(f"{s['ratios'].get(k, math.nan):+.2f}" for k in ratio_keys)])
@@ -622,7 +668,8 @@ def write_conf(summaries: list[dict], selection: dict, space: Space, search: str
             "executor": consts,
         }
     doc = {"search": search, "space": space.digest, "seeds_per_cell": settings.seeds,
-           "combinations_scored": len(summaries), "wall_seconds": round(seconds),
+           "combinations_scored": len(summaries), "unscored": list(unscored),
+           "search_seconds": round(seconds),
            "selection_tolerance": space.selection["tolerance"],
            "best": selection["best"], "adopted": selection["adopted"],
            "reason": selection["reason"], "identified": identified}
@@ -652,7 +699,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the combinations; run nothing")
     p.add_argument("--no-conf", action="store_true",
                    help="do not write conf/calibration/identify.csv and identified.yaml")
+    p.add_argument("--select-only", action="store_true",
+                   help="run nothing: apply the selection rule to the combinations the search "
+                        "has scored (the others are listed as unscored) and write its outputs")
+    p.add_argument("--search", default=None,
+                   help="with --select-only: the search key to select over (default: the key "
+                        "of this space and these settings)")
     args = p.parse_args(argv)
+    if args.search and not args.select_only:
+        print("error: --search: allowed only with --select-only", file=sys.stderr)
+        return 2
     try:
         space = load_space()
         designs = (args.design.split(",") if args.design else
@@ -697,17 +753,20 @@ def main(argv: list[str] | None = None) -> int:
 
     anchors = cal.load_anchors()
     mixed = cal.load_mixed()
-    search = settings.key(space)
+    search = args.search or settings.key(space)
     study_id = time.strftime("%Y%m%dT%H%M%S") + "-" + search
     done = scored(settings.ledger_root, search)
     t0 = time.perf_counter()
     log(f"identify: search {search}, {len(combos)} combinations ({len(done)} already scored), "
         f"{settings.seeds} seed(s) per cell, at most {settings.max_iterations} fit iterations; "
         f"ledgers {settings.ledger_root}")
-    summaries = []
+    summaries, unscored = [], []
     for i, combo in enumerate(combos, 1):
         if combo.name in done:
             summaries.append(summary_of(done[combo.name]))
+            continue
+        if args.select_only:
+            unscored.append(combo.name)
             continue
         result = identify_one(combo, space, anchors, mixed, settings, log)
         cols = result_rows(result, space, anchors, search, settings, study_id)
@@ -717,12 +776,20 @@ def main(argv: list[str] | None = None) -> int:
         log(f"[{i}/{len(combos)}] {combo.name}: fit loss {s['fit_loss']:.3f}, check loss "
             f"{s['check_loss']:.3f}, targets {s['targets_met']}/{s['targets']}, "
             f"{result.iterations} fits, {result.seconds:.0f} s")
+    if unscored:
+        log(f"select-only: {len(unscored)} combination(s) of the space not scored by {search}: "
+            + ", ".join(unscored))
+    if not summaries:
+        print(f"error: search {search}: nothing scored under {settings.ledger_root}",
+              file=sys.stderr)
+        return 2
     selection = select(summaries, space)
     write_study(settings.ledger_root, TABLE, selection_rows(search, study_id, selection,
-                                                            summaries))
-    seconds = time.perf_counter() - t0
+                                                            summaries, space))
+    # the search's compute time: its combinations' refit-and-score seconds
+    seconds = sum(s["seconds"] for s in summaries)
     if not args.smoke and not args.no_conf:
-        write_conf(summaries, selection, space, search, settings, seconds)
+        write_conf(summaries, selection, space, search, settings, seconds, unscored)
         log(f"wrote {OUT_CSV.relative_to(ROOT)} and {OUT_IDENTIFIED.relative_to(ROOT)}")
     for s in sorted(summaries, key=lambda s: s["fit_loss"]):
         print(f"{s['combination']:32} fit {s['fit_loss']:8.3f}  check {s['check_loss']:8.3f}  "
@@ -732,7 +799,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"search": search, "combinations": len(summaries), "best":
                       selection["best"], "adopted": selection["adopted"],
                       "identified": selection["identified"],
-                      "wall_seconds": round(seconds, 1)}))
+                      "unscored": unscored, "search_seconds": round(seconds, 1),
+                      "wall_seconds": round(time.perf_counter() - t0, 1)}))
     return 0
 
 

@@ -28,12 +28,10 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import sys
 import tempfile
 import time
 from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -43,11 +41,12 @@ from experiments.runners.http_client import ClientRecord, stream_one
 from experiments.runners.server_process import ServerError, ServerProcess, hsl_server_command
 from experiments.workloads.workload import RequestSpec
 from ledgers.arms import arm
-from ledgers.studies import REQUEST_PATHS, STUDY_SCHEMAS, write_study
+from ledgers.studies import REQUEST_PATHS, new_study_id, now_iso, rows_to_columns, write_study
 
 ORDERS = (("off_on", (False, True)), ("on_off", (True, False)))
 VOCAB = 128_256
 WARMUP_DOCUMENT = -1
+TABLE = "reload_study"  # study table (ledgers.studies); page analysis/studies/
 
 
 def prompt_ids(n: int, document: int, seed: int) -> list[int]:
@@ -228,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         specs = {tier: server_spec(args.checkpoint, args.preset, args.org, args.budget, tier,
                                    True) for tier in (False, True)}
         from serving_core.executor.torch_config import TorchExecutorConfig, check_checkpoint
-        from serving_core.layout import org_layout
+        from serving_core.memory import org_layout
 
         check_checkpoint(TorchExecutorConfig(args.checkpoint), specs[True].geometry())
         interval = org_layout(specs[True].geometry(), specs[True].org).checkpoint_interval
     except (ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    study_id = datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3)
+    study_id = new_study_id()
     reference: dict[int, list[int]] = {}
     rows: list[dict] = []
     t0 = time.perf_counter()
@@ -247,14 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                                warmup_tokens=args.warmup_tokens, seed=args.seed,
                                reference=reference, interval=interval,
                                log=lambda line: print(line, flush=True))
-    now = datetime.now(UTC).isoformat(timespec="seconds")
-    fixed = {"study_id": study_id, "created_at": now, "model": args.preset,
-             "org": specs[True].org, "budget": args.budget}
-    columns = {name: [] for name in STUDY_SCHEMAS["reload_study"].names}
-    for row in rows:
-        for name in columns:
-            columns[name].append(fixed[name] if name in fixed else row[name])
-    path = write_study(args.ledger_root, "reload_study", columns)
+    path = write_study(args.ledger_root, TABLE, rows_to_columns(
+        TABLE, rows, study_id=study_id, created_at=now_iso(), model=args.preset,
+        org=specs[True].org, budget=args.budget))
     out = summary(rows)
     print(f"study {study_id}: {out['requests']} measured requests in "
           f"{time.perf_counter() - t0:.0f} s; ledger {path}", flush=True)

@@ -7,8 +7,10 @@ also decides Q4's D0/S2 rows, and Q6's Q6-17), every cell of the family's prereg
 (conf/prereg/<plan>.yaml) is run at its seeds with the alternative's overrides, into
 campaign `sens_<alternative>` (`sens_<alternative>_smoke` at smoke size: the first seeds and
 fewer requests), question `sensitivity`. Runs go through experiments.run (complete runs are
-skipped, the ledgers written as for any run). `analysis.studies.sensitivity` then evaluates the
-families on those runs.
+skipped, the ledgers written as for any run); the study's own record, one row per run (its
+alternative, plan cell, seed, run id and whether it ran or was skipped), goes to the
+`sensitivity_runs` study table (ledgers.studies). `analysis.studies.sensitivity` then
+evaluates the families on those runs.
 
     python -m experiments.studies.sensitivity --ledgers ROOT [--smoke] [--alternatives a,b]
         [--seeds N] [--requests N]
@@ -19,11 +21,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from ledgers.studies import new_study_id, now_iso, rows_to_columns, write_study
 
 ROOT = Path(__file__).resolve().parents[2]
 ALTERNATIVES_YAML = ROOT / "conf" / "sensitivity" / "alternatives.yaml"
@@ -31,6 +36,7 @@ PREREG_DIR = ROOT / "conf" / "prereg"
 QUESTION = "sensitivity"
 CAMPAIGN_PREFIX = "sens_"
 SMOKE_SUFFIX = "_smoke"
+TABLE = "sensitivity_runs"  # study table (ledgers.studies); page analysis/studies/
 # Plan cell keys (conf/prereg) -> Hydra overrides of one run.
 CELL_KEYS = {"org": "org", "budget": "budget", "cap": "engine.cap", "rate": "load.rate",
              "q": "workload.q", "f": "engine.headroom", "pinning_k": "engine.pinning_k",
@@ -49,6 +55,19 @@ class Alternative:
 
     def for_org(self, org: str) -> tuple[str, ...]:
         return (*self.overrides, *dict(self.by_org).get(str(org).lower(), ()))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of the study: which alternative, plan cell and seed, and its overrides."""
+
+    alternative: Alternative
+    plan: str
+    family: str
+    cell: str
+    seed: int
+    campaign: str
+    overrides: tuple[str, ...]
 
 
 def campaign_name(alternative: str, smoke: bool) -> str:
@@ -115,8 +134,8 @@ def cell_overrides(keys: dict) -> list[str]:
 
 
 def planned_jobs(alternatives: list[Alternative], families: list[dict], *, smoke: bool,
-                 seeds: int | None, requests: int | None) -> list[list[str]]:
-    """Every run's overrides: alternative x family cell x seed."""
+                 seeds: int | None, requests: int | None) -> list[Job]:
+    """Every run: alternative x family cell x seed."""
     jobs = []
     for alt in alternatives:
         campaign = campaign_name(alt.name, smoke)
@@ -129,25 +148,32 @@ def planned_jobs(alternatives: list[Alternative], families: list[dict], *, smoke
                            f"campaign_name={campaign}", f"question={QUESTION}", f"seed={seed}"]
                     if requests:
                         job.append(f"workload.num_requests={requests}")
-                    jobs.append(job)
+                    jobs.append(Job(alt, fam["plan"], fam["family"], cell["id"], int(seed),
+                                    campaign, tuple(job)))
     return jobs
 
 
-def run_jobs(jobs: list[list[str]], ledger_root: Path, progress: bool = True) -> dict:
-    """Run (or skip as complete) every job through experiments.run; counts by outcome."""
+def run_jobs(jobs: list[Job], ledger_root: Path, progress: bool = True) -> list[dict]:
+    """Run (or skip as complete) every job through experiments.run; one `sensitivity_runs`
+    row per job (run id and outcome)."""
     from hydra import compose, initialize_config_dir
     from tqdm import tqdm
 
     from experiments.run import main_run
 
-    counts = {"ran": 0, "skipped": 0}
+    rows = []
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         for job in tqdm(jobs, desc="sensitivity runs", disable=not progress, file=sys.stderr):
-            cfg = compose(config_name="config", overrides=[*job, f"ledger_root={ledger_root}"])
+            cfg = compose(config_name="config",
+                          overrides=[*job.overrides, f"ledger_root={ledger_root}"])
             with contextlib.redirect_stdout(io.StringIO()):
                 line = main_run(cfg)
-            counts["skipped" if line.get("skipped") else "ran"] += 1
-    return counts
+            rows.append({"alternative": job.alternative.name,
+                         "alternative_overrides": json.dumps(list(job.alternative.overrides)),
+                         "plan": job.plan, "family": job.family, "cell": job.cell,
+                         "seed": job.seed, "campaign": job.campaign, "run_id": line["run_id"],
+                         "outcome": "skipped" if line.get("skipped") else "ran"})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,9 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         requests = requests or int(raw["smoke"]["requests"])
     jobs = planned_jobs([alts[n] for n in names], raw["families"], smoke=args.smoke,
                         seeds=seeds, requests=requests)
-    counts = run_jobs(jobs, args.ledgers, progress=not args.quiet)
-    print(f"sensitivity: {len(jobs)} runs ({counts['ran']} ran, {counts['skipped']} skipped) "
-          f"for {len(names)} alternatives into {args.ledgers}")
+    rows = run_jobs(jobs, args.ledgers, progress=not args.quiet)
+    path = write_study(args.ledgers, TABLE, rows_to_columns(
+        TABLE, rows, study_id=new_study_id(), created_at=now_iso()))
+    ran = sum(r["outcome"] == "ran" for r in rows)
+    print(f"sensitivity: {len(jobs)} runs ({ran} ran, {len(rows) - ran} skipped) "
+          f"for {len(names)} alternatives into {args.ledgers}; study table {path}")
     return 0
 
 

@@ -65,14 +65,10 @@ class ShareGPTPool:
     """
 
     prompt_values: np.ndarray  # int32
-    prompt_offsets: np.ndarray  # int64, num_conversations + 1
+    prompt_offsets: np.ndarray  # int64, one more than the conversations
     output_tokens: np.ndarray  # int32 uncapped first-reply lengths; 0 without an exchange
     corpus: np.ndarray  # int32 model-turn tokens not used as an output
     meta: dict  # dataset and tokenizer identity, salvage counts, cache key
-
-    @property
-    def num_conversations(self) -> int:
-        return len(self.output_tokens)
 
     @property
     def prompt_lens(self) -> np.ndarray:
@@ -237,7 +233,8 @@ def load_pool(tokenizer: str, cache_dir: Path) -> ShareGPTPool:
 
 
 def clear_memo() -> None:
-    """Forget pools loaded in this process (the cache files stay)."""
+    """Forget pools loaded in this process (the cache files stay): a test hook, so a test
+    can load a pool again from its cache file (tests/test_workload.py)."""
     _POOL_MEMO.clear()
 
 

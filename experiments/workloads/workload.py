@@ -15,7 +15,7 @@ stream]))`, so changing one knob never reshuffles another:
 - arrivals: unit exponentials scaled by the rate (common random numbers
   across rates).
 
-ShareGPT (SPEC section 6): the question is the first human turn, the output
+ShareGPT (docs/paper_design.md section 1.4): the question is the first human turn, the output
 is the token length of the first model turn after it, capped at
 `max_output_tokens`. Context k has length `L * (1 + spread * (2k / (K - 1) - 1))`
 with the mean length L chosen so that mean(context + question) is
@@ -25,7 +25,7 @@ context, so every conversation fits every slot and no resampling is needed.
 Contexts are windows of the corpus of model turns that no request uses as a
 question or an output: the eight shared ones from its start, the unique ones
 laid back to back after them from a seeded offset. Every context window starts
-with a 16-token run (the smallest cache unit in `serving_core.layout`) that no
+with a 16-token run (the smallest cache unit, serving_core/memory/d0.py) that no
 other window starts with, so a unique context shares no cacheable prefix.
 
 Synthetic: fixed lengths from a deterministic arithmetic token pattern whose
@@ -53,7 +53,7 @@ SOURCES = ("sharegpt", "synthetic")
 REUSE_MODES = ("share", "isolate")
 OUTPUT_RULES = ("tokenizer_ratio", "raw")
 ARRIVALS = ("poisson", "onoff")
-UNIQUE_PREFIX_TOKENS = 16  # smallest cache unit (D0 attention block, serving_core.layout)
+UNIQUE_PREFIX_TOKENS = 16  # smallest cache unit (D0 attention block, serving_core.memory.d0)
 
 WORKLOAD_DEFAULTS = {
     "source": "sharegpt",
@@ -61,7 +61,7 @@ WORKLOAD_DEFAULTS = {
     "q": 1.0,
     "reuse": "share",
     "num_contexts": 8,
-    "mean_input_tokens": 3365,  # measured mean input (PAPER_ANCHORS.md section E)
+    "mean_input_tokens": 3365,  # measured mean input (docs/calibration.md section E)
     # context k spans mean * (1 -/+ spread), linearly over k; 0.035 keeps every shared
     # context within [3,072, 3,583] tokens: exactly six full 512-token blocks, as measured
     "context_spread": 0.035,

@@ -20,7 +20,6 @@ from serving_core.executor.profiles import (
 )
 from serving_core.executor.simulated import (
     FEATURES,
-    INDIRECT_ORGS,
     AdditiveStepModel,
     StepTimeModel,
     build_step_model,
@@ -30,7 +29,6 @@ __all__ = [
     "FEATURES",
     "AdditiveStepModel",
     "build_step_model",
-    "INDIRECT_ORGS",
     "SSD_CHUNK_TOKENS",
     "DeviceProfile",
     "ModelCosts",

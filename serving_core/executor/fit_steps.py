@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from serving_core.executor.profiles import DeviceProfile, load_device_profile
-from serving_core.executor.simulated import INDIRECT_ORGS, AdditiveStepModel
+from serving_core.executor.simulated import AdditiveStepModel
 from serving_core.geometry import Geometry
 
 STEP_COLUMNS = ("num_scheduled", "num_decode_seqs", "decode_context_tokens",
@@ -94,7 +94,7 @@ def fit_steps(geometry: Geometry, start: DeviceProfile | str,
         for key, value in f.items():
             cols.setdefault(key, []).append(value)
         n = len(f["duration"])
-        paged.append(np.full(n, float(model.org in INDIRECT_ORGS)))
+        paged.append(np.full(n, float(model.indirect)))
         orgs.extend([model.org] * n)
     f = {k: np.concatenate(v) for k, v in cols.items()}
     paged_arr = np.concatenate(paged)
@@ -176,7 +176,7 @@ def fit_codec(geometry: Geometry, profile: DeviceProfile | str,
     for org, steps in runs:
         model = AdditiveStepModel(geometry, base, org)
         f = design(model, steps)
-        x = base.indirection_overhead if model.org in INDIRECT_ORGS else 0.0
+        x = base.indirection_overhead if model.indirect else 0.0
         theta = np.array([1.0, 1.0, 1.0, base.mixed_step_s, base.per_step_overhead_s,
                           base.per_seq_overhead_s, x, base.kv_page_s, base.prefill_chunk_s])
         no_codec = dict(f, codec=np.zeros_like(f["duration"]))

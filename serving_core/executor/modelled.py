@@ -17,6 +17,7 @@ class SimulatedExecutor:
     """The step-time model as an executor."""
 
     kind = "simulated"
+    reads_state = False  # durations only: the plan carries no state views
 
     def __init__(self, step_model) -> None:
         self.step_model = step_model

@@ -1,8 +1,11 @@
-"""Step-time model of the simulated executor.
+"""Step-time models of the simulated executor.
 
-The engine calls `StepTimeModel.step_seconds` once per engine step with the
-scheduled batch and advances its virtual clock by the result. The model is a
-roofline over the step's memory traffic and FLOPs plus host overhead:
+`build_step_model` picks the profile's model (`step_model`): `AdditiveStepModel`, terms
+added (the calibrated A100 profile conf/executor/a100.yaml; its class docstring gives the
+terms, docs/calibration.md section 4), or `StepTimeModel`, the datasheet roofline
+(a100_roofline, h200). The executor calls `step_seconds` once per engine step with the
+scheduled batch and the virtual clock advances by the result. The roofline is over the
+step's memory traffic and FLOPs plus host overhead:
 
     step = max(memory_s, compute_s) + per_step_overhead + per_seq_overhead x B
 
@@ -31,15 +34,13 @@ from typing import Any
 
 from serving_core.executor.profiles import DeviceProfile, load_device_profile, model_costs
 from serving_core.geometry import Geometry
-from serving_core.layout import normalize_org
-from serving_core.memory import ORG_TO_CLASS
+from serving_core.memory import org_class
 
-# Organizations whose recurrent state is reached through an extra level of
-# indirection (their class says `indirect`): S1 SSM member pages and its conv page,
-# S2 member pages and packed conv slots. S0 keeps a composite contiguous in one page;
-# D0 stores native composites. Attention blocks are paged the same way in S0/S1/S2,
+# The indirection overhead applies to organizations whose recurrent state is reached through
+# an extra level of indirection (their class says `indirect`): S1 SSM member pages and its
+# conv page, S2 member pages and packed conv slots. S0 keeps a composite contiguous in one
+# page; D0 stores native composites. Attention blocks are paged the same way in S0/S1/S2,
 # so KV traffic carries no org-specific overhead.
-INDIRECT_ORGS = frozenset(org for org, cls in ORG_TO_CLASS.items() if cls.indirect)
 
 
 def _indirection(value: Any) -> float:
@@ -70,6 +71,7 @@ class StepTimeModel:
         "geometry",
         "device",
         "org",
+        "indirect",
         "indirection_overhead",
         "effective_indirection",
         "costs",
@@ -97,10 +99,11 @@ class StepTimeModel:
     ) -> None:
         self.geometry = geometry
         self.device = load_device_profile(device)
-        self.org = normalize_org(org)
+        cls = org_class(org)
+        self.org, self.indirect = cls.org, cls.indirect
         overhead = _indirection(indirection_overhead)
         self.indirection_overhead = overhead
-        self.effective_indirection = overhead if self.org in INDIRECT_ORGS else 0.0
+        self.effective_indirection = overhead if self.indirect else 0.0
         self.costs = costs = model_costs(geometry)
 
         # Fold every device constant into per-unit seconds once, so a call only
@@ -153,7 +156,9 @@ class StepTimeModel:
         context_tokens: Sequence[int],
         checkpoint_writes: int = 0,
     ) -> dict[str, Any]:
-        """The step_seconds computation with its bytes, FLOPs and times itemized."""
+        """The step_seconds computation with its bytes, FLOPs and times itemized. For
+        inspection: the engine calls step_seconds; tests/test_step_model.py holds each item
+        to bytes and FLOPs computed by hand."""
         agg = self._aggregate(new_tokens, context_tokens, checkpoint_writes)
         num_seqs, sum_new, sum_ctx, _, _, num_chunks, intra_pairs, attention_pairs = agg
         weights_s, kv_s, state_s, dense_s, attention_s, scan_s, codec_s, overhead_s = self._times(
@@ -302,17 +307,15 @@ FEATURES = ("memory_s", "dense_s", "fixed_s", "mixed")
 
 def paged_state_pieces(geometry: Geometry, org: str) -> tuple[int, int]:
     """(member pages, conv slots) of one sequence's recurrent state that a kernel reaches
-    through the page mapping (SPEC 3 "Addressing": S1/S2 read member j of a checkpoint at
+    through the page mapping (docs/engine_rules.md section 3.2: S1/S2 read member j of a checkpoint at
     page_of(b, j), S2's conv state at line 16 p + s). S1: its SSM member pages and its
     dedicated conv page; S2: its SSM member pages and one conv slot; S0 (one contiguous page
     per composite), D0 (native composites) and N0 (one page) gather nothing: (0, 0)."""
-    from serving_core.layout import org_layout
-
-    org = normalize_org(org)
-    if not geometry.has_recurrent or not ORG_TO_CLASS[org].indirect:
+    cls = org_class(org)
+    if not geometry.has_recurrent or not cls.indirect:
         return 0, 0
-    layout = org_layout(geometry, org)
-    return layout.ssm_members + layout.conv_pages, 1 if ORG_TO_CLASS[org].has_slabs else 0
+    layout = cls.unit_layout(geometry)
+    return layout.ssm_members + layout.conv_pages, 1 if cls.has_slabs else 0
 
 
 class AdditiveStepModel:
@@ -353,6 +356,7 @@ class AdditiveStepModel:
         "geometry",
         "device",
         "org",
+        "indirect",
         "indirection",
         "state_pages",
         "conv_slots",
@@ -380,9 +384,10 @@ class AdditiveStepModel:
     def __init__(self, geometry: Geometry, device, org: str, extra_indirection: float = 0.0):
         self.geometry = geometry
         self.device = dev = load_device_profile(device)
-        self.org = normalize_org(org)
+        cls = org_class(org)
+        self.org, self.indirect = cls.org, cls.indirect
         extra = _indirection(extra_indirection)
-        self.indirection = dev.indirection_overhead + extra if self.org in INDIRECT_ORGS else 0.0
+        self.indirection = dev.indirection_overhead + extra if self.indirect else 0.0
         self.costs = c = model_costs(geometry)
         bw, peak = dev.hbm_bytes_per_s, dev.peak_flops
         self._w = c.weight_bytes / bw
@@ -406,9 +411,7 @@ class AdditiveStepModel:
         self.state_pages, self.conv_slots = paged_state_pieces(geometry, self.org)
         self.paged_s_per_seq = (self.state_pages * dev.state_page_s
                                 + self.conv_slots * dev.conv_slot_s)
-        from serving_core.layout import org_layout
-
-        self.kv_block_tokens = org_layout(geometry, self.org).block_tokens
+        self.kv_block_tokens = org_class(self.org).unit_layout(geometry).block_tokens
         self._kv_page_s = dev.kv_page_s
         self._chunk_s = dev.prefill_chunk_s
 

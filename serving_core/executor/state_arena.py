@@ -9,16 +9,17 @@ budgets are the bytes the model uses. Typed views over it:
   `kv_codec=tq4` the first `block_tokens` x (K, V, KV heads, packed bytes) bytes of the
   unit instead (uint8: each vector's codes then its fp16 norm, serving_core.kv_codec),
   so a unit is exactly the planner's TQ4 bytes and KV is never held decoded;
-- S0 / D0 composite: SSM state then conv window, contiguous in one unit;
-- S1 / S2 SSM state: split over the composite's member pages in member order,
-  address(b, j, u) = page_of(b, j) * page + offset(j, u), pages anywhere in the pool;
-- S1 conv window: the first elements of its dedicated conv page;
-- S2 conv window: a 32-KiB slot addressed by line id 16 p + s (the arena viewed
-  as lines); the negative "no conv state" sentinel is refused, never decoded.
+- recurrent composites, as the organization's class says (`conv_addressing`):
+  `unit` (S0, D0, N0): SSM state then conv window, contiguous in one unit;
+  `page` (S1) and `slot` (S2): the SSM state split over the composite's member pages in
+  member order, address(b, j, u) = page_of(b, j) * page + offset(j, u), pages anywhere
+  in the pool; `page`: the conv window is the first elements of its dedicated conv page;
+  `slot`: a 32-KiB slot addressed by line id 16 p + s (the arena viewed as lines), the
+  negative "no conv state" sentinel refused, never decoded.
 
 Locations always come from the memory organization (`ssm_member_pages`,
 `conv_line`); the arena keeps no mapping of its own, so an invalidated or
-reassigned unit can never be read as a stale copy.
+reassigned unit can never be read as a stale copy. The code names no organization.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from serving_core.geometry import Geometry
-from serving_core.memory import MemoryOrganization
+from serving_core.memory import CONV_ADDRESSING, MemoryOrganization, org_class
 from serving_core.memory.s2 import decode_conv_line
 
 STORAGE_DTYPES = {4: torch.float32, 2: torch.bfloat16}
@@ -66,8 +67,13 @@ class StateArena:
 
     def __init__(self, mem: MemoryOrganization, geometry: Geometry, device="cpu") -> None:
         self.mem = mem
-        self.org = mem.layout.org
-        self.contiguous = type(mem).contiguous_composite  # registry: one unit per composite
+        self.org = org_class(mem.org).org  # refuses an organization the registry lacks
+        self.conv_addressing = type(mem).conv_addressing
+        if self.conv_addressing not in CONV_ADDRESSING:
+            raise ValueError(f"{type(mem).__name__}.conv_addressing={self.conv_addressing!r}: "
+                             f"allowed values are {', '.join(CONV_ADDRESSING)}")
+        self.contiguous = self.conv_addressing == "unit"  # one unit per composite
+        self.slots = self.conv_addressing == "slot"  # conv windows in slab slots (line ids)
         self.dtype = storage_dtype(geometry)
         self.device = torch.device(device)
         elem = geometry.dtype_bytes
@@ -111,7 +117,7 @@ class StateArena:
                 fits = self.ssm_elems <= self.members * unit and self.conv_elems <= unit
             if not fits:
                 raise ValueError(f"{self.org}: a recurrent composite does not fit its units")
-            if self.org == "S2":
+            if self.slots:
                 self.slot_elems = mem.layout.conv_slot_bytes // elem
                 self.slots_per_slab = mem.layout.slots_per_slab
         self._page_views: dict[int, tuple] = {}
@@ -208,10 +214,10 @@ class StateArena:
         if any(len(p) != self.members for p in pages):
             raise RuntimeError("a composite without all its SSM member pages was addressed")
         loc = {"pages": torch.tensor(pages, dtype=torch.long, device=self.device)}
-        if self.org == "S1":
+        if self.conv_addressing == "page":  # conv_line: the conv page's id
             loc["conv"] = torch.tensor([mem.conv_line(o) for o in objs], dtype=torch.long,
                                        device=self.device)
-        elif self.org == "S2":
+        elif self.slots:  # conv_line: the slot's line id
             lines = []
             for obj in objs:
                 line = mem.conv_line(obj)
@@ -222,13 +228,13 @@ class StateArena:
 
     def _conv_rows(self, layer: int) -> torch.Tensor:
         arena = self.pools[self.rec_pool][layer]
-        if self.org == "S2":
+        if self.slots:
             return arena.view(-1, self.slot_elems)  # row = line id 16 p + s
         return arena
 
     @property
     def _slots_dense(self) -> bool:
-        """S2 slab pages hold whole slots only (line id = row of the arena viewed as slots);
+        """Slab pages hold whole slots only (line id = row of the arena viewed as slots);
         not under TQ4, whose smaller pages leave a tail after their slots."""
         return self.unit_elems[self.rec_pool] == self.slots_per_slab * self.slot_elems
 
@@ -239,9 +245,9 @@ class StateArena:
         return slots, lines // self.slots_per_slab, lines % self.slots_per_slab
 
     def _conv_read(self, layer: int, rows: torch.Tensor, n: int | None = None) -> torch.Tensor:
-        """Copies of conv rows (S1: conv pages; S2: slots by line id), their first `n`
-        elements only when given."""
-        if self.org == "S2" and not self._slots_dense:
+        """Copies of conv rows (conv pages, or slots by line id), their first `n` elements
+        only when given."""
+        if self.slots and not self._slots_dense:
             slots, page, slot = self._slot_index(layer, rows)
             return slots[page, slot] if n is None else slots[page, slot, :n]
         conv_rows = self._conv_rows(layer)
@@ -249,7 +255,7 @@ class StateArena:
 
     def _conv_write(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Write the first values.shape[1] elements of conv rows."""
-        if self.org == "S2" and not self._slots_dense:
+        if self.slots and not self._slots_dense:
             slots, page, slot = self._slot_index(layer, rows)
             slots[page, slot, : values.shape[1]] = values
         else:
@@ -260,7 +266,7 @@ class StateArena:
                 conv_rows[rows, : values.shape[1]] = values
 
     def conv_slot(self, line: int) -> torch.Tensor:
-        """S2: every layer's conv slot of one line id, a (layers, slot elements) view."""
+        """Every layer's conv slot of one line id, a (layers, slot elements) view (slots)."""
         page, slot = decode_conv_line(line, self.slots_per_slab)
         return self.pools[self.rec_pool][:, page, slot * self.slot_elems:(slot + 1)
                                          * self.slot_elems]

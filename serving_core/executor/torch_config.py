@@ -28,11 +28,6 @@ class TorchExecutorConfig:
     prefill_batch_tokens: int | None = None
 
 
-def is_torch_executor(cfg) -> bool:
-    """True for an executor config node of kind torch (device profiles have no kind)."""
-    return hasattr(cfg, "get") and cfg.get("kind") == TORCH_KIND
-
-
 def checked_model_fields(cfg, fields) -> tuple[dict, str]:
     """A real executor node's fields (only `fields` allowed), a checkpoint and its dtype;
     ValueError names the field. Shared by every executor that runs a checkpoint."""

@@ -16,8 +16,10 @@ scratch lives for one step only: no state outlives the units that hold it. All s
 addressed through the plan: each scheduled item's `ChunkState` (the state manager's
 answer: attention unit ids, working/adopted/destination composites, and after
 publication where each boundary's state went); the request gives only its tokens.
-Greedy decoding: the sampled token is the argmax of the last position's logits (`argmax_rows`,
-the same index as torch.argmax, vectorized on CPU).
+The token is chosen from the last position's logits by the sampler
+(serving_core/model/sampler.py) under each request's SamplingParams (`spec.sampling`); a
+request without them is greedy: the argmax (`argmax_rows`, the same index as torch.argmax,
+vectorized on CPU).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import torch
 
 from serving_core.engine import ExecutorOutput
 from serving_core.executor.state_arena import StateArena
-from serving_core.model.greedy import argmax_rows
 from serving_core.model.paged_attention import decode_attention
+from serving_core.model.sampler import sample
 
 
 class PagedRecurrentIO:
@@ -207,21 +209,31 @@ class TorchExecutor:
         fast = [it for it in plan if self._fast(it)]
         slow = [it for it in plan if not self._fast(it)]
         sampled: dict[int, int] = {}
+        logprobs: dict[int, tuple] = {}
         if fast:
             dev = self.model.device
             ids = torch.tensor([it.req.token_ids(it.context, it.context + 1) for it in fast],
                                device=dev)
             pos = torch.tensor([[it.context] for it in fast], device=dev)
             logits = self.model.forward(ids, pos, _DecodeIO(self.arena, fast))
-            tokens = argmax_rows(logits).tolist()
-            for it, tok in zip(fast, tokens, strict=True):
-                if it.context + 1 == it.req.num_tokens:
-                    sampled[it.req.rid] = tok
+            self._sample(logits, fast, sampled, logprobs)
         for group in self._prefill_groups(slow):
-            for it, token in zip(group, self._run_chunks(group), strict=True):
-                if it.context + it.num_new == it.req.num_tokens:
-                    sampled[it.req.rid] = token
-        return ExecutorOutput(time.perf_counter() - t0, sampled)
+            self._run_chunks(group, sampled, logprobs)
+        return ExecutorOutput(time.perf_counter() - t0, sampled, logprobs)
+
+    @staticmethod
+    def _sample(logits, items, sampled: dict, logprobs: dict) -> None:
+        """The token (and logprobs, where asked) of each item that completes its request's
+        known tokens, under its SamplingParams (serving_core/model/sampler.py)."""
+        ends = [it.context + it.num_new == it.req.num_tokens for it in items]
+        rows = [(getattr(it.req.spec, "sampling", None) if end else None, it.req)
+                for it, end in zip(items, ends, strict=True)]
+        tokens, lps = sample(logits, rows)
+        for it, end, tok, lp in zip(items, ends, tokens, lps, strict=True):
+            if end:
+                sampled[it.req.rid] = tok
+                if lp is not None:
+                    logprobs[it.req.rid] = lp
 
     def _prefill_groups(self, items) -> list[list]:
         """The step's other chunks, those over the same token span [context, context + n)
@@ -278,10 +290,10 @@ class TorchExecutor:
         return [(torch.cat([s[layer][0] for s in per_item]),
                  torch.cat([s[layer][1] for s in per_item])) for layer in range(len(per_item[0]))]
 
-    def _run_chunks(self, items) -> list[int]:
+    def _run_chunks(self, items, sampled: dict, logprobs: dict) -> None:
         """Chunks of b requests over the same span [c0, c1) (b = 1: one chunk), as one
         batched forward per segment between interval boundaries; each request's boundary
-        and final states are kept for `commit`. Returns each request's sampled token."""
+        and final states are kept for `commit`, its sampled token goes to `sampled`."""
         c0, c1 = items[0].context, items[0].context + items[0].num_new
         rec = self.mem.has_recurrent
         states = self._initial_states(items) if rec else None
@@ -311,7 +323,7 @@ class TorchExecutor:
 
                 self._pending.append((it.state, [(e, own(st)) for e, st in boundary_states],
                                       own(states)))
-        return argmax_rows(logits).tolist()
+        self._sample(logits, items, sampled, logprobs)
 
     def describe(self) -> dict:
         """What this executor runs, read from its model."""
@@ -340,27 +352,3 @@ class TorchExecutor:
             if state.final:
                 self.arena.write(state.final, final)
 
-
-def build_torch_engine(
-    model,
-    geometry,
-    org: str,
-    pool_units: dict[str, int],
-    sched_cfg,
-    *,
-    clock=None,
-    trace: bool = False,
-    budget_label: str = "",
-    on_step=None,
-):
-    """An Engine whose executor runs an already loaded `model` on arenas of the
-    organization's pools: serving_core.builder.build_engine with kind torch (`clock`: a
-    clock object whose kind is used, VirtualClock or WallClock)."""
-    from dataclasses import asdict
-
-    from serving_core.builder import build_engine, loaded_model_spec
-
-    spec = loaded_model_spec(model, geometry, org, budget_label or "explicit",
-                             asdict(sched_cfg), clock=None if clock is None else clock.kind,
-                             trace=trace, pool_units=pool_units)
-    return build_engine(spec, on_step=on_step, model=model)

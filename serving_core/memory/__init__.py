@@ -1,14 +1,35 @@
 """Memory organizations behind one interface (see base.MemoryOrganization).
 
-`ORG_TO_CLASS` is the organization registry: storage organization name -> class,
-each class carrying its own facts (default rules, indirection, slabs, retention).
+`ORG_TO_CLASS` is the organization registry: storage organization name -> class, each
+class carrying every rule of its organization (unit layout, pools, budget conversion,
+costs, addressing, default engine rules, slabs, retention). Everything that needs an
+organization's facts looks its class up here (`org_class`, `org_layout`,
+`normalize_org`), the way vLLM v1 picks a manager per cache spec from a registry dict;
+the planner, storage, step models, arenas and builder loop over the registry and name
+no organization (tests/test_org_registry.py holds that).
+
+Adding an organization (tests/test_org_registry.py does it with a 256-token-page class):
+1. `serving_core/memory/<org>.py`: a MemoryOrganization subclass with `org = "<ORG>"`,
+   its `unit_layout(geometry)` (an OrgLayout; subclass it there for extra sizes), its
+   pools (`pool_names`, `attention_pool`, `composite_pool`, `pool_unit_bytes`), its
+   budget rounding (`units_of`, `budget_shares` or the whole `plan_pools`), what a
+   checkpoint needs (`units_per_checkpoint`), its costs (`allocation_cost`) where the
+   shared-page defaults do not fit, its `conv_addressing` for the torch arenas, its
+   engine defaults (`checkpoint_placement`, `align_chunks`) and flags (`indirect`,
+   `has_slabs`, `supports_retention`); override the runtime methods (allocation,
+   eviction, `conv_line`) its mechanics change, as s2.py does for slabs;
+2. one line: the class in `ORG_TO_CLASS` below (its position is its place in every table);
+3. its arm in ledgers/arms.py (config name, ledger value, label, colour): `org=<name>`
+   then runs, plans, prices and records it;
+4. tests: a config in tests/test_memory_invariants.py (a test asks for one per registered
+   organization) and hand-computed sizes beside tests/test_planner.py and test_storage.py.
 """
 
 from __future__ import annotations
 
 from serving_core.geometry import Geometry
-from serving_core.layout import ORGS, org_layout
-from serving_core.memory.base import MemoryOrganization
+from serving_core.layout import OrgLayout
+from serving_core.memory.base import CONV_ADDRESSING, MemoryOrganization
 from serving_core.memory.d0 import D0DualPools
 from serving_core.memory.events import MemoryEvents
 from serving_core.memory.n0 import N0UniformPages
@@ -22,14 +43,26 @@ ORG_TO_CLASS: dict[str, type[MemoryOrganization]] = {
     cls.org: cls
     for cls in (S0CoarsePages, S1RecurrentPaging, S2PagingConvSlots, D0DualPools, N0UniformPages)
 }
-assert tuple(ORG_TO_CLASS) == ORGS, "layout.ORGS lists the registered organizations in order"
+
+
+def normalize_org(org: str) -> str:
+    """A storage organization's name, case-insensitive (s2 -> S2); ValueError names the
+    registered ones. Experiment arms (s2_retention, ...) are the runner's: ledgers.arms
+    maps them to organizations."""
+    key = str(org).strip().upper()
+    if key not in ORG_TO_CLASS:
+        raise ValueError(f"org={org!r}: allowed values are {', '.join(ORG_TO_CLASS)}")
+    return key
 
 
 def org_class(org: str) -> type[MemoryOrganization]:
-    """The class of a storage organization (S0 ... N0; case-insensitive)."""
-    from serving_core.layout import normalize_org
-
+    """The class of a storage organization (case-insensitive; ValueError if unknown)."""
     return ORG_TO_CLASS[normalize_org(org)]
+
+
+def org_layout(geometry: Geometry, org: str) -> OrgLayout:
+    """Unit sizes of `org` under `geometry`, as its class derives them."""
+    return org_class(org).unit_layout(geometry)
 
 
 def build_memory(
@@ -46,33 +79,32 @@ def build_memory(
 ) -> MemoryOrganization:
     """The runtime allocator of `org` with pools sized by the planner ({pool: units}).
 
-    `slab_policy` (S2 only): see memory.s2.SLAB_POLICIES; `free_queue` (memory.pool),
-    `checkpoint_recency`, `release_order` and `duplicates` (memory.base) apply to every
-    organization, `conv_page_recency` (memory.base) to one with a dedicated conv page (S1)."""
-    rules = {"free_queue": free_queue, "checkpoint_recency": checkpoint_recency,
-             "conv_page_recency": conv_page_recency, "release_order": release_order,
-             "duplicates": duplicates}
-    layout = org_layout(geometry, org)
-    cls = ORG_TO_CLASS[layout.org]
-    expected = {"attention", "recurrent"} if layout.org == "D0" else {"shared"}
+    `slab_policy` (organizations with slabs): see memory.s2.SLAB_POLICIES; `free_queue`
+    (memory.pool), `checkpoint_recency`, `release_order` and `duplicates` (memory.base)
+    apply to every organization, `conv_page_recency` (memory.base) to one with a dedicated
+    conv page (S1)."""
+    cls = org_class(org)
+    layout = cls.unit_layout(geometry)
+    expected = set(cls.pool_names)
     if set(pool_units) != expected:
         raise ValueError(
-            f"pool_units for {layout.org} must name pools {sorted(expected)}, "
+            f"pool_units for {cls.org} must name pools {sorted(expected)}, "
             f"got {sorted(pool_units)}"
         )
-    if layout.org == "D0" and not geometry.has_recurrent:
-        # No recurrent state: D0 is a single attention pool.
-        pool_units = {"attention": pool_units["attention"]}
     if slab_policy not in SLAB_POLICIES:
         raise ValueError(
             f"engine.slab_policy={slab_policy!r}: allowed values are {', '.join(SLAB_POLICIES)}"
         )
+    rules = {"free_queue": free_queue, "checkpoint_recency": checkpoint_recency,
+             "conv_page_recency": conv_page_recency, "release_order": release_order,
+             "duplicates": duplicates}
     if cls.has_slabs:
-        return cls(layout, dict(pool_units), events, slab_policy=slab_policy, **rules)
+        rules["slab_policy"] = slab_policy
     return cls(layout, dict(pool_units), events, **rules)
 
 
 __all__ = [
+    "CONV_ADDRESSING",
     "NO_SLOT",
     "NULL",
     "ORG_TO_CLASS",
@@ -88,5 +120,7 @@ __all__ = [
     "S2PagingConvSlots",
     "StateObject",
     "build_memory",
+    "normalize_org",
     "org_class",
+    "org_layout",
 ]

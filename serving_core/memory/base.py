@@ -1,11 +1,12 @@
 """The interface every memory organization offers the scheduler, and its shared mechanics.
 
 Layering follows the block-pool / manager split of continuous-batching engines:
-the scheduler sees only this class (demand, availability, allocate, acquire,
-release, publish, lookup); below it sit the unit pools and the prefix cache.
-Subclasses say where each kind of logical object lives (S0, S1, S2, D0).
+the hybrid-state manager (serving_core.state_manager) sees only this class (demand,
+availability, allocate, acquire, release, publish, lookup); below it sit the unit pools
+and the prefix cache. Subclasses say where each kind of logical object lives (S0, S1, S2,
+D0, N0) and carry their organization's facts (class attributes below).
 
-Invariants kept here (SPEC section 3):
+Invariants kept here (docs/engine_rules.md section 3.3):
 1. a checkpoint is found only when all its members and its conv state are valid;
 2. every unit of an object a request holds is referenced (never in the LRU);
 3. before a unit is reassigned, every entry depending on it is invalidated
@@ -15,7 +16,16 @@ Invariants kept here (SPEC section 3):
 
 from __future__ import annotations
 
-from serving_core.layout import OrgLayout
+import math
+
+from serving_core.geometry import Geometry
+from serving_core.layout import (
+    PAGED_BLOCK_TOKENS,
+    AllocationCost,
+    OrgLayout,
+    PoolPlan,
+    round_half_up,
+)
 from serving_core.memory.events import MemoryEvents
 from serving_core.memory.objects import NO_SLOT, Kind, StateObject
 from serving_core.memory.pool import UnitPool
@@ -26,13 +36,13 @@ from serving_core.memory.prefix_cache import PrefixCache, PrefixHit
 # free_blocks() appends it at the tail) refreshes it at every last release, the producer's
 # at publication and each adopter's after its first step; `publication` keeps the stamp of
 # the producer's release, so adoption protects the checkpoint without refreshing it (the
-# rule SPEC 3 states for write-once slab pages, applied to the member pages).
+# rule of write-once slab pages applied to the member pages; docs/engine_rules.md section 9.2).
 CHECKPOINT_RECENCIES = ("release", "publication")
 # When S1's dedicated conv page takes its LRU recency (engine.conv_page_recency; only an
 # organization with a conv page of its own, layout.conv_pages > 0, has one): `members`
 # (default) as its SSM member pages; `write`: its last write (the producer's release),
-# never refreshed by an adopter's release, the rule SPEC 3 states for the write-once slab
-# pages that hold S2's conv state, applied to the page that holds S1's. A checkpoint is
+# never refreshed by an adopter's release, the rule of the write-once slab pages that hold
+# S2's conv state (docs/engine_rules.md section 9.2) applied to the page that holds S1's. A checkpoint is
 # lost with its first evicted member, so `write` bounds an S1 checkpoint's life by its
 # publication while S0's contiguous composite keeps the release rule.
 CONV_PAGE_RECENCIES = ("members", "write")
@@ -49,32 +59,130 @@ RELEASE_ORDERS = ("attention_first", "state_first")
 # BlockHashToBlockMap: "we don't de-duplicate the blocks in the cache"), so the key stays
 # found while any copy is valid; adoption takes the oldest copy.
 DUPLICATE_RULES = ("drop", "cache")
+# Where the torch arenas find a composite's conv window (MemoryOrganization.conv_addressing).
+CONV_ADDRESSING = ("unit", "page", "slot")
 
 
 class MemoryOrganization:
     """Shared pools, reference counting, publication, lookup and LRU eviction.
 
-    Each subclass carries its organization's facts (the registry in
-    serving_core.memory reads them; the scheduler, the step model, the recorder and
-    the arenas ask the class, never a table of names):
+    Each subclass carries every rule of its organization, so nothing else keeps a
+    table of names (the registry in serving_core.memory finds the class by name):
+
+    Class facts the scheduler, the step model, the recorder and the arenas read:
     - `checkpoint_placement`, `align_chunks`: the engine's default rules for it;
     - `indirect`: the kernel reaches recurrent state through a page mapping;
     - `has_slabs`: conv states live in shared slab pages (slab ledger, slab policy);
-    - `contiguous_composite`: a composite is one unit holding SSM state then conv window
-      (the arenas address it so), else SSM member pages plus a conv page or slot;
-    - `supports_retention`: producer-side checkpoint retention (S2+Retention) applies.
+    - `conv_addressing`: where the torch arenas find a composite's conv window
+      (CONV_ADDRESSING): `unit`, SSM state then conv window in one unit; `page`, SSM
+      member pages then a dedicated conv page (`conv_line` is its page id); `slot`, SSM
+      member pages and a conv slot in a slab page (`conv_line` is its line id);
+    - `supports_retention`: producer-side checkpoint retention (S2+Retention) applies;
+    - `pool_names`, `attention_pool`, `composite_pool`: its pools, in plan order, and
+      which of them attention blocks and composites draw from.
+
+    Class methods, each computed from a Geometry (never from one model's constants):
+    - `unit_layout`: the unit sizes (required);
+    - `pool_unit_bytes`, `budget_shares`, `units_of`, `plan_pools`: a nominal budget
+      converted to whole units, each organization keeping its own rounding;
+    - `units_per_checkpoint`, `min_units`: what one complete checkpoint needs;
+    - `attention_units`, `allocation_cost`, `pool_bytes`: the exact bytes of a logical
+      state set (serving_core/storage.py), and which pool pays them.
+    The defaults describe one shared pool of equal pages rounded to the nearest page.
     """
 
     org = ""
+    pool_names: tuple[str, ...] = ("shared",)
     attention_pool = "shared"
     composite_pool = "shared"
     checkpoint_placement = "step_end"  # step_end | every_boundary
     align_chunks = True
     indirect = False
     has_slabs = False
-    contiguous_composite = False
+    conv_addressing = "page"  # CONV_ADDRESSING
     supports_retention = False
 
+    # ----- the organization's unit layout, budget conversion and costs -------------------
+    @classmethod
+    def unit_layout(cls, geometry: Geometry) -> OrgLayout:
+        """Unit sizes of this organization under `geometry`."""
+        raise NotImplementedError(f"{cls.__name__} must define unit_layout")
+
+    @classmethod
+    def pool_unit_bytes(cls, layout: OrgLayout) -> dict[str, int]:
+        """Bytes of one unit of each pool: a page everywhere by default."""
+        return dict.fromkeys(cls.pool_names, layout.page_bytes)
+
+    @classmethod
+    def budget_shares(cls, geometry: Geometry, budget_bytes: int) -> dict[str, int]:
+        """Bytes of a budget each pool may hold: all of it, in one shared pool."""
+        (pool,) = cls.pool_names
+        return {pool: budget_bytes}
+
+    @classmethod
+    def units_of(cls, share_bytes: int, unit_bytes: int) -> int:
+        """Whole units of a pool's share: round(share / unit), halves up (a pN share is
+        N whole pages, so it gets N)."""
+        return round_half_up(share_bytes, unit_bytes)
+
+    @classmethod
+    def plan_pools(cls, geometry: Geometry, layout: OrgLayout,
+                   nominal_bytes: int) -> tuple[PoolPlan, ...]:
+        """The pools a nominal budget buys, in `pool_names` order."""
+        unit = cls.pool_unit_bytes(layout)
+        shares = cls.budget_shares(geometry, nominal_bytes)
+        return tuple(
+            PoolPlan(cls.org, name, cls.units_of(shares[name], unit[name]) if unit[name] else 0,
+                     unit[name])
+            for name in cls.pool_names
+        )
+
+    @classmethod
+    def units_per_checkpoint(cls, layout: OrgLayout) -> int:
+        """Units of the composite pool one complete checkpoint takes at least."""
+        return layout.units_per_composite
+
+    @classmethod
+    def min_units(cls, layout: OrgLayout) -> dict[str, int]:
+        """Fewest units of each pool that hold one checkpoint (one attention block
+        without recurrent state): a budget below them is refused."""
+        need = dict.fromkeys(cls.pool_names, 0)
+        need[cls.attention_pool] = 1
+        if layout.has_recurrent:
+            need[cls.composite_pool] = cls.units_per_checkpoint(layout)
+        return need
+
+    @classmethod
+    def attention_units(cls, layout: OrgLayout, attention_blocks: int) -> int:
+        """Attention units holding `attention_blocks` paged blocks of PAGED_BLOCK_TOKENS
+        tokens as one contiguous prefix in this organization's own blocks."""
+        return math.ceil(attention_blocks * PAGED_BLOCK_TOKENS / layout.block_tokens)
+
+    @classmethod
+    def allocation_cost(cls, geometry: Geometry, layout: OrgLayout, attention_blocks: int,
+                        checkpoints: int, slabs: int | None = None) -> AllocationCost:
+        """Bytes of xA paged attention blocks and xR checkpoints (`slabs`: organizations
+        with slab pages only; the caller has checked the counts)."""
+        assert slabs is None, f"{cls.org} has no slab pages"
+        unit = cls.pool_unit_bytes(layout)
+        attention = unit[cls.attention_pool] * cls.attention_units(layout, attention_blocks)
+        recurrent = unit[cls.composite_pool] * layout.units_per_composite * checkpoints
+        return AllocationCost(cls.org, attention, recurrent, 0)
+
+    @classmethod
+    def pool_bytes(cls, cost: AllocationCost) -> dict[str, int]:
+        """The bytes of a cost each pool pays (capacity checks each pool against its share)."""
+        out = dict.fromkeys(cls.pool_names, 0)
+        out[cls.attention_pool] += cost.attention_bytes
+        out[cls.composite_pool] += cost.recurrent_bytes
+        return out
+
+    @classmethod
+    def split_summary(cls, geometry: Geometry, budget_bytes: int) -> dict:
+        """How a budget is split between the pools, where it is split ({} otherwise)."""
+        return {}
+
+    # ----- runtime -----------------------------------------------------------------------
     def __init__(
         self,
         layout: OrgLayout,
@@ -110,8 +218,9 @@ class MemoryOrganization:
         self.cache = PrefixCache()
         self.pools: dict[str, UnitPool] = {}
         self._owner: dict[str, list] = {}
+        unit_bytes = self.pool_unit_bytes(layout)
         for name, n in pool_units.items():
-            self.pools[name] = UnitPool(name, n, self._unit_bytes(name), free_queue)
+            self.pools[name] = UnitPool(name, n, unit_bytes[name], free_queue)
             self._owner[name] = [None] * n
         self.live: dict[int, StateObject] = {}  # objects owning storage, by oid
         self._next_oid = 0
@@ -129,12 +238,9 @@ class MemoryOrganization:
     def has_recurrent(self) -> bool:
         return self.layout.checkpoint_interval > 0
 
-    def _unit_bytes(self, pool: str) -> int:
-        return self.layout.page_bytes
-
     def units_per_composite(self) -> int:
         """Whole units of the composite pool one composite takes."""
-        return self.layout.pages_per_composite
+        return self.layout.units_per_composite
 
     # ----- demand and availability ------------------------------------------------------
     def demand(self, num_attention: int, num_composites: int) -> dict[str, int]:

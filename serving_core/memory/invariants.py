@@ -1,11 +1,13 @@
-"""Consistency check of a memory organization against the design invariants (SPEC section 3).
+"""Consistency check of a memory organization against the four invariants.
+
+The invariants: docs/engine_rules.md section 3.3.
 
 `check_invariants(mem)` walks every pool unit, live object, cache entry and (S2) slab
 once and raises AssertionError naming the first violated property. It is O(units +
 objects + cache entries) and reads only state, so the engine can call it after every
 step in debug mode and the property tests after every operation.
 
-What it checks, for S0, S1, S2 and D0 alike:
+What it checks, for S0, S1, S2, D0 and N0 alike:
 - pool partition: every unit is exactly one of free / evictable / in use; a free unit
   has no owner; an evictable or used unit is owned by a live valid object (or an S2 slab);
 - invariant 1 (complete checkpoint): every cached checkpoint is valid and owns all its

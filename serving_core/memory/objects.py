@@ -37,10 +37,11 @@ NO_SLOT = -1  # negative conv-line sentinel: "no conv state"; never decoded as a
 class StateObject:
     """One attention block or recurrent composite and where it lives.
 
-    `units` are (pool name, unit id) pairs the object owns alone; `slab_page` and
-    `slot` locate an S2 conv slot (NO_SLOT when absent). `ref_count` counts
-    execution references plus pins; a cached object with ref_count 0 sits in
-    its pool's LRU through its units.
+    `units` are the ids of the units of pool `pool` the object owns alone (an attention
+    block: one; a composite: one unit in S0, D0 and N0, else its SSM member pages, then
+    S1's conv page); `slab_page` and `slot` locate an S2 conv slot (NO_SLOT when absent).
+    `ref_count` counts execution references plus pins; a cached object with ref_count 0
+    sits in its pool's LRU through its units.
     """
 
     __slots__ = (

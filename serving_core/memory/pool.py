@@ -20,8 +20,8 @@ class UnitPool:
     deterministic.
 
     Free-queue rule (FREE_QUEUES):
-    - `free_first` (default, SPEC 5): allocation takes free units first and evicts a cached
-      unit only when none is free.
+    - `free_first` (default; docs/engine_rules.md section 9.1): allocation takes free units
+      first and evicts a cached unit only when none is free.
     - `single_queue` (vLLM V1 BlockPool: one free_block_queue "in eviction order",
       including eviction candidates): free and evictable units form one LRU; allocation
       takes whichever is least recent, a never-used unit before any other, so cached

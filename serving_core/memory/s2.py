@@ -16,8 +16,9 @@ Slab policy (SLAB_POLICIES):
   every last release refreshes the slab's recency.
 - `dense`: `refill`'s placement (freed slots are refilled, referenced slabs first, so
   slabs stay packed) with `write_once`'s recency (last write; adoption protects a slab
-  without refreshing it). PAPER_ANCHORS.md F: the measured slabs were densely packed
-  (14.3 and 13.8 of 16 slots live in two state dumps) and still reclaimed slabs holding
+  without refreshing it). Anchor F (docs/calibration.md section F): the measured slabs
+  were densely packed (14.3 and 13.8 of 16 slots live in two state dumps) and still
+  reclaimed slabs holding
   cached checkpoints in 35 of 63 runs; `write_once` gives the second, `refill` the first.
 """
 
@@ -25,6 +26,14 @@ from __future__ import annotations
 
 import math
 
+from serving_core.geometry import Geometry
+from serving_core.layout import (
+    PAGED_BLOCK_TOKENS,
+    AllocationCost,
+    OrgLayout,
+    next_pow2,
+    paged_page_bytes,
+)
 from serving_core.memory.base import MemoryOrganization
 from serving_core.memory.objects import NO_SLOT, Kind, StateObject
 
@@ -61,8 +70,14 @@ def decode_conv_line(line: int, slots_per_slab: int) -> tuple[int, int]:
     return divmod(line, slots_per_slab)
 
 
+def min_slabs(layout: OrgLayout, checkpoints: int) -> int:
+    """Fewest slab pages holding `checkpoints` conv slots (ideal packing)."""
+    return math.ceil(checkpoints / layout.slots_per_slab) if checkpoints else 0
+
+
 def slab_occupancy(slab: dict, slots_per_slab: int) -> dict[str, float]:
-    """Slab occupancy of one run from its slab ledger (PAPER_ANCHORS.md F's dump figures).
+    """Slab occupancy of one run from its slab ledger, comparable with anchor F's dumps
+    (docs/calibration.md section F).
 
     Occupancy = live conv slots / (slots_per_slab x slab pages). The state after the last
     event at each instant is held until the next instant; `mean` weights it by that time
@@ -116,7 +131,46 @@ class S2PagingConvSlots(MemoryOrganization):
     org = "S2"
     indirect = True
     has_slabs = True
+    conv_addressing = "slot"
     supports_retention = True
+
+    @classmethod
+    def unit_layout(cls, geometry: Geometry) -> OrgLayout:
+        """Paged-attention-block pages; ceil(SSM / page) member pages per composite and a
+        conv slot of the smallest power of two >= the conv state, page / slot per slab."""
+        rec = geometry.has_recurrent
+        page = paged_page_bytes(geometry)
+        members = math.ceil(geometry.ssm_bytes / page) if rec else 0
+        slot = next_pow2(geometry.conv_bytes) if rec else 0
+        if rec and slot > page:
+            raise ValueError(f"conv state of {geometry.conv_bytes} B does not fit one "
+                             f"{page}-B page")
+        return OrgLayout(org=cls.org, block_tokens=PAGED_BLOCK_TOKENS,
+                         checkpoint_interval=PAGED_BLOCK_TOKENS if rec else 0, page_bytes=page,
+                         units_per_composite=members, ssm_members=members,
+                         conv_slot_bytes=slot, slots_per_slab=page // slot if rec else 0)
+
+    @classmethod
+    def units_per_checkpoint(cls, layout: OrgLayout) -> int:
+        """The member pages plus one slab page for the conv slot."""
+        return layout.units_per_composite + 1
+
+    @classmethod
+    def allocation_cost(cls, geometry: Geometry, layout: OrgLayout, attention_blocks: int,
+                        checkpoints: int, slabs: int | None = None) -> AllocationCost:
+        """Member pages as every paged organization, plus `slabs` slab pages (None: the
+        fewest that hold the conv slots); fewer than that is refused."""
+        base = super().allocation_cost(geometry, layout, attention_blocks, checkpoints)
+        needed = min_slabs(layout, checkpoints)
+        if slabs is None:
+            slabs = needed
+        if slabs < needed:
+            raise ValueError(
+                f"slabs={slabs}: {checkpoints} checkpoints need at least {needed} slab pages "
+                f"({layout.slots_per_slab} slots each)"
+            )
+        return AllocationCost(cls.org, base.attention_bytes,
+                              base.recurrent_bytes + layout.page_bytes * slabs, slabs)
 
     def __init__(self, layout, pool_units, events=None, slab_policy: str = "write_once",
                  **rules):
@@ -131,9 +185,6 @@ class S2PagingConvSlots(MemoryOrganization):
         self.slabs: dict[int, Slab] = {}
         self._slabs_with_free: set[int] = set()  # refill: slabs with a free slot
         self._newest: Slab | None = None  # write_once: the slab slots are taken from
-
-    def units_per_composite(self) -> int:
-        return self.layout.ssm_members
 
     # ----- demand -------------------------------------------------------------------------
     def num_free_slots(self) -> int:

@@ -44,18 +44,3 @@ class DenseState:
         self.length += t
         return out
 
-
-def greedy(model, prompt: list[int], steps: int, chunk: int | None = None) -> list[int]:
-    """Greedy continuation of one prompt on contiguous state (prefill in chunks of `chunk`)."""
-    state = DenseState(model)
-    ids = torch.tensor([prompt], device=model.device)
-    chunk = chunk or len(prompt)
-    logits = None
-    for s in range(0, len(prompt), chunk):
-        logits = state.run(model, ids[:, s : s + chunk])
-    out = []
-    for _ in range(steps):
-        token = int(logits[0].argmax())
-        out.append(token)
-        logits = state.run(model, torch.tensor([[token]], device=model.device))
-    return out

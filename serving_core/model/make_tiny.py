@@ -2,7 +2,9 @@
 
 `python -m serving_core.model.make_tiny OUT [--model falcon_h1_tiny] [--seed 0]` writes
 config.json and model.safetensors with transformers' own FalconH1ForCausalLM, so the
-checkpoint is what the reference implementation loads. Seeded; no network.
+checkpoint is what the reference implementation loads, and (a model over Llama-3's
+vocabulary) the llama3 tokenizer as Hugging Face files (serving_core/model/hf_tokenizer.py),
+so clients that tokenize and vLLM serving text find it. Seeded; no network.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import yaml
 from serving_core.geometry import ARCHITECTURE_KEY, MODEL_CONF_DIR, available_models
 
 DEFAULT_MODEL = "falcon_h1_tiny"
+LLAMA3_VOCAB = 128_256
 
 
 def preset(model: str) -> dict:
@@ -71,6 +74,10 @@ def build(out: str | Path, model: str = DEFAULT_MODEL, seed: int = 0) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     net.save_pretrained(out)
+    if config.vocab_size == LLAMA3_VOCAB:
+        from serving_core.model.hf_tokenizer import write_tokenizer
+
+        write_tokenizer(out)
     return out
 
 

@@ -81,8 +81,12 @@ def load_spec(path: str):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on (host, port); UsageError when the address is taken."""
+    """A listening socket on (host, port); UsageError when the address is taken.
+    SO_REUSEADDR, as uvicorn sets on its own sockets: a server restarted on the port of one
+    that just exited (gracefully or killed) binds at once instead of waiting out the old
+    connections' TIME_WAIT; a port another process listens on is still refused."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as err:
@@ -107,6 +111,37 @@ def build_engine(spec):
         return build(spec)
     except ValueError as err:
         raise UsageError(f"--spec: {err}") from None
+
+
+def eos_token_ids(spec, tokenizer) -> list[int]:
+    """The ids that end a request (unless it sets ignore_eos), as vLLM gathers them: the
+    checkpoint's generation_config.json (else config.json) eos_token_id, and the
+    tokenizer's end of turn (`<|eot_id|>` for llama3: the chat template ends each turn
+    with it, and serving_core/model/hf_tokenizer.py writes it as the checkpoint
+    tokenizer's eos_token). None for an executor that does not run a model (paced): its
+    tokens are the workload's synthetic ids, whose lengths are max_tokens exactly."""
+    if spec.executor.kind != "torch":
+        return []
+    ids: list[int] = []
+    checkpoint = getattr(spec.executor, "checkpoint", None)
+    if checkpoint:
+        from pathlib import Path
+
+        for name in ("generation_config.json", "config.json"):
+            path = Path(checkpoint) / name
+            if path.is_file():
+                value = json.loads(path.read_text()).get("eos_token_id")
+                if value is not None:
+                    ids += [value] if isinstance(value, int) else list(value)
+                    break
+    if tokenizer is not None:
+        from serving_core.server.chat import EOT
+
+        try:
+            ids.append(int(tokenizer.encode_single_token(EOT)))
+        except (KeyError, ValueError, RuntimeError):
+            pass
+    return sorted(set(ids))
 
 
 def _watch_parent(server) -> None:
@@ -159,8 +194,12 @@ def serve(args) -> int:
             (out / "request_paths.json").write_text(json.dumps(paths))
             print(f"records written to {out}", flush=True)
 
+    from serving_core.server.metrics import cache_config_labels
+
     app = create_app(runtime, model_name=model_name, vocab_size=engine.vocab_size,
-                     tokenizer=tokenizer, on_shutdown=on_shutdown)
+                     tokenizer=tokenizer, on_shutdown=on_shutdown,
+                     eos_token_ids=eos_token_ids(spec, tokenizer),
+                     cache_info=cache_config_labels(engine))
 
     class Server(uvicorn.Server):
         draining = False

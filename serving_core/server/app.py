@@ -1,17 +1,28 @@
-"""The HTTP front end: POST /v1/completions, GET /v1/models, GET /health, GET /metrics,
-POST /reset_prefix_cache (vLLM's name: drop the device prefix cache, keep the host tier;
-409 while requests run).
+"""The HTTP front end, as vLLM's OpenAI server: POST /v1/completions, POST
+/v1/chat/completions (the Llama-3 chat template: serving_core/server/chat.py), POST
+/tokenize and /detokenize, GET /v1/models, /health, /metrics, POST /reset_prefix_cache
+(drop the device prefix cache, keep the host tier; 409 while requests run).
 
-Every completion's usage carries vLLM's `prompt_tokens_details.cached_tokens` (the
-prefix it adopted) and `hsl_path`: its actual path (recompute, device_reuse, host_reload),
-reused tokens and first batch (serving_core.server.paths); streams carry usage when
-`stream_options.include_usage` is true.
+Requests: every field of OpenAI's and vLLM's (serving_core/server/protocol.py says which
+are applied, which cannot change anything here and which are refused); sampling runs in
+the engine under each choice's SamplingParams (serving_core/sampling_params.py). A request
+with n choices or a batch of prompts is one engine request per choice (choice index =
+prompt index x n + choice), their prompts shared through the prefix cache.
 
-Handlers never touch the engine directly: they submit through the runtime and read
-their own token stream; /metrics renders the runtime's last snapshot. As vLLM's server:
-a request naming another model gets 404, every error body is OpenAI's
-{"error": {"message", "type", "param", "code"}}, and a request whose client disconnects
-is aborted (its state freed at the next step).
+Streams: one chunk per token, the finish reason on the last token's chunk (no empty
+trailing chunk), text decoded incrementally (serving_core/server/text.py: a character split
+across tokens arrives once complete; a token completing none has empty text), then the
+usage chunk when `stream_options.include_usage` (usage on every chunk as well with
+`continuous_usage_stats`), then `data: [DONE]`. Every choice carries its `token_ids`.
+Usage carries vLLM's `prompt_tokens_details.cached_tokens` and `hsl_path` (one choice;
+`hsl_paths` for several): the actual path (recompute, device_reuse, host_reload), reused
+tokens and first batch (serving_core/server/paths.py).
+
+Handlers never touch the engine directly: they submit through the runtime and read their
+own token stream; /metrics renders the runtime's last snapshot. As vLLM's server: a
+request naming another model gets 404, every error body is OpenAI's {"error": {"message",
+"type", "param", "code"}}, and a request whose client disconnects is aborted (its state
+freed at the next step).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,16 +39,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from serving_core.server.chat import render_chat
 from serving_core.server.metrics import make_registry, render
 from serving_core.server.protocol import (
     SSE_DONE,
     BadRequest,
-    completion_body,
+    GenerationRequest,
+    chat_logprobs,
+    completion_id,
+    completion_logprobs,
+    parse_chat,
     parse_completion,
-    sse_chunk,
+    stream_chunk,
     usage,
 )
-from serving_core.server.runtime import Busy, EngineRuntime, Rejected
+from serving_core.server.runtime import Busy, EngineRuntime, Rejected, TokenStream
+from serving_core.server.text import Detokenizer, TextStream
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "NotFoundError", 405: "invalid_request_error",
                409: "conflict", 422: "invalid_request_error", 503: "unavailable"}
@@ -52,33 +70,32 @@ def _error(status: int, message: str, kind: str | None = None, param: str | None
     )
 
 
-class Detokenizer:
-    """Token ids to text and back with a tokenizer exposing encode/decode (None: no text)."""
+@dataclass
+class _Choice:
+    """One choice of an HTTP request: its engine request and what it produced so far."""
 
-    def __init__(self, tokenizer=None) -> None:
-        self.tokenizer = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise BadRequest("prompt: this server has no tokenizer; send token ids")
-        return list(self.tokenizer.encode(text))
-
-    def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        try:
-            return self.tokenizer.decode(ids)
-        except Exception:  # ids outside the text vocabulary (random weights): no text
-            return ""
+    index: int
+    prompt_index: int
+    rid: int
+    text: TextStream
+    ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # [(token, (lp, top))]
+    pieces: list[str] = field(default_factory=list)
+    finish: str | None = None
+    stop_reason: int | str | None = None
+    text_offset: int = 0
 
 
 def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
-               tokenizer=None, on_shutdown=None) -> FastAPI:
+               tokenizer=None, on_shutdown=None, eos_token_ids=(),
+               cache_info: dict | None = None) -> FastAPI:
     """The app over a (not yet started) runtime; `on_shutdown()` runs after the engine
-    stopped (writes the records)."""
+    stopped (writes the records). `eos_token_ids` end a request unless it sets ignore_eos;
+    `cache_info` labels vllm:cache_config_info."""
     text = Detokenizer(tokenizer)
-    registry = make_registry(runtime.snapshot, model_name)
+    registry = make_registry(runtime.snapshot, model_name, cache_info)
     created = int(time.time())
+    eos = tuple(int(t) for t in eos_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -127,14 +144,6 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
     async def metrics():
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
-    def _usage(rid: int, n_prompt: int, produced: int) -> dict:
-        body = usage(n_prompt, produced)
-        path = runtime.request_path(rid)
-        if path is not None:
-            body["prompt_tokens_details"] = {"cached_tokens": path["reused_tokens"]}
-            body["hsl_path"] = path
-        return body
-
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         try:
@@ -145,64 +154,260 @@ def create_app(runtime: EngineRuntime, *, model_name: str, vocab_size: int,
             return _error(503, str(err), "unavailable")
         return result
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def _body(request: Request):
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return _error(400, f"request body: not valid JSON ({err})", "invalid_request_error")
+            raise BadRequest(f"request body: not valid JSON ({err})") from None
         if isinstance(body, dict) and body.get("model") not in (None, model_name):
-            return _error(404, f"The model `{body['model']}` does not exist.", param="model")
-        try:
-            req = parse_completion(body, vocab_size, text.encode)
-            rid, stream = runtime.submit(req.prompt_ids, req.max_tokens, req.cache_salt,
-                                         asyncio.get_running_loop())
-        except Rejected as err:
-            return _error(503, str(err), "unavailable")
-        except ValueError as err:  # BadRequest, or a request the budget/model cannot hold
-            return _error(400, str(err), "invalid_request_error")
-        n_prompt = len(req.prompt_ids)
-        if req.stream:
-            return StreamingResponse(_sse(rid, stream, req, n_prompt),
-                                     media_type="text/event-stream")
-        ids: list[int] = []
-        while True:
-            try:
-                kind, value = await asyncio.wait_for(stream.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    runtime.abort(rid)
-                    return _error(499, f"request {rid}: client disconnected", "aborted")
-                continue
-            if kind == "token":
-                ids.append(value)
-            else:
-                break
-        if value != "length":
-            return _error(503, f"request {rid} ended early ({value}) after {len(ids)} tokens",
-                          "unavailable")
-        body = completion_body(rid, model_name, text.decode(ids), ids, value, n_prompt)
-        body["usage"] = _usage(rid, n_prompt, len(ids))
+            raise LookupError(body["model"])
         return body
 
-    async def _sse(rid, stream, req, n_prompt):
-        produced = 0
-        finished = False
+    async def _handle(request: Request, parse):
         try:
-            while True:
-                kind, value = await stream.get()
-                if kind == "token":
-                    produced += 1
-                    yield sse_chunk(rid, model_name, text.decode([value]), [value], None)
-                else:
-                    finished = True
-                    yield sse_chunk(rid, model_name, "", [], value)
-                    break
+            body = await _body(request)
+            req = parse(body)
+        except LookupError as err:
+            return _error(404, f"The model `{err.args[0]}` does not exist.", param="model")
+        except BadRequest as err:
+            return _error(400, str(err), "invalid_request_error", err.param)
+        return await _generate(request, req)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _handle(request, lambda body: parse_completion(
+            body, vocab_size, text.encode, max_model_len=runtime.max_model_len,
+            eos_token_ids=eos, has_text=text.has_text))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _handle(request, lambda body: parse_chat(
+            body, vocab_size, lambda t, special: text.encode(t, special, "messages"),
+            lambda m, gen, cont: render_chat(m, add_generation_prompt=gen,
+                                             continue_final_message=cont),
+            max_model_len=runtime.max_model_len, eos_token_ids=eos, has_text=text.has_text))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} -> token ids."""
+        try:
+            body = await _body(request)
+            if not isinstance(body, dict):
+                raise BadRequest("request body: expected a JSON object")
+            if "messages" in body:
+                prompt = render_chat(body["messages"],
+                                     add_generation_prompt=bool(body.get("add_generation_prompt",
+                                                                         True)),
+                                     continue_final_message=bool(
+                                         body.get("continue_final_message", False)))
+                ids = text.encode(prompt, bool(body.get("add_special_tokens", False)),
+                                  "messages")
+            elif isinstance(body.get("prompt"), str):
+                ids = text.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
+            else:
+                raise BadRequest("prompt: expected text (or messages)", "prompt")
+        except LookupError as err:
+            return _error(404, f"The model `{err.args[0]}` does not exist.", param="model")
+        except BadRequest as err:
+            return _error(400, str(err), "invalid_request_error", err.param)
+        strs = [text.token_text(t) for t in ids] if body.get("return_token_strs") else None
+        return {"count": len(ids), "max_model_len": runtime.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's /detokenize: {"tokens": [...]} -> {"prompt": text}."""
+        try:
+            body = await _body(request)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(tokens, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                    for t in tokens):
+                raise BadRequest(f"tokens: expected a list of token ids in [0, {vocab_size})",
+                                 "tokens")
+            if not text.has_text:
+                raise BadRequest("tokens: this server has no tokenizer", "tokens")
+        except LookupError as err:
+            return _error(404, f"The model `{err.args[0]}` does not exist.", param="model")
+        except BadRequest as err:
+            return _error(400, str(err), "invalid_request_error", err.param)
+        return {"prompt": text.decode(tokens, skip_special=False)}
+
+    # ----- generation ---------------------------------------------------------------------
+    def _submit(req: GenerationRequest, loop) -> tuple[TokenStream, list[_Choice]]:
+        stream = TokenStream(loop)
+        choices: list[_Choice] = []
+        parent = None
+        try:
+            for p, ids in enumerate(req.prompts):
+                for j in range(req.n):
+                    params = req.choice_sampling(j)
+                    rid, _ = runtime.submit(ids, req.max_tokens[p], req.cache_salt, loop,
+                                            params, stream=stream, index=len(choices),
+                                            n_param=req.n, parent=parent)
+                    parent = rid if parent is None else parent
+                    choices.append(_Choice(len(choices), p, rid, TextStream(
+                        text, stop=req.stop, include_stop=req.include_stop,
+                        skip_special=req.skip_special, min_tokens=params.min_tokens)))
+        except Exception:
+            for c in choices:
+                runtime.abort(c.rid)
+            raise
+        return stream, choices
+
+    def _usage(req: GenerationRequest, choices: list[_Choice]) -> dict:
+        body = usage(sum(len(p) for p in req.prompts), sum(len(c.ids) for c in choices))
+        paths = [runtime.request_path(c.rid) for c in choices]
+        if all(p is not None for p in paths):
+            firsts = {}
+            for c, p in zip(choices, paths, strict=True):
+                firsts.setdefault(c.prompt_index, p)
+            body["prompt_tokens_details"] = {
+                "cached_tokens": sum(p["reused_tokens"] for p in firsts.values())}
+            if len(paths) == 1:
+                body["hsl_path"] = paths[0]
+            else:
+                body["hsl_paths"] = paths
+        return body
+
+    def _on_item(req, c: _Choice, kind: str, value) -> tuple[str, list]:
+        """Apply one stream item to its choice: (new text, new [(token, logprobs)])."""
+        if kind == "finish":
+            c.finish, c.stop_reason = value
+            return c.text.finish(), []
+        token, lp, end = value
+        c.ids.append(token)
+        new_lps = [(token, lp)] if lp is not None else []
+        c.logprobs.extend(new_lps)
+        delta = c.text.add(token)
+        if c.text.stop_hit is not None:  # a stop string: the choice ends here
+            runtime.abort(c.rid, "stop")
+            c.finish, c.stop_reason = "stop", c.text.stop_hit
+            delta += c.text.finish()
+        elif end is not None:
+            c.finish, c.stop_reason = end
+            delta += c.text.finish()
+        return delta, new_lps
+
+    def _prompt_text(req, p: int) -> str:
+        """The prompt echoed: the text as sent, or its token ids decoded."""
+        if p < len(req.prompt_texts) and req.prompt_texts[p] is not None:
+            return req.prompt_texts[p]
+        return text.decode(req.prompts[p], skip_special=req.skip_special)
+
+    async def _generate(request: Request, req: GenerationRequest):
+        loop = asyncio.get_running_loop()
+        if max(req.max_tokens) == 0:  # echo with max_tokens 0: the prompts, nothing generated
+            return _echo_only(req)
+        try:
+            stream, choices = _submit(req, loop)
+        except Rejected as err:
+            return _error(503, str(err), "unavailable")
+        except ValueError as err:  # a request the budget/model cannot hold
+            return _error(400, str(err), "invalid_request_error")
+        if req.stream:
+            return StreamingResponse(_sse(req, stream, choices), media_type="text/event-stream")
+        open_ = {c.index for c in choices}
+        while open_:
+            try:
+                index, kind, value = await asyncio.wait_for(stream.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    for c in choices:
+                        runtime.abort(c.rid)
+                    return _error(499, f"request {choices[0].rid}: client disconnected",
+                                  "aborted")
+                continue
+            c = choices[index]
+            if c.finish is not None:
+                continue
+            delta, _ = _on_item(req, c, kind, value)
+            c.pieces.append(delta)
+            if c.finish is not None:
+                open_.discard(index)
+        bad = [c for c in choices if c.finish not in ("length", "stop")]
+        if bad:
+            c = bad[0]
+            return _error(503, f"request {c.rid} ended early ({c.finish}) after {len(c.ids)} "
+                          "tokens", "unavailable")
+        return _whole(req, choices)
+
+    def _whole(req: GenerationRequest, choices: list[_Choice]) -> dict:
+        out = []
+        for c in choices:
+            body_text = "".join(c.pieces)
+            item = {"index": c.index}
+            if req.chat:
+                item["message"] = {"role": "assistant", "content": body_text}
+                item["logprobs"] = (chat_logprobs(c.logprobs, text, req.tokens_as_ids)
+                                    if req.logprobs is not None else None)
+            else:
+                if req.echo:
+                    body_text = _prompt_text(req, c.prompt_index) + body_text
+                item["text"] = body_text
+                item["logprobs"] = (completion_logprobs(c.logprobs, text, 0, req.tokens_as_ids)
+                                    if req.logprobs is not None else None)
+            item.update(finish_reason=c.finish, stop_reason=c.stop_reason, token_ids=c.ids)
+            out.append(item)
+        return {"id": completion_id(choices[0].rid, req.chat),
+                "object": "chat.completion" if req.chat else "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": out,
+                "usage": _usage(req, choices)}
+
+    def _echo_only(req: GenerationRequest) -> dict:
+        choices = [{"index": p * req.n + j, "text": _prompt_text(req, p), "token_ids": [],
+                    "logprobs": None, "finish_reason": "length", "stop_reason": None}
+                   for p in range(len(req.prompts)) for j in range(req.n)]
+        return {"id": "cmpl-echo", "object": "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": choices,
+                "usage": usage(sum(len(p) for p in req.prompts), 0)}
+
+    def _chunk_choice(req, c: _Choice, delta: str, token_ids, lps, first: bool) -> dict:
+        if req.chat:
+            d = {"content": delta}
+            if first:
+                d = {"role": "assistant", "content": delta}
+            item = {"index": c.index, "delta": d,
+                    "logprobs": chat_logprobs(lps, text, req.tokens_as_ids)
+                    if req.logprobs is not None else None}
+        else:
+            if first and req.echo:
+                delta = _prompt_text(req, c.prompt_index) + delta
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(lps, text, c.text_offset, req.tokens_as_ids)
+                if lp["tokens"]:
+                    c.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            item = {"index": c.index, "text": delta, "logprobs": lp}
+        item.update(finish_reason=c.finish, stop_reason=c.stop_reason, token_ids=token_ids)
+        return item
+
+    async def _sse(req: GenerationRequest, stream: TokenStream, choices: list[_Choice]):
+        rid = choices[0].rid
+        open_ = {c.index for c in choices}
+        try:
+            while open_:
+                index, kind, value = await stream.get()
+                c = choices[index]
+                if c.finish is not None:
+                    continue  # tokens after a stop string
+                first = not c.ids
+                delta, lps = _on_item(req, c, kind, value)
+                if c.finish is not None:
+                    open_.discard(index)
+                token_ids = [value[0]] if kind == "token" else []
+                usage_body = None
+                if req.continuous_usage:
+                    usage_body = usage(len(req.prompts[c.prompt_index]), len(c.ids))
+                yield stream_chunk(rid, model_name,
+                                   [_chunk_choice(req, c, delta, token_ids, lps, first)],
+                                   req.chat, usage_body)
             if req.include_usage:
-                yield sse_chunk(rid, model_name, "", [], None, _usage(rid, n_prompt, produced))
+                yield stream_chunk(rid, model_name, [], req.chat, _usage(req, choices))
             yield SSE_DONE
         finally:  # the client went away (the generator was closed or cancelled)
-            if not finished:
-                runtime.abort(rid)
+            for c in choices:
+                if c.finish is None:
+                    runtime.abort(c.rid)
 
     return app

@@ -19,8 +19,13 @@ request is queued or running. Each request's actual path (recompute, device_reus
 host_reload) and first batch are recorded after the step that admitted it
 (serving_core.server.paths) and handed to the stream's final usage.
 
-Latencies for the histograms are wall times taken by the driver thread: submit, each
-token handed to the stream, the last token.
+Latencies for the histograms are wall times taken by the driver thread: submit, the
+start of the step that first scheduled the request, each token handed to the stream, the
+last token (serving_core/server/request_stats.py: vLLM's per-request histograms).
+
+A request's `SamplingParams` (serving_core/sampling_params.py) ride on its spec; a stop
+token ends it in the step that produced it (finish reason `stop`), a stop string found by
+the front end ends it through `abort(rid, "stop")`.
 """
 
 from __future__ import annotations
@@ -33,10 +38,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving_core.executor.host_tier import reset_device_cache
 from serving_core.request import Status
-from serving_core.server.metrics import new_histograms
+from serving_core.sampling_params import SamplingParams
 from serving_core.server.paths import PathRecorder
+from serving_core.server.request_stats import RequestStats
 
 DRAIN_MODES = ("finish", "abort")
 
@@ -51,6 +56,7 @@ class ServedSpec:
     output_tokens: int  # exact tokens to generate (EOS ignored)
     context_id: int = -1
     salt: str = ""
+    sampling: SamplingParams | None = None  # None: greedy, EOS ignored
 
 
 class Rejected(Exception):
@@ -62,17 +68,21 @@ class Busy(Exception):
 
 
 class TokenStream:
-    """Tokens of one request, handed from the driver thread to an event loop.
+    """Tokens of one HTTP request's choices, handed from the driver thread to an event loop.
 
-    Items are ("token", id), ("finish", "length") or ("finish", "abort"|"error")."""
+    Items are (index, "token", (id, logprobs or None, finish or None)) and (index,
+    "finish", finish) where finish is (reason, stop_reason), reason "length", "stop",
+    "abort" or "error": a request's last token carries its finish, a request ended
+    without a token (abort, engine error) gets a finish item. `index` is the choice (one
+    engine request each)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def push(self, kind: str, value) -> None:
+    def push(self, index: int, kind: str, value) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value))
         except RuntimeError:  # the consumer's loop is closed (client gone at shutdown)
             pass
 
@@ -92,7 +102,7 @@ class EngineRuntime:
         self.drain = drain
         self.idle_poll_s = idle_poll_s
         self._lock = threading.Lock()
-        self._streams: dict[int, TokenStream] = {}
+        self._streams: dict[int, tuple[TokenStream, int]] = {}  # rid -> (stream, choice)
         self._next_rid = 0
         self._closing = False  # no new requests
         self._stop = threading.Event()  # driver thread: leave the loop
@@ -101,8 +111,9 @@ class EngineRuntime:
         self.counters = {"requests_received": 0, "requests_finished": 0,
                          "requests_aborted": 0, "requests_rejected": 0,
                          "prefix_query_tokens_total": 0}
-        self._hist = new_histograms()
-        self._times: dict[int, list[float]] = {}  # rid -> [submit, last token] (monotonic)
+        self.stats = RequestStats(self.max_model_len)  # vLLM's request metrics
+        self._reqs: dict = {}  # rid -> the engine's Request, from entry to its end
+        self._seen = 0  # engine.requests[:_seen] are in _reqs (or ended)
         self._aborts: set[int] = set()  # client gone: end at the next step boundary
         self._drained = threading.Event()
         self.paths = PathRecorder()
@@ -144,9 +155,13 @@ class EngineRuntime:
 
     # ----- requests -----------------------------------------------------------------------
     def submit(self, prompt: list[int], max_tokens: int, salt: str,
-               loop: asyncio.AbstractEventLoop) -> tuple[int, TokenStream]:
-        """Enqueue one request; ValueError for a request the engine cannot serve (400),
-        Rejected when the server no longer takes requests (503)."""
+               loop: asyncio.AbstractEventLoop, sampling: SamplingParams | None = None, *,
+               stream: TokenStream | None = None, index: int = 0, n_param: int = 1,
+               parent: int | None = None) -> tuple[int, TokenStream]:
+        """Enqueue one request (one choice: its tokens go to `stream` under `index`);
+        ValueError for a request the engine cannot serve (400), Rejected when the server no
+        longer takes requests (503). `n_param` is the HTTP request's n and `parent` the id of
+        its first choice (None: this one), for the metrics."""
         if self._closing or not self.healthy:
             with self._lock:
                 self.counters["requests_rejected"] += 1
@@ -158,29 +173,34 @@ class EngineRuntime:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
                 f"the model's max_model_len {self.max_model_len}"
             )
-        stream = TokenStream(loop)
+        stream = stream or TokenStream(loop)
         with self._lock:
             rid = self._next_rid
             spec = ServedSpec(rid, 0.0, np.asarray(prompt, dtype=np.int32), int(max_tokens),
-                              -1, salt)
+                              -1, salt, sampling)
             self.engine.check_feasible([spec])  # ValueError: the budget cannot hold it
             self._next_rid += 1
-            self._streams[rid] = stream
-            self._times[rid] = [time.monotonic(), 0.0]
+            self._streams[rid] = (stream, index)
+            self.stats.submitted(rid, time.monotonic(), len(prompt), int(max_tokens), n_param,
+                                 parent)
             self.counters["requests_received"] += 1
             self.counters["prefix_query_tokens_total"] += len(prompt)
         self.engine.submit(spec)
         return rid, stream
 
-    def abort(self, rid: int) -> bool:
-        """End request `rid` early (its client disconnected); False if it already ended.
-        Thread-safe; the engine drops it at the next step boundary."""
+    def abort(self, rid: int, reason: str = "abort") -> bool:
+        """End request `rid` early: its client disconnected (`abort`) or the front end found
+        a stop string (`stop`); False if it already ended. Thread-safe; the engine drops it
+        at the next step boundary."""
         with self._lock:
             if self._streams.pop(rid, None) is None:
                 return False
-            self._times.pop(rid, None)
             self._aborts.add(rid)
-            self.counters["requests_aborted"] += 1
+            if reason == "abort":
+                self.counters["requests_aborted"] += 1
+            else:
+                self.counters["requests_finished"] += 1
+            self.stats.ended(rid, time.monotonic(), reason, self._reqs.get(rid))
         with self.engine._cond:
             self.engine._cond.notify_all()
         return True
@@ -218,7 +238,7 @@ class EngineRuntime:
                               "the server is idle")
         else:
             try:
-                control[1] = dict(reset_device_cache(eng.mem), status="ok")
+                control[1] = dict(eng.reset_prefix_cache(), status="ok")
                 self.resets += 1
             except RuntimeError as err:
                 control[1] = Busy(str(err))
@@ -249,11 +269,14 @@ class EngineRuntime:
             done.add(req.rid)
             if req.status == Status.FINISHED:
                 continue
-            if req.status == Status.WAITING and not req.episodes and not req.pin:
+            if (req.status == Status.WAITING and not req.episodes
+                    and not sched.state.any_pinned((req,))):
                 sched.waiting.remove(req)  # holds no state
                 req.status = Status.FINISHED
                 req.finish_s = eng.clock.now()
                 req.release_tokens()
+                with self._lock:
+                    self._reqs.pop(req.rid, None)
             else:
                 req.target_output = max(1, req.num_generated)
         with self._lock:
@@ -272,10 +295,15 @@ class EngineRuntime:
                     eng.wait_for_work(self.idle_poll_s)
                     self._publish()
                     continue
+                t_step = time.monotonic()
+                before = (eng.sched.prompt_tokens_total, eng.sched.generation_tokens_total)
                 out = eng.step()
-                self.paths.update(eng)  # before the tokens: a finished stream has its path
+                self._pick_up()
+                admitted = self.paths.update(eng)  # before the tokens: a finished stream
+                with self._lock:                   # has its path
+                    self.stats.scheduled(admitted, t_step, self.paths.paths)
                 if out is not None:
-                    self._dispatch(out)
+                    self._dispatch(out, before)
                 self._publish()
         except Exception as err:  # the engine failed: every open stream ends with an error
             self.error = f"{type(err).__name__}: {err}"
@@ -287,34 +315,50 @@ class EngineRuntime:
         self._publish()
         self._drained.set()
 
-    def _dispatch(self, out) -> None:
+    def _dispatch(self, out, before: tuple[int, int]) -> None:
+        """Hand the step's tokens to their streams; a request's last token carries its
+        finish (reason, stop_reason), so the stream's last token chunk is its last chunk."""
         now = time.monotonic()
-        hist = self._hist
+        eng = self.engine
+        finished = set(out.finished)
         with self._lock:
-            streams, times = self._streams, self._times
+            self.stats.iteration(eng.sched.prompt_tokens_total - before[0]
+                                 + eng.sched.generation_tokens_total - before[1])
+            streams = self._streams
             for rid, token in out.produced:
-                s = streams.get(rid)
-                if s is not None:
-                    s.push("token", token)
-                    t = times[rid]
-                    if t[1]:
-                        hist["time_per_output_token_seconds"].observe(now - t[1])
-                    else:
-                        hist["time_to_first_token_seconds"].observe(now - t[0])
-                    t[1] = now
-            for rid in out.finished:
-                s = streams.pop(rid, None)
-                if s is not None:
+                last = rid in finished
+                req = self._reqs.pop(rid, None) if last else None
+                entry = streams.pop(rid, None) if last else streams.get(rid)
+                if entry is None:  # aborted, or its stop string was found
+                    continue
+                self.stats.token(rid, now)
+                end = None
+                if last:
+                    end = finish_reason(req, token)
                     self.counters["requests_finished"] += 1
-                    hist["e2e_request_latency_seconds"].observe(now - times.pop(rid)[0])
-                    s.push("finish", "length")
+                    self.stats.finished(rid, now, end[0], req)
+                entry[0].push(entry[1], "token", (token, out.logprobs.get(rid), end))
+            for rid in finished:  # finished without a token here: already ended
+                self._reqs.pop(rid, None)
+
+    def _pick_up(self) -> None:
+        """Driver thread: index the requests that entered the engine since the last step."""
+        reqs = self.engine.requests
+        if self._seen < len(reqs):
+            with self._lock:
+                for req in reqs[self._seen:]:
+                    self._reqs[req.rid] = req
+            self._seen = len(reqs)
 
     def _end_streams(self, reason: str) -> None:
+        now = time.monotonic()
         with self._lock:
             streams, self._streams = self._streams, {}
             self.counters["requests_aborted"] += len(streams)
-        for s in streams.values():
-            s.push("finish", reason)
+            for rid in streams:
+                self.stats.ended(rid, now, reason)
+        for stream, index in streams.values():
+            stream.push(index, "finish", (reason, None))
 
     # ----- metrics ------------------------------------------------------------------------
     def _take_snapshot(self) -> dict:
@@ -322,9 +366,9 @@ class EngineRuntime:
         sched = eng.sched
         with self._lock:
             counters = dict(self.counters)
-            histograms = {name: h.copy() for name, h in self._hist.items()}
+            stats = self.stats.snapshot()
         return {
-            "histograms": histograms,
+            **stats,
             "clock_s": eng.clock.now(),
             "running": len(sched.running),
             "waiting": len(sched.waiting) + len(eng._inbox),
@@ -351,3 +395,14 @@ class EngineRuntime:
     def snapshot(self) -> dict:
         """The state after the last step (a dict replaced atomically, never mutated)."""
         return self._snapshot
+
+
+def finish_reason(req, last_token: int | None) -> tuple[str, int | None]:
+    """(finish reason, stop_reason) of a request the engine finished: `stop` when its last
+    token is a stop token under its SamplingParams (vLLM's check_stop order: a stop token
+    wins over the length limit; stop_reason is the token for stop_token_ids, None for
+    EOS), else `length`."""
+    params = getattr(getattr(req, "spec", None), "sampling", None)
+    if params is None or last_token is None or not params.stops(last_token, req.num_generated):
+        return "length", None
+    return "stop", (last_token if last_token in params.stop_token_ids else None)

@@ -1,0 +1,45 @@
+"""Engines for tests, built the one way every path builds them: an EngineSpec through
+serving_core.builder.build_engine (which checks the engine runs the requested rules).
+
+The tests hand in what a run config would resolve: a geometry, an organization, explicit
+pool units and a SchedulerConfig, plus a step-time model object (modelled executors) or
+an already loaded model (torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from serving_core.builder import build_engine, loaded_model_spec
+from serving_core.engine import Engine, EngineResult, serve
+from serving_core.engine_spec import EngineSpec, ExecutorSpec
+
+
+def simulated_engine(geometry, org: str, pool_units: dict[str, int], sched_cfg, step_model, *,
+                     kind: str = "simulated", clock: str | None = None, trace: bool = False,
+                     budget: str = "explicit", on_step=None) -> Engine:
+    """A modelled engine (`kind` simulated or paced) running `step_model`; `clock`
+    virtual | wall | None (the kind's default)."""
+    spec = EngineSpec(model=asdict(geometry), org=org, budget=budget, scheduler=sched_cfg,
+                      executor=ExecutorSpec(kind), clock=clock, trace=trace,
+                      pool_units=pool_units)
+    return build_engine(spec, on_step=on_step, step_model=step_model)
+
+
+def run_simulated(geometry, org: str, pool_units: dict[str, int], sched_cfg, specs,
+                  step_model, *, trace: bool = False, budget: str = "explicit",
+                  max_steps: int | None = None, on_step=None) -> EngineResult:
+    """Serve `specs` (RequestSpec, arrival order) on the simulated executor."""
+    engine = simulated_engine(geometry, org, pool_units, sched_cfg, step_model, trace=trace,
+                              budget=budget, on_step=on_step)
+    return serve(engine, specs, max_steps)
+
+
+def torch_engine(model, geometry, org: str, pool_units: dict[str, int], sched_cfg, *,
+                 clock: str | None = None, trace: bool = False, budget: str = "explicit",
+                 on_step=None) -> Engine:
+    """A torch engine over an already loaded `model` (`clock` virtual | wall | None:
+    the torch executor's default, wall)."""
+    spec = loaded_model_spec(model, geometry, org, budget, asdict(sched_cfg), clock=clock,
+                             trace=trace, pool_units=pool_units)
+    return build_engine(spec, on_step=on_step, model=model)
