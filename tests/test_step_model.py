@@ -367,8 +367,9 @@ def test_additive_indirection_scales_device_time_of_paged_orgs_only(falcon):
 
 
 def test_paged_state_pieces_count_what_each_kernel_gathers(falcon):
-    """Addressing (docs/engine_rules.md section 3.2): S1 reads 3 SSM member pages and its conv page, S2 3 member pages
-    and a conv slot; S0, D0 and N0 keep a composite contiguous; no recurrent state, none."""
+    """Addressing (docs/engine_rules.md section 3.2): S1 reads 3 SSM member pages and its
+    conv page, S2 3 member pages and a conv slot; S0, D0 and N0 keep a composite contiguous;
+    no recurrent state, none."""
     from serving_core.executor.simulated import paged_state_pieces
 
     assert paged_state_pieces(falcon, "S1") == (4, 0)

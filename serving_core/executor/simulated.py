@@ -307,9 +307,9 @@ FEATURES = ("memory_s", "dense_s", "fixed_s", "mixed")
 
 def paged_state_pieces(geometry: Geometry, org: str) -> tuple[int, int]:
     """(member pages, conv slots) of one sequence's recurrent state that a kernel reaches
-    through the page mapping (docs/engine_rules.md section 3.2: S1/S2 read member j of a checkpoint at
-    page_of(b, j), S2's conv state at line 16 p + s). S1: its SSM member pages and its
-    dedicated conv page; S2: its SSM member pages and one conv slot; S0 (one contiguous page
+    through the page mapping (docs/engine_rules.md section 3.2: S1/S2 read member j of a
+    checkpoint at page_of(b, j), S2's conv state at line 16 p + s). S1: its SSM member pages
+    and its dedicated conv page; S2: its SSM member pages and one conv slot; S0 (one contiguous page
     per composite), D0 (native composites) and N0 (one page) gather nothing: (0, 0)."""
     cls = org_class(org)
     if not geometry.has_recurrent or not cls.indirect:

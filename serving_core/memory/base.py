@@ -42,9 +42,9 @@ CHECKPOINT_RECENCIES = ("release", "publication")
 # organization with a conv page of its own, layout.conv_pages > 0, has one): `members`
 # (default) as its SSM member pages; `write`: its last write (the producer's release),
 # never refreshed by an adopter's release, the rule of the write-once slab pages that hold
-# S2's conv state (docs/engine_rules.md section 9.2) applied to the page that holds S1's. A checkpoint is
-# lost with its first evicted member, so `write` bounds an S1 checkpoint's life by its
-# publication while S0's contiguous composite keeps the release rule.
+# S2's conv state (docs/engine_rules.md section 3.4) applied to the page that holds S1's.
+# A checkpoint is lost with its first evicted member, so `write` bounds an S1 checkpoint's
+# life by its publication while S0's contiguous composite keeps the release rule.
 CONV_PAGE_RECENCIES = ("members", "write")
 # Which of a finishing or preempted request's objects return first (engine.release_order;
 # the first released is the first evicted): `attention_first` (default) its attention

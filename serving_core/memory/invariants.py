@@ -17,8 +17,8 @@ What it checks, for S0, S1, S2, D0 and N0 alike:
   slab page with a referenced slot included); evictable units belong only to cached,
   unreferenced objects;
 - invariant 3 (invalidate before reuse): no unit or slot is shared between objects,
-  every cached entry is the live owner of its key (or, duplicates cached, a live copy of it), slab counters match their slots and
-  an empty slab does not exist;
+  every cached entry is the live owner of its key (or, duplicates cached, a live copy of
+  it), slab counters match their slots and an empty slab does not exist;
 - invariant 4 (valid location or absence): ids are ints in [0, n), absence is NO_SLOT
   (-1) or an empty unit list, never 0 or None.
 """
