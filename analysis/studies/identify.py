@@ -73,7 +73,7 @@ def summaries(rows: pd.DataFrame) -> pd.DataFrame:
                     "fits": int(g.iterations.iloc[0]), "seconds": float(g.seconds.iloc[0]),
                     **{c: consts.get(c, math.nan) for c in CONSTANTS},
                     **{k: gaps.get(k, math.nan) for k in RATIO_ORDER}})
-    return pd.DataFrame(out).sort_values("fit loss").reset_index(drop=True)
+    return pd.DataFrame(out).sort_values(["fit loss", "combination"]).reset_index(drop=True)
 
 
 def _fmt(v) -> str:
