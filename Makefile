@@ -71,6 +71,13 @@ bench: setup ## benchmarks; BENCH="engine single campaign ledger kernel" (defaul
 tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1_tiny (offline)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny models/falcon_h1_tiny
 
+# The device check (bench/device_check/): JSON and fitted profile in DEVICE_OUT, the page in
+# reports/device.md. On a GPU as it is; DEVICE_ARGS=--cpu-smoke runs every stage tiny on a CPU.
+DEVICE_OUT ?= reports/device
+device-check: setup ## the device check on a GPU: exactness, 7B steps, fitted profile, real vs simulated cell (DEVICE_ARGS=--cpu-smoke: tiny, CPU)
+	$(BIN)/python -m bench.device_check $(DEVICE_OUT) $(DEVICE_ARGS)
+	$(BIN)/python -m analysis.device $(DEVICE_OUT)/device_check.json --out reports/device.md
+
 # CLIENT=ours|vllm|guidellm: who measures (vllm: vLLM's own `vllm bench serve` client from
 # .venv-vllm; guidellm: from .venv-guidellm, make setup-guidellm)
 CLIENT ?= ours
@@ -78,7 +85,8 @@ bench-serve: setup ## our server (S2, S0, D0) vs vLLM's (if .venv-vllm), saturat
 	@case "$(CLIENT)" in ours|vllm|guidellm) ;; *) echo "CLIENT=$(CLIENT): allowed values are ours, vllm, guidellm"; exit 2;; esac
 	$(BIN)/python -m bench.serve_bench --client $(CLIENT) $(ARGS)
 
-.PHONY: help setup test test-all test-cpu lint plan bench bench-serve calibrate tiny-model
+.PHONY: help setup test test-all test-cpu lint plan bench bench-serve calibrate tiny-model \
+	device-check
 
 # ---- vLLM (the real-engine arm's server) in its own venv -----------------------------------
 # VLLM_DEVICE=cpu|gpu (default: gpu when nvidia-smi answers). The pins are pyproject's

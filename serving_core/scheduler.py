@@ -442,6 +442,21 @@ class Scheduler:
         if self.trace:
             self.rec.event("FINISH", now, req.rid, req.episodes)
 
+    def abort_waiting(self, req: Request, now: float) -> bool:
+        """Finish a request that waits and has never run (no episode, holds no pin): it
+        leaves the queue at once. False for any other request; the caller ends that one
+        at its next step (its state is released by the normal finish path)."""
+        if (req.status != Status.WAITING or req.episodes or req not in self.waiting
+                or self.state.any_pinned((req,))):
+            return False
+        self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_s = now
+        req.release_tokens()
+        if self.trace:
+            self.rec.event("FINISH", now, req.rid, req.episodes)
+        return True
+
     def boundaries_crossed(self, plan: list[Scheduled]) -> int:
         """Checkpoint boundaries the planned chunks cross (each writes one extra composite)."""
         return self.state.boundaries_crossed(plan)

@@ -92,6 +92,23 @@ def test_the_host_tier_touches_no_queue_allocator_or_arena():
     assert imported == {"serving_core.state_manager"}
 
 
+def test_nothing_outside_the_scheduler_changes_its_queues():
+    """The queues are the scheduler's: the engine and the server read their lengths, and
+    change them only through Scheduler methods (add_request, abort_waiting)."""
+    sites = []
+    for path in CORE.rglob("*.py"):
+        if path.name == "scheduler.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Attribute)
+                    and node.func.value.attr in ("waiting", "running")
+                    and node.func.attr in ("remove", "append", "appendleft", "pop",
+                                           "popleft", "clear", "insert", "extend")):
+                sites.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert sites == []
+
+
 # ----- one list of executor rule keys ---------------------------------------------------------
 def test_executor_rules_use_the_one_list_of_keys(tiny_model):
     from serving_core.builder import loaded_model_spec
@@ -107,7 +124,7 @@ def test_executor_rules_use_the_one_list_of_keys(tiny_model):
     spec = loaded_model_spec(tiny_model, load_geometry("falcon_h1_tiny"), "S2", "b63", {})
     described = build_engine(spec, model=tiny_model).executor.describe()
     assert described.keys() == {"executor", "device", "dtype", "scan_chunk", "kv_codec",
-                                "kv_group_heads", "prefill_batch_tokens"}
+                                "kv_group_heads", "prefill_batch_tokens", "decode_attention"}
     assert described.keys() <= set(EXECUTOR_RULE_KEYS)
     # preflight leaves exactly these keys to the built executor
     effective = preflight(spec)

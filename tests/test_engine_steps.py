@@ -86,3 +86,28 @@ def test_requests_submitted_from_another_thread_are_served_on_a_wall_clock():
     steps = engine.result().tables["steps"]
     starts = steps["t_start_s"]
     assert starts == sorted(starts)  # wall time only moves forward
+
+
+def test_abort_waiting_removes_only_a_request_that_never_ran():
+    """Scheduler.abort_waiting (the server's path for a client that hangs up while queued):
+    a queued request that never ran leaves the queue finished; a running one is refused
+    (it ends through the normal finish path), and the remaining requests are still served."""
+    cfg = compose_config(*SYNTH)
+    geometry, units, sched_cfg, model, specs = _parts(cfg)
+    engine = simulated_engine(geometry, "S2", units, sched_cfg, model)
+    specs = [replace(s, arrival_s=0.0) for s in specs]  # more than one step admits
+    for spec in specs:
+        engine.add_request(spec)
+    engine.step()
+    sched = engine.sched
+    running, queued = sched.running[0], engine.requests[-1]
+    assert queued in sched.waiting and not queued.episodes
+    assert not sched.abort_waiting(running, 0.0)
+    assert sched.abort_waiting(queued, 1.5)
+    assert queued not in sched.waiting and queued.status.name == "FINISHED"
+    assert queued.finish_s == 1.5
+    assert not sched.abort_waiting(queued, 2.0)  # already finished
+    while engine.has_work():
+        engine.step()
+    served = [r for r in engine.requests if r is not queued]
+    assert all(r.num_generated == r.target_output for r in served)

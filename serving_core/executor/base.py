@@ -22,7 +22,7 @@ from typing import Any, Protocol
 # and what is checked only once the executor is built (serving_core.builder.preflight).
 EXECUTOR_RULE_KEYS = ("executor", "step_model", "profile", "indirection", "paged_state_s",
                       "device", "dtype", "scan_chunk", "prefill_batch_tokens", "kv_codec",
-                      "kv_group_heads")
+                      "kv_group_heads", "decode_attention")
 
 
 @dataclass(slots=True)

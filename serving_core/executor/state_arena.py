@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from serving_core.executor.device import host_index
 from serving_core.geometry import Geometry
 from serving_core.memory import CONV_ADDRESSING, MemoryOrganization, org_class
 from serving_core.memory.s2 import decode_conv_line
@@ -121,7 +122,7 @@ class StateArena:
                 self.slot_elems = mem.layout.conv_slot_bytes // elem
                 self.slots_per_slab = mem.layout.slots_per_slab
         self._page_views: dict[int, tuple] = {}
-        self._kv_scratch: torch.Tensor | None = None
+        self._kv_scratch: torch.Tensor | None = None  # gather_kv_heads' buffer, reused
 
     @property
     def num_bytes(self) -> int:
@@ -158,9 +159,10 @@ class StateArena:
 
     def gather_kv_heads(self, layer: int, units: torch.Tensor, length: int):
         """K and V (b, KV heads, length, head dim) of each row of block units (b, nb): whole
-        units copied (one contiguous copy each) into a scratch buffer the arena keeps, so a
-        decode step allocates nothing large (no page faults); the views are strided, which
-        attention reads as they are. Valid until the next call."""
+        units copied (one indexed copy for the batch) into a scratch buffer the arena keeps,
+        so a decode step allocates nothing large; the views are strided, which attention
+        reads as they are. Valid until the next call. The gathered decode attention of an
+        accelerator reads it (serving_core/executor/torch_executor.py, `_DecodeIO`)."""
         if self.packed:
             raise RuntimeError("packed (tq4) KV is read through decode/prefill_attention")
         view = self.kv_view(layer)
@@ -213,17 +215,18 @@ class StateArena:
         pages = [mem.ssm_member_pages(obj) for obj in objs]
         if any(len(p) != self.members for p in pages):
             raise RuntimeError("a composite without all its SSM member pages was addressed")
-        loc = {"pages": torch.tensor(pages, dtype=torch.long, device=self.device)}
+        # The host list stays beside the device tensor: views of the pages are picked on the
+        # host (`ssm_views`) without reading the device back.
+        loc = {"pages": host_index(pages, self.device), "page_ids": [u for p in pages for u in p]}
         if self.conv_addressing == "page":  # conv_line: the conv page's id
-            loc["conv"] = torch.tensor([mem.conv_line(o) for o in objs], dtype=torch.long,
-                                       device=self.device)
+            loc["conv"] = host_index([mem.conv_line(o) for o in objs], self.device)
         elif self.slots:  # conv_line: the slot's line id
             lines = []
             for obj in objs:
                 line = mem.conv_line(obj)
                 decode_conv_line(line, self.slots_per_slab)  # refuses the negative sentinel
                 lines.append(line)
-            loc["conv"] = torch.tensor(lines, dtype=torch.long, device=self.device)
+            loc["conv"] = host_index(lines, self.device)
         return loc
 
     def _conv_rows(self, layer: int) -> torch.Tensor:
@@ -294,7 +297,7 @@ class StateArena:
             arena = self.pools[self.rec_pool][layer]
             views = arena[:, : hpm * p * n].view(arena.shape[0], hpm, p, n).unbind(0)
             self._page_views[layer] = views
-        pages = loc["pages"].reshape(-1).tolist()
+        pages = loc["page_ids"]
         return PagedSSM([views[u] for u in pages], loc["pages"].shape[0], hpm)
 
     def gather_conv(self, layer: int, loc: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -29,8 +29,9 @@ import time
 import torch
 
 from serving_core.engine import ExecutorOutput
+from serving_core.executor.device import host_index, synchronize
 from serving_core.executor.state_arena import StateArena
-from serving_core.model.paged_attention import decode_attention
+from serving_core.model.paged_attention import decode_attention, fused_decode_attention
 from serving_core.model.sampler import sample
 
 
@@ -72,7 +73,7 @@ class PagedRecurrentIO:
 class _DecodeIO(PagedRecurrentIO):
     """State access of a batch of one-token decodes, in place through the mapping."""
 
-    def __init__(self, arena: StateArena, items) -> None:
+    def __init__(self, arena: StateArena, items, gathered: bool = False) -> None:
         super().__init__(arena, [it.state.working for it in items])
         dev = arena.device
         bt = arena.block_tokens
@@ -81,22 +82,26 @@ class _DecodeIO(PagedRecurrentIO):
         nb = max(1, -(-self.max_ctx // bt))
         blocks = [it.state.blocks for it in items]  # cover [0, context + 1)
         units = [b[: -(-c // bt)] for b, c in zip(blocks, ctx, strict=True)]
-        self.units = torch.tensor([u + [0] * (nb - len(u)) for u in units], dtype=torch.long,
-                                  device=dev)  # padding rows are masked out
-        lengths = torch.tensor(ctx, device=dev)
+        self.units = host_index([u + [0] * (nb - len(u)) for u in units], dev)  # padding masked
+        lengths = host_index(ctx, dev)
         self.valid = torch.arange(self.max_ctx, device=dev)[None, :] < lengths[:, None]
-        # Block tables covering each context plus its new token (`decode_attention`; packed:
-        # padded to one tensor for `attend`).
+        # Block tables covering each context plus its new token (`decode_attention`; packed
+        # and gathered: padded to one tensor).
         self.tables = [b[: c // bt + 1] for b, c in zip(blocks, ctx, strict=True)]
         self.lengths = [c + 1 for c in ctx]
         nb1 = self.max_ctx // bt + 1
-        self.units_new = torch.tensor([u + [0] * (nb1 - len(u)) for u in self.tables],
-                                      dtype=torch.long, device=dev)
+        self.units_new = host_index([u + [0] * (nb1 - len(u)) for u in self.tables], dev)
         new = [b[c // bt] for b, c in zip(blocks, ctx, strict=True)]
-        self.new_units = torch.tensor(new, dtype=torch.long, device=dev)
-        self.new_offsets = torch.tensor([c % bt for c in ctx], dtype=torch.long, device=dev)
+        self.new_units = host_index(new, dev)
+        self.new_offsets = host_index([c % bt for c in ctx], dev)
         self.packed_kv = arena.packed
-        self.seq_lens = torch.tensor(ctx, dtype=torch.long, device=dev) + 1
+        self.seq_lens = lengths + 1
+        # Gathered decode attention: every sequence's pages copied into one padded buffer and
+        # one fused attention per layer (a fixed number of kernels per step, whatever the
+        # batch); the mask is needed only when the contexts differ.
+        self.gathered = gathered
+        self.valid_new = None if min(ctx) == self.max_ctx else (
+            torch.arange(self.max_ctx + 1, device=dev)[None, :] < self.seq_lens[:, None])
 
     def attend(self, layer, q, k, v):
         """Packed KV: store the new tokens encoded, then attend page by page (b, 1, H hd)."""
@@ -116,9 +121,14 @@ class _DecodeIO(PagedRecurrentIO):
         self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
 
     def decode_attention(self, layer, q, k, v, scale):
-        """Store the new tokens' K, V, then attend over each sequence's KV pages where they
-        lie (serving_core.model.paged_attention: no gathered copy of the context)."""
+        """Store the new tokens' K, V, then attend over each sequence's KV pages: where they
+        lie (serving_core.model.paged_attention: no gathered copy of the context, one small
+        product per page), or gathered (`gathered`: the pages copied into one padded buffer,
+        one fused attention for the batch)."""
         self.store_kv(layer, k, v)
+        if self.gathered:
+            keys, vals = self.arena.gather_kv_heads(layer, self.units_new, self.max_ctx + 1)
+            return fused_decode_attention(q, keys, vals, self.valid_new, scale)
         return decode_attention(q, self.arena.kv_view(layer), self.tables, self.lengths, scale)
 
 
@@ -134,13 +144,10 @@ class _SegmentIO:
         bt = arena.block_tokens
         self.start = start
         self.b = len(tables)
-        self.units = torch.tensor([t[: -(-start // bt)] for t in tables], dtype=torch.long,
-                                  device=dev)
+        self.units = host_index([t[: -(-start // bt)] for t in tables], dev)
         pos = range(start, end)
-        self.new_units = torch.tensor([t[p // bt] for t in tables for p in pos],
-                                      dtype=torch.long, device=dev)
-        self.new_offsets = torch.tensor([p % bt for _ in tables for p in pos], dtype=torch.long,
-                                        device=dev)
+        self.new_units = host_index([t[p // bt] for t in tables for p in pos], dev)
+        self.new_offsets = host_index([p % bt for _ in tables for p in pos], dev)
         self.states = states
         self.packed_kv = arena.packed
         self.peak_temp_bytes = 0
@@ -180,10 +187,22 @@ class TorchExecutor:
     reads_state = True
 
     PREFILL_BATCH_TOKENS = 256  # the default cap (measured: longer groups gained nothing)
+    # How a decode batch attends over plain KV pages: "paged" (per sequence, one product per
+    # page, where the pages lie: no copy, but a host loop of ~2 kernels per page, cheap on a
+    # CPU) or "gathered" (the batch's pages copied into one padded buffer, one fused kernel
+    # per layer: a fixed launch count, what an accelerator needs). Default per device type.
+    DECODE_ATTENTION = ("paged", "gathered")
 
-    def __init__(self, model, arena: StateArena, prefill_batch_tokens: int | None = None) -> None:
+    def __init__(self, model, arena: StateArena, prefill_batch_tokens: int | None = None,
+                 decode_attention: str | None = None) -> None:
         self.model = model
         self.arena = arena
+        if decode_attention is None:
+            decode_attention = "paged" if model.device.type == "cpu" else "gathered"
+        if decode_attention not in self.DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r}: allowed values are "
+                             f"{', '.join(self.DECODE_ATTENTION)}")
+        self.decode_attention = decode_attention
         # chunks over the same span share a forward up to this many tokens (0: never;
         # None: the default, 0 over packed KV)
         self.prefill_batch_tokens = prefill_batch_tokens
@@ -212,13 +231,15 @@ class TorchExecutor:
         logprobs: dict[int, tuple] = {}
         if fast:
             dev = self.model.device
-            ids = torch.tensor([it.req.token_ids(it.context, it.context + 1) for it in fast],
-                               device=dev)
-            pos = torch.tensor([[it.context] for it in fast], device=dev)
-            logits = self.model.forward(ids, pos, _DecodeIO(self.arena, fast))
+            ids = host_index([it.req.token_ids(it.context, it.context + 1) for it in fast], dev)
+            pos = host_index([[it.context] for it in fast], dev)
+            io = _DecodeIO(self.arena, fast, gathered=self.decode_attention == "gathered")
+            logits = self.model.forward(ids, pos, io)
             self._sample(logits, fast, sampled, logprobs)
         for group in self._prefill_groups(slow):
             self._run_chunks(group, sampled, logprobs)
+        if not sampled:  # a step that reads no token back has not finished on an accelerator
+            synchronize(self.model.device)
         return ExecutorOutput(time.perf_counter() - t0, sampled, logprobs)
 
     @staticmethod
@@ -308,7 +329,7 @@ class TorchExecutor:
         dev = self.model.device
         tables = [it.state.blocks for it in items]
         for s, e in zip(edges[:-1], edges[1:], strict=True):
-            ids = torch.tensor([it.req.token_ids(s, e) for it in items], device=dev)
+            ids = host_index([it.req.token_ids(s, e) for it in items], dev)
             pos = torch.arange(s, e, device=dev)[None].expand(len(items), -1)
             io = _SegmentIO(self.arena, tables, s, e, states)
             logits = self.model.forward(ids, pos, io, logits=e == c1)
@@ -331,7 +352,8 @@ class TorchExecutor:
                 "dtype": str(self.model.dtype).removeprefix("torch."),
                 "scan_chunk": int(self.model.chunk), "kv_codec": self.arena.kv_codec,
                 "kv_group_heads": self.arena.kv_group_heads,
-                "prefill_batch_tokens": self.effective_prefill_batch_tokens}
+                "prefill_batch_tokens": self.effective_prefill_batch_tokens,
+                "decode_attention": "packed_pages" if self.arena.packed else self.decode_attention}
 
     # ----- after publication ------------------------------------------------------------------
     def commit(self, plan) -> None:

@@ -419,7 +419,8 @@ class MemoryOrganization:
         """base + page_of(b, j) * page_stride + offset(j, u).
 
         The stride is the unit size of the pool holding the composite (a page for
-        S0/S1/S2, the native composite for D0's recurrent pool).
+        S0/S1/S2, the native composite for D0's recurrent pool). A test oracle: the torch
+        arenas address by page id; tests/test_memory_invariants.py holds this formula.
         """
         stride = self.pools[obj.pool].unit_bytes
         if not 0 <= offset < stride:
@@ -443,4 +444,6 @@ class MemoryOrganization:
         }
 
     def owner_of(self, pool: str, unit: int):
+        """The object holding `unit` of `pool`: for invariant checks
+        (tests/test_memory_invariants.py)."""
         return self._owner[pool][unit]

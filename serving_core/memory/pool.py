@@ -104,9 +104,6 @@ class UnitPool:
             heapq.heappop(heap)  # stale entry
         return heap[0][0] < self.free_stamps[0]
 
-    def stamp_of(self, unit: int) -> int | None:
-        return self.evictable.get(unit)
-
     def add_evictable(self, unit: int, stamp: int | None = None) -> None:
         """Make `unit` evictable with recency `stamp` (default: now, the MRU end)."""
         if stamp is None:
@@ -121,7 +118,8 @@ class UnitPool:
         self.evictable.pop(unit, None)
 
     def make_least_recent(self, unit: int) -> None:
-        """Move an evictable unit to the LRU end (the next eviction takes it)."""
+        """Move an evictable unit to the LRU end (the next eviction takes it): a test hook
+        for eviction-order checks (tests/test_memory_invariants.py)."""
         assert unit in self.evictable, f"unit {unit} is not evictable"
         self.add_evictable(unit, -self.tick())
 

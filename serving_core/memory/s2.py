@@ -187,13 +187,6 @@ class S2PagingConvSlots(MemoryOrganization):
         self._newest: Slab | None = None  # write_once: the slab slots are taken from
 
     # ----- demand -------------------------------------------------------------------------
-    def num_free_slots(self) -> int:
-        """Slots a composite can take without a new slab page."""
-        per = self.layout.slots_per_slab
-        if self.write_once:
-            return per - self._newest.next_slot if self._newest is not None else 0
-        return sum(per - self.slabs[p].num_used for p in self._slabs_with_free)
-
     def _slab_preference(self, page: int) -> tuple[bool, int]:
         """Slot placement order: referenced slabs (already out of the LRU) before evictable
         ones, lowest page first within each group, so packing stays deterministic."""
@@ -382,7 +375,8 @@ class S2PagingConvSlots(MemoryOrganization):
         return encode_conv_line(obj.slab_page, obj.slot, self.layout.slots_per_slab)
 
     def conv_address(self, obj: StateObject, offset: int, conv_base: int = 0) -> int:
-        """conv_base + line * slot_bytes + offset."""
+        """conv_base + line * slot_bytes + offset. A test oracle for the line encoding
+        (tests/test_memory_invariants.py); the torch arenas index slots by line id."""
         if not 0 <= offset < self.layout.conv_slot_bytes:
             raise ValueError(f"offset={offset} outside one {self.layout.conv_slot_bytes}-B slot")
         line = self.conv_line(obj)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from serving_core.model import mamba
 from serving_core.model.config import head_dim, mamba_head_dim, mamba_inner, read_config
+from serving_core.model.paged_attention import fused_decode_attention
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16}
@@ -254,15 +255,8 @@ class FalconH1:
 
     def _decode_attention(self, q, keys, vals, valid) -> torch.Tensor:
         """One query per sequence q (b, 1, H, d) over K, V (b, KVH, S, d) (any strides) that
-        include the query's own token; valid (b, S) masks padding (None: all valid). GQA
-        without repeating K/V (fused attention, no score matrix kept)."""
-        b = q.shape[0]
-        mask = None if valid is None else valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
-            scale=self.head_dim ** -0.5, enable_gqa=self.heads != self.kv_heads,
-        )  # (b, H, 1, d)
-        return out.reshape(b, 1, self.heads * self.head_dim)
+        include the query's own token; valid (b, S) masks padding (None: all valid)."""
+        return fused_decode_attention(q, keys, vals, valid, self.head_dim ** -0.5)
 
     def _mamba(self, i, x, io: StateIO) -> torch.Tensor:
         p = f"model.layers.{i}.mamba."

@@ -60,8 +60,10 @@ def hf_config_kwargs(data: dict) -> dict:
     }
 
 
-def build(out: str | Path, model: str = DEFAULT_MODEL, seed: int = 0) -> Path:
-    """Write the checkpoint folder `out` and return it."""
+def build(out: str | Path, model: str = DEFAULT_MODEL, seed: int = 0,
+          tokenizer: bool = True) -> Path:
+    """Write the checkpoint folder `out` and return it; `tokenizer=False` leaves out the
+    tokenizer files (checks that feed token ids, on machines without quicktok)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import FalconH1Config, FalconH1ForCausalLM
@@ -74,7 +76,7 @@ def build(out: str | Path, model: str = DEFAULT_MODEL, seed: int = 0) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     net.save_pretrained(out)
-    if config.vocab_size == LLAMA3_VOCAB:
+    if tokenizer and config.vocab_size == LLAMA3_VOCAB:
         from serving_core.model.hf_tokenizer import write_tokenizer
 
         write_tokenizer(out)

@@ -17,6 +17,7 @@ equal transformers' (tests/test_reference_model.py).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def decode_attention(q: torch.Tensor, kv_view: torch.Tensor, tables: list[list[int]],
@@ -50,3 +51,19 @@ def decode_attention(q: torch.Tensor, kv_view: torch.Tensor, tables: list[list[i
             o.baddbmm_(p[..., j * bt : (j + 1) * bt], vals[table[j]])
         o.baddbmm_(p[..., (n_blocks - 1) * bt :], vals[table[n_blocks - 1]][:, :last])
     return out.view(b, 1, heads * d).to(q.dtype)
+
+
+def fused_decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                           valid: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One query per sequence q (b, 1, H, d) over K, V (b, KVH, S, d) (any strides, the
+    query's own token included) in one fused kernel (torch's scaled_dot_product_attention,
+    GQA without repeating K/V, no score matrix kept); valid (b, S) masks each row's padding
+    (None: every position valid). Returns (b, 1, H d) in q's dtype: the gathered decode path
+    of an accelerator, and the contiguous path's decode (FalconH1._decode_attention)."""
+    b, _, heads, d = q.shape
+    mask = None if valid is None else valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=scale,
+        enable_gqa=heads != keys.shape[1],
+    )  # (b, H, 1, d)
+    return out.reshape(b, 1, heads * d)

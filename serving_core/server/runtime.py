@@ -269,12 +269,7 @@ class EngineRuntime:
             done.add(req.rid)
             if req.status == Status.FINISHED:
                 continue
-            if (req.status == Status.WAITING and not req.episodes
-                    and not sched.state.any_pinned((req,))):
-                sched.waiting.remove(req)  # holds no state
-                req.status = Status.FINISHED
-                req.finish_s = eng.clock.now()
-                req.release_tokens()
+            if sched.abort_waiting(req, eng.clock.now()):  # held no state: gone now
                 with self._lock:
                     self._reqs.pop(req.rid, None)
             else:
