@@ -248,3 +248,12 @@ continuation-http: setup $(TINY_MODEL)/config.json ## the boundary matrix over H
 		--ledger-root $(LEDGER_ROOT) $(ARGS); $(call study_page,continuation_http)
 
 .PHONY: serve http-smoke continuation fidelity reload-study continuation-http
+
+identify: setup ## refit and score every rule combination of conf/calibration/identify.yaml on the anchors (SMOKE=1: 2 combinations, short runs), then identify.md
+	$(BIN)/python -m experiments.studies.identify --ledger-root $(LEDGER_ROOT) \
+		$(if $(filter $(SMOKE_ON),$(SMOKE)),--smoke) $(if $(JOBS),--jobs $(JOBS)) $(ARGS)
+	$(BIN)/python -m analysis.studies.identify --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) \
+		$(if $(filter $(SMOKE_ON),$(SMOKE)),--smoke) > /dev/null
+	@echo "identify page: $(abspath $(REPORT_DIR))/identify.md"
+
+.PHONY: identify

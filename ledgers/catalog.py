@@ -107,10 +107,12 @@ def _warn(scan: LedgerScan, num_study_files: int) -> None:
 
 
 def create_views(con: duckdb.DuckDBPyConnection, root: str | os.PathLike, *,
-                 deep: bool = False) -> LedgerScan:
+                 deep: bool = False, campaigns: str | Sequence[str] | None = None) -> LedgerScan:
     """(Re)create the raw_* views, the canonical_attempts snapshot and the public views over
-    the readable files of `root`; warn about skipped files and runs; return the scan."""
-    scan = scan_root(root, deep=deep)
+    the readable files of `root` (of `campaigns` only, when given: a reader of a few
+    campaigns in a large root probes only their files); warn about skipped files and runs;
+    return the scan."""
+    scan = scan_root(root, campaigns, deep=deep)
     studies = readable_study_files(scan.root)
     _warn(scan, sum(map(len, studies[0].values())) + len(studies[1]))
     for table in TABLES:
@@ -151,11 +153,13 @@ def _study_views(con: duckdb.DuckDBPyConnection, root: Path, good: dict[str, lis
 
 
 def connect(root: str | os.PathLike, database: str = ":memory:", *,
-            deep: bool = False) -> duckdb.DuckDBPyConnection:
-    """DuckDB connection with the ledger views over `root` (which may not exist yet)."""
+            deep: bool = False,
+            campaigns: str | Sequence[str] | None = None) -> duckdb.DuckDBPyConnection:
+    """DuckDB connection with the ledger views over `root` (which may not exist yet), over
+    the runs of `campaigns` only when given."""
     con = duckdb.connect(database)
     con.execute("SET parquet_metadata_cache = true")  # views re-read footers at every bind
-    create_views(con, root, deep=deep)
+    create_views(con, root, deep=deep, campaigns=campaigns)
     return con
 
 

@@ -178,12 +178,46 @@ _SENSITIVITY_RUNS = [
        SENSITIVITY_OUTCOMES),
 ]
 
+IDENTIFY_KINDS = ("constant", "residual", "level", "ratio", "slab", "loss", "target", "levels",
+                  "selection")
+_IDENTIFY = [
+    _f("study_id", _S, "", "Search run identifier (UTC start time and the search key)."),
+    _f("created_at", _S, "", "UTC time the rows were written (ISO 8601)."),
+    _f("search", _S, "",
+       "Search key: the candidate space, seeds, requests, iterations and anchors it ran with."),
+    _f("combination", _S, "", "Combination name: codes of its non-default levels (base: none)."),
+    _f("label", _S, "", "Its non-default levels as factor=level (defaults: none)."),
+    _f("form", _S, "", "Step-model form whose paged-state constants were fitted.",
+       ("indirection", "pages", "both")),
+    _f("rules", _S, "", "Rule overrides per organization, JSON {org: [override, ...]}."),
+    _f("seeds_per_cell", _I, "count", "Seeds per simulated cell (0 on selection rows)."),
+    _f("requests", _I, "count", "Requests per run (0 on selection rows)."),
+    _f("iterations", _I, "count", "Simulate-and-fit iterations run."),
+    _f("converged", _B, "", "The last iteration moved no fitted constant by the tolerance."),
+    _f("seconds", _F, "s", "Wall time of the combination's refit and score."),
+    _f("kind", _S, "", "What the row holds: a fitted constant, a fit residual, an anchor "
+       "level, an organization ratio, an S2 slab figure, a part's loss, an acceptance target, "
+       "the throughput-levels check, or the search's selection.", IDENTIFY_KINDS),
+    _f("part", _S, "", "fit | check (anchor part); selection rows: identified or ''."),
+    _f("section", _S, "", "Anchor section (A-D, F), '' when none."),
+    _f("point", _S, "", "Anchor point (control, L, M, H, low_b63, low_b108, all), or ''."),
+    _f("org", _S, "", "Organization, the ratio (S1/S0, ...), or ''."),
+    _f("metric", _S, "", "Anchor metric, constant name, target, or the selection's reason."),
+    _f("measured", _F, "", "Measured value (NaN: none)."),
+    _f("ours", _F, "", "Simulated value: constant, level, ratio - 1, loss (NaN: none); "
+       "selection rows: levels the defaults hold within the limit that it moves outside."),
+    _f("error", _F, "", "Relative error (levels), gap in pp (ratios), difference (slab)."),
+    _f("residual", _F, "", "Error over its declared tolerance (NaN: not scored)."),
+    _f("met", _B, "", "Target met; constant fitted; selection row: the adopted default."),
+]
+
 STUDY_SCHEMAS: dict[str, pa.Schema] = {
     "reload_study": pa.schema(_RELOAD_STUDY),
     "continuation": pa.schema(_CONTINUATION),
     "continuation_http": pa.schema(_CONTINUATION_HTTP),
     "fidelity_fit": pa.schema(_FIDELITY_FIT),
     "sensitivity_runs": pa.schema(_SENSITIVITY_RUNS),
+    "identify": pa.schema(_IDENTIFY),
 }
 
 

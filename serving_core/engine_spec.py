@@ -177,6 +177,10 @@ class EngineSpec:
             "checkpoint_recency": sc.checkpoint_recency,
             "cache_policy": sc.cache_policy,
             "marconi_alpha": float(sc.marconi_alpha) if sc.cache_policy != "lru" else None,
+            "conv_page_recency": (sc.conv_page_recency if _conv_pages(geometry, self.org)
+                                  else None),
+            "release_order": sc.release_order,
+            "duplicates": sc.duplicates,
             "interleave": sc.interleave,
             "retention_k": sc.retention_k,
             "pinning_k": sc.pinning_k,
@@ -233,6 +237,13 @@ def _checkpoint_interval(geometry: Geometry, org: str) -> int:
     from serving_core.memory import org_layout
 
     return org_layout(geometry, org).checkpoint_interval
+
+
+def _conv_pages(geometry: Geometry, org: str) -> int:
+    """Dedicated conv pages per composite (S1: 1), which conv_page_recency applies to."""
+    from serving_core.memory import org_layout
+
+    return org_layout(geometry, org).conv_pages
 
 
 def _requested_executor_rules(ex: ExecutorSpec, geometry: Geometry) -> dict[str, Any]:

@@ -43,7 +43,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from serving_core.memory import SLAB_POLICIES, MemoryOrganization
-from serving_core.memory.base import CHECKPOINT_RECENCIES
+from serving_core.memory.base import (
+    CHECKPOINT_RECENCIES,
+    CONV_PAGE_RECENCIES,
+    DUPLICATE_RULES,
+    RELEASE_ORDERS,
+)
 from serving_core.memory.cache_policy import DEFAULT_MARCONI_ALPHA, check_cache_policy
 from serving_core.memory.pool import FREE_QUEUES
 from serving_core.planner import headroom_units
@@ -68,6 +73,9 @@ class SchedulerConfig:
     slab_policy: str = "write_once"  # S2: write_once | refill | dense (memory.s2)
     free_queue: str = "free_first"  # free_first | single_queue (memory.pool)
     checkpoint_recency: str = "release"  # release | publication (memory.base)
+    conv_page_recency: str = "members"  # S1 conv page: members | write (memory.base)
+    release_order: str = "attention_first"  # attention_first | state_first (memory.base)
+    duplicates: str = "drop"  # drop | cache (memory.base)
     # Bounded prefill interleave {decode_steps: k, prefill_tokens: m} (None: off): while any
     # running request decodes, k steps carry decodes only, then one step carries the decodes
     # plus at most m prefill tokens (running chunks and admissions together), and so on.
@@ -80,7 +88,9 @@ class SchedulerConfig:
         """The allocator's rules (build_memory keyword arguments)."""
         return {"slab_policy": self.slab_policy, "free_queue": self.free_queue,
                 "checkpoint_recency": self.checkpoint_recency,
-                "cache_policy": self.cache_policy, "marconi_alpha": self.marconi_alpha}
+                "cache_policy": self.cache_policy, "marconi_alpha": self.marconi_alpha,
+                "conv_page_recency": self.conv_page_recency,
+                "release_order": self.release_order, "duplicates": self.duplicates}
 
     def __post_init__(self) -> None:
         choices = (
@@ -89,6 +99,9 @@ class SchedulerConfig:
             ("slab_policy", SLAB_POLICIES),
             ("free_queue", FREE_QUEUES),
             ("checkpoint_recency", CHECKPOINT_RECENCIES),
+            ("conv_page_recency", CONV_PAGE_RECENCIES),
+            ("release_order", RELEASE_ORDERS),
+            ("duplicates", DUPLICATE_RULES),
         )
         for name, allowed in choices:
             if getattr(self, name) not in allowed:

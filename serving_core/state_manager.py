@@ -29,9 +29,11 @@ device prefix cache; all copies go through the executor's copy port
 (serving_core/executor/state_copy.py). The tier sees keys and tensors, never the
 allocator, the arena or the scheduler's queues.
 
-Release order (kept in one place, `release_all`): attention blocks deepest first
-(so the deepest enter the LRU first and are evicted first), then destinations,
-the working composite, the adopted checkpoint and the retained ones.
+Release order (kept in one place, `release_all`; the organization's `release_order`,
+serving_core.memory.base.RELEASE_ORDERS): attention blocks deepest first (so the
+deepest enter the LRU first and are evicted first), then destinations, the working
+composite, the adopted checkpoint and the retained ones; or the state first, then the
+attention blocks deepest first.
 """
 
 from __future__ import annotations
@@ -305,10 +307,21 @@ class HybridStateManager:
 
     def release_all(self, req: Request) -> None:
         """Everything a finishing or preempted request holds, in the release order."""
+        if self.mem.release_order == "attention_first":
+            self._release_attention(req)
+            self._release_state(req)
+        else:
+            self._release_state(req)
+            self._release_attention(req)
+
+    def _release_attention(self, req: Request) -> None:
         mem = self.mem
         for obj in reversed(req.attn):
             mem.release(obj)
         req.attn = []
+
+    def _release_state(self, req: Request) -> None:
+        mem = self.mem
         for obj in req.dests:
             mem.release(obj, producer=True)
         req.dests = []
@@ -361,7 +374,7 @@ class HybridStateManager:
         returns the composite published (NULL for a no-op publication)."""
         mem = self.mem
         dest = req.dests.pop(0)
-        if mem.cached_checkpoint(key) is not None or (
+        if (not mem.cache_duplicates and mem.cached_checkpoint(key) is not None) or (
                 self.admitted is not None and boundary not in self.admitted.get(req.rid, ())):
             # already cached (or not admitted by the cache policy): publishing is a no-op,
             # the destination is freed

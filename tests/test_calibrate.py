@@ -70,8 +70,8 @@ def test_steps_ledger_columns_carry_the_model_features(falcon):
     res = run_simulated(falcon, "S2", {"shared": 30},
                         SchedulerConfig(max_num_batched_tokens=2048), wl.requests, rec)
     from_ledger = cal.step_feature_sums(model, res.tables["steps"])
-    from_batches = [sum(x) for x in zip(*(model.plan_features(*c) for c in rec.calls),
-                                         strict=True)]
+    from_batches = [sum(x) for x in zip(*((*model.plan_features(*c), len(c[0]))
+                                          for c in rec.calls), strict=True)]
     assert from_ledger.tolist() == pytest.approx(from_batches, rel=1e-12)
     assert sum(res.tables["steps"]["duration_s"]) == pytest.approx(
         sum(model.step_seconds(*c) for c in rec.calls), rel=1e-12)
@@ -175,3 +175,77 @@ def test_organization_ratios_pair_organizations_within_one_section_and_point():
 
 def test_slab_dumps_anchor_is_read_from_conf():
     assert cal.load_slab_dumps() == [(43, 3), (69, 5)]
+
+
+def _device(theta, f, paged, pieces):
+    """The additive device time of summed features (the fit's model, written out)."""
+    inv_mem, inv_mm, mix, x, _, page_s, slot_s = theta
+    return ((f[0] * inv_mem + f[1] * inv_mm + f[2] + f[3] * mix) * (1 + x * paged)
+            + f[4] * (pieces[0] * page_s + pieces[1] * slot_s))
+
+
+@pytest.mark.parametrize("form", ["pages", "indirection", "both"])
+def test_fit_recovers_known_paged_constants_of_its_form(form):
+    """Eight synthetic cells (D0, S1, S2 with different feature sums) whose event seconds
+    and throughputs follow a known profile exactly: the fit, started elsewhere, recovers the
+    form's constants and sets the paged constants outside the form to 0."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    truth = {"memory_efficiency": 0.7, "matmul_efficiency": 0.55, "mixed_step_s": 0.004,
+             "per_step_overhead_s": 0.0008, "indirection_overhead": 0.0,
+             "state_page_s": 0.0, "conv_slot_s": 0.0}
+    if form in ("pages", "both"):
+        truth |= {"state_page_s": 2e-5, "conv_slot_s": 7e-6}
+    if form in ("indirection", "both"):
+        truth["indirection_overhead"] = 0.04
+    ran = load_device_profile({**asdict(load_device_profile("a100")),
+                               "memory_efficiency": 0.6, "matmul_efficiency": 0.5,
+                               "mixed_step_s": 0.003, "per_step_overhead_s": 0.0006,
+                               "indirection_overhead": 0.01, "state_page_s": 1e-5,
+                               "conv_slot_s": 1e-5})
+
+    def vec(p):
+        return [1 / p["memory_efficiency"], 1 / p["matmul_efficiency"], p["mixed_step_s"],
+                p["indirection_overhead"], p["per_step_overhead_s"], p["state_page_s"],
+                p["conv_slot_s"]]
+
+    true_v, ran_v = vec(truth), vec(asdict(ran))
+    pieces = {"D0": (0, 0), "S1": (4, 0), "S2": (3, 1)}
+    runs, anchors = {}, []
+    for i, org in enumerate(["D0", "S1", "S2", "D0", "S1", "S2", "S1", "S2"]):
+        cell = cal.Cell(f"p{i}", "b63", 3.0, 63, 1.0, "0-2", org)
+        f = np.array([rng.uniform(40, 90), rng.uniform(20, 60), rng.uniform(10, 30),
+                      rng.uniform(500, 2000), rng.uniform(3e4, 1.5e5)])
+        paged = org != "D0"
+        k, out, span = float(rng.uniform(2000, 6000)), 72000.0, float(rng.uniform(150, 260))
+        metrics = {"output_tokens": out, "span_s": span, "k": k, "state_pages": pieces[org][0],
+                   "conv_slots": pieces[org][1]}
+        runs[cell] = [cal.RunStats(cell, 0, metrics, f)]
+        event = _device(true_v, f, paged, pieces[org])
+        moved = span + event - _device(ran_v, f, paged, pieces[org]) + k * (
+            true_v[4] - ran_v[4])
+        anchors += [cal.Anchor("C", cell, "event_s", event),
+                    cal.Anchor("B", cell, "throughput", out / moved)]
+    mixed = [(512, 15, 0.004), (1536, 15, 0.004)]
+    fitted, residuals = cal.fit_constants(runs, anchors, mixed, ran, cal.STEP_FORMS[form])
+    for name, want in truth.items():
+        assert getattr(fitted, name) == pytest.approx(want, rel=1e-4, abs=1e-12), name
+    assert max(abs(r[3]) for r in residuals) < 1e-6
+
+
+def test_out_empty_writes_nothing(tmp_path, monkeypatch):
+    """`--out ''` ("'' to write nothing") runs the fit and writes no file (it used to become
+    Path('.') and fail after the fit)."""
+    anchors = tmp_path / "anchors.csv"
+    with anchors.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["section", "point", "budget", "rate", "cap", "q", "seeds", "org", "metric",
+                    "value"])
+        w.writerow(["C", "L", "b63", "3.0", "63", "1.0", "0-2", "S2", "throughput", "420.0"])
+        w.writerow(["C", "L", "b63", "3.0", "63", "1.0", "0-2", "S2", "event_s", "28.0"])
+    monkeypatch.chdir(tmp_path)
+    assert cal.main(["--anchors", str(anchors), "--seeds", "1", "--iterations", "1",
+                     "--skip-output-fit", "--out", "", "--form", "pages",
+                     "--override", "workload.num_requests=20"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["anchors.csv"]

@@ -107,3 +107,33 @@ def test_a_tie_is_shown_and_is_not_agreement():
     assert not row["agree"]
     same = fa.rankings(real, real).iloc[0]
     assert same["agree"] and same["kendall_tau"] == pytest.approx(1.0)
+
+
+def test_separated_pairs_are_those_whose_real_interval_excludes_zero():
+    """Three seeds at b63. Real S0/S2 = 1.25, 1.22, 1.20 (log ratios 0.223, 0.201, 0.182:
+    mean 0.202, sd 0.021, 95 % t(2) half-width 0.051) is separated; D0/S0 = 0.95, 1.05, 0.88
+    and D0/S2 = 1.19, 1.28, 1.05 have half-widths 0.22 and 0.25 around means -0.047 and
+    0.155, so they are not. A simulation ranking S2 above S0 gets the separated pair wrong;
+    one with D0 first but S0 above S2 gets it right although the full ranking differs."""
+    real = _frame({("S0", "b63", 1): 10.0, ("S0", "b63", 2): 11.0, ("S0", "b63", 3): 12.0,
+                   ("S2", "b63", 1): 8.0, ("S2", "b63", 2): 9.0, ("S2", "b63", 3): 10.0,
+                   ("D0", "b63", 1): 9.5, ("D0", "b63", 2): 11.5, ("D0", "b63", 3): 10.5},
+                  "t")
+
+    def sim(s0, s2, d0):
+        return _frame({(org, "b63", seed): v for org, v in (("S0", s0), ("S2", s2),
+                                                             ("D0", d0))
+                       for seed in (1, 2, 3)}, "s")
+
+    wrong = fa.rankings(real, sim(9.0, 9.5, 5.0)).iloc[0]
+    assert wrong["separated"] == "S0 > S2" and wrong["separated_wrong"] == "S0 > S2"
+    assert not wrong["separated_agree"]
+    right = fa.rankings(real, sim(9.0, 8.0, 12.0)).iloc[0]
+    assert right["real"] == "S0 > D0 > S2" and right["sim"] == "D0 > S0 > S2"
+    assert not right["agree"] and right["separated_agree"]
+    assert right["separated_wrong"] == "none"
+    info = fa.summary(fa.cell_table(real, sim(9.0, 8.0, 12.0)),
+                      fa.effect_table(real, sim(9.0, 8.0, 12.0)),
+                      fa.rankings(real, sim(9.0, 8.0, 12.0)))
+    assert info["separated_ranking_agrees"] == {"b63": True}
+    assert info["ranking_agrees"] == {"b63": False}

@@ -124,6 +124,11 @@ SYNTH = ("workload.source=synthetic", "workload.synthetic_prompt_tokens=1400",
     ("d0", "engine.free_queue=single_queue"), ("s1", "engine.checkpoint_recency=publication"),
     ("s2", "engine.slab_policy=dense"),
     ("s2", "engine.slab_policy=dense engine.free_queue=single_queue"),
+    ("s1", "engine.conv_page_recency=write"),
+    ("s1", "engine.conv_page_recency=write engine.free_queue=single_queue"),
+    ("s2", "engine.release_order=state_first engine.free_queue=single_queue"),
+    ("s0", "engine.duplicates=cache"), ("s2", "engine.duplicates=cache"),
+    ("d0", "engine.duplicates=cache engine.free_queue=single_queue"),
 ])
 def test_rules_keep_the_invariants_and_complete(org, rule):
     steps = []
@@ -143,14 +148,19 @@ def test_default_rules_are_todays():
     cfg = SchedulerConfig()
     assert cfg.memory_rules() == {"slab_policy": "write_once", "free_queue": "free_first",
                                   "checkpoint_recency": "release", "cache_policy": "lru",
-                                  "marconi_alpha": 1.0}
+                                  "marconi_alpha": 1.0, "conv_page_recency": "members",
+                                  "release_order": "attention_first", "duplicates": "drop"}
     eng = compose_config().engine
-    assert (eng.free_queue, eng.checkpoint_recency) == ("free_first", "release")
+    assert (eng.free_queue, eng.checkpoint_recency, eng.conv_page_recency, eng.release_order,
+            eng.duplicates) == ("free_first", "release", "members", "attention_first", "drop")
 
 
 @pytest.mark.parametrize("key, bad", [("engine.free_queue", "lifo"),
                                       ("engine.checkpoint_recency", "never"),
-                                      ("engine.slab_policy", "sparse")])
+                                      ("engine.slab_policy", "sparse"),
+                                      ("engine.conv_page_recency", "always"),
+                                      ("engine.release_order", "random"),
+                                      ("engine.duplicates", "merge")])
 def test_bad_rule_values_name_the_field(key, bad):
     with pytest.raises(ValueError, match=key):
         SchedulerConfig(**{key.removeprefix("engine."): bad})
@@ -196,6 +206,9 @@ def test_dense_packs_slabs_tighter_than_write_once():
     ("S2", {"shared": 60}, {"free_queue": "single_queue", "slab_policy": "dense"}),
     ("S2", {"shared": 24}, {"slab_policy": "dense", "checkpoint_recency": "publication"}),
     ("D0", {"attention": 150, "recurrent": 8}, {"free_queue": "single_queue"}),
+    ("S1", {"shared": 24}, {"conv_page_recency": "write"}),
+    ("S1", {"shared": 24}, {"duplicates": "cache", "release_order": "state_first"}),
+    ("S2", {"shared": 60}, {"duplicates": "cache", "free_queue": "single_queue"}),
 ])
 def test_random_operations_keep_all_invariants_under_each_rule(falcon, org, pools, rules):
     import test_memory_invariants as tmi
@@ -210,3 +223,151 @@ def test_random_operations_keep_all_invariants_under_each_rule(falcon, org, pool
     check_invariants(mem)
     for name, (used, cached, free, total) in mem.usage().items():
         assert used == 0 and cached + free == total, (name, mem.usage())
+
+
+# ----- issue 33's candidate rules (memory.base) ----------------------------------------------
+def _holder(attn=(), working=None):
+    """What release_all reads of a request: its held objects."""
+    from types import SimpleNamespace
+
+    from serving_core.memory import NULL
+
+    return SimpleNamespace(attn=list(attn), dests=[], working=working or NULL, adopted=NULL,
+                           retained=[], pin=NULL)
+
+
+@pytest.mark.parametrize("order, block_survives", [("attention_first", False),
+                                                   ("state_first", True)])
+def test_release_order_decides_what_a_single_queue_takes_first(falcon, order, block_survives):
+    """A finishing request holds cached block A (unit 0) and its unpublished working
+    composite W (units 1-4). Under vLLM's one queue, what is released first is taken first:
+    attention_first queues A ahead of W's freed units, so once the never-used units 5-7 are
+    gone the next block evicts A; state_first queues W's units first and A survives."""
+    from serving_core.state_manager import HybridStateManager
+
+    mem = build_memory(falcon, "S1", {"shared": 8}, free_queue="single_queue",
+                       release_order=order)
+    state = HybridStateManager(mem, step_end=True, retention_k=None, pinning_k=None)
+    a = mem.allocate_attention(1)
+    mem.publish(a, 11, 512)
+    w = mem.allocate_composite(1)
+    assert a.units == [0] and w.units == [1, 2, 3, 4]
+    state.release_all(_holder([a], w))
+    for _ in range(3):
+        mem.allocate_attention(2)  # units 5, 6, 7: never used before
+    b = mem.allocate_attention(2)
+    assert (mem.cached_attention(11) is a) == block_survives
+    assert b.units == ([1] if block_survives else [0])
+    check_invariants(mem)
+
+
+def test_release_order_does_not_matter_when_free_units_go_first(falcon):
+    """Under free_first a freed unit is always taken before a cached one: both orders keep
+    the block."""
+    from serving_core.state_manager import HybridStateManager
+
+    for order in ("attention_first", "state_first"):
+        mem = build_memory(falcon, "S1", {"shared": 8}, release_order=order)
+        state = HybridStateManager(mem, step_end=True, retention_k=None, pinning_k=None)
+        a = mem.allocate_attention(1)
+        mem.publish(a, 11, 512)
+        state.release_all(_holder([a], mem.allocate_composite(1)))
+        for _ in range(4):
+            mem.allocate_attention(2)
+        assert mem.cached_attention(11) is a
+
+
+@pytest.mark.parametrize("rule, checkpoint_survives", [("members", True), ("write", False)])
+def test_conv_page_recency_write_keeps_the_publication_stamp(falcon, rule,
+                                                             checkpoint_survives):
+    """S1 checkpoint C (units 0-3, conv page unit 3) is published and released, block B
+    (unit 4) enters the LRU after it, then an adopter reads C and releases it. Under
+    `members` the adopter's release refreshes all four units, so the first eviction takes B;
+    under `write` C's conv page keeps its last write (publication), older than B, so the
+    first eviction takes it and C is lost (its SSM members are freed)."""
+    mem = build_memory(falcon, "S1", {"shared": 6}, conv_page_recency=rule)
+    c = mem.allocate_composite(1)
+    assert mem.conv_line(c) == 3
+    mem.publish(c, 21, 512)
+    mem.release(c, producer=True)
+    b = cached_block(mem, 11, rid=2)
+    mem.acquire(c)  # an adopter reads the checkpoint ...
+    mem.release(c)  # ... and drops it after its first step
+    mem.allocate_attention(3)  # unit 5, the last free one
+    got = mem.allocate_attention(3)  # evicts the least recent unit
+    assert (mem.cached_checkpoint(21) is c) == checkpoint_survives
+    assert (mem.cached_attention(11) is b) == (not checkpoint_survives)
+    assert got.units == ([4] if checkpoint_survives else [3])
+    check_invariants(mem)
+
+
+def test_conv_page_recency_applies_only_where_a_conv_page_exists(falcon):
+    """S0 (contiguous composite) and S2 (conv slot) have no conv page: the rule is absent
+    (None) in the allocator and in the engine's record."""
+    for org in ("S0", "S2", "D0"):
+        pools = {"attention": 100, "recurrent": 4} if org == "D0" else {"shared": 12}
+        assert build_memory(falcon, org, pools, conv_page_recency="write").conv_page_recency \
+            is None
+    assert build_memory(falcon, "S1", {"shared": 12},
+                        conv_page_recency="write").conv_page_recency == "write"
+    res = run_cell(compose_config(*SYNTH, "org=s0", "engine.conv_page_recency=write"))
+    assert res.engine_config["conv_page_recency"] is None
+    res = run_cell(compose_config(*SYNTH, "org=s1", "engine.conv_page_recency=write"))
+    assert res.engine_config["conv_page_recency"] == "write"
+
+
+@pytest.mark.parametrize("rule", ["drop", "cache"])
+def test_duplicates_cache_keeps_a_key_while_any_copy_is_valid(falcon, rule):
+    """Request 1 publishes block X for key 11; request 2 computed the same block Y meanwhile.
+    `drop`: Y is not published and is freed at release; evicting X loses key 11. `cache`
+    (vLLM's BlockHashToBlockMap keeps duplicates): Y is a second copy, the key survives X's
+    eviction (Y becomes the entry; no LOSS recorded) and is lost with Y."""
+    import test_memory_invariants as tmi
+
+    recorder = tmi.Recorder()
+    mem = build_memory(falcon, "S1", {"shared": 3}, recorder, duplicates=rule)
+    x = mem.allocate_attention(1)
+    y = mem.allocate_attention(2)
+    assert mem.publish(x, 11, 512)
+    assert mem.publish(y, 11, 512) == (rule == "cache")
+    mem.release(x)
+    mem.release(y)
+    assert mem.pools["shared"].num_free == (2 if rule == "drop" else 1)
+    check_invariants(mem)
+    if rule == "drop":
+        mem.allocate_attention(3)
+        mem.allocate_attention(3)  # unit 2 and Y's freed unit 1
+        mem.allocate_attention(3)  # evicts X
+        assert mem.cached_attention(11) is None and recorder.losses == [(x, 3)]
+        return
+    mem.allocate_attention(3)  # unit 2, the last free one
+    mem.allocate_attention(3)  # evicts X, the older copy
+    assert mem.cached_attention(11) is y and recorder.losses == []
+    assert mem.lookup([11]).attention == 512
+    check_invariants(mem)
+    mem.allocate_attention(3)  # evicts Y, the last copy
+    assert mem.cached_attention(11) is None and recorder.losses == [(y, 3)]
+    check_invariants(mem)
+
+
+def test_duplicates_cache_publishes_a_recomputed_checkpoint(falcon):
+    """A request crossing a boundary whose checkpoint is already cached: `drop` frees its
+    destination (a no-op publication); `cache` publishes its state as a second copy."""
+    from types import SimpleNamespace
+
+    from serving_core.state_manager import HybridStateManager
+
+    for rule, copies in (("drop", 0), ("cache", 1)):
+        mem = build_memory(falcon, "S1", {"shared": 24}, duplicates=rule)
+        state = HybridStateManager(mem, step_end=True, retention_k=None, pinning_k=None)
+        first = mem.allocate_composite(1)
+        mem.publish(first, 7, 512)
+        mem.release(first, producer=True)
+        req = SimpleNamespace(working=mem.allocate_composite(2),
+                              dests=[mem.allocate_composite(2)], retained=[])
+        produced = req.working
+        got = state._cross_boundary(req, 7, 512)
+        assert len(mem.cache.copies.get((True, 7), [])) == copies
+        assert bool(got) == bool(copies) and (got is produced) == bool(copies)
+        assert mem.cached_checkpoint(7) is first
+        check_invariants(mem)

@@ -333,8 +333,10 @@ def test_keys_added_at_their_neutral_default_keep_run_identities():
     from experiments.runners.cell import IDENTITY_NEUTRAL_DEFAULTS, config_hash
 
     for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
-        # executor keys live in the executors that have them (the real one's)
-        overrides = ("executor=torch_inproc",) if section == "executor" else ()
+        # executor keys live in the executors that have them (the real one's, or the
+        # simulated profiles' additive terms)
+        real = section == "executor" and key == "prefill_batch_tokens"
+        overrides = ("executor=torch_inproc",) if real else ()
         cfg = compose_config(*overrides)
         base = config_hash(cfg)
         assert cfg[section][key] == default  # the config's default is the neutral one

@@ -366,6 +366,46 @@ def test_additive_indirection_scales_device_time_of_paged_orgs_only(falcon):
         assert paged == pytest.approx(1.1 * base, rel=1e-12)
 
 
+def test_paged_state_pieces_count_what_each_kernel_gathers(falcon):
+    """Addressing (docs/engine_rules.md section 3.2): S1 reads 3 SSM member pages and its
+    conv page, S2 3 member pages and a conv slot; S0, D0 and N0 keep a composite contiguous;
+    no recurrent state, none."""
+    from serving_core.executor.simulated import paged_state_pieces
+
+    assert paged_state_pieces(falcon, "S1") == (4, 0)
+    assert paged_state_pieces(falcon, "s2") == (3, 1)
+    for org in ("S0", "D0", "N0"):
+        assert paged_state_pieces(falcon, org) == (0, 0)
+    assert paged_state_pieces(load_geometry("attention_only"), "S2") == (0, 0)
+
+
+def test_additive_paged_terms_charge_each_sequence_per_piece(falcon):
+    """state_page_s per member page and conv_slot_s per slot, per scheduled sequence, on top
+    of the step (hand-computed: 21 sequences)."""
+    batch = ([700] + [1] * 20, [0] + [2500] * 20)
+    edit = {"indirection_overhead": 0.0, "state_page_s": 1e-4, "conv_slot_s": 3e-5}
+    plain = {"indirection_overhead": 0.0}
+    for org, per_seq in (("s0", 0.0), ("d0", 0.0), ("s1", 4 * 1e-4), ("s2", 3 * 1e-4 + 3e-5)):
+        got = additive(falcon, org, **edit).step_seconds(*batch)
+        want = additive(falcon, org, **plain).step_seconds(*batch) + 21 * per_seq
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+    model = additive(falcon, "s2", **edit)
+    feats = model.plan_features(*batch)
+    assert model.device_seconds(feats, 21) - model.device_seconds(feats) == pytest.approx(
+        21 * (3e-4 + 3e-5), rel=1e-12)
+    from serving_core.executor.modelled import SimulatedExecutor
+
+    assert SimulatedExecutor(model).describe()["paged_state_s"] == pytest.approx(3.3e-4)
+    assert "paged_state_s" not in SimulatedExecutor(additive(falcon, "s2")).describe()
+
+
+def test_paged_terms_are_validated(falcon):
+    with pytest.raises(ValueError, match="state_page_s"):
+        load_device_profile({**ADDITIVE, "state_page_s": -1.0})
+    with pytest.raises(ValueError, match="conv_slot_s"):
+        load_device_profile({**ADDITIVE, "conv_slot_s": float("nan")})
+
+
 def test_calibrated_a100_is_the_default_and_the_roofline_stays_available(falcon):
     from serving_core.executor import AdditiveStepModel, build_step_model
 

@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from analysis import cli
 from analysis.inference import families, prereg
@@ -46,7 +45,10 @@ CHANGED = "**changed**"
 
 
 def load_alternatives(path: Path = ALTERNATIVES_YAML) -> dict:
-    return yaml.safe_load(Path(path).read_text())
+    """The declared alternatives and the identified ones (ledgers.alternatives)."""
+    from ledgers.alternatives import load_alternatives as load_merged
+
+    return load_merged(path)
 
 
 def derived_plan(plan: prereg.Plan, family: str, campaign: str,
@@ -144,6 +146,16 @@ def robustness(long: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def _overrides_text(alt: dict) -> str:
+    """An alternative's overrides (per organization where it has them); executor constants
+    of an identified alternative are summarized, not listed."""
+    over = [o for o in alt.get("overrides") or [] if not o.startswith("executor.")]
+    if any(o.startswith("executor.") for o in alt.get("overrides") or []):
+        over.append("its fitted step-model constants")
+    over += [f"{org}: {', '.join(v)}" for org, v in (alt.get("by_org") or {}).items()]
+    return ", ".join(over) or "no override"
+
+
 def _short(decision: str) -> str:
     d = str(decision)
     return {"not rejected": "n.s.", "refused": "refused"}.get(
@@ -183,8 +195,8 @@ def section(runs: pd.DataFrame, spec: dict, plan_dir=None) -> tuple[str, dict, d
                  "decision changes are impossible and only signs are informative."]
     text.append("")
     text += ["## Alternatives", ""]
-    text += [f"- `{a}`: {', '.join(alts[a].get('overrides') or []) or 'no override'}; "
-             f"{alts[a].get('why', '')}" for a in shown_alts]
+    text += [f"- `{a}`: {_overrides_text(alts[a])}; {alts[a].get('why', '')}"
+             for a in shown_alts]
     text += ["", "## Family status per alternative", ""]
     text += [f"- {alt} / {fam}: {st}" for (alt, fam), st in status.items()]
     robust = table[table["robust"] == "yes"]

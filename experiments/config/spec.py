@@ -112,6 +112,9 @@ _SCHEDULER_RULES = {
     "checkpoint_recency": str,
     "cache_policy": str,
     "marconi_alpha": None,
+    "conv_page_recency": str,
+    "release_order": str,
+    "duplicates": str,
     "interleave": lambda value: None if value is None else _plain(value),
     "split_last_boundary": None,
 }

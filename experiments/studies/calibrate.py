@@ -3,8 +3,11 @@
 Free constants (everything else is geometry and datasheet): memory_efficiency and
 matmul_efficiency (the two efficiencies the step's traffic and dense prefill FLOPs run
 at), mixed_step_s (the extra device time of a step mixing prefill and decode),
-indirection_overhead (S1/S2 paged-state fraction of device time) and
-per_step_overhead_s (host time per step not overlapped with the device).
+per_step_overhead_s (host time per step not overlapped with the device) and the paged
+organizations' cost in one of the step-model forms of STEP_FORMS (`--form`): a fraction
+of device time (indirection_overhead, S1/S2), or seconds per scheduled sequence per
+member page and per conv slot its state spans (state_page_s, conv_slot_s; the additive
+model's paged_state_pieces), or both.
 
 Data sources:
 - anchors (default): conf/calibration/paper_anchors.csv and mixed_steps.csv. The device
@@ -47,11 +50,27 @@ ROOT = Path(__file__).resolve().parents[2]
 CALIBRATION_DIR = ROOT / "conf" / "calibration"
 ANCHORS_CSV = CALIBRATION_DIR / "paper_anchors.csv"
 MIXED_CSV = CALIBRATION_DIR / "mixed_steps.csv"
-FITTED = ("memory_efficiency", "matmul_efficiency", "mixed_step_s", "indirection_overhead",
-          "per_step_overhead_s")
+# Every constant a fit may free, in the order of the fit's parameter vector.
+CONSTANTS = ("memory_efficiency", "matmul_efficiency", "mixed_step_s", "indirection_overhead",
+             "per_step_overhead_s", "state_page_s", "conv_slot_s")
+# Step-model forms: which of the paged organizations' constants the fit frees (the others
+# stay at 0). `indirection` scales S1/S2 device time by one fraction; `pages` charges each
+# scheduled sequence per member page and per conv slot of its state (an overhead that grows
+# with the batch and with the pieces a state spans: S1 3 SSM pages + a conv page, S2 3 +
+# a slot, S0 and D0 none); `both` frees all three.
+_COMMON = ("memory_efficiency", "matmul_efficiency", "mixed_step_s", "per_step_overhead_s")
+STEP_FORMS = {
+    "indirection": (*_COMMON, "indirection_overhead"),
+    "pages": (*_COMMON, "state_page_s", "conv_slot_s"),
+    "both": (*_COMMON, "indirection_overhead", "state_page_s", "conv_slot_s"),
+}
+PAGED_CONSTANTS = ("indirection_overhead", "state_page_s", "conv_slot_s")
+DEFAULT_FORM = "indirection"
+FITTED = STEP_FORMS[DEFAULT_FORM]
 # Scale below which a fitted constant's change counts as absolute (convergence test).
 CHANGE_FLOOR = {"memory_efficiency": 0.01, "matmul_efficiency": 0.01, "mixed_step_s": 1e-4,
-                "indirection_overhead": 0.01, "per_step_overhead_s": 1e-4}
+                "indirection_overhead": 0.01, "per_step_overhead_s": 1e-4,
+                "state_page_s": 1e-5, "conv_slot_s": 1e-5}
 # Measured mean output per request by seed group (docs/calibration.md sections A, B, E).
 OUTPUT_ANCHORS = {"0-2": 243.0, "42000-42011": 261.5}
 
@@ -131,14 +150,20 @@ def profile_mapping(profile: DeviceProfile) -> dict:
 
 
 def step_feature_sums(model: AdditiveStepModel, steps: dict) -> np.ndarray:
-    """Sums over a steps table of (memory_s, dense_s, fixed_s, mixed)."""
+    """Sums over a steps table of (memory_s, dense_s, fixed_s, mixed, scheduled sequences)."""
     return step_feature_rows(model, steps).sum(axis=0)
 
 
 def step_feature_rows(model: AdditiveStepModel, steps: dict) -> np.ndarray:
-    """Per row of a steps table: (memory_s, dense_s, fixed_s, mixed)."""
+    """Per row of a steps table: (memory_s, dense_s, fixed_s, mixed, scheduled sequences)."""
     f = model.ledger_features(steps)
-    return np.column_stack([f["memory"], f["dense"], f["attention"] + f["scan"], f["mixed"]])
+    return np.column_stack([f["memory"], f["dense"], f["attention"] + f["scan"], f["mixed"],
+                            np.asarray(steps["num_scheduled"], dtype=np.float64)])
+
+
+def event_seconds(model: AdditiveStepModel, features: np.ndarray) -> float:
+    """Summed device seconds of a run's steps from their summed features."""
+    return model.device_seconds(tuple(features[:4]), float(features[4]))
 
 
 @dataclass
@@ -159,13 +184,24 @@ def simulate(cell: Cell, seed: int, profile: DeviceProfile, extra: list[str] = (
     OmegaConf.set_struct(cfg, False)
     cfg.executor = OmegaConf.create(profile_mapping(profile))
     res = run_cell(cfg)
-    s, steps = res.summary, res.tables["steps"]
-    model = AdditiveStepModel(_geometry(cfg), profile, cell.org)
+    s = dict(res.summary)
+    s.update(mean_input=res.workload_meta["mean_input_tokens"],
+             mean_output=res.workload_meta["mean_output_tokens"],
+             span_s=res.episode["span_end_s"] - res.episode["span_start_s"])
+    return run_stats(cell, seed, profile, s, res.tables["steps"], res.tables["slab"],
+                     _geometry(cfg))
+
+
+def run_stats(cell: Cell, seed: int, profile: DeviceProfile, s: dict, steps: dict, slab: dict,
+              geometry) -> RunStats:
+    """Anchor metrics and step-feature sums of one run from its summary `s` (the runner's
+    keys plus mean_input, mean_output and span_s), steps and slab tables: the same for a run
+    simulated here and one read back from a ledger (experiments.studies.identify)."""
+    model = AdditiveStepModel(geometry, profile, cell.org)
     feats = step_feature_sums(model, steps)
-    event_s = model.device_seconds(tuple(feats))
+    event_s = event_seconds(model, feats)
     prefill = sum(steps["prefill_tokens_initial"]) + sum(steps["prefill_tokens_resume"])
     decode = sum(steps["decode_tokens"])
-    slab = res.tables["slab"]
     pops = sum(
         1 for e, n in zip(slab["event"], slab["invalidated"], strict=True)
         if e == "CROSS_INVALIDATE" and n > 0
@@ -186,12 +222,14 @@ def simulate(cell: Cell, seed: int, profile: DeviceProfile, extra: list[str] = (
         "submitted_tokens": prefill + decode,
         "prompt_replay": sum(steps["prefill_tokens_resume"]),
         "ttft_p99": s["ttft_p99"],
-        "mean_input": res.workload_meta["mean_input_tokens"],
-        "mean_output": res.workload_meta["mean_output_tokens"],
+        "mean_input": s["mean_input"],
+        "mean_output": s["mean_output"],
         "output_tokens": s["output_tokens"],
-        "span_s": res.episode["span_end_s"] - res.episode["span_start_s"],
+        "span_s": s["span_s"],
         "slab_pops": pops,
-        **_occupancy(cfg, cell.org, slab),
+        "state_pages": model.state_pages,  # paged_state_pieces: what the fit charges
+        "conv_slots": model.conv_slots,
+        **_occupancy(geometry, cell.org, slab),
         "throughput_index": math.nan,  # filled per seed against S0 (see compare)
     }
     return RunStats(cell, seed, metrics, feats)
@@ -211,14 +249,14 @@ def load_slab_dumps(path: Path = SLAB_DUMPS_CSV) -> list[tuple[int, int]]:
         return [(int(r["live_conv_objects"]), int(r["slab_pages"])) for r in csv.DictReader(fh)]
 
 
-def _occupancy(cfg, org: str, slab: dict) -> dict:
+def _occupancy(geometry, org: str, slab: dict) -> dict:
     """S2 slab occupancy of one run (serving_core.memory.s2.slab_occupancy), prefixed slab_."""
     if org != "S2":
         return {f"slab_{k}": math.nan for k in OCCUPANCY_KEYS}
     from serving_core.memory import org_layout
     from serving_core.memory.s2 import slab_occupancy
 
-    per = org_layout(_geometry(cfg), "S2").slots_per_slab
+    per = org_layout(geometry, "S2").slots_per_slab
     return {f"slab_{k}": float(v) for k, v in slab_occupancy(slab, per).items()}
 
 
@@ -247,8 +285,11 @@ def cell_mean(runs: list[RunStats], metric: str) -> float:
 
 
 # ----- fits ---------------------------------------------------------------------------------
-def fit_constants(runs: dict, anchors: list[Anchor], mixed: list, profile: DeviceProfile):
-    """Joint least squares of the five free constants on relative residuals of
+def fit_constants(runs: dict, anchors: list[Anchor], mixed: list, profile: DeviceProfile,
+                  fitted: tuple[str, ...] = FITTED):
+    """Joint least squares of the `fitted` constants (a STEP_FORMS entry; the others of
+    CONSTANTS keep the profile's value, except the paged ones outside the form, which are 0)
+    on relative residuals of
     (a) section C's summed forward seconds (device time of the simulated steps),
     (b) the mixed-step split savings (exactly mixed_step_s for a D0 step), and
     (c) the throughput anchors of sections A-C: each run's request span moved by the
@@ -257,54 +298,76 @@ def fit_constants(runs: dict, anchors: list[Anchor], mixed: list, profile: Devic
     Returns (profile, residual rows (label, measured, fitted, relative error))."""
     from scipy.optimize import least_squares
 
-    rows = []  # (label, target, [(features, paged, output, span, k)], kind)
+    unknown = sorted(set(fitted) - set(CONSTANTS))
+    if unknown:
+        raise ValueError(f"fitted constants {unknown}: allowed values are {', '.join(CONSTANTS)}")
+    rows = []  # (label, target, [(features, paged, pieces, output, span, k)], kind)
     for a in anchors:
         if a.cell not in runs or a.section not in "ABC":
             continue
         paged = a.cell.org in ("S1", "S2")
-        per_run = [(r.features, paged, r.metrics["output_tokens"], r.metrics["span_s"],
-                    r.metrics["k"]) for r in runs[a.cell]]
+        per_run = [(r.features, paged, (r.metrics["state_pages"], r.metrics["conv_slots"]),
+                    r.metrics["output_tokens"], r.metrics["span_s"], r.metrics["k"])
+                   for r in runs[a.cell]]
         if a.metric in ("event_s", "throughput"):
             rows.append((f"{a.metric} {a.section} {a.cell.point} {a.cell.org}", a.value,
                          per_run, a.metric))
 
-    def device(theta, feats, paged):
-        inv_mem, inv_mm, mix, x, _ = theta
+    def device(theta, feats, paged, pieces):
+        inv_mem, inv_mm, mix, x, _, page_s, slot_s = theta
         return (feats[0] * inv_mem + feats[1] * inv_mm + feats[2] + feats[3] * mix) * (
-            1 + (x if paged else 0.0))
+            1 + (x if paged else 0.0)) + feats[4] * (pieces[0] * page_s + pieces[1] * slot_s)
 
-    theta0 = np.array([1 / profile.memory_efficiency, 1 / profile.matmul_efficiency,
-                       profile.mixed_step_s, profile.indirection_overhead,
-                       profile.per_step_overhead_s])
+    # `ran`: the constants the simulated trajectories ran with (the span adjustment's
+    # baseline); `base`: the same with the paged constants outside the form at 0.
+    ran = np.array([1 / profile.memory_efficiency, 1 / profile.matmul_efficiency,
+                    profile.mixed_step_s, profile.indirection_overhead,
+                    profile.per_step_overhead_s, profile.state_page_s, profile.conv_slot_s])
+    free = np.array([c in fitted for c in CONSTANTS])
+    paged_constants = np.array([c in PAGED_CONSTANTS for c in CONSTANTS])
+    base = np.where(paged_constants & ~free, 0.0, ran)
+    # Free constants start at the profile's value (inside the bounds); fixed ones stay there.
+    lower = np.array([1, 1, 0, 0, 0, 0, 0], dtype=float)
+    upper = np.array([20, 20, 0.1, 0.5, 0.05, 0.01, 0.01])
+    start = np.maximum(ran, [1, 1, 1e-4, 0, 0, 0, 0])
 
-    def predictions(theta):
+    def full(theta_free):
+        out = base.copy()
+        out[free] = theta_free
+        return out
+
+    def predictions(theta_free):
+        theta = full(theta_free)
         out = []
         for _, _, per_run, kind in rows:
             if kind == "event_s":
-                out.append(np.mean([device(theta, f, p) for f, p, *_ in per_run]))
+                out.append(np.mean([device(theta, f, p, q) for f, p, q, *_ in per_run]))
             else:
                 out.append(np.mean([
-                    o / (span + device(theta, f, p) - device(theta0, f, p)
-                         + k * (theta[4] - theta0[4]))
-                    for f, p, o, span, k in per_run]))
+                    o / (span + device(theta, f, p, q) - device(ran, f, p, q)
+                         + k * (theta[4] - ran[4]))
+                    for f, p, q, o, span, k in per_run]))
         out.extend(theta[2] for _ in mixed)  # split saving of a D0 step: mixed_step_s
         return np.array(out)
 
     targets = np.array([r[1] for r in rows] + [m[2] for m in mixed])
 
-    def residuals(theta):
-        return predictions(theta) / targets - 1
+    def residuals(theta_free):
+        return predictions(theta_free) / targets - 1
 
-    sol = least_squares(residuals, np.maximum(theta0, [1, 1, 1e-4, 0, 0]),
-                        bounds=([1, 1, 0, 0, 0], [20, 20, 0.1, 0.5, 0.05]))
-    inv_mem, inv_mm, mix, x, host = sol.x
-    fitted = replace(profile, memory_efficiency=float(1 / inv_mem),
-                     matmul_efficiency=float(1 / inv_mm), mixed_step_s=float(mix),
-                     indirection_overhead=float(x), per_step_overhead_s=float(host))
+    # Typical scale of each constant (the paged seconds are orders below the efficiencies).
+    scale = np.array([1, 1, 1e-3, 0.01, 1e-3, 1e-5, 1e-5])
+    sol = least_squares(residuals, np.clip(start[free], lower[free], upper[free]),
+                        bounds=(lower[free], upper[free]), x_scale=scale[free])
+    inv_mem, inv_mm, mix, x, host, page_s, slot_s = full(sol.x)
+    fitted_profile = replace(profile, memory_efficiency=float(1 / inv_mem),
+                             matmul_efficiency=float(1 / inv_mm), mixed_step_s=float(mix),
+                             indirection_overhead=float(x), per_step_overhead_s=float(host),
+                             state_page_s=float(page_s), conv_slot_s=float(slot_s))
     labels = [r[0] for r in rows] + [f"mixed split saving {c} + {d}" for c, d, _ in mixed]
     pred = predictions(sol.x)
-    return fitted, [(lab, float(t), float(p), float(p / t - 1))
-                    for lab, t, p in zip(labels, targets, pred, strict=True)]
+    return fitted_profile, [(lab, float(t), float(p), float(p / t - 1))
+                            for lab, t, p in zip(labels, targets, pred, strict=True)]
 
 
 def fit_output_ratio(base: float, log=None) -> tuple[float, dict]:
@@ -329,6 +392,18 @@ def fit_output_ratio(base: float, log=None) -> tuple[float, dict]:
             (unit[g] / OUTPUT_ANCHORS[g]) ** 2 for g in m)
     ratio = round(ratio, 4)
     return ratio, means(ratio)
+
+
+def max_change(before: DeviceProfile, after: DeviceProfile, names) -> float:
+    """Largest relative change of the `names` constants (absolute below CHANGE_FLOOR)."""
+    return max(abs(getattr(after, f) - getattr(before, f))
+               / max(abs(getattr(before, f)), CHANGE_FLOOR[f]) for f in names)
+
+
+STEP_MODEL_TEXT = (
+    "device = memory_s/memory_efficiency + dense_s/matmul_efficiency + fixed_s + mixed_step_s "
+    "[mixed]; step = device (1 + indirection [S1,S2]) + (state_page_s pages + conv_slot_s "
+    "slots + per_seq_overhead_s) B + per_step_overhead_s")
 
 
 # ----- profile output -----------------------------------------------------------------------
@@ -506,14 +581,15 @@ def calibrate_anchors(args, log) -> int:
     report_cells = sorted({a.cell for a in anchors if a.section in "ABCD"}, key=str)
     log(f"output ratio: configured {args.output_ratio}")
     device_res = []
+    fitted_names = STEP_FORMS[args.form]
     for it in range(args.iterations):
         runs = simulate_cells(fit_cells, args.seeds, profile, extra)
         before = profile
-        profile, device_res = fit_constants(runs, anchors, mixed, profile)
-        change = max(abs(getattr(profile, f) - getattr(before, f))
-                     / max(abs(getattr(before, f)), CHANGE_FLOOR[f]) for f in FITTED)
+        profile, device_res = fit_constants(runs, anchors, mixed, profile, fitted_names)
+        change = max_change(before, profile, fitted_names)
         log(f"iteration {it + 1}: " + ", ".join(f"{f}={getattr(profile, f):.6g}"
-                                                for f in FITTED) + f"  (max change {change:.2%})")
+                                                for f in fitted_names)
+            + f"  (max change {change:.2%})")
         if change < args.tolerance:
             break
     runs = simulate_cells(report_cells, args.seeds, profile, extra)
@@ -523,10 +599,9 @@ def calibrate_anchors(args, log) -> int:
         ratio, ratio_means = fit_output_ratio(args.output_ratio)
     tp = [r for r in rows if r[3] == "throughput" and r[0] in "ABC"]
     fit = {
-        "fitted": {f: getattr(profile, f) for f in FITTED},
-        "step_model": "device = memory_s/memory_efficiency + dense_s/matmul_efficiency + "
-                      "fixed_s + mixed_step_s [mixed]; step = device (1 + indirection [S1,S2]) "
-                      "+ per_step_overhead_s + per_seq_overhead_s B",
+        "form": args.form,
+        "fitted": {f: getattr(profile, f) for f in STEP_FORMS[args.form]},
+        "step_model": STEP_MODEL_TEXT,
         "residuals": [
             {"data": lab, "measured": float(t), "fitted": float(p), "rel_error": float(e)}
             for lab, t, p, e in device_res],
@@ -558,8 +633,8 @@ def calibrate_anchors(args, log) -> int:
     print(format_ratios(ratios))
     print("\n== acceptance")
     print("\n".join(acceptance(rows, ratios)))
-    print("\n== fitted constants (profile " + profile.name + ")")
-    for f in FITTED:
+    print(f"\n== fitted constants (profile {profile.name}, form {args.form})")
+    for f in STEP_FORMS[args.form]:
         print(f"  {f:22} {getattr(profile, f):.6g}")
     print("  fit residuals (event seconds, throughput with the last trajectory, mixed steps):")
     for lab, t, p, e in device_res:
@@ -678,7 +753,8 @@ def calibrate_steps(args, log) -> int:
         print(f"--steps={args.steps}: {err}", file=sys.stderr)
         return 2
     fitted = fit.profile
-    for f in (*FITTED, "attention_efficiency", "scan_efficiency", "per_seq_overhead_s"):
+    for f in (*STEP_FORMS["indirection"], "attention_efficiency", "scan_efficiency",
+              "per_seq_overhead_s"):
         print(f"{f:22} {getattr(fitted, f):.6g}")
     print(f"rows {fit.rows}  rms relative residual {fit.rms_rel_error:.3g}")
     if args.out:
@@ -705,8 +781,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--org", default="S2", help="organization of the --steps run")
     p.add_argument("--model", default="falcon_h1_7b", help="model preset of the --steps run")
     p.add_argument("--start", default="a100", help="profile to start from (name or path)")
-    p.add_argument("--out", type=Path, default=EXECUTOR_CONF_DIR / "a100.yaml",
+    p.add_argument("--out", default=str(EXECUTOR_CONF_DIR / "a100.yaml"),
                    help="profile YAML to write ('' to write nothing)")
+    p.add_argument("--form", default=DEFAULT_FORM, choices=list(STEP_FORMS),
+                   help="step-model form: which paged-state constants the fit frees")
     p.add_argument("--seeds", type=int, default=3, help="seeds per cell")
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--tolerance", type=float, default=0.01)
@@ -720,8 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--override", action="append", default=[],
                    help="Hydra override applied to every simulated run (repeatable)")
     args = p.parse_args(argv)
-    if args.out is not None and str(args.out) == "":
-        args.out = None
+    # '' writes nothing (a Path would make it '.', the working directory)
+    args.out = Path(args.out) if args.out else None
     if args.seeds < 1:
         print(f"--seeds={args.seeds}: must be >= 1", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ START_PROFILE = "cpu"  # conf/executor/cpu.yaml: the starting point of the fit
 MODEL = "falcon_h1_tiny"
 FITTED_FIELDS = ("name", "memory_efficiency", "matmul_efficiency", "attention_efficiency",
                  "scan_efficiency", "mixed_step_s", "per_step_overhead_s", "per_seq_overhead_s",
-                 "indirection_overhead", "calibration")
+                 "indirection_overhead", "kv_page_s", "prefill_chunk_s", "calibration")
 
 
 def _campaign(name: str, root: Path, overrides: list[str]) -> int:

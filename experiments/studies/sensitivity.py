@@ -51,6 +51,10 @@ class Alternative:
     name: str
     overrides: tuple[str, ...]
     why: str
+    by_org: tuple[tuple[str, tuple[str, ...]], ...] = ()  # more overrides for one org's runs
+
+    def for_org(self, org: str) -> tuple[str, ...]:
+        return (*self.overrides, *dict(self.by_org).get(str(org).lower(), ()))
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,14 @@ def campaign_name(alternative: str, smoke: bool) -> str:
 
 
 def load_alternatives(path: Path = ALTERNATIVES_YAML) -> tuple[dict, dict[str, Alternative]]:
-    """(the file's mapping, {name: Alternative}) in file order."""
-    raw = yaml.safe_load(Path(path).read_text())
-    alts = {name: Alternative(name, tuple(spec.get("overrides") or ()), str(spec.get("why", "")))
+    """(the file's mapping, {name: Alternative}) in file order, the identified combinations
+    (conf/calibration/identified.yaml, ledgers.alternatives) after the declared ones."""
+    from ledgers.alternatives import load_alternatives as load_merged
+
+    raw = load_merged(path)
+    alts = {name: Alternative(name, tuple(spec.get("overrides") or ()), str(spec.get("why", "")),
+                              tuple((org, tuple(v)) for org, v in
+                                    (spec.get("by_org") or {}).items()))
             for name, spec in raw["alternatives"].items()}
     if "default" not in alts:
         raise ValueError(f"{path}: alternatives must include `default` (today's rules)")
@@ -134,7 +143,8 @@ def planned_jobs(alternatives: list[Alternative], families: list[dict], *, smoke
             for cell in family_cells(fam["plan"], fam["family"]):
                 chosen = cell["seeds"][:seeds] if seeds else cell["seeds"]
                 for seed in chosen:
-                    job = [*cell_overrides(cell["keys"]), *alt.overrides,
+                    job = [*cell_overrides(cell["keys"]),
+                           *alt.for_org(cell["keys"].get("org", "")),
                            f"campaign_name={campaign}", f"question={QUESTION}", f"seed={seed}"]
                     if requests:
                         job.append(f"workload.num_requests={requests}")

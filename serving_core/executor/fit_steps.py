@@ -3,12 +3,17 @@
 Each row of a steps ledger (a real run's, on any device) is one equation
 
     duration = (t_m M + t_p P + t_a A + K + mixed_s X) (1 + x [S1/S2]) + step_s + seq_s B
+               + page_s V + chunk_s C
 
 where M, P and A are the step's memory, prefill-token (dense and scan) and attention-pair
 seconds under the starting profile (serving_core.executor.simulated.AdditiveStepModel), K the
 compressed-KV codec seconds at the profile's per-element constants (0 for bf16; a fixed term), X
 marks a step mixing prefill and decode, B is the number of scheduled sequences and x the
-paged organizations' indirection. The scales t_m, t_p, t_a divide the starting profile's
+paged organizations' indirection, V the KV pages the decode sequences' attention visits
+(AdditiveStepModel.kv_pages: the organization's block size decides how many) and C the
+prefill chunks: a real executor that attends page by page and runs a forward per chunk
+(serving_core.executor.torch_executor) pays per page and per chunk, so those counts, not
+only tokens, set a step's time. The scales t_m, t_p, t_a divide the starting profile's
 efficiencies (dense and scan share t_p: both grow with prefill tokens alone, so the data
 cannot tell them apart); they are bounded so every efficiency stays in (0, 1], and the
 seconds terms and x are bounded at 0. Rows of several organizations fit one profile.
@@ -30,7 +35,8 @@ STEP_COLUMNS = ("num_scheduled", "num_decode_seqs", "decode_context_tokens",
                 "prefill_tokens_initial", "prefill_tokens_resume", "decode_tokens",
                 "prefill_attention_pairs", "checkpoint_writes", "duration_s")
 PARAMETERS = ("memory_scale", "prefill_scale", "attention_scale", "mixed_step_s",
-              "per_step_overhead_s", "per_seq_overhead_s", "indirection_overhead")
+              "per_step_overhead_s", "per_seq_overhead_s", "indirection_overhead", "kv_page_s",
+              "prefill_chunk_s")
 
 
 @dataclass(frozen=True)
@@ -55,15 +61,18 @@ def design(model: AdditiveStepModel, steps: Mapping[str, Sequence]) -> dict[str,
         "codec": f["codec"],
         "mixed": f["mixed"],
         "seqs": np.asarray(steps["num_scheduled"], dtype=np.float64),
+        "pages": f["kv_pages"],
+        "chunks": f["prefill_chunks"],
         "duration": np.asarray(steps["duration_s"], dtype=np.float64),
     }
 
 
 def _predict(theta: np.ndarray, f: Mapping[str, np.ndarray], paged: np.ndarray) -> np.ndarray:
-    t_m, t_p, t_a, mixed, step_s, seq_s, x = theta
+    t_m, t_p, t_a, mixed, step_s, seq_s, x, page_s, chunk_s = theta
     device = (t_m * f["memory"] + t_p * f["prefill"] + t_a * f["attention"] + f["codec"]
               + mixed * f["mixed"])
-    return device * (1.0 + x * paged) + step_s + seq_s * f["seqs"]
+    return (device * (1.0 + x * paged) + step_s + seq_s * f["seqs"] + page_s * f["pages"]
+            + chunk_s * f["chunks"])
 
 
 def fit_steps(geometry: Geometry, start: DeviceProfile | str,
@@ -73,7 +82,8 @@ def fit_steps(geometry: Geometry, start: DeviceProfile | str,
     from scipy.optimize import least_squares
 
     prior = replace(load_device_profile(start), step_model="additive", indirection_overhead=0.0,
-                    mixed_step_s=0.0)
+                    mixed_step_s=0.0, kv_page_s=0.0, prefill_chunk_s=0.0, state_page_s=0.0,
+                    conv_slot_s=0.0)
     if not runs:
         raise ValueError("fit_steps: no runs to fit")
     cols: dict[str, list] = {}
@@ -94,12 +104,13 @@ def fit_steps(geometry: Geometry, start: DeviceProfile | str,
     # Scales divide efficiencies: eff / t <= 1 needs t >= eff.
     lower = np.array([prior.memory_efficiency,
                       max(prior.matmul_efficiency, prior.scan_efficiency),
-                      prior.attention_efficiency, 0.0, 0.0, 0.0, 0.0])
+                      prior.attention_efficiency, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     x0 = np.maximum(lower, [1.0, 1.0, 1.0, 0.0, prior.per_step_overhead_s,
-                            prior.per_seq_overhead_s, 0.0])
+                            prior.per_seq_overhead_s, 0.0, 0.0, 0.0])
     # Columns differ by orders of magnitude: scale by each parameter's typical contribution.
     typical = np.array([f["memory"].mean(), f["prefill"].mean(), f["attention"].mean(),
-                        f["mixed"].mean(), 1.0, f["seqs"].mean(), 0.1 * y.mean()])
+                        f["mixed"].mean(), 1.0, f["seqs"].mean(), 0.1 * y.mean(),
+                        f["pages"].mean(), f["chunks"].mean()])
     x_scale = np.where(typical > 0, y.mean() / np.maximum(typical, 1e-300), 1.0)
     res = least_squares(lambda th: _predict(th, f, paged_arr) - y, x0,
                         bounds=(lower, np.full(len(lower), np.inf)), x_scale=x_scale,
@@ -123,6 +134,8 @@ def fit_steps(geometry: Geometry, start: DeviceProfile | str,
         per_step_overhead_s=params["per_step_overhead_s"],
         per_seq_overhead_s=params["per_seq_overhead_s"],
         indirection_overhead=params["indirection_overhead"],
+        kv_page_s=params["kv_page_s"],
+        prefill_chunk_s=params["prefill_chunk_s"],
         calibration=f"fitted to {len(y)} steps of {len(runs)} runs ({source})",
     )
     return StepFit(profile=profile, parameters=params, rows=len(y),
@@ -165,7 +178,7 @@ def fit_codec(geometry: Geometry, profile: DeviceProfile | str,
         f = design(model, steps)
         x = base.indirection_overhead if model.indirect else 0.0
         theta = np.array([1.0, 1.0, 1.0, base.mixed_step_s, base.per_step_overhead_s,
-                          base.per_seq_overhead_s, x])
+                          base.per_seq_overhead_s, x, base.kv_page_s, base.prefill_chunk_s])
         no_codec = dict(f, codec=np.zeros_like(f["duration"]))
         cols.setdefault("pred", []).append(_predict(theta, no_codec, np.ones_like(f["seqs"])))
         cols.setdefault("y", []).append(f["duration"])

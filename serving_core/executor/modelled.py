@@ -36,12 +36,16 @@ class SimulatedExecutor:
         if indirection is None:
             indirection = getattr(model, "effective_indirection", 0.0)
         device = getattr(model, "device", None)
-        return {
+        out = {
             "executor": self.kind,
             "step_model": getattr(model, "kind", type(model).__name__),
             "profile": getattr(device, "name", None),
             "indirection": float(indirection),
         }
+        paged = getattr(model, "paged_s_per_seq", 0.0)
+        if paged:  # the additive model's paged-state gathers, seconds per scheduled sequence
+            out["paged_state_s"] = float(paged)
+        return out
 
 
 class PacedExecutor(SimulatedExecutor):

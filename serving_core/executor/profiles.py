@@ -75,6 +75,18 @@ class DeviceProfile:
     step_model: str = "roofline"  # roofline (max of memory and compute) | additive
     mixed_step_s: float = 0.0  # additive: extra seconds of a step mixing prefill and decode
     indirection_overhead: float = 0.0  # additive: S1/S2 fraction added to device time
+    # additive: device seconds per scheduled sequence and step for each piece of paged
+    # recurrent state its kernel gathers through the page mapping: per member page (S1: SSM
+    # members + conv page; S2: SSM members) and per conv slot (S2). S0 and D0 keep a composite
+    # contiguous (no gather). See serving_core.executor.simulated.paged_state_pieces.
+    state_page_s: float = 0.0
+    conv_slot_s: float = 0.0
+    # additive: seconds per KV page a decode sequence's attention visits (an executor that
+    # attends page by page, one kernel or dispatch per page: the torch executor's
+    # serving_core.model.paged_attention.decode_attention) and per prefill chunk scheduled
+    # (a forward's fixed cost). 0 for an engine with one fused kernel and one forward a step.
+    kv_page_s: float = 0.0
+    prefill_chunk_s: float = 0.0
     calibration: str = "datasheet"  # how the constants were obtained (provenance)
     # TQ4 codec seconds per K/V element decoded (read) and encoded (written); used only when
     # the geometry's kv_codec is not bf16. Default: the nominal A100 values above.
@@ -102,7 +114,8 @@ class DeviceProfile:
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{f}={value} must lie in (0, 1]")
         for f in ("per_step_overhead_s", "per_seq_overhead_s", "mixed_step_s",
-                  "indirection_overhead", "kv_decode_s_per_element", "kv_encode_s_per_element",
+                  "indirection_overhead", "state_page_s", "conv_slot_s", "kv_page_s",
+                  "prefill_chunk_s", "kv_decode_s_per_element", "kv_encode_s_per_element",
                   "host_link_latency_s"):
             value = getattr(self, f)
             if not math.isfinite(value) or value < 0:
@@ -132,6 +145,10 @@ _PROFILE_CASTS = {
     "step_model": str,
     "mixed_step_s": float,
     "indirection_overhead": float,
+    "state_page_s": float,
+    "conv_slot_s": float,
+    "kv_page_s": float,
+    "prefill_chunk_s": float,
     "calibration": str,
     "kv_decode_s_per_element": float,
     "kv_encode_s_per_element": float,

@@ -305,11 +305,33 @@ class StepTimeModel:
 FEATURES = ("memory_s", "dense_s", "fixed_s", "mixed")
 
 
+def paged_state_pieces(geometry: Geometry, org: str) -> tuple[int, int]:
+    """(member pages, conv slots) of one sequence's recurrent state that a kernel reaches
+    through the page mapping (docs/engine_rules.md section 3.2: S1/S2 read member j of a
+    checkpoint at page_of(b, j), S2's conv state at line 16 p + s). S1: its SSM member pages
+    and its dedicated conv page; S2: its SSM member pages and one conv slot; S0 (one contiguous page
+    per composite), D0 (native composites) and N0 (one page) gather nothing: (0, 0)."""
+    cls = org_class(org)
+    if not geometry.has_recurrent or not cls.indirect:
+        return 0, 0
+    layout = cls.unit_layout(geometry)
+    return layout.ssm_members + layout.conv_pages, 1 if cls.has_slabs else 0
+
+
 class AdditiveStepModel:
     """Step time as a sum of terms (measured steps add up; they do not overlap as a max).
 
         device = memory_s / eff_mem + dense_s / eff_mm + fixed_s + mixed_step_s [mixed]
-        step   = device (1 + x_org) + per_step_overhead + per_seq_overhead B
+        step   = device (1 + x_org) + (g_org + per_seq_overhead) B + per_step_overhead
+
+    An executor that dispatches per page or per forward (the torch executor on a CPU) adds
+    kv_page_s per KV page its decode sequences visit and prefill_chunk_s per prefill chunk
+    (`dispatch_seconds`; both 0 on the A100 profile).
+
+    g_org = state_page_s x member pages + conv_slot_s x conv slots (paged_state_pieces): the
+    gathers of a paged organization's kernel, per scheduled sequence (each reads and writes
+    its state through the mapping once a step), so the cost grows with the batch and with
+    the pieces each state spans (S1: 3 SSM pages + a conv page, S2: 3 + a slot; S0/D0: 0).
 
     memory_s: the weights, streamed once by a step with decode sequences, plus per
     decode sequence its KV read ((c + 1) tokens) and its composite read and write, plus
@@ -336,6 +358,10 @@ class AdditiveStepModel:
         "org",
         "indirect",
         "indirection",
+        "state_pages",
+        "conv_slots",
+        "paged_s_per_seq",
+        "kv_block_tokens",
         "costs",
         "_w",
         "_kv",
@@ -351,6 +377,8 @@ class AdditiveStepModel:
         "_seq_s",
         "_dec",
         "_enc",
+        "_kv_page_s",
+        "_chunk_s",
     )
 
     def __init__(self, geometry: Geometry, device, org: str, extra_indirection: float = 0.0):
@@ -380,6 +408,12 @@ class AdditiveStepModel:
         self._seq_s = dev.per_seq_overhead_s
         self._dec = c.codec_elements_per_token * dev.kv_decode_s_per_element
         self._enc = c.codec_elements_per_token * dev.kv_encode_s_per_element
+        self.state_pages, self.conv_slots = paged_state_pieces(geometry, self.org)
+        self.paged_s_per_seq = (self.state_pages * dev.state_page_s
+                                + self.conv_slots * dev.conv_slot_s)
+        self.kv_block_tokens = org_class(self.org).unit_layout(geometry).block_tokens
+        self._kv_page_s = dev.kv_page_s
+        self._chunk_s = dev.prefill_chunk_s
 
     def plan_features(
         self, new_tokens: Sequence[int], context_tokens: Sequence[int], checkpoint_writes: int = 0
@@ -425,11 +459,25 @@ class AdditiveStepModel:
         mixed = 1 if num_decode and num_decode < num_seqs else 0
         return memory, dense, fixed, mixed
 
+    def kv_pages(self, num_decode, decode_context):
+        """KV pages the decode sequences' attention visits: (c + 1) tokens each in pages of
+        B tokens, ceil((c + 1) / B), taken at its mean over the last page's fill,
+        (c + 1) / B + (B - 1) / 2B, so a steps-ledger row (sums only) gives the same count
+        as the batch."""
+        b = self.kv_block_tokens
+        return (decode_context + num_decode) / b + num_decode * (b - 1) / (2 * b)
+
+    def dispatch_seconds(self, num_decode, decode_context, num_chunks) -> float:
+        """Seconds of the per-page and per-chunk terms (kv_page_s, prefill_chunk_s)."""
+        return (self._kv_page_s * self.kv_pages(num_decode, decode_context)
+                + self._chunk_s * num_chunks)
+
     def ledger_features(self, steps) -> dict:
         """Per row of a steps table (ledger columns), as numpy arrays: memory_s and dense_s
         at the peaks, attention_s and scan_s at the profile's efficiencies, codec_s (0 for
         bf16 KV) and the mixed flag; the vectorized `features` of every row, with its fixed_s
-        split in three."""
+        split in three; and the counts the per-page and per-chunk terms multiply (kv_pages,
+        prefill_chunks)."""
         import numpy as np  # off the engine's hot path: fits and calibration only
 
         c = {k: np.asarray(steps[k], dtype=np.float64) for k in (
@@ -448,13 +496,18 @@ class AdditiveStepModel:
             "codec": (self._dec * (c["decode_context_tokens"] + dec)
                       + self._enc * (prefill + dec)),
             "mixed": ((dec > 0) & (dec < num)).astype(np.float64),
+            "kv_pages": self.kv_pages(dec, c["decode_context_tokens"]),
+            "prefill_chunks": num - dec,
         }
 
-    def device_seconds(self, features: tuple[float, float, float, int]) -> float:
+    def device_seconds(self, features: tuple[float, float, float, int],
+                       num_seqs: float = 0) -> float:
+        """Device seconds of a step (or of summed steps) from its features and its
+        scheduled sequences (the paged-state gathers)."""
         memory, dense, fixed, mixed = features
         return (
             memory * self._inv_mem + dense * self._inv_mm + fixed + mixed * self._mixed
-        ) * self._scale
+        ) * self._scale + num_seqs * self.paged_s_per_seq
 
     def step_seconds(
         self,
@@ -466,7 +519,17 @@ class AdditiveStepModel:
         if not new_tokens:
             raise ValueError("new_tokens is empty: a step schedules at least one sequence")
         feats = self.plan_features(new_tokens, context_tokens, checkpoint_writes)
-        return self.device_seconds(feats) + self._step_s + self._seq_s * len(new_tokens)
+        seconds = self.device_seconds(feats) + self._step_s + (
+            self._seq_s + self.paged_s_per_seq) * len(new_tokens)
+        if self._kv_page_s or self._chunk_s:
+            num_decode = decode_ctx = 0
+            for n, c in zip(new_tokens, context_tokens, strict=True):
+                if n == 1:
+                    num_decode += 1
+                    decode_ctx += c
+            seconds += self.dispatch_seconds(num_decode, decode_ctx,
+                                             len(new_tokens) - num_decode)
+        return seconds
 
 
 def build_step_model(geometry: Geometry, device, org: str, extra_indirection: float = 0.0):

@@ -86,12 +86,17 @@ def build_memory(
     checkpoint_recency: str = "release",
     cache_policy: str = "lru",
     marconi_alpha: float = DEFAULT_MARCONI_ALPHA,
+    conv_page_recency: str = "members",
+    release_order: str = "attention_first",
+    duplicates: str = "drop",
 ) -> MemoryOrganization:
     """The runtime allocator of `org` with pools sized by the planner ({pool: units}).
 
     `slab_policy` (organizations with slabs): see memory.s2.SLAB_POLICIES; `free_queue`
-    (memory.pool), `checkpoint_recency` (memory.base) and `cache_policy` with its
-    `marconi_alpha` (memory.cache_policy) apply to every organization."""
+    (memory.pool), `checkpoint_recency`, `release_order` and `duplicates` (memory.base)
+    and `cache_policy` with its `marconi_alpha` (memory.cache_policy) apply to every
+    organization, `conv_page_recency` (memory.base) to one with a dedicated conv page
+    (S1)."""
     cls = org_class(org)
     layout = cls.unit_layout(geometry)
     expected = set(cls.pool_names)
@@ -104,7 +109,9 @@ def build_memory(
         raise ValueError(
             f"engine.slab_policy={slab_policy!r}: allowed values are {', '.join(SLAB_POLICIES)}"
         )
-    rules = {"free_queue": free_queue, "checkpoint_recency": checkpoint_recency}
+    rules = {"free_queue": free_queue, "checkpoint_recency": checkpoint_recency,
+             "conv_page_recency": conv_page_recency, "release_order": release_order,
+             "duplicates": duplicates}
     policy = build_cache_policy(cache_policy, geometry, marconi_alpha)
     if policy is not None:
         rules["cache_policy"] = policy

@@ -38,6 +38,27 @@ from serving_core.memory.prefix_cache import PrefixCache, PrefixHit
 # the producer's release, so adoption protects the checkpoint without refreshing it (the
 # rule of write-once slab pages applied to the member pages; docs/engine_rules.md section 9.2).
 CHECKPOINT_RECENCIES = ("release", "publication")
+# When S1's dedicated conv page takes its LRU recency (engine.conv_page_recency; only an
+# organization with a conv page of its own, layout.conv_pages > 0, has one): `members`
+# (default) as its SSM member pages; `write`: its last write (the producer's release),
+# never refreshed by an adopter's release, the rule of the write-once slab pages that hold
+# S2's conv state (docs/engine_rules.md section 3.4) applied to the page that holds S1's.
+# A checkpoint is lost with its first evicted member, so `write` bounds an S1 checkpoint's
+# life by its publication while S0's contiguous composite keeps the release rule.
+CONV_PAGE_RECENCIES = ("members", "write")
+# Which of a finishing or preempted request's objects return first (engine.release_order;
+# the first released is the first evicted): `attention_first` (default) its attention
+# blocks deepest first, then its state (destinations, working composite, adopted and
+# retained checkpoints); `state_first` its state, then its attention blocks deepest first.
+# vLLM V1's hybrid coordinator frees one KV-cache group after another, each tail first
+# (single_type_kv_cache_manager.free); which group comes first is not fixed by the texts.
+RELEASE_ORDERS = ("attention_first", "state_first")
+# A block or checkpoint computed again while its key is cached (engine.duplicates): `drop`
+# (default) is not published; the recomputing request keeps its copy private and frees it
+# at release. `cache` publishes it as a second copy of the same key (vLLM V1's
+# BlockHashToBlockMap: "we don't de-duplicate the blocks in the cache"), so the key stays
+# found while any copy is valid; adoption takes the oldest copy.
+DUPLICATE_RULES = ("drop", "cache")
 # Where the torch arenas find a composite's conv window (MemoryOrganization.conv_addressing).
 CONV_ADDRESSING = ("unit", "page", "slot")
 
@@ -171,14 +192,29 @@ class MemoryOrganization:
         free_queue: str = "free_first",
         checkpoint_recency: str = "release",
         cache_policy=None,
+        conv_page_recency: str = "members",
+        release_order: str = "attention_first",
+        duplicates: str = "drop",
     ):
-        if checkpoint_recency not in CHECKPOINT_RECENCIES:
-            raise ValueError(f"engine.checkpoint_recency={checkpoint_recency!r}: allowed values "
-                             f"are {', '.join(CHECKPOINT_RECENCIES)}")
+        for key, value, allowed in (("checkpoint_recency", checkpoint_recency,
+                                     CHECKPOINT_RECENCIES),
+                                    ("conv_page_recency", conv_page_recency, CONV_PAGE_RECENCIES),
+                                    ("release_order", release_order, RELEASE_ORDERS),
+                                    ("duplicates", duplicates, DUPLICATE_RULES)):
+            if value not in allowed:
+                raise ValueError(f"engine.{key}={value!r}: allowed values are "
+                                 f"{', '.join(allowed)}")
         self.free_queue = free_queue
         self.checkpoint_recency = checkpoint_recency
         self._recency_at_publication = checkpoint_recency == "publication"
         self.layout = layout
+        # Index of the dedicated conv page among a composite's units (None: no such page).
+        self._conv_unit = layout.ssm_members if layout.conv_pages else None
+        self.conv_page_recency = conv_page_recency if self._conv_unit is not None else None
+        self._conv_at_write = self.conv_page_recency == "write"
+        self.release_order = release_order
+        self.duplicates = duplicates
+        self.cache_duplicates = duplicates == "cache"
         self.events = events or MemoryEvents()
         self.cache = PrefixCache()
         self.pools: dict[str, UnitPool] = {}
@@ -326,13 +362,16 @@ class MemoryOrganization:
 
     def _on_unreferenced(self, obj: StateObject) -> None:
         pool = self.pools[obj.pool]
-        if self._recency_at_publication and obj.kind == Kind.COMPOSITE:
+        if obj.kind == Kind.COMPOSITE and (self._recency_at_publication or self._conv_at_write):
             # The first last-release is the producer's (publication); later ones (adopters)
-            # return the members to the LRU where publication put them.
+            # return the units that keep their publication stamp (all members under
+            # `publication`, the conv page under conv_page_recency `write`) where it put them.
             if obj.stamp is None:
                 obj.stamp = pool.tick()
-            for unit in obj.units:
-                pool.add_evictable(unit, obj.stamp)
+            conv = self._conv_unit
+            for i, unit in enumerate(obj.units):
+                keep = self._recency_at_publication or i == conv
+                pool.add_evictable(unit, obj.stamp if keep else None)
             return
         for unit in obj.units:
             pool.add_evictable(unit)
@@ -372,15 +411,17 @@ class MemoryOrganization:
 
     def _invalidate(self, obj: StateObject, cause: int, taken: int = -1) -> None:
         assert obj.ref_count == 0 and obj.cached, f"evicting a referenced or uncached {obj}"
-        self.cache.remove(obj)
-        self.events.on_loss(obj, cause)
+        if self.cache.remove(obj):  # the key's last copy: the entry is lost
+            self.events.on_loss(obj, cause)
         self._destroy(obj, cause, taken)
 
     # ----- publication and lookup ---------------------------------------------------------
     def publish(self, obj: StateObject, key: int, boundary: int) -> bool:
-        """Publish obj as the entry for the prefix named by `key`; False if one exists."""
+        """Publish obj as the entry for the prefix named by `key`; False if one exists
+        (under duplicates `cache`, obj becomes another copy of it instead: True)."""
         assert obj.valid and obj.ref_count > 0, f"publish of {obj}"
-        if not self.cache.insert(obj, key, checkpoint=obj.kind == Kind.COMPOSITE):
+        if not self.cache.insert(obj, key, checkpoint=obj.kind == Kind.COMPOSITE,
+                                 duplicate=self.cache_duplicates):
             return False
         obj.boundary = boundary
         self.events.on_publish(obj)

@@ -17,8 +17,8 @@ What it checks, for S0, S1, S2, D0 and N0 alike:
   slab page with a referenced slot included); evictable units belong only to cached,
   unreferenced objects;
 - invariant 3 (invalidate before reuse): no unit or slot is shared between objects,
-  every cached entry is the live owner of its key, slab counters match their slots and
-  an empty slab does not exist;
+  every cached entry is the live owner of its key (or, duplicates cached, a live copy of
+  it), slab counters match their slots and an empty slab does not exist;
 - invariant 4 (valid location or absence): ids are ints in [0, n), absence is NO_SLOT
   (-1) or an empty unit list, never 0 or None.
 """
@@ -165,8 +165,11 @@ def _check_objects(mem: MemoryOrganization) -> int:
             assert obj.cached, f"unreferenced unpublished {obj} still holds storage"
         if obj.cached:
             num_cached += 1
-            table = mem.cache.checkpoints if obj.kind == Kind.COMPOSITE else mem.cache.attention
-            assert table.get(obj.key) is obj, f"cached {obj} is not the entry of its key {obj.key}"
+            checkpoint = obj.kind == Kind.COMPOSITE
+            table = mem.cache.checkpoints if checkpoint else mem.cache.attention
+            assert table.get(obj.key) is obj or any(
+                c is obj for c in mem.cache.copies.get((checkpoint, obj.key), ())), (
+                f"cached {obj} is not the entry of its key {obj.key} (nor a copy of it)")
         _check_slot(mem, obj)
         if obj.kind == Kind.COMPOSITE:
             line = mem.conv_line(obj)
@@ -188,9 +191,21 @@ def _check_cache(mem: MemoryOrganization, num_cached: int) -> None:
             assert mem.live.get(obj.oid) is obj, (
                 f"invariant 3: cached {what} {key} lost its storage: {obj}"
             )
-    num_entries = len(mem.cache.attention) + len(mem.cache.checkpoints)
+    num_copies = 0
+    for (checkpoint, key), copies in mem.cache.copies.items():
+        table = mem.cache.checkpoints if checkpoint else mem.cache.attention
+        assert copies, f"key {key} has an empty list of further copies"
+        assert key in table, f"key {key} has further copies but no entry"
+        assert mem.cache_duplicates, f"key {key} has copies, but duplicates are {mem.duplicates}"
+        for obj in copies:
+            assert obj is not table[key], f"the entry of key {key} is listed as its copy too"
+            assert obj.key == key and obj.cached and obj.valid, f"copy of {key} is {obj}"
+            assert mem.live.get(obj.oid) is obj, f"invariant 3: copy of {key} lost its storage"
+        num_copies += len(copies)
+    num_entries = len(mem.cache.attention) + len(mem.cache.checkpoints) + num_copies
     assert num_entries == num_cached, (
-        f"prefix cache holds {num_entries} entries but {num_cached} live objects are cached"
+        f"prefix cache holds {num_entries} entries and copies but {num_cached} live objects "
+        "are cached"
     )
 
 

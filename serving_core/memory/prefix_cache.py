@@ -31,11 +31,18 @@ class PrefixHit:
 
 
 class PrefixCache:
-    __slots__ = ("attention", "checkpoints", "lost", "current_step", "demand", "version")
+    """The entry of each key (`attention`, `checkpoints`: key -> object) and, when the
+    organization caches duplicates (memory.base.DUPLICATE_RULES), the further copies of a
+    key in publication order (`copies`: (is_checkpoint, key) -> objects). The entry is the
+    oldest valid copy; losing it promotes the next, and the key is lost with its last."""
+
+    __slots__ = ("attention", "checkpoints", "copies", "lost", "current_step", "demand",
+                 "version")
 
     def __init__(self) -> None:
         self.attention: dict[int, StateObject] = {}
         self.checkpoints: dict[int, StateObject] = {}
+        self.copies: dict[tuple[bool, int], list[StateObject]] = {}
         # (is_checkpoint, key) -> step in which the entry was lost
         self.lost: dict[tuple[bool, int], int] = {}
         self.current_step = 0
@@ -48,26 +55,44 @@ class PrefixCache:
         if self.lost:
             self.lost.clear()
 
-    def insert(self, obj: StateObject, key: int, checkpoint: bool) -> bool:
-        """Publish obj under key; False (no-op) if a valid entry already holds it."""
+    def insert(self, obj: StateObject, key: int, checkpoint: bool,
+               duplicate: bool = False) -> bool:
+        """Publish obj under key; if a valid entry already holds it, False (no-op), or with
+        `duplicate` obj becomes a further copy of the key (True)."""
         table = self.checkpoints if checkpoint else self.attention
         if key in table:
-            return False
-        table[key] = obj
-        self.version += 1
+            if not duplicate:
+                return False
+            self.copies.setdefault((checkpoint, key), []).append(obj)
+        else:
+            table[key] = obj
+            self.version += 1
         obj.key = key
         obj.cached = True
         return True
 
-    def remove(self, obj: StateObject) -> None:
-        """Drop a published entry whose storage is being reassigned."""
-        table = self.checkpoints if obj.kind else self.attention
-        assert table.get(obj.key) is obj, f"entry {obj} is not the cached owner of its key"
-        del table[obj.key]
-        self.version += 1
-        self.lost[(bool(obj.kind), obj.key)] = self.current_step
+    def remove(self, obj: StateObject) -> bool:
+        """Drop a published copy whose storage is being reassigned; True if it was the
+        key's last copy (the entry is lost), False if another copy still holds the key."""
+        checkpoint = bool(obj.kind)
+        table = self.checkpoints if checkpoint else self.attention
+        copies = self.copies.get((checkpoint, obj.key))
         obj.cached = False
         obj.valid = False
+        if table.get(obj.key) is not obj:
+            assert copies and obj in copies, f"entry {obj} is not a cached copy of its key"
+            copies.remove(obj)
+        elif copies:
+            table[obj.key] = copies.pop(0)  # the oldest further copy is the entry now
+            self.version += 1
+        else:
+            del table[obj.key]
+            self.version += 1
+            self.lost[(checkpoint, obj.key)] = self.current_step
+            return True
+        if not copies:
+            del self.copies[(checkpoint, obj.key)]
+        return False
 
     def _has(self, key: int, checkpoint: bool, m1: bool) -> bool:
         table = self.checkpoints if checkpoint else self.attention
