@@ -27,9 +27,18 @@ PAGED = [org for org, cls in ORG_TO_CLASS.items() if cls.conv_addressing != "uni
 IN_UNIT = [org for org, cls in ORG_TO_CLASS.items() if cls.conv_addressing == "unit"]
 
 
-def _pool_units(org: str, **per_pool: int) -> dict[str, int]:
-    """Units of each of the organization's own pools (its class names them)."""
-    return {pool: per_pool[pool] for pool in org_class(org).pool_names}
+def _pool_units(org: str, geometry, **per_pool: int) -> dict[str, int]:
+    """Units of each of the organization's own pools (its class names them). A two-level
+    layout (large pages carved into small ones) gets whole large pages: enough for the
+    attention and recurrent units asked at once (a large page holds one type)."""
+    cls = org_class(org)
+    layout = cls.unit_layout(geometry)
+    if hasattr(layout, "large_page_bytes"):
+        large = (-(-per_pool["attention"] // layout.attention_per_large)
+                 + -(-per_pool["recurrent"] // layout.state_per_large))
+        return {"attention": large * layout.attention_per_large,
+                "recurrent": large * layout.state_per_large}
+    return {pool: per_pool[pool] for pool in cls.pool_names}
 
 
 def _paged_batch(org: str, batch: int, seed: int):
@@ -100,7 +109,7 @@ def test_paged_decode_update_equals_contiguous(tiny_model, org, batch):
 @pytest.mark.parametrize("org", list(ORG_TO_CLASS))
 def test_composite_write_read_round_trip_is_exact(tiny_model, org):
     geometry = load_geometry("falcon_h1_tiny")
-    units = _pool_units(org, shared=40, attention=64, recurrent=6)
+    units = _pool_units(org, geometry, shared=40, attention=64, recurrent=6)
     mem = build_memory(geometry, org, units)
     arena = StateArena(mem, geometry)
     objs = [mem.allocate_composite(r) for r in range(3)]
@@ -144,7 +153,7 @@ def test_composite_decode_update_in_place_equals_contiguous(tiny_model, org):
     outside the batch are untouched."""
     model = tiny_model
     geometry = load_geometry("falcon_h1_tiny", num_layers=1)
-    units = _pool_units(org, shared=16, attention=64, recurrent=12)
+    units = _pool_units(org, geometry, shared=16, attention=64, recurrent=12)
     mem = build_memory(geometry, org, units)
     arena = StateArena(mem, geometry)
     assert arena.ssm_in_place

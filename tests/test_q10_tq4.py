@@ -67,7 +67,8 @@ def test_cell_labels_keep_two_models_with_the_same_units_apart():
     base = {"stage": "main", "org": "S0", "budget": "b63", "cap": 63, "rate": 3.0,
             "arrival": "poisson", "q": 1.0, "f": 0.0, "reuse": "share", "retention_k": -1,
             "pinning_k": 2, "d0_attention_fraction": math.nan, "trace": False,
-            "executor": "sim:a100-calibrated", "units_detail": '{"shared": 63}'}
+            "host_tier_bytes": -1, "executor": "sim:a100-calibrated",
+            "units_detail": '{"shared": 63}'}
     runs = pd.DataFrame([{**base, "model": "falcon_h1_7b"},
                          {**base, "model": "falcon_h1_7b_tq4"}])
     labels = common.cell_labels(runs)

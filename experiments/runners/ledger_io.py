@@ -67,7 +67,6 @@ def cell_columns(cfg: DictConfig) -> dict:
     workload = normalize_workload_config(cfg.workload)
     load = normalize_load_config(cfg.load)
     pinning = cfg.engine.pinning_k
-    tier = (cfg.get("host_tier") or {}).get("capacity_bytes")
     return {
         "question": str(cfg.question),
         "arm": a.label,
@@ -80,8 +79,6 @@ def cell_columns(cfg: DictConfig) -> dict:
         "f": float(cfg.engine.headroom),
         "retention_k": int(cfg.retention.k) if a.retention else -1,
         "pinning_k": -1 if pinning is None else int(pinning),
-        # not a runs column: analysis reads it from engine_config (analysis/pages/common.py)
-        "host_tier_bytes": -1 if tier is None else int(tier),
         "d0_attention_fraction": (
             float(cfg.model.d0_attention_fraction) if a.org == "D0" else math.nan
         ),
