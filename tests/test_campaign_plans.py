@@ -30,9 +30,16 @@ def planned(name: str) -> tuple:
     return tuple(camp.plan_campaign([f"campaign={name}", "ledger_root=/nonexistent/ledgers"])[1])
 
 
+def _tier_bytes(cfg) -> int:
+    """The host tier's size as analysis reads it back from a run's engine_config (-1: none)."""
+    tier = (cfg.get("host_tier") or {}).get("capacity_bytes")
+    return -1 if tier is None else int(tier)
+
+
 def frame(runs) -> pd.DataFrame:
     return pd.DataFrame([
-        {**cell_columns(r.cfg), "campaign": r.key.campaign, "run_id": r.key.run_id,
+        {**cell_columns(r.cfg), "host_tier_bytes": _tier_bytes(r.cfg),
+         "campaign": r.key.campaign, "run_id": r.key.run_id,
          "block": r.job.block, "status": "complete", "adopted": True,
          "prereg_plan_hash": prereg_plan_hash(r.key.question)} for r in runs])
 

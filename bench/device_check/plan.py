@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 from serving_core.memory import ORG_TO_CLASS
 
-# The organizations the check measures: the paper's four (S0, S1, S2, D0), the ones its step
-# model is fitted to; N0 is vLLM's native page (vLLM's own arm serves it) and the arms from
-# the literature (JENGA) are not part of the sized plan. Each must be registered.
-ORGS = ("S0", "S1", "S2", "D0")
-assert all(org in ORG_TO_CLASS for org in ORGS)
+# The organizations the check measures: every registered one but N0 (vLLM's native page,
+# which vLLM's own arm serves) and JENGA (a literature arm whose whole-large-page pools the
+# sized plan does not cover); today the paper's four, S0, S1, S2 and D0.
+NOT_MEASURED = ("N0", "JENGA")
+ORGS = tuple(org for org in ORG_TO_CLASS if org not in NOT_MEASURED)
 
 
 DEVICE_TIMEOUT_S = 600  # the run tool's timeout_s
