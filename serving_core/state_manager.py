@@ -515,8 +515,7 @@ class HybridStateManager:
                 result.bytes_h2d += copier.load_block(obj, tier.entry(BLOCK, keys[i]))
                 if not mem.publish(obj, keys[i], (i + 1) * bt):
                     raise RuntimeError(f"block {i} of the restored prefix is already cached")
-                mem.release(obj)  # cached, evictable: the scheduler's lookup will adopt it
-                result.blocks.append(obj)
+                result.blocks.append(obj)  # held until the whole prefix is in place
             if interval and held_ckpt is None:
                 obj = mem.allocate_composite(-1)
                 if tier.poison:
@@ -525,10 +524,15 @@ class HybridStateManager:
                                                         tier.entry(CHECKPOINT, ckpt_key))
                 if not mem.publish(obj, ckpt_key, depth):
                     raise RuntimeError(f"the checkpoint at {depth} is already cached")
-                mem.release(obj)
                 result.checkpoint = obj
         finally:
-            for obj in kept:
+            # Restored objects are released (cached, evictable: the scheduler's lookup adopts
+            # them) only now: released one by one, a later allocation of the same restore
+            # could evict an earlier one (an organization that evicts its own cached pages
+            # before free ones, or a single free queue), leaving the prefix half there.
+            restored = (*result.blocks, *(() if result.checkpoint is None
+                                          else (result.checkpoint,)))
+            for obj in (*kept, *restored):
                 mem.release(obj)
 
     def reset_prefix_cache(self) -> dict[str, int]:

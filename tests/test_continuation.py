@@ -300,12 +300,13 @@ def test_a_tier_entry_at_n_never_skips_the_last_prompt_token(tiny_model, tmp_pat
 
 @pytest.mark.slow
 def test_every_org_and_reference_length_continues_exactly(tiny_checkpoint, tmp_path, capsys):
-    """The whole matrix (make continuation): 5 organizations x 9 lengths, every column."""
+    """The whole matrix (make continuation): 8 arms (S0, S1, S2, D0, N0, Jenga, S2 and D0
+    under Marconi) x 9 lengths, every column."""
     code = main(["--checkpoint", str(tiny_checkpoint), "--ledger-root", str(tmp_path / "l"),
                  "--output-tokens", "4"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0 and last == {"pairs": 45, "equal": 45, "B_equals_p": True,
-                                  "audits_ok": True, "ok": 45}
+    assert code == 0 and last == {"pairs": 72, "equal": 72, "B_equals_p": True,
+                                  "audits_ok": True, "ok": 72}
 
 
 @pytest.mark.slow
