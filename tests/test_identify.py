@@ -288,3 +288,23 @@ def test_the_search_key_ignores_reworded_justifications(tmp_path):
     moved.write_text(text.replace("{s2: [engine.slab_policy=dense]}",
                                   "{s2: [engine.slab_policy=refill]}"))
     assert ident.load_space(moved).digest != base
+
+
+def test_zero_anchors_are_scored_in_their_own_unit():
+    """An anchor of 0 takes the tolerance of its metric's unit: 1 preemption, and for
+    prompt_replay one mean prompt's replay (3,365.3 tokens), so 1,083 replayed tokens are
+    about a third of a tolerance (not 1,083 of them) and 2 preemptions are 2."""
+    space = ident.load_space()
+    tol = space.score["zero_anchor_tolerance"]
+    assert ident.zero_tolerance(tol, "prompt_replay") == 3365.3
+    assert ident.zero_tolerance(tol, "preemptions") == 1.0
+    assert ident.zero_tolerance(2.5, "anything") == 2.5
+    with pytest.raises(ValueError, match="prompt_replay"):
+        ident.zero_tolerance({"preemptions": 1.0}, "prompt_replay")
+    base = {**_summary("base", 2.0, 5.0), "levels": {
+        "C-H S2 prompt_replay": (0.0, 0.0), "A-control S0 preemptions": (0.0, 0.0)}}
+    replay = {**_summary("a", 1.0, 4.0), "levels": {**base["levels"],
+                                                     "C-H S2 prompt_replay": (0.0, 1083.0)}}
+    assert ident.moved_outside(replay, base, space.selection) == []
+    much = {**replay, "levels": {**base["levels"], "C-H S2 prompt_replay": (0.0, 4000.0)}}
+    assert ident.moved_outside(much, base, space.selection) == ["C-H S2 prompt_replay"]

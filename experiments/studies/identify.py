@@ -37,6 +37,7 @@ import math
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -401,6 +402,19 @@ class Item:
     residual: float  # error over its tolerance
 
 
+def zero_tolerance(spec, metric: str) -> float:
+    """The absolute tolerance, in the metric's own unit, of an anchor of 0: `spec` is one
+    number for every metric or a mapping metric -> tolerance with a `default` entry (so 1
+    replayed token does not weigh as 1 preemption: conf/calibration/identify.yaml)."""
+    if isinstance(spec, Mapping):
+        value = spec.get(metric, spec.get("default"))
+        if value is None:
+            raise ValueError(f"zero-anchor tolerance: no entry for metric {metric!r} and no "
+                             "'default' entry")
+        return float(value)
+    return float(spec)
+
+
 def score_items(result: Identified, space: Space, anchors) -> list[Item]:
     sc = space.score
     part_of = {s: "fit" for s in sc["fit_sections"]} | {s: "check" for s in sc["check_sections"]}
@@ -411,7 +425,7 @@ def score_items(result: Identified, space: Space, anchors) -> list[Item]:
             continue
         if measured == 0:
             error = ours - measured
-            residual = error / sc["zero_anchor_tolerance"]
+            residual = error / zero_tolerance(sc["zero_anchor_tolerance"], metric)
         else:
             error = err
             residual = err / sc["level_tolerance"][metric]
@@ -559,13 +573,14 @@ def moved_outside(candidate: dict, base: dict, selection: dict) -> list[str]:
     moves outside it: the issue's "without moving any level outside 10 %"."""
     limit, zero = selection["level_limit"], selection["zero_tolerance"]
 
-    def within(measured: float, error: float) -> bool:
-        return abs(error) <= (zero if measured == 0 else limit)
+    def within(metric: str, measured: float, error: float) -> bool:
+        return abs(error) <= (zero_tolerance(zero, metric) if measured == 0 else limit)
 
     out = []
     for key, (measured, error) in base.get("levels", {}).items():
         got = candidate.get("levels", {}).get(key)
-        if got is not None and within(measured, error) and not within(*got):
+        metric = key.rsplit(" ", 1)[-1]
+        if got is not None and within(metric, measured, error) and not within(metric, *got):
             out.append(key)
     return out
 
