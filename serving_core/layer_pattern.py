@@ -21,6 +21,7 @@ attention to recurrent bytes; whole-model bytes are group bytes x g.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -67,21 +68,30 @@ def expand_layers(entries: Iterable[Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=64)
+def _counts(layers: tuple[str, ...]) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """(mixer counts, ffn counts, state counts) of a pattern, as items: the planner and the
+    geometry ask for them hundreds of times per run, for a handful of patterns."""
+    parsed = [parse_layer(s) for s in layers]
+    mixers = Counter(m for m, _ in parsed)
+    ffns = Counter(f for _, f in parsed)
+    states = {"attention": sum(mixers[m] for m in ATTENTION_MIXERS)}
+    for mixer, kind in RECURRENT_KINDS.items():
+        states[kind] = states.get(kind, 0) + mixers[mixer]
+    return tuple(mixers.items()), tuple(ffns.items()), tuple(states.items())
+
+
 def mixer_counts(layers: Sequence[str]) -> Counter:
-    return Counter(parse_layer(s)[0] for s in layers)
+    return Counter(dict(_counts(tuple(layers))[0]))
 
 
 def ffn_counts(layers: Sequence[str]) -> Counter:
-    return Counter(parse_layer(s)[1] for s in layers)
+    return Counter(dict(_counts(tuple(layers))[1]))
 
 
 def state_counts(layers: Sequence[str]) -> dict[str, int]:
     """Layers carrying each kind of state: attention KV and each recurrent shape."""
-    mixers = mixer_counts(layers)
-    out = {"attention": sum(mixers[m] for m in ATTENTION_MIXERS)}
-    for mixer, kind in RECURRENT_KINDS.items():
-        out[kind] = out.get(kind, 0) + mixers[mixer]
-    return out
+    return dict(_counts(tuple(layers))[2])
 
 
 def scope_copies(layers: Sequence[str]) -> int:
