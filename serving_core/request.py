@@ -106,7 +106,10 @@ class Request:
 
     def ensure_keys(self, num_blocks: int) -> list[int]:
         """Chain keys of the first `num_blocks` full blocks (computed once, extended lazily)."""
-        keys, tokens, bt = self.keys, self._token_list(), self.block_tokens
+        keys = self.keys
+        if len(keys) >= num_blocks:
+            return keys
+        tokens, bt = self._token_list(), self.block_tokens
         parent = keys[-1] if keys else self._root
         for i in range(len(keys), num_blocks):
             parent = hash((parent, *tokens[i * bt : (i + 1) * bt]))

@@ -194,7 +194,8 @@ class HybridStateManager:
         keys = req.lookup_keys()
         hit = self.lookup(req)
         jadopt = hit.jadopt
-        blocks = [mem.cached_attention(keys[i]) for i in range(jadopt // self.B)]
+        table = mem.cache.attention
+        blocks = [table[key] for key in keys[: jadopt // self.B]]  # the hit says all are there
         ckpt = mem.cached_checkpoint(keys[jadopt // self.B - 1]) if jadopt and self.C else NULL
         adopted = blocks + ([ckpt] if ckpt else [])
         found = Adoption(hit, keys, jadopt, blocks, ckpt, mem.pinned_by_adoption(adopted))
@@ -235,8 +236,9 @@ class HybridStateManager:
         mem = self.mem
         if working:
             req.working = mem.allocate_composite(req.rid)
-        for _ in range(math.ceil((start + n) / self.B) - len(req.attn)):
-            req.attn.append(mem.allocate_attention(req.rid))
+        more = math.ceil((start + n) / self.B) - len(req.attn)
+        if more > 0:
+            req.attn.extend(mem.allocate_attention_blocks(req.rid, more))
         for _ in self.boundaries(start, start + n):
             req.dests.append(mem.allocate_composite(req.rid))
 

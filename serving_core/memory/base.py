@@ -323,9 +323,23 @@ class MemoryOrganization:
 
     def allocate_attention(self, request_id: int) -> StateObject:
         """One attention block held by `request_id` (reference count 1, unpublished)."""
-        obj = self._new_object(Kind.ATTENTION, self.attention_pool, request_id)
-        self._assign(obj, 1)
-        return obj
+        return self.allocate_attention_blocks(request_id, 1)[0]
+
+    def allocate_attention_blocks(self, request_id: int, count: int) -> list[StateObject]:
+        """`count` attention blocks held by `request_id`, allocated in order one at a time
+        (a chunk's blocks in one call: D0's 16-token blocks make this the hottest path)."""
+        pool = self.attention_pool
+        owner, live, take = self._owner[pool], self.live, self._take_unit
+        blocks = []
+        for _ in range(count):
+            obj = StateObject(self._next_oid, Kind.ATTENTION, pool, [], request_id)
+            self._next_oid += 1
+            live[obj.oid] = obj
+            unit = take(pool, request_id)
+            owner[unit] = obj
+            obj.units.append(unit)
+            blocks.append(obj)
+        return blocks
 
     def allocate_composite(self, request_id: int) -> StateObject:
         """One complete recurrent composite (SSM + conv) held by `request_id`."""

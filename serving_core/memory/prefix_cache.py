@@ -105,9 +105,37 @@ class PrefixCache:
 
         With interval 0 (no recurrent state) the joint depth is the attention depth.
         """
+        if m1:
+            return self._lookup_m1(keys, block_tokens, interval)
+        # M0, the admission path (a blocked head asks every step): plain dict membership
         n = len(keys)
         i = 0
-        while i < n and self._has(keys[i], False, m1):
+        table = self.attention
+        while i < n and keys[i] in table:
+            i += 1
+        attention = i * block_tokens
+        if interval == 0:
+            return PrefixHit(attention, attention, 0, attention)
+        per = interval // block_tokens
+        amax = (attention // interval) * interval
+        table = self.checkpoints
+        rmax = 0
+        for k in range(n // per, 0, -1):
+            if keys[k * per - 1] in table:
+                rmax = k * interval
+                break
+        jadopt = 0
+        for k in range(min(amax, rmax) // interval, 0, -1):
+            if keys[k * per - 1] in table:
+                jadopt = k * interval
+                break
+        return PrefixHit(attention, amax, rmax, jadopt)
+
+    def _lookup_m1(self, keys: list[int], block_tokens: int, interval: int) -> PrefixHit:
+        """`lookup` reading entries lost during this step as still present (the M1 bracket)."""
+        n = len(keys)
+        i = 0
+        while i < n and self._has(keys[i], False, True):
             i += 1
         attention = i * block_tokens
         if interval == 0:
@@ -116,15 +144,14 @@ class PrefixCache:
         amax = (attention // interval) * interval
         rmax = 0
         for k in range(n // per, 0, -1):
-            if self._has(keys[k * per - 1], True, m1):
+            if self._has(keys[k * per - 1], True, True):
                 rmax = k * interval
                 break
         jadopt = 0
-        if rmax:
-            for k in range(min(amax, rmax) // interval, 0, -1):
-                if self._has(keys[k * per - 1], True, m1):
-                    jadopt = k * interval
-                    break
+        for k in range(min(amax, rmax) // interval, 0, -1):
+            if self._has(keys[k * per - 1], True, True):
+                jadopt = k * interval
+                break
         return PrefixHit(attention, amax, rmax, jadopt)
 
     def record_demand(
