@@ -7,8 +7,9 @@
    binds and one where it does not, 3 seeds, the tiny checkpoint served over HTTP
    (executor=torch), one run at a time. Complete runs are kept; rerunning repairs the rest.
 2. a bounded least-squares fit (serving_core.executor.fit_steps) of the CPU profile's free
-   constants to the steps ledgers of those runs; recorded with its residuals, the run ids
-   it used and the overrides below in the `fidelity_fit` study table (ledgers.studies).
+   constants (logit_row_s held at 0: OMIT) to the steps ledgers of those runs; recorded
+   with its residuals, the run ids it used and the overrides below in the `fidelity_fit`
+   study table (ledgers.studies).
 3. campaign fidelity_sim: the same cells in simulation under the fitted profile, passed as
    executor.* overrides (its name, sim:<name> in the runs ledger, tells fits apart).
 
@@ -36,7 +37,11 @@ START_PROFILE = "cpu"  # conf/executor/cpu.yaml: the starting point of the fit
 MODEL = "falcon_h1_tiny"
 FITTED_FIELDS = ("name", "memory_efficiency", "matmul_efficiency", "attention_efficiency",
                  "scan_efficiency", "mixed_step_s", "per_step_overhead_s", "per_seq_overhead_s",
-                 "indirection_overhead", "kv_page_s", "prefill_chunk_s", "calibration")
+                 "indirection_overhead", "kv_page_s", "prefill_chunk_s", "logit_gemm_s",
+                 "logit_row_s", "calibration")
+# Held at 0 by the fit: one logits row per scheduled item, so in every steps-ledger row the
+# logits rows equal the scheduled sequences and per_seq_overhead_s carries their cost.
+OMIT = ("logit_row_s",)
 
 
 def _campaign(name: str, root: Path, overrides: list[str]) -> int:
@@ -76,7 +81,7 @@ def fit_profile(root: Path) -> tuple[dict, list[str]]:
     if not runs:
         raise ValueError(f"campaign {REAL} has no complete runs under {root}")
     fit = fit_steps(load_geometry(MODEL), START_PROFILE, [(org, t) for _, org, t in runs],
-                    source=f"campaign {REAL}")
+                    source=f"campaign {REAL}", omit=OMIT)
     profile = asdict(fit.profile)
     record = {**profile, "fit": {
         "parameters": fit.parameters, "rows": fit.rows, "rms_rel_error": fit.rms_rel_error,
