@@ -32,7 +32,7 @@ def _cells(campaign: str, *extra: str) -> set[tuple]:
 
 def test_real_and_simulated_halves_plan_the_same_cells(tiny_checkpoint):
     real, sim = _cells(fe.REAL, f"++executor.checkpoint={tiny_checkpoint}"), _cells(fe.SIM)
-    assert len(real) == 24 and real == sim
+    assert len(real) == 40 and real == sim
     assert {c[1] for c in real} == {"b8", "b63"} and {c[0] for c in real} == {
         "s0", "s1", "s2", "d0"}
 
