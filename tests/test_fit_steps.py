@@ -150,7 +150,7 @@ def test_omitted_row_term_goes_to_the_per_sequence_term(logit_runs):
     """logits rows equal scheduled sequences in every row: with the truth's row term held
     at 0, the fit puts it in per_seq_overhead_s, and predicts the steps as well."""
     runs = [(org, _steps_under(org, {**KNOWN_LOGITS, "logit_row_s": 0.002}))
-            for org in ("s0", "d0")]
+            for org in ("s0", "s2", "d0")]
     fit = fit_steps(load_geometry("falcon_h1_tiny"), "cpu", runs, omit=("logit_row_s",))
     assert fit.profile.per_seq_overhead_s == pytest.approx(KNOWN["per_seq_overhead_s"] + 0.002,
                                                            rel=1e-4)
