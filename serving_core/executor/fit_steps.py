@@ -105,9 +105,11 @@ def predict_steps(geometry: Geometry, profile: DeviceProfile | str, org: str,
 
 def fit_steps(geometry: Geometry, start: DeviceProfile | str,
               runs: Sequence[tuple[str, Mapping[str, Sequence]]], *, name: str | None = None,
-              source: str = "steps ledgers", omit: Sequence[str] = ()) -> StepFit:
+              source: str = "steps ledgers",
+              omit: Sequence[str] = ("logit_row_s",)) -> StepFit:
     """Fit one additive profile to the steps of `runs`, a list of (org, steps table);
-    the parameters named in `omit` (of OMITTABLE) are held at 0."""
+    the parameters named in `omit` (of OMITTABLE) are held at 0 (by default logit_row_s,
+    which no steps ledger tells apart from per_seq_overhead_s)."""
     from scipy.optimize import least_squares
 
     bad = sorted(set(omit) - set(OMITTABLE))
