@@ -8,9 +8,9 @@ cost per call and per row is what the step model's logits terms (logit_gemm_s,
 logit_row_s, logit_block_rows in serving_core/executor/profiles.py) describe. This bench
 times `F.linear(x, W) * m` with x (rows, hidden), for rows 1..MAX, as the model runs it, and
 fits gemm_s + row_s x rows, with rows as they are and rounded up to blocks of 2, 4 and 8,
-by least squares; it prints each form's rms relative error. A form none of these is
-(one pass over the weight per row below a block, one per GEMM from it on: the step
-model's) shows in the table itself.
+by least squares, and the step model's form (one pass over the weight per row below a
+block of rows, one per GEMM from it on, plus a cost per row) for blocks of 2, 4 and 8; it
+prints each form's rms relative error.
 
 `python -m bench.logits_bench [--max-rows 48] [--reps 15] [--threads 1]`: the least and
 the median thread CPU time per row count (a busy shared machine inflates them less than
@@ -62,6 +62,18 @@ def fit_form(rows: np.ndarray, seconds: np.ndarray, block: int) -> dict:
             "max_abs_rel_error": float(np.max(np.abs(rel)))}
 
 
+def fit_passes(rows: np.ndarray, seconds: np.ndarray, block: int) -> dict:
+    """The step model's form (serving_core/executor/simulated.py `logit_seconds`): seconds =
+    gemm_s x passes + row_s x rows, passes = rows below `block` rows, 1 from there on."""
+    passes = np.where(rows < block, rows, 1.0)
+    a = np.stack([passes, rows], axis=1) / seconds[:, None]
+    (gemm_s, row_s), *_ = np.linalg.lstsq(a, np.ones_like(seconds), rcond=None)
+    rel = (gemm_s * passes + row_s * rows) / seconds - 1.0
+    return {"form": "passes", "block_rows": block, "gemm_s": float(gemm_s),
+            "row_s": float(row_s), "rms_rel_error": float(math.sqrt(np.mean(rel ** 2))),
+            "max_abs_rel_error": float(np.max(np.abs(rel)))}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.logits_bench", description=__doc__)
     p.add_argument("--max-rows", type=int, default=48)
@@ -87,9 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{int(r):4d}  {1e3 * s:6.3f}  {1e3 * med:6.3f}  "
               + "  ".join(f"{1e3 * v:7.3f}" for v in preds))
     for f in fits:
-        print(f"block {f['block_rows']}: gemm {1e3 * f['gemm_s']:.3f} ms + row "
+        print(f"padded, block {f['block_rows']}: gemm {1e3 * f['gemm_s']:.3f} ms + row "
               f"{1e3 * f['row_s']:.4f} ms x padded rows; rms rel error "
               f"{f['rms_rel_error']:.3f}, max {f['max_abs_rel_error']:.3f}")
+    passes = [fit_passes(rows, seconds, b) for b in BLOCKS[1:]]
+    for f in passes:
+        print(f"passes, block {f['block_rows']}: {1e3 * f['gemm_s']:.3f} ms per weight pass "
+              f"+ {1e3 * f['row_s']:.4f} ms per row; rms rel error {f['rms_rel_error']:.3f}, "
+              f"max {f['max_abs_rel_error']:.3f}")
+    fits = fits + passes
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"hidden": HIDDEN, "vocab": VOCAB, "threads": args.threads, "reps": args.reps,
            "rows": rows.astype(int).tolist(), "seconds_min": seconds.tolist(),
