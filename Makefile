@@ -226,7 +226,7 @@ http-smoke: setup $(TINY_MODEL)/config.json ## one run over HTTP on the tiny mod
 		trace=true campaign_name=http_smoke ledger_root=$(LEDGER_ROOT) $(ARGS)
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
 
-fidelity: setup $(TINY_MODEL)/config.json ## simulator vs real: 24 real tiny-model runs over HTTP, fitted profile, 24 simulated, table
+fidelity: setup $(TINY_MODEL)/config.json ## simulator vs real: 40 real tiny-model runs over HTTP, fitted profile, 40 simulated, table
 	$(BIN)/python -m experiments.studies.fidelity --ledger-root $(LEDGER_ROOT) $(ARGS)
 	$(BIN)/python -m analysis.studies.fidelity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR)
 

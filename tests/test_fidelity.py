@@ -32,7 +32,7 @@ def _cells(campaign: str, *extra: str) -> set[tuple]:
 
 def test_real_and_simulated_halves_plan_the_same_cells(tiny_checkpoint):
     real, sim = _cells(fe.REAL, f"++executor.checkpoint={tiny_checkpoint}"), _cells(fe.SIM)
-    assert len(real) == 24 and real == sim
+    assert len(real) == 40 and real == sim
     assert {c[1] for c in real} == {"b8", "b63"} and {c[0] for c in real} == {
         "s0", "s1", "s2", "d0"}
 
@@ -137,3 +137,24 @@ def test_separated_pairs_are_those_whose_real_interval_excludes_zero():
                       fa.rankings(real, sim(9.0, 8.0, 12.0)))
     assert info["separated_ranking_agrees"] == {"b63": True}
     assert info["ranking_agrees"] == {"b63": False}
+
+
+def test_findings_say_in_words_what_the_tables_show():
+    """Cells: S0 b63 real 10, sim 10.5 (+5 %); S2 b63 real 9, sim 10.8 (+20 %): one of two
+    cells within 10 %, S2 named beyond it. Real S0 > S2 on every seed by 10/9 -> separated;
+    the simulation orders them otherwise. A budget whose real intervals separate nothing
+    is said to check nothing."""
+    real = _frame({("S0", "b63", s): 10.0 + 0.1 * s for s in (1, 2, 3)}
+                  | {("S2", "b63", s): 9.0 + 0.09 * s for s in (1, 2, 3)}, "t")
+    sim = _frame({("S0", "b63", s): 10.5 + 0.105 * s for s in (1, 2, 3)}
+                 | {("S2", "b63", s): 10.8 + 0.108 * s for s in (1, 2, 3)}, "s")
+    cells, ranks = fa.cell_table(real, sim), fa.rankings(real, sim)
+    lines = fa.findings(cells, ranks)
+    assert lines[0].startswith("Span throughput: the simulator is within 10 % of the real "
+                               "runs in 1 of 2 cells; the largest error is +20.0 % (S2 at b63)")
+    assert "Beyond it: S2 b63 +20.0 %." in lines[0]
+    assert "the real runs separate S0 > S2; the simulator orders S0 > S2 otherwise" in lines[1]
+    noisy = _frame({("S0", "b8", 1): 10.0, ("S0", "b8", 2): 12.0,
+                    ("S2", "b8", 1): 11.0, ("S2", "b8", 2): 11.5}, "t")
+    line = fa.findings(fa.cell_table(noisy, noisy), fa.rankings(noisy, noisy))[-1]
+    assert line.startswith("At b8 the real runs' 95 % intervals separate no pair")

@@ -109,3 +109,75 @@ def test_codec_fit_recovers_the_constants_that_timed_tq4_steps():
     assert fit.rms_rel_error < 1e-9 < fit.rms_rel_error_before and 0 < fit.codec_share < 1
     with pytest.raises(ValueError, match="bf16 KV"):
         fit_codec(load_geometry("falcon_h1_tiny"), known, runs)
+
+
+# A CPU-like profile whose logits GEMMs cost 9 ms per pass over the head's weight (what
+# bench/logits_bench.py measures for the tiny model's head on one core, order of magnitude).
+KNOWN_LOGITS = {**KNOWN, "logit_gemm_s": 0.009, "logit_block_rows": 4, "name": "known-logits"}
+
+
+def _steps_under(org: str, profile: dict):
+    from omegaconf import OmegaConf
+
+    cfg = compose_config(*SYNTH, f"org={org}")
+    OmegaConf.set_struct(cfg, False)
+    cfg.executor = OmegaConf.create({**asdict(load_device_profile("cpu")), **profile})
+    return run_cell(cfg).tables["steps"]
+
+
+@pytest.fixture(scope="module")
+def logit_runs():
+    return [(org, _steps_under(org, KNOWN_LOGITS)) for org in ("s0", "s2", "d0")]
+
+
+def test_fit_recovers_the_logits_gemm_constant(logit_runs):
+    """The b8 runs decode 1-3 sequences in some steps and more in others, so the passes
+    over the head's weight are told apart from the per-step and per-sequence terms."""
+    dec = np.concatenate([np.asarray(s["num_decode_seqs"]) for _, s in logit_runs])
+    num = np.concatenate([np.asarray(s["num_scheduled"]) for _, s in logit_runs])
+    only = dec == num
+    assert (only & (dec >= 2) & (dec < 4)).any() and (only & (dec >= 4)).any()
+    fit = fit_steps(load_geometry("falcon_h1_tiny"), "cpu", logit_runs, omit=("logit_row_s",))
+    p = fit.profile
+    for key in ("logit_gemm_s", "memory_efficiency", "mixed_step_s", "per_step_overhead_s",
+                "per_seq_overhead_s", "indirection_overhead"):
+        assert getattr(p, key) == pytest.approx(KNOWN_LOGITS[key], rel=1e-4), key
+    assert fit.parameters["logit_row_s"] == 0.0 and p.logit_row_s == 0.0
+    assert "held at 0: logit_row_s" in p.calibration
+
+
+def test_omitted_row_term_goes_to_the_per_sequence_term(logit_runs):
+    """logits rows equal scheduled sequences in every row: with the truth's row term held
+    at 0, the fit puts it in per_seq_overhead_s, and predicts the steps as well."""
+    runs = [(org, _steps_under(org, {**KNOWN_LOGITS, "logit_row_s": 0.002}))
+            for org in ("s0", "s2", "d0")]
+    fit = fit_steps(load_geometry("falcon_h1_tiny"), "cpu", runs, omit=("logit_row_s",))
+    assert fit.profile.per_seq_overhead_s == pytest.approx(KNOWN["per_seq_overhead_s"] + 0.002,
+                                                           rel=1e-4)
+    assert fit.rms_rel_error < 1e-4
+
+
+def test_fit_without_the_logits_term_misses_small_decode_batches(logit_runs):
+    """The step model before the logits term (both held at 0) cannot express the 1-3
+    passes of small decode batches: its residuals are far larger than with the term."""
+    geometry = load_geometry("falcon_h1_tiny")
+    without = fit_steps(geometry, "cpu", logit_runs, omit=("logit_gemm_s", "logit_row_s"))
+    with_term = fit_steps(geometry, "cpu", logit_runs, omit=("logit_row_s",))
+    assert without.profile.logit_gemm_s == 0.0
+    assert with_term.rms_rel_error < 1e-4 < without.rms_rel_error
+
+
+def test_predict_steps_returns_the_simulated_durations(logit_runs):
+    from serving_core.executor.fit_steps import predict_steps
+
+    geometry = load_geometry("falcon_h1_tiny")
+    profile = load_device_profile({**asdict(load_device_profile("cpu")), **KNOWN_LOGITS})
+    for org, steps in logit_runs:
+        pred = predict_steps(geometry, profile, org, steps)
+        assert np.allclose(pred, steps["duration_s"], rtol=1e-9), org
+
+
+def test_omit_names_allowed_parameters(logit_runs):
+    with pytest.raises(ValueError, match="omit=.*allowed values are mixed_step_s"):
+        fit_steps(load_geometry("falcon_h1_tiny"), "cpu", logit_runs[:1],
+                  omit=("memory_scale",))

@@ -203,6 +203,43 @@ def summary(cells: pd.DataFrame, effects: pd.DataFrame, ranks: pd.DataFrame) -> 
     }
 
 
+TOLERANCE_PCT = 10.0  # a cell's span-throughput error the findings call within reach
+
+
+def findings(cells: pd.DataFrame, ranks: pd.DataFrame) -> list[str]:
+    """The comparison in plain words: how many cells are within TOLERANCE_PCT and which
+    are not, and per budget which orderings the real runs can tell apart and whether the
+    simulator orders them so."""
+    out = []
+    err = cells.dropna(subset=["throughput_span_err_pct"])
+    if len(err):
+        far = err[err["throughput_span_err_pct"].abs() > TOLERANCE_PCT]
+        worst = err.loc[err["throughput_span_err_pct"].abs().idxmax()]
+        text = (f"Span throughput: the simulator is within {TOLERANCE_PCT:g} % of the real runs "
+                f"in {len(err) - len(far)} of {len(err)} cells; the largest error is "
+                f"{worst['throughput_span_err_pct']:+.1f} % ({worst['org']} at "
+                f"{worst['budget']}).")
+        if len(far):
+            text += " Beyond it: " + ", ".join(
+                f"{r.org} {r.budget} {r.throughput_span_err_pct:+.1f} %"
+                for r in far.itertuples()) + "."
+        out.append(text)
+    for r in ranks.itertuples():
+        if r.separated == "none":
+            out.append(f"At {r.budget} the real runs' 95 % intervals separate no pair of "
+                       f"organizations (real order {r.real}, simulated {r.sim}): the real "
+                       "order there is within the noise, so it does not check the simulator.")
+        elif r.separated_agree:
+            out.append(f"At {r.budget} the real runs separate {r.separated}; the simulator "
+                       f"orders every one of these pairs the same way (real order {r.real}, "
+                       f"simulated {r.sim}).")
+        else:
+            out.append(f"At {r.budget} the real runs separate {r.separated}; the simulator "
+                       f"orders {r.separated_wrong} otherwise (real order {r.real}, "
+                       f"simulated {r.sim}).")
+    return out
+
+
 def draw(real: pd.DataFrame, sim: pd.DataFrame, path: Path) -> Path | None:
     """Span throughput per organization within each budget: real vs simulated bars + seeds."""
     from matplotlib.patches import Patch
@@ -282,7 +319,8 @@ def section(real: pd.DataFrame, sim: pd.DataFrame) -> tuple[str, dict, dict]:
         f"Span-throughput error per cell: median |err| "
         f"{info['throughput_span_abs_err_pct_median']:.1f} %, max "
         f"{info['throughput_span_abs_err_pct_max']:.1f} %; throughput effects with the same "
-        f"sign: {info['throughput_effects_same_sign']} of {info['throughput_effects']}.", ""]
+        f"sign: {info['throughput_effects_same_sign']} of {info['throughput_effects']}.", "",
+        "## Findings", "", *(f"- {line}" for line in findings(cells, ranks)), ""]
     return "\n".join(lines), info, {"cells": cells, "effects": effects, "rankings": ranks}
 
 

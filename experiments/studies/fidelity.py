@@ -7,12 +7,14 @@
    binds and one where it does not, 3 seeds, the tiny checkpoint served over HTTP
    (executor=torch), one run at a time. Complete runs are kept; rerunning repairs the rest.
 2. a bounded least-squares fit (serving_core.executor.fit_steps) of the CPU profile's free
-   constants to the steps ledgers of those runs; recorded with its residuals, the run ids
-   it used and the overrides below in the `fidelity_fit` study table (ledgers.studies).
+   constants (logit_row_s held at 0: OMIT) to the steps ledgers of those runs; recorded
+   with its residuals, the run ids it used and the overrides below in the `fidelity_fit`
+   study table (ledgers.studies).
 3. campaign fidelity_sim: the same cells in simulation under the fitted profile, passed as
    executor.* overrides (its name, sim:<name> in the runs ledger, tells fits apart).
 
-OVERRIDEs go to both campaigns (e.g. hydra.sweeper.smoke=true). The last line is JSON.
+OVERRIDEs go to both campaigns (e.g. hydra.sweeper.smoke=true); `--omit` names the fit's
+terms held at 0 (default OMIT). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 import ledgers
 from experiments.config.bad_input import EXIT_BAD_INPUT
 from ledgers.studies import new_study_id, now_iso, rows_to_columns, write_study
-from serving_core.executor.fit_steps import STEP_COLUMNS, fit_steps
+from serving_core.executor.fit_steps import OMITTABLE, STEP_COLUMNS, fit_steps
 from serving_core.geometry import load_geometry
 
 REAL, SIM = "fidelity_real", "fidelity_sim"
@@ -36,7 +38,11 @@ START_PROFILE = "cpu"  # conf/executor/cpu.yaml: the starting point of the fit
 MODEL = "falcon_h1_tiny"
 FITTED_FIELDS = ("name", "memory_efficiency", "matmul_efficiency", "attention_efficiency",
                  "scan_efficiency", "mixed_step_s", "per_step_overhead_s", "per_seq_overhead_s",
-                 "indirection_overhead", "kv_page_s", "prefill_chunk_s", "calibration")
+                 "indirection_overhead", "kv_page_s", "prefill_chunk_s", "logit_gemm_s",
+                 "logit_row_s", "calibration")
+# Held at 0 by the fit: one logits row per scheduled item, so in every steps-ledger row the
+# logits rows equal the scheduled sequences and per_seq_overhead_s carries their cost.
+OMIT = ("logit_row_s",)
 
 
 def _campaign(name: str, root: Path, overrides: list[str]) -> int:
@@ -69,14 +75,14 @@ def real_runs(root: Path) -> list[tuple[str, str, dict]]:
             if run_id in tables]
 
 
-def fit_profile(root: Path) -> tuple[dict, list[str]]:
+def fit_profile(root: Path, omit: tuple[str, ...] = OMIT) -> tuple[dict, list[str]]:
     """Fit the start profile to the real runs; record the fit in the `fidelity_fit` study
     table (one row per fitted numeric field of the profile the simulated half runs)."""
     runs = real_runs(root)
     if not runs:
         raise ValueError(f"campaign {REAL} has no complete runs under {root}")
     fit = fit_steps(load_geometry(MODEL), START_PROFILE, [(org, t) for _, org, t in runs],
-                    source=f"campaign {REAL}")
+                    source=f"campaign {REAL}", omit=omit)
     profile = asdict(fit.profile)
     record = {**profile, "fit": {
         "parameters": fit.parameters, "rows": fit.rows, "rms_rel_error": fit.rms_rel_error,
@@ -103,16 +109,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ledger-root", default="ledgers/data")
     p.add_argument("--skip-real", action="store_true",
                    help="fit to the real runs already in the ledgers; run none")
+    p.add_argument("--omit", default=",".join(OMIT),
+                   help="fit terms held at 0, comma-separated (default %(default)s; "
+                   "logit_gemm_s,logit_row_s: the step model without the logits GEMMs)")
     p.add_argument("overrides", nargs="*", help="overrides for both campaigns")
     args = p.parse_args(argv)
     root = Path(args.ledger_root)
+    omit = tuple(x for x in args.omit.split(",") if x)
+    bad = sorted(set(omit) - set(OMITTABLE))
+    if bad:
+        print(f"error: --omit={','.join(bad)}: allowed values are {', '.join(OMITTABLE)}",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
     if not args.skip_real:
         rc = _campaign(REAL, root, args.overrides)
         if rc != 0:
             print(f"fidelity: campaign {REAL} exited {rc}; rerun to repair", file=sys.stderr)
             return rc
     try:
-        record, overrides = fit_profile(root)
+        record, overrides = fit_profile(root, omit)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

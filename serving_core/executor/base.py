@@ -21,8 +21,9 @@ from typing import Any, Protocol
 # describe() may report, what a spec requests of its executor (EngineSpec.requested_rules)
 # and what is checked only once the executor is built (serving_core.builder.preflight).
 EXECUTOR_RULE_KEYS = ("executor", "step_model", "profile", "indirection", "paged_state_s",
-                      "device", "dtype", "scan_chunk", "prefill_batch_tokens", "kv_codec",
-                      "kv_group_heads", "decode_attention")
+                      "logit_gemm_s", "logit_row_s", "logit_block_rows", "device", "dtype",
+                      "scan_chunk", "prefill_batch_tokens", "kv_codec", "kv_group_heads",
+                      "decode_attention")
 
 
 @dataclass(slots=True)

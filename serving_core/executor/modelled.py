@@ -45,6 +45,11 @@ class SimulatedExecutor:
         paged = getattr(model, "paged_s_per_seq", 0.0)
         if paged:  # the additive model's paged-state gathers, seconds per scheduled sequence
             out["paged_state_s"] = float(paged)
+        gemm_s = getattr(model, "_logit_gemm_s", 0.0)
+        row_s = getattr(model, "_logit_row_s", 0.0)
+        if gemm_s or row_s:  # the additive model's logits GEMMs (AdditiveStepModel.logit_seconds)
+            out.update(logit_gemm_s=float(gemm_s), logit_row_s=float(row_s),
+                       logit_block_rows=int(model.logit_block_rows))
         return out
 
 

@@ -87,6 +87,15 @@ class DeviceProfile:
     # (a forward's fixed cost). 0 for an engine with one fused kernel and one forward a step.
     kv_page_s: float = 0.0
     prefill_chunk_s: float = 0.0
+    # additive: the LM head's logits GEMM, one per forward, one row per scheduled item (the
+    # torch executor samples every item's last position; bench/logits_bench.py times it).
+    # Below logit_block_rows rows the GEMM streams the head's weight once per row, from
+    # there on once per GEMM (a CPU BLAS's blocked kernel): logit_gemm_s per weight pass,
+    # logit_row_s per row (AdditiveStepModel.logit_seconds). 0 for an engine whose head
+    # costs are in its memory and dense terms (the A100 profile).
+    logit_gemm_s: float = 0.0
+    logit_row_s: float = 0.0
+    logit_block_rows: int = 4
     calibration: str = "datasheet"  # how the constants were obtained (provenance)
     # TQ4 codec seconds per K/V element decoded (read) and encoded (written); used only when
     # the geometry's kv_codec is not bf16. Default: the nominal A100 values above.
@@ -115,11 +124,15 @@ class DeviceProfile:
                 raise ValueError(f"{f}={value} must lie in (0, 1]")
         for f in ("per_step_overhead_s", "per_seq_overhead_s", "mixed_step_s",
                   "indirection_overhead", "state_page_s", "conv_slot_s", "kv_page_s",
-                  "prefill_chunk_s", "kv_decode_s_per_element", "kv_encode_s_per_element",
-                  "host_link_latency_s"):
+                  "prefill_chunk_s", "logit_gemm_s", "logit_row_s", "kv_decode_s_per_element",
+                  "kv_encode_s_per_element", "host_link_latency_s"):
             value = getattr(self, f)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{f}={value} must be finite and >= 0")
+        if isinstance(self.logit_block_rows, bool) or not isinstance(
+                self.logit_block_rows, int) or self.logit_block_rows < 1:
+            raise ValueError(f"logit_block_rows={self.logit_block_rows!r}: allowed whole "
+                             "numbers >= 1")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive"
@@ -149,6 +162,9 @@ _PROFILE_CASTS = {
     "conv_slot_s": float,
     "kv_page_s": float,
     "prefill_chunk_s": float,
+    "logit_gemm_s": float,
+    "logit_row_s": float,
+    "logit_block_rows": int,
     "calibration": str,
     "kv_decode_s_per_element": float,
     "kv_encode_s_per_element": float,

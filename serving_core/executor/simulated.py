@@ -326,7 +326,9 @@ class AdditiveStepModel:
 
     An executor that dispatches per page or per forward (the torch executor on a CPU) adds
     kv_page_s per KV page its decode sequences visit and prefill_chunk_s per prefill chunk
-    (`dispatch_seconds`; both 0 on the A100 profile).
+    (`dispatch_seconds`; both 0 on the A100 profile), and its LM head's logits GEMMs
+    (`logit_seconds`: logit_gemm_s per pass over the head's weight, logit_row_s per row;
+    0 on the A100 profile).
 
     g_org = state_page_s x member pages + conv_slot_s x conv slots (paged_state_pieces): the
     gathers of a paged organization's kernel, per scheduled sequence (each reads and writes
@@ -379,6 +381,10 @@ class AdditiveStepModel:
         "_enc",
         "_kv_page_s",
         "_chunk_s",
+        "_logit_gemm_s",
+        "_logit_row_s",
+        "logit_block_rows",
+        "_dispatch",
     )
 
     def __init__(self, geometry: Geometry, device, org: str, extra_indirection: float = 0.0):
@@ -414,6 +420,11 @@ class AdditiveStepModel:
         self.kv_block_tokens = org_class(self.org).unit_layout(geometry).block_tokens
         self._kv_page_s = dev.kv_page_s
         self._chunk_s = dev.prefill_chunk_s
+        self._logit_gemm_s = dev.logit_gemm_s
+        self._logit_row_s = dev.logit_row_s
+        self.logit_block_rows = dev.logit_block_rows
+        self._dispatch = bool(self._kv_page_s or self._chunk_s or self._logit_gemm_s
+                              or self._logit_row_s)
 
     def plan_features(
         self, new_tokens: Sequence[int], context_tokens: Sequence[int], checkpoint_writes: int = 0
@@ -472,12 +483,34 @@ class AdditiveStepModel:
         return (self._kv_page_s * self.kv_pages(num_decode, decode_context)
                 + self._chunk_s * num_chunks)
 
+    def logit_passes(self, num_decode, num_chunks):
+        """Passes over the LM head's weight: the decode batch's one GEMM streams it once per
+        row below logit_block_rows rows and once from there on (bench/logits_bench.py); each
+        prefill chunk's GEMM of one row once. The torch executor batches chunks over equal
+        spans into one forward (at most 256 tokens): a group of k < logit_block_rows rows
+        makes the same k passes; a group of more (chunks of <= 64 tokens) is charged k.
+        Works on numbers and on numpy arrays (steps-ledger columns)."""
+        import numpy as np
+
+        d = np.asarray(num_decode)
+        passes = np.where(d < self.logit_block_rows, d, np.minimum(d, 1)) + num_chunks
+        return passes if passes.ndim else passes.item()
+
+    def logit_seconds(self, num_decode, num_chunks):
+        """Seconds of the logits GEMMs of a step: logit_gemm_s per weight pass
+        (`logit_passes`) plus logit_row_s per logits row (one per scheduled item)."""
+        if num_decode < self.logit_block_rows:
+            passes = num_decode + num_chunks
+        else:
+            passes = 1 + num_chunks
+        return self._logit_gemm_s * passes + self._logit_row_s * (num_decode + num_chunks)
+
     def ledger_features(self, steps) -> dict:
         """Per row of a steps table (ledger columns), as numpy arrays: memory_s and dense_s
         at the peaks, attention_s and scan_s at the profile's efficiencies, codec_s (0 for
         bf16 KV) and the mixed flag; the vectorized `features` of every row, with its fixed_s
-        split in three; and the counts the per-page and per-chunk terms multiply (kv_pages,
-        prefill_chunks)."""
+        split in three; and the counts the per-page, per-chunk and logits terms multiply
+        (kv_pages, prefill_chunks, logit_passes, logit_rows)."""
         import numpy as np  # off the engine's hot path: fits and calibration only
 
         c = {k: np.asarray(steps[k], dtype=np.float64) for k in (
@@ -498,6 +531,8 @@ class AdditiveStepModel:
             "mixed": ((dec > 0) & (dec < num)).astype(np.float64),
             "kv_pages": self.kv_pages(dec, c["decode_context_tokens"]),
             "prefill_chunks": num - dec,
+            "logit_passes": self.logit_passes(dec, num - dec).astype(np.float64),
+            "logit_rows": num,
         }
 
     def device_seconds(self, features: tuple[float, float, float, int],
@@ -521,14 +556,15 @@ class AdditiveStepModel:
         feats = self.plan_features(new_tokens, context_tokens, checkpoint_writes)
         seconds = self.device_seconds(feats) + self._step_s + (
             self._seq_s + self.paged_s_per_seq) * len(new_tokens)
-        if self._kv_page_s or self._chunk_s:
+        if self._dispatch:
             num_decode = decode_ctx = 0
             for n, c in zip(new_tokens, context_tokens, strict=True):
                 if n == 1:
                     num_decode += 1
                     decode_ctx += c
-            seconds += self.dispatch_seconds(num_decode, decode_ctx,
-                                             len(new_tokens) - num_decode)
+            chunks = len(new_tokens) - num_decode
+            seconds += (self.dispatch_seconds(num_decode, decode_ctx, chunks)
+                        + self.logit_seconds(num_decode, chunks))
         return seconds
 
 
