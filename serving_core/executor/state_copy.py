@@ -187,7 +187,9 @@ class ModelledCopier:
         if not bandwidth_Bps > 0 or latency_s < 0:
             raise ValueError(f"host link: bandwidth {bandwidth_Bps} B/s must be > 0 and "
                              f"latency {latency_s} s >= 0")
-        layers = geometry.num_layers
+        # Storage-scope copies (serving_core/geometry.py): a Granite-4.0-H preset has 4 groups
+        # of 1 attention and 9 Mamba2 layers, not 40 layers carrying both (Falcon-H1: 44 = 44).
+        layers = geometry.scope_layers
         self.block_bytes = layers * mem.block_tokens * geometry.attention_bytes_per_token
         self.state_bytes = layers * (geometry.ssm_bytes + geometry.conv_bytes)
         self.bandwidth_Bps = float(bandwidth_Bps)
