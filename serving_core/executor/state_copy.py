@@ -8,7 +8,7 @@ composite).
 `ArenaCopier` (torch executor) moves an object's bytes as the units hold them: an object is
 a few *regions*, each a byte range of whole units addressed by unit id (an attention block:
 its unit's KV bytes; a composite: its SSM member pages, its conv page or S2 conv slot, or
-its one unit for S0/D0/N0). A read is one gather per region (all layers at once) into a
+its one unit for S0/D0/N0, an N0 member page per Mamba2 layer of a larger group). A read is one gather per region (all layers at once) into a
 host buffer; a write is one indexed copy per region into the destination units. No
 per-token or per-layer Python loop; the bytes moved are exactly the state's bytes
 (layers x (block tokens x KV bytes per token), or layers x (SSM + conv bytes)).
@@ -80,8 +80,9 @@ class ArenaCopier:
         arena, mem = self.arena, self.arena.mem
         if not obj.kind:  # an attention block: the KV bytes of its unit
             return [Region(obj.pool, (obj.units[0],), 0, self.block_bytes)]
-        if arena.contiguous:  # SSM state then conv window in one unit
-            return [Region(obj.pool, (obj.units[0],), 0, self.ssm_bytes + self.conv_bytes)]
+        if arena.contiguous:  # SSM state then conv window in one unit (per-layer pages: each)
+            pages = tuple(mem.ssm_member_pages(obj)) if arena.layer_pages else (obj.units[0],)
+            return [Region(obj.pool, pages, 0, (self.ssm_bytes + self.conv_bytes) // len(pages))]
         unit = mem.pools[obj.pool].unit_bytes
         members = mem.ssm_member_pages(obj)
         full, rest = divmod(self.ssm_bytes, unit)
