@@ -8,8 +8,9 @@ composite).
 `ArenaCopier` (torch executor) moves an object's bytes as the units hold them: an object is
 a few *regions*, each a byte range of whole units addressed by unit id (an attention block:
 its unit's KV bytes; a composite: its SSM member pages, its conv page or S2 conv slot, or
-its one unit for S0/D0/N0, an N0 member page per Mamba2 layer of a larger group). A read is one gather per region (all layers at once) into a
-host buffer; a write is one indexed copy per region into the destination units. No
+its one unit for S0/D0/N0; an N0 member page per Mamba2 layer of a larger group). A read
+is one gather per region (all layers at once) into a host buffer; a write is one indexed
+copy per region into the destination units. No
 per-token or per-layer Python loop; the bytes moved are exactly the state's bytes
 (layers x (block tokens x KV bytes per token), or layers x (SSM + conv bytes)).
 `poison` fills an object's units with NaN before a restore writes them (the continuation
