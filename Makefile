@@ -68,8 +68,8 @@ endif
 bench: setup ## benchmarks; BENCH="engine single campaign ledger kernel" (default all) picks parts
 	$(BIN)/python -m bench $(BENCH)
 
-tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1_tiny (offline)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny models/falcon_h1_tiny
+tiny-model: setup ## random-weight tiny checkpoint (offline) of MODEL=falcon|granite in models/<preset> (default Falcon-H1)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny $(TINY_MODEL) --model $(TINY_PRESET)
 
 # The device check (bench/device_check/): JSON and fitted profile in DEVICE_OUT, the page in
 # reports/device.md. On a GPU as it is; DEVICE_ARGS=--cpu-smoke runs every stage tiny on a CPU.
@@ -208,15 +208,15 @@ sensitivity: setup ## rerun Q1 EXT-22 and Q6-17 under each alternative engine ru
 .PHONY: $(QUESTIONS) n0 campaign campaign-plan smoke demo sensitivity
 
 # ---- the real core over HTTP (serving_core.server) -------------------------------------------
-# MODEL=falcon|granite: the tiny random-weight checkpoint (built offline) and its preset that
-# serve, http-smoke, continuation, continuation-http and reload-study run: Falcon-H1
-# (conf/model/falcon_h1_tiny.yaml, default) or the Granite-4.0-H-style interleaved hybrid
-# (conf/model/granite_hybrid_tiny.yaml). Anything else stops those targets with one line and
+# MODEL=falcon|granite: the tiny random-weight checkpoint (built offline) and preset that
+# tiny-model builds and serve, http-smoke, continuation, continuation-http and reload-study
+# run: Falcon-H1 (conf/model/falcon_h1_tiny.yaml, default) or the Granite-4.0-H-style
+# interleaved hybrid (conf/model/granite_hybrid_tiny.yaml). Anything else stops those targets with one line and
 # exit code 2 (checked only when one of them is asked for: MODEL is a common variable name).
 MODEL ?= falcon
 TINY_PRESETS := falcon=falcon_h1_tiny granite=granite_hybrid_tiny
 TINY_PRESET := $(patsubst $(MODEL)=%,%,$(filter $(MODEL)=%,$(TINY_PRESETS)))
-MODEL_TARGETS := serve http-smoke continuation continuation-http reload-study
+MODEL_TARGETS := tiny-model serve http-smoke continuation continuation-http reload-study
 ifneq ($(if $(TINY_PRESET),,$(filter $(MODEL_TARGETS),$(MAKECMDGOALS))),)
 $(error MODEL=$(MODEL): allowed values are falcon, granite (the tiny model of $(MODEL_TARGETS)))
 endif
