@@ -68,8 +68,8 @@ endif
 bench: setup ## benchmarks; BENCH="engine single campaign ledger kernel" (default all) picks parts
 	$(BIN)/python -m bench $(BENCH)
 
-tiny-model: setup ## random-weight tiny Falcon-H1 checkpoint in models/falcon_h1_tiny (offline)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny models/falcon_h1_tiny
+tiny-model: setup ## random-weight tiny checkpoint (offline) of MODEL=falcon|granite in models/<preset> (default Falcon-H1)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny $(TINY_MODEL) --model $(TINY_PRESET)
 
 # The device check (bench/device_check/): JSON and fitted profile in DEVICE_OUT, the page in
 # reports/device.md. On a GPU as it is; DEVICE_ARGS=--cpu-smoke runs every stage tiny on a CPU.
@@ -208,20 +208,32 @@ sensitivity: setup ## rerun Q1 EXT-22 and Q6-17 under each alternative engine ru
 .PHONY: $(QUESTIONS) n0 campaign campaign-plan smoke demo sensitivity
 
 # ---- the real core over HTTP (serving_core.server) -------------------------------------------
-TINY_MODEL ?= models/falcon_h1_tiny
+# MODEL=falcon|granite: the tiny random-weight checkpoint (built offline) and preset that
+# tiny-model builds and serve, http-smoke, continuation, continuation-http and reload-study
+# run: Falcon-H1 (conf/model/falcon_h1_tiny.yaml, default) or the Granite-4.0-H-style
+# interleaved hybrid (conf/model/granite_hybrid_tiny.yaml). Anything else stops those targets with one line and
+# exit code 2 (checked only when one of them is asked for: MODEL is a common variable name).
+MODEL ?= falcon
+TINY_PRESETS := falcon=falcon_h1_tiny granite=granite_hybrid_tiny
+TINY_PRESET := $(patsubst $(MODEL)=%,%,$(filter $(MODEL)=%,$(TINY_PRESETS)))
+MODEL_TARGETS := tiny-model serve http-smoke continuation continuation-http reload-study
+ifneq ($(if $(TINY_PRESET),,$(filter $(MODEL_TARGETS),$(MAKECMDGOALS))),)
+$(error MODEL=$(MODEL): allowed values are falcon, granite (the tiny model of $(MODEL_TARGETS)))
+endif
+TINY_MODEL ?= models/$(TINY_PRESET)
 ORG ?= s2
 BUDGET ?= b63
 PORT ?= 8000
 
 $(TINY_MODEL)/config.json: | setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny $(TINY_MODEL)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny $(TINY_MODEL) --model $(TINY_PRESET)
 
-serve: setup $(TINY_MODEL)/config.json ## serve the tiny model on 127.0.0.1:$(PORT) (ORG=, BUDGET=, ARGS='trace=true semantics=first_chunk ...')
-	$(BIN)/python -m experiments.serve model=falcon_h1_tiny executor=torch executor.checkpoint=$(TINY_MODEL) \
+serve: setup $(TINY_MODEL)/config.json ## serve the tiny model (MODEL=falcon|granite) on 127.0.0.1:$(PORT) (ORG=, BUDGET=, ARGS='trace=true semantics=first_chunk ...')
+	$(BIN)/python -m experiments.serve model=$(TINY_PRESET) executor=torch executor.checkpoint=$(TINY_MODEL) \
 		org=$(ORG) budget=$(BUDGET) --port $(PORT) $(ARGS)
 
-http-smoke: setup $(TINY_MODEL)/config.json ## one run over HTTP on the tiny model (20 requests), then check the ledgers
-	$(BIN)/python -m experiments.run executor=torch executor.checkpoint=$(TINY_MODEL) model=falcon_h1_tiny \
+http-smoke: setup $(TINY_MODEL)/config.json ## one run over HTTP on the tiny model (MODEL=falcon|granite; 20 requests), then check the ledgers
+	$(BIN)/python -m experiments.run executor=torch executor.checkpoint=$(TINY_MODEL) model=$(TINY_PRESET) \
 		org=$(ORG) budget=$(BUDGET) workload.source=synthetic workload.num_requests=20 load.rate=4 \
 		trace=true campaign_name=http_smoke ledger_root=$(LEDGER_ROOT) $(ARGS)
 	$(BIN)/python -m ledgers.check $(LEDGER_ROOT)
@@ -236,15 +248,15 @@ study_page = rc=$$?; if [ $$rc -le 1 ]; then $(BIN)/python -m analysis.studies.$
 	--ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) || exit $$?; fi; exit $$rc
 
 continuation: setup $(TINY_MODEL)/config.json ## reload-from-host boundary matrix + byte audits, S0/S1/S2/D0/N0 x 9 lengths, page continuation.md (last line: JSON)
-	$(BIN)/python -m experiments.studies.continuation --checkpoint $(TINY_MODEL) \
+	$(BIN)/python -m experiments.studies.continuation --checkpoint $(TINY_MODEL) --preset $(TINY_PRESET) \
 		--ledger-root $(LEDGER_ROOT) $(ARGS); $(call study_page,continuation)
 
 reload-study: setup $(TINY_MODEL)/config.json ## order-balanced cold/repeat/reload TTFT over HTTP (host tier OFF/ON pairs), page reload_study.md (last line: JSON)
-	$(BIN)/python -m experiments.studies.reload_study --checkpoint $(TINY_MODEL) --ledger-root $(LEDGER_ROOT) $(ARGS)
+	$(BIN)/python -m experiments.studies.reload_study --checkpoint $(TINY_MODEL) --preset $(TINY_PRESET) --ledger-root $(LEDGER_ROOT) $(ARGS)
 	$(BIN)/python -m analysis.studies.reload_study $(LEDGER_ROOT) --out $(REPORT_DIR)
 
 continuation-http: setup $(TINY_MODEL)/config.json ## the boundary matrix over HTTP (host tier on, last boundary split; ARGS='--orgs d0 --cases 2C-1'), page continuation_http.md
-	$(BIN)/python -m experiments.studies.continuation_http --checkpoint $(TINY_MODEL) \
+	$(BIN)/python -m experiments.studies.continuation_http --checkpoint $(TINY_MODEL) --preset $(TINY_PRESET) \
 		--ledger-root $(LEDGER_ROOT) $(ARGS); $(call study_page,continuation_http)
 
 .PHONY: serve http-smoke continuation fidelity reload-study continuation-http

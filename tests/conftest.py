@@ -177,6 +177,28 @@ def tiny_model(tiny_checkpoint):
     return FalconH1.load(tiny_checkpoint)
 
 
+def _build_granite_tiny(directory: Path) -> Path:
+    from serving_core.model.make_tiny import build
+
+    return build(directory / "granite_hybrid_tiny", "granite_hybrid_tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def granite_tiny_checkpoint(tmp_path_factory):
+    """A random-weight tiny Granite-4.0-H-style checkpoint (conf/model/granite_hybrid_tiny.yaml:
+    attention in one layer of four, Mamba2 in three, MoE), built offline with transformers'
+    GraniteMoeHybridForCausalLM once per test run (shared by the workers; read-only)."""
+    return build_once(tmp_path_factory, "granite_tiny_checkpoint", _build_granite_tiny)
+
+
+@pytest.fixture(scope="session")
+def granite_tiny_model(granite_tiny_checkpoint):
+    """Our torch GraniteMoeHybrid (fp32) loaded from the tiny Granite checkpoint."""
+    from serving_core.model.granite_moe_hybrid import GraniteMoeHybrid
+
+    return GraniteMoeHybrid.load(granite_tiny_checkpoint)
+
+
 def wait_until(condition: Callable[[], T], timeout_s: float = 120.0, poll_s: float = 0.05,
                what: str = "the condition") -> T:
     """Poll `condition()` until it returns something truthy, and return that. The timeout

@@ -146,3 +146,36 @@ def test_null_is_absence_and_not_unit_0():
     obj = StateObject(0, Kind.COMPOSITE, "shared", [0], producer=0)
     assert not obj.is_null and obj.units == [0]
     assert (obj.slab_page, obj.slot) == (NO_SLOT, NO_SLOT)
+
+
+# ----- N0 per-layer pages (a storage group of several Mamba2 layers) --------------------
+def test_n0_member_page_j_holds_mamba2_layer_j_of_the_group():
+    """Granite tiny (conf/model/granite_hybrid_tiny.yaml: 1 attention and 3 Mamba2 layers per
+    group) under N0: a composite is 3 pages of 144 x 512 = 73,728 B, anywhere in the pool;
+    page j holds layer j's SSM state (8 x 32 x 64 fp32 = 65,536 B) then its conv window
+    ((8 x 32 + 2 x 64) x 3 fp32 = 4,608 B), as vLLM pages each Mamba layer on its own."""
+    import torch
+
+    from serving_core.executor.state_arena import StateArena
+    from serving_core.executor.state_copy import ArenaCopier
+    from serving_core.geometry import load_geometry
+
+    g = load_geometry("granite_hybrid_tiny")
+    mem = fragmented(g, "N0", 8, [6, 1, 4, 0, 2, 3, 5, 7])
+    obj = mem.allocate_composite(1)
+    assert list(obj.units) == [6, 1, 4] and mem.pools["shared"].unit_bytes == 73_728
+    arena = StateArena(mem, g)
+    ssm_l, conv_l = 8 * 32 * 64, 384 * 3  # elements of one layer
+    ssm = torch.cat([torch.full((1, 8, 32, 64), j + 1.0) for j in range(3)], dim=1)
+    conv = torch.cat([torch.full((1, 384, 3), -(j + 1.0)) for j in range(3)], dim=1)
+    arena.write(obj, [(conv, ssm)])
+    pool = arena.pools["shared"][0]
+    for j, page in enumerate(obj.units):
+        assert torch.all(pool[page, :ssm_l] == j + 1)
+        assert torch.all(pool[page, ssm_l:ssm_l + conv_l] == -(j + 1))
+        assert torch.all(pool[page, ssm_l + conv_l:] == 0)  # the page's padding untouched
+    (got_conv, got_ssm), = arena.read(obj)
+    assert torch.equal(got_conv, conv) and torch.equal(got_ssm, ssm)
+    regions = ArenaCopier(arena).regions(obj)
+    assert [(r.units, r.start, r.nbytes) for r in regions] == [((6, 1, 4), 0, 70_144)]
+    assert ArenaCopier(arena).nbytes(obj) == 3 * 70_144

@@ -234,3 +234,19 @@ def test_bench_parts_are_checked(capsys):
     assert bench_main(["ledger", "speed"]) == 2  # checked before any part runs
     assert capsys.readouterr().err.strip() == (
         "error: part=speed: allowed engine, single, campaign, ledger, kernel, serve, profile, scan")
+
+
+def test_makefile_model_picks_the_tiny_checkpoint_and_preset_or_is_refused():
+    """MODEL=falcon|granite (default falcon) names the checkpoint and preset of the real-path
+    targets; another value stops them with one line, exit 2; targets without a model ignore it."""
+    granite = _make("-n", "continuation", "MODEL=granite", "LEDGER_ROOT=/nonexistent")
+    assert granite.returncode == 0, granite.stderr
+    assert ("--checkpoint models/granite_hybrid_tiny --preset granite_hybrid_tiny"
+            in granite.stdout)
+    falcon = _make("-n", "http-smoke", "LEDGER_ROOT=/nonexistent")
+    assert "executor.checkpoint=models/falcon_h1_tiny model=falcon_h1_tiny" in falcon.stdout
+    proc = _make("-n", "serve", "MODEL=llama")
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "MODEL=llama: allowed values are falcon, granite" in line and line.endswith("Stop.")
+    assert _make("-n", "help", "MODEL=llama").returncode == 0

@@ -309,6 +309,38 @@ def test_every_org_and_reference_length_continues_exactly(tiny_checkpoint, tmp_p
                                   "audits_ok": True, "ok": 72}
 
 
+def test_n0_reload_on_granite_moves_one_page_per_mamba2_layer(granite_tiny_model):
+    """Granite tiny (conf/model/granite_hybrid_tiny.yaml) is one storage group of 1 attention
+    and 3 Mamba2 layers. N0 as vLLM pages it: KV of one attention layer is 2 (K, V) x 2 heads
+    x 32 x 4 B = 512 B per token; one Mamba2 layer's state is 8 x 32 x 64 x 4 (SSM, 65,536 B)
+    + (8 x 32 + 2 x 64) x 3 x 4 (conv, 4,608 B) = 70,144 B; the block is the smallest
+    multiple of 16 tokens whose KV holds it: ceil(70,144 / (16 x 512)) x 16 = 144 tokens, a
+    page of 73,728 B, and a checkpoint takes one page per Mamba2 layer (3). N = 2C+1 = 289
+    reloads B = 288: 2 blocks and 1 checkpoint = 5 pages (368,640 B), moving 288 x 512 +
+    3 x 70,144 = 357,888 B host-to-device, every member page filled from its layer's bytes."""
+    geometry = load_geometry("granite_hybrid_tiny")
+    layer_state = 8 * 32 * 64 * 4 + (8 * 32 + 2 * 64) * 3 * 4
+    block = -(-layer_state // (16 * 512)) * 16
+    assert (layer_state, block) == (70_144, 144)
+    row = cont.run_pair(granite_tiny_model, geometry, "n0", "b63", "2C+1", 3, 0)
+    assert (row.interval, row.n_tokens, row.restored_prefix_b) == (144, 289, 288)
+    assert row.bytes_h2d == row.expected_bytes == 288 * 512 + 3 * layer_state == 357_888
+    assert (row.restored_units, row.unit_capacity_bytes) == (5, 5 * block * 512)
+    assert row.tokens_equal and row.restored_exact and row.ok
+
+
+@pytest.mark.slow
+def test_every_org_and_reference_length_continues_exactly_on_granite(
+        granite_tiny_checkpoint, tmp_path, capsys):
+    """make continuation MODEL=granite: the 8 x 9 matrix on the interleaved hybrid (N0: a
+    checkpoint of three per-layer pages)."""
+    code = main(["--checkpoint", str(granite_tiny_checkpoint), "--preset", "granite_hybrid_tiny",
+                 "--ledger-root", str(tmp_path / "l"), "--output-tokens", "4"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and last == {"pairs": 72, "equal": 72, "B_equals_p": True,
+                                  "audits_ok": True, "ok": 72}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("part", ["conv", "kv"])
 def test_damaged_host_state_changes_the_continuation(tiny_model, monkeypatch, part):

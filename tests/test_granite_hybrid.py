@@ -19,15 +19,15 @@ import torch
 from serving_core.geometry import load_geometry
 from serving_core.model.dense_state import DenseState
 from serving_core.model.granite_moe_hybrid import GraniteMoeHybrid
-from serving_core.model.make_tiny import build
 
 OUTPUT_TOKENS = 24
 PRESET = "granite_hybrid_tiny"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("granite_hybrid_tiny"), PRESET, seed=0)
+def checkpoint(granite_tiny_checkpoint):
+    """The session's seed-0 checkpoint (tests/conftest.py), built once for every file."""
+    return granite_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

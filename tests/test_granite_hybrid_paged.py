@@ -4,10 +4,11 @@ The Granite-4.0-H-style tiny checkpoint (attention in one layer of four, Mamba2 
 MoE blocks; conf/model/granite_hybrid_tiny.yaml) is one storage group of one attention and
 three Mamba2 layers: its composite carries the three layers' states stacked. Our engine serves
 the prompts with the model's KV and recurrent state in the organization's units and must
-produce transformers' own greedy tokens (GraniteMoeHybridForCausalLM.generate) for S0, S1, S2
-and D0: when a later request adopts the checkpoint a first one published, when a tiny budget
-forces preemption and resumption, and when prefill is chunked at sizes that do not align with
-the checkpoint interval.
+produce transformers' own greedy tokens (GraniteMoeHybridForCausalLM.generate) for S0, S1, S2,
+D0, N0 (vLLM's per-layer pages: a checkpoint is one page per Mamba2 layer) and Jenga: when a
+later request adopts the checkpoint a first one published, when a tiny budget forces
+preemption and resumption, and when prefill is chunked at sizes that do not align with the
+checkpoint interval.
 """
 
 from __future__ import annotations
@@ -143,6 +144,16 @@ def test_greedy_equals_transformers_and_adopted_prefix_continues_exactly(
     _check_adoption(model, prompts, reference, org, 512)
 
 
+@pytest.mark.parametrize(("org", "adopted"), [("N0", 864), ("JENGA", 512)])
+def test_n0_and_jenga_greedy_equal_transformers_with_adoption(
+    model, prompts, reference, org, adopted
+):
+    """N0: vLLM's per-layer pages (one 144-token page per attention block, a checkpoint one
+    page per Mamba2 layer of the group: 3), every boundary published, so the 1,000 shared
+    tokens give 6 x 144 = 864; Jenga: S2's 512-token grid."""
+    _check_adoption(model, prompts, reference, org, adopted)
+
+
 def test_d0_greedy_and_adoption_with_a_boundary_inside_a_chunk(
     model, long_prompts, long_reference
 ):
@@ -161,7 +172,8 @@ def test_preemption_and_resume_continue_exactly(model, prompts, reference):
         assert produced[i] == reference[i], f"request {i}"
 
 
-@pytest.mark.parametrize(("org", "chunk"), [("S1", 300), ("S2", 700), ("S0", 450)])
+@pytest.mark.parametrize(("org", "chunk"),
+                         [("S1", 300), ("S2", 700), ("S0", 450), ("N0", 300)])
 def test_chunked_prefill_continues_exactly(model, prompts, reference, org, chunk):
     specs = _specs(prompts, (2,), (0.0,))
     result, produced = serve_greedy(model, org, "b12", specs, max_tokens=chunk)

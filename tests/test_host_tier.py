@@ -337,3 +337,25 @@ def test_a_copy_hold_keeps_the_lru_recency_the_entry_had(tiny_model):
     mem.acquire(obj)
     mem.release(obj)
     assert [pool.evictable[u] for u in obj.units] != before  # control: a use refreshes
+
+
+def test_the_modelled_link_counts_a_granite_presets_scope_layers_not_its_layers():
+    """Granite-4.0-H-Tiny (conf/model/granite_4_0_h_tiny.yaml) S2: 40 layers, but 4 storage
+    groups of 1 attention and 9 Mamba2 layers. A block is 4 groups x 512 tokens x (4 KV heads
+    x 128 x K,V x 2 B) = 4 x 512 x 2,048 B; a checkpoint 4 groups x 9 layers x (SSM 48 x 64 x
+    128 x 2 B + conv (48 x 64 + 2 x 128) x 3 x 2 B). Counting 40 layers would give 10x."""
+    from dataclasses import asdict
+
+    from serving_core.builder import build_engine
+    from serving_core.engine_spec import EngineSpec, ExecutorSpec
+    from serving_core.executor.profiles import load_device_profile
+
+    block = 4 * 512 * (4 * 128 * 2 * 2)
+    state = 4 * 9 * (48 * 64 * 128 * 2 + (48 * 64 + 2 * 128) * 3 * 2)
+    assert (block, state) == (4_194_304, 29_030_400)
+    spec = EngineSpec(model=asdict(load_geometry("granite_4_0_h_tiny")), org="S2",
+                      budget="b63",
+                      executor=ExecutorSpec("simulated", profile=asdict(load_device_profile(
+                          "a100"))), host_tier={"capacity_bytes": 1 << 34})
+    link = build_engine(spec).host_tier.copier
+    assert (link.block_bytes, link.state_bytes) == (block, state)

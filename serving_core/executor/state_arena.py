@@ -10,7 +10,9 @@ budgets are the bytes the model uses. Typed views over it:
   unit instead (uint8: each vector's codes then its fp16 norm, serving_core.kv_codec),
   so a unit is exactly the planner's TQ4 bytes and KV is never held decoded;
 - recurrent composites, as the organization's class says (`conv_addressing`):
-  `unit` (S0, D0, N0): SSM state then conv window, contiguous in one unit;
+  `unit` (S0, D0, N0): SSM state then conv window, contiguous in one unit; an N0 composite
+  of a group with k > 1 Mamba2 layers (vLLM's per-layer Mamba pages, serving_core/memory/n0.py)
+  is k units, member j holding layer j's SSM state then conv window (`layer_pages`);
   `page` (S1) and `slot` (S2): the SSM state split over the composite's member pages in
   member order, address(b, j, u) = page_of(b, j) * page + offset(j, u), pages anywhere
   in the pool; `page`: the conv window is the first elements of its dedicated conv page;
@@ -124,11 +126,19 @@ class StateArena:
         self.unit_elems = {name: t.shape[2] for name, t in self.pools.items()}
         if self.block_tokens * self.token_bytes > mem.pools[mem.attention_pool].unit_bytes:
             raise ValueError("an attention block does not fit its unit")
+        self.layer_pages = False
         if mem.has_recurrent:
             self.rec_pool = mem.composite_pool
             self.members = max(1, mem.layout.ssm_members)
             unit = self.unit_elems[self.rec_pool]
-            if self.contiguous:
+            # `unit` addressing over several member pages: one page per Mamba2 layer of the group
+            self.layer_pages = self.contiguous and self.members > 1
+            if self.layer_pages and self.members != k:
+                raise ValueError(f"{self.org}: {self.members} member pages per composite for "
+                                 f"{k} Mamba2 layers per group; per-layer pages need one each")
+            if self.layer_pages:
+                fits = (self.ssm_elems + self.conv_elems) // k <= unit
+            elif self.contiguous:
                 fits = self.ssm_elems + self.conv_elems <= unit
             else:
                 fits = self.ssm_elems <= self.members * unit and self.conv_elems <= unit
@@ -322,6 +332,9 @@ class StateArena:
         window's elements only: copying S1's whole 512-KiB conv page per sequence was most of
         its paged decode overhead)."""
         b = loc["pages"].shape[0]
+        if self.layer_pages:
+            conv = self.gather(layer, loc)[0]
+            return conv.reshape(b, *self.conv_shape)
         if self.contiguous:
             rows = self.pools[self.rec_pool][layer][:, self.ssm_elems : self.ssm_elems
                                                     + self.conv_elems]
@@ -335,6 +348,10 @@ class StateArena:
         the step together)."""
         b = conv.shape[0]
         flat = conv.reshape(b, -1).to(self.dtype)
+        if self.layer_pages:
+            _, ssm, gathered = self.gather(layer, loc)
+            self.scatter(layer, loc, gathered, conv.to(self.dtype), ssm)
+            return
         if self.contiguous:
             rows = self.pools[self.rec_pool][layer]
             rows[loc["pages"].reshape(-1), self.ssm_elems : self.ssm_elems + self.conv_elems] = flat
@@ -347,6 +364,13 @@ class StateArena:
         pages = loc["pages"]
         b = pages.shape[0]
         rows = arena.index_select(0, pages.reshape(-1))
+        if self.layer_pages:  # member j: layer j's SSM state then conv window
+            k = self.members
+            rows = rows.view(b, k, -1)
+            s, c = self.ssm_elems // k, self.conv_elems // k
+            ssm = rows[:, :, :s].reshape(b, *self.ssm_shape)
+            conv = rows[:, :, s : s + c].reshape(b, *self.conv_shape)
+            return conv, ssm, rows
         if self.contiguous:
             ssm = rows[:, : self.ssm_elems].view(b, *self.ssm_shape)
             conv = rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems]
@@ -362,6 +386,13 @@ class StateArena:
         arena = self.pools[self.rec_pool][layer]
         pages = loc["pages"]
         b = pages.shape[0]
+        if self.layer_pages:
+            k, rows = self.members, gathered
+            s, c = self.ssm_elems // k, self.conv_elems // k
+            rows[:, :, :s] = ssm.reshape(b, k, s)
+            rows[:, :, s : s + c] = conv.reshape(b, k, c)
+            arena.index_copy_(0, pages.reshape(-1), rows.view(b * k, -1))
+            return
         if self.contiguous:
             rows = gathered
             if ssm.data_ptr() != rows.data_ptr():

@@ -8,8 +8,9 @@ composite).
 `ArenaCopier` (torch executor) moves an object's bytes as the units hold them: an object is
 a few *regions*, each a byte range of whole units addressed by unit id (an attention block:
 its unit's KV bytes; a composite: its SSM member pages, its conv page or S2 conv slot, or
-its one unit for S0/D0/N0). A read is one gather per region (all layers at once) into a
-host buffer; a write is one indexed copy per region into the destination units. No
+its one unit for S0/D0/N0; an N0 member page per Mamba2 layer of a larger group). A read
+is one gather per region (all layers at once) into a host buffer; a write is one indexed
+copy per region into the destination units. No
 per-token or per-layer Python loop; the bytes moved are exactly the state's bytes
 (layers x (block tokens x KV bytes per token), or layers x (SSM + conv bytes)).
 `poison` fills an object's units with NaN before a restore writes them (the continuation
@@ -80,8 +81,9 @@ class ArenaCopier:
         arena, mem = self.arena, self.arena.mem
         if not obj.kind:  # an attention block: the KV bytes of its unit
             return [Region(obj.pool, (obj.units[0],), 0, self.block_bytes)]
-        if arena.contiguous:  # SSM state then conv window in one unit
-            return [Region(obj.pool, (obj.units[0],), 0, self.ssm_bytes + self.conv_bytes)]
+        if arena.contiguous:  # SSM state then conv window in one unit (per-layer pages: each)
+            pages = tuple(mem.ssm_member_pages(obj)) if arena.layer_pages else (obj.units[0],)
+            return [Region(obj.pool, pages, 0, (self.ssm_bytes + self.conv_bytes) // len(pages))]
         unit = mem.pools[obj.pool].unit_bytes
         members = mem.ssm_member_pages(obj)
         full, rest = divmod(self.ssm_bytes, unit)
@@ -187,7 +189,9 @@ class ModelledCopier:
         if not bandwidth_Bps > 0 or latency_s < 0:
             raise ValueError(f"host link: bandwidth {bandwidth_Bps} B/s must be > 0 and "
                              f"latency {latency_s} s >= 0")
-        layers = geometry.num_layers
+        # Storage-scope copies (serving_core/geometry.py): a Granite-4.0-H preset has 4 groups
+        # of 1 attention and 9 Mamba2 layers, not 40 layers carrying both (Falcon-H1: 44 = 44).
+        layers = geometry.scope_layers
         self.block_bytes = layers * mem.block_tokens * geometry.attention_bytes_per_token
         self.state_bytes = layers * (geometry.ssm_bytes + geometry.conv_bytes)
         self.bandwidth_Bps = float(bandwidth_Bps)
