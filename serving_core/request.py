@@ -63,6 +63,7 @@ class Request:
         "alloc_fail_logged",
         "memo_hit",
         "memo_version",
+        "blocked",
         "next_token",
     )
 
@@ -98,6 +99,9 @@ class Request:
         self.alloc_fail_logged = False
         self.memo_hit = None  # last admission lookup and the cache version it saw
         self.memo_version = -1
+        # (cache version, pool gains, token budget) when its admission last failed with
+        # requests running; None once admitted (serving_core/scheduler.py _try_admit)
+        self.blocked: tuple[int, int, int] | None = None
         self.next_token: int | None = None  # token a real executor sampled for this step
 
     @property

@@ -213,6 +213,8 @@ class Scheduler:
         self.state = HybridStateManager(mem, step_end=self.step_end,
                                         retention_k=cfg.retention_k, pinning_k=cfg.pinning_k)
         self.state_views = False  # attach a ChunkState to each planned chunk (Engine sets it)
+        # memoize a blocked head's failed admission (_try_admit) where that is exact
+        self.memo_blocked = mem.stable_demand
         self.step = 0
         self.now = 0.0
         self.num_preempted_step = 0
@@ -370,6 +372,14 @@ class Scheduler:
         return n, need, extra
 
     def _try_admit(self, req: Request, budget: int) -> Scheduled | None:
+        blocked, mem = req.blocked, self.mem
+        if (blocked is not None and self.running and blocked[0] == mem.cache.version
+                and blocked[1] == mem.availability_gains() and budget >= blocked[2]
+                and self.state.adoption_hook is None):
+            # Failed before with requests running, and since then the cache is unchanged
+            # (same adoption), no unit became free or evictable (no pool can supply more)
+            # and the budget is no smaller (a chunk no shorter): it fails again.
+            return None
         adoption = self.state.adoption(req)
         n = self._chunk(adoption.jadopt, req.num_tokens, budget)
         if not n:
@@ -388,6 +398,8 @@ class Scheduler:
                     f"request {req.rid} cannot be admitted into an idle engine: "
                     f"needs {gate}, available {self.state.available()}; the budget is too small"
                 )
+            if self.memo_blocked:
+                req.blocked = (mem.cache.version, mem.availability_gains(), budget)
             return None
         self.state.admit(req, adoption, n)
         self._start_episode(req, adoption)
@@ -399,6 +411,7 @@ class Scheduler:
         req.status = Status.RUNNING
         req.episodes += 1
         req.alloc_fail_logged = False
+        req.blocked = None
         req.prefill_target = req.num_tokens
         if req.episodes == 1:
             req.start_s = self.now

@@ -78,6 +78,9 @@ class MemoryOrganization:
       member pages then a dedicated conv page (`conv_line` is its page id); `slot`, SSM
       member pages and a conv slot in a slab page (`conv_line` is its line id);
     - `supports_retention`: producer-side checkpoint retention (S2+Retention) applies;
+    - `stable_demand`: `demand` depends on the counts alone and a pool's `num_available`
+      grows only through its `gains` (UnitPool), so an admission that failed fails again
+      while neither the prefix cache nor any pool gained (serving_core/scheduler.py);
     - `pool_names`, `attention_pool`, `composite_pool`: its pools, in plan order, and
       which of them attention blocks and composites draw from.
 
@@ -101,6 +104,7 @@ class MemoryOrganization:
     has_slabs = False
     conv_addressing = "page"  # CONV_ADDRESSING
     supports_retention = False
+    stable_demand = True
 
     # ----- the organization's unit layout, budget conversion and costs -------------------
     @classmethod
@@ -278,6 +282,10 @@ class MemoryOrganization:
             need[self.composite_pool] += num_composites * self.units_per_composite()
         return need
 
+    def availability_gains(self) -> int:
+        """Units that became free or evictable so far, over every pool (see stable_demand)."""
+        return sum(pool.gains for pool in self.pools.values())
+
     def can_allocate(self, need: dict[str, int], extra: dict[str, int] | None = None) -> bool:
         for name, pool in self.pools.items():
             more = extra.get(name, 0) if extra else 0
@@ -330,12 +338,15 @@ class MemoryOrganization:
         (a chunk's blocks in one call: D0's 16-token blocks make this the hottest path)."""
         pool = self.attention_pool
         owner, live, take = self._owner[pool], self.live, self._take_unit
+        # _take_unit's free-first branch inlined where no subclass redefines it
+        free = (self.pools[pool].free if type(self)._take_unit is MemoryOrganization._take_unit
+                and not self.pools[pool].single_queue else None)
         blocks = []
         for _ in range(count):
             obj = StateObject(self._next_oid, Kind.ATTENTION, pool, [], request_id)
             self._next_oid += 1
             live[obj.oid] = obj
-            unit = take(pool, request_id)
+            unit = free.popleft() if free else take(pool, request_id)
             owner[unit] = obj
             obj.units.append(unit)
             blocks.append(obj)

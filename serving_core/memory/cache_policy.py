@@ -149,6 +149,7 @@ class ScoredPool(UnitPool):
         self._mask = np.zeros(num_units, dtype=bool)
 
     def add_evictable(self, unit: int, stamp: int | None = None) -> None:
+        self.gains += 1
         if stamp is None:
             stamp = self.tick()
         self.evictable[unit] = stamp

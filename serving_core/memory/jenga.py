@@ -128,6 +128,7 @@ class _SmallPages(UnitPool):
 
 
 class JengaTwoLevel(MemoryOrganization):
+    stable_demand = False  # small pages are carved from large pages outside the pools' gains
     org = "JENGA"
     pool_names = ("attention", "recurrent")
     attention_pool = "attention"

@@ -30,7 +30,7 @@ class UnitPool:
     """
 
     __slots__ = ("name", "num_units", "unit_bytes", "free", "evictable", "_heap", "clock",
-                 "single_queue", "free_stamps")
+                 "single_queue", "free_stamps", "gains")
 
     def __init__(self, name: str, num_units: int, unit_bytes: int,
                  free_queue: str = "free_first") -> None:
@@ -49,6 +49,9 @@ class UnitPool:
         self.single_queue = free_queue == "single_queue"
         # single_queue: the stamp of each free unit, in queue order (never-used units: 0)
         self.free_stamps: deque[int] = deque([0] * num_units) if self.single_queue else deque()
+        # units that became free or evictable so far: num_available can only have grown
+        # since an instant when `gains` had the same value (a blocked admission memo)
+        self.gains = 0
 
     @property
     def num_free(self) -> int:
@@ -83,6 +86,7 @@ class UnitPool:
         """Queue a unit as free. single_queue: at the tail (now), or at the head with an old
         `stamp` (a unit that was already in the queue, e.g. an evicted object's sibling)."""
         assert unit not in self.evictable, f"unit {unit} freed while still evictable"
+        self.gains += 1
         if not self.single_queue:
             self.free.append(unit)
         elif stamp is None or (self.free_stamps and stamp > self.free_stamps[0]):
@@ -106,6 +110,7 @@ class UnitPool:
 
     def add_evictable(self, unit: int, stamp: int | None = None) -> None:
         """Make `unit` evictable with recency `stamp` (default: now, the MRU end)."""
+        self.gains += 1
         if stamp is None:
             stamp = self.tick()
         self.evictable[unit] = stamp

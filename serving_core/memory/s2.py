@@ -128,6 +128,7 @@ def slab_occupancy(slab: dict, slots_per_slab: int) -> dict[str, float]:
 
 
 class S2PagingConvSlots(MemoryOrganization):
+    stable_demand = False  # demand depends on the open slabs' free slots
     org = "S2"
     indirect = True
     has_slabs = True
