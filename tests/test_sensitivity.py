@@ -109,3 +109,26 @@ def test_sensitivity_at_full_size(tmp_path):
     _, alts = sens.load_alternatives()
     text = _check_page(root, out, list(alts))
     assert "Smoke size" not in text
+
+
+def test_an_identified_alternative_is_read_under_its_own_executor_profile():
+    """An identified combination runs on its fitted profile (executor.name=...), so its runs
+    record `sim:<profile>`; the derived plan must look for them there, not under the plan's
+    `sim:a100-calibrated` (they were reported as `no runs yet` while the runs were there)."""
+    from analysis.inference import prereg
+
+    alts = page.load_alternatives()["alternatives"]
+    identified = [n for n in alts if n.startswith("identified_")]
+    assert identified, "conf/calibration/identified.yaml names no combination"
+    name = identified[0]
+    overrides = alts[name]["overrides"]
+    profile = next(o.split("=", 1)[1] for o in overrides if o.startswith("executor.name="))
+    plan = prereg.load_plan("q1", prereg.PLAN_DIR)
+    family = plan.families[0].name
+    seeds = set(plan.families[0].seeds)
+    derived = page.derived_plan(plan, family, "sens_x", seeds, overrides)
+    assert {c.keys["executor"] for c in derived.families[0].cells} == {f"sim:{profile}"}
+    plain = page.derived_plan(plan, family, "sens_x", seeds, alts["slab_dense"]["overrides"])
+    assert {c.keys["executor"] for c in plain.families[0].cells} == {
+        c.keys["executor"] for c in plan.families[0].cells}
+    assert page.executor_of("torch:cpu", overrides) == "torch:cpu"  # only simulated cells move

@@ -51,12 +51,30 @@ def load_alternatives(path: Path = ALTERNATIVES_YAML) -> dict:
     return load_merged(path)
 
 
+def executor_of(cell_executor: str, overrides) -> str:
+    """The executor a cell's runs record under an alternative: an identified alternative
+    runs the simulator on its own fitted profile (`executor.name=<profile>` among its
+    overrides, ledgers.alternatives), so its runs say `sim:<profile>`, not the plan's."""
+    names = [o.split("=", 1)[1] for o in overrides or () if o.startswith("executor.name=")]
+    if names and str(cell_executor).startswith("sim:"):
+        return f"sim:{names[-1]}"
+    return cell_executor
+
+
 def derived_plan(plan: prereg.Plan, family: str, campaign: str,
-                 seeds: set[int]) -> prereg.Plan:
-    """The plan's `family` with every cell moved to `campaign` and its seeds cut to those in
-    `seeds` (plan order kept); hash checks are off (the runs carry no plan)."""
+                 seeds: set[int], overrides=()) -> prereg.Plan:
+    """The plan's `family` with every cell moved to `campaign` (and to the executor profile
+    the alternative's `overrides` name, if any) and its seeds cut to those in `seeds` (plan
+    order kept); hash checks are off (the runs carry no plan)."""
     fam = plan.family(family)
-    cells = tuple(dataclasses.replace(c, keys={**c.keys, "campaign": campaign},
+
+    def moved(keys: dict) -> dict:
+        keys = {**keys, "campaign": campaign}
+        if "executor" in keys:
+            keys["executor"] = executor_of(keys["executor"], overrides)
+        return keys
+
+    cells = tuple(dataclasses.replace(c, keys=moved(c.keys),
                                       seeds=tuple(s for s in c.seeds if s in seeds))
                   for c in fam.cells)
     fam = dataclasses.replace(fam, cells=cells, seeds=tuple(s for s in fam.seeds if s in seeds))
@@ -86,7 +104,8 @@ def evaluate(runs: pd.DataFrame, spec: dict, plan_dir=None) -> tuple[pd.DataFram
         seeds = {int(s) for s in mine["seed"]}
         for entry in spec["families"]:
             plan = prereg.load_plan(entry["plan"], plan_dir or prereg.PLAN_DIR)
-            derived = derived_plan(plan, entry["family"], campaign, seeds)
+            derived = derived_plan(plan, entry["family"], campaign, seeds,
+                                   spec["alternatives"][alt].get("overrides") or ())
             fam = derived.families[0]
             res = families.evaluate_family(derived, fam, mine)
             n = len(fam.seeds)
