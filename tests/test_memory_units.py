@@ -326,3 +326,31 @@ def test_build_memory_refuses_unknown_organization_and_empty_pool(falcon):
         build_memory(falcon, "S9", {"shared": 4})
     with pytest.raises(ValueError, match="num_units"):
         build_memory(falcon, "S1", {"shared": 0})
+
+
+def test_prefix_lookup_reads_entries_lost_this_step_only_under_m1():
+    """M0 sees the valid entries; M1 also those lost during this step (PrefixCache.lost).
+    Chain of 12 blocks of 16 tokens, checkpoint every 64 tokens (every 4th key)."""
+    from serving_core.memory.objects import Kind, StateObject
+    from serving_core.memory.prefix_cache import PrefixCache, PrefixHit
+
+    cache = PrefixCache()
+    cache.begin_step(1)
+    keys = list(range(100, 112))
+    objs = {}
+    for i, key in enumerate(keys):
+        if i == 9:
+            continue  # attention chain breaks at block 9 (144 tokens)
+        objs[(False, key)] = StateObject(i, Kind.ATTENTION, "shared", [i], 0)
+        cache.insert(objs[(False, key)], key, checkpoint=False)
+    for i in (3, 7, 11):  # checkpoints at 64, 128, 192 tokens
+        objs[(True, keys[i])] = StateObject(50 + i, Kind.COMPOSITE, "shared", [50 + i], 0)
+        cache.insert(objs[(True, keys[i])], keys[i], checkpoint=True)
+    assert cache.lookup(keys, 16, 64) == PrefixHit(144, 128, 192, 128)
+    cache.remove(objs[(False, keys[2])])  # lost this step: attention now 2 blocks under M0
+    cache.remove(objs[(True, keys[7])])  # and the 128-token checkpoint
+    assert cache.lookup(keys, 16, 64) == PrefixHit(32, 0, 192, 0)
+    assert cache.lookup(keys, 16, 64, m1=True) == PrefixHit(144, 128, 192, 128)
+    cache.begin_step(2)  # a new step forgets what was lost in the last one
+    assert cache.lookup(keys, 16, 64, m1=True) == PrefixHit(32, 0, 192, 0)
+    assert cache.lookup(keys, 16, 0) == PrefixHit(32, 32, 0, 32)

@@ -94,65 +94,37 @@ class PrefixCache:
             del self.copies[(checkpoint, obj.key)]
         return False
 
-    def _has(self, key: int, checkpoint: bool, m1: bool) -> bool:
-        table = self.checkpoints if checkpoint else self.attention
-        return key in table or (m1 and (checkpoint, key) in self.lost)
-
     def lookup(
         self, keys: list[int], block_tokens: int, interval: int, m1: bool = False
     ) -> PrefixHit:
-        """Depths for a prompt whose full-block chain keys are `keys`.
+        """Depths for a prompt whose full-block chain keys are `keys`; with `m1`, entries
+        lost during this step count as present (the M1 bracket).
 
         With interval 0 (no recurrent state) the joint depth is the attention depth.
         """
-        if m1:
-            return self._lookup_m1(keys, block_tokens, interval)
-        # M0, the admission path (a blocked head asks every step): plain dict membership
+        # M0 (the admission path: a blocked head asks every step) tests plain dict membership
+        attention = _WithLost(self.attention, self.lost, False) if m1 else self.attention
+        checkpoints = _WithLost(self.checkpoints, self.lost, True) if m1 else self.checkpoints
         n = len(keys)
         i = 0
-        table = self.attention
-        while i < n and keys[i] in table:
+        while i < n and keys[i] in attention:
             i += 1
-        attention = i * block_tokens
+        depth = i * block_tokens
         if interval == 0:
-            return PrefixHit(attention, attention, 0, attention)
+            return PrefixHit(depth, depth, 0, depth)
         per = interval // block_tokens
-        amax = (attention // interval) * interval
-        table = self.checkpoints
+        amax = (depth // interval) * interval
         rmax = 0
         for k in range(n // per, 0, -1):
-            if keys[k * per - 1] in table:
+            if keys[k * per - 1] in checkpoints:
                 rmax = k * interval
                 break
         jadopt = 0
         for k in range(min(amax, rmax) // interval, 0, -1):
-            if keys[k * per - 1] in table:
+            if keys[k * per - 1] in checkpoints:
                 jadopt = k * interval
                 break
-        return PrefixHit(attention, amax, rmax, jadopt)
-
-    def _lookup_m1(self, keys: list[int], block_tokens: int, interval: int) -> PrefixHit:
-        """`lookup` reading entries lost during this step as still present (the M1 bracket)."""
-        n = len(keys)
-        i = 0
-        while i < n and self._has(keys[i], False, True):
-            i += 1
-        attention = i * block_tokens
-        if interval == 0:
-            return PrefixHit(attention, attention, 0, attention)
-        per = interval // block_tokens
-        amax = (attention // interval) * interval
-        rmax = 0
-        for k in range(n // per, 0, -1):
-            if self._has(keys[k * per - 1], True, True):
-                rmax = k * interval
-                break
-        jadopt = 0
-        for k in range(min(amax, rmax) // interval, 0, -1):
-            if self._has(keys[k * per - 1], True, True):
-                jadopt = k * interval
-                break
-        return PrefixHit(attention, amax, rmax, jadopt)
+        return PrefixHit(depth, amax, rmax, jadopt)
 
     def record_demand(
         self, keys: list[int], block_tokens: int, interval: int, request_id: int
@@ -167,3 +139,15 @@ class PrefixCache:
     def num_requesters(self, key: int) -> int:
         requesters = self.demand.get(key)
         return len(requesters) if requesters else 0
+
+
+class _WithLost:
+    """Membership in a table or among the entries of its kind lost this step (M1)."""
+
+    __slots__ = ("table", "lost", "checkpoint")
+
+    def __init__(self, table: dict, lost: dict, checkpoint: bool) -> None:
+        self.table, self.lost, self.checkpoint = table, lost, checkpoint
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.table or (self.checkpoint, key) in self.lost
