@@ -25,12 +25,13 @@ SYNTH = ("model=falcon_h1_tiny", "workload.source=synthetic", "workload.num_requ
          "budget=b8")
 
 
-def _steps(org: str):
+def _steps(org: str, profile: dict = KNOWN):
+    """The steps table of a synthetic b8 run on the CPU profile with `profile` over it."""
     from omegaconf import OmegaConf
 
     cfg = compose_config(*SYNTH, f"org={org}")
     OmegaConf.set_struct(cfg, False)
-    cfg.executor = OmegaConf.create({**asdict(load_device_profile("cpu")), **KNOWN})
+    cfg.executor = OmegaConf.create({**asdict(load_device_profile("cpu")), **profile})
     return run_cell(cfg).tables["steps"]
 
 
@@ -116,18 +117,9 @@ def test_codec_fit_recovers_the_constants_that_timed_tq4_steps():
 KNOWN_LOGITS = {**KNOWN, "logit_gemm_s": 0.009, "logit_block_rows": 4, "name": "known-logits"}
 
 
-def _steps_under(org: str, profile: dict):
-    from omegaconf import OmegaConf
-
-    cfg = compose_config(*SYNTH, f"org={org}")
-    OmegaConf.set_struct(cfg, False)
-    cfg.executor = OmegaConf.create({**asdict(load_device_profile("cpu")), **profile})
-    return run_cell(cfg).tables["steps"]
-
-
 @pytest.fixture(scope="module")
 def logit_runs():
-    return [(org, _steps_under(org, KNOWN_LOGITS)) for org in ("s0", "s2", "d0")]
+    return [(org, _steps(org, KNOWN_LOGITS)) for org in ("s0", "s2", "d0")]
 
 
 def test_fit_recovers_the_logits_gemm_constant(logit_runs):
@@ -149,7 +141,7 @@ def test_fit_recovers_the_logits_gemm_constant(logit_runs):
 def test_omitted_row_term_goes_to_the_per_sequence_term(logit_runs):
     """logits rows equal scheduled sequences in every row: with the truth's row term held
     at 0, the fit puts it in per_seq_overhead_s, and predicts the steps as well."""
-    runs = [(org, _steps_under(org, {**KNOWN_LOGITS, "logit_row_s": 0.002}))
+    runs = [(org, _steps(org, {**KNOWN_LOGITS, "logit_row_s": 0.002}))
             for org in ("s0", "s2", "d0")]
     fit = fit_steps(load_geometry("falcon_h1_tiny"), "cpu", runs, omit=("logit_row_s",))
     assert fit.profile.per_seq_overhead_s == pytest.approx(KNOWN["per_seq_overhead_s"] + 0.002,
