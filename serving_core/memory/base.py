@@ -337,15 +337,13 @@ class MemoryOrganization:
         """`count` attention blocks held by `request_id`, allocated in order one at a time
         (a chunk's blocks in one call: D0's 16-token blocks make this the hottest path)."""
         pool = self.attention_pool
-        owner, live, take = self._owner[pool], self.live, self._take_unit
+        owner, new, take = self._owner[pool], self._new_object, self._take_unit
         # _take_unit's free-first branch inlined where no subclass redefines it
         free = (self.pools[pool].free if type(self)._take_unit is MemoryOrganization._take_unit
                 and not self.pools[pool].single_queue else None)
         blocks = []
         for _ in range(count):
-            obj = StateObject(self._next_oid, Kind.ATTENTION, pool, [], request_id)
-            self._next_oid += 1
-            live[obj.oid] = obj
+            obj = new(Kind.ATTENTION, pool, request_id)
             unit = free.popleft() if free else take(pool, request_id)
             owner[unit] = obj
             obj.units.append(unit)
