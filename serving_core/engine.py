@@ -259,7 +259,7 @@ class Engine:
                     token = req.next_generated_token()
                 req.next_token = token
                 produced.append((req.rid, token))
-                params = getattr(req.spec, "sampling", None)  # serving_core/sampling_params.py
+                params = req.sampling  # serving_core/sampling_params.py
                 if params is not None and params.stops(token, req.num_generated + 1):
                     req.target_output = req.num_generated + 1  # a stop token ends it here
         t1 = self.clock.step_done(t0, out.duration_s + restore_s)

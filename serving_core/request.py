@@ -40,6 +40,7 @@ class Request:
         "num_prompt",
         "target_output",
         "num_generated",
+        "num_tokens",
         "num_computed",
         "block_tokens",
         "keys",
@@ -65,6 +66,8 @@ class Request:
         "memo_version",
         "blocked",
         "next_token",
+        "sampling",
+        "room_end",
     )
 
     def __init__(self, spec, block_tokens: int) -> None:
@@ -76,6 +79,7 @@ class Request:
         if self.num_prompt < 1 or self.target_output < 1:
             raise ValueError(f"request {self.rid}: prompt and output must have >= 1 token")
         self.num_generated = 0
+        self.num_tokens = self.num_prompt  # prompt + generated, kept by append_generated
         self.num_computed = 0
         self.block_tokens = block_tokens
         self.keys: list[int] = []
@@ -85,6 +89,9 @@ class Request:
         self.working = NULL  # composite the next tokens are computed into
         self.adopted = NULL  # checkpoint read as initial state, released after the first step
         self.dests: list = []  # destination composites reserved for boundaries in this chunk
+        # the manager's promise to the scheduler: a decode from any position below this
+        # needs no new unit and crosses no boundary (serving_core/state_manager.py _allocate)
+        self.room_end = 0
         self.retained: list = []  # published checkpoints pinned by producer-side retention
         self.pin = NULL  # preemption-time pin on the rightmost checkpoint
         self.episodes = 0
@@ -103,10 +110,8 @@ class Request:
         # requests running; None once admitted (serving_core/scheduler.py _try_admit)
         self.blocked: tuple[int, int, int] | None = None
         self.next_token: int | None = None  # token a real executor sampled for this step
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prompt + self.num_generated
+        # stop rules of a served request (serving_core/sampling_params.py), or None
+        self.sampling = getattr(spec, "sampling", None)
 
     def ensure_keys(self, num_blocks: int) -> list[int]:
         """Chain keys of the first `num_blocks` full blocks (computed once, extended lazily)."""
@@ -149,6 +154,11 @@ class Request:
     def append_generated(self) -> None:
         """Append the token an executor sampled (`next_token`), else the synthetic one."""
         token = self.next_token
-        self._token_list().append(self.next_generated_token() if token is None else token)
-        self.next_token = None
+        if token is None:
+            token = self.next_generated_token()
+        else:
+            self.next_token = None
+        tokens = self.tokens
+        (self._token_list() if tokens is None else tokens).append(token)
         self.num_generated += 1
+        self.num_tokens += 1

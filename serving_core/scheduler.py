@@ -256,6 +256,11 @@ class Scheduler:
             chunk = want > 1
             if chunk:  # decode (one token) needs no chunking
                 want = self._chunk(req.num_computed, req.num_tokens, min(budget, prefill))
+            elif req.num_computed < req.room_end:  # most decodes: held units suffice
+                plan.append(Scheduled(req, 1, req.num_computed))
+                budget -= 1
+                i += 1
+                continue
             if not want:
                 i += 1  # an aligned chunk needs more budget than is left this step
                 continue
@@ -373,12 +378,12 @@ class Scheduler:
 
     def _try_admit(self, req: Request, budget: int) -> Scheduled | None:
         blocked, mem = req.blocked, self.mem
-        if (blocked is not None and self.running and blocked[0] == mem.cache.version
+        if (blocked is not None and self.running and blocked[0] == self._cache_mark()
                 and blocked[1] == mem.availability_gains() and budget >= blocked[2]
                 and self.state.adoption_hook is None):
-            # Failed before with requests running, and since then the cache is unchanged
-            # (same adoption), no unit became free or evictable (no pool can supply more)
-            # and the budget is no smaller (a chunk no shorter): it fails again.
+            # Failed before with requests running, and since then nothing it could adopt
+            # appeared (see _cache_mark), no unit became free or evictable (no pool can
+            # supply more) and the budget is no smaller (a chunk no shorter): it fails again.
             return None
         adoption = self.state.adoption(req)
         n = self._chunk(adoption.jadopt, req.num_tokens, budget)
@@ -399,11 +404,25 @@ class Scheduler:
                     f"needs {gate}, available {self.state.available()}; the budget is too small"
                 )
             if self.memo_blocked:
-                req.blocked = (mem.cache.version, mem.availability_gains(), budget)
+                mark = (mem.cache.watch(adoption.keys, adoption.hit, self.B, self.C)
+                        if self.full_prompt else mem.cache.version)
+                req.blocked = (mark, mem.availability_gains(), budget)
             return None
         self.state.admit(req, adoption, n)
         self._start_episode(req, adoption)
         return Scheduled(req, n, adoption.jadopt, admitted=True)
+
+    def _cache_mark(self) -> int:
+        """What a blocked head's memo compares of the prefix cache. Under the full-prompt
+        gate (full_prompt, reserve_output), the watch version of the head's chain: the gate
+        covers the whole prompt, so a lost entry only adds to what admission needs (each
+        block no longer adopted is one more to allocate, at most one fewer pulled out of
+        the LRU; a checkpoint no longer adopted adds a boundary's composite at least) and
+        only an entry appearing on the chain can help (PrefixCache.watch). Under
+        first_chunk a shallower adoption can mean a shorter first chunk, so any change of
+        the cache counts."""
+        cache = self.mem.cache
+        return cache.watch_version if self.full_prompt else cache.version
 
     def _start_episode(self, req: Request, adoption) -> None:
         """Queue bookkeeping of an admitted request: status, episode, hit counters, trace."""

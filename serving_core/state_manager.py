@@ -11,7 +11,9 @@ the request (`attn`, `working`, `dests`, `adopted`, `retained`, `pin`) as this
 manager's record; only this manager changes them. It answers the scheduler with
 demands (units per pool), small slotted results (`Adoption`) and token counts; the
 scheduler reads only the organization's facts (block, interval, pool sizes, its class's
-default rules), never changes its state itself and never reads these fields. An
+default rules), never changes its state itself and never reads these fields; it reads
+one answer the manager leaves on the request, `room_end`, the position below which a
+decode needs no new unit and publishes nothing (so most decodes skip `reserve`). An
 executor that addresses state (the torch executor) gets a `ChunkState` per scheduled
 chunk in the plan instead: the attention unit ids, the composites it reads and writes,
 and after publication where each boundary's state went and where the chunk's final
@@ -241,6 +243,10 @@ class HybridStateManager:
             req.attn.extend(mem.allocate_attention_blocks(req.rid, more))
         for _ in self.boundaries(start, start + n):
             req.dests.append(mem.allocate_composite(req.rid))
+        # From start + n on, a decode at position p writes token p + 1: it stays within the
+        # blocks held and publishes nothing while p + 1 is below the next multiple of C.
+        room, C = len(req.attn) * self.B, self.C
+        req.room_end = min(room, -(-(start + n + 1) // C) * C - 1) if C else room
 
     def reserve(self, req: Request, want: int) -> int:
         """Allocate units for the next `want` tokens of a running request; shorten to the
@@ -317,10 +323,9 @@ class HybridStateManager:
             self._release_attention(req)
 
     def _release_attention(self, req: Request) -> None:
-        mem = self.mem
-        for obj in reversed(req.attn):
-            mem.release(obj)
+        self.mem.release_each(reversed(req.attn))
         req.attn = []
+        req.room_end = 0
 
     def _release_state(self, req: Request) -> None:
         mem = self.mem

@@ -369,14 +369,20 @@ class MemoryOrganization:
         """Drop one reference. Last release keeps a published entry cached (evictable);
         an unpublished object's storage is freed at once. `producer` marks the producing
         request's own release (S2 write-once slabs count it as a write)."""
-        assert obj.ref_count > 0, f"release of unreferenced {obj}"
-        obj.ref_count -= 1
-        if obj.ref_count:
-            return
-        if obj.cached:
-            self._on_unreferenced(obj)
-        else:
-            self._destroy(obj, obj.producer)
+        self.release_each((obj,))
+
+    def release_each(self, objs) -> None:
+        """`release` of each of `objs` in turn, none a producer's release (one call for a
+        finishing request's attention blocks; S2 adds to `release` only for producers)."""
+        for obj in objs:
+            assert obj.ref_count > 0, f"release of unreferenced {obj}"
+            obj.ref_count -= 1
+            if obj.ref_count:
+                continue
+            if obj.cached:
+                self._on_unreferenced(obj)
+            else:
+                self._destroy(obj, obj.producer)
 
     def _on_referenced(self, obj: StateObject) -> None:
         pool = self.pools[obj.pool]

@@ -37,7 +37,7 @@ class PrefixCache:
     oldest valid copy; losing it promotes the next, and the key is lost with its last."""
 
     __slots__ = ("attention", "checkpoints", "copies", "lost", "current_step", "demand",
-                 "version")
+                 "version", "watched_blocks", "watched_checkpoints", "watch_version")
 
     def __init__(self) -> None:
         self.attention: dict[int, StateObject] = {}
@@ -49,6 +49,12 @@ class PrefixCache:
         # checkpoint key -> distinct requests whose prompt demanded it
         self.demand: dict[int, set[int]] = {}
         self.version = 0  # bumped on every insert/remove: lookups can be memoized against it
+        # A blocked head's chain (see watch): the attention and checkpoint keys whose entry
+        # appearing could deepen its adoption; watch_version is bumped when one does, when
+        # a key's entry passes to another copy, and when a new chain is watched.
+        self.watched_blocks: frozenset[int] = frozenset()
+        self.watched_checkpoints: frozenset[int] = frozenset()
+        self.watch_version = 0
 
     def begin_step(self, step: int) -> None:
         self.current_step = step
@@ -67,6 +73,8 @@ class PrefixCache:
         else:
             table[key] = obj
             self.version += 1
+            if key in (self.watched_checkpoints if checkpoint else self.watched_blocks):
+                self.watch_version += 1
         obj.key = key
         obj.cached = True
         return True
@@ -85,6 +93,7 @@ class PrefixCache:
         elif copies:
             table[obj.key] = copies.pop(0)  # the oldest further copy is the entry now
             self.version += 1
+            self.watch_version += 1  # the entry is another object (its references differ)
         else:
             del table[obj.key]
             self.version += 1
@@ -125,6 +134,21 @@ class PrefixCache:
                 jadopt = k * interval
                 break
         return PrefixHit(depth, amax, rmax, jadopt)
+
+    def watch(self, keys: list[int], hit: PrefixHit, block_tokens: int,
+              interval: int) -> int:
+        """Watch the chain of a head whose admission failed: the attention keys of its
+        cached prefix and the first missing block, and the checkpoint keys up to that
+        prefix's grid depth. Only an entry appearing (or changing) under one of them can
+        deepen what the head adopts; a lost entry never makes it cheaper to admit under
+        the full-prompt gate (serving_core/scheduler.py `_try_admit`). Returns the new
+        watch version."""
+        self.watched_blocks = frozenset(keys[: hit.attention // block_tokens + 1])
+        per = interval // block_tokens if interval else 0
+        self.watched_checkpoints = (
+            frozenset(keys[per - 1 : hit.amax // block_tokens : per]) if per else frozenset())
+        self.watch_version += 1
+        return self.watch_version
 
     def record_demand(
         self, keys: list[int], block_tokens: int, interval: int, request_id: int
