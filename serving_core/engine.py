@@ -316,6 +316,7 @@ class Engine:
             "conv_page_recency": mem.conv_page_recency,
             "release_order": mem.release_order,
             "duplicates": mem.duplicates,
+            "private_blocks": mem.private_blocks,
             "interleave": None if sched.interleave is None else dict(sched.interleave),
             "retention_k": sched.retention_k,
             "pinning_k": sched.pinning_k,

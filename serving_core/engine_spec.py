@@ -181,6 +181,7 @@ class EngineSpec:
                                   else None),
             "release_order": sc.release_order,
             "duplicates": sc.duplicates,
+            "private_blocks": sc.private_blocks,
             "interleave": sc.interleave,
             "retention_k": sc.retention_k,
             "pinning_k": sc.pinning_k,

@@ -47,6 +47,7 @@ from serving_core.memory.base import (
     CHECKPOINT_RECENCIES,
     CONV_PAGE_RECENCIES,
     DUPLICATE_RULES,
+    PRIVATE_BLOCK_RULES,
     RELEASE_ORDERS,
 )
 from serving_core.memory.cache_policy import DEFAULT_MARCONI_ALPHA, check_cache_policy
@@ -76,6 +77,7 @@ class SchedulerConfig:
     conv_page_recency: str = "members"  # S1 conv page: members | write (memory.base)
     release_order: str = "attention_first"  # attention_first | state_first (memory.base)
     duplicates: str = "drop"  # drop | cache (memory.base)
+    private_blocks: str = "mru"  # mru | evict_first (memory.base)
     # Bounded prefill interleave {decode_steps: k, prefill_tokens: m} (None: off): while any
     # running request decodes, k steps carry decodes only, then one step carries the decodes
     # plus at most m prefill tokens (running chunks and admissions together), and so on.
@@ -90,7 +92,8 @@ class SchedulerConfig:
                 "checkpoint_recency": self.checkpoint_recency,
                 "cache_policy": self.cache_policy, "marconi_alpha": self.marconi_alpha,
                 "conv_page_recency": self.conv_page_recency,
-                "release_order": self.release_order, "duplicates": self.duplicates}
+                "release_order": self.release_order, "duplicates": self.duplicates,
+                "private_blocks": self.private_blocks}
 
     def __post_init__(self) -> None:
         choices = (
@@ -102,6 +105,7 @@ class SchedulerConfig:
             ("conv_page_recency", CONV_PAGE_RECENCIES),
             ("release_order", RELEASE_ORDERS),
             ("duplicates", DUPLICATE_RULES),
+            ("private_blocks", PRIVATE_BLOCK_RULES),
         )
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
@@ -473,7 +477,7 @@ class Scheduler:
             self._trace_entry(req, self.now)
 
     def _finish(self, req: Request, now: float) -> None:
-        self.state.release_all(req)
+        self.state.release_all(req, finishing=True)
         req.status = Status.FINISHED
         req.finish_s = now
         req.release_tokens()  # keep memory proportional to the live requests

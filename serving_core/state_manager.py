@@ -210,6 +210,8 @@ class HybridStateManager:
         mem = self.mem
         for obj in adoption.objects:
             mem.acquire(obj)
+            if obj.producer != req.rid:
+                obj.shared = True  # another request's entry reused (private_blocks)
         if req.pin:
             mem.release(req.pin)
             req.pin = NULL
@@ -313,17 +315,17 @@ class HybridStateManager:
                     req.pin = obj
                 return
 
-    def release_all(self, req: Request) -> None:
+    def release_all(self, req: Request, finishing: bool = False) -> None:
         """Everything a finishing or preempted request holds, in the release order."""
         if self.mem.release_order == "attention_first":
-            self._release_attention(req)
+            self._release_attention(req, finishing)
             self._release_state(req)
         else:
             self._release_state(req)
-            self._release_attention(req)
+            self._release_attention(req, finishing)
 
-    def _release_attention(self, req: Request) -> None:
-        self.mem.release_each(reversed(req.attn))
+    def _release_attention(self, req: Request, finishing: bool) -> None:
+        self.mem.release_each(reversed(req.attn), finishing)
         req.attn = []
         req.room_end = 0
 

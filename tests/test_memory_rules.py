@@ -129,6 +129,9 @@ SYNTH = ("workload.source=synthetic", "workload.synthetic_prompt_tokens=1400",
     ("s2", "engine.release_order=state_first engine.free_queue=single_queue"),
     ("s0", "engine.duplicates=cache"), ("s2", "engine.duplicates=cache"),
     ("d0", "engine.duplicates=cache engine.free_queue=single_queue"),
+    ("s1", "engine.private_blocks=evict_first"), ("s2", "engine.private_blocks=evict_first"),
+    ("d0", "engine.private_blocks=evict_first engine.free_queue=single_queue"),
+    ("jenga", "engine.private_blocks=evict_first"),
 ])
 def test_rules_keep_the_invariants_and_complete(org, rule):
     steps = []
@@ -149,10 +152,12 @@ def test_default_rules_are_todays():
     assert cfg.memory_rules() == {"slab_policy": "write_once", "free_queue": "free_first",
                                   "checkpoint_recency": "release", "cache_policy": "lru",
                                   "marconi_alpha": 1.0, "conv_page_recency": "members",
-                                  "release_order": "attention_first", "duplicates": "drop"}
+                                  "release_order": "attention_first", "duplicates": "drop",
+                                  "private_blocks": "mru"}
     eng = compose_config().engine
     assert (eng.free_queue, eng.checkpoint_recency, eng.conv_page_recency, eng.release_order,
-            eng.duplicates) == ("free_first", "release", "members", "attention_first", "drop")
+            eng.duplicates, eng.private_blocks) == ("free_first", "release", "members",
+                                                    "attention_first", "drop", "mru")
 
 
 @pytest.mark.parametrize("key, bad", [("engine.free_queue", "lifo"),
@@ -160,7 +165,8 @@ def test_default_rules_are_todays():
                                       ("engine.slab_policy", "sparse"),
                                       ("engine.conv_page_recency", "always"),
                                       ("engine.release_order", "random"),
-                                      ("engine.duplicates", "merge")])
+                                      ("engine.duplicates", "merge"),
+                                      ("engine.private_blocks", "lru")])
 def test_bad_rule_values_name_the_field(key, bad):
     with pytest.raises(ValueError, match=key):
         SchedulerConfig(**{key.removeprefix("engine."): bad})
@@ -275,6 +281,74 @@ def test_release_order_does_not_matter_when_free_units_go_first(falcon):
         for _ in range(4):
             mem.allocate_attention(2)
         assert mem.cached_attention(11) is a
+
+
+@pytest.mark.parametrize("rule, evicted", [("mru", [12, 13, 32, 31, 11]),
+                                           ("evict_first", [32, 31, 12, 13, 11])])
+def test_private_blocks_decide_whether_a_finished_suffix_goes_before_shared_chains(
+        falcon, rule, evicted):
+    """Request 1 holds a block S (key 11) that request 2 adopted and released, and two
+    private blocks P1, P2 (keys 31, 32); it finishes after request 3's blocks (keys 12, 13)
+    entered the LRU. Under `mru` its blocks enter at the recent end, deepest first (P2, P1,
+    S), so 12 and 13 are evicted first. Under `evict_first` the unshared P2 and P1 go to the
+    least recent end, P2 first, and are evicted before 12 and 13; S keeps its recency."""
+    from serving_core.state_manager import HybridStateManager
+
+    mem = build_memory(falcon, "S1", {"shared": 5}, private_blocks=rule)
+    state = HybridStateManager(mem, step_end=True, retention_k=None, pinning_k=None)
+    s, p1, p2 = (mem.allocate_attention(1) for _ in range(3))
+    for obj, key in ((s, 11), (p1, 31), (p2, 32)):
+        mem.publish(obj, key, 512)
+    mem.acquire(s)  # request 2 adopts S (the state manager marks it shared) and releases it
+    s.shared = True
+    mem.release(s)
+    cached_block(mem, 12, rid=3)
+    cached_block(mem, 13, rid=3)
+    state.release_all(_holder([s, p1, p2]), finishing=True)
+    lost = []
+    for _ in range(5):
+        before = set(mem.cache.attention)
+        mem.allocate_attention(4)
+        lost += sorted(before - set(mem.cache.attention))
+        check_invariants(mem)
+    assert lost == evicted
+
+
+def test_a_preempted_request_keeps_its_private_blocks_recent(falcon):
+    """evict_first applies to a finishing request: a preempted one resumes from its own
+    blocks, so they enter the LRU at the recent end as under mru."""
+    from serving_core.state_manager import HybridStateManager
+
+    mem = build_memory(falcon, "S1", {"shared": 3}, private_blocks="evict_first")
+    state = HybridStateManager(mem, step_end=True, retention_k=None, pinning_k=None)
+    old = cached_block(mem, 12, rid=3)
+    mine = mem.allocate_attention(1)
+    mem.publish(mine, 31, 512)
+    state.release_all(_holder([mine]))  # preemption: not finishing
+    mem.allocate_attention(4)
+    mem.allocate_attention(4)
+    assert mem.cached_attention(12) is None and mem.cached_attention(31) is mine
+    assert old.valid is False
+
+
+def test_a_block_another_request_adopted_is_marked_shared(falcon):
+    """The state manager marks an adopted block shared when the adopter is not its producer
+    (a resumed request adopting its own prefix leaves it private)."""
+    from types import SimpleNamespace
+
+    from serving_core.state_manager import HybridStateManager
+
+    mem = build_memory(falcon, "S1", {"shared": 16})
+    state = HybridStateManager(mem, step_end=False, retention_k=None, pinning_k=None)
+    own, other = cached_block(mem, 11, rid=1), cached_block(mem, 12, rid=1)
+    for rid, obj in ((1, own), (2, other)):
+        req = SimpleNamespace(rid=rid, pin=None, attn=[], dests=[], working=None,
+                              adopted=None, num_computed=0, num_prompt=1, num_tokens=1,
+                              target_output=1, room_end=0)
+        adoption = SimpleNamespace(objects=[obj], blocks=[obj], checkpoint=None, jadopt=0,
+                                   keys=[], hit=None)
+        state.admit(req, adoption, 0)
+    assert own.shared is False and other.shared is True
 
 
 @pytest.mark.parametrize("rule, checkpoint_survives", [("members", True), ("write", False)])

@@ -115,6 +115,7 @@ _SCHEDULER_RULES = {
     "conv_page_recency": str,
     "release_order": str,
     "duplicates": str,
+    "private_blocks": str,
     "interleave": lambda value: None if value is None else _plain(value),
     "split_last_boundary": None,
 }

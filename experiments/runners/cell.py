@@ -77,6 +77,7 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("engine", "conv_page_recency"): "members",
     ("engine", "release_order"): "attention_first",
     ("engine", "duplicates"): "drop",
+    ("engine", "private_blocks"): "mru",
     ("executor", "state_page_s"): 0.0,
     ("executor", "conv_slot_s"): 0.0,
     ("executor", "kv_page_s"): 0.0,

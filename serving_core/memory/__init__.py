@@ -89,11 +89,13 @@ def build_memory(
     conv_page_recency: str = "members",
     release_order: str = "attention_first",
     duplicates: str = "drop",
+    private_blocks: str = "mru",
 ) -> MemoryOrganization:
     """The runtime allocator of `org` with pools sized by the planner ({pool: units}).
 
     `slab_policy` (organizations with slabs): see memory.s2.SLAB_POLICIES; `free_queue`
-    (memory.pool), `checkpoint_recency`, `release_order` and `duplicates` (memory.base)
+    (memory.pool), `checkpoint_recency`, `release_order`, `duplicates` and `private_blocks`
+    (memory.base)
     and `cache_policy` with its `marconi_alpha` (memory.cache_policy) apply to every
     organization, `conv_page_recency` (memory.base) to one with a dedicated conv page
     (S1)."""
@@ -111,7 +113,7 @@ def build_memory(
         )
     rules = {"free_queue": free_queue, "checkpoint_recency": checkpoint_recency,
              "conv_page_recency": conv_page_recency, "release_order": release_order,
-             "duplicates": duplicates}
+             "duplicates": duplicates, "private_blocks": private_blocks}
     policy = build_cache_policy(cache_policy, geometry, marconi_alpha)
     if policy is not None:
         rules["cache_policy"] = policy

@@ -59,6 +59,15 @@ RELEASE_ORDERS = ("attention_first", "state_first")
 # BlockHashToBlockMap: "we don't de-duplicate the blocks in the cache"), so the key stays
 # found while any copy is valid; adoption takes the oldest copy.
 DUPLICATE_RULES = ("drop", "cache")
+# Where a finishing request's attention blocks that no other request adopted (its private
+# suffix: its own question and output) enter the LRU (engine.private_blocks): `mru`
+# (default) at the most recent end, deepest first, like every block it releases; `evict_first`
+# at the least recent end, deepest first, so they go before any entry another request used
+# and do not compete with shared chains. vLLM frees a request's blocks tail first because
+# the tail is the least likely to be reused (KVCacheManager.free); SGLang's radix cache
+# evicts leaves (private suffixes) before the shared nodes above them. A preempted
+# request's blocks keep `mru` (they are its own prefix on resume).
+PRIVATE_BLOCK_RULES = ("mru", "evict_first")
 # Where the torch arenas find a composite's conv window (MemoryOrganization.conv_addressing).
 CONV_ADDRESSING = ("unit", "page", "slot")
 
@@ -199,12 +208,14 @@ class MemoryOrganization:
         conv_page_recency: str = "members",
         release_order: str = "attention_first",
         duplicates: str = "drop",
+        private_blocks: str = "mru",
     ):
         for key, value, allowed in (("checkpoint_recency", checkpoint_recency,
                                      CHECKPOINT_RECENCIES),
                                     ("conv_page_recency", conv_page_recency, CONV_PAGE_RECENCIES),
                                     ("release_order", release_order, RELEASE_ORDERS),
-                                    ("duplicates", duplicates, DUPLICATE_RULES)):
+                                    ("duplicates", duplicates, DUPLICATE_RULES),
+                                    ("private_blocks", private_blocks, PRIVATE_BLOCK_RULES)):
             if value not in allowed:
                 raise ValueError(f"engine.{key}={value!r}: allowed values are "
                                  f"{', '.join(allowed)}")
@@ -219,6 +230,8 @@ class MemoryOrganization:
         self.release_order = release_order
         self.duplicates = duplicates
         self.cache_duplicates = duplicates == "cache"
+        self.private_blocks = private_blocks
+        self.private_first = private_blocks == "evict_first"
         self.events = events or MemoryEvents()
         self.cache = PrefixCache()
         self.pools: dict[str, UnitPool] = {}
@@ -371,26 +384,38 @@ class MemoryOrganization:
         request's own release (S2 write-once slabs count it as a write)."""
         self.release_each((obj,))
 
-    def release_each(self, objs) -> None:
+    def release_each(self, objs, finishing: bool = False) -> None:
         """`release` of each of `objs` in turn, none a producer's release (one call for a
-        finishing request's attention blocks; S2 adds to `release` only for producers)."""
+        request's attention blocks; S2 adds to `release` only for producers). `finishing`:
+        under private_blocks `evict_first`, the cached blocks no other request adopted go
+        to the least recent end of the LRU afterwards, the first of `objs` last (so it is
+        the first evicted)."""
+        private = [] if finishing and self.private_first else None
         for obj in objs:
             assert obj.ref_count > 0, f"release of unreferenced {obj}"
             obj.ref_count -= 1
             if obj.ref_count:
                 continue
-            if obj.cached:
-                self._on_unreferenced(obj)
-            else:
+            if not obj.cached:
                 self._destroy(obj, obj.producer)
+            elif private is not None and not obj.shared and obj.kind == Kind.ATTENTION:
+                private.append(obj)
+            else:
+                self._on_unreferenced(obj)
+        for obj in reversed(private or ()):
+            self._on_unreferenced(obj, least_recent=True)
 
     def _on_referenced(self, obj: StateObject) -> None:
         pool = self.pools[obj.pool]
         for unit in obj.units:
             pool.discard_evictable(unit)
 
-    def _on_unreferenced(self, obj: StateObject) -> None:
+    def _on_unreferenced(self, obj: StateObject, least_recent: bool = False) -> None:
         pool = self.pools[obj.pool]
+        if least_recent:  # below every stamp given so far: the next eviction takes it
+            for unit in obj.units:
+                pool.add_evictable(unit, -pool.tick())
+            return
         if obj.kind == Kind.COMPOSITE and (self._recency_at_publication or self._conv_at_write):
             # The first last-release is the producer's (publication); later ones (adopters)
             # return the units that keep their publication stamp (all members under

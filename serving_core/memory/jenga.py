@@ -420,9 +420,11 @@ class JengaTwoLevel(MemoryOrganization):
             small.discard_evictable(unit)
             self._set(obj.pool, unit, _USED)
 
-    def _on_unreferenced(self, obj: StateObject) -> None:
+    def _on_unreferenced(self, obj: StateObject, least_recent: bool = False) -> None:
         small = self.pools[obj.pool]
-        if self._recency_at_publication and obj.kind == Kind.COMPOSITE:
+        if least_recent:
+            stamp = -small.tick()
+        elif self._recency_at_publication and obj.kind == Kind.COMPOSITE:
             if obj.stamp is None:
                 obj.stamp = small.tick()
             stamp = obj.stamp

@@ -58,6 +58,7 @@ class StateObject:
         "valid",
         "producer",
         "stamp",
+        "shared",
     )
     is_null = False
 
@@ -75,6 +76,7 @@ class StateObject:
         self.valid = True
         self.producer = producer
         self.stamp: int | None = None  # LRU stamp at publication (checkpoint_recency rule)
+        self.shared = False  # adopted by a request other than its producer (private_blocks)
 
     def __repr__(self) -> str:
         return (

@@ -317,8 +317,8 @@ class S2PagingConvSlots(MemoryOrganization):
                 self.pools["shared"].discard_evictable(slab.page)
             slab.num_referenced += 1
 
-    def _on_unreferenced(self, obj: StateObject) -> None:
-        super()._on_unreferenced(obj)
+    def _on_unreferenced(self, obj: StateObject, least_recent: bool = False) -> None:
+        super()._on_unreferenced(obj, least_recent)
         if obj.slab_page != NO_SLOT:
             slab = self.slabs[obj.slab_page]
             slab.num_referenced -= 1
