@@ -41,8 +41,11 @@ def test_space_expands_as_declared():
     assert len(oat) == 1 + levels and len({c.name for c in oat}) == len(oat)
     fact = space.design("factorial")
     assert len(fact) == math.prod(len(v) for v in space.designs["factorial"].values())
+    private = space.design("private")
+    assert len(private) == math.prod(len(v) for v in space.designs["private"].values())
+    assert all("privfirst" in c.name.split(".") for c in private)
     full = space.combinations(space.full)
-    assert len(full) == len({c.name for c in oat} | {c.name for c in fact})
+    assert len(full) == len({c.name for c in (*oat, *fact, *private)})
     c = space.combination({"slab_policy": "dense", "placement": "s0_every_boundary",
                            "free_queue": "single_queue"})
     assert c.name == "sq.dense.s0every" and c.rules_name == c.name
