@@ -106,8 +106,9 @@ class Request:
         self.alloc_fail_logged = False
         self.memo_hit = None  # last admission lookup and the cache version it saw
         self.memo_version = -1
-        # (cache version, pool gains, token budget) when its admission last failed with
-        # requests running; None once admitted (serving_core/scheduler.py _try_admit)
+        # (cache mark, pool gains, token budget) when its admission last failed with
+        # requests running; None once admitted (serving_core/scheduler.py _try_admit and
+        # _cache_mark)
         self.blocked: tuple[int, int, int] | None = None
         self.next_token: int | None = None  # token a real executor sampled for this step
         # stop rules of a served request (serving_core/sampling_params.py), or None
@@ -158,7 +159,6 @@ class Request:
             token = self.next_generated_token()
         else:
             self.next_token = None
-        tokens = self.tokens
-        (self._token_list() if tokens is None else tokens).append(token)
+        self._token_list().append(token)
         self.num_generated += 1
         self.num_tokens += 1

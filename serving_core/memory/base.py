@@ -89,7 +89,8 @@ class MemoryOrganization:
     - `supports_retention`: producer-side checkpoint retention (S2+Retention) applies;
     - `stable_demand`: `demand` depends on the counts alone and a pool's `num_available`
       grows only through its `gains` (UnitPool), so an admission that failed fails again
-      while neither the prefix cache nor any pool gained (serving_core/scheduler.py);
+      while nothing it could adopt appeared in the prefix cache and no pool gained
+      (serving_core/scheduler.py `_cache_mark`);
     - `pool_names`, `attention_pool`, `composite_pool`: its pools, in plan order, and
       which of them attention blocks and composites draw from.
 
