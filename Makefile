@@ -16,18 +16,22 @@ help: ## list the targets
 	  for q in $(QUESTIONS); do sed -n "s/^# make: /$$q: ## /p" conf/campaign/$$q.yaml; done; } \
 	  | sed -e 's/:.*## /\t/' | column -t -s $$'\t'
 
+# Servers preload tcmalloc when one is installed (experiments/runners/server_process.py:
+# under glibc malloc our server's decode steps page-fault their temporaries afresh, +70 %
+# output tokens/s with tcmalloc on 2 cores). The install says so, once, when there is none;
+# targets that only find .venv up to date print nothing about it.
+TCMALLOC_DIRS := /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64 /usr/lib /usr/local/lib
+TCMALLOC_LIBS := $(foreach d,$(TCMALLOC_DIRS),$(d)/libtcmalloc_minimal.so.4 $(d)/libtcmalloc.so.4 \
+	$(d)/libtcmalloc_minimal.so $(d)/libtcmalloc.so)
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	@ls $(TCMALLOC_LIBS) >/dev/null 2>&1 || echo "note: no tcmalloc found; servers and \
+	benchmarks run on glibc malloc (much slower serving): apt-get install libtcmalloc-minimal4"
 	touch $(STAMP)
 
-# Servers preload tcmalloc when one is installed (experiments/runners/server_process.py:
-# under glibc malloc our server's decode steps page-fault their temporaries afresh, +70 %
-# output tokens/s with tcmalloc on 2 cores); setup says so when there is none.
-TCMALLOC_DIRS := /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64 /usr/lib /usr/local/lib
 setup: $(STAMP) ## create .venv and install the project with dev extras (idempotent)
-	@ls $(foreach d,$(TCMALLOC_DIRS),$(d)/libtcmalloc_minimal.so.4 $(d)/libtcmalloc.so.4 $(d)/libtcmalloc_minimal.so $(d)/libtcmalloc.so) >/dev/null 2>&1 || \
-		echo "note: no tcmalloc found; servers and benchmarks run on glibc malloc (much slower serving): apt-get install libtcmalloc-minimal4"
 
 # Tests run in parallel (pytest-xdist): WORKERS=n processes (default: one per core, at most
 # 4), each test file on one worker (--dist loadfile: its module-scoped fixtures are built
@@ -228,7 +232,7 @@ PORT ?= 8000
 $(TINY_MODEL)/config.json: | setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m serving_core.model.make_tiny $(TINY_MODEL) --model $(TINY_PRESET)
 
-serve: setup $(TINY_MODEL)/config.json ## serve the tiny model (MODEL=falcon|granite) on 127.0.0.1:$(PORT) (ORG=, BUDGET=, ARGS='trace=true semantics=first_chunk ...')
+serve: setup $(TINY_MODEL)/config.json ## serve the tiny model (MODEL=falcon|granite) on 127.0.0.1, port PORT= (default 8000; 0: a free one) (ORG=, BUDGET=, ARGS='trace=true semantics=first_chunk ...')
 	$(BIN)/python -m experiments.serve model=$(TINY_PRESET) executor=torch executor.checkpoint=$(TINY_MODEL) \
 		org=$(ORG) budget=$(BUDGET) --port $(PORT) $(ARGS)
 
