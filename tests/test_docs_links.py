@@ -281,6 +281,32 @@ class Checker:
         return problems
 
 
+def linked_pages(path: Path) -> set[Path]:
+    """The Markdown files a Markdown file links to (code spans and blocks skipped)."""
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    out = set()
+    for match in MD_LINK.finditer(text):
+        file_part = (match.group(1) or match.group(2)).partition("#")[0]
+        if file_part.endswith(".md") and not re.match(r"[a-z][a-z0-9+.-]*:", file_part):
+            out.add((path.parent / file_part).resolve())
+    return out
+
+
+def unreachable_docs(root: Path = REPO) -> list[str]:
+    """docs/*.md pages no chain of Markdown links from README.md reaches."""
+    root = root.resolve()
+    seen, todo = set(), [root / "README.md"]
+    while todo:
+        page = todo.pop()
+        if page in seen or not page.is_file():
+            continue
+        seen.add(page)
+        todo += [p for p in linked_pages(page) if p.is_relative_to(root)]
+    return [str(p.relative_to(root)) for p in sorted((root / "docs").glob("*.md"))
+            if p.resolve() not in seen]
+
+
 def report_pages() -> set[str]:
     """The page files `analysis.report` writes (its registries)."""
     from analysis.report import owned_files
@@ -322,9 +348,27 @@ def test_no_reference_points_outside_the_repository():
 
 def test_the_design_documents_exist_and_are_linked_from_the_readme():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    for name in ("architecture", "engine_rules", "calibration", "statistics", "paper_design"):
+    for name in ("architecture", "engine_rules", "calibration", "statistics", "paper_design",
+                 "usage", "serving", "real_path", "benchmarks", "results"):
         assert (REPO / "docs" / f"{name}.md").is_file()
         assert f"docs/{name}.md" in readme
+        assert REPO / "docs" / f"{name}.md" in linked_pages(REPO / "README.md")
+
+
+def test_every_docs_page_is_scanned_and_reachable_from_the_readme():
+    """Every docs/*.md is among the scanned files (so its links, anchors and sections are
+    checked by the test above) and a chain of Markdown links from README.md reaches it."""
+    pages = sorted((REPO / "docs").glob("*.md"))
+    assert pages and set(pages) <= set(repo_files())
+    assert unreachable_docs() == []
+
+
+def test_the_readme_is_a_front_door():
+    """At most 250 lines; its two commands and the engine-rule recipe."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 250
+    assert "make demo" in readme and "make test" in readme
+    assert "**An engine rule**" in readme and "docs/engine_rules.md" in readme
 
 
 def test_the_register_in_the_docs_covers_every_reading():
@@ -361,6 +405,12 @@ def test_the_planted_repository_is_clean(planted):
     assert violations(planted, sorted(p for p in planted.rglob("*") if p.is_file())) == []
 
 
+def test_a_docs_page_no_link_reaches_is_reported(planted):
+    assert unreachable_docs(planted) == ["docs/calibration.md", "docs/paper_design.md"]
+    _plant(planted, "docs/engine_rules.md", "# Engine rules\n\n[design](paper_design.md)\n")
+    assert unreachable_docs(planted) == ["docs/calibration.md"]
+
+
 @pytest.mark.parametrize("relative, text, expected", [
     ("bad.py", '"""Invariants (' + _SPEC + ' section 3)."""\n', "names a design note"),
     ("bad.py", "# see " + _ANCHORS + ".md F\n", "names a design note"),
@@ -373,6 +423,9 @@ def test_the_planted_repository_is_clean(planted):
     ("notes.md", "[rules](/abs/docs/engine_rules.md)\n", "absolute link"),
     ("notes.md", "[up](../../outside.md)\n", "leaves the repository"),
     ("notes.md", "[gone](docs/gone.md)\n", "does not exist"),
+    ("docs/usage.md", "[gone](gone.md)\n", "does not exist"),
+    ("docs/usage.md", "[rules](engine_rules.md#nope)\n", "has no heading"),
+    ("docs/usage.md", "[rules](docs/engine_rules.md)\n", "does not exist"),
     ("conf/campaign/intro.md", "See [Q99](q99.md).\n", "not a page the report writes"),
     ("notes.md", "[rules](docs/engine_rules.md#nope)\n", "has no heading"),
     ("notes.md", "[rules](docs/engine_rules.md), section 9\n", "has no section 9"),

@@ -76,8 +76,8 @@ def test_vllm_serves_granite_with_transformers_tokens_and_reuse(tag, granite_tin
     tokens equal transformers' generate; every hit is whole blocks, and the last send adopts
     the deepest block boundary inside the prompt, 256 floor(699 / 256) = 512 tokens. (With
     the CPU workaround a prompt's first sends can miss: the state at a boundary is kept only
-    where a prefill chunk ends there, README "CPU prefix-caching workaround"; measured here
-    0, 0, 0, 512.) Its cache is the block and block count computed by hand."""
+    where a prefill chunk ends there, docs/real_path.md section 8.1; measured here 0, 0, 0,
+    512.) Its cache is the block and block count computed by hand."""
     vcfg = vllm_executor_config(OmegaConf.create({
         "name": "vllm", "kind": "vllm", "checkpoint": str(granite_tiny_checkpoint),
         "python": str(VLLM_PYTHON)}))
