@@ -15,6 +15,9 @@ untracked, git-ignored paths excluded). A violation is:
   does not have (a section is the first word of a heading: `## 3.2 ...` is section 3.2);
 - a relative Markdown link that leaves the repository or names a missing file.
 
+Every `docs/*.md` page is among the scanned files, and a chain of Markdown links from
+README.md reaches it (the README links the manual, results and design pages directly).
+
 Frozen text: the values of the preregistered plans (conf/prereg/<plan>.yaml) are hashed
 into every run's `prereg_plan_hash` (ledgers/plans.py), and the fitted A100 profile
 (conf/executor/a100.yaml, written by `make calibrate`) is part of every simulated run's
