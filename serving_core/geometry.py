@@ -140,6 +140,7 @@ class Geometry:
     def _check_pattern_fields(self) -> None:
         """A pattern's mixers need their fields; a field no layer uses must stay 0."""
         if self.layers is None:
+            self._check_shared_fields(0)
             return
         mixers = lp.mixer_counts(self.layers)
         ffns = lp.ffn_counts(self.layers)
@@ -163,7 +164,7 @@ class Geometry:
         if not (mixers["mamba2"] or mixers["hybrid"]) and self.mamba_heads:
             raise ValueError(f"model.mamba_heads={self.mamba_heads}: no layer of model.layers "
                              "is mamba2 or hybrid; allowed value is 0")
-        self._check_shared_fields(lp.shared_calls(self.layers), ffns)
+        self._check_shared_fields(lp.shared_calls(self.layers))
         if ffns["moe"] and min(self.num_experts, self.experts_per_token,
                                self.expert_intermediate_size) <= 0:
             raise ValueError("model.num_experts, experts_per_token and "
@@ -176,7 +177,7 @@ class Geometry:
             raise ValueError(f"model.vocab_size={self.vocab_size}: a preset with model.layers "
                              "needs it positive (its parameters are derived from the pattern)")
 
-    def _check_shared_fields(self, calls: int, ffns) -> None:
+    def _check_shared_fields(self, calls: int) -> None:
         """Shared-block fields are positive with `shared+` layers and unset without them."""
         names = ("shared_blocks", "shared_attention_hidden_size")
         for name in names:

@@ -90,6 +90,7 @@ def test_q1_and_q9_demo_figures_keep_their_text_on_the_canvas(recorded, tmp_path
     assert set(recorded) == {"q1_fig2a.png", "q1_fig2b.png", "q1_fig2cd.png", "q9_fig7c.png"}
     for name, fig in recorded.items():
         assert outside(fig) == [], name
+        assert note in [t.get_text() for t in fig.texts], name  # the stage note kept whole
         assert (tmp_path / name).stat().st_size > 0
     # the long titles wrapped rather than shrank: the stage note is still whole, in order
     title = recorded["q9_fig7c.png"].axes[0].get_title()
@@ -112,3 +113,16 @@ def test_fit_text_wraps_titles_and_figure_texts_that_overflow():
     assert " ".join(left.get_title().split()) == long.strip()
     plt.close(fig)
     assert matplotlib.get_backend().lower() == "agg"
+
+
+def test_a_kept_phrase_is_not_broken_but_set_smaller():
+    note = "DEMO STAGE, 300 requests per run: a pipeline check, not a result"
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.set_title(f"Title ({note})")
+    fig.text(0.5, 0.0, note, ha="center", va="bottom", fontsize=10)
+    fit_text(fig, fig.tight_layout, keep=[note])
+    assert outside(fig) == []
+    assert ax.get_title() == f"Title\n({note})"
+    (text,) = fig.texts
+    assert text.get_text() == note and text.get_fontsize() < 10
+    plt.close(fig)

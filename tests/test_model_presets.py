@@ -483,6 +483,8 @@ def test_zamba2_state_for_the_planner():
 def test_shared_block_fields_are_checked(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(load_geometry("zamba2_7b"), **change)
+    with pytest.raises(ValueError, match="model.shared_blocks=2: no layer of model.layers"):
+        load_geometry("falcon_h1_7b", shared_blocks=2)  # a preset without a pattern
 
 
 def test_zamba2_runs_and_refuses_n0_in_one_line(tmp_path):

@@ -141,9 +141,11 @@ def n_text(runs: pd.DataFrame, by: Sequence[str]) -> str:
 def save(fig, path: Path) -> Path:
     """Write PNG and SVG; return the PNG path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    noted = any(t.get_gid() == STAGE_NOTE_GID for t in fig.texts)
-    # room for the stage note; titles wider than the canvas wrapped (analysis/pages/text_fit.py)
-    fit_text(fig, lambda: fig.tight_layout(rect=(0, 0.06, 1, 1) if noted else None))
+    notes = [t.get_text() for t in fig.texts if t.get_gid() == STAGE_NOTE_GID]
+    # room for the stage note; titles wider than the canvas wrapped, the note kept whole
+    # (analysis/pages/text_fit.py)
+    fit_text(fig, lambda: fig.tight_layout(rect=(0, 0.06, 1, 1) if notes else None),
+             keep=notes)
     fig.savefig(path, dpi=DPI)
     fig.savefig(path.with_suffix(".svg"))
     plt.close(fig)
