@@ -31,6 +31,8 @@ REFERENCE_KV_CODEC = "bf16"
 # A preset may carry the remaining architecture fields of a real checkpoint under this key
 # (serving_core.model.make_tiny builds random-weight checkpoints from them).
 ARCHITECTURE_KEY = "architecture"
+# Its public source and published size (serving_core/model_card.py): documentation only.
+CARD_KEY = "card"
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,16 @@ class Geometry:
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # a sigmoid gate on the shared expert (Qwen3-Next)
+    # Weight-shared transformer blocks (Zamba2), called by the layers written `shared+...`:
+    # distinct blocks, used in turn (num_mem_blocks); the width of their attention input
+    # (Zamba2: 2 x hidden, the layer input concatenated with the original embedding); the
+    # rank of the LoRA adapters each call has on the MLP's gate/up (0: none) and, with
+    # shared_attention_adapter, on q, k and v. The attention fields above (heads, KV heads,
+    # head_dim) and intermediate_size / mlp_gated describe the shared block.
+    shared_blocks: int = 0
+    shared_attention_hidden_size: int = 0
+    shared_adapter_rank: int = 0
+    shared_attention_adapter: bool = False
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -128,6 +140,7 @@ class Geometry:
     def _check_pattern_fields(self) -> None:
         """A pattern's mixers need their fields; a field no layer uses must stay 0."""
         if self.layers is None:
+            self._check_shared_fields(0)
             return
         mixers = lp.mixer_counts(self.layers)
         ffns = lp.ffn_counts(self.layers)
@@ -151,6 +164,7 @@ class Geometry:
         if not (mixers["mamba2"] or mixers["hybrid"]) and self.mamba_heads:
             raise ValueError(f"model.mamba_heads={self.mamba_heads}: no layer of model.layers "
                              "is mamba2 or hybrid; allowed value is 0")
+        self._check_shared_fields(lp.shared_calls(self.layers))
         if ffns["moe"] and min(self.num_experts, self.experts_per_token,
                                self.expert_intermediate_size) <= 0:
             raise ValueError("model.num_experts, experts_per_token and "
@@ -162,6 +176,26 @@ class Geometry:
         if self.vocab_size <= 0:
             raise ValueError(f"model.vocab_size={self.vocab_size}: a preset with model.layers "
                              "needs it positive (its parameters are derived from the pattern)")
+
+    def _check_shared_fields(self, calls: int) -> None:
+        """Shared-block fields are positive with `shared+` layers and unset without them."""
+        names = ("shared_blocks", "shared_attention_hidden_size")
+        for name in names:
+            value = getattr(self, name)
+            if calls and value <= 0:
+                raise ValueError(f"model.{name}={value}: a pattern with shared+ layers needs it "
+                                 "positive")
+        for name in (*names, "shared_adapter_rank", "shared_attention_adapter"):
+            value = getattr(self, name)
+            if not calls and value:
+                raise ValueError(f"model.{name}={value}: no layer of model.layers is shared+; "
+                                 f"allowed value is {False if isinstance(value, bool) else 0}")
+        if self.shared_adapter_rank < 0:
+            raise ValueError(f"model.shared_adapter_rank={self.shared_adapter_rank}: allowed "
+                             "values are integers >= 0")
+        if calls and self.intermediate_size <= 0:
+            raise ValueError(f"model.intermediate_size={self.intermediate_size}: a pattern "
+                             "with shared+ layers needs it positive (the shared block's MLP)")
 
     # ----- the pattern and its storage scope --------------------------------------------
     @property
@@ -304,6 +338,7 @@ def geometry_from_config(cfg: Any, **overrides: Any) -> Geometry:
     data = dict(cfg.items()) if hasattr(cfg, "items") else dict(cfg)
     data.update(overrides)
     data.pop(ARCHITECTURE_KEY, None)  # checkpoint-building fields, not state geometry
+    data.pop(CARD_KEY, None)  # source and published size, not state geometry
     if data.get("layers") is not None:
         data["layers"] = tuple(e if isinstance(e, str) else list(e) for e in data["layers"])
     known = {f.name for f in fields(Geometry)}

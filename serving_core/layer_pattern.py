@@ -6,6 +6,13 @@ A layer is written `mixer` or `mixer+ffn` (an FFN-only layer is written `mlp` or
   `mamba2`, `gdn` (Gated DeltaNet, Qwen3-Next), `mamba1` (Jamba's Mamba), `none`;
 - feed-forward: `mlp` (dense), `moe` (routed experts, optionally a shared expert), `none`.
 
+A layer may first call a weight-shared transformer block: `shared+mixer[+ffn]` (`shared`
+alone: the call only). Zamba2's hybrid layers are `shared+mamba2`: one of the preset's
+`shared_blocks` blocks (attention + MLP, used in turn) runs on the layer's input, then the
+layer's own Mamba2. A shared block's weights count once however many layers call it
+(serving_core/param_count.py); each call keeps attention KV of its own, so for state a call
+is an attention layer.
+
 A preset lists its layers in order, each entry a layer string or a run `[count, layer]`
 (serving_core/geometry.py expands and checks them against `num_layers`). A preset without a
 pattern is Falcon-H1-shaped: every layer `hybrid+mlp`.
@@ -32,16 +39,31 @@ FFNS = ("mlp", "moe", "none")
 # The state each mixer carries: attention KV, a recurrent state of one shape.
 ATTENTION_MIXERS = ("hybrid", "attention")
 RECURRENT_KINDS = {"hybrid": "mamba2", "mamba2": "mamba2", "gdn": "gdn", "mamba1": "mamba1"}
+SHARED = "shared"  # a call of a weight-shared block, written before the layer's mixer
 LAYER_FORMS = (f"'mixer' or 'mixer+ffn' with mixer one of {', '.join(MIXERS)} and ffn one of "
-               f"{', '.join(FFNS)} ('mlp' or 'moe' alone: an FFN-only layer), or a run "
-               "[count, layer]")
+               f"{', '.join(FFNS)} ('mlp' or 'moe' alone: an FFN-only layer), either "
+               f"prefixed '{SHARED}+' (a call of a weight-shared block; '{SHARED}' alone: the "
+               "call only), or a run [count, layer]")
+
+
+def split_shared(text: str) -> tuple[bool, str]:
+    """(calls a shared block, the rest of the layer string)."""
+    parts = text.strip().split("+", 1)
+    if parts[0] != SHARED:
+        return False, text.strip()
+    return True, parts[1] if len(parts) > 1 else "none"
+
 
 
 def parse_layer(text: str) -> tuple[str, str]:
-    """(mixer, ffn) of one layer string; a mixer alone has no FFN block."""
+    """(mixer, ffn) of one layer string; a mixer alone has no FFN block (a shared-block
+    call in front is not part of either: `shared_calls` counts them)."""
     if not isinstance(text, str):
         raise ValueError(f"model.layers entry {text!r}: allowed forms are {LAYER_FORMS}")
-    parts = text.strip().split("+")
+    shared, rest = split_shared(text)
+    if shared and rest.split("+")[0] == SHARED:
+        raise ValueError(f"model.layers entry {text!r}: allowed forms are {LAYER_FORMS}")
+    parts = rest.split("+")
     if len(parts) == 1 and parts[0] in ("mlp", "moe"):
         return "none", parts[0]
     if len(parts) == 1 and parts[0] in MIXERS:
@@ -71,11 +93,14 @@ def expand_layers(entries: Iterable[Any]) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=64)
 def _counts(layers: tuple[str, ...]) -> tuple[tuple[tuple[str, int], ...], ...]:
     """(mixer counts, ffn counts, state counts) of a pattern, as items: the planner and the
-    geometry ask for them hundreds of times per run, for a handful of patterns."""
+    geometry ask for them hundreds of times per run, for a handful of patterns. The mixer
+    counts carry the shared-block calls under `shared`."""
     parsed = [parse_layer(s) for s in layers]
     mixers = Counter(m for m, _ in parsed)
+    mixers[SHARED] = sum(split_shared(s)[0] for s in layers)
     ffns = Counter(f for _, f in parsed)
-    states = {"attention": sum(mixers[m] for m in ATTENTION_MIXERS)}
+    # a shared-block call keeps KV of its own: an attention layer for state
+    states = {"attention": sum(mixers[m] for m in ATTENTION_MIXERS) + mixers[SHARED]}
     for mixer, kind in RECURRENT_KINDS.items():
         states[kind] = states.get(kind, 0) + mixers[mixer]
     return tuple(mixers.items()), tuple(ffns.items()), tuple(states.items())
@@ -83,6 +108,11 @@ def _counts(layers: tuple[str, ...]) -> tuple[tuple[tuple[str, int], ...], ...]:
 
 def mixer_counts(layers: Sequence[str]) -> Counter:
     return Counter(dict(_counts(tuple(layers))[0]))
+
+
+def shared_calls(layers: Sequence[str]) -> int:
+    """Layers that call a weight-shared block."""
+    return mixer_counts(layers)[SHARED]
 
 
 def ffn_counts(layers: Sequence[str]) -> Counter:

@@ -15,8 +15,18 @@ and a final norm. Counted per block (hidden h):
 - moe: router h x E, E experts of 3 h Ie (k of them active), a shared expert 3 h Is and its
   gate (h) when present.
 
-The active count replaces the E experts by the k a token is routed to. A test
-(tests/test_model_presets.py) holds every preset's total within 2 % of its published size.
+Weight-shared blocks (layers written `shared+...`, Zamba2): each of the `shared_blocks`
+blocks is counted once however many layers call it: attention on an input of
+`shared_attention_hidden_size` (Zamba2: 2 h, the layer input and the original embedding),
+q a x heads dh, k and v a x kv dh each, o heads dh x h; an MLP as above; two norms (a, h).
+Each call has its own h x h output projection and LoRA adapters of rank r: gate/up
+(h x r + r x 2 I, or r x I ungated) and, with shared_attention_adapter, q, k and v
+(3 x 2 a r).
+
+The active count replaces the E experts by the k a token is routed to and counts a shared
+block at every call (a token multiplies through it each time), so a model with shared
+blocks has more active parameters than parameters. A test (tests/test_model_presets.py)
+holds every preset's total within 2 % of its published size.
 """
 
 from __future__ import annotations
@@ -29,14 +39,19 @@ if TYPE_CHECKING:
     from serving_core.geometry import Geometry
 
 
+def _attention(g: Geometry, width: int) -> int:
+    """q, k, v from an input of `width`, o back to hidden."""
+    q = g.num_attention_heads * g.head_dim
+    return (width * q * (2 if g.attention_output_gate else 1)
+            + 2 * width * g.num_kv_heads * g.head_dim + q * g.hidden_size)
+
+
 def mixer_params(g: Geometry, mixer: str) -> int:
     h = g.hidden_size
     if mixer == "none":
         return 0
     if mixer == "attention":
-        q = g.num_attention_heads * g.head_dim
-        return h * q * (2 if g.attention_output_gate else 1) + 2 * h * g.num_kv_heads * \
-            g.head_dim + q * h
+        return _attention(g, h)
     if mixer == "mamba2":
         inner, gn, heads = g.mamba_inner, g.n_groups * g.d_state, g.mamba_heads
         conv_dim = inner + 2 * gn
@@ -74,11 +89,33 @@ def ffn_params(g: Geometry, ffn: str) -> tuple[int, int]:
     raise ValueError(f"ffn={ffn!r}: allowed values are {', '.join(lp.FFNS)}")
 
 
+def shared_block_params(g: Geometry) -> int:
+    """One weight-shared block: attention on its wide input, the MLP, two norms."""
+    width = g.shared_attention_hidden_size
+    return _attention(g, width) + ffn_params(g, "mlp")[0] + width + g.hidden_size
+
+
+def shared_call_params(g: Geometry) -> int:
+    """What each call of a shared block has of its own: the output projection and the
+    LoRA adapters (gate/up; q, k, v with shared_attention_adapter)."""
+    h, r, width = g.hidden_size, g.shared_adapter_rank, g.shared_attention_hidden_size
+    gate_up = (2 if g.mlp_gated else 1) * g.intermediate_size
+    adapters = (h * r + r * gate_up) if r else 0
+    if r and g.shared_attention_adapter:
+        adapters += 3 * 2 * width * r
+    return h * h + adapters
+
+
 def count_params(g: Geometry) -> tuple[int, int]:
     """(total, active) parameters of the whole model."""
     h = g.hidden_size
     embed = g.vocab_size * h * (1 if g.tie_word_embeddings else 2)
     total = active = embed + h  # embeddings (+ untied head) and the final norm
+    calls = lp.shared_calls(g.layer_strings)
+    if calls:
+        block, own = shared_block_params(g), shared_call_params(g)
+        total += min(g.shared_blocks, calls) * block + calls * own
+        active += calls * (block + own)
     for text in g.layer_strings:
         mixer, ffn = lp.parse_layer(text)
         norms = h * ((mixer != "none") + (ffn != "none"))

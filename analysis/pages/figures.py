@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.pages.common import METRICS, cell_order  # noqa: E402
+from analysis.pages.text_fit import fit_text  # noqa: E402
 from ledgers import arms  # noqa: E402
 
 DPI = 100
@@ -40,7 +41,7 @@ def _save(fig, path: Path) -> Path:
     """PNG and SVG; the next figure starts a fresh jitter generator (one per figure)."""
     global _JITTER
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    fit_text(fig, fig.tight_layout)  # titles wider than the canvas wrapped
     fig.savefig(path, dpi=DPI)
     fig.savefig(path.with_suffix(".svg"))
     plt.close(fig)

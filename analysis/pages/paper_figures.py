@@ -23,6 +23,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from analysis.pages.common import budget_rank  # noqa: E402
+from analysis.pages.text_fit import fit_text  # noqa: E402
 from ledgers import arms  # noqa: E402
 
 ORG_NAMES = {a.ledger_org: a.display for a in arms.ARMS.values()}  # legend names, in order
@@ -140,8 +141,11 @@ def n_text(runs: pd.DataFrame, by: Sequence[str]) -> str:
 def save(fig, path: Path) -> Path:
     """Write PNG and SVG; return the PNG path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    noted = any(t.get_gid() == STAGE_NOTE_GID for t in fig.texts)
-    fig.tight_layout(rect=(0, 0.06, 1, 1) if noted else None)  # room for the stage note
+    notes = [t.get_text() for t in fig.texts if t.get_gid() == STAGE_NOTE_GID]
+    # room for the stage note; titles wider than the canvas wrapped, the note kept whole
+    # (analysis/pages/text_fit.py)
+    fit_text(fig, lambda: fig.tight_layout(rect=(0, 0.06, 1, 1) if notes else None),
+             keep=notes)
     fig.savefig(path, dpi=DPI)
     fig.savefig(path.with_suffix(".svg"))
     plt.close(fig)

@@ -91,6 +91,9 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("executor", "prefill_batch_tokens"): None,
     ("host_tier", "capacity_bytes"): None,
 }
+# Documentation inside a section, never identity: a preset's card (its public source and
+# published size, serving_core/model_card.py).
+DOCUMENTATION_KEYS = (("model", "card"),)
 # Sections added after runs were collected: left out of the identity once empty (every
 # key of theirs at its neutral default).
 IDENTITY_NEUTRAL_SECTIONS = ("host_tier",)
@@ -125,6 +128,10 @@ def cell_config(cfg: DictConfig | dict) -> dict:
     for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
         group = out.get(section)
         if isinstance(group, dict) and key in group and group[key] == default:
+            out[section] = {k: v for k, v in group.items() if k != key}
+    for section, key in DOCUMENTATION_KEYS:
+        group = out.get(section)
+        if isinstance(group, dict) and key in group:
             out[section] = {k: v for k, v in group.items() if k != key}
     for section in IDENTITY_NEUTRAL_SECTIONS:
         if out.get(section) == {}:
