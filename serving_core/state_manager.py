@@ -100,7 +100,7 @@ class RestoreResult:
     poisoned_units: int = 0
 
 
-def _reads_no_cache(req: Request) -> bool:
+def reads_no_cache(req: Request) -> bool:
     """A request whose prompt logprobs are computed from its own prefill reads no cached
     prefix until its first token (vLLM skips the prefix cache for prompt_logprobs too)."""
     params = req.sampling
@@ -203,7 +203,7 @@ class HybridStateManager:
         mem = self.mem
         keys = req.lookup_keys()
         hit = self.lookup(req)
-        if _reads_no_cache(req):
+        if reads_no_cache(req):
             hit = PrefixHit(0, 0, 0, 0)
         jadopt = hit.jadopt
         table = mem.cache.attention

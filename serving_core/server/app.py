@@ -18,8 +18,18 @@ Usage carries vLLM's `prompt_tokens_details.cached_tokens` and `hsl_path` (one c
 `hsl_paths` for several): the actual path (recompute, device_reuse, host_reload), reused
 tokens and first batch (serving_core/server/paths.py).
 
-Handlers never touch the engine directly: they submit through the runtime and read their
-own token stream; /metrics renders the runtime's last snapshot. As vLLM's server: a
+`echo` with `logprobs` (lm-eval's loglikelihood requests) returns the prompt's tokens with
+their logprobs ahead of the generated ones (the first None, as vLLM), computed by the
+executor from the prompt's own prefill (SamplingParams.prompt_logprobs); with max_tokens 0
+one token is run and dropped, as vLLM does. Context length as vLLM 0.32
+(protocol.check_context_length): a prompt longer than max_model_len or max_tokens above it
+is a 400 in vLLM's words, prompt + max_tokens beyond it is served up to max_model_len.
+
+`OpenAIServer` holds the runtime, tokenizer and metrics registry, one method per route;
+`create_app` routes to them. Handlers never touch the engine directly: they submit through
+the runtime and read their own token stream; /metrics renders the runtime's last snapshot.
+A stop string's finish reason is settled with the runtime (`EngineRuntime.settle`), so
+vllm:request_success counts the reason the response reports. As vLLM's server: a
 request naming another model gets 404, every error body is OpenAI's {"error": {"message",
 "type", "param", "code"}}, and a request whose client disconnects is aborted (its state
 freed at the next step).

@@ -25,7 +25,10 @@ last token (serving_core/server/request_stats.py: vLLM's per-request histograms)
 
 A request's `SamplingParams` (serving_core/sampling_params.py) ride on its spec; a stop
 token ends it in the step that produced it (finish reason `stop`), a stop string found by
-the front end ends it through `abort(rid, "stop")`.
+the front end ends it through `abort(rid, "stop")`. A request submitted with `settle`
+(it has stop strings) is counted in vllm:request_success by the reason the front end
+`settle`s, since a stop string found on the last allowed token ends a request the engine
+already finished at its length.
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ class TokenStream:
     Items are (index, "token", (id, logprobs or None, finish or None)) and (index,
     "finish", finish) where finish is (reason, stop_reason), reason "length", "stop",
     "abort" or "error": a request's last token carries its finish, a request ended
-    without a token (abort, engine error) gets a finish item. `index` is the choice (one
-    engine request each)."""
+    without a token (abort, engine error) gets a finish item. A request with
+    prompt_logprobs also gets (index, "prompt", [(position, logprobs)]) items, before its
+    first token. `index` is the choice (one engine request each)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
