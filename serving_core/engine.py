@@ -75,6 +75,7 @@ class StepOutcome:
     produced: list[tuple[int, int]]  # (request id, token id) in plan order
     finished: list[int]  # request ids that finished in this step
     logprobs: dict[int, tuple] = field(default_factory=dict)  # ExecutorOutput.logprobs
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # ExecutorOutput's
 
 
 def check_feasible(mem: MemoryOrganization, specs, org: str, budget: str) -> None:
@@ -290,7 +291,8 @@ class Engine:
             **sched.plan_columns(plan, crossings),
         )
         self._poll()
-        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished, out.logprobs)
+        return StepOutcome(sched.step, t0, dt, len(plan), produced, finished, out.logprobs,
+                           out.prompt_logprobs)
 
     # ----- what this engine runs ---------------------------------------------------------------
     def effective_rules(self) -> dict[str, Any]:

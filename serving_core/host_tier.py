@@ -46,7 +46,13 @@ from dataclasses import dataclass
 
 import torch
 
-from serving_core.state_manager import BLOCK, CHECKPOINT, HybridStateManager, RestoreResult
+from serving_core.state_manager import (
+    BLOCK,
+    CHECKPOINT,
+    HybridStateManager,
+    RestoreResult,
+    reads_no_cache,
+)
 
 
 @dataclass
@@ -314,6 +320,8 @@ class EngineTier:
         return seconds
 
     def _restore(self, state: HybridStateManager, req) -> RestoreResult | None:
+        if reads_no_cache(req):  # its prompt logprobs need its own prefill
+            return None
         keys = req.lookup_keys()
         held = self.tier.restorable_prefix(keys, state.B, state.C)
         if held <= state.peek(req).jadopt:

@@ -48,6 +48,9 @@ class SamplingParams:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = True
     min_tokens: int = 0
+    # top alternatives of each prompt token's logprob (echo with logprobs): computed from
+    # the prefill's logits, so such a request reads no cached prefix before its first token
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

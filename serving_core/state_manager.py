@@ -100,6 +100,14 @@ class RestoreResult:
     poisoned_units: int = 0
 
 
+def reads_no_cache(req: Request) -> bool:
+    """A request whose prompt logprobs are computed from its own prefill reads no cached
+    prefix until its first token (vLLM skips the prefix cache for prompt_logprobs too)."""
+    params = req.sampling
+    return (params is not None and params.prompt_logprobs is not None
+            and req.num_generated == 0)
+
+
 class HybridStateManager:
     """State objects of the requests over one memory organization (see the module doc)."""
 
@@ -195,6 +203,8 @@ class HybridStateManager:
         mem = self.mem
         keys = req.lookup_keys()
         hit = self.lookup(req)
+        if reads_no_cache(req):
+            hit = PrefixHit(0, 0, 0, 0)
         jadopt = hit.jadopt
         table = mem.cache.attention
         blocks = [table[key] for key in keys[: jadopt // self.B]]  # the hit says all are there

@@ -120,7 +120,8 @@ def test_completion_whole_and_streamed(served):
         ({"prompt": [1, VOCAB], "max_tokens": 2}, "outside the vocabulary"),
         ({"prompt": [], "max_tokens": 2}, "at least one token"),
         ({"max_tokens": 2}, "prompt"),
-        ({"prompt": [1] * 8000, "max_tokens": 500}, "max_model_len 8192"),
+        ({"prompt": [1] * 8193, "max_tokens": 2}, "maximum context length is 8192 tokens"),
+        ({"prompt": [1, 2], "max_tokens": 8193}, "cannot be greater than max_model_len=8192"),
         ({"prompt": [1, 2], "max_tokens": 2, "ignore_eos": 0}, "ignore_eos"),
         ({"prompt": [1, 2], "max_tokens": 2, "temperature": -0.5}, "temperature"),
         ({"prompt": [1, 2], "max_tokens": 2, "top_p": 0}, "top_p"),
@@ -143,6 +144,37 @@ def test_bad_requests_get_400_and_disturb_nothing(served, body, field):
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 3
     m = _metrics(client)["shared"]
     assert m["generation_tokens_total"] == 3 and m["prompt_tokens_total"] == 3
+
+
+def test_context_length_errors_are_vllms(served):
+    """vLLM 0.32's words and error shape (vllm/renderers/params.py,
+    vllm/v1/engine/input_processor.py): a prompt longer than the context, one that fills it,
+    max_tokens above it; prompt + max_tokens beyond it is served up to the context."""
+    client, _, _ = served
+    cases = [
+        ({"prompt": [1] * 8200, "max_tokens": 5},
+         "This model's maximum context length is 8192 tokens. However, your prompt contains "
+         "8200 input tokens, which exceeds this limit even without any output tokens. Please "
+         "reduce the length of the input prompt. (parameter=input_tokens, value=8200)",
+         "input_tokens"),
+        ({"prompt": [1] * 8192, "max_tokens": 5},
+         "The decoder prompt (length 8192) plus the number of requested output tokens (at "
+         "least 1) is longer than the maximum model length of 8192. Make sure that "
+         "`max_model_len` is no smaller than the number of text tokens (prompt + requested "
+         "output tokens).", None),
+        ({"prompt": [1, 2], "max_tokens": 9000},
+         "max_tokens=9000 cannot be greater than max_model_len=8192. Please request fewer "
+         "output tokens. (parameter=max_tokens, value=9000)", "max_tokens"),
+    ]
+    for body, message, param in cases:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": message, "type": "BadRequestError",
+                                      "param": param, "code": 400}}
+    r = client.post("/v1/completions", json={"prompt": [1] * 8190, "max_tokens": 50})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert len(choice["token_ids"]) == 2 and choice["finish_reason"] == "length"
 
 
 def test_not_json_is_400(served):

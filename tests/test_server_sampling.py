@@ -6,6 +6,7 @@ streams with one chunk per token, chat completions and /tokenize, /detokenize.""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -277,3 +278,93 @@ def test_prompt_and_format_fields(client, greedy):
         client.post("/tokenize", json={"messages": messages,
                                        "add_generation_prompt": False}).json()["tokens"])
     assert bare["usage"]["prompt_tokens"] < chat["usage"]["prompt_tokens"]
+
+
+def _success(client) -> dict[str, float]:
+    """vllm:request_success_total by finished_reason."""
+    out = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            reason = line.split('finished_reason="')[1].split('"')[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_stop_string_on_the_last_allowed_token_is_counted_as_stop(client):
+    """The reported repro: the stop string "\\n" completes on the 12th and last allowed
+    token, so the engine ends the request at its length; the response says stop, and
+    vllm:request_success counts stop, as the response reports."""
+    from conftest import wait_until
+
+    def stable():  # the last snapshot counts every request answered so far
+        first = _success(client)
+        time.sleep(0.3)
+        return first if first == _success(client) else None
+
+    body = {"prompt": "The quick brown fox", "seed": 1234, "stop": ["\n"], "max_tokens": 12}
+    before = wait_until(stable, what="steady counters")
+    free = _post(client, {**body, "stop": None})["choices"][0]
+    assert len(free["token_ids"]) == 12 and "\n" in free["text"]  # the repro holds
+    choice = _post(client, body)["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "\n")
+    assert len(choice["token_ids"]) == 12
+
+    def counted():
+        now = _success(client)
+        return now if sum(now.values()) == sum(before.values()) + 2 else None
+
+    after = wait_until(counted, what="both requests' counts")
+    assert after["stop"] == before["stop"] + 1 and after["length"] == before["length"] + 1
+
+
+def _reference_prompt_logprobs(checkpoint, prompt, k):
+    """transformers' FalconH1ForCausalLM on the whole prompt: each token's logprob given
+    the ones before it, and the top k token ids there."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import FalconH1ForCausalLM
+
+    net = FalconH1ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        lsm = net(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    lps = [float(lsm[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+    tops = [torch.topk(lsm[i - 1], k).indices.tolist() for i in range(1, len(prompt))]
+    return lps, tops
+
+
+@pytest.mark.parametrize("length", [40, 600])  # 600: the prefill crosses a checkpoint
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(client, tiny_checkpoint,
+                                                              length):
+    """lm-eval's loglikelihood request (echo, max_tokens 0 or 1, logprobs k): the prompt's
+    tokens with their logprobs from the prefill (the first None), equal to an independent
+    reference, whether or not the prompt's prefix is cached (a second request reads no
+    cached prefix), whole and streamed."""
+    prompt = [(37 * i) % 9000 + 11 for i in range(length)]
+    ref_lps, ref_tops = _reference_prompt_logprobs(str(tiny_checkpoint), prompt, 2)
+    body = {"prompt": prompt, "echo": True, "logprobs": 2, "temperature": 0}
+    for _ in range(2):  # the second: the prompt's prefix is in the cache
+        choice = _post(client, {**body, "max_tokens": 0})["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["token_ids"] == [] and len(lp["tokens"]) == length
+        assert choice["text"] == _post(client, {"prompt": prompt, "echo": True,
+                                                "max_tokens": 0})["choices"][0]["text"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(ref_lps, abs=2e-4)
+        enc_ids = [[int(t.removeprefix("token_id:")) for t in top] for top in
+                   _post(client, {**body, "max_tokens": 0, "return_tokens_as_token_ids": True}
+                         )["choices"][0]["logprobs"]["top_logprobs"][1:]]
+        for i, (got, want) in enumerate(zip(enc_ids, ref_tops, strict=True)):
+            assert set(want) <= set(got) | {prompt[i + 1]}, i
+    one = _post(client, {**body, "max_tokens": 1})["choices"][0]
+    assert len(one["token_ids"]) == 1 and len(one["logprobs"]["tokens"]) == length + 1
+    assert one["logprobs"]["token_logprobs"][1:length] == pytest.approx(ref_lps, abs=2e-4)
+    assert one["text"].startswith(choice["text"]) and len(one["text"]) > len(choice["text"])
+    chunks = _stream(client, {**body, "max_tokens": 1, "stream": True})
+    first = chunks[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"][0] is None and len(first["tokens"]) == length + 1
+    assert first["token_logprobs"][1:length] == pytest.approx(ref_lps, abs=2e-4)
+    assert first["text_offset"][0] == 0
+    assert chunks[0]["choices"][0]["text"] == one["text"]

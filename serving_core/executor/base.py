@@ -35,11 +35,15 @@ class ExecutorOutput:
     a request missing here gets the workload's synthetic token (simulated runs).
     logprobs: request id -> (the token's logprob, top alternatives) where its
     SamplingParams asked for them (serving_core/model/sampler.py).
+    prompt_logprobs: request id -> [(prompt position i, (logprob of prompt token i given
+    the tokens before it, top alternatives))] for the positions this step computed, where
+    its SamplingParams set prompt_logprobs.
     """
 
     duration_s: float = 0.0
     sampled: dict[int, int] = field(default_factory=dict)
     logprobs: dict[int, tuple] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
 
 class Executor(Protocol):

@@ -16,6 +16,10 @@ scratch lives for one step only: no state outlives the units that hold it. All s
 addressed through the plan: each scheduled item's `ChunkState` (the state manager's
 answer: attention unit ids, working/adopted/destination composites, and after
 publication where each boundary's state went); the request gives only its tokens.
+A request whose SamplingParams set prompt_logprobs gets, until its first token, every
+prompt position's logits from the chunks that compute them (the LM head over the chunk's
+final hidden states, PROMPT_LOGPROB_ROWS rows at a time): the logprob of each prompt
+token given the ones before it, and the top alternatives (ExecutorOutput.prompt_logprobs).
 The token is chosen from the last position's logits by the sampler
 (serving_core/model/sampler.py) under each request's SamplingParams (`spec.sampling`); a
 request without them is greedy: the argmax (`argmax_rows`, the same index as torch.argmax,
@@ -32,7 +36,9 @@ from serving_core.engine import ExecutorOutput
 from serving_core.executor.device import host_index, synchronize
 from serving_core.executor.state_arena import StateArena
 from serving_core.model.paged_attention import decode_attention, fused_decode_attention
-from serving_core.model.sampler import sample
+from serving_core.model.sampler import sample, token_logprobs
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head product (bounds the logits' size)
 
 
 class PagedRecurrentIO:
@@ -221,6 +227,7 @@ class TorchExecutor:
             and item.context > 0
             and not item.state.adopted
             and (not self.interval or c1 % self.interval)
+            and (c1 >= item.req.num_prompt or _prompt_logprobs_k(item) is None)
         )
 
     def execute(self, plan, checkpoint_writes: int = 0) -> ExecutorOutput:
@@ -229,6 +236,7 @@ class TorchExecutor:
         slow = [it for it in plan if not self._fast(it)]
         sampled: dict[int, int] = {}
         logprobs: dict[int, tuple] = {}
+        prompt_lps: dict[int, list] = {}
         if fast:
             dev = self.model.device
             ids = host_index([it.req.token_ids(it.context, it.context + 1) for it in fast], dev)
@@ -237,10 +245,10 @@ class TorchExecutor:
             logits = self.model.forward(ids, pos, io)
             self._sample(logits, fast, sampled, logprobs)
         for group in self._prefill_groups(slow):
-            self._run_chunks(group, sampled, logprobs)
+            self._run_chunks(group, sampled, logprobs, prompt_lps)
         if not sampled:  # a step that reads no token back has not finished on an accelerator
             synchronize(self.model.device)
-        return ExecutorOutput(time.perf_counter() - t0, sampled, logprobs)
+        return ExecutorOutput(time.perf_counter() - t0, sampled, logprobs, prompt_lps)
 
     @staticmethod
     def _sample(logits, items, sampled: dict, logprobs: dict) -> None:
@@ -311,10 +319,11 @@ class TorchExecutor:
         return [(torch.cat([s[layer][0] for s in per_item]),
                  torch.cat([s[layer][1] for s in per_item])) for layer in range(len(per_item[0]))]
 
-    def _run_chunks(self, items, sampled: dict, logprobs: dict) -> None:
+    def _run_chunks(self, items, sampled: dict, logprobs: dict, prompt_lps: dict) -> None:
         """Chunks of b requests over the same span [c0, c1) (b = 1: one chunk), as one
         batched forward per segment between interval boundaries; each request's boundary
-        and final states are kept for `commit`, its sampled token goes to `sampled`."""
+        and final states are kept for `commit`, its sampled token goes to `sampled` and,
+        where asked, its prompt logprobs to `prompt_lps`."""
         c0, c1 = items[0].context, items[0].context + items[0].num_new
         rec = self.mem.has_recurrent
         states = self._initial_states(items) if rec else None
@@ -328,11 +337,16 @@ class TorchExecutor:
         logits = None
         dev = self.model.device
         tables = [it.state.blocks for it in items]
+        want = [_prompt_logprobs_k(it) for it in items]
+        hidden = any(k is not None for k in want)
         for s, e in zip(edges[:-1], edges[1:], strict=True):
             ids = host_index([it.req.token_ids(s, e) for it in items], dev)
             pos = torch.arange(s, e, device=dev)[None].expand(len(items), -1)
             io = _SegmentIO(self.arena, tables, s, e, states)
-            logits = self.model.forward(ids, pos, io, logits=e == c1)
+            logits = self.model.forward(ids, pos, io, logits=hidden or e == c1, hidden=hidden)
+            if hidden:
+                self._prompt_logprobs(logits, items, want, s, e, prompt_lps)
+                logits = self.model.head(logits[:, -1]) if e == c1 else None
             peak = max(peak, io.peak_temp_bytes)
             if rec and e in cuts:
                 boundary_states.append((e, [(c.clone(), m.clone()) for c, m in states]))
@@ -345,6 +359,21 @@ class TorchExecutor:
                 self._pending.append((it.state, [(e, own(st)) for e, st in boundary_states],
                                       own(states)))
         self._sample(logits, items, sampled, logprobs)
+
+    def _prompt_logprobs(self, h, items, want, s: int, e: int, out: dict) -> None:
+        """Prompt logprobs of the segment [s, e) from its final hidden states `h` (b, e - s,
+        D): position p's logits score prompt token p + 1."""
+        for i, (it, k) in enumerate(zip(items, want, strict=True)):
+            end = min(e, it.req.num_prompt - 1)
+            if k is None or end <= s:
+                continue
+            targets = [int(t) for t in it.req.token_ids(s + 1, end + 1)]
+            entries = out.setdefault(it.req.rid, [])
+            for a in range(s, end, PROMPT_LOGPROB_ROWS):
+                b = min(end, a + PROMPT_LOGPROB_ROWS)
+                rows = self.model.head(h[i, a - s : b - s]).log_softmax(-1)
+                for r in range(b - a):
+                    entries.append((a + r + 1, token_logprobs(rows[r], targets[a - s + r], k)))
 
     def describe(self) -> dict:
         """What this executor runs, read from its model."""
@@ -374,3 +403,11 @@ class TorchExecutor:
             if state.final:
                 self.arena.write(state.final, final)
 
+
+def _prompt_logprobs_k(item) -> int | None:
+    """The prompt logprobs a chunk's request asks for (top alternatives), while it has
+    produced no token; else None."""
+    params = getattr(item.req.spec, "sampling", None)
+    if params is None or params.prompt_logprobs is None or item.req.num_generated:
+        return None
+    return params.prompt_logprobs

@@ -180,9 +180,11 @@ class FalconH1:
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, io: StateIO, logits: bool = True
+        self, ids: torch.Tensor, positions: torch.Tensor, io: StateIO, logits: bool = True,
+        hidden: bool = False,
     ) -> torch.Tensor | None:
-        """ids (b, T) at positions (b, T); returns the last position's logits (b, V) fp32."""
+        """ids (b, T) at positions (b, T); returns the last position's logits (b, V) fp32
+        (`hidden`: every position's final hidden states (b, T, D) instead, for `head`)."""
         h = F.embedding(ids, self.w["model.embed_tokens.weight"])
         h = h * self.mult["embedding_multiplier"]
         freqs = positions[..., None].float() * self.inv_freq
@@ -203,7 +205,12 @@ class FalconH1:
             h = residual + y * self.mlp_mult[1]
         if not logits:
             return None
-        last = rms_norm(h[:, -1], self.w["model.final_layernorm.weight"], self.eps)
+        return h if hidden else self.head(h[:, -1])
+
+    @torch.inference_mode()
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (..., V) fp32 of final hidden states (..., D)."""
+        last = rms_norm(h, self.w["model.final_layernorm.weight"], self.eps)
         out = F.linear(last, self.w["lm_head.weight"]) * self.mult["lm_head_multiplier"]
         return out.float()
 

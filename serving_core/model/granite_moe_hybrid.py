@@ -161,8 +161,9 @@ class GraniteMoeHybrid:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, io: StateIO,
-                logits: bool = True) -> torch.Tensor | None:
-        """ids (b, T) at positions (b, T); returns the last position's logits (b, V) fp32."""
+                logits: bool = True, hidden: bool = False) -> torch.Tensor | None:
+        """ids (b, T) at positions (b, T); returns the last position's logits (b, V) fp32
+        (`hidden`: every position's final hidden states (b, T, D) instead, for `head`)."""
         h = F.embedding(ids, self.w["model.embed_tokens.weight"]) * self.embedding_multiplier
         cos = sin = None
         self._group_state: dict[int, tuple] = {}
@@ -185,7 +186,12 @@ class GraniteMoeHybrid:
             h = residual + y * self.residual_multiplier
         if not logits:
             return None
-        last = rms_norm(h[:, -1], self.w["model.norm.weight"], self.eps)
+        return h if hidden else self.head(h[:, -1])
+
+    @torch.inference_mode()
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (..., V) fp32 of final hidden states (..., D)."""
+        last = rms_norm(h, self.w["model.norm.weight"], self.eps)
         return (F.linear(last, self.w["lm_head.weight"]) / self.logits_scaling).float()
 
     def _shared_mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:

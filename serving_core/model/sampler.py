@@ -72,7 +72,7 @@ def sample(logits: torch.Tensor, rows) -> tuple[list[int], list[Logprobs | None]
         for i, tok in zip(drawn, draw(sub, u), strict=True):
             tokens[i] = tok
     for i, lsm in raw.items():
-        logprobs[i] = _logprobs(lsm, tokens[i], rows[i][0].logprobs)
+        logprobs[i] = token_logprobs(lsm, tokens[i], rows[i][0].logprobs)
     return tokens, logprobs
 
 
@@ -160,7 +160,7 @@ def truncate(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
-def _logprobs(raw: torch.Tensor, token: int, k: int) -> Logprobs:
+def token_logprobs(raw: torch.Tensor, token: int, k: int) -> Logprobs:
     """(the token's logprob, top k) of a row's log_softmax."""
     top = ()
     if k:

@@ -156,37 +156,32 @@ def _watch_parent(server) -> None:
         time.sleep(0.5)
 
 
-def serve(args) -> int:
-    import uvicorn
+def with_host_tier(spec, capacity_bytes: int | None):
+    """`spec` with its host tier on at `capacity_bytes` (None: the spec as it is)."""
+    if capacity_bytes is None:
+        return spec
+    from dataclasses import replace
 
+    from serving_core.engine_spec import HostTierSpec
+
+    poison = spec.host_tier.poison if spec.host_tier is not None else False
+    try:
+        return replace(spec, host_tier=HostTierSpec(capacity_bytes, poison))
+    except ValueError as err:
+        raise UsageError(f"--host-tier-capacity-bytes: {err}") from None
+
+
+def make_app(args, spec, engine, runtime, effective: dict):
+    """The FastAPI app over `runtime`, writing the records (--records) at shutdown."""
     from serving_core.server.app import create_app
-    from serving_core.server.process_settings import apply_threads, runtime_settings
+    from serving_core.server.metrics import cache_config_labels
     from serving_core.server.records_out import write_records
-    from serving_core.server.runtime import EngineRuntime
 
-    spec = load_spec(args.spec)
-    if args.host_tier_capacity_bytes is not None:
-        from dataclasses import replace
-
-        from serving_core.engine_spec import HostTierSpec
-
-        poison = spec.host_tier.poison if spec.host_tier is not None else False
-        try:
-            spec = replace(spec, host_tier=HostTierSpec(args.host_tier_capacity_bytes, poison))
-        except ValueError as err:
-            raise UsageError(f"--host-tier-capacity-bytes: {err}") from None
-    sock = bind(args.host, args.port)  # before the model loads: a taken port fails fast
-    apply_threads(args.threads)
-    engine = build_engine(spec)
-    effective = engine.effective_rules()
-    model_name = str(spec.model["name"])
     tokenizer = None
     if args.tokenizer != "none":
         import quicktok
 
         tokenizer = quicktok.get_encoding(args.tokenizer)
-    runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len,
-                            drain=args.drain)
 
     def on_shutdown() -> None:
         result = engine.result()  # ends the trace with END
@@ -199,12 +194,16 @@ def serve(args) -> int:
             (out / "request_paths.json").write_text(json.dumps(paths))
             print(f"records written to {out}", flush=True)
 
-    from serving_core.server.metrics import cache_config_labels
+    return create_app(runtime, model_name=str(spec.model["name"]),
+                      vocab_size=engine.vocab_size, tokenizer=tokenizer,
+                      on_shutdown=on_shutdown, eos_token_ids=eos_token_ids(spec, tokenizer),
+                      cache_info=cache_config_labels(engine))
 
-    app = create_app(runtime, model_name=model_name, vocab_size=engine.vocab_size,
-                     tokenizer=tokenizer, on_shutdown=on_shutdown,
-                     eos_token_ids=eos_token_ids(spec, tokenizer),
-                     cache_info=cache_config_labels(engine))
+
+def make_server(app, runtime):
+    """A uvicorn server over `app` whose SIGTERM/SIGINT drain `runtime` (see the module
+    docstring) and exit 0."""
+    import uvicorn
 
     class Server(uvicorn.Server):
         draining = False
@@ -237,8 +236,21 @@ def serve(args) -> int:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
-    server = Server(config)
+    return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+
+
+def serve(args) -> int:
+    from serving_core.server.process_settings import apply_threads, runtime_settings
+    from serving_core.server.runtime import EngineRuntime
+
+    spec = with_host_tier(load_spec(args.spec), args.host_tier_capacity_bytes)
+    sock = bind(args.host, args.port)  # before the model loads: a taken port fails fast
+    apply_threads(args.threads)
+    engine = build_engine(spec)
+    effective = engine.effective_rules()
+    runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len,
+                            drain=args.drain)
+    server = make_server(make_app(args, spec, engine, runtime, effective), runtime)
     host, port = sock.getsockname()[:2]
     print(ENGINE_LINE + json.dumps(effective, sort_keys=True), flush=True)
     print(RUNTIME_LINE + json.dumps(runtime_settings(), sort_keys=True), flush=True)

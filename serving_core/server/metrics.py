@@ -201,6 +201,12 @@ class SnapshotCollector:
         yield from self._ours(snap)
 
     def _vllm(self, snap):
+        yield from self._vllm_scheduler(snap)
+        yield from self._vllm_tokens(snap)
+        yield from self._vllm_requests(snap)
+
+    def _vllm_scheduler(self, snap):
+        """Queue gauges, sleep state and KV-cache usage."""
         v = [self.model, ENGINE_INDEX]
         labels = ["model_name", "engine"]
         for name, (key, doc) in VLLM_GAUGES.items():
@@ -227,6 +233,11 @@ class SnapshotCollector:
                                 labels=labels)
         fam.add_metric(v, used / total if total else 0.0)
         yield fam
+
+    def _vllm_tokens(self, snap):
+        """Prefix-cache, token and preemption counters; prompt tokens by source."""
+        v = [self.model, ENGINE_INDEX]
+        labels = ["model_name", "engine"]
         for name, (key, doc) in VLLM_COUNTERS.items():
             fam = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
             fam.add_metric(v, snap.get(key, 0))
@@ -251,6 +262,11 @@ class SnapshotCollector:
         for source in CACHED_SOURCES:
             fam.add_metric([*v, source], cached.get(source, 0))
         yield fam
+
+    def _vllm_requests(self, snap):
+        """Requests by finish reason, admission rejections, the histograms, cache info."""
+        v = [self.model, ENGINE_INDEX]
+        labels = ["model_name", "engine"]
         fam = CounterMetricFamily(VLLM_PREFIX + "request_success",
                                   "Count of successfully processed requests.",
                                   labels=[*labels, "finished_reason"])

@@ -22,7 +22,7 @@ import math
 import numbers
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from serving_core.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
@@ -71,8 +71,7 @@ DEFAULT_ONLY = {
 UNSUPPORTED_WHY = {
     "suffix": "insertion is not supported", "best_of": "best_of other than n is not supported",
     "use_beam_search": "no beam search", "watermarking": "no watermarking",
-    "prompt_logprobs": "prompt logprobs are not computed (logits of a chunk's last position "
-                       "only, and a cached prefix is never recomputed)",
+    "prompt_logprobs": "use echo=true with logprobs: the prompt's logprobs lead `logprobs`",
     "logprob_token_ids": "use logprobs", "bad_words": "no bad-words filter",
     "prompt_embeds": "token or text prompts only", "structured_outputs": "no guided decoding",
     "response_format": "no guided decoding (allowed: null or {\"type\": \"text\"})",
@@ -90,11 +89,13 @@ STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 
 class BadRequest(ValueError):
     """A request the server refuses with HTTP 400 and this message; `param` names the
-    field (OpenAI's error body)."""
+    field and `kind` is the body's type (OpenAI's error body)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.param = param
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class GenerationRequest:
     tokens_as_ids: bool = False
     chat: bool = False
     max_tokens_param: int | None = None
+    max_tokens_name: str = "max_tokens"  # the field max_tokens_param came from
     prompt_texts: tuple[str | None, ...] = ()  # a text prompt as sent (echo), else None
 
     def choice_sampling(self, i: int) -> SamplingParams:
@@ -311,20 +313,22 @@ def _prompts(body: dict, vocab_size: int, encode) -> tuple[list[list[int]], list
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, prompts,
-                max_model_len: int, echo: bool) -> tuple[list[int], int | None]:
+                max_model_len: int, echo: bool) -> tuple[list[int], int | None, str]:
+    """Per prompt max_tokens, the value sent (None: absent) and the field it came from."""
     value = None
-    name = names[0]
+    name = names[-1]
     for candidate in names:
         if body.get(candidate) is not None:
             value, name = body[candidate], candidate
             break
     if value is None and default is None:
-        return [max(1, max_model_len - len(p)) for p in prompts], None
+        return [max(1, max_model_len - len(p)) for p in prompts], None, name
     value = default if value is None else _int(value, name, 0 if echo else 1)
-    return [value] * len(prompts), value
+    return [value] * len(prompts), value, name
 
 
-def _common(body, applied, vocab_size, eos_token_ids, logprobs, has_text):
+def _common(body, applied, vocab_size, eos_token_ids, logprobs, has_text,
+            prompt_logprobs=None):
     check_fields(body, applied)
     n = _int(body.get("n", 1) if body.get("n") is not None else 1, "n", 1, MAX_N)
     stream = _bool(body, "stream", False)
@@ -332,7 +336,8 @@ def _common(body, applied, vocab_size, eos_token_ids, logprobs, has_text):
     salt = body.get("cache_salt") or ""
     if not isinstance(salt, str):
         raise BadRequest(f"cache_salt={salt!r}: expected a string", "cache_salt")
-    sampling = _sampling(body, vocab_size, eos_token_ids, logprobs)
+    sampling = replace(_sampling(body, vocab_size, eos_token_ids, logprobs),
+                       prompt_logprobs=prompt_logprobs)
     return dict(n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous,
                 cache_salt=salt, sampling=sampling, stop=_stop(body, has_text),
                 include_stop=_bool(body, "include_stop_str_in_output", False),
@@ -349,16 +354,16 @@ def parse_completion(body, vocab_size: int, encode, *, max_model_len: int = 1 <<
     if logprobs is not None:
         logprobs = _int(logprobs, "logprobs", 0, MAX_LOGPROBS)
     echo = _bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise BadRequest("echo=true with logprobs: prompt logprobs are not computed (allowed: "
-                         "echo without logprobs)", "echo")
-    common = _common(body, COMPLETION_APPLIED, vocab_size, eos_token_ids, logprobs, has_text)
+    # echo with logprobs: the prompt tokens' logprobs lead (vLLM's prompt_logprobs = logprobs)
+    common = _common(body, COMPLETION_APPLIED, vocab_size, eos_token_ids, logprobs, has_text,
+                     logprobs if echo else None)
     prompts, texts = _prompts(body, vocab_size, encode)
-    max_tokens, param = _max_tokens(body, ("max_tokens",), DEFAULT_MAX_TOKENS, prompts,
-                                    max_model_len, echo)
+    max_tokens, param, name = _max_tokens(body, ("max_tokens",), DEFAULT_MAX_TOKENS, prompts,
+                                          max_model_len, echo)
     _check_min_tokens(common["sampling"], max_tokens)
     return GenerationRequest(prompts, max_tokens, echo=echo, logprobs=logprobs,
-                             max_tokens_param=param, prompt_texts=tuple(texts), **common)
+                             max_tokens_param=param, max_tokens_name=name,
+                             prompt_texts=tuple(texts), **common)
 
 
 def parse_chat(body, vocab_size: int, encode, render, *, max_model_len: int = 1 << 62,
@@ -383,17 +388,54 @@ def parse_chat(body, vocab_size: int, encode, render, *, max_model_len: int = 1 
     text = render(body["messages"], _bool(body, "add_generation_prompt", True),
                   _bool(body, "continue_final_message", False))
     ids = _truncate(encode(text, _bool(body, "add_special_tokens", False)), body)
-    max_tokens, param = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None,
-                                    [ids], max_model_len, False)
+    max_tokens, param, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None,
+                                          [ids], max_model_len, False)
     _check_min_tokens(common["sampling"], max_tokens)
     return GenerationRequest([ids], max_tokens, logprobs=top if want else None, chat=True,
-                             max_tokens_param=param, **common)
+                             max_tokens_param=param, max_tokens_name=name, **common)
 
 
 def _check_min_tokens(sampling: SamplingParams, max_tokens: list[int]) -> None:
     if sampling.min_tokens and sampling.min_tokens > min(max_tokens):
         raise BadRequest(f"min_tokens={sampling.min_tokens}: must be <= max_tokens "
                          f"({min(max_tokens)})", "min_tokens")
+
+
+def check_context_length(req: GenerationRequest, max_model_len: int) -> GenerationRequest:
+    """The request under vLLM 0.32's context-length rules, in its words and error shape
+    (type BadRequestError, code 400, param; vllm/renderers/params.py TokenizeParams
+    __post_init__ and _token_len_check, vllm/v1/engine/input_processor.py
+    _validate_model_input, vllm/entrypoints/serve/utils/api_utils.py get_max_tokens,
+    the message's "(parameter=..., value=...)" tail from vllm/exceptions.py): max_tokens
+    above the context length and a prompt longer than it are refused, a prompt that fills it
+    leaves no room for a token, and otherwise max_tokens is clamped to the room the prompt
+    leaves (vLLM answers prompt + max_tokens beyond the context with a shorter completion,
+    finish_reason "length", not an error)."""
+    name, value = req.max_tokens_name, req.max_tokens_param
+    if value is not None and value > max_model_len:
+        raise BadRequest(f"{name}={value} cannot be greater than max_model_len={max_model_len}."
+                         f" Please request fewer output tokens. (parameter={name}, "
+                         f"value={value})", name, "BadRequestError")
+    for ids in req.prompts:
+        n = len(ids)
+        if n > max_model_len:
+            raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. "
+                             f"However, your prompt contains {n} input tokens, which exceeds "
+                             "this limit even without any output tokens. Please reduce the "
+                             f"length of the input prompt. (parameter=input_tokens, value={n})",
+                             "input_tokens", "BadRequestError")
+        if n == max_model_len:
+            raise BadRequest(f"The decoder prompt (length {n}) plus the number of requested "
+                             "output tokens (at least 1) is longer than the maximum model "
+                             f"length of {max_model_len}. Make sure that `max_model_len` is no "
+                             "smaller than the number of text tokens (prompt + requested "
+                             "output tokens).", None, "BadRequestError")
+    room = [min(m, max_model_len - len(ids)) for m, ids in zip(req.max_tokens, req.prompts,
+                                                                strict=True)]
+    if room == req.max_tokens:
+        return req
+    _check_min_tokens(req.sampling, room)
+    return replace(req, max_tokens=room)
 
 
 # ----- responses -----------------------------------------------------------------------------
@@ -407,15 +449,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_logprobs(entries, text, offset: int, as_ids: bool) -> dict:
-    """OpenAI's completions logprobs of tokens `entries` [(token, (lp, top))]: tokens,
-    token_logprobs, top_logprobs (the token and its top alternatives, as vLLM: up to
-    logprobs + 1 entries) and text_offset from `offset`."""
+    """OpenAI's completions logprobs of tokens `entries` [(token, (lp, top) or None)]:
+    tokens, token_logprobs, top_logprobs (the token and its top alternatives, as vLLM: up to
+    logprobs + 1 entries; None for a token without logprobs) and text_offset from
+    `offset`."""
     out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-    for token, (lp, top) in entries:
+    for token, scored in entries:
         name = f"token_id:{token}" if as_ids else text.token_text(token)
         out["text_offset"].append(offset)
         offset += len(name)
         out["tokens"].append(name)
+        if scored is None:  # an echoed prompt's first token: no logprob (vLLM's None)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        lp, top = scored
         out["token_logprobs"].append(max(lp, -9999.0))
         alts = {name: max(lp, -9999.0)}
         for alt, alt_lp in top:

@@ -133,13 +133,16 @@ class RequestStats:
         live.tokens += 1
         live.last = now
 
-    def finished(self, rid: int, now: float, reason: str, req=None) -> None:
+    def finished(self, rid: int, now: float, reason: str, req=None, count: bool = True
+                 ) -> None:
         """Request `rid` ended (`reason`: one of FINISH_REASONS); `req` (the engine's
-        Request, when known) gives its preemptions."""
+        Request, when known) gives its preemptions. `count=False`: the caller counts the
+        reason in `success` later (the front end settles it)."""
         live = self._live.pop(rid, None)
         if live is None:
             return
-        self.success[reason] += 1
+        if count:
+            self.success[reason] += 1
         h = self.hist
         h["e2e_request_latency_seconds"].observe(now - live.submit)
         scheduled = live.scheduled or now

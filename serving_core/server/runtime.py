@@ -25,7 +25,10 @@ last token (serving_core/server/request_stats.py: vLLM's per-request histograms)
 
 A request's `SamplingParams` (serving_core/sampling_params.py) ride on its spec; a stop
 token ends it in the step that produced it (finish reason `stop`), a stop string found by
-the front end ends it through `abort(rid, "stop")`.
+the front end ends it through `abort(rid, "stop")`. A request submitted with `settle`
+(it has stop strings) is counted in vllm:request_success by the reason the front end
+`settle`s, since a stop string found on the last allowed token ends a request the engine
+already finished at its length.
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ class TokenStream:
     Items are (index, "token", (id, logprobs or None, finish or None)) and (index,
     "finish", finish) where finish is (reason, stop_reason), reason "length", "stop",
     "abort" or "error": a request's last token carries its finish, a request ended
-    without a token (abort, engine error) gets a finish item. `index` is the choice (one
-    engine request each)."""
+    without a token (abort, engine error) gets a finish item. A request with
+    prompt_logprobs also gets (index, "prompt", [(position, logprobs)]) items, before its
+    first token. `index` is the choice (one engine request each)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -115,6 +119,8 @@ class EngineRuntime:
         self._reqs: dict = {}  # rid -> the engine's Request, from entry to its end
         self._seen = 0  # engine.requests[:_seen] are in _reqs (or ended)
         self._aborts: set[int] = set()  # client gone: end at the next step boundary
+        self._settle: set[int] = set()  # the front end settles their finish reason
+        self._unsettled: dict[int, str] = {}  # rid -> the engine's reason, not yet counted
         self._drained = threading.Event()
         self.paths = PathRecorder()
         self._control: list | None = None  # [done event, result] of a pending reset
@@ -157,11 +163,12 @@ class EngineRuntime:
     def submit(self, prompt: list[int], max_tokens: int, salt: str,
                loop: asyncio.AbstractEventLoop, sampling: SamplingParams | None = None, *,
                stream: TokenStream | None = None, index: int = 0, n_param: int = 1,
-               parent: int | None = None) -> tuple[int, TokenStream]:
+               parent: int | None = None, settle: bool = False) -> tuple[int, TokenStream]:
         """Enqueue one request (one choice: its tokens go to `stream` under `index`);
         ValueError for a request the engine cannot serve (400), Rejected when the server no
         longer takes requests (503). `n_param` is the HTTP request's n and `parent` the id of
-        its first choice (None: this one), for the metrics."""
+        its first choice (None: this one), for the metrics. `settle`: the front end has the
+        last word on its finish reason (stop strings: `settle`)."""
         if self._closing or not self.healthy:
             with self._lock:
                 self.counters["requests_rejected"] += 1
@@ -181,6 +188,8 @@ class EngineRuntime:
             self.engine.check_feasible([spec])  # ValueError: the budget cannot hold it
             self._next_rid += 1
             self._streams[rid] = (stream, index)
+            if settle:
+                self._settle.add(rid)
             self.stats.submitted(rid, time.monotonic(), len(prompt), int(max_tokens), n_param,
                                  parent)
             self.counters["requests_received"] += 1
@@ -196,6 +205,7 @@ class EngineRuntime:
             if self._streams.pop(rid, None) is None:
                 return False
             self._aborts.add(rid)
+            self._settle.discard(rid)
             if reason == "abort":
                 self.counters["requests_aborted"] += 1
             else:
@@ -204,6 +214,16 @@ class EngineRuntime:
         with self.engine._cond:
             self.engine._cond.notify_all()
         return True
+
+    def settle(self, rid: int, reason: str | None) -> None:
+        """The finish reason the response of request `rid` (submitted with `settle`)
+        reports: vllm:request_success counts it, not the engine's (a stop string found on
+        the last allowed token is `stop`, though the engine ended the request at its
+        length). None: the front end gave up on it (the engine's reason counts)."""
+        with self._lock:
+            engine_reason = self._unsettled.pop(rid, None)
+            if engine_reason is not None:
+                self.stats.success[reason or engine_reason] += 1
 
     def reset_prefix_cache(self, timeout: float = 60.0) -> dict:
         """Drop the device prefix cache (the driver thread does it between steps); Busy
@@ -320,6 +340,10 @@ class EngineRuntime:
             self.stats.iteration(eng.sched.prompt_tokens_total - before[0]
                                  + eng.sched.generation_tokens_total - before[1])
             streams = self._streams
+            for rid, entries in out.prompt_logprobs.items():  # before the request's token
+                entry = streams.get(rid)
+                if entry is not None:
+                    entry[0].push(entry[1], "prompt", entries)
             for rid, token in out.produced:
                 last = rid in finished
                 req = self._reqs.pop(rid, None) if last else None
@@ -331,7 +355,11 @@ class EngineRuntime:
                 if last:
                     end = finish_reason(req, token)
                     self.counters["requests_finished"] += 1
-                    self.stats.finished(rid, now, end[0], req)
+                    settle = rid in self._settle
+                    if settle:
+                        self._settle.discard(rid)
+                        self._unsettled[rid] = end[0]
+                    self.stats.finished(rid, now, end[0], req, count=not settle)
                 entry[0].push(entry[1], "token", (token, out.logprobs.get(rid), end))
             for rid in finished:  # finished without a token here: already ended
                 self._reqs.pop(rid, None)
@@ -349,6 +377,7 @@ class EngineRuntime:
         now = time.monotonic()
         with self._lock:
             streams, self._streams = self._streams, {}
+            self._settle.clear()
             self.counters["requests_aborted"] += len(streams)
             for rid in streams:
                 self.stats.ended(rid, now, reason)
