@@ -22,26 +22,34 @@ from dataclasses import replace
 # vLLM function -> sha256[:16] of inspect.getsource at the pinned version (vllm 0.32.0).
 MIRRORED = {
     # the attention-backend lookup walks the built model's attention layers
-    "vllm.platforms.interface:Platform._find_non_ssm_backends": "",
+    "vllm.platforms.interface:Platform._find_non_ssm_backends": "f3b42ade2ede8f19",
     # per-layer specs: as the layers report them, through the GPU model runner
-    "vllm.model_executor.layers.attention.attention:Attention.get_kv_cache_spec": "",
-    "vllm.model_executor.layers.mamba.abstract:MambaBase.get_kv_cache_spec": "",
-    "vllm.model_executor.layers.mamba.mamba_mixer2:MambaMixer2.get_kv_cache_spec": "",
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_kv_cache_spec": "",
+    "vllm.model_executor.layers.attention.attention:Attention.get_kv_cache_spec":
+        "2b66919f6a191bc6",
+    "vllm.model_executor.layers.mamba.abstract:MambaBase.get_kv_cache_spec": "d91e0862ffbd989a",
+    "vllm.model_executor.layers.mamba.mamba_mixer2:MambaMixer2.get_kv_cache_spec":
+        "a9b61d12d214da15",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_kv_cache_spec": "cd02ed8d19e8350c",
     # the layouts the workers report, and the engine core's KV cache set-up
-    "vllm.v1.worker.worker_base:WorkerBase.get_supported_kv_cache_layouts": "",
-    "vllm.v1.engine.core:EngineCore._initialize_kv_caches": "",
+    "vllm.v1.worker.worker_base:WorkerBase.get_supported_kv_cache_layouts": "62db9e36bc5f67b8",
+    "vllm.v1.engine.core:EngineCore._initialize_kv_caches": "47b605622969996d",
     # the CPU platform's config changes a GPU-geometry arm undoes
-    "vllm.platforms.cpu:CpuPlatform.check_and_update_config": "",
+    "vllm.platforms.cpu:CpuPlatform.check_and_update_config": "d2960ad5d1836767",
     # the layer names the models register (layer order and names group the KV cache)
-    "vllm.model_executor.models.falcon_h1:FalconH1ParallelHybrid.__init__": "",
-    "vllm.model_executor.models.falcon_h1:FalconH1AttentionDecoderLayer.__init__": "",
-    "vllm.model_executor.models.falcon_h1:FalconH1SSMDecoderLayer.__init__": "",
-    "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridModel.__init__": "",
-    "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridMambaDecoderLayer.__init__": "",
+    "vllm.model_executor.models.falcon_h1:FalconH1ParallelHybrid.__init__": "077ac3db34b45f95",
+    "vllm.model_executor.models.falcon_h1:FalconH1AttentionDecoderLayer.__init__":
+        "b5b38051b25e5784",
+    "vllm.model_executor.models.falcon_h1:FalconH1SSMDecoderLayer.__init__": "9cf2201b24213200",
+    "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridModel.__init__":
+        "fecf0e5cca40dfd5",
+    "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridMambaDecoderLayer.__init__":
+        "c543084b569d8151",
     "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridAttentionDecoderLayer.__init__":
-        "",
-    "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridAttention.__init__": "",
+        "16e2814a43bff4b2",
+    "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridAttention.__init__":
+        "26d7f4c7897bda7a",
+    # what the model runner returns for a step (sampled tokens per scheduled request)
+    "vllm.v1.outputs:ModelRunnerOutput": "b936f7c6940fc6ea",
 }
 
 
@@ -213,3 +221,20 @@ def initialize_kv_caches(vllm_config, specs: dict, kv_cache_bytes: int, platform
         config.hash_block_size = hash_block
         config.cache_hit_alignment_tokens = alignment
     return scheduler_config, block, hash_block
+
+
+# ----- the model runner's output ------------------------------------------------------------
+def model_runner_output(scheduler, scheduler_output, token_of):
+    """What a model runner returns for a scheduled step, without a model: one sampled token
+    for each request whose chunk reaches its last token (`not request.is_prefill_chunk`,
+    set by the scheduler's `_update_after_schedule`), none for a partial prefill chunk;
+    no logprobs, no spec tokens. `token_of(request)` gives the token id."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(scheduler_output.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        request = scheduler.requests[rid]
+        sampled.append([] if request.is_prefill_chunk else [token_of(request)])
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=sampled)

@@ -332,3 +332,12 @@ def serve_on_vllm_virtual(vcfg: VirtualExecutorConfig, geometry, specs, *, budge
     }
     usable = int(settings["num_blocks"]) - 1  # less vLLM's null block, as N0's units
     return VirtualServed(tables, _summary(done, wall), {"shared": usable}, engine_config)
+
+
+def run_cell_on_vllm_virtual(cfg, geometry, sched_cfg, specs) -> VirtualServed:
+    """executor=vllm_virtual: the cell's workload through vLLM's scheduler at the cell's
+    budget, cap and token budget."""
+    vcfg = virtual_executor_config(cfg.executor)
+    return serve_on_vllm_virtual(vcfg, geometry, specs, budget=str(cfg.budget),
+                                 cap=sched_cfg.cap,
+                                 max_num_batched_tokens=sched_cfg.max_num_batched_tokens)

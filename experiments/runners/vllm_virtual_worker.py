@@ -129,8 +129,9 @@ def serve(scheduler, vc, init: dict, ask_seconds) -> dict:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
+
+    from experiments.runners import vllm_standins as standins
 
     hasher = None
     if vc.cache_config.enable_prefix_caching:
@@ -138,6 +139,11 @@ def serve(scheduler, vc, init: dict, ask_seconds) -> dict:
         init_none_hash(hash_fn)
         hasher = get_request_block_hasher(scheduler.hash_block_size, hash_fn)
     space = int(init["token_space"])
+
+    def token_of(request):  # serving_core.request.Request.next_generated_token's ids
+        rid, j = int(request.request_id), request.num_output_tokens
+        return (rid * 1_000_003 + j * 7_919 + 17) % space
+
     pending = deque(sorted(init["requests"], key=lambda r: (r["arrival_s"], r["id"])))
     tracks: dict[str, _Track] = {}
     pool = scheduler.kv_cache_manager.block_pool
@@ -179,7 +185,7 @@ def serve(scheduler, vc, init: dict, ask_seconds) -> dict:
                                                ignore_eos=True),
                 pooling_params=None, arrival_time=spec["arrival_s"],
                 cache_salt=spec["salt"] or None, block_hasher=hasher))
-        if not scheduler.has_requests():
+        if not scheduler.get_num_unfinished_requests():
             clock = pending[0]["arrival_s"]  # idle: jump to the next arrival
             poll()
             continue
@@ -189,8 +195,10 @@ def serve(scheduler, vc, init: dict, ask_seconds) -> dict:
         out = scheduler.schedule()
         scheduled = out.num_scheduled_tokens
         if not scheduled:
+            state = [(r.request_id, r.status.name, r.num_computed_tokens, r.num_tokens,
+                      r.num_output_placeholders) for r in scheduler.running]
             raise RuntimeError(f"step {len(steps['step']) + 1}: vLLM scheduled nothing with "
-                               f"{len(scheduler.waiting)} waiting")
+                               f"{len(scheduler.waiting)} waiting; running {state}")
         new_ids = {r.req_id for r in out.scheduled_new_reqs}
         resumed = set(out.scheduled_cached_reqs.resumed_req_ids)
         new, ctx = [], []
@@ -227,20 +235,11 @@ def serve(scheduler, vc, init: dict, ask_seconds) -> dict:
         counters["preemptions"] += num_preempted
         counters["prompt"] += initial + resume
         seconds = ask_seconds(new, ctx)
-        ids = list(scheduled)
-        sampled = []
-        for rid in ids:
-            req = scheduler.requests[rid]
-            if req.is_prefill_chunk:
-                sampled.append([])
-            else:
-                j = req.num_output_tokens
-                sampled.append([(tracks[rid].rid * 1_000_003 + j * 7_919 + 17) % space])
-        scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-            sampled_token_ids=sampled))
+        output = standins.model_runner_output(scheduler, out, token_of)
+        scheduler.update_from_output(out, output)
         clock = t0 + seconds
-        for rid, tokens in zip(ids, sampled, strict=True):
+        ids = output.req_ids
+        for rid, tokens in zip(ids, output.sampled_token_ids, strict=True):
             if not tokens:
                 continue
             track = tracks[rid]
@@ -270,7 +269,18 @@ def serve(scheduler, vc, init: dict, ask_seconds) -> dict:
 
 
 def main() -> None:
+    """Serve one cell (stdin protocol); `--settings`: only vLLM's settings for each init of
+    a JSON list on stdin; `--hashes`: the mirrored functions' source hashes."""
     proto = _protocol_stream()
+    if sys.argv[1:] == ["--hashes"]:
+        from experiments.runners.vllm_standins import source_hashes
+
+        proto.write(json.dumps(source_hashes()) + "\n")
+        return
+    if sys.argv[1:] == ["--settings"]:
+        inits = json.loads(sys.stdin.read())
+        proto.write(json.dumps([build_scheduler(init)[2] for init in inits]) + "\n")
+        return
     init = json.loads(sys.stdin.readline())
     scheduler, vc, settings = build_scheduler(init)
     proto.write(json.dumps({"ready": settings}) + "\n")
