@@ -169,8 +169,9 @@ def test_a_cell_is_deterministic_and_its_ledgers_check(tmp_path):
                              ("poller", "t_s")):
             cols = [c for c in con.sql(f"SELECT * FROM {table} LIMIT 0").columns
                     if c not in ("run_id", "campaign", "attempt", "created_at")]
-            got[table] = con.sql(f"SELECT {', '.join(cols)} FROM {table} ORDER BY {order}"
-                                 ).fetchall()
+            rows = con.sql(f"SELECT {', '.join(cols)} FROM {table} ORDER BY {order}"
+                           ).fetchall()
+            got[table] = [tuple("nan" if v != v else v for v in row) for row in rows]  # NaN
         (cfg, executor, units), = con.sql(
             "SELECT engine_config, executor, units FROM runs").fetchall()
         got["engine_config"] = json.loads(cfg)
