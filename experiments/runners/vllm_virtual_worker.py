@@ -39,7 +39,8 @@ def _protocol_stream():
 def build_scheduler(init: dict):
     """vLLM's config objects and Scheduler for the init message; (scheduler, settings)."""
     from transformers import AutoConfig
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.config import SchedulerConfig as VllmSchedulerConfig  # vLLM's, not ours
     from vllm.model_executor.models.registry import ModelRegistry
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
@@ -59,7 +60,7 @@ def build_scheduler(init: dict):
         prefix_cache_retention_interval=knobs["retention_interval"],
         kv_cache_memory_bytes=int(init["kv_cache_bytes"]),
     )
-    sched_cfg = SchedulerConfig(
+    sched_cfg = VllmSchedulerConfig(
         max_num_seqs=int(knobs["max_num_seqs"]),
         max_num_batched_tokens=int(knobs["max_num_batched_tokens"]),
         max_model_len=int(init["max_model_len"]), is_encoder_decoder=False,
