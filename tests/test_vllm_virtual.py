@@ -49,6 +49,7 @@ def _vllm_presets() -> list[str]:
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("platform", "tpu", "allowed values are gpu, cpu"),
     ("mamba_cache_mode", "all", "allowed values are align, none"),
+    ("mamba_cache_mode", "none", "vLLM 0.32 runs align whenever prefix caching is on"),
     ("retention_interval", -1, "allowed values are block, null"),
     ("prefix_caching", "yes", "expected true or false"),
     ("max_num_batched_tokens", 0, "integer >= 1"),

@@ -71,6 +71,10 @@ def virtual_executor_config(cfg) -> VirtualExecutorConfig:
     caching = data.get("prefix_caching", True)
     if not isinstance(caching, bool):
         raise ValueError(f"executor.prefix_caching={caching!r}: expected true or false")
+    if caching and mode == "none":
+        raise ValueError("executor.mamba_cache_mode='none': vLLM 0.32 runs align whenever "
+                         "prefix caching is on; allowed values with prefix_caching=true: align "
+                         "(prefix_caching=false runs none)")
     interval = data.get("retention_interval", BLOCK_RETENTION)
     if interval is not None and interval != BLOCK_RETENTION and (
             isinstance(interval, bool) or not isinstance(interval, numbers.Integral)
@@ -308,19 +312,20 @@ def serve_on_vllm_virtual(vcfg: VirtualExecutorConfig, geometry, specs, *, budge
     wall0 = time.perf_counter()
     init = init_message(vcfg, geometry, budget=budget, cap=cap,
                         max_num_batched_tokens=max_num_batched_tokens, specs=specs)
-    align = init["vllm"]["mamba_cache_mode"] == "align"
-    block = [0]  # vLLM's Mamba block, set when the worker is ready
+    block = [0]  # vLLM's Mamba block in align mode (0: no checkpoints), set when ready
     writes: list[int] = []
 
     def on_ready(settings):
-        block[0] = int(settings["mamba_block_size"] or settings["block_size"])
+        if settings["prefix_caching"] and settings["mamba_cache_mode"] == "align":
+            block[0] = int(settings["mamba_block_size"] or settings["block_size"])
 
     def price(new, ctx):
-        k = crossings(new, ctx, block[0]) if align else 0
+        k = crossings(new, ctx, block[0]) if block[0] else 0
         writes.append(k)
         return model.step_seconds(new, ctx, k)
 
     settings, done = run_worker(vcfg.python, init, price, on_ready)
+    align = bool(block[0])
     wall = time.perf_counter() - wall0
     tables = _tables(specs, done, writes)
     engine_config = {
