@@ -255,6 +255,9 @@ def _tables(specs, done: dict, checkpoint_writes: list[int]) -> dict:
     for r in done["requests"]:
         spec = by_id[r["id"]]
         n, first, finish = r["output_tokens"], r["first_token_s"], r["finish_s"]
+        if n != int(spec.output_tokens) or finish is None:
+            raise RuntimeError(f"vLLM virtual worker: request {r['id']} produced {n} of "
+                               f"{int(spec.output_tokens)} tokens")
         row = {
             "request_id": r["id"], "arrival_s": r["arrival_s"], "start_s": r["start_s"],
             "first_token_s": first, "finish_s": finish, "prompt_tokens": r["prompt_tokens"],
