@@ -18,6 +18,7 @@ from serving_core.engine_spec import EngineSpec
 
 # How a cell is served (executor config `kind` and `name`).
 SIMULATED, TORCH_INPROC, TORCH_HTTP, VLLM = "simulated", "torch_inproc", "torch_http", "vllm"
+VLLM_VIRTUAL = "vllm_virtual"  # vLLM's own scheduler on a virtual clock (our step model)
 INPROC_NAME = "torch_inproc"  # executor=torch_inproc: the torch engine in this process
 
 
@@ -28,10 +29,13 @@ def _plain(node) -> dict[str, Any]:
 
 
 def executor_path(executor_cfg) -> str:
-    """simulated | torch_inproc | torch_http | vllm for an executor config node."""
+    """simulated | torch_inproc | torch_http | vllm | vllm_virtual for an executor config
+    node."""
     kind = executor_cfg.get("kind") if hasattr(executor_cfg, "get") else None
     if kind == "vllm":
         return VLLM
+    if kind == VLLM_VIRTUAL:
+        return VLLM_VIRTUAL
     if kind == "torch":
         return TORCH_INPROC if executor_cfg.get("name") == INPROC_NAME else TORCH_HTTP
     return SIMULATED
@@ -52,6 +56,17 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
                     "prefill_batch_tokens": tcfg.prefill_batch_tokens}
     elif path == VLLM:
         default_tokens = int(ex_cfg.get("max_num_batched_tokens") or 2048)
+        executor = {"kind": "external"}
+    elif path == VLLM_VIRTUAL:  # the step model's profile gives the default token budget
+        from experiments.runners.vllm_virtual import virtual_executor_config
+        from serving_core.executor.profiles import load_device_profile
+
+        vcfg = virtual_executor_config(ex_cfg)
+        try:
+            profile = load_device_profile(vcfg.device)
+        except ValueError as err:
+            raise ValueError(f"executor.device: {err}") from err
+        default_tokens = vcfg.max_num_batched_tokens or profile.max_num_batched_tokens
         executor = {"kind": "external"}
     else:
         from serving_core.executor.profiles import load_device_profile

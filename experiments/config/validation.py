@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.config.spec import SIMULATED, VLLM, engine_spec, executor_path
+from experiments.config.spec import SIMULATED, VLLM, VLLM_VIRTUAL, engine_spec, executor_path
 from experiments.runners.cell import arm_of
 from experiments.workloads.workload import normalize_load_config, normalize_workload_config
 from ledgers.arms import arm as arm_row
@@ -109,6 +109,10 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
         device = vllm_executor_config(cfg.executor)
         check_vllm_cell(device, arm)
         check_checkpoint(device, geometry)
+    elif path == VLLM_VIRTUAL:  # vLLM's scheduler on a virtual clock: N0, a vLLM venv
+        from experiments.runners.vllm_virtual import check_virtual_cell, virtual_executor_config
+
+        check_virtual_cell(virtual_executor_config(cfg.executor), arm, geometry)
     elif path != SIMULATED:  # the real executor: its checkpoint must match the model
         from serving_core.executor.torch_config import check_checkpoint, torch_executor_config
 
@@ -126,11 +130,11 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     if unknown:
         raise ValueError(f"host_tier.{unknown[0]}: unknown key; allowed keys are capacity_bytes")
     _optional_integer(cfg.host_tier.capacity_bytes, "host_tier.capacity_bytes", 1)
-    if cfg.host_tier.capacity_bytes is not None and path == VLLM:
+    if cfg.host_tier.capacity_bytes is not None and path in (VLLM, VLLM_VIRTUAL):
         raise ValueError("host_tier.capacity_bytes: the vLLM arm runs no host tier of ours; "
                          "allowed null")
     spec = engine_spec(cfg)  # range checks (headroom in [0, 1), ...)
-    if path != VLLM:
+    if path not in (VLLM, VLLM_VIRTUAL):
         from serving_core.builder import preflight
 
         preflight(spec)  # the engine would run the requested rules, or the run is refused

@@ -26,6 +26,7 @@ from experiments.config.spec import (
     TORCH_HTTP,
     TORCH_INPROC,
     VLLM,
+    VLLM_VIRTUAL,
     engine_spec,
     executor_path,
 )
@@ -175,7 +176,12 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
     workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
     wall0 = time.perf_counter()
     pool_units = spec.units(geometry)
-    if path == VLLM:  # real vLLM over HTTP: its own organization (N0), the blocks it allocated
+    if path == VLLM_VIRTUAL:  # vLLM's scheduler on a virtual clock, our step model
+        from experiments.runners.vllm_virtual import run_cell_on_vllm_virtual
+
+        result = run_cell_on_vllm_virtual(cfg, geometry, spec.scheduler, workload.requests)
+        pool_units = result.units
+    elif path == VLLM:  # real vLLM over HTTP: its own organization (N0), the blocks it allocated
         from experiments.runners.vllm_arm import run_cell_on_vllm
 
         result = run_cell_on_vllm(cfg, device, geometry, spec.scheduler, workload.requests)
@@ -219,9 +225,10 @@ def last_line(summary: Mapping, *, run_id: str, skipped: bool, engine_seconds: f
 
 
 def clock_label(executor_cfg) -> str:
-    """The unit of a run's episode time: "simulated s" for the simulated executor,
-    "wall-clock s" for real ones (torch, torch_inproc, vllm)."""
-    return "simulated s" if executor_path(executor_cfg) == SIMULATED else "wall-clock s"
+    """The unit of a run's episode time: "simulated s" for the simulated executor and the
+    virtual-clock vLLM arm, "wall-clock s" for real ones (torch, torch_inproc, vllm)."""
+    virtual = executor_path(executor_cfg) in (SIMULATED, VLLM_VIRTUAL)
+    return "simulated s" if virtual else "wall-clock s"
 
 
 def format_summary(summary: Mapping, clock: str = "simulated s") -> str:

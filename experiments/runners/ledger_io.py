@@ -88,7 +88,7 @@ def cell_columns(cfg: DictConfig) -> dict:
         "trace": bool(cfg.trace),
         "executor": (
             f"{cfg.executor.name}:{cfg.executor.device}"
-            if cfg.executor.get("kind") in ("torch", "vllm")
+            if cfg.executor.get("kind") in ("torch", "vllm", "vllm_virtual")
             else f"sim:{cfg.executor.name}"
         ),
         "model": str(cfg.model.name),
