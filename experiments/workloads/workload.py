@@ -252,9 +252,9 @@ def _trace_fields(cfg: dict) -> dict:
     if not isinstance(name, str) or not name:
         raise ValueError(f"workload.trace_file={name!r}: allowed values are "
                          f"{', '.join(trace.TRACES)} or the path of a JSONL trace file")
-    trace.trace_path(name)
+    data = trace.read_trace(name)  # parsed here (memoized): a bad line is refused before a run
     duration = cfg["trace_duration_s"]
-    return {
+    out = {
         "trace_file": name,
         "trace_start": _integer(cfg["trace_start"], "workload.trace_start", low=0),
         "trace_duration_s": None if duration is None else _finite(
@@ -267,6 +267,8 @@ def _trace_fields(cfg: dict) -> dict:
         "trace_vocab_size": _integer(cfg["trace_vocab_size"], "workload.trace_vocab_size",
                                      low=1000),
     }
+    trace.window(data, out["trace_start"], 1, None)  # the window's first request exists
+    return out
 
 
 def _finite(value: float, field: str) -> float:
