@@ -267,3 +267,21 @@ def test_requests_ledger_stores_the_bound_and_the_sentinel(tmp_path):
         got[t["run_id"][0]] = list(zip(t["request_id"], t["reusable_prefix_tokens"],
                                        strict=True))
     assert got == {"r1": [(1, 512), (0, 0)], "r2": [(0, -1)]}
+
+
+def test_trace_ids_must_fit_the_model_vocabulary():
+    from hydra import compose, initialize_config_dir
+
+    from experiments.config.validation import validate_config
+
+    with initialize_config_dir(version_base="1.3", config_dir=CONF):
+        for model in sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml")):
+            cfg = compose(config_name="config", overrides=[
+                f"model={model}", "workload=trace", "budget=16384MiB", "write_ledgers=false"])
+            validate_config(cfg)  # the default 32,000 ids fit every preset
+        cfg = compose(config_name="config", overrides=[
+            "model=zamba2_7b", "workload=trace", "workload.trace_vocab_size=50000",
+            "budget=16384MiB", "write_ledgers=false"])
+        with pytest.raises(ValueError, match=r"^workload.trace_vocab_size=50000: allowed "
+                           r"integers <= 32000, the vocabulary of model=zamba2_7b$"):
+            validate_config(cfg)
