@@ -285,3 +285,19 @@ def test_trace_ids_must_fit_the_model_vocabulary():
         with pytest.raises(ValueError, match=r"^workload.trace_vocab_size=50000: allowed "
                            r"integers <= 32000, the vocabulary of model=zamba2_7b$"):
             validate_config(cfg)
+
+
+def test_a_window_whose_longest_request_cannot_fit_alone_is_refused_before_a_step():
+    """Today's rule (serving_core.engine.check_feasible): the whole run is refused, naming the
+    longest request and the pool's shortfall; nothing waits on it."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.runners.cell import run_cell
+
+    with initialize_config_dir(version_base="1.3", config_dir=CONF):
+        cfg = compose(config_name="config", overrides=[
+            "workload=trace", "workload.num_requests=200", "org=s2", "budget=b63",
+            "write_ledgers=false"])
+    with pytest.raises(ValueError, match=r"^budget='b63' cannot hold one maximal request of "
+                       r"121213 tokens under org=S2: shared pool needs 244 units but has 193"):
+        run_cell(cfg)
