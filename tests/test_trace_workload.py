@@ -223,24 +223,37 @@ ORGS = ("s0", "s1", "s2", "d0", "s2_retention", "n0", "jenga", "s2_marconi", "d0
 BUDGET = "16384MiB"  # 16 GiB of Falcon-H1-7B state: holds the window's longest request (87.6k)
 
 
-@pytest.mark.parametrize("org", ORGS)
-def test_every_organization_adopts_at_most_the_bound(org):
+def _adopted_and_bound(org: str, n: int, budget: str) -> tuple[dict, dict]:
     from hydra import compose, initialize_config_dir
 
     from experiments.runners.cell import run_cell
 
     with initialize_config_dir(version_base="1.3", config_dir=CONF):
         cfg = compose(config_name="config", overrides=[
-            "workload=trace", "workload.num_requests=60", f"org={org}", f"budget={BUDGET}",
+            "workload=trace", f"workload.num_requests={n}", f"org={org}", f"budget={budget}",
             "write_ledgers=false"])
     result = run_cell(cfg)
     requests = result.tables["requests"]
-    assert result.summary["completed"] == 60
+    assert result.summary["completed"] == n
     bound = result.workload_columns["reusable_prefix_tokens"]
     adopted = dict(zip(requests["request_id"], requests["adopted_prefix_tokens"], strict=True))
-    assert sorted(bound) == sorted(adopted) == list(range(60))
+    assert sorted(bound) == sorted(adopted) == list(range(n))
     assert all(adopted[r] <= bound[r] for r in bound)
+    return adopted, bound
+
+
+@pytest.mark.parametrize("org", ORGS)
+def test_every_organization_adopts_at_most_the_bound(org):
+    _, bound = _adopted_and_bound(org, 60, BUDGET)
     assert sum(bound.values()) == 30208  # 59 blocks of 512 tokens reusable in this window
+
+
+@pytest.mark.slow  # 1,000 requests of up to 122k tokens per organization: minutes each
+@pytest.mark.parametrize("org", ORGS)
+def test_first_thousand_conversation_requests_complete_within_the_bound(org):
+    # 24 GiB of Falcon-H1-7B state holds the window's longest request (122,378 tokens)
+    _, bound = _adopted_and_bound(org, 1000, "24576MiB")
+    assert sum(bound.values()) == 2959360  # 21.5 % of the window's 13,732,944 prompt tokens
 
 
 def test_requests_ledger_stores_the_bound_and_the_sentinel(tmp_path):
