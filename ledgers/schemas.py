@@ -8,7 +8,9 @@ nullable: absence is a sentinel (-1, NaN or "") stated in the field's doc.
 
 `SCHEMAS[name]` is the stored schema (what the Parquet files and the catalog
 views hold). The engine produces `ENGINE_SCHEMAS[name]`, which for every table
-but runs lacks the leading run_id and campaign columns the writer prepends.
+but runs lacks the leading run_id and campaign columns the writer prepends, and
+lacks the workload's columns (`WORKLOAD_COLUMNS`) the writer appends: those
+describe the workload, not the engine, so the engine's tables stay what they were.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ RUN_TABLES = TABLES[1:]  # per-run tables the engine produces; runs is written l
 POOLS = ("shared", "attention", "recurrent")
 REQUEST_STATUSES = ("finished", "failed", "unfinished")
 RUN_STATUSES = ("complete", "failed")
-ARRIVALS = ("poisson", "onoff")
+ARRIVALS = ("poisson", "onoff", "trace")
 TRACE_EVENTS = (
     "ENTER_WAITING",
     "LOOKUP",
@@ -82,6 +84,17 @@ _REQUESTS = [
     _f("tpot_s", _F, "s", "Time per output token after the first (NaN if < 2 tokens)."),
     _f("status", _S, "", "Request outcome.", REQUEST_STATUSES),
 ]
+
+# Appended to requests by the writer from the workload (ledgers.writer.write_run); a workload
+# that defines none stores the sentinel (files written before the column read NULL).
+_REQUESTS_WORKLOAD = [
+    _f("reusable_prefix_tokens", _I, "tokens",
+       "Infinite-cache bound: the longest prefix of the prompt's whole blocks that earlier "
+       "requests of the workload held (trace workloads; experiments/workloads/trace.py); "
+       "compare adopted_prefix_tokens (-1: the workload defines none, e.g. ShareGPT)."),
+]
+WORKLOAD_COLUMNS: dict[str, tuple[pa.Field, ...]] = {"requests": tuple(_REQUESTS_WORKLOAD)}
+WORKLOAD_SENTINEL = -1
 
 _POLLER = [
     _f("t_s", _I, "s", "Sample time in whole virtual seconds (one sample per second)."),
@@ -190,8 +203,10 @@ _RUNS = [
     _f("units", _I, "units", "Total units of the budget (both D0 pools summed)."),
     _f("units_detail", _S, "", "JSON object of units per pool."),
     _f("cap", _I, "count", "Concurrency cap (max running requests)."),
-    _f("rate", _F, "1/s", "Offered load lambda (Poisson arrivals per second)."),
-    _f("arrival", _S, "", "Arrival process (onoff: 5 s on, 15 s off, same mean).", ARRIVALS),
+    _f("rate", _F, "1/s", "Offered load lambda (Poisson arrivals per second); trace "
+       "workloads: workload.trace_speed, the factor the trace's timestamps are divided by."),
+    _f("arrival", _S, "", "Arrival process (onoff: 5 s on, 15 s off, same mean; trace: the "
+       "trace's own timestamps).", ARRIVALS),
     _f("q", _F, "fraction", "Share of requests drawn from shared contexts."),
     _f("f", _F, "fraction", "Admission headroom fraction."),
     _f("retention_k", _I, "count", "Checkpoint retention K (-1: none)."),
@@ -259,7 +274,8 @@ ENGINE_SCHEMAS: dict[str, pa.Schema] = {
     "request_paths": pa.schema(_REQUEST_PATHS),
 }
 SCHEMAS: dict[str, pa.Schema] = {
-    name: schema if name == "runs" else pa.schema([*_KEY_FIELDS, *schema])
+    name: schema if name == "runs" else pa.schema(
+        [*_KEY_FIELDS, *schema, *WORKLOAD_COLUMNS.get(name, ())])
     for name, schema in ENGINE_SCHEMAS.items()
 }
 

@@ -43,7 +43,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ledgers.files import digest_bytes, probe, read_rows
-from ledgers.schemas import RUN_TABLES, SCHEMAS, TABLES, to_stored_table, to_table
+from ledgers.schemas import (
+    RUN_TABLES,
+    SCHEMAS,
+    TABLES,
+    WORKLOAD_COLUMNS,
+    WORKLOAD_SENTINEL,
+    to_stored_table,
+    to_table,
+)
 
 TEMP_SUFFIX = ".tmp"
 NONCE_HEX = 16  # hex digits of an attempt's nonce
@@ -139,10 +147,16 @@ def write_atomic(table: pa.Table, path: Path, *, sync_dir: bool = True) -> dict:
     return {"rows": table.num_rows, "bytes": data.size, "sha256": digest_bytes(data)}
 
 
-def _with_keys(name: str, table: pa.Table, run_id: str, campaign: str) -> pa.Table:
+def _with_keys(name: str, table: pa.Table, run_id: str, campaign: str,
+               workload: Mapping[str, Mapping[int, int]] | None = None) -> pa.Table:
     n = table.num_rows
     keys = [pa.array([run_id] * n, pa.string()), pa.array([campaign] * n, pa.string())]
-    return pa.Table.from_arrays([*keys, *table.columns], schema=SCHEMAS[name])
+    extra = []
+    for field in WORKLOAD_COLUMNS.get(name, ()):
+        by_request = (workload or {}).get(field.name, {})
+        ids = table.column("request_id").to_pylist()
+        extra.append(pa.array([by_request.get(r, WORKLOAD_SENTINEL) for r in ids], field.type))
+    return pa.Table.from_arrays([*keys, *table.columns, *extra], schema=SCHEMAS[name])
 
 
 def _json_text(column: str, value) -> str:
@@ -238,13 +252,16 @@ def write_run(
     run_id: str,
     tables: Mapping[str, pa.Table | Mapping],
     runs_row: Mapping,
+    workload_columns: Mapping[str, Mapping[int, int]] | None = None,
 ) -> None:
     """Persist one attempt of a run: its tables, then its runs row.
 
     `tables` maps run-table names to engine columns (pa.Table or dict of
     columns, exactly `ENGINE_SCHEMAS[name]`); absent tables are not written.
     `runs_row` holds every runs column except adopted and created_at (run_id
-    and campaign optional, must match). Everything is validated before the
+    and campaign optional, must match). `workload_columns` maps a workload
+    column (schemas.WORKLOAD_COLUMNS) to its value per request_id; a request or
+    column it lacks stores the sentinel. Everything is validated before the
     first file is written.
     """
     _check_name("campaign", campaign)
@@ -253,7 +270,8 @@ def write_run(
     if unknown:
         raise ValueError(f"unknown run tables {unknown}: expected a subset of {RUN_TABLES}")
     stored = {
-        name: _with_keys(name, to_table(name, tables[name]), run_id, campaign)
+        name: _with_keys(name, to_table(name, tables[name]), run_id, campaign,
+                         workload_columns or {})
         for name in RUN_TABLES
         if name in tables
     }

@@ -18,7 +18,7 @@ import ledgers
 from ledgers import check as ledger_check
 from ledgers import integrity, writer
 from ledgers.catalog import LedgerWarning
-from ledgers.schemas import ENGINE_SCHEMAS, SCHEMAS, TABLES, to_table
+from ledgers.schemas import ENGINE_SCHEMAS, SCHEMAS, TABLES, WORKLOAD_COLUMNS, to_table
 from serving_core.records import mechanism_absent
 
 CAMPAIGN = "q1"
@@ -246,7 +246,9 @@ def test_schemas_documented_and_keyed():
             assert not f.nullable
         if name != "runs":
             assert schema.names[:2] == ["run_id", "campaign"]
-            assert schema.names[2:] == ENGINE_SCHEMAS[name].names
+            workload = [f.name for f in WORKLOAD_COLUMNS.get(name, ())]  # writer-appended
+            assert schema.names[2:] == ENGINE_SCHEMAS[name].names + workload
+    assert [f.name for f in WORKLOAD_COLUMNS["requests"]] == ["reusable_prefix_tokens"]
     assert ENGINE_SCHEMAS["poller"].names == [
         "t_s",
         "pool",

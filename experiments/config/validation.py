@@ -68,6 +68,18 @@ def _prefixed(section: str, build, *args):
         raise ValueError(f"{section}: {err}") from err
 
 
+def _check_trace_vocab(workload: dict, model, geometry) -> None:
+    """A trace workload's token ids must lie in the model's vocabulary (where it states one)."""
+    if workload["source"] != "trace":
+        return
+    stated = [geometry.vocab_size, *(model.get(section, {}).get("vocab_size", 0)
+                                    for section in ("architecture", "count_fields"))]
+    vocab = next((int(v) for v in stated if v), 0)
+    if vocab and workload["trace_vocab_size"] > vocab:
+        raise ValueError(f"workload.trace_vocab_size={workload['trace_vocab_size']}: allowed "
+                         f"integers <= {vocab}, the vocabulary of model={model.name}")
+
+
 def check_ledger_root(root: str | os.PathLike) -> Path:
     """Create the ledger root if needed and prove it is writable; return it absolute."""
     path = Path(root).expanduser()
@@ -138,7 +150,7 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
         from serving_core.builder import preflight
 
         preflight(spec)  # the engine would run the requested rules, or the run is refused
-    normalize_workload_config(cfg.workload)
+    _check_trace_vocab(normalize_workload_config(cfg.workload), cfg.model, geometry)
     for key in ("rate", "on_s"):  # rate=inf would put every arrival at t = 0
         if key in cfg.load:
             _positive_finite(cfg.load[key], f"load.{key}")

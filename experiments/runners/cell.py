@@ -111,6 +111,9 @@ class CellResult:
     run_seconds: float = float("nan")  # workload build + engine
 
     engine_config: dict = field(default_factory=dict)  # the rules the engine ran (its record)
+    # the workload's request columns (ledgers.schemas.WORKLOAD_COLUMNS): name -> {request_id:
+    # value}; empty for a workload that defines none (the writer stores the sentinel)
+    workload_columns: dict[str, dict[int, int]] = field(default_factory=dict)
 
     @property
     def engine_seconds(self) -> float:
@@ -213,7 +216,17 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
         summary, result.tables, episode, dict(workload.meta), pool_units, result.memory,
         run_seconds=time.perf_counter() - run0,
         engine_config=dict(getattr(result, "engine_config", {}) or {}),
+        workload_columns=workload_columns(workload),
     )
+
+
+def workload_columns(workload) -> dict[str, dict[int, int]]:
+    """The workload's request columns: each request's infinite-cache bound, where defined."""
+    if workload.reusable_prefix is None:
+        return {}
+    return {"reusable_prefix_tokens": {
+        spec.request_id: int(bound)
+        for spec, bound in zip(workload.requests, workload.reusable_prefix, strict=True)}}
 
 
 def last_line(summary: Mapping, *, run_id: str, skipped: bool, engine_seconds: float,

@@ -73,8 +73,9 @@ def cell_columns(cfg: DictConfig) -> dict:
         "org": a.ledger_org,
         "budget": parse_budget(str(cfg.budget)).label,
         "cap": int(cfg.engine.cap),
-        "rate": load["rate"],
-        "arrival": load["arrival"],
+        # a trace replays its own timestamps (load.* unused): its time scale stands as the rate
+        "rate": workload["trace_speed"] if workload["source"] == "trace" else load["rate"],
+        "arrival": "trace" if workload["source"] == "trace" else load["arrival"],
         "q": workload["q"],
         "f": float(cfg.engine.headroom),
         "retention_k": int(cfg.retention.k) if a.retention else -1,

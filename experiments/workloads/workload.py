@@ -30,6 +30,13 @@ other window starts with, so a unique context shares no cacheable prefix.
 
 Synthetic: fixed lengths from a deterministic arithmetic token pattern whose
 first token differs for every sequence; the same slot and sharing rules.
+
+Trace (experiments/workloads/trace.py): a window of a prefix-block-hash trace replayed at its
+own timestamps divided by `trace_speed` (load.* is not used), prompts spelled from the hash
+ids, outputs the trace's (max_output_tokens, output_rule and max_model_len do not apply);
+`Workload.reusable_prefix` holds each request's infinite-cache bound. Its fields
+(TRACE_DEFAULTS) are allowed only with source=trace, so the other sources' normalized
+configs and hashes are unchanged.
 """
 
 from __future__ import annotations
@@ -47,9 +54,9 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.workloads import sharegpt
+from experiments.workloads import sharegpt, trace
 
-SOURCES = ("sharegpt", "synthetic")
+SOURCES = ("sharegpt", "synthetic", "trace")
 REUSE_MODES = ("share", "isolate")
 OUTPUT_RULES = ("tokenizer_ratio", "raw")
 ARRIVALS = ("poisson", "onoff")
@@ -73,6 +80,15 @@ WORKLOAD_DEFAULTS = {
     "synthetic_prompt_tokens": 600,  # context + question
     "synthetic_context_tokens": 512,
     "synthetic_output_tokens": 32,
+}
+# source=trace only (conf/workload/trace.yaml): the window, time scale, block mapping, ids
+TRACE_DEFAULTS = {
+    "trace_file": "conversation",  # conversation | synthetic (vendored) | a JSONL path
+    "trace_start": 0,  # 0-based index of the window's first request
+    "trace_duration_s": None,  # null: num_requests only; else also within this trace time
+    "trace_speed": 1.0,  # arrival = (timestamp - first timestamp) / 1000 / trace_speed
+    "trace_block_tokens": 512,  # tokens one 512-token hash block becomes (trace.py)
+    "trace_vocab_size": 32000,  # token ids in [100, vocab); <= the model's vocabulary
 }
 LOAD_DEFAULTS = {"rate": 3.0, "arrival": "poisson", "on_s": 5.0, "off_s": 15.0}
 
@@ -104,6 +120,8 @@ class RequestSpec:
 class Workload:
     requests: tuple[RequestSpec, ...]
     meta: dict  # tokenizer and dataset identity, length statistics, config hash, knobs
+    # per request, the infinite-cache reusable prefix in tokens (trace sources); None: none
+    reusable_prefix: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +141,15 @@ class _Material:
 
 def normalize_workload_config(cfg) -> dict:
     """Defaults filled in, every field validated; raises ValueError naming the field."""
-    out = _merge(cfg, WORKLOAD_DEFAULTS, "workload")
+    out = _merge(cfg, {**WORKLOAD_DEFAULTS, **TRACE_DEFAULTS}, "workload")
     out["source"] = _choice(out["source"], SOURCES, "workload.source")
+    trace_cfg = {key: out.pop(key) for key in TRACE_DEFAULTS}
+    if out["source"] == "trace":
+        out.update(_trace_fields(trace_cfg))
+    else:
+        given = [key for key in TRACE_DEFAULTS if cfg is not None and key in cfg]
+        if given:
+            raise ValueError(f"workload.{given[0]}: allowed only with workload.source=trace")
     out["reuse"] = _choice(out["reuse"], REUSE_MODES, "workload.reuse")
     if out["tokenizer"] not in sharegpt.TOKENIZERS:
         raise ValueError(
@@ -222,6 +247,36 @@ def _seed(seed) -> int:
     return _integer(seed, "seed", low=0)
 
 
+def _trace_fields(cfg: dict) -> dict:
+    name = cfg["trace_file"]
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"workload.trace_file={name!r}: allowed values are "
+                         f"{', '.join(trace.TRACES)} or the path of a JSONL trace file")
+    data = trace.read_trace(name)  # parsed here (memoized): a bad line is refused before a run
+    duration = cfg["trace_duration_s"]
+    out = {
+        "trace_file": name,
+        "trace_start": _integer(cfg["trace_start"], "workload.trace_start", low=0),
+        "trace_duration_s": None if duration is None else _finite(
+            _number(duration, "workload.trace_duration_s", 0.0, open_low=True),
+            "workload.trace_duration_s"),
+        "trace_speed": _finite(_number(cfg["trace_speed"], "workload.trace_speed", 0.0,
+                                       open_low=True), "workload.trace_speed"),
+        "trace_block_tokens": _integer(cfg["trace_block_tokens"], "workload.trace_block_tokens",
+                                       low=16),
+        "trace_vocab_size": _integer(cfg["trace_vocab_size"], "workload.trace_vocab_size",
+                                     low=1000),
+    }
+    trace.window(data, out["trace_start"], 1, None)  # the window's first request exists
+    return out
+
+
+def _finite(value: float, field: str) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{field}={value!r}: allowed finite numbers > 0")
+    return value
+
+
 def _check_synthetic(cfg: dict) -> None:
     prompt, context = cfg["synthetic_prompt_tokens"], cfg["synthetic_context_tokens"]
     if context >= prompt:
@@ -251,6 +306,8 @@ def build_workload(
     wcfg = normalize_workload_config(workload_cfg)
     lcfg = normalize_load_config(load_cfg)
     seed = _seed(seed)
+    if wcfg["source"] == "trace":
+        return _trace_workload(wcfg, lcfg, seed)
     n = wcfg["num_requests"]
     if wcfg["source"] == "sharegpt":
         pool = sharegpt.load_pool(wcfg["tokenizer"], Path(cache_dir or default_cache_dir()))
@@ -497,6 +554,55 @@ def _synthetic_material(wcfg: dict, seed: int) -> _Material:
             "context_lengths": [context_len] * num_contexts,
         },
     )
+
+
+# ---------------------------------------------------------------- trace
+
+
+def _trace_workload(wcfg: dict, lcfg: dict, seed: int) -> Workload:
+    """A window of a block-hash trace (experiments/workloads/trace.py); seed sets salts only."""
+    data = trace.read_trace(wcfg["trace_file"])
+    lines = trace.window(data, wcfg["trace_start"], wcfg["num_requests"],
+                         wcfg["trace_duration_s"])
+    block, vocab = wcfg["trace_block_tokens"], wcfg["trace_vocab_size"]
+    stamps = data.timestamps_ms[lines.start : lines.stop]
+    arrivals = (stamps - stamps[0]) / 1000.0 / wcfg["trace_speed"]
+    bound = tuple(b * block for b in trace.reusable_prefix_blocks(data, lines))
+    requests = tuple(
+        RequestSpec(
+            request_id=i,
+            arrival_s=float(arrivals[i]),
+            prompt=trace.prompt_tokens(data, line, block, vocab),
+            output_tokens=int(data.output_lengths[line]),
+            context_id=-1,
+            salt=f"req-{seed}-{i}" if wcfg["reuse"] == "isolate" else "",
+        )
+        for i, line in enumerate(lines)
+    )
+    prompt_total = sum(len(r.prompt) for r in requests)
+    span = float(arrivals[-1])
+    meta = {
+        **_length_stats(requests),
+        "tokenizer": {"name": "trace-hash-blocks", "n_vocab": vocab},
+        "trace": {"file": data.name, "sha256": data.sha256, "requests_in_file": len(data),
+                  "first_line": lines.start + 1, "last_line": lines.stop,
+                  "block_tokens": block, "speed": wcfg["trace_speed"]},
+        "reusable_prefix_tokens": int(sum(bound)),
+        "reusable_fraction": sum(bound) / prompt_total,
+        "config_hash": workload_config_hash(wcfg, lcfg, seed),
+        "source": "trace",
+        "q": wcfg["q"],
+        "reuse": wcfg["reuse"],
+        "seed": seed,
+        "num_requests": len(requests),
+        "num_shared": -1,
+        "arrival": "trace",
+        "rate": (len(requests) - 1) / span if span > 0 else 0.0,
+        "arrival_span_s": span,
+        "workload": wcfg,
+        "load": lcfg,
+    }
+    return Workload(requests, meta, reusable_prefix=bound)
 
 
 # ---------------------------------------------------------------- command line
