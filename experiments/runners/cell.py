@@ -21,16 +21,18 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.config.run_plan import RunPlan, plan_run
 from experiments.config.spec import (
     SIMULATED,
     TORCH_HTTP,
     TORCH_INPROC,
     VLLM,
-    engine_spec,
     executor_path,
 )
 from ledgers.arms import ARM_NAMES, arm
+from serving_core.engine_spec import rule_declarations
 from serving_core.records import MECHANISM_KEYS
+from serving_core.rules import declared, default_of
 
 ARMS = ARM_NAMES  # ledgers.arms: the one table of arm names
 SUMMARY_KEYS = (
@@ -69,15 +71,9 @@ _NON_IDENTITY_KEYS = ("ledger_root", "write_ledgers", "hydra", "campaign", "repl
 # exactly: at that value they stay out of a cell's identity, so runs collected before the
 # key existed keep their run_id (a test holds each default to the config file's).
 IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
-    ("engine", "reserve_output_tokens"): 0,
-    ("engine", "free_queue"): "free_first",
-    ("engine", "checkpoint_recency"): "release",
-    ("engine", "cache_policy"): "lru",
-    ("engine", "marconi_alpha"): 1.0,
-    ("engine", "conv_page_recency"): "members",
-    ("engine", "release_order"): "attention_first",
-    ("engine", "duplicates"): "drop",
-    ("engine", "private_blocks"): "mru",
+    # every engine rule declared identity-neutral, at its declared default (serving_core/rules.py)
+    **{("engine", f.name): default_of(f) for _, f in rule_declarations()
+       if declared(f).config and declared(f).identity_neutral},
     ("executor", "state_page_s"): 0.0,
     ("executor", "conv_slot_s"): 0.0,
     ("executor", "kv_page_s"): 0.0,
@@ -86,8 +82,6 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("executor", "logit_row_s"): 0.0,
     ("executor", "logit_block_rows"): 4,
     ("model", "kv_group_heads"): None,
-    ("engine", "interleave"): None,
-    ("engine", "split_last_boundary"): False,
     ("executor", "prefill_batch_tokens"): None,
     ("host_tier", "capacity_bytes"): None,
 }
@@ -147,19 +141,33 @@ class _Served:
     engine_config: dict = field(default_factory=dict)
 
 
-def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
+def build_run_engine(plan: RunPlan, on_step=None):
+    """The engine a run serves in this process (simulated, torch_inproc), built once and
+    checked to run the requested rules (ValueError, one line); None for a run served
+    elsewhere (torch over HTTP: the server builds it, checked here without a model; vLLM)."""
+    from serving_core.builder import build_engine, preflight
+
+    if plan.path in (SIMULATED, TORCH_INPROC):
+        return build_engine(plan.spec, on_step=on_step)
+    if plan.path == TORCH_HTTP:
+        preflight(plan.spec)
+    return None
+
+
+def run_cell(cfg: DictConfig, on_step=None, *, plan: RunPlan | None = None,
+             engine=None) -> CellResult:
     """Run one cell (simulated time, or wall time on a real executor) and return its
     records, its summary and the rules its engine ran (read back from the engine).
 
+    `plan`: the config's run plan (validate_config's; None: derived here, unchecked);
+    `engine`: the plan's engine already built (build_run_engine; None: built here).
     `on_step(scheduler, memory)` is the engine's per-step hook (invariant checks in tests).
     """
     from experiments.workloads.workload import build_workload
 
     run0 = time.perf_counter()
-    name = arm_of(cfg.org)
-    path = executor_path(cfg.executor)
-    spec = engine_spec(cfg)
-    geometry = spec.geometry()
+    plan = plan or plan_run(cfg)
+    name, path, spec = plan.arm.name, plan.path, plan.spec
     if path == VLLM:
         from experiments.runners.vllm_arm import check_vllm_cell, vllm_executor_config
 
@@ -167,11 +175,12 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
         check_vllm_cell(device, name)
     workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
     wall0 = time.perf_counter()
-    pool_units = spec.units(geometry)
+    pool_units = plan.units
     if path == VLLM:  # real vLLM over HTTP: its own organization (N0), the blocks it allocated
         from experiments.runners.vllm_arm import run_cell_on_vllm
 
-        result = run_cell_on_vllm(cfg, device, geometry, spec.scheduler, workload.requests)
+        result = run_cell_on_vllm(cfg, device, plan.geometry, spec.scheduler,
+                                  workload.requests)
         pool_units = result.units
     elif path == TORCH_HTTP:  # the server in a subprocess, driven over HTTP
         from experiments.runners.http_run import run_cell_over_http
@@ -180,10 +189,12 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
         result = _Served(tables, served, engine_config=effective)
     else:
         assert path in (SIMULATED, TORCH_INPROC)
-        from serving_core.builder import build_engine
         from serving_core.engine import serve
 
-        engine = build_engine(spec, on_step=on_step)
+        if engine is None:
+            engine = build_run_engine(plan, on_step)
+        elif on_step is not None:
+            engine.on_step = on_step
         result = serve(engine, workload.requests)
         if path == TORCH_INPROC:  # wall-clock timings depend on this process's settings
             from serving_core.server.process_settings import runtime_settings
