@@ -44,7 +44,7 @@ from experiments.config.run_plan import RunPlan
 from experiments.config.validation import check_ledger_root, validate_config
 from experiments.runners.cell import (
     CellResult,
-    build_run_engine,
+    checked_engine,
     clock_label,
     format_summary,
     last_line,
@@ -92,10 +92,8 @@ def _ran_line(key: RunKey, result: CellResult) -> dict:
                      engine_seconds=result.engine_seconds, run_seconds=result.run_seconds)
 
 
-def _record(cfg: DictConfig, root: Path, key: RunKey, plan: RunPlan) -> dict:
-    """Run the cell and persist it; a raising cell leaves a failed runs row behind (an
-    engine that would not run the requested rules is refused before: bad input)."""
-    engine = build_run_engine(plan)
+def _record(cfg: DictConfig, root: Path, key: RunKey, plan: RunPlan, engine) -> dict:
+    """Run the cell and persist it; a raising cell leaves a failed runs row behind."""
     run0 = time.perf_counter()
     try:
         result = _timed_cell(cfg, plan, engine)
@@ -140,10 +138,11 @@ def main_run(cfg: DictConfig) -> dict:
     ran or was skipped as complete.
     """
     _mark("composed")
-    plan = validate_config(cfg, preflight=False)  # the run builds (and checks) its engine once
+    plan = validate_config(cfg, preflight=False)
+    engine = checked_engine(plan)  # built once (simulated), checked before anything is written
     key = run_key(cfg)
     if not cfg.write_ledgers:
-        line = _ran_line(key, _timed_cell(cfg, plan, build_run_engine(plan)))
+        line = _ran_line(key, _timed_cell(cfg, plan, engine))
         print(format_summary(line, clock_label(cfg.executor)))
         print(json_line(line), flush=True)
         return line
@@ -152,7 +151,7 @@ def main_run(cfg: DictConfig) -> dict:
         done, moved = completed_row(root, key)
         if moved.moved:
             print(f"run {key.run_id}: {moved.format()}")
-        line = _record(cfg, root, key, plan) if done is None else None
+        line = _record(cfg, root, key, plan, engine) if done is None else None
     if done is not None:
         line = skipped_line(cfg, done, _manifest_or_none(root, key))
         print(f"skipped: run {key.run_id} ({key.campaign}, {cfg.org} {cfg.budget} seed "

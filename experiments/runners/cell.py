@@ -141,15 +141,17 @@ class _Served:
     engine_config: dict = field(default_factory=dict)
 
 
-def build_run_engine(plan: RunPlan, on_step=None):
-    """The engine a run serves in this process (simulated, torch_inproc), built once and
-    checked to run the requested rules (ValueError, one line); None for a run served
-    elsewhere (torch over HTTP: the server builds it, checked here without a model; vLLM)."""
+def checked_engine(plan: RunPlan, on_step=None):
+    """Check, before a run starts, that its engine runs the requested rules (ValueError,
+    one line). A simulated run's engine is built here, once, and returned for run_cell;
+    a torch engine is checked without its model (preflight: run_cell builds it, loading
+    the model, only for a run that is not skipped) and None returned, as for a run served
+    elsewhere (vLLM)."""
     from serving_core.builder import build_engine, preflight
 
-    if plan.path in (SIMULATED, TORCH_INPROC):
+    if plan.path == SIMULATED:
         return build_engine(plan.spec, on_step=on_step)
-    if plan.path == TORCH_HTTP:
+    if plan.path in (TORCH_INPROC, TORCH_HTTP):
         preflight(plan.spec)
     return None
 
@@ -160,7 +162,7 @@ def run_cell(cfg: DictConfig, on_step=None, *, plan: RunPlan | None = None,
     records, its summary and the rules its engine ran (read back from the engine).
 
     `plan`: the config's run plan (validate_config's; None: derived here, unchecked);
-    `engine`: the plan's engine already built (build_run_engine; None: built here).
+    `engine`: the plan's engine already built (checked_engine; None: built here).
     `on_step(scheduler, memory)` is the engine's per-step hook (invariant checks in tests).
     """
     from experiments.workloads.workload import build_workload
@@ -189,10 +191,11 @@ def run_cell(cfg: DictConfig, on_step=None, *, plan: RunPlan | None = None,
         result = _Served(tables, served, engine_config=effective)
     else:
         assert path in (SIMULATED, TORCH_INPROC)
+        from serving_core.builder import build_engine
         from serving_core.engine import serve
 
         if engine is None:
-            engine = build_run_engine(plan, on_step)
+            engine = build_engine(spec, on_step=on_step)
         elif on_step is not None:
             engine.on_step = on_step
         result = serve(engine, workload.requests)
