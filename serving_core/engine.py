@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from serving_core.engine_spec import RULE_SECTIONS, EngineSpec
+from serving_core.engine_spec import EngineSpec
 from serving_core.executor.base import EXECUTOR_RULE_KEYS, Executor, ExecutorOutput
 from serving_core.executor.clocks import VirtualClock, WallClock
 from serving_core.executor.modelled import PacedExecutor, SimulatedExecutor
@@ -292,10 +292,10 @@ class Engine:
         """The rules this engine runs, read from its parts (scheduler, memory organization,
         executor, clock, recorder): what a run's record states, never the request."""
         sched, mem = self.sched, self.mem
-        runs = {"scheduler": sched, "allocator": mem}  # the part that runs each section
+        # each section's rules (those the part was built with), read back from that part
         rules = {"org": mem.org}
-        for section, cls in RULE_SECTIONS.items():
-            rules.update(rule_effective(cls, runs[section]))
+        for part, declared_by in ((sched, sched.cfg), (mem, mem.rules)):
+            rules.update(rule_effective(declared_by, part))
         rules.update({
             "headroom_units": dict(sched.headroom),
             "pool_units": {p: pool.num_units for p, pool in mem.pools.items()},

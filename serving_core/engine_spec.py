@@ -302,3 +302,30 @@ def rules_table() -> str:
         lines.append(f"| `{rules.hydra_key(f)}` | `{_show(rules.default_of(f))}` | {allowed} "
                      f"| {layer.get(section, section)} | {r.doc} |")
     return "\n".join(lines) + "\n"
+
+
+DOCS_TABLE = ("<!-- rules-table:begin (generated: python -m serving_core.engine_spec "
+              "--write-docs) -->\n", "<!-- rules-table:end -->")
+
+
+def write_docs_table(path: str = "docs/engine_rules.md") -> bool:
+    """Put rules_table() between the markers of `path`; True when the file changed."""
+    import re
+    from pathlib import Path
+
+    begin, end = DOCS_TABLE
+    text = Path(path).read_text()
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{path}: no rules-table markers")
+    new = pattern.sub(lambda _: begin + rules_table() + end, text)
+    Path(path).write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--write-docs"]:
+        sys.exit("usage: python -m serving_core.engine_spec --write-docs")
+    print("docs/engine_rules.md:", "updated" if write_docs_table() else "up to date")

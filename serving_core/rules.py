@@ -109,10 +109,11 @@ def requested(obj: Any, ctx_of: Callable[[Any], RuleContext]) -> dict[str, Any]:
     return out
 
 
-def effective(cls: Any, engine_part: Any) -> dict[str, Any]:
-    """Each rule of `cls` as the engine object running it (`engine_part`) reports it."""
+def effective(declared_by: Any, engine_part: Any) -> dict[str, Any]:
+    """Each rule of `declared_by` (a rule dataclass or instance) as the engine object
+    running it (`engine_part`) reports it."""
     out = {}
-    for f in rule_fields(cls):
+    for f in rule_fields(declared_by):
         r = declared(f)
         out[f.name] = (getattr(engine_part, f.name) if r.effective is None
                        else r.effective(engine_part))

@@ -337,9 +337,9 @@ def test_keys_added_at_their_neutral_default_keep_run_identities():
     identity unchanged at the default that reproduces the earlier engine."""
     from omegaconf import OmegaConf, open_dict
 
-    from experiments.runners.cell import IDENTITY_NEUTRAL_DEFAULTS, config_hash
+    from experiments.runners.cell import config_hash, identity_neutral_defaults
 
-    for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
+    for (section, key), default in identity_neutral_defaults().items():
         # executor keys live in the executors that have them (the real one's, or the
         # simulated profiles' additive terms)
         real = section == "executor" and key == "prefill_batch_tokens"

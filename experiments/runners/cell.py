@@ -70,10 +70,7 @@ _NON_IDENTITY_KEYS = ("ledger_root", "write_ledgers", "hydra", "campaign", "repl
 # Keys added after runs were collected, at the default that reproduces the earlier engine
 # exactly: at that value they stay out of a cell's identity, so runs collected before the
 # key existed keep their run_id (a test holds each default to the config file's).
-IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
-    # every engine rule declared identity-neutral, at its declared default (serving_core/rules.py)
-    **{("engine", f.name): default_of(f) for _, f in rule_declarations()
-       if declared(f).config and declared(f).identity_neutral},
+_NEUTRAL_SETTINGS: dict[tuple[str, str], object] = {
     ("executor", "state_page_s"): 0.0,
     ("executor", "conv_slot_s"): 0.0,
     ("executor", "kv_page_s"): 0.0,
@@ -85,6 +82,16 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("executor", "prefill_batch_tokens"): None,
     ("host_tier", "capacity_bytes"): None,
 }
+
+
+def identity_neutral_defaults() -> dict[tuple[str, str], object]:
+    """(section, key) -> neutral default: every engine rule declared identity-neutral at its
+    declared default (serving_core/rules.py), and the other settings above."""
+    rules = {("engine", f.name): default_of(f) for _, f in rule_declarations()
+             if declared(f).config and declared(f).identity_neutral}
+    return {**rules, **_NEUTRAL_SETTINGS}
+
+
 # Sections added after runs were collected: left out of the identity once empty (every
 # key of theirs at its neutral default).
 IDENTITY_NEUTRAL_SECTIONS = ("host_tier",)
@@ -116,7 +123,7 @@ def cell_config(cfg: DictConfig | dict) -> dict:
     """The resolved config that identifies a cell (no paths, no bookkeeping)."""
     data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     out = {k: v for k, v in data.items() if k not in _NON_IDENTITY_KEYS}
-    for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
+    for (section, key), default in identity_neutral_defaults().items():
         group = out.get(section)
         if isinstance(group, dict) and key in group and group[key] == default:
             out[section] = {k: v for k, v in group.items() if k != key}
