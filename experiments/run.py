@@ -40,8 +40,16 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.config.bad_input import bad_input_message, exit_bad_input, report_bad_input
+from experiments.config.run_plan import RunPlan
 from experiments.config.validation import check_ledger_root, validate_config
-from experiments.runners.cell import CellResult, clock_label, format_summary, last_line, run_cell
+from experiments.runners.cell import (
+    CellResult,
+    checked_engine,
+    clock_label,
+    format_summary,
+    last_line,
+    run_cell,
+)
 from experiments.runners.ledger_io import (
     RunKey,
     completed_row,
@@ -84,11 +92,11 @@ def _ran_line(key: RunKey, result: CellResult) -> dict:
                      engine_seconds=result.engine_seconds, run_seconds=result.run_seconds)
 
 
-def _record(cfg: DictConfig, root: Path, key: RunKey) -> dict:
+def _record(cfg: DictConfig, root: Path, key: RunKey, plan: RunPlan, engine) -> dict:
     """Run the cell and persist it; a raising cell leaves a failed runs row behind."""
     run0 = time.perf_counter()
     try:
-        result = _timed_cell(cfg)
+        result = _timed_cell(cfg, plan, engine)
     except Exception as err:
         elapsed = time.perf_counter() - run0
         write_manifest(root, build_manifest(cfg, key, status="failed", error=repr(err)))
@@ -107,9 +115,9 @@ def _record(cfg: DictConfig, root: Path, key: RunKey) -> dict:
     return line
 
 
-def _timed_cell(cfg: DictConfig) -> CellResult:
+def _timed_cell(cfg: DictConfig, plan: RunPlan, engine) -> CellResult:
     _mark("cell_start")
-    result = run_cell(cfg)
+    result = run_cell(cfg, plan=plan, engine=engine)
     _mark("cell_end")
     _mark("engine_seconds", result.engine_seconds)
     _mark("run_seconds", result.run_seconds)
@@ -130,10 +138,11 @@ def main_run(cfg: DictConfig) -> dict:
     ran or was skipped as complete.
     """
     _mark("composed")
-    validate_config(cfg)
+    plan = validate_config(cfg, preflight=False)
+    engine = checked_engine(plan)  # built once (simulated), checked before anything is written
     key = run_key(cfg)
     if not cfg.write_ledgers:
-        line = _ran_line(key, _timed_cell(cfg))
+        line = _ran_line(key, _timed_cell(cfg, plan, engine))
         print(format_summary(line, clock_label(cfg.executor)))
         print(json_line(line), flush=True)
         return line
@@ -142,7 +151,7 @@ def main_run(cfg: DictConfig) -> dict:
         done, moved = completed_row(root, key)
         if moved.moved:
             print(f"run {key.run_id}: {moved.format()}")
-        line = _record(cfg, root, key) if done is None else None
+        line = _record(cfg, root, key, plan, engine) if done is None else None
     if done is not None:
         line = skipped_line(cfg, done, _manifest_or_none(root, key))
         print(f"skipped: run {key.run_id} ({key.campaign}, {cfg.org} {cfg.budget} seed "

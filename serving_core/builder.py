@@ -13,10 +13,11 @@ other rules than asked is refused before it serves anything.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from serving_core.engine import Engine
-from serving_core.engine_spec import EngineSpec, check_effective
+from serving_core.engine_spec import EngineSpec, check_effective, rule_sections
 from serving_core.executor.base import EXECUTOR_RULE_KEYS
 from serving_core.executor.clocks import CLOCK_CLASSES
 from serving_core.geometry import Geometry
@@ -120,7 +121,7 @@ def _assemble(spec: EngineSpec, make_executor, on_step=None) -> Engine:
     geometry = spec.geometry()
     units = spec.units(geometry)
     recorder = Recorder(trace=spec.trace, slab=org_class(spec.org).has_slabs)
-    mem = build_memory(geometry, spec.org, units, recorder, **spec.scheduler.memory_rules())
+    mem = build_memory(geometry, spec.org, units, recorder, spec.allocator)
     executor = make_executor(geometry, mem)
     clock = CLOCK_CLASSES[spec.clock_kind]()
     return Engine(
@@ -159,21 +160,22 @@ def build_engine(spec: EngineSpec, *, on_step=None, step_model=None, model=None,
 
 
 def loaded_model_spec(model, geometry: Geometry, org: str, budget: str,
-                      scheduler: Mapping[str, Any], *, clock: str | None = "virtual",
+                      rules: Mapping[str, Any], *, clock: str | None = "virtual",
                       trace: bool = False,
                       pool_units: Mapping[str, int] | None = None) -> EngineSpec:
     """The spec of a torch engine over an already loaded `model` (benchmarks, checks that
-    share one model across engines): pass the model to build_engine(spec, model=model)."""
+    share one model across engines), running `rules` (rule name -> value, any layer's):
+    pass the model to build_engine(spec, model=model)."""
     from dataclasses import asdict
 
-    return EngineSpec.from_dict({
-        "model": asdict(geometry), "org": org, "budget": budget, "scheduler": dict(scheduler),
+    return replace(EngineSpec.from_dict({
+        "model": asdict(geometry), "org": org, "budget": budget,
         "executor": {"kind": "torch", "checkpoint": "<in-memory model>",
                      "device": str(model.device),
                      "dtype": str(model.dtype).removeprefix("torch."),
                      "scan_chunk": int(model.chunk)},
         "clock": clock, "trace": trace, "pool_units": pool_units,
-    })
+    }), **rule_sections(**rules))
 
 
 class _Unbuilt:

@@ -33,6 +33,7 @@ from serving_core.geometry import Geometry
 from serving_core.memory import MemoryOrganization
 from serving_core.records import Recorder, mechanism_summary, request_columns, run_summary
 from serving_core.request import Request, Status
+from serving_core.rules import effective as rule_effective
 from serving_core.scheduler import Scheduler
 
 if TYPE_CHECKING:  # the host tier module needs torch; simulated engines never import it
@@ -91,12 +92,6 @@ def check_feasible(mem: MemoryOrganization, specs, org: str, budget: str) -> Non
             f"budget={budget!r} cannot hold one maximal request of {longest} tokens "
             f"under org={org}: {detail}; choose a larger budget"
         )
-
-
-def _one(values: set):
-    """The value every member agrees on (a rule set per pool must be one rule)."""
-    assert len(values) == 1, f"pools disagree: {sorted(values)}"
-    return next(iter(values))
 
 
 class Engine:
@@ -299,32 +294,11 @@ class Engine:
         """The rules this engine runs, read from its parts (scheduler, memory organization,
         executor, clock, recorder): what a run's record states, never the request."""
         sched, mem = self.sched, self.mem
-        rules = {
-            "org": mem.org,
-            "admission": ("first_chunk" if not sched.full_prompt
-                          else "reserve_output" if sched.reserve_output else "full_prompt"),
-            "reserve_output_tokens": sched.reserve_output_tokens,
-            "checkpoint_placement": (
-                ("step_end" if sched.step_end else "every_boundary") if sched.C else None
-            ),
-            "align_chunks": bool(sched.align),
-            "split_last_boundary": sched.split_last_boundary,
-            "slab_policy": mem.slab_policy if mem.has_slabs else None,
-            "free_queue": _one({"single_queue" if pool.single_queue else "free_first"
-                                for pool in mem.pools.values()}),
-            "checkpoint_recency": mem.checkpoint_recency,
-            "cache_policy": mem.cache_policy_name,
-            "marconi_alpha": None if mem.cache_policy is None else mem.cache_policy.alpha,
-            "conv_page_recency": mem.conv_page_recency,
-            "release_order": mem.release_order,
-            "duplicates": mem.duplicates,
-            "private_blocks": mem.private_blocks,
-            "interleave": None if sched.interleave is None else dict(sched.interleave),
-            "retention_k": sched.retention_k,
-            "pinning_k": sched.pinning_k,
-            "cap": sched.cap,
-            "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "headroom": sched.headroom_fraction,
+        # each section's rules (those the part was built with), read back from that part
+        rules = {"org": mem.org}
+        for part, declared_by in ((sched, sched.cfg), (mem, mem.rules)):
+            rules.update(rule_effective(declared_by, part))
+        rules.update({
             "headroom_units": dict(sched.headroom),
             "pool_units": {p: pool.num_units for p, pool in mem.pools.items()},
             "pool_unit_bytes": {p: pool.unit_bytes for p, pool in mem.pools.items()},
@@ -332,7 +306,7 @@ class Engine:
             "clock": self.clock.kind,
             "trace": bool(self.trace),
             "host_tier": self.host_tier.describe() if self.host_tier is not None else False,
-        }
+        })
         if self.host_tier is not None:
             rules["host_tier_copies"] = self.host_tier.describe_transfer()
         described = self.executor.describe()

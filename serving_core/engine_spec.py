@@ -2,11 +2,13 @@
 
 `EngineSpec` names everything that decides what an engine does: the model
 geometry, the storage organization, the budget (or explicit pool units), every
-scheduler rule, the executor and its settings, the clock and the trace. Every
+engine rule (the scheduler's and the allocator's rule dataclasses, RULE_SECTIONS), the
+executor and its settings, the clock and the trace. Every
 path that builds an engine (a simulated cell, the in-process torch engine, the
 HTTP server, continuation, calibration, benchmarks) goes through
 `serving_core.builder.build_engine(spec)`; the server receives the same spec as
-JSON. This module is also the only place a `SchedulerConfig` is made from data.
+JSON. This module is also the only place the rule dataclasses are made from data
+(`from_dict`, `rule_sections`).
 
 `requested_rules()` resolves the spec's per-organization defaults through the
 organization registry: it is what the run asks for, to be compared with what the
@@ -20,9 +22,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from serving_core import rules
 from serving_core.executor.base import EXECUTOR_RULE_KEYS
 from serving_core.geometry import Geometry, geometry_from_config
+from serving_core.memory.rules import AllocatorRules
 from serving_core.scheduler import SchedulerConfig
+
+# The engine's rule dataclasses, side by side in EngineSpec: section -> class (each field
+# one rule declaration, serving_core/rules.py; the order is the order of the records).
+RULE_SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "allocator": AllocatorRules}
 
 # external: an engine another program runs (the vLLM arm); the spec still carries its
 # scheduler settings, but serving_core builds no engine for it.
@@ -117,6 +125,7 @@ class EngineSpec:
     org: str  # storage organization: S0 | S1 | S2 | D0 | N0
     budget: str  # bN | pN; the planner converts it to pool units
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    allocator: AllocatorRules = field(default_factory=AllocatorRules)
     executor: ExecutorSpec = field(default_factory=ExecutorSpec)
     clock: str | None = None  # virtual | wall | None: the executor's default
     trace: bool = False
@@ -153,41 +162,18 @@ class EngineSpec:
         return units_for(plan_budget(geometry or self.geometry(), self.budget), self.org)
 
     def requested_rules(self) -> dict[str, Any]:
-        """The rules this spec asks for, per-organization defaults resolved (registry)."""
-        from serving_core.memory import org_class
+        """The rules this spec asks for, per-organization defaults resolved (registry):
+        every declared rule of each section (RULE_SECTIONS), then the executor's."""
+        from serving_core.memory import org_class, org_layout
 
         geometry = self.geometry()
-        cls = org_class(self.org)
-        sc = self.scheduler
-        interval = _checkpoint_interval(geometry, self.org)
-        placement = (sc.checkpoint_placement or cls.checkpoint_placement) if interval else None
-        # The organization's default aligns chunks only where the token budget reaches a
-        # boundary (else nothing would progress); an explicit true must be honoured.
-        default_align = cls.align_chunks and sc.max_num_batched_tokens >= interval
-        align = default_align if sc.align_chunks is None else sc.align_chunks
+        cls, layout = org_class(self.org), org_layout(geometry, self.org)
+        out: dict[str, Any] = {"org": self.org}
+        for section in RULE_SECTIONS:
+            out.update(rules.requested(getattr(self, section),
+                                       lambda r: rules.RuleContext(cls, layout, r)))
         return {
-            "org": self.org,
-            "admission": sc.admission,
-            "reserve_output_tokens": sc.reserve_output_tokens,
-            "checkpoint_placement": placement,
-            "align_chunks": bool(interval) and bool(align),
-            "split_last_boundary": bool(interval) and bool(align) and sc.split_last_boundary,
-            "slab_policy": sc.slab_policy if cls.has_slabs else None,
-            "free_queue": sc.free_queue,
-            "checkpoint_recency": sc.checkpoint_recency,
-            "cache_policy": sc.cache_policy,
-            "marconi_alpha": float(sc.marconi_alpha) if sc.cache_policy != "lru" else None,
-            "conv_page_recency": (sc.conv_page_recency if _conv_pages(geometry, self.org)
-                                  else None),
-            "release_order": sc.release_order,
-            "duplicates": sc.duplicates,
-            "private_blocks": sc.private_blocks,
-            "interleave": sc.interleave,
-            "retention_k": sc.retention_k,
-            "pinning_k": sc.pinning_k,
-            "cap": sc.cap,
-            "max_num_batched_tokens": sc.max_num_batched_tokens,
-            "headroom": sc.headroom,
+            **out,
             **_requested_executor_rules(self.executor, geometry),
             "clock": self.clock_kind,
             "trace": bool(self.trace),
@@ -210,14 +196,17 @@ class EngineSpec:
         """The spec of a mapping (to_dict's shape); ValueError names a bad or unknown key."""
         data = dict(data)
         _known(data, cls, "engine spec")
-        sched = dict(data.pop("scheduler", None) or {})
-        _known(sched, SchedulerConfig, "engine spec: scheduler")
+        sections = {}
+        for section, rule_cls in RULE_SECTIONS.items():
+            values = dict(data.pop(section, None) or {})
+            _known(values, rule_cls, f"engine spec: {section}")
+            sections[section] = rule_cls(**values)
         ex = dict(data.pop("executor", None) or {})
         _known(ex, ExecutorSpec, "engine spec: executor")
         units = data.pop("pool_units", None)
         return cls(
             **data,
-            scheduler=SchedulerConfig(**sched),
+            **sections,
             executor=ExecutorSpec(**ex),
             pool_units=None if units is None else {str(k): int(v) for k, v in units.items()},
         )
@@ -232,19 +221,6 @@ def _known(data: Mapping, cls, where: str) -> None:
     unknown = sorted(set(data) - set(allowed))
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed keys are {allowed}")
-
-
-def _checkpoint_interval(geometry: Geometry, org: str) -> int:
-    from serving_core.memory import org_layout
-
-    return org_layout(geometry, org).checkpoint_interval
-
-
-def _conv_pages(geometry: Geometry, org: str) -> int:
-    """Dedicated conv pages per composite (S1: 1), which conv_page_recency applies to."""
-    from serving_core.memory import org_layout
-
-    return org_layout(geometry, org).conv_pages
 
 
 def _requested_executor_rules(ex: ExecutorSpec, geometry: Geometry) -> dict[str, Any]:
@@ -294,3 +270,62 @@ def _show(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+def rule_sections(**flat: Any) -> dict[str, Any]:
+    """{section: rule dataclass} of rules given by name, each routed to the layer that
+    declares it (RULE_SECTIONS); ValueError names an unknown rule."""
+    owner = {f.name: section for section, cls in RULE_SECTIONS.items()
+             for f in rules.rule_fields(cls)}
+    unknown = sorted(set(flat) - set(owner))
+    if unknown:
+        raise ValueError(f"engine.{unknown[0]}: unknown rule; allowed rules are "
+                         f"{', '.join(owner)}")
+    return {section: cls(**{k: v for k, v in flat.items() if owner[k] == section})
+            for section, cls in RULE_SECTIONS.items()}
+
+
+def rule_declarations() -> list[tuple[str, Any]]:
+    """(section, field) of every declared rule, in record order."""
+    return [(section, f) for section, cls in RULE_SECTIONS.items()
+            for f in rules.rule_fields(cls)]
+
+
+def rules_table() -> str:
+    """The Markdown table of every declared rule (docs/engine_rules.md, between its
+    engine-rules markers; tests/test_engine_rules.py holds it up to date)."""
+    lines = ["| key | default | allowed | layer | what it decides |", "|---|---|---|---|---|"]
+    layer = {"scheduler": "scheduler", "allocator": "allocator (memory)"}
+    for section, f in rule_declarations():
+        r = rules.declared(f)
+        allowed = r.allowed_text().removeprefix("values are ")
+        lines.append(f"| `{rules.hydra_key(f)}` | `{_show(rules.default_of(f))}` | {allowed} "
+                     f"| {layer.get(section, section)} | {r.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+DOCS_TABLE = ("<!-- rules-table:begin (generated: python -m serving_core.engine_spec "
+              "--write-docs) -->\n", "<!-- rules-table:end -->")
+
+
+def write_docs_table(path: str = "docs/engine_rules.md") -> bool:
+    """Put rules_table() between the markers of `path`; True when the file changed."""
+    import re
+    from pathlib import Path
+
+    begin, end = DOCS_TABLE
+    text = Path(path).read_text()
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{path}: no rules-table markers")
+    new = pattern.sub(lambda _: begin + rules_table() + end, text)
+    Path(path).write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--write-docs"]:
+        sys.exit("usage: python -m serving_core.engine_spec --write-docs")
+    print("docs/engine_rules.md:", "updated" if write_docs_table() else "up to date")

@@ -9,7 +9,7 @@ cover the admission gate plus headroom H. The scheduler keeps queue policy only:
 every allocation, adoption, publication and release of a request's state goes
 through the HybridStateManager (serving_core.state_manager).
 
-Rules (SchedulerConfig; docs/engine_rules.md sections 5-12):
+Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12):
 - admission `full_prompt`: the gate is the whole remaining prompt beyond the
   adopted prefix J (attention for [J, N), one composite per checkpoint boundary
   inside (J, N), the working composite); `first_chunk`: the first chunk only;
@@ -42,110 +42,98 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from serving_core.memory import SLAB_POLICIES, MemoryOrganization
-from serving_core.memory.base import (
-    CHECKPOINT_RECENCIES,
-    CONV_PAGE_RECENCIES,
-    DUPLICATE_RULES,
-    PRIVATE_BLOCK_RULES,
-    RELEASE_ORDERS,
-)
-from serving_core.memory.cache_policy import DEFAULT_MARCONI_ALPHA, check_cache_policy
-from serving_core.memory.pool import FREE_QUEUES
+from serving_core.memory import MemoryOrganization
 from serving_core.planner import headroom_units
 from serving_core.request import Request, Status
+from serving_core.rules import check_rules, is_integer, is_number, optional_integer, rule
 from serving_core.state_manager import ChunkState, HybridStateManager
 
 ADMISSION_GATES = ("full_prompt", "first_chunk", "reserve_output")
 CHECKPOINT_PLACEMENTS = ("step_end", "every_boundary")
 
 
+def _placement(value, ctx):
+    """The organization's placement where none is asked; None without checkpoints."""
+    return (value or ctx.org_class.checkpoint_placement) if ctx.layout.checkpoint_interval \
+        else None
+
+
+def _aligned(ctx) -> bool:
+    """Whether chunks are asked to align: the organization's default aligns only where the
+    token budget reaches a boundary (else nothing would progress); an explicit true must
+    be honoured (the engine refuses it where it cannot)."""
+    interval, rules = ctx.layout.checkpoint_interval, ctx.rules
+    default = ctx.org_class.align_chunks and rules.max_num_batched_tokens >= interval
+    return bool(interval) and bool(default if rules.align_chunks is None else rules.align_chunks)
+
+
+def _admission(sched) -> str:
+    if not sched.full_prompt:
+        return "first_chunk"
+    return "reserve_output" if sched.reserve_output else "full_prompt"
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    cap: int = 63
-    max_num_batched_tokens: int = 2048
-    headroom: float = 0.0  # f: admission keeps floor(f x units) free per pool
-    retention_k: int | None = None  # S2+Retention threshold K (None: off)
-    pinning_k: int | None = None  # preemption-time pin threshold (None: off)
-    admission: str = "full_prompt"  # full_prompt | first_chunk | reserve_output
-    reserve_output_tokens: int = 0  # reserve_output: guaranteed output tokens at admission
-    checkpoint_placement: str | None = None  # step_end | every_boundary | None: org default
-    align_chunks: bool | None = None  # None: org default
-    slab_policy: str = "write_once"  # S2: write_once | refill | dense (memory.s2)
-    free_queue: str = "free_first"  # free_first | single_queue (memory.pool)
-    checkpoint_recency: str = "release"  # release | publication (memory.base)
-    conv_page_recency: str = "members"  # S1 conv page: members | write (memory.base)
-    release_order: str = "attention_first"  # attention_first | state_first (memory.base)
-    duplicates: str = "drop"  # drop | cache (memory.base)
-    private_blocks: str = "mru"  # mru | evict_first (memory.base)
+    """The scheduler's engine rules (queue, admission, chunking): one declaration each
+    (serving_core/rules.py); the allocator's are memory.rules.AllocatorRules."""
+
+    cap: int = rule(63, "most requests running at once (max_num_seqs)",
+                    check=lambda v: is_integer(v, 1), shown="integers >= 1",
+                    identity_neutral=False)
+    max_num_batched_tokens: int = rule(
+        2048, "token budget of one step (config null: the executor profile's)",
+        check=lambda v: is_integer(v, 1), shown="integers >= 1", identity_neutral=False)
+    headroom: float = rule(
+        0.0, "f: admission keeps floor(f x units) free per pool",
+        check=lambda v: is_number(v) and 0.0 <= v < 1.0, shown="numbers in [0, 1)",
+        normalize=float, identity_neutral=False,
+        effective=lambda sched: sched.headroom_fraction)
+    retention_k: int | None = rule(
+        None, "S2+Retention demand threshold K (set by the arm and retention.k; null: off)",
+        check=optional_integer(1), shown="integers >= 1 or null (off)", config=False,
+        identity_neutral=False)
+    pinning_k: int | None = rule(
+        None, "preemption-time pin threshold K (null: off)",
+        check=optional_integer(1), shown="integers >= 1 or null (off)",
+        identity_neutral=False)
+    admission: str = rule(
+        "full_prompt", "admission gate: whole remaining prompt, first chunk, or prompt plus "
+        "reserved output", allowed=ADMISSION_GATES, identity_neutral=False,
+        effective=_admission)
+    reserve_output_tokens: int = rule(
+        0, "reserve_output: output tokens guaranteed at admission",
+        check=lambda v: is_integer(v, 0), shown="integers >= 0")
+    checkpoint_placement: str | None = rule(
+        None, "where checkpoints are published (null: the organization's default)",
+        allowed=(*CHECKPOINT_PLACEMENTS, None), identity_neutral=False, requested=_placement,
+        effective=lambda sched: (("step_end" if sched.step_end else "every_boundary")
+                                 if sched.C else None))
+    align_chunks: bool | None = rule(
+        None, "prefill chunks end on checkpoint boundaries (null: the organization's default)",
+        allowed=(True, False, None), identity_neutral=False,
+        requested=lambda value, ctx: _aligned(ctx), effective=lambda sched: bool(sched.align))
+    split_last_boundary: bool = rule(
+        False, "aligned: a chunk ending at N = k C ends at N - C", allowed=(True, False),
+        requested=lambda value, ctx: _aligned(ctx) and value)
     # Bounded prefill interleave {decode_steps: k, prefill_tokens: m} (None: off): while any
     # running request decodes, k steps carry decodes only, then one step carries the decodes
     # plus at most m prefill tokens (running chunks and admissions together), and so on.
-    interleave: Mapping[str, int] | None = None
-    split_last_boundary: bool = False  # aligned: a chunk ending at N = k C ends at N - C
-    cache_policy: str = "lru"  # lru | marconi (memory.cache_policy)
-    marconi_alpha: float = DEFAULT_MARCONI_ALPHA  # marconi: weight of FLOPs saved per byte
-
-    def memory_rules(self) -> dict[str, str]:
-        """The allocator's rules (build_memory keyword arguments)."""
-        return {"slab_policy": self.slab_policy, "free_queue": self.free_queue,
-                "checkpoint_recency": self.checkpoint_recency,
-                "cache_policy": self.cache_policy, "marconi_alpha": self.marconi_alpha,
-                "conv_page_recency": self.conv_page_recency,
-                "release_order": self.release_order, "duplicates": self.duplicates,
-                "private_blocks": self.private_blocks}
+    interleave: Mapping[str, int] | None = rule(
+        None, "null, or {decode_steps: k, prefill_tokens: m}: k decode-only steps, then at "
+        "most m prefill tokens", check=lambda v: v is None or isinstance(v, Mapping),
+        shown="values are null or {decode_steps: k, prefill_tokens: m} (integers >= 1)",
+        normalize=lambda v: None if v is None else _interleave(v),
+        effective=lambda sched: None if sched.interleave is None else dict(sched.interleave))
 
     def __post_init__(self) -> None:
-        choices = (
-            ("admission", ADMISSION_GATES),
-            ("checkpoint_placement", (*CHECKPOINT_PLACEMENTS, None)),
-            ("slab_policy", SLAB_POLICIES),
-            ("free_queue", FREE_QUEUES),
-            ("checkpoint_recency", CHECKPOINT_RECENCIES),
-            ("conv_page_recency", CONV_PAGE_RECENCIES),
-            ("release_order", RELEASE_ORDERS),
-            ("duplicates", DUPLICATE_RULES),
-            ("private_blocks", PRIVATE_BLOCK_RULES),
-        )
-        for name, allowed in choices:
-            if getattr(self, name) not in allowed:
-                shown = ", ".join("null" if a is None else a for a in allowed)
-                raise ValueError(
-                    f"engine.{name}={getattr(self, name)!r}: allowed values are {shown}"
-                )
-        check_cache_policy(self.cache_policy, self.marconi_alpha)
-        if self.cache_policy == "marconi" and self.free_queue != "free_first":
-            raise ValueError(f"engine.free_queue={self.free_queue!r}: with "
-                             "engine.cache_policy=marconi the allowed value is free_first")
-        if self.align_chunks not in (True, False, None):
-            raise ValueError(
-                f"engine.align_chunks={self.align_chunks!r}: allowed values are true, false, null"
-            )
-        if self.split_last_boundary not in (True, False):
-            raise ValueError(f"engine.split_last_boundary={self.split_last_boundary!r}: "
-                             "allowed values are true, false")
-        if self.cap < 1:
-            raise ValueError(f"engine.cap={self.cap} must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"engine.max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1"
-            )
-        if not 0.0 <= self.headroom < 1.0:
-            raise ValueError(f"engine.headroom={self.headroom} must lie in [0, 1)")
+        check_rules(self)
         r = self.reserve_output_tokens
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            raise ValueError(f"engine.reserve_output_tokens={r!r} must be an integer >= 0")
         if r and self.admission != "reserve_output":
             raise ValueError(
                 f"engine.reserve_output_tokens={r}: applies only with "
                 "engine.admission=reserve_output (allowed value here: 0)"
             )
-        if self.interleave is not None:
-            object.__setattr__(self, "interleave", _interleave(self.interleave))
-        for name in ("retention_k", "pinning_k"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}={value} must be >= 1 or null (off)")
 
 
 INTERLEAVE_KEYS = ("decode_steps", "prefill_tokens")

@@ -2,8 +2,9 @@
 serving_core.builder.build_engine (which checks the engine runs the requested rules).
 
 The tests hand in what a run config would resolve: a geometry, an organization, explicit
-pool units and a SchedulerConfig, plus a step-time model object (modelled executors) or
-an already loaded model (torch).
+pool units and the rules (a SchedulerConfig, or {section: rule dataclass} from
+serving_core.engine_spec.rule_sections for rules of several layers), plus a step-time
+model object (modelled executors) or an already loaded model (torch).
 """
 
 from __future__ import annotations
@@ -15,14 +16,19 @@ from serving_core.engine import Engine, EngineResult, serve
 from serving_core.engine_spec import EngineSpec, ExecutorSpec
 
 
+def _sections(rules) -> dict:
+    """{section: rule dataclass} of a SchedulerConfig or of rule_sections' mapping."""
+    return dict(rules) if isinstance(rules, dict) else {"scheduler": rules}
+
+
 def simulated_engine(geometry, org: str, pool_units: dict[str, int], sched_cfg, step_model, *,
                      kind: str = "simulated", clock: str | None = None, trace: bool = False,
                      budget: str = "explicit", on_step=None) -> Engine:
     """A modelled engine (`kind` simulated or paced) running `step_model`; `clock`
     virtual | wall | None (the kind's default)."""
-    spec = EngineSpec(model=asdict(geometry), org=org, budget=budget, scheduler=sched_cfg,
-                      executor=ExecutorSpec(kind), clock=clock, trace=trace,
-                      pool_units=pool_units)
+    spec = EngineSpec(model=asdict(geometry), org=org, budget=budget,
+                      **_sections(sched_cfg), executor=ExecutorSpec(kind), clock=clock,
+                      trace=trace, pool_units=pool_units)
     return build_engine(spec, on_step=on_step, step_model=step_model)
 
 
@@ -40,7 +46,8 @@ def torch_engine(model, geometry, org: str, pool_units: dict[str, int], sched_cf
                  on_step=None, host_tier: dict | None = None) -> Engine:
     """A torch engine over an already loaded `model` (`clock` virtual | wall | None:
     the torch executor's default, wall; `host_tier`: {capacity_bytes: N} or None)."""
-    spec = loaded_model_spec(model, geometry, org, budget, asdict(sched_cfg), clock=clock,
+    flat = {k: v for rules in _sections(sched_cfg).values() for k, v in asdict(rules).items()}
+    spec = loaded_model_spec(model, geometry, org, budget, flat, clock=clock,
                              trace=trace, pool_units=pool_units)
     if host_tier is not None:
         spec = replace(spec, host_tier=host_tier)

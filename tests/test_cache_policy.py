@@ -10,10 +10,10 @@ from conftest import compose_config
 from engines import run_simulated
 
 from experiments.workloads.workload import RequestSpec
-from serving_core.memory import build_memory
+from serving_core.engine_spec import rule_sections
+from serving_core.memory import AllocatorRules, build_memory
 from serving_core.memory.cache_policy import CachePolicy, FlopModel, ScoredPool
 from serving_core.memory.invariants import check_invariants
-from serving_core.scheduler import SchedulerConfig
 
 admitted = CachePolicy.admitted_boundaries
 
@@ -60,7 +60,7 @@ def test_marconi_checkpoints_the_branch_point_for_the_third_request(falcon):
     units = {"shared": 60}
     out = {}
     for policy in ("lru", "marconi"):
-        cfg = SchedulerConfig(cap=4, max_num_batched_tokens=512, cache_policy=policy)
+        cfg = rule_sections(cap=4, max_num_batched_tokens=512, cache_policy=policy)
         res = run_simulated(falcon, "S2", units, cfg, specs, ConstantStep())
         out[policy] = res.tables["requests"]["adopted_prefix_tokens"]
     assert out["lru"] == [0, 1024, 1024]
@@ -78,7 +78,7 @@ def test_marconi_keeps_the_end_of_a_conversation_for_its_continuation(falcon):
     specs = [RequestSpec(0, 0.0, first, 300, 0, ""), RequestSpec(1, 100.0, follow, 10, 0, "")]
     units = {"attention": 600, "recurrent": 8}
     for policy in ("lru", "marconi"):
-        cfg = SchedulerConfig(cap=4, max_num_batched_tokens=2048, cache_policy=policy)
+        cfg = rule_sections(cap=4, max_num_batched_tokens=2048, cache_policy=policy)
         res = run_simulated(falcon, "D0", units, cfg, specs, ConstantStep())
         assert res.tables["requests"]["adopted_prefix_tokens"] == [0, 1792]
 
@@ -179,4 +179,4 @@ def test_default_is_lru_and_recorded_from_the_engine():
 ])
 def test_bad_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        SchedulerConfig(**kwargs)
+        AllocatorRules(**kwargs)

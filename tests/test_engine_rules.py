@@ -13,6 +13,7 @@ from engines import run_simulated
 
 from experiments.runners.cell import run_cell
 from experiments.workloads.workload import RequestSpec
+from serving_core.engine_spec import rule_sections
 from serving_core.memory import build_memory
 from serving_core.records import Recorder
 from serving_core.scheduler import SchedulerConfig
@@ -31,7 +32,7 @@ def spec(rid: int, prompt: int, output: int, arrival: float = 0.0, first: int = 
 
 
 def run(falcon, org, units, specs, **cfg):
-    sched_cfg = SchedulerConfig(**{"cap": 8, "max_num_batched_tokens": 512, **cfg})
+    sched_cfg = rule_sections(**{"cap": 8, "max_num_batched_tokens": 512, **cfg})
     return run_simulated(falcon, org, units, sched_cfg, specs, ConstantStep(), trace=True)
 
 

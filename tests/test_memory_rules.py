@@ -6,15 +6,15 @@ shared workload. Slab occupancy from a hand-written slab ledger."""
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import pytest
 from conftest import compose_config
 
 from experiments.runners.cell import run_cell
-from serving_core.memory import build_memory
+from serving_core.memory import AllocatorRules, build_memory
 from serving_core.memory.invariants import check_invariants
 from serving_core.memory.s2 import slab_occupancy
-from serving_core.scheduler import SchedulerConfig
 
 
 def cached_block(mem, key, rid=1):
@@ -148,12 +148,10 @@ def test_rules_keep_the_invariants_and_complete(org, rule):
 
 
 def test_default_rules_are_todays():
-    cfg = SchedulerConfig()
-    assert cfg.memory_rules() == {"slab_policy": "write_once", "free_queue": "free_first",
-                                  "checkpoint_recency": "release", "cache_policy": "lru",
-                                  "marconi_alpha": 1.0, "conv_page_recency": "members",
-                                  "release_order": "attention_first", "duplicates": "drop",
-                                  "private_blocks": "mru"}
+    assert asdict(AllocatorRules()) == {
+        "slab_policy": "write_once", "free_queue": "free_first", "checkpoint_recency": "release",
+        "cache_policy": "lru", "marconi_alpha": 1.0, "conv_page_recency": "members",
+        "release_order": "attention_first", "duplicates": "drop", "private_blocks": "mru"}
     eng = compose_config().engine
     assert (eng.free_queue, eng.checkpoint_recency, eng.conv_page_recency, eng.release_order,
             eng.duplicates, eng.private_blocks) == ("free_first", "release", "members",
@@ -169,7 +167,7 @@ def test_default_rules_are_todays():
                                       ("engine.private_blocks", "lru")])
 def test_bad_rule_values_name_the_field(key, bad):
     with pytest.raises(ValueError, match=key):
-        SchedulerConfig(**{key.removeprefix("engine."): bad})
+        AllocatorRules(**{key.removeprefix("engine."): bad})
 
 
 # ----- slab occupancy -----------------------------------------------------------------------

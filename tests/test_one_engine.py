@@ -258,14 +258,21 @@ def _python_sources():
         yield from (REPO / top).rglob("*.py")
 
 
-def test_scheduler_config_is_constructed_in_one_place():
+def test_rule_dataclasses_are_made_from_data_in_one_place():
+    """The engine's rule dataclasses (SchedulerConfig, AllocatorRules: RULE_SECTIONS) are
+    made from data only in serving_core/engine_spec.py, which builds them through
+    RULE_SECTIONS (from_dict, rule_sections); elsewhere at most their defaults are made."""
+    from serving_core.engine_spec import RULE_SECTIONS
+
+    names = {cls.__name__ for cls in RULE_SECTIONS.values()}
+    assert names == {"SchedulerConfig", "AllocatorRules"}
     sites = []
     for path in _python_sources():
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "SchedulerConfig"):
+                    and node.func.id in names and (node.args or node.keywords)):
                 sites.append(str(path.relative_to(REPO)))
-    assert sites == ["serving_core/engine_spec.py"]
+    assert sites == []
 
 
 def test_no_module_spells_a_tuple_of_organization_names():
@@ -330,9 +337,9 @@ def test_keys_added_at_their_neutral_default_keep_run_identities():
     identity unchanged at the default that reproduces the earlier engine."""
     from omegaconf import OmegaConf, open_dict
 
-    from experiments.runners.cell import IDENTITY_NEUTRAL_DEFAULTS, config_hash
+    from experiments.runners.cell import config_hash, identity_neutral_defaults
 
-    for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
+    for (section, key), default in identity_neutral_defaults().items():
         # executor keys live in the executors that have them (the real one's, or the
         # simulated profiles' additive terms)
         real = section == "executor" and key == "prefill_batch_tokens"

@@ -167,7 +167,7 @@ def test_raising_cell_is_recorded_failed_then_redone(make_cfg, tmp_path, monkeyp
     cfg = make_cfg(*SMALL, "campaign_name=t3")
     root = tmp_path / "ledgers"
 
-    def engine_bug(_cfg):
+    def engine_bug(_cfg, **_plan_and_engine):
         raise RuntimeError("engine bug")
 
     monkeypatch.setattr(runner, "run_cell", engine_bug)
@@ -295,8 +295,9 @@ def test_summary_names_the_clock_of_its_executor(make_cfg, monkeypatch, capsys, 
     simulated = make_cfg(*SMALL, "write_ledgers=false")
     result = cell.run_cell(simulated)
     cfg = make_cfg(*SMALL, "write_ledgers=false", f"executor={executor}", "model=falcon_h1_tiny")
-    monkeypatch.setattr(runner, "validate_config", lambda c: None)  # no checkpoint needed here
-    monkeypatch.setattr(runner, "run_cell", lambda c: result)
+    monkeypatch.setattr(runner, "validate_config", lambda c, **kw: None)  # no checkpoint needed
+    monkeypatch.setattr(runner, "checked_engine", lambda plan: None)  # here, nor an engine
+    monkeypatch.setattr(runner, "run_cell", lambda c, **kw: result)
     line = runner.main_run(cfg)
     head = capsys.readouterr().out.splitlines()[0]
     assert head.endswith(f"output tokens in {line['sim_seconds']:.1f} {clock}")

@@ -9,12 +9,14 @@ no path can drop a rule. `executor_path(cfg)` says how the cell is served.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ledgers.arms import arm
-from serving_core.engine_spec import EngineSpec
+from ledgers.arms import Arm, arm
+from serving_core.engine_spec import RULE_SECTIONS, EngineSpec, rule_declarations
+from serving_core.rules import declared
 
 # How a cell is served (executor config `kind` and `name`).
 SIMULATED, TORCH_INPROC, TORCH_HTTP, VLLM = "simulated", "torch_inproc", "torch_http", "vllm"
@@ -26,6 +28,11 @@ def _plain(node) -> dict[str, Any]:
     if isinstance(node, DictConfig):
         return OmegaConf.to_container(node, resolve=True)
     return dict(node)
+
+
+def _plain_value(value):
+    """A config value as plain Python (a mapping node as a dict)."""
+    return _plain(value) if isinstance(value, DictConfig) else value
 
 
 def executor_path(executor_cfg) -> str:
@@ -41,9 +48,12 @@ def executor_path(executor_cfg) -> str:
     return SIMULATED
 
 
-def engine_spec(cfg: DictConfig) -> EngineSpec:
-    """The engine spec of a run config; ValueError names the bad field."""
-    a = arm(cfg.org)
+def engine_spec(cfg: DictConfig, *, run_arm: Arm | None = None,
+                pool_units: Mapping[str, int] | None = None) -> EngineSpec:
+    """The engine spec of a run config; ValueError names the bad field. `run_arm`: the
+    config's arm, already resolved; `pool_units`: the planner's units, already planned
+    (None: the builder plans them from the budget)."""
+    a = run_arm or arm(cfg.org)
     path = executor_path(cfg.executor)
     ex_cfg = _plain(cfg.executor)
     if path in (TORCH_INPROC, TORCH_HTTP):
@@ -78,30 +88,28 @@ def engine_spec(cfg: DictConfig) -> EngineSpec:
         default_tokens = profile.max_num_batched_tokens
         executor = {"kind": "simulated", "profile": ex_cfg,
                     "indirection_overhead": float(cfg.engine.indirection_overhead)}
+    # Every declared rule the config sets (engine.<name>), routed to the layer that declares
+    # it; a key the config lacks keeps its declaration's default (no second spelling here).
     eng = cfg.engine
-    tokens = eng.max_num_batched_tokens or default_tokens
-    scheduler = {
-        "cap": int(eng.cap),
-        "max_num_batched_tokens": int(tokens),
-        "headroom": float(eng.headroom),
-        "retention_k": int(cfg.retention.k) if a.retention else None,
-        "pinning_k": None if eng.pinning_k is None else int(eng.pinning_k),
-    }
-    # The other rules as the config gives them; a key the config lacks keeps
-    # SchedulerConfig's default (no second spelling of the defaults here).
-    for key, convert in _SCHEDULER_RULES.items():
-        if key in eng:
-            scheduler[key] = eng[key] if convert is None else convert(eng[key])
+    sections: dict[str, dict[str, Any]] = {section: {} for section in RULE_SECTIONS}
+    for section, f in rule_declarations():
+        if declared(f).config and f.name in eng:
+            sections[section][f.name] = _plain_value(eng[f.name])
+    scheduler = sections["scheduler"]
+    if scheduler.get("max_num_batched_tokens") is None:  # null: the executor's default
+        scheduler["max_num_batched_tokens"] = int(default_tokens)
+    scheduler["retention_k"] = cfg.retention.k if a.retention else None
     if a.cache_policy != "lru":  # a cache-policy arm (ledgers.arms) runs under its policy
-        scheduler["cache_policy"] = a.cache_policy
+        sections["allocator"]["cache_policy"] = a.cache_policy
     return EngineSpec.from_dict({
         "model": _plain(cfg.model),
         "org": a.org,
         "budget": str(cfg.budget),
-        "scheduler": scheduler,
+        **sections,
         "executor": executor,
         "trace": bool(cfg.trace),
         "host_tier": _host_tier(cfg),
+        "pool_units": pool_units,
     })
 
 
@@ -114,23 +122,3 @@ def _host_tier(cfg: DictConfig) -> dict | None:
     if isinstance(capacity, bool) or not isinstance(capacity, int):
         raise ValueError(f"host_tier.capacity_bytes={capacity!r}: allowed integers >= 1")
     return {"capacity_bytes": int(capacity)}
-
-
-# engine.<key> -> how its value becomes a SchedulerConfig field (None: as it is)
-_SCHEDULER_RULES = {
-    "admission": str,
-    "reserve_output_tokens": int,
-    "checkpoint_placement": None,
-    "align_chunks": None,
-    "slab_policy": str,
-    "free_queue": str,
-    "checkpoint_recency": str,
-    "cache_policy": str,
-    "marconi_alpha": None,
-    "conv_page_recency": str,
-    "release_order": str,
-    "duplicates": str,
-    "private_blocks": str,
-    "interleave": lambda value: None if value is None else _plain(value),
-    "split_last_boundary": None,
-}

@@ -1,9 +1,10 @@
 """Config checks run before any cell starts; every error names the offending field.
 
 `validate_config` builds everything a run derives from its config that is
-cheap to build (geometry, budget plan, device profile, scheduler settings,
-normalized workload and load) without building the workload itself, so a
-campaign can check all of its cells before launching the first one.
+cheap to build (geometry, budget plan, device profile, engine rules, normalized
+workload and load) without building the workload itself, so a campaign can check
+all of its cells before launching the first one; it returns the run's plan
+(experiments.config.run_plan.RunPlan), which the run then uses.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from experiments.config.run_plan import RunPlan
 from experiments.config.spec import SIMULATED, VLLM, VLLM_VIRTUAL, engine_spec, executor_path
-from experiments.runners.cell import arm_of
 from experiments.workloads.workload import normalize_load_config, normalize_workload_config
 from ledgers.arms import arm as arm_row
 from serving_core.executor.profiles import load_device_profile
@@ -92,13 +93,16 @@ def check_ledger_root(root: str | os.PathLike) -> Path:
     return path.resolve()
 
 
-def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
-    """Raise ValueError naming the first bad field of a cell config."""
+def validate_config(cfg: DictConfig, *, check_root: bool = True,
+                    preflight: bool = True) -> RunPlan:
+    """The run plan of a cell config (experiments.config.run_plan); ValueError names the
+    first bad field. With `preflight`, the engine the plan describes is checked to run the
+    requested rules (a run that builds its engine next checks it there instead)."""
     for section in SECTIONS:
         if not isinstance(cfg.get(section), DictConfig):
             raise ValueError(f"{section}={cfg.get(section)!r}: allowed a config group or "
                              f"{section}.<key>=value overrides, not a value")
-    arm = arm_of(cfg.org)
+    run_arm = arm_row(cfg.org)
     _integer(cfg.seed, "seed", 0)
     _integer(cfg.replicate, "replicate", 0)
     _flag(cfg.trace, "trace")
@@ -111,32 +115,28 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     if not isinstance(cfg.question, str):
         raise ValueError(f"question={cfg.question!r}: expected a string")
     geometry = _prefixed("model", geometry_from_config, cfg.model)
-    units_for(plan_budget(geometry, str(cfg.budget)), arm_row(cfg.org).org)  # refuses an org the
-    # layer pattern does not fit (serving_core/planner.py, refusals)
+    budget = plan_budget(geometry, str(cfg.budget))  # planned once for the run
+    units = units_for(budget, run_arm.org)  # refuses an org the layer pattern does not fit
+    # (serving_core/planner.py, refusals)
     path = executor_path(cfg.executor)
     if path == VLLM:  # real vLLM: N0, its interpreter, a matching checkpoint
         from experiments.runners.vllm_arm import check_vllm_cell, vllm_executor_config
         from serving_core.executor.torch_config import check_checkpoint
 
         device = vllm_executor_config(cfg.executor)
-        check_vllm_cell(device, arm)
+        check_vllm_cell(device, run_arm.name)
         check_checkpoint(device, geometry)
     elif path == VLLM_VIRTUAL:  # vLLM's scheduler on a virtual clock: N0, a vLLM venv
         from experiments.runners.vllm_virtual import check_virtual_cell, virtual_executor_config
 
-        check_virtual_cell(virtual_executor_config(cfg.executor), arm, geometry)
+        check_virtual_cell(virtual_executor_config(cfg.executor), run_arm.name, geometry)
     elif path != SIMULATED:  # the real executor: its checkpoint must match the model
         from serving_core.executor.torch_config import check_checkpoint, torch_executor_config
 
         check_checkpoint(torch_executor_config(cfg.executor), geometry)
     else:
         _prefixed("executor", load_device_profile, cfg.executor)
-    eng = cfg.engine
-    _integer(eng.cap, "engine.cap", 1)
-    _optional_integer(eng.max_num_batched_tokens, "engine.max_num_batched_tokens", 1)
-    _number(eng.headroom, "engine.headroom")
-    _optional_integer(eng.pinning_k, "engine.pinning_k", 1)
-    _number(eng.indirection_overhead, "engine.indirection_overhead")
+    _number(cfg.engine.indirection_overhead, "engine.indirection_overhead")
     _integer(cfg.retention.k, "retention.k", 1)
     unknown = sorted(set(cfg.host_tier) - {"capacity_bytes"})
     if unknown:
@@ -145,11 +145,13 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     if cfg.host_tier.capacity_bytes is not None and path in (VLLM, VLLM_VIRTUAL):
         raise ValueError("host_tier.capacity_bytes: the vLLM arm runs no host tier of ours; "
                          "allowed null")
-    spec = engine_spec(cfg)  # range checks (headroom in [0, 1), ...)
-    if path not in (VLLM, VLLM_VIRTUAL):
-        from serving_core.builder import preflight
+    # every engine rule is checked by its declaration (serving_core/rules.py) here
+    plan = RunPlan(run_arm, path, geometry, budget,
+                   engine_spec(cfg, run_arm=run_arm, pool_units=units))
+    if preflight and path not in (VLLM, VLLM_VIRTUAL):
+        from serving_core.builder import preflight as check_engine
 
-        preflight(spec)  # the engine would run the requested rules, or the run is refused
+        check_engine(plan.spec)  # the engine would run the requested rules, or it is refused
     _check_trace_vocab(normalize_workload_config(cfg.workload), cfg.model, geometry)
     for key in ("rate", "on_s"):  # rate=inf would put every arrival at t = 0
         if key in cfg.load:
@@ -160,3 +162,4 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True) -> None:
     normalize_load_config(cfg.load)
     if check_root and cfg.write_ledgers:
         check_ledger_root(cfg.ledger_root)
+    return plan

@@ -21,17 +21,19 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.config.run_plan import RunPlan, plan_run
 from experiments.config.spec import (
     SIMULATED,
     TORCH_HTTP,
     TORCH_INPROC,
     VLLM,
     VLLM_VIRTUAL,
-    engine_spec,
     executor_path,
 )
 from ledgers.arms import ARM_NAMES, arm
+from serving_core.engine_spec import rule_declarations
 from serving_core.records import MECHANISM_KEYS
+from serving_core.rules import declared, default_of
 
 ARMS = ARM_NAMES  # ledgers.arms: the one table of arm names
 SUMMARY_KEYS = (
@@ -69,16 +71,7 @@ _NON_IDENTITY_KEYS = ("ledger_root", "write_ledgers", "hydra", "campaign", "repl
 # Keys added after runs were collected, at the default that reproduces the earlier engine
 # exactly: at that value they stay out of a cell's identity, so runs collected before the
 # key existed keep their run_id (a test holds each default to the config file's).
-IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
-    ("engine", "reserve_output_tokens"): 0,
-    ("engine", "free_queue"): "free_first",
-    ("engine", "checkpoint_recency"): "release",
-    ("engine", "cache_policy"): "lru",
-    ("engine", "marconi_alpha"): 1.0,
-    ("engine", "conv_page_recency"): "members",
-    ("engine", "release_order"): "attention_first",
-    ("engine", "duplicates"): "drop",
-    ("engine", "private_blocks"): "mru",
+_NEUTRAL_SETTINGS: dict[tuple[str, str], object] = {
     ("executor", "state_page_s"): 0.0,
     ("executor", "conv_slot_s"): 0.0,
     ("executor", "kv_page_s"): 0.0,
@@ -87,14 +80,22 @@ IDENTITY_NEUTRAL_DEFAULTS: dict[tuple[str, str], object] = {
     ("executor", "logit_row_s"): 0.0,
     ("executor", "logit_block_rows"): 4,
     ("model", "kv_group_heads"): None,
-    ("engine", "interleave"): None,
-    ("engine", "split_last_boundary"): False,
     ("executor", "prefill_batch_tokens"): None,
     ("host_tier", "capacity_bytes"): None,
 }
 # Documentation inside a section, never identity: a preset's card (its public source and
 # published size, serving_core/model_card.py).
 DOCUMENTATION_KEYS = (("model", "card"),)
+
+
+def identity_neutral_defaults() -> dict[tuple[str, str], object]:
+    """(section, key) -> neutral default: every engine rule declared identity-neutral at its
+    declared default (serving_core/rules.py), and the other settings above."""
+    rules = {("engine", f.name): default_of(f) for _, f in rule_declarations()
+             if declared(f).config and declared(f).identity_neutral}
+    return {**rules, **_NEUTRAL_SETTINGS}
+
+
 # Sections added after runs were collected: left out of the identity once empty (every
 # key of theirs at its neutral default).
 IDENTITY_NEUTRAL_SECTIONS = ("host_tier",)
@@ -129,7 +130,7 @@ def cell_config(cfg: DictConfig | dict) -> dict:
     """The resolved config that identifies a cell (no paths, no bookkeeping)."""
     data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     out = {k: v for k, v in data.items() if k not in _NON_IDENTITY_KEYS}
-    for (section, key), default in IDENTITY_NEUTRAL_DEFAULTS.items():
+    for (section, key), default in identity_neutral_defaults().items():
         group = out.get(section)
         if isinstance(group, dict) and key in group and group[key] == default:
             out[section] = {k: v for k, v in group.items() if k != key}
@@ -158,19 +159,35 @@ class _Served:
     engine_config: dict = field(default_factory=dict)
 
 
-def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
+def checked_engine(plan: RunPlan, on_step=None):
+    """Check, before a run starts, that its engine runs the requested rules (ValueError,
+    one line). A simulated run's engine is built here, once, and returned for run_cell;
+    a torch engine is checked without its model (preflight: run_cell builds it, loading
+    the model, only for a run that is not skipped) and None returned, as for a run served
+    elsewhere (vLLM)."""
+    from serving_core.builder import build_engine, preflight
+
+    if plan.path == SIMULATED:
+        return build_engine(plan.spec, on_step=on_step)
+    if plan.path in (TORCH_INPROC, TORCH_HTTP):
+        preflight(plan.spec)
+    return None
+
+
+def run_cell(cfg: DictConfig, on_step=None, *, plan: RunPlan | None = None,
+             engine=None) -> CellResult:
     """Run one cell (simulated time, or wall time on a real executor) and return its
     records, its summary and the rules its engine ran (read back from the engine).
 
+    `plan`: the config's run plan (validate_config's; None: derived here, unchecked);
+    `engine`: the plan's engine already built (checked_engine; None: built here).
     `on_step(scheduler, memory)` is the engine's per-step hook (invariant checks in tests).
     """
     from experiments.workloads.workload import build_workload
 
     run0 = time.perf_counter()
-    name = arm_of(cfg.org)
-    path = executor_path(cfg.executor)
-    spec = engine_spec(cfg)
-    geometry = spec.geometry()
+    plan = plan or plan_run(cfg)
+    name, path, spec = plan.arm.name, plan.path, plan.spec
     if path == VLLM:
         from experiments.runners.vllm_arm import check_vllm_cell, vllm_executor_config
 
@@ -178,16 +195,18 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
         check_vllm_cell(device, name)
     workload = build_workload(cfg.workload, cfg.load, int(cfg.seed))
     wall0 = time.perf_counter()
-    pool_units = spec.units(geometry)
+    pool_units = plan.units
     if path == VLLM_VIRTUAL:  # vLLM's scheduler on a virtual clock, our step model
         from experiments.runners.vllm_virtual import run_cell_on_vllm_virtual
 
-        result = run_cell_on_vllm_virtual(cfg, geometry, spec.scheduler, workload.requests)
+        result = run_cell_on_vllm_virtual(cfg, plan.geometry, spec.scheduler,
+                                          workload.requests)
         pool_units = result.units
     elif path == VLLM:  # real vLLM over HTTP: its own organization (N0), the blocks it allocated
         from experiments.runners.vllm_arm import run_cell_on_vllm
 
-        result = run_cell_on_vllm(cfg, device, geometry, spec.scheduler, workload.requests)
+        result = run_cell_on_vllm(cfg, device, plan.geometry, spec.scheduler,
+                                  workload.requests)
         pool_units = result.units
     elif path == TORCH_HTTP:  # the server in a subprocess, driven over HTTP
         from experiments.runners.http_run import run_cell_over_http
@@ -199,7 +218,10 @@ def run_cell(cfg: DictConfig, on_step=None) -> CellResult:
         from serving_core.builder import build_engine
         from serving_core.engine import serve
 
-        engine = build_engine(spec, on_step=on_step)
+        if engine is None:
+            engine = build_engine(spec, on_step=on_step)
+        elif on_step is not None:
+            engine.on_step = on_step
         result = serve(engine, workload.requests)
         if path == TORCH_INPROC:  # wall-clock timings depend on this process's settings
             from serving_core.server.process_settings import runtime_settings

@@ -31,6 +31,8 @@ reads both. A cache policy (cache_policy.py) is a rule of every organization, no
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from serving_core.geometry import Geometry
 from serving_core.layout import OrgLayout
 from serving_core.memory.base import CONV_ADDRESSING, MemoryOrganization
@@ -45,6 +47,7 @@ from serving_core.memory.jenga import JengaTwoLevel
 from serving_core.memory.n0 import N0UniformPages
 from serving_core.memory.objects import NO_SLOT, NULL, Kind, StateObject
 from serving_core.memory.prefix_cache import PrefixHit
+from serving_core.memory.rules import AllocatorRules
 from serving_core.memory.s0 import S0CoarsePages
 from serving_core.memory.s1 import S1RecurrentPaging
 from serving_core.memory.s2 import SLAB_POLICIES, S2PagingConvSlots
@@ -81,24 +84,12 @@ def build_memory(
     org: str,
     pool_units: dict[str, int],
     events: MemoryEvents | None = None,
-    slab_policy: str = "write_once",
-    free_queue: str = "free_first",
-    checkpoint_recency: str = "release",
-    cache_policy: str = "lru",
-    marconi_alpha: float = DEFAULT_MARCONI_ALPHA,
-    conv_page_recency: str = "members",
-    release_order: str = "attention_first",
-    duplicates: str = "drop",
-    private_blocks: str = "mru",
+    rules: AllocatorRules | None = None,
+    **overrides,
 ) -> MemoryOrganization:
-    """The runtime allocator of `org` with pools sized by the planner ({pool: units}).
-
-    `slab_policy` (organizations with slabs): see memory.s2.SLAB_POLICIES; `free_queue`
-    (memory.pool), `checkpoint_recency`, `release_order`, `duplicates` and `private_blocks`
-    (memory.base)
-    and `cache_policy` with its `marconi_alpha` (memory.cache_policy) apply to every
-    organization, `conv_page_recency` (memory.base) to one with a dedicated conv page
-    (S1)."""
+    """The runtime allocator of `org` with pools sized by the planner ({pool: units}),
+    running `rules` (memory.rules.AllocatorRules; None: the defaults) with `overrides`
+    (rule name -> value) replacing some of them."""
     cls = org_class(org)
     layout = cls.unit_layout(geometry)
     expected = set(cls.pool_names)
@@ -107,22 +98,13 @@ def build_memory(
             f"pool_units for {cls.org} must name pools {sorted(expected)}, "
             f"got {sorted(pool_units)}"
         )
-    if slab_policy not in SLAB_POLICIES:
-        raise ValueError(
-            f"engine.slab_policy={slab_policy!r}: allowed values are {', '.join(SLAB_POLICIES)}"
-        )
-    rules = {"free_queue": free_queue, "checkpoint_recency": checkpoint_recency,
-             "conv_page_recency": conv_page_recency, "release_order": release_order,
-             "duplicates": duplicates, "private_blocks": private_blocks}
-    policy = build_cache_policy(cache_policy, geometry, marconi_alpha)
-    if policy is not None:
-        rules["cache_policy"] = policy
-    if cls.has_slabs:
-        rules["slab_policy"] = slab_policy
-    return cls(layout, dict(pool_units), events, **rules)
+    rules = replace(rules or AllocatorRules(), **overrides)
+    policy = build_cache_policy(rules.cache_policy, geometry, rules.marconi_alpha)
+    return cls(layout, dict(pool_units), events, rules=rules, cache_policy=policy)
 
 
 __all__ = [
+    "AllocatorRules",
     "CACHE_POLICIES",
     "DEFAULT_MARCONI_ALPHA",
     "CONV_ADDRESSING",

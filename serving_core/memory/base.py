@@ -30,6 +30,7 @@ from serving_core.memory.events import MemoryEvents
 from serving_core.memory.objects import NO_SLOT, Kind, StateObject
 from serving_core.memory.pool import UnitPool
 from serving_core.memory.prefix_cache import PrefixCache, PrefixHit
+from serving_core.rules import rule_fields
 
 # When a cached checkpoint's member pages take their LRU recency (engine.checkpoint_recency):
 # `release` (default; vLLM V1: touch() takes a hit block out of the free queue and
@@ -203,36 +204,31 @@ class MemoryOrganization:
         pool_units: dict[str, int],
         events: MemoryEvents | None = None,
         *,
-        free_queue: str = "free_first",
-        checkpoint_recency: str = "release",
+        rules=None,
         cache_policy=None,
-        conv_page_recency: str = "members",
-        release_order: str = "attention_first",
-        duplicates: str = "drop",
-        private_blocks: str = "mru",
     ):
-        for key, value, allowed in (("checkpoint_recency", checkpoint_recency,
-                                     CHECKPOINT_RECENCIES),
-                                    ("conv_page_recency", conv_page_recency, CONV_PAGE_RECENCIES),
-                                    ("release_order", release_order, RELEASE_ORDERS),
-                                    ("duplicates", duplicates, DUPLICATE_RULES),
-                                    ("private_blocks", private_blocks, PRIVATE_BLOCK_RULES)):
-            if value not in allowed:
-                raise ValueError(f"engine.{key}={value!r}: allowed values are "
-                                 f"{', '.join(allowed)}")
+        """`rules`: an AllocatorRules (memory.rules; None: the defaults), checked there;
+        `cache_policy`: the policy object its cache_policy rule names (None: lru)."""
+        if rules is None:
+            from serving_core.memory.rules import AllocatorRules
+
+            rules = AllocatorRules()
+        self.rules = rules
+        free_queue = rules.free_queue
         self.free_queue = free_queue
-        self.checkpoint_recency = checkpoint_recency
-        self._recency_at_publication = checkpoint_recency == "publication"
+        self.checkpoint_recency = rules.checkpoint_recency
+        self._recency_at_publication = rules.checkpoint_recency == "publication"
         self.layout = layout
         # Index of the dedicated conv page among a composite's units (None: no such page).
         self._conv_unit = layout.ssm_members if layout.conv_pages else None
-        self.conv_page_recency = conv_page_recency if self._conv_unit is not None else None
+        self.conv_page_recency = (rules.conv_page_recency if self._conv_unit is not None
+                                  else None)
         self._conv_at_write = self.conv_page_recency == "write"
-        self.release_order = release_order
-        self.duplicates = duplicates
-        self.cache_duplicates = duplicates == "cache"
-        self.private_blocks = private_blocks
-        self.private_first = private_blocks == "evict_first"
+        self.release_order = rules.release_order
+        self.duplicates = rules.duplicates
+        self.cache_duplicates = rules.duplicates == "cache"
+        self.private_blocks = rules.private_blocks
+        self.private_first = rules.private_blocks == "evict_first"
         self.events = events or MemoryEvents()
         self.cache = PrefixCache()
         self.pools: dict[str, UnitPool] = {}
@@ -245,6 +241,10 @@ class MemoryOrganization:
             self._owner[name] = [None] * n
         self.live: dict[int, StateObject] = {}  # objects owning storage, by oid
         self._next_oid = 0
+        # A rule no mechanism above reads is kept under its own name (the record reads it).
+        for f in rule_fields(rules):
+            if not hasattr(self, f.name):
+                setattr(self, f.name, getattr(rules, f.name))
 
     def _make_pool(self, name: str, num_units: int, unit_bytes: int,
                    free_queue: str) -> UnitPool:

@@ -179,13 +179,9 @@ class S2PagingConvSlots(MemoryOrganization):
         return AllocationCost(cls.org, base.attention_bytes,
                               base.recurrent_bytes + layout.page_bytes * slabs, slabs)
 
-    def __init__(self, layout, pool_units, events=None, slab_policy: str = "write_once",
-                 **rules):
-        if slab_policy not in SLAB_POLICIES:
-            raise ValueError(
-                f"engine.slab_policy={slab_policy!r}: allowed values are {', '.join(SLAB_POLICIES)}"
-            )
+    def __init__(self, layout, pool_units, events=None, **rules):
         super().__init__(layout, pool_units, events, **rules)
+        slab_policy = self.rules.slab_policy  # checked by memory.rules.AllocatorRules
         self.slab_policy = slab_policy
         self.write_once = slab_policy == "write_once"  # placement: newest slab, no refill
         self._write_recency = slab_policy in ("write_once", "dense")  # recency: last write
