@@ -13,7 +13,7 @@ import pytest
 from conftest import compose_config
 from omegaconf import open_dict
 
-from experiments.config.spec import engine_spec
+from experiments.runners.spec import engine_spec
 from serving_core.builder import build_engine, preflight
 from serving_core.executor.base import EXECUTOR_RULE_KEYS, Executor
 from serving_core.records import run_summary

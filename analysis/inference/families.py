@@ -22,8 +22,8 @@ import pandas as pd
 
 from analysis.inference import prereg, stats
 from analysis.inference.paired import CONFIDENCE, diff_interval, summarize_d
-from analysis.pages.common import METRICS, seeds_text
-from analysis.pages.render import md_table
+from analysis.markdown import md_table
+from analysis.metrics import METRICS, seeds_text
 
 ROW_COLUMNS = ("test", "label", "kind", "predicted", "cells", "n", "effect", "unit", "min_seed",
                "max_seed", "ci_low", "ci_high", "interval", "n_pos", "n_neg", "n_zero",

@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config.spec import (
+from experiments.runners.spec import (
     SIMULATED,
     TORCH_HTTP,
     TORCH_INPROC,

@@ -21,7 +21,7 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 
 from experiments.config.bad_input import EXIT_BAD_INPUT
-from experiments.config.spec import engine_spec
+from experiments.runners.spec import engine_spec
 from experiments.workloads.workload import RequestSpec
 from ledgers.arms import ARMS
 from serving_core.builder import build_engine
