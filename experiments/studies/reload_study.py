@@ -25,11 +25,9 @@ output line is JSON {"requests", "paths": {path: count}, "mismatches", "ledger"}
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -41,6 +39,7 @@ import numpy as np
 
 from experiments.runners.http_client import ClientRecord, stream_one
 from experiments.runners.server_process import ServerError, ServerProcess, hsl_server_command
+from experiments.studies import study_parser
 from experiments.workloads.workload import RequestSpec
 from ledgers.arms import arm
 from ledgers.studies import REQUEST_PATHS, new_study_id, now_iso, rows_to_columns, write_study
@@ -213,20 +212,14 @@ def summary(rows: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.reload_study",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="models/falcon_h1_tiny")
-    p.add_argument("--preset", default="falcon_h1_tiny")
+    p = study_parser("reload_study", __doc__, model=True, run=True)
     p.add_argument("--org", default="d0")
-    p.add_argument("--budget", default="b63")
     p.add_argument("--lengths", default="3583,3584,5376")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--warmup-tokens", type=int, default=1024)
     p.add_argument("--pairs", default="off_on,on_off",
                    help="server pairs to run, in order (off_on, on_off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ledger-root", default=os.environ.get("LEDGER_ROOT", "ledgers/data"))
     args = p.parse_args(argv)
     orders = dict(ORDERS)
     pairs = [s.strip() for s in args.pairs.split(",") if s.strip()]
