@@ -47,6 +47,23 @@ REQUEST_COLUMNS = (
 )
 
 
+def record_produced(engine) -> dict[int, list[int]]:
+    """Wrap `engine.step` so each token a step produces is appended, by request id, to the
+    dict returned (greedy checks compare these with a reference)."""
+    produced: dict[int, list[int]] = {}
+    original = engine.step
+
+    def step():
+        outcome = original()
+        if outcome is not None:
+            for rid, tok in outcome.produced:
+                produced.setdefault(rid, []).append(tok)
+        return outcome
+
+    engine.step = step
+    return produced
+
+
 def format_key(key: int | None) -> str:
     return "" if key is None else f"{key & _MASK64:016x}"
 

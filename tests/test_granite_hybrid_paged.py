@@ -26,6 +26,7 @@ from serving_core.geometry import load_geometry
 from serving_core.model.granite_moe_hybrid import GraniteMoeHybrid
 from serving_core.model.make_tiny import build
 from serving_core.planner import plan_budget, units_for
+from serving_core.records import record_produced
 from serving_core.scheduler import SchedulerConfig
 
 PRESET = "granite_hybrid_tiny"
@@ -101,17 +102,7 @@ def serve_greedy(model, org, budget, specs, max_tokens=2048, cap=4):
     engine = torch_engine(model, geometry, org, units,
                           SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens),
                           clock="virtual")
-    produced: dict[int, list[int]] = {}
-    original = engine.step
-
-    def step():
-        out = original()
-        if out is not None:
-            for rid, tok in out.produced:
-                produced.setdefault(rid, []).append(tok)
-        return out
-
-    engine.step = step
+    produced = record_produced(engine)
     return serve(engine, specs), produced
 
 

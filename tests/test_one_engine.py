@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+from conftest import call_sites, compose_config
 
 from experiments.runners.server_process import ServerProcess, hsl_server_command
 from experiments.runners.spec import engine_spec
@@ -259,13 +259,7 @@ def _python_sources():
 
 
 def test_scheduler_config_is_constructed_in_one_place():
-    sites = []
-    for path in _python_sources():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "SchedulerConfig"):
-                sites.append(str(path.relative_to(REPO)))
-    assert sites == ["serving_core/engine_spec.py"]
+    assert call_sites(_python_sources(), "SchedulerConfig") == ["serving_core/engine_spec.py"]
 
 
 def test_no_module_spells_a_tuple_of_organization_names():

@@ -21,6 +21,7 @@ from engines import torch_engine
 from serving_core.engine import serve
 from serving_core.geometry import load_geometry
 from serving_core.planner import plan_budget, units_for
+from serving_core.records import record_produced
 from serving_core.scheduler import SchedulerConfig
 
 OUTPUT_TOKENS = 64
@@ -96,17 +97,7 @@ def serve_greedy(model, org, budget, specs, max_tokens=2048, cap=4, **rules):
     engine = torch_engine(model, geometry, org, units,
                           SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens, **rules),
                           clock="virtual")
-    produced: dict[int, list[int]] = {}
-    original = engine.step
-
-    def step():
-        out = original()
-        if out is not None:
-            for rid, tok in out.produced:
-                produced.setdefault(rid, []).append(tok)
-        return out
-
-    engine.step = step
+    produced = record_produced(engine)
     result = serve(engine, specs)
     return result, produced
 

@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import pandas as pd
 
@@ -275,3 +276,15 @@ def latest_study(con, table: str) -> pd.DataFrame:
         raise ValueError(f"study table {table!r}: allowed values are {', '.join(STUDY_SCHEMAS)}")
     return con.execute(f"SELECT * FROM {table} WHERE study_id = "
                        f"(SELECT max(study_id) FROM {table})").df()
+
+
+def write_study_page(con, out: Path, table: str, page: str, render, summarize
+                     ) -> tuple[Path, dict] | None:
+    """Write `page` = render(rows) of the newest study run of `table` into `out`; its path
+    and summarize(rows), None when the table is empty."""
+    rows = latest_study(con, table)
+    if rows.empty:
+        return None
+    path = Path(out) / page
+    path.write_text(render(rows), encoding="utf-8")
+    return path, summarize(rows)

@@ -24,6 +24,7 @@ from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import serve
 from serving_core.geometry import load_geometry
 from serving_core.model.dense_state import DenseState
+from serving_core.records import record_produced
 
 
 @dataclass(frozen=True)
@@ -88,17 +89,7 @@ def engine_greedy(model, geometry, org: str, plan, prompts) -> tuple[list[list[i
     sched = {"cap": 4, "max_num_batched_tokens": 2048}  # the rest: SchedulerConfig's defaults
     spec = loaded_model_spec(model, geometry, org, plan.exact_budget, sched, clock="virtual")
     engine = build_engine(spec, model=model)
-    produced: dict[int, list[int]] = {}
-    original = engine.step
-
-    def step():
-        outcome = original()
-        if outcome is not None:
-            for rid, tok in outcome.produced:
-                produced.setdefault(rid, []).append(tok)
-        return outcome
-
-    engine.step = step
+    produced = record_produced(engine)
     # The second arrives long after the first finished (virtual clock: 1,000 s, about
     # 1,000 poller samples) and adopts what the first published.
     specs = [Spec(i, a, p, plan.exact_output) for i, (p, a) in
