@@ -8,7 +8,7 @@ an already loaded model (torch).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
@@ -19,18 +19,9 @@ from serving_core.geometry import load_geometry
 from serving_core.planner import plan_budget, units_for
 from serving_core.records import record_produced
 from serving_core.scheduler import SchedulerConfig
+from serving_core.server.runtime import ServedSpec
 
-
-@dataclass(frozen=True)
-class Spec:
-    """A request as the engine reads it."""
-
-    request_id: int
-    arrival_s: float
-    prompt: np.ndarray
-    output_tokens: int
-    context_id: int = 0
-    salt: str = ""
+Spec = ServedSpec  # a request as the engine reads it (greedy, EOS ignored)
 
 
 def prompt_set(seed: int, context: int, suffixes) -> list[np.ndarray]:

@@ -288,3 +288,14 @@ def write_study_page(con, out: Path, table: str, page: str, render, summarize
     path = Path(out) / page
     path.write_text(render(rows), encoding="utf-8")
     return path, summarize(rows)
+
+
+def write_tables(out: Path, prefix: str, tables) -> list[Path]:
+    """Each (name, frame) of `tables` as out/tables/<prefix>_<name>.csv; the paths written."""
+    paths = []
+    for name, frame in tables.items():
+        path = Path(out) / "tables" / f"{prefix}_{name}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(path, index=False)
+        paths.append(path)
+    return paths

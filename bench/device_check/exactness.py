@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,18 +24,7 @@ from serving_core.engine import serve
 from serving_core.geometry import load_geometry
 from serving_core.model.dense_state import DenseState
 from serving_core.records import record_produced
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A request as the engine reads it (serving_core.server.runtime.ServedSpec's fields)."""
-
-    request_id: int
-    arrival_s: float
-    prompt: np.ndarray
-    output_tokens: int
-    context_id: int = 0
-    salt: str = ""
+from serving_core.server.runtime import ServedSpec
 
 
 def prompts_of(plan, seed: int = 2026) -> list[np.ndarray]:
@@ -92,7 +80,7 @@ def engine_greedy(model, geometry, org: str, plan, prompts) -> tuple[list[list[i
     produced = record_produced(engine)
     # The second arrives long after the first finished (virtual clock: 1,000 s, about
     # 1,000 poller samples) and adopts what the first published.
-    specs = [Spec(i, a, p, plan.exact_output) for i, (p, a) in
+    specs = [ServedSpec(i, a, p, plan.exact_output) for i, (p, a) in
              enumerate(zip(prompts, (0.0, 1000.0), strict=False))]
     result = serve(engine, specs)
     adopted = [int(v) for v in result.tables["requests"]["adopted_prefix_tokens"]]
