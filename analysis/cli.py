@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,3 +29,27 @@ def with_ledgers(root: str | Path, body: Callable) -> int:
         return body(con)
     finally:
         con.close()
+
+
+def study_page_main(prog: str, doc: str | None, write_page: Callable, table: str, fill: str,
+                    count: str, argv: list[str] | None = None) -> int:
+    """A study page's command line: `--ledgers ROOT [--out DIR]`. Writes the page from the
+    newest study run, prints its path and, as the LAST line, its JSON summary; exit 0 when
+    `summary["ok"] == summary[count]`, 1 when not, 2 without the study table."""
+    p = parser(prog, (doc or "").split("\n\n")[0])
+    p.add_argument("--out", default="reports", help="report directory for the page")
+    args = p.parse_args(argv)
+
+    def show(con) -> int:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        written = write_page(con, Path(args.out))
+        if written is None:
+            print(f"error: --ledgers={args.ledgers!r}: no {table} table ({fill})",
+                  file=sys.stderr)
+            return 2
+        path, info = written
+        print(f"page: {path}")
+        print(json.dumps(info), flush=True)
+        return 0 if info["ok"] == info[count] else 1
+
+    return with_ledgers(args.ledgers, show)

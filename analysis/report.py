@@ -107,11 +107,7 @@ def _clean(out: Path) -> None:
 
 
 def _write_tables(result, out: Path, summary: ReportSummary) -> None:
-    for name, frame in result.tables().items():
-        path = out / "tables" / f"{result.question}_{name}.csv"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        frame.to_csv(path, index=False)
-        summary.tables.append(path)
+    summary.tables.extend(common.write_tables(out, result.question, result.tables()))
 
 
 def _question_page(module, con, out: Path, plan_dir: Path, allow_changed_plan: bool,

@@ -239,7 +239,7 @@ def run_arm(arm, checkpoint, prompts, args, allocator):
             "load_avg": os.getloadavg()[0], **row}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.serve_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=str(ROOT / "models" / MODEL))
@@ -263,7 +263,31 @@ def main(argv: list[str] | None = None) -> int:
                              "guidellm")
     parser.add_argument("--guidellm", default=str(ROOT / ".venv-guidellm" / "bin" / "guidellm"),
                         help="guidellm's command (--client guidellm)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _print_table(rows: list[dict], args) -> None:
+    """The arms side by side: throughput, TTFT and TPOT medians and p99s, load."""
+    who = {"vllm": "vLLM's client (vllm bench serve, random dataset, greedy)",
+           "guidellm": "guidellm (synthetic text, its sampling defaults)",
+           "ours": "our client (token-id prompts, greedy)"}[args.client]
+    print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
+          f"all at once, streamed, EOS ignored; measured by {who}; "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'arm':9} {'client':6} {'alloc':8} {'thr':>3} {'ok':>5} {'out tok/s':>9} "
+          f"{'total tok/s':>11} {'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>7} "
+          f"{'load':>5}")
+    for row in rows:
+        thr = "-" if row["threads"] is None else str(row["threads"])
+        ok = f"{row.get('completed', args.requests)}/{args.requests}"
+        print(f"{row['arm']:9} {row['client']:6} {row['allocator']:8} {thr:>3} {ok:>5} "
+              f"{row['output_tok_s']:>9.1f} {row['total_tok_s']:>11.1f} "
+              f"{row['ttft_p50_s']:>8.2f} {row['ttft_p99_s']:>7.2f} "
+              f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.client == "guidellm" and not Path(args.guidellm).exists():
         print(f"error: --client=guidellm: {args.guidellm} does not exist (make "
               "setup-guidellm); allowed without it: ours, vllm", file=sys.stderr)
@@ -300,22 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1}: {arm} ...", flush=True)
                 rows.append(dict(run_arm(arm, str(checkpoint), prompts, args, args.allocator),
                                  round=r + 1))
-        who = {"vllm": "vLLM's client (vllm bench serve, random dataset, greedy)",
-               "guidellm": "guidellm (synthetic text, its sampling defaults)",
-               "ours": "our client (token-id prompts, greedy)"}[args.client]
-        print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
-              f"all at once, streamed, EOS ignored; measured by {who}; "
-              f"{os.cpu_count()} CPUs")
-        print(f"{'arm':9} {'client':6} {'alloc':8} {'thr':>3} {'ok':>5} {'out tok/s':>9} "
-              f"{'total tok/s':>11} {'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>7} "
-              f"{'load':>5}")
-        for row in rows:
-            thr = "-" if row["threads"] is None else str(row["threads"])
-            ok = f"{row.get('completed', args.requests)}/{args.requests}"
-            print(f"{row['arm']:9} {row['client']:6} {row['allocator']:8} {thr:>3} {ok:>5} "
-                  f"{row['output_tok_s']:>9.1f} {row['total_tok_s']:>11.1f} "
-                  f"{row['ttft_p50_s']:>8.2f} {row['ttft_p99_s']:>7.2f} "
-                  f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f}")
+        _print_table(rows, args)
         out = {"requests": args.requests, "prompt_tokens": args.prompt, "client": args.client,
                "output_tokens": args.output, "budget": args.budget, "cap": args.cap, "rows": rows}
         print(json.dumps(out))

@@ -119,6 +119,100 @@ def _profile(fn, top: int = 8) -> list[dict]:
     return rows[:top]
 
 
+def _restore_times(cold, spec_keys, tiers: dict, ports: dict, reps: int):
+    """Restore seconds per tier (alternating), what each moved, and one profiled restore."""
+    state = cold.sched.state
+
+    def restore(name):
+        cold.reset_prefix_cache()
+        t0 = time.perf_counter()
+        got = state.restore_prefix(spec_keys, tiers[name], ports[name])
+        return time.perf_counter() - t0, got
+
+    times = {name: [] for name in tiers}
+    moved = {}
+    for _ in range(reps):
+        for name in tiers:
+            dt, got = restore(name)
+            times[name].append(dt)
+            moved[name] = (got.prefix_tokens, got.bytes_h2d, len(got.blocks))
+    profiles = {name: _profile(lambda n=name: restore(n)) for name in ("old", "new")}
+    return times, moved, profiles
+
+
+def _save_times(cold, new_port, old_port, reps: int):
+    """Engine-thread seconds of saving every cached part: the old synchronous snapshot,
+    the new hold and hand-off, and the new worker's copy to done."""
+    state = cold.sched.state
+    objs = [(BLOCK, k, o) for k, o in cold.mem.cache.attention.items()]
+    objs += [(CHECKPOINT, k, o) for k, o in cold.mem.cache.checkpoints.items()]
+    worker = ThreadCopier(new_port)
+    save_old, save_new, copy_new = [], [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _, _, obj in objs:
+            old_port.read(obj)
+        save_old.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for kind, key, obj in objs:
+            worker.submit((kind, key, obj, state.hold_for_copy(obj)), obj)
+        save_new.append(time.perf_counter() - t0)
+        worker.wait()
+        copy_new.append(time.perf_counter() - t0)
+        for (_, _, obj, token), _ in worker.done():
+            state.end_copy_hold(obj, token)
+    worker.close()
+    return len(objs), save_old, save_new, copy_new
+
+
+def _served_times(org: str, tokens: int, prompt, reps: int):
+    """Cold TTFT with the tier off and on, then reload against device-reuse repeat, all
+    in process and alternating."""
+    from experiments.studies.reload_study import prompt_ids
+
+    warm = _engine(org, True)
+    off = _engine(org, False)
+    for engine in (warm, off):
+        _serve(engine, prompt_ids(1024, -1, 0), 0)
+    cold_on, cold_off = [], []
+    rid = 10
+    for i in range(reps):
+        fresh = prompt_ids(tokens, 100 + i, 0)  # its own document: a cold request
+        for engine in ((off, warm) if i % 2 == 0 else (warm, off)):
+            rid += 1
+            (cold_on if engine is warm else cold_off).append(_serve(engine, fresh, rid))
+
+    reload_s, repeat_s = [], []
+    _serve(warm, prompt, rid)
+    for i in range(reps):
+        order = ("repeat", "reload") if i % 2 == 0 else ("reload", "repeat")
+        for what in order:
+            rid += 1
+            if what == "reload":
+                warm.reset_prefix_cache()
+                reload_s.append(_serve(warm, prompt, rid))
+            else:
+                repeat_s.append(_serve(warm, prompt, rid))
+    warm.host_tier.close()
+    return cold_on, cold_off, reload_s, repeat_s
+
+
+def _print_medians(out: dict) -> None:
+    print(f"{out['org']} N={out['tokens']}: restore B={out['restored_B']} "
+          f"({out['restore_blocks']} blocks + checkpoint), {out['reps']} alternating reps, "
+          "medians")
+    for k, v in out["restore_ms"].items():
+        print(f"  restore {k:>10}: {v:8.2f} ms  ({out['restore_bytes_h2d'][k]:,} B)")
+    for k, v in out["save_engine_thread_ms"].items():
+        print(f"  save {k}: {v:8.2f} ms for {out['save_entries']} parts")
+    for k, v in out["ttft_s"].items():
+        print(f"  TTFT {k}: {v:.3f}")
+    for name, rows in out["profile_top_tottime"].items():
+        print(f"  one restore, {name}, top functions by own time:")
+        for r in rows:
+            print(f"    {r['tottime_ms']:8.2f} ms {r['calls']:6d} calls  {r['function']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.tier_bench", description=__doc__)
     p.add_argument("--org", default="d0")
@@ -148,70 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     depth = tiers["new"].restorable_prefix(spec_keys, cold.mem.block_tokens,
                                            cold.mem.checkpoint_interval)
 
-    def restore(name):
-        cold.reset_prefix_cache()
-        t0 = time.perf_counter()
-        got = state.restore_prefix(spec_keys, tiers[name], ports[name])
-        return time.perf_counter() - t0, got
-
-    # ----- restore, alternating ----------------------------------------------------------
-    times = {name: [] for name in tiers}
-    moved = {}
-    for _ in range(args.reps):
-        for name in tiers:
-            dt, got = restore(name)
-            times[name].append(dt)
-            moved[name] = (got.prefix_tokens, got.bytes_h2d, len(got.blocks))
-    profiles = {name: _profile(lambda n=name: restore(n)) for name in ("old", "new")}
+    times, moved, profiles = _restore_times(cold, spec_keys, tiers, ports, args.reps)
 
     # ----- save on the engine thread, alternating ----------------------------------------
     cold.reset_prefix_cache()
     _serve(cold, prompt, 1)  # publish again (the reset dropped them)
-    objs = [(BLOCK, k, o) for k, o in cold.mem.cache.attention.items()]
-    objs += [(CHECKPOINT, k, o) for k, o in cold.mem.cache.checkpoints.items()]
-    worker = ThreadCopier(new_port)
-    save_old, save_new, copy_new = [], [], []
-    for _ in range(args.reps):
-        t0 = time.perf_counter()
-        for _, _, obj in objs:
-            old_port.read(obj)
-        save_old.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for kind, key, obj in objs:
-            worker.submit((kind, key, obj, state.hold_for_copy(obj)), obj)
-        save_new.append(time.perf_counter() - t0)
-        worker.wait()
-        copy_new.append(time.perf_counter() - t0)
-        for (_, _, obj, token), _ in worker.done():
-            state.end_copy_hold(obj, token)
-    worker.close()
+    n_objs, save_old, save_new, copy_new = _save_times(cold, new_port, old_port, args.reps)
 
-    # ----- cold TTFT, tier off and on, in process, alternating ---------------------------
-    warm = _engine(args.org, True)
-    off = _engine(args.org, False)
-    for engine in (warm, off):
-        _serve(engine, prompt_ids(1024, -1, 0), 0)
-    cold_on, cold_off = [], []
-    rid = 10
-    for i in range(args.reps):
-        fresh = prompt_ids(args.tokens, 100 + i, 0)  # its own document: a cold request
-        for engine in ((off, warm) if i % 2 == 0 else (warm, off)):
-            rid += 1
-            (cold_on if engine is warm else cold_off).append(_serve(engine, fresh, rid))
-
-    # ----- reload vs device-reuse repeat, in process, alternating -------------------------
-    reload_s, repeat_s = [], []
-    _serve(warm, prompt, rid)
-    for i in range(args.reps):
-        order = ("repeat", "reload") if i % 2 == 0 else ("reload", "repeat")
-        for what in order:
-            rid += 1
-            if what == "reload":
-                warm.reset_prefix_cache()
-                reload_s.append(_serve(warm, prompt, rid))
-            else:
-                repeat_s.append(_serve(warm, prompt, rid))
-    warm.host_tier.close()
+    cold_on, cold_off, reload_s, repeat_s = _served_times(args.org, args.tokens, prompt,
+                                                          args.reps)
 
     med = statistics.median
     out = {
@@ -222,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "save_engine_thread_ms": {"old (synchronous snapshot)": 1e3 * med(save_old),
                                   "new (hold + hand-off)": 1e3 * med(save_new),
                                   "new worker copy (hand-off to done)": 1e3 * med(copy_new)},
-        "save_entries": len(objs),
+        "save_entries": n_objs,
         "ttft_s": {"cold, tier off": med(cold_off), "cold, tier on": med(cold_on),
                    "cold on / off (median of per-rep ratios)": med(
                        [a / b for a, b in zip(cold_on, cold_off, strict=True)]),
@@ -231,18 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                        [a / b for a, b in zip(reload_s, repeat_s, strict=True)])},
         "profile_top_tottime": profiles,
     }
-    print(f"{out['org']} N={args.tokens}: restore B={depth} ({moved['new'][2]} blocks + "
-          f"checkpoint), {args.reps} alternating reps, medians")
-    for k, v in out["restore_ms"].items():
-        print(f"  restore {k:>10}: {v:8.2f} ms  ({out['restore_bytes_h2d'][k]:,} B)")
-    for k, v in out["save_engine_thread_ms"].items():
-        print(f"  save {k}: {v:8.2f} ms for {len(objs)} parts")
-    for k, v in out["ttft_s"].items():
-        print(f"  TTFT {k}: {v:.3f}")
-    for name, rows in profiles.items():
-        print(f"  one restore, {name}, top functions by own time:")
-        for r in rows:
-            print(f"    {r['tottime_ms']:8.2f} ms {r['calls']:6d} calls  {r['function']}")
+    _print_medians(out)
     print(json.dumps(out))
     return 0
 

@@ -40,7 +40,6 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.config.bad_input import bad_input_message, exit_bad_input, report_bad_input
-from experiments.config.run_plan import RunPlan
 from experiments.config.validation import check_ledger_root, validate_config
 from experiments.runners.cell import (
     CellResult,
@@ -61,6 +60,7 @@ from experiments.runners.ledger_io import (
     skipped_line,
 )
 from experiments.runners.manifest import build_manifest, read_manifest, write_manifest
+from experiments.runners.run_plan import RunPlan
 from ledgers.writer import write_run
 
 # `HSL_PHASES=<file>`: at exit, write the marks of this process's phases there (wall clock

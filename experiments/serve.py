@@ -3,7 +3,7 @@
 Composes the run config from the same overrides a run takes (`org=s2 budget=b63
 executor=torch model=falcon_h1_tiny engine.admission=first_chunk ...`), checks it
 like a run (bad input: one line, exit 2), turns it into the engine spec
-(experiments.config.spec.engine_spec, the translation every run uses) and replaces this
+(experiments.runners.spec.engine_spec, the translation every run uses) and replaces this
 process with `python -m serving_core.server --spec FILE` plus the server flags
 given after the overrides. A device profile (executor=a100, ...) is served by the
 paced executor: the step model on a wall clock. `--spec-out FILE` keeps the spec
@@ -49,8 +49,8 @@ def server_spec(overrides: list[str]):
     """The EngineSpec the server runs for these run overrides (ValueError: bad input)."""
     from hydra import compose, initialize_config_dir
 
-    from experiments.config.spec import engine_spec
     from experiments.config.validation import validate_config
+    from experiments.runners.spec import engine_spec
 
     with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
         cfg = compose(config_name="config", overrides=[*overrides, "write_ledgers=false"])

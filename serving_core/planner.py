@@ -329,6 +329,18 @@ def format_side_by_side(plans: dict[str, BudgetPlan], orgs: Sequence[str] | None
                    f"bytes under {' and '.join(codecs)}", header, rows)
 
 
+def add_table_options(parser: argparse.ArgumentParser, org_help: str) -> None:
+    """--org (repeatable), --kv-codec and --json: the options the planner's and the
+    storage tables' command lines share."""
+    parser.add_argument("--org", action="append", help=f"{org_help} "
+                        f"(repeatable; one of {', '.join(ORG_TO_CLASS)})")
+    parser.add_argument(
+        "--kv-codec", choices=(*KV_CODECS, "both"),
+        help="attention KV representation (default: the preset's); both: side by side",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m serving_core.planner",
@@ -338,13 +350,7 @@ def _parser() -> argparse.ArgumentParser:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--budget", help=BUDGET_FORMS)
     group.add_argument("--pages", help="N S1/S2 pages (same as --budget pN)")
-    parser.add_argument("--org", action="append", help="show only this organization "
-                        f"(repeatable; one of {', '.join(ORG_TO_CLASS)})")
-    parser.add_argument(
-        "--kv-codec", choices=(*KV_CODECS, "both"),
-        help="attention KV representation (default: the preset's); both: side by side",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_table_options(parser, "show only this organization")
     return parser
 
 

@@ -15,17 +15,53 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ledgers.schemas import ENGINE_SCHEMAS
 from serving_core.memory import Kind, MemoryEvents, StateObject
 
 _MASK64 = (1 << 64) - 1
 
-# Column names come from the ledger schemas: the engine emits exactly what is persisted.
-TRACE_COLUMNS = tuple(ENGINE_SCHEMAS["trace"].names)
-SLAB_COLUMNS = tuple(ENGINE_SCHEMAS["slab"].names)
-STEP_COLUMNS = tuple(ENGINE_SCHEMAS["steps"].names)
-POLLER_COLUMNS = tuple(ENGINE_SCHEMAS["poller"].names)
-REQUEST_COLUMNS = tuple(ENGINE_SCHEMAS["requests"].names)
+# The engine's columns, exactly what the ledger persists (ledgers.schemas.ENGINE_SCHEMAS;
+# tests/test_layers.py holds the two equal). serving_core does not import ledgers.
+TRACE_COLUMNS = (
+    "seq", "t_s", "step", "event", "request_id", "episode", "kind", "boundary", "key", "a_m0",
+    "rmax_m0", "j_m0", "a_m1", "rmax_m1", "j_m1", "cause_request_id", "need", "free", "pool",
+    "dropped", "write_errors",
+)
+SLAB_COLUMNS = (
+    "seq", "t_s", "step", "event", "page", "slot", "request_id", "occupancy", "invalidated",
+)
+STEP_COLUMNS = (
+    "step", "t_start_s", "duration_s", "num_scheduled", "num_running", "num_waiting",
+    "prefill_tokens_initial", "prefill_tokens_resume", "decode_tokens", "num_preempted",
+    "num_admitted", "num_decode_seqs", "decode_context_tokens", "prefill_attention_pairs",
+    "checkpoint_writes",
+)
+POLLER_COLUMNS = (
+    "t_s", "pool", "running", "waiting", "units_used", "units_cached", "units_free",
+    "units_total", "usage_frac", "preemptions_total", "prompt_tokens_total",
+    "generation_tokens_total", "prefix_hit_tokens_total",
+)
+REQUEST_COLUMNS = (
+    "request_id", "arrival_s", "start_s", "first_token_s", "finish_s", "prompt_tokens",
+    "output_tokens", "target_output_tokens", "adopted_prefix_tokens", "resume_adopted_tokens",
+    "preemptions", "episodes", "context_id", "salt", "ttft_s", "e2e_s", "tpot_s", "status",
+)
+
+
+def record_produced(engine) -> dict[int, list[int]]:
+    """Wrap `engine.step` so each token a step produces is appended, by request id, to the
+    dict returned (greedy checks compare these with a reference)."""
+    produced: dict[int, list[int]] = {}
+    original = engine.step
+
+    def step():
+        outcome = original()
+        if outcome is not None:
+            for rid, tok in outcome.produced:
+                produced.setdefault(rid, []).append(tok)
+        return outcome
+
+    engine.step = step
+    return produced
 
 
 def format_key(key: int | None) -> str:

@@ -23,6 +23,7 @@ from fractions import Fraction
 from serving_core.geometry import KV_CODECS, Geometry, available_models, load_geometry
 from serving_core.layout import MIB, AllocationCost
 from serving_core.memory import ORG_TO_CLASS, normalize_org, org_class
+from serving_core.planner import add_table_options
 
 
 def _check_count(name: str, value: int) -> None:
@@ -289,13 +290,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--capacity-mib", help="budget M in MiB for capacity mode")
     parser.add_argument("--mix", help="aA,aR: blocks and checkpoints per copy (capacity mode)")
     parser.add_argument("--d0-attention-fraction", type=float, help="D0 split (default: model's)")
-    parser.add_argument("--org", action="append", help="only this organization "
-                        f"(repeatable; one of {', '.join(ORG_TO_CLASS)})")
-    parser.add_argument(
-        "--kv-codec", choices=(*KV_CODECS, "both"),
-        help="attention KV representation (default: the preset's); both: side by side",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_table_options(parser, "only this organization")
     return parser
 
 

@@ -8,6 +8,7 @@ in the directory the workers share, under a file lock, and the others read it ba
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fcntl
 import json
@@ -91,6 +92,54 @@ def _memo_load(file_):
 
 
 OmegaConf.load = staticmethod(_memo_load)
+
+
+def call_sites(paths, name: str) -> list[str]:
+    """The files among `paths` (relative to the repository) that call `name(...)` by its
+    bare name, once per call."""
+    import ast
+
+    repo = Path(__file__).resolve().parent.parent
+    return [str(path.relative_to(repo)) for path in paths
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == name]
+
+
+@contextlib.contextmanager
+def saved_figures(record: Callable = lambda fig: fig):
+    """Within the block, each figure the paper figures save is kept, as record(fig), under
+    its file name in the dict yielded (read before the figure is closed)."""
+    from analysis.pages import paper_figures as pf
+
+    seen = {}
+    original = pf.save
+
+    def recording_save(fig, path):
+        seen[path.name] = record(fig)
+        return original(fig, path)
+
+    pf.save = recording_save
+    try:
+        yield seen
+    finally:
+        pf.save = original
+
+
+def crash_before_runs_row(monkeypatch) -> Callable:
+    """Make the ledger writer die (KeyboardInterrupt) before it writes a runs row, as a
+    killed run would; returns the real `write_atomic` (set it back to write again)."""
+    from ledgers import writer
+
+    real = writer.write_atomic
+
+    def crash_on_runs(table, path, **kwargs):
+        if path.parent.parent.name == "runs":
+            raise KeyboardInterrupt("killed before the runs row")
+        return real(table, path, **kwargs)
+
+    monkeypatch.setattr(writer, "write_atomic", crash_on_runs)
+    return real
 
 
 def compose_config(*overrides: str):

@@ -11,9 +11,26 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
+import numpy as np
+
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import Engine, EngineResult, serve
 from serving_core.engine_spec import EngineSpec, ExecutorSpec
+from serving_core.geometry import load_geometry
+from serving_core.planner import plan_budget, units_for
+from serving_core.records import record_produced
+from serving_core.scheduler import SchedulerConfig
+from serving_core.server.runtime import ServedSpec
+
+Spec = ServedSpec  # a request as the engine reads it (greedy, EOS ignored)
+
+
+def prompt_set(seed: int, context: int, suffixes) -> list[np.ndarray]:
+    """A shared random document of `context` tokens, then one random question per suffix
+    length (token ids below 128,256)."""
+    rng = np.random.default_rng(seed)
+    ctx = rng.integers(0, 128_256, context)
+    return [np.concatenate([ctx, rng.integers(0, 128_256, n)]).astype(np.int32) for n in suffixes]
 
 
 def _sections(rules) -> dict:
@@ -52,3 +69,16 @@ def torch_engine(model, geometry, org: str, pool_units: dict[str, int], sched_cf
     if host_tier is not None:
         spec = replace(spec, host_tier=host_tier)
     return build_engine(spec, on_step=on_step, model=model)
+
+
+def serve_greedy(model, preset: str, org: str, budget: str, specs, max_tokens: int = 2048,
+                 cap: int = 4, **rules) -> tuple[EngineResult, dict[int, list[int]]]:
+    """Serve `specs` greedily on a virtual clock with the preset's pools at `budget`; the
+    result and each request's produced tokens."""
+    geometry = load_geometry(preset)
+    units = units_for(plan_budget(geometry, budget), org)
+    engine = torch_engine(model, geometry, org, units,
+                          SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens, **rules),
+                          clock="virtual")
+    produced = record_produced(engine)
+    return serve(engine, specs), produced

@@ -91,7 +91,7 @@ def test_prefill_batch_tokens_is_a_config_key_the_record_reads_back(tiny_checkpo
                                                                      tiny_model):
     from conftest import compose_config
 
-    from experiments.config.spec import engine_spec
+    from experiments.runners.spec import engine_spec
     from serving_core.builder import build_engine
 
     def effective(*overrides):

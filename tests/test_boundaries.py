@@ -10,10 +10,10 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+from conftest import call_sites, compose_config
 from omegaconf import open_dict
 
-from experiments.config.spec import engine_spec
+from experiments.runners.spec import engine_spec
 from serving_core.builder import build_engine, preflight
 from serving_core.executor.base import EXECUTOR_RULE_KEYS, Executor
 from serving_core.records import run_summary
@@ -36,13 +36,7 @@ def _attributes(tree: ast.AST) -> set[str]:
 
 # ----- one way to build an engine -------------------------------------------------------------
 def test_only_the_builder_constructs_an_engine():
-    sites = []
-    for path in CORE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "Engine"):
-                sites.append(str(path.relative_to(REPO)))
-    assert sites == ["serving_core/builder.py"]
+    assert call_sites(CORE.rglob("*.py"), "Engine") == ["serving_core/builder.py"]
 
 
 def test_the_engine_declares_every_attribute_it_sets_and_nobody_else_sets_one():

@@ -74,15 +74,20 @@ def test_a_save_counts_only_after_its_copy_completed(tiny_model):
     assert _save(eng, host) == 0  # nothing new to copy
 
 
-def test_restore_goes_into_fresh_units_and_equals_the_saved_state(tiny_model):
-    import torch
-
-    eng, spec = _served(tiny_model, 699)
+def _saved_then_reset(tiny_model, n: int):
+    """A served prompt of n tokens saved into a poisoning host tier (copies complete), its
+    lookup keys, and a fresh engine with an empty device cache."""
+    eng, spec = _served(tiny_model, n)
     host = HostTier(CAPACITY, poison=True)
     _save(eng, host)
     host.complete()
-    keys = Request(spec, 512).lookup_keys()
-    reset = _engine(tiny_model)
+    return eng, host, Request(spec, 512).lookup_keys(), _engine(tiny_model)
+
+
+def test_restore_goes_into_fresh_units_and_equals_the_saved_state(tiny_model):
+    import torch
+
+    eng, host, keys, reset = _saved_then_reset(tiny_model, 699)
     before = reset.mem.usage()["shared"]
     got = _restore(reset, host, keys)
     assert got.prefix_tokens == 512 and len(got.blocks) == 1 and got.checkpoint is not None
@@ -211,12 +216,7 @@ def test_restore_bytes_match_the_layout_and_a_skipped_copy_shows(tiny_model, mon
     bytes host-to-device into the layout's units (1 block + 3 SSM pages); a restore that
     skips the checkpoint copy is caught by the count and by the read-back."""
     geometry = load_geometry("falcon_h1_tiny")
-    eng, spec = _served(tiny_model, 599)
-    host = HostTier(CAPACITY, poison=True)
-    _save(eng, host)
-    host.complete()
-    keys = Request(spec, 512).lookup_keys()
-    reset = _engine(tiny_model)
+    eng, host, keys, reset = _saved_then_reset(tiny_model, 599)
     got = _restore(reset, host, keys)
     expected, capacity, units, need = cont._restore_sizes(reset.mem, geometry, got)
     assert got.bytes_h2d == expected == 4_237_312 and units == need == 4

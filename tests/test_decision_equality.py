@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 from conftest import compose_config
 
-from experiments.config.spec import engine_spec
+from experiments.runners.spec import engine_spec
 from experiments.workloads.workload import build_workload
 from serving_core.builder import build_engine
 from serving_core.engine import serve

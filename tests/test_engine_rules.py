@@ -302,7 +302,7 @@ def test_reserve_output_config_is_checked_and_read_from_the_engine_keys():
         SchedulerConfig(admission="reserve_output", reserve_output_tokens=-1)
     with pytest.raises(ValueError, match="reserve_output_tokens=8: applies only with"):
         SchedulerConfig(admission="full_prompt", reserve_output_tokens=8)
-    from experiments.config.spec import engine_spec
+    from experiments.runners.spec import engine_spec
     from serving_core.builder import build_engine
 
     cfg = compose_config("engine.admission=reserve_output", "engine.reserve_output_tokens=64")

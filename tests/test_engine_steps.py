@@ -9,8 +9,8 @@ from dataclasses import replace
 from conftest import compose_config
 from engines import simulated_engine
 
-from experiments.config.spec import engine_spec
 from experiments.runners.cell import run_cell
+from experiments.runners.spec import engine_spec
 from experiments.workloads.workload import build_workload
 from serving_core.executor.profiles import load_device_profile
 from serving_core.executor.simulated import build_step_model

@@ -90,7 +90,7 @@ def test_d0_runs_record_the_unit_bytes_the_analysis_reads(model):
     read back from the built pools), not from a table of models."""
     from conftest import compose_config
 
-    from experiments.config.spec import engine_spec
+    from experiments.runners.spec import engine_spec
     from serving_core.builder import build_engine
 
     cfg = compose_config(f"model={model}", "org=d0", "budget=b63")

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from analysis_ledgers import WORKLOAD, cell_overrides
-from conftest import compose_config
+from conftest import compose_config, saved_figures
 
 import ledgers
 from analysis.inference import prereg
@@ -61,20 +61,10 @@ def staged_ledger(tmp_path_factory):
 def drawn(staged_ledger, tmp_path_factory):
     """Draw Fig. 2, 5 and 6, recording each saved figure's axes before it is closed."""
     out = tmp_path_factory.mktemp("figures")
-    seen = {}
-    original = pf.save
-
-    def recording_save(fig, path):
-        seen[path.name] = fig
-        return original(fig, path)
-
     con = ledgers.connect(staged_ledger)
-    pf.save = recording_save
-    try:
+    with saved_figures() as seen:
         for module in (q1, q5, q6):
             module.draw(module.analyze(con, allow_changed_plan=True), out)
-    finally:
-        pf.save = original
     runs = con.execute("SELECT * FROM runs").df()
     runs["org"] = runs["org"].str.upper()
     return seen, runs

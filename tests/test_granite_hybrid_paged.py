@@ -14,40 +14,20 @@ checkpoint interval.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
-import numpy as np
+import engines
 import pytest
 import torch
-from engines import torch_engine
+from engines import Spec, prompt_set
 
-from serving_core.engine import serve
 from serving_core.geometry import load_geometry
 from serving_core.model.granite_moe_hybrid import GraniteMoeHybrid
 from serving_core.model.make_tiny import build
-from serving_core.planner import plan_budget, units_for
-from serving_core.scheduler import SchedulerConfig
 
 PRESET = "granite_hybrid_tiny"
 OUTPUT_TOKENS = 32
 SHORT = (1000, (10, 15, 20))  # checkpoints at 512 (S orgs)
 LONG = (1800, (10, 15))  # D0: its checkpoint at 1,792
-
-
-@dataclass(frozen=True)
-class Spec:
-    request_id: int
-    arrival_s: float
-    prompt: np.ndarray
-    output_tokens: int
-    context_id: int = 0
-    salt: str = ""
-
-
-def _prompt_set(seed, context, suffixes):
-    rng = np.random.default_rng(seed)
-    ctx = rng.integers(0, 128_256, context)
-    return [np.concatenate([ctx, rng.integers(0, 128_256, n)]).astype(np.int32) for n in suffixes]
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +57,12 @@ def _transformers_greedy(checkpoint, prompts):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return _prompt_set(2026, *SHORT)
+    return prompt_set(2026, *SHORT)
 
 
 @pytest.fixture(scope="module")
 def long_prompts():
-    return _prompt_set(2027, *LONG)
+    return prompt_set(2027, *LONG)
 
 
 @pytest.fixture(scope="module")
@@ -95,24 +75,8 @@ def long_reference(checkpoint, long_prompts):
     return _transformers_greedy(checkpoint, long_prompts)
 
 
-def serve_greedy(model, org, budget, specs, max_tokens=2048, cap=4):
-    geometry = load_geometry(PRESET)
-    units = units_for(plan_budget(geometry, budget), org)
-    engine = torch_engine(model, geometry, org, units,
-                          SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens),
-                          clock="virtual")
-    produced: dict[int, list[int]] = {}
-    original = engine.step
-
-    def step():
-        out = original()
-        if out is not None:
-            for rid, tok in out.produced:
-                produced.setdefault(rid, []).append(tok)
-        return out
-
-    engine.step = step
-    return serve(engine, specs), produced
+def serve_greedy(model, org, budget, specs, **kwargs):
+    return engines.serve_greedy(model, PRESET, org, budget, specs, **kwargs)
 
 
 def _specs(prompts, which, arrivals):

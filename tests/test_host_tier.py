@@ -290,7 +290,7 @@ def test_a_simulated_campaign_cell_runs_the_tier_and_records_it():
 def test_a_small_simulated_tier_evicts_and_restores_cost_their_transfer_time():
     from conftest import compose_config
 
-    from experiments.config.spec import engine_spec
+    from experiments.runners.spec import engine_spec
     from experiments.workloads.workload import build_workload
     from serving_core.builder import build_engine
     from serving_core.engine import serve

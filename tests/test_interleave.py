@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import compose_config
 
-from experiments.config.spec import engine_spec
+from experiments.runners.spec import engine_spec
 from experiments.workloads.workload import RequestSpec
 from serving_core.builder import build_engine
 from serving_core.engine import serve

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from conftest import crash_before_runs_row
 
 import ledgers
 from ledgers import check as ledger_check
@@ -332,14 +333,7 @@ def test_two_runs_are_visible_through_the_catalog(tmp_path):
 
 def test_crashed_attempt_is_invisible_listed_and_superseded_by_rerun(tmp_path, monkeypatch):
     write(tmp_path, "runA")
-    real = writer.write_atomic
-
-    def crash_on_runs(table, path, **kwargs):
-        if path.parent.parent.name == "runs":
-            raise KeyboardInterrupt("killed before the runs row")
-        return real(table, path, **kwargs)
-
-    monkeypatch.setattr(writer, "write_atomic", crash_on_runs)
+    real = crash_before_runs_row(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         write(tmp_path, "runC", num_requests=5)
     monkeypatch.setattr(writer, "write_atomic", real)

@@ -61,11 +61,9 @@ def test_single_queue_keeps_an_evicted_checkpoints_other_members_in_place(falcon
 
 
 # ----- checkpoint recency -------------------------------------------------------------------
-@pytest.mark.parametrize("rule, x_survives", [("release", True), ("publication", False)])
-def test_checkpoint_recency_rule(falcon, rule, x_survives):
-    """Checkpoint X (4 pages) then block Y fill the pool; X is adopted and released. The next
-    allocation evicts Y if the adopter's release refreshed X, else X."""
-    mem = build_memory(falcon, "S1", {"shared": 5}, checkpoint_recency=rule)
+def _adopt_checkpoint_after_block(mem) -> None:
+    """Checkpoint X (key 11) is published, then block Y (key 22) is cached; X is adopted and
+    released; then an allocation of 3 units needs an eviction."""
     x = mem.allocate_composite(1)
     mem.publish(x, 11, 512)
     mem.release(x, producer=True)
@@ -73,6 +71,14 @@ def test_checkpoint_recency_rule(falcon, rule, x_survives):
     mem.acquire(x)
     mem.release(x)
     mem.allocate_attention(3)
+
+
+@pytest.mark.parametrize("rule, x_survives", [("release", True), ("publication", False)])
+def test_checkpoint_recency_rule(falcon, rule, x_survives):
+    """Checkpoint X (4 pages) then block Y fill the pool; X is adopted and released. The next
+    allocation evicts Y if the adopter's release refreshed X, else X."""
+    mem = build_memory(falcon, "S1", {"shared": 5}, checkpoint_recency=rule)
+    _adopt_checkpoint_after_block(mem)
     assert (mem.cached_checkpoint(11) is not None) == x_survives
     assert (mem.cached_attention(22) is not None) == (not x_survives)
     check_invariants(mem)
@@ -103,13 +109,7 @@ def test_dense_adoption_protects_but_does_not_refresh_the_slab(falcon):
     """As write_once: X's slab keeps the stamp of its last write, so after X is adopted and
     released the older-looking slab is reclaimed before the later block Y."""
     mem = build_memory(falcon, "S2", {"shared": 5}, slab_policy="dense")
-    x = mem.allocate_composite(1)
-    mem.publish(x, 11, 512)
-    mem.release(x, producer=True)
-    cached_block(mem, 22, rid=2)
-    mem.acquire(x)
-    mem.release(x)
-    mem.allocate_attention(3)
+    _adopt_checkpoint_after_block(mem)
     assert mem.cached_checkpoint(11) is None and mem.cached_attention(22) is not None
 
 

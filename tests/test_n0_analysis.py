@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from conftest import saved_figures
 from scipy import stats as scipy_stats
 
 import ledgers
@@ -73,20 +74,13 @@ def _t_interval(values) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def written(root, tmp_path_factory):
     out = tmp_path_factory.mktemp("n0_report")
-    seen = {}
-    original = pf.save
-
-    def recording_save(fig, path):
+    def facts(fig):
         ax = fig.axes[0]
-        seen[path.name] = {"legend": ax.get_legend_handles_labels()[1], "title": ax.get_title(),
-                           "rotations": {t.get_rotation() for t in ax.get_xticklabels()}}
-        return original(fig, path)
+        return {"legend": ax.get_legend_handles_labels()[1], "title": ax.get_title(),
+                "rotations": {t.get_rotation() for t in ax.get_xticklabels()}}
 
-    pf.save = recording_save
-    try:
+    with saved_figures(facts) as seen:
         page = n0_native.write_page(ledgers.connect(root), out)
-    finally:
-        pf.save = original
     return out, page, seen
 
 

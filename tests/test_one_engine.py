@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import compose_config
 
-from experiments.config.spec import engine_spec
 from experiments.runners.server_process import ServerProcess, hsl_server_command
+from experiments.runners.spec import engine_spec
 from experiments.serve import server_spec
 from ledgers.arms import ARMS, STORAGE_ORGS
 from serving_core.builder import build_engine, preflight

@@ -82,8 +82,8 @@ def test_no_serving_core_module_compares_an_organization_name():
 # ----- an unknown organization --------------------------------------------------------------
 def _refusals():
     """(entry point, call) for every way in that takes an organization's name."""
-    from experiments.config.spec import engine_spec
     from experiments.config.validation import validate_config
+    from experiments.runners.spec import engine_spec
     from serving_core import planner, storage
     from serving_core.executor.simulated import build_step_model
     from serving_core.executor.state_arena import StateArena
@@ -200,7 +200,7 @@ def test_a_registered_class_is_planned_and_priced_with_no_other_edit(half_pages)
 
 
 def test_a_registered_class_serves_a_workload_with_no_other_edit(half_pages):
-    from experiments.config.spec import engine_spec
+    from experiments.runners.spec import engine_spec
     from experiments.workloads.workload import build_workload
     from serving_core.builder import build_engine
     from serving_core.engine import serve

@@ -11,17 +11,11 @@ resumption, and when prefill is chunked at sizes that do not align with the inte
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
-import numpy as np
+import engines
 import pytest
 import torch
-from engines import torch_engine
-
-from serving_core.engine import serve
-from serving_core.geometry import load_geometry
-from serving_core.planner import plan_budget, units_for
-from serving_core.scheduler import SchedulerConfig
+from engines import Spec, prompt_set
 
 OUTPUT_TOKENS = 64
 # Prompts: a shared document plus a question. S orgs: a 1,000-token document (checkpoints at
@@ -29,22 +23,6 @@ OUTPUT_TOKENS = 64
 # document (its checkpoint at 1,792).
 SHORT = (1000, (10, 15, 20))
 LONG = (1800, (10, 15))
-
-
-@dataclass(frozen=True)
-class Spec:
-    request_id: int
-    arrival_s: float
-    prompt: np.ndarray
-    output_tokens: int
-    context_id: int = 0
-    salt: str = ""
-
-
-def _prompt_set(seed, context, suffixes):
-    rng = np.random.default_rng(seed)
-    ctx = rng.integers(0, 128_256, context)
-    return [np.concatenate([ctx, rng.integers(0, 128_256, n)]).astype(np.int32) for n in suffixes]
 
 
 def _transformers_greedy(checkpoint, prompts):
@@ -72,12 +50,12 @@ def _transformers_greedy(checkpoint, prompts):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return _prompt_set(2026, *SHORT)
+    return prompt_set(2026, *SHORT)
 
 
 @pytest.fixture(scope="module")
 def long_prompts():
-    return _prompt_set(2027, *LONG)
+    return prompt_set(2027, *LONG)
 
 
 @pytest.fixture(scope="module")
@@ -90,25 +68,8 @@ def long_reference(tiny_checkpoint, long_prompts):
     return _transformers_greedy(tiny_checkpoint, long_prompts)
 
 
-def serve_greedy(model, org, budget, specs, max_tokens=2048, cap=4, **rules):
-    geometry = load_geometry("falcon_h1_tiny")
-    units = units_for(plan_budget(geometry, budget), org)
-    engine = torch_engine(model, geometry, org, units,
-                          SchedulerConfig(cap=cap, max_num_batched_tokens=max_tokens, **rules),
-                          clock="virtual")
-    produced: dict[int, list[int]] = {}
-    original = engine.step
-
-    def step():
-        out = original()
-        if out is not None:
-            for rid, tok in out.produced:
-                produced.setdefault(rid, []).append(tok)
-        return out
-
-    engine.step = step
-    result = serve(engine, specs)
-    return result, produced
+def serve_greedy(model, org, budget, specs, **kwargs):
+    return engines.serve_greedy(model, "falcon_h1_tiny", org, budget, specs, **kwargs)
 
 
 def _specs(prompts, which, arrivals):

@@ -107,8 +107,8 @@ def test_config_file_sets_every_declared_rule_at_its_declared_default():
 
 
 def test_a_run_plans_its_budget_and_builds_its_engine_once(tmp_path, monkeypatch):
-    import experiments.config.run_plan as run_plan
     import experiments.config.validation as validation
+    import experiments.runners.run_plan as run_plan
     import serving_core.builder as builder
     import serving_core.planner as planner
     from experiments.run import main_run

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import crash_before_runs_row
 
 import ledgers
 from analysis.inference import prereg
@@ -138,14 +139,7 @@ def test_cell_columns_follow_the_config(make_cfg, overrides, expected):
 def test_crashed_attempt_is_invisible_and_redone(make_cfg, tmp_path, monkeypatch):
     cfg = make_cfg(*SMALL, "campaign_name=t2")
     root = tmp_path / "ledgers"
-    real_write = writer.write_atomic
-
-    def die_before_runs_row(table, path, **kwargs):
-        if path.parent.parent.name == "runs":
-            raise KeyboardInterrupt("killed before the runs row")
-        return real_write(table, path, **kwargs)
-
-    monkeypatch.setattr(writer, "write_atomic", die_before_runs_row)
+    real_write = crash_before_runs_row(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         runner.main_run(cfg)
     con = ledgers.connect(root)

@@ -21,7 +21,7 @@ import pandas as pd
 from scipy import stats as sps
 
 from analysis.inference import stats
-from analysis.pages.common import RunSet, query
+from analysis.runset import RunSet, query
 
 DUAL_POOLS = ("attention", "recurrent")  # the two pools whose stranded bytes are measured
 DEFAULTS = {"goodput_quantile": 0.9, "window": [0.2, 0.8], "drift_tolerance": 0.10,

@@ -22,8 +22,8 @@ import pandas as pd
 
 from analysis.inference import prereg, stats
 from analysis.inference.paired import CONFIDENCE, diff_interval, summarize_d
-from analysis.pages.common import METRICS, seeds_text
-from analysis.pages.render import md_table
+from analysis.markdown import md_table
+from analysis.metrics import METRICS, seeds_text
 
 ROW_COLUMNS = ("test", "label", "kind", "predicted", "cells", "n", "effect", "unit", "min_seed",
                "max_seed", "ci_low", "ci_high", "interval", "n_pos", "n_neg", "n_zero",
@@ -179,6 +179,14 @@ def evaluate_plan(plan: prereg.Plan, runs: pd.DataFrame, *,
     return out
 
 
+def _missing_summary(check) -> str:
+    """"missing A of E planned runs: " and the first three cells lacking seeds."""
+    absent = sum(len(m.seeds) for m in check.missing)
+    named = ", ".join(f"{m.cell_id} seeds {seeds_text(m.seeds)}" for m in check.missing[:3])
+    more = f" and {len(check.missing) - 3} more cells" if len(check.missing) > 3 else ""
+    return f"missing {absent} of {check.num_expected} planned runs: {named}{more}"
+
+
 def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *,
                     allow_changed_plan: bool = False) -> FamilyResult:
     result = FamilyResult(plan.question, fam.name, fam.role, fam.decision["method"],
@@ -203,11 +211,7 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
                       else relaxed_match(plan, fam, runs))
     result.fill = fill_commands(check.missing, fam.name.endswith(SMOKE_TAG))
     if check.missing:
-        absent = sum(len(m.seeds) for m in check.missing)
-        named = ", ".join(f"{m.cell_id} seeds {seeds_text(m.seeds)}" for m in check.missing[:3])
-        more = f" and {len(check.missing) - 3} more cells" if len(check.missing) > 3 else ""
-        result.summary = (f"missing {absent} of {check.num_expected} planned runs: "
-                          f"{named}{more}")
+        result.summary = _missing_summary(check)
     if len(matched) == 0:
         campaigns = sorted({c for cell in fam.cells for c in prereg.cell_campaigns(cell)})
         result.reasons = [f"no data: none of the {check.num_expected} planned runs "

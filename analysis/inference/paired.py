@@ -17,7 +17,7 @@ import pandas as pd
 from scipy import stats as scipy_stats
 
 from analysis.inference import stats
-from analysis.pages.common import DESIGN_COLUMNS, METRICS, ORG_SETTINGS, budget_rank
+from analysis.metrics import DESIGN_COLUMNS, METRICS, ORG_SETTINGS, budget_rank
 
 CONFIDENCE = 0.95
 

@@ -94,6 +94,14 @@ class PlannedTest:
     intervals: str = ""  # "none": this row shows no interval although the family's do
 
 
+def _named(items, attr: str, value: str, field_name: str, context: str):
+    """The item whose `attr` is `value`; ValueError `field=value: context [the values]`."""
+    for item in items:
+        if getattr(item, attr) == value:
+            return item
+    raise ValueError(f"{field_name}={value!r}: {context} {[getattr(i, attr) for i in items]}")
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -106,11 +114,7 @@ class Family:
     decision: Mapping[str, Any]
 
     def cell(self, cell_id: str) -> Cell:
-        for c in self.cells:
-            if c.id == cell_id:
-                return c
-        raise ValueError(f"cell={cell_id!r}: family {self.name!r} has cells "
-                         f"{[c.id for c in self.cells]}")
+        return _named(self.cells, "id", cell_id, "cell", f"family {self.name!r} has cells")
 
     @property
     def primary_estimand(self) -> Estimand:
@@ -128,11 +132,7 @@ class Plan:
     path: Path | None = None
 
     def family(self, name: str) -> Family:
-        for f in self.families:
-            if f.name == name:
-                return f
-        raise ValueError(f"family={name!r}: {self.question} declares "
-                         f"{[f.name for f in self.families]}")
+        return _named(self.families, "name", name, "family", f"{self.question} declares")
 
     @property
     def primary_family(self) -> Family:

@@ -15,85 +15,28 @@ import contextlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
 from analysis.inference import stats
-from ledgers.arms import ARMS, LEDGER_ORGS
+from analysis.metrics import (  # noqa: F401 (re-exported)
+    DESIGN_COLUMNS,
+    IDENTITY_COLUMNS,
+    METRICS,
+    ORG_NAMES,
+    ORG_ORDER,
+    ORG_SETTINGS,
+    Metric,
+    budget_rank,
+    seeds_text,
+)
+from analysis.runset import RUN_IDS_VIEW, RunSet, in_list, query  # noqa: F401 (re-exported)
 from ledgers.studies import STUDY_SCHEMAS
-
-DESIGN_COLUMNS = ("stage", "org", "budget", "cap", "rate", "arrival", "q", "f", "reuse",
-                  "retention_k", "pinning_k", "d0_attention_fraction", "trace", "host_tier_bytes")
-# Settings that only one org has (-1 / NaN elsewhere): never part of a pairing condition.
-ORG_SETTINGS = ("retention_k", "d0_attention_fraction")
-IDENTITY_COLUMNS = (*DESIGN_COLUMNS, "model", "executor", "units_detail")
-# Order and names of runs.org values: the one table of arms (ledgers.arms).
-ORG_ORDER = LEDGER_ORGS
-ORG_NAMES = {a.ledger_org: a.label for a in ARMS.values() if a.label != a.ledger_org}
-
-
-@dataclass(frozen=True, slots=True)
-class Metric:
-    """A run-level readout: its unit, and whether arms compare by log ratio or difference."""
-
-    name: str
-    unit: str
-    scale: str  # "log": paired log ratios, effects in %; "diff": paired differences
-    label: str
-
-
-METRICS = {m.name: m for m in (
-    Metric("throughput_ledger", "tokens/s", "log", "throughput, ledger timebase"),
-    Metric("throughput_span", "tokens/s", "log", "throughput, request-span timebase"),
-    Metric("ttft_p99", "s", "log", "TTFT p99 (run-level)"),
-    Metric("e2e_p99", "s", "log", "E2E p99 (run-level)"),
-    Metric("prefill_tokens_computed", "tokens", "log", "prefill tokens computed"),
-    Metric("prefill_tokens_initial", "tokens", "diff", "prefill tokens, first admissions"),
-    Metric("prefill_tokens_resume", "tokens", "diff", "prefill tokens recomputed on resume"),
-    Metric("poller_running_mean", "requests", "diff", "running requests (poller mean)"),
-    Metric("poller_waiting_mean", "requests", "diff", "waiting requests (poller mean)"),
-    Metric("preemptions", "count", "diff", "preemptions per run"),
-    Metric("ttft_p50", "s", "log", "TTFT p50 (run-level)"),
-    Metric("e2e_p50", "s", "log", "E2E p50 (run-level)"),
-    Metric("tpot_p99", "s", "log", "request-TPOT p99 (run-level)"),
-    Metric("requests_per_s", "requests/s", "log", "completed requests per second, request span"),
-    Metric("c_once_tokens", "tokens", "log", "C_once: prompt minus first-admission prefix"),
-    Metric("h_tokens", "tokens", "log", "H = C_once + output tokens"),
-    Metric("engine_steps", "count", "log", "K: engine steps (steps-ledger rows)"),
-    Metric("h_per_k", "tokens/step", "log", "H/K per run"),
-    Metric("running_median", "requests", "diff", "running gauge, run median"),
-    Metric("running_max", "requests", "diff", "running gauge, run maximum"),
-    Metric("waiting_median", "requests", "diff", "waiting gauge, run median"),
-    Metric("waiting_max", "requests", "diff", "waiting gauge, run maximum"),
-    Metric("waiting_p99", "requests", "diff", "waiting gauge, run p99"),
-    Metric("jadopt_initial_mean", "tokens", "diff", "Jadopt, INITIAL admissions"),
-    Metric("rmax_m1_initial_mean", "tokens", "diff", "Rmax (M1), INITIAL admissions"),
-    Metric("amax_m1_initial_mean", "tokens", "diff", "Amax (M1), INITIAL admissions"),
-    Metric("rmax_m0_initial_mean", "tokens", "diff", "Rmax (M0), INITIAL admissions"),
-    Metric("amax_m0_initial_mean", "tokens", "diff", "Amax (M0), INITIAL admissions"),
-    Metric("gap_r_initial_mean", "tokens", "diff", "GapR = Rmax (M1) - Jadopt, INITIAL"),
-    Metric("gap_r_m0_initial_mean", "tokens", "diff", "GapR = Rmax (M0) - Jadopt, INITIAL"),
-    Metric("jadopt_tokens_mean", "tokens", "diff", "adopted joint depth Jadopt"),
-    Metric("jenter_tokens_mean", "tokens", "diff", "joint depth at queue entry"),
-    Metric("amax_tokens_mean", "tokens", "diff", "attention depth Amax (M0)"),
-    Metric("rmax_tokens_mean", "tokens", "diff", "recurrent depth Rmax (M0)"),
-    Metric("gap_r_tokens_mean", "tokens", "diff", "GapR = Rmax - Jadopt (M0)"),
-)}
-
 
 # ---------------------------------------------------------------------------
 # Loading through the catalog
 # ---------------------------------------------------------------------------
-
-
-def _literal(text: str) -> str:
-    return "'" + str(text).replace("'", "''") + "'"
-
-
-def _in_list(column: str, values: Sequence[str]) -> str:
-    """`column IN ('a', 'b')` (literals, so DuckDB can prune hive partitions); FALSE if empty."""
-    return f"{column} IN ({', '.join(map(_literal, values))})" if values else "FALSE"
 
 
 _REQUEST_METRICS = """
@@ -133,53 +76,6 @@ _POLLER_METRICS = """
 """
 
 
-@dataclass
-class RunSet:
-    """Adopted complete runs serving some questions, with run-level readouts and cell labels.
-
-    `runs` holds one run per (cell, seed): the earliest-written one. Two adopted runs
-    can share a cell and seed when their configs differ outside the identity columns
-    (e.g. workload size); the later ones are in `set_aside`, named by the analyses,
-    and still seen by the preregistration check (`all_runs`), which refuses them.
-    """
-
-    questions: tuple[str, ...]
-    campaigns: tuple[str, ...]  # the campaigns those runs were collected in
-    runs: pd.DataFrame
-    set_aside: pd.DataFrame
-
-    @property
-    def all_runs(self) -> pd.DataFrame:
-        return pd.concat([self.runs, self.set_aside], ignore_index=True)
-
-    @property
-    def empty(self) -> bool:
-        return self.runs.empty
-
-    def notes(self) -> list[str]:
-        return [f"set aside: run {r.run_id} duplicates cell {r.cell} seed {r.seed} "
-                f"(an earlier adopted run is analysed)" for r in self.set_aside.itertuples()]
-
-
-RUN_IDS_VIEW = "analysis_run_ids"  # registered per query: the run set's run ids
-
-
-def query(con, sql: str, runset: RunSet) -> pd.DataFrame:
-    """Run `sql` with {campaigns} (the run set's campaigns) and {adopted} (its run ids) filled.
-
-    The run ids are registered as a relation rather than re-selected from the runs
-    view, which would read every runs file again for each query.
-    """
-    ids = pd.concat([runset.runs["run_id"], runset.set_aside["run_id"]], ignore_index=True)
-    con.register(RUN_IDS_VIEW, pd.DataFrame({"run_id": ids.astype(str)}))
-    try:
-        text = sql.format(campaigns=_in_list("campaign", runset.campaigns),
-                          adopted=f"SELECT run_id FROM {RUN_IDS_VIEW}")
-        return con.execute(text).df()
-    finally:
-        con.unregister(RUN_IDS_VIEW)
-
-
 _RUN_CACHE: dict | None = None  # set while a report runs: one load per set of questions
 
 
@@ -214,7 +110,7 @@ def _load_runs(con, questions: Sequence[str]) -> RunSet:
     upper-cased and reuse lower-cased (the plans compare them that way).
     """
     questions = tuple(questions)
-    runs = con.execute(f"SELECT * FROM runs WHERE {_in_list('question', questions)}"
+    runs = con.execute(f"SELECT * FROM runs WHERE {in_list('question', questions)}"
                        " AND status = 'complete' AND adopted ORDER BY campaign, seed, run_id").df()
     campaigns = tuple(sorted(runs["campaign"].unique()))
     runs["org"] = runs["org"].astype(str).str.strip().str.upper()
@@ -346,27 +242,6 @@ def cell_order(runs: pd.DataFrame) -> list[str]:
     return first.sort_values(["_budget", *keys, "_org", "cell"])["cell"].tolist()
 
 
-def budget_rank(label: str) -> float:
-    """Sort key of a budget label (b63 < b83 < b108; p254 after the b budgets)."""
-    text = str(label).strip().lower()
-    try:
-        return float(text[1:]) + (1e6 if text.startswith("p") else 0.0)
-    except ValueError:
-        return math.inf
-
-
-def seeds_text(seeds) -> str:
-    """Compact seed list: 42000-42011, 0-2, 5."""
-    values = sorted(int(s) for s in seeds)
-    parts, start = [], None
-    for i, s in enumerate(values):
-        start = s if start is None else start
-        if i + 1 == len(values) or values[i + 1] != s + 1:
-            parts.append(str(s) if s == start else f"{start}-{s}")
-            start = None
-    return ", ".join(parts)
-
-
 def cell_summary(runs: pd.DataFrame, metrics: Sequence[str] = (
         "throughput_ledger", "throughput_span", "ttft_p99", "e2e_p99")) -> pd.DataFrame:
     """One row per cell: design columns, seeds, and per metric the mean of run values.
@@ -401,3 +276,26 @@ def latest_study(con, table: str) -> pd.DataFrame:
         raise ValueError(f"study table {table!r}: allowed values are {', '.join(STUDY_SCHEMAS)}")
     return con.execute(f"SELECT * FROM {table} WHERE study_id = "
                        f"(SELECT max(study_id) FROM {table})").df()
+
+
+def write_study_page(con, out: Path, table: str, page: str, render, summarize
+                     ) -> tuple[Path, dict] | None:
+    """Write `page` = render(rows) of the newest study run of `table` into `out`; its path
+    and summarize(rows), None when the table is empty."""
+    rows = latest_study(con, table)
+    if rows.empty:
+        return None
+    path = Path(out) / page
+    path.write_text(render(rows), encoding="utf-8")
+    return path, summarize(rows)
+
+
+def write_tables(out: Path, prefix: str, tables) -> list[Path]:
+    """Each (name, frame) of `tables` as out/tables/<prefix>_<name>.csv; the paths written."""
+    paths = []
+    for name, frame in tables.items():
+        path = Path(out) / "tables" / f"{prefix}_{name}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(path, index=False)
+        paths.append(path)
+    return paths

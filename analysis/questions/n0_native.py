@@ -272,10 +272,7 @@ def write_page(con, out: Path) -> Page:
     """Write `out/n0_native.md`, its CSVs (tables/n0_a100_*.csv) and its figure."""
     out = Path(out)
     page = build(con, out / "figures")
-    for name, frame in page.tables.items():
-        path = out / "tables" / f"{CAMPAIGN}_{name}.csv"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        frame.to_csv(path, index=False)
+    common.write_tables(out, CAMPAIGN, page.tables)
     (out / PAGE).write_text(page.text, encoding="utf-8")
     return page
 

@@ -15,7 +15,6 @@ passes, 1 when one fails, 2 without a continuation_http table.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -62,32 +61,12 @@ def section(rows: pd.DataFrame) -> str:
 
 def write_page(con, out: Path) -> tuple[Path, dict] | None:
     """Write continuation_http.md from the newest study run; None when the table is empty."""
-    rows = common.latest_study(con, TABLES[0])
-    if rows.empty:
-        return None
-    path = Path(out) / PAGE
-    path.write_text(section(rows), encoding="utf-8")
-    return path, summary(rows)
+    return common.write_study_page(con, out, TABLES[0], PAGE, section, summary)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = cli.parser("analysis.studies.continuation_http", __doc__.split("\n\n")[0])
-    p.add_argument("--out", default="reports", help="report directory for the page")
-    args = p.parse_args(argv)
-
-    def show(con) -> int:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        written = write_page(con, Path(args.out))
-        if written is None:
-            print(f"error: --ledgers={args.ledgers!r}: no continuation_http table ({FILL})",
-                  file=sys.stderr)
-            return 2
-        path, info = written
-        print(f"page: {path}")
-        print(json.dumps(info), flush=True)
-        return 0 if info["ok"] == info["cases"] else 1
-
-    return cli.with_ledgers(args.ledgers, show)
+    return cli.study_page_main(f"analysis.studies.{TABLES[0]}", __doc__, write_page,
+                               TABLES[0], FILL, "cases", argv)
 
 
 if __name__ == "__main__":

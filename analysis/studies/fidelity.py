@@ -347,9 +347,7 @@ def write_page(con, out: Path) -> tuple[Path, dict] | None:
         return None
     text, info, tables = section(real, sim)
     text += "\n" + fit_section(common.latest_study(con, TABLES[0]))
-    (out / "tables").mkdir(parents=True, exist_ok=True)
-    for name, frame in tables.items():
-        frame.to_csv(out / "tables" / f"fidelity_{name}.csv", index=False)
+    common.write_tables(out, "fidelity", tables)
     fig = draw(real, sim, out / FIGURE)
     if fig is not None:
         text += (f"\n![Span throughput, real vs simulated]({FIGURE})\n\n"

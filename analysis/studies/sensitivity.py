@@ -257,9 +257,7 @@ def write_page(con, out: Path, plan_dir=None) -> tuple[Path, dict]:
     runs = common.load_runs(con, [QUESTION]).all_runs
     text, info, tables = section(runs, load_alternatives(), plan_dir)
     text += runs_section(common.latest_study(con, TABLES[0]))
-    (out / "tables").mkdir(parents=True, exist_ok=True)
-    for name, frame in tables.items():
-        frame.to_csv(out / "tables" / f"sensitivity_{name}.csv", index=False)
+    common.write_tables(out, "sensitivity", tables)
     path = Path(out) / PAGE
     path.write_text(text, encoding="utf-8")
     return path, info

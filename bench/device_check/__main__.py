@@ -111,15 +111,77 @@ def parse(argv):
     return args, device
 
 
+def _build(plan, device, holder: dict) -> dict:
+    """The build stage: the random-weights model (kept in `holder`), its size and the
+    device's copy and matmul ceilings."""
+    import torch
+
+    from bench.device_check import steps
+    from serving_core.model.random_weights import random_model
+
+    t0 = time.perf_counter()
+    holder["model"] = model = random_model(plan.model, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    built = time.perf_counter() - t0
+    unique = {w.data_ptr(): w for w in model.w.values()}.values()  # tied: counted once
+    smoke = device.type == "cpu"
+    return {"model": plan.model, "dtype": str(model.dtype).removeprefix("torch."),
+            "parameters": sum(w.numel() for w in unique), "build_s": built,
+            "weight_bytes": sum(w.numel() * w.element_size() for w in unique),
+            "ceilings": steps.ceilings(device, 256 if smoke else 8192,
+                                       2**24 if smoke else 2**32),
+            "complete": True}
+
+
+def _fit(plan, device, geometry, step_rows: list[dict], results: Results, fitted: dict) -> dict:
+    """The fit stage: a device profile from the measured steps, written beside the results
+    as device_profile.yaml (and into `fitted`)."""
+    from bench.device_check import fit
+
+    if len(step_rows) < 8:
+        raise RuntimeError(f"{len(step_rows)} measured steps: too few to fit")
+    name = f"{'cpu' if device.type == 'cpu' else 'device'}-fit-{plan.model}"
+    value = fit.run(geometry, step_rows, name, f"bench.device_check on {device}")
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    header = PROFILE_HEADER.format(model=plan.model, device=results.data["device"]["name"],
+                                   when=when)
+    (results.path.parent / "device_profile.yaml").write_text(fit.profile_yaml(value, header))
+    fitted.update(value["profile"])
+    value["complete"] = True
+    return value
+
+
+def _cell(model, geometry, plan, fitted: dict, deadline: float, results: Results) -> dict:
+    """The cell stage, under the fitted profile (the h200 datasheet when the fit failed)."""
+    from bench.device_check import cell
+    from serving_core.executor.profiles import load_device_profile
+
+    profile, source = (fitted, "fitted") if fitted else (
+        asdict(load_device_profile("h200")), "h200 datasheet (the fit failed)")
+    return cell.run(model, geometry, plan, profile, source, deadline,
+                    lambda partial: results.put("cell", partial))
+
+
+def _finish(results: Results, t_start: float) -> int:
+    """Write the closing fields; 1 when a stage failed."""
+    results.data["total_s"] = time.perf_counter() - t_start
+    results.data["imports"] = {m: sys.modules.get(m) is not None for m in WATCHED}
+    results.data["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
+    results.flush()
+    print(f"[device_check] wrote {results.path} in {results.data['total_s']:.1f} s", flush=True)
+    failed = [k for k, v in results.data["stages"].items() if "error" in v]
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, device_name = parse(argv)
     import torch
 
-    from bench.device_check import cell, exactness, fit, steps
+    from bench.device_check import exactness, steps
     from bench.device_check.plan import CPU_SMOKE, H200
     from serving_core.executor.device import describe_device
     from serving_core.geometry import load_geometry
-    from serving_core.model.random_weights import random_model
 
     plan = CPU_SMOKE if args.cpu_smoke else H200
     device = torch.device(device_name)
@@ -142,23 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     geometry = load_geometry(plan.model)
     holder = {}
-
-    def build():
-        t0 = time.perf_counter()
-        holder["model"] = model = random_model(plan.model, device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        built = time.perf_counter() - t0
-        unique = {w.data_ptr(): w for w in model.w.values()}.values()  # tied: counted once
-        smoke = device.type == "cpu"
-        return {"model": plan.model, "dtype": str(model.dtype).removeprefix("torch."),
-                "parameters": sum(w.numel() for w in unique), "build_s": built,
-                "weight_bytes": sum(w.numel() * w.element_size() for w in unique),
-                "ceilings": steps.ceilings(device, 256 if smoke else 8192,
-                                           2**24 if smoke else 2**32),
-                "complete": True}
-
-    _stage(results, "build", build)
+    _stage(results, "build", lambda: _build(plan, device, holder))
     model = holder.get("model")
     step_rows: list[dict] = []
     if model is not None:
@@ -173,38 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         _stage(results, "paged", lambda: steps.paged_vs_contiguous(model, geometry, plan,
                                                                    deadline("paged")))
     fitted = {}
-
-    def fit_stage():
-        if len(step_rows) < 8:
-            raise RuntimeError(f"{len(step_rows)} measured steps: too few to fit")
-        name = f"{'cpu' if device.type == 'cpu' else 'device'}-fit-{plan.model}"
-        value = fit.run(geometry, step_rows, name, f"bench.device_check on {device}")
-        when = datetime.now(UTC).isoformat(timespec="seconds")
-        header = PROFILE_HEADER.format(model=plan.model, device=results.data["device"]["name"],
-                                       when=when)
-        (out / "device_profile.yaml").write_text(fit.profile_yaml(value, header))
-        fitted.update(value["profile"])
-        value["complete"] = True
-        return value
-
-    _stage(results, "fit", fit_stage)
+    _stage(results, "fit", lambda: _fit(plan, device, geometry, step_rows, results, fitted))
     if model is not None:
-        def cell_stage():
-            from serving_core.executor.profiles import load_device_profile
-
-            profile, source = (fitted, "fitted") if fitted else (
-                asdict(load_device_profile("h200")), "h200 datasheet (the fit failed)")
-            return cell.run(model, geometry, plan, profile, source, deadline("cell"),
-                            lambda partial: results.put("cell", partial))
-
-        _stage(results, "cell", cell_stage)
-    results.data["total_s"] = time.perf_counter() - t_start
-    results.data["imports"] = {m: sys.modules.get(m) is not None for m in WATCHED}
-    results.data["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
-    results.flush()
-    print(f"[device_check] wrote {results.path} in {results.data['total_s']:.1f} s", flush=True)
-    failed = [k for k, v in results.data["stages"].items() if "error" in v]
-    return 1 if failed else 0
+        _stage(results, "cell", lambda: _cell(model, geometry, plan, fitted, deadline("cell"),
+                                              results))
+    return _finish(results, t_start)
 
 
 if __name__ == "__main__":

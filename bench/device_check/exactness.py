@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,18 +23,8 @@ from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import serve
 from serving_core.geometry import load_geometry
 from serving_core.model.dense_state import DenseState
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A request as the engine reads it (serving_core.server.runtime.ServedSpec's fields)."""
-
-    request_id: int
-    arrival_s: float
-    prompt: np.ndarray
-    output_tokens: int
-    context_id: int = 0
-    salt: str = ""
+from serving_core.records import record_produced
+from serving_core.server.runtime import ServedSpec
 
 
 def prompts_of(plan, seed: int = 2026) -> list[np.ndarray]:
@@ -88,20 +77,10 @@ def engine_greedy(model, geometry, org: str, plan, prompts) -> tuple[list[list[i
     sched = {"cap": 4, "max_num_batched_tokens": 2048}  # the rest: SchedulerConfig's defaults
     spec = loaded_model_spec(model, geometry, org, plan.exact_budget, sched, clock="virtual")
     engine = build_engine(spec, model=model)
-    produced: dict[int, list[int]] = {}
-    original = engine.step
-
-    def step():
-        outcome = original()
-        if outcome is not None:
-            for rid, tok in outcome.produced:
-                produced.setdefault(rid, []).append(tok)
-        return outcome
-
-    engine.step = step
+    produced = record_produced(engine)
     # The second arrives long after the first finished (virtual clock: 1,000 s, about
     # 1,000 poller samples) and adopts what the first published.
-    specs = [Spec(i, a, p, plan.exact_output) for i, (p, a) in
+    specs = [ServedSpec(i, a, p, plan.exact_output) for i, (p, a) in
              enumerate(zip(prompts, (0.0, 1000.0), strict=False))]
     result = serve(engine, specs)
     adopted = [int(v) for v in result.tables["requests"]["adopted_prefix_tokens"]]

@@ -261,6 +261,23 @@ class ContiguousRecurrentDecodeIO(_DecodeIO):
             dssm.copy_(ssm)
 
 
+def _alternated_medians(fns, device, warmup: int, repeats: int) -> list[float]:
+    """Median seconds of each function, timed in turn (one after the other, repeats + 1
+    rounds) after `warmup` calls of each, so drift touches all alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats + 1):
+        for fn, acc in zip(fns, times, strict=True):
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            synchronize(device)
+            acc.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def paged_vs_contiguous(model, geometry: Geometry, plan, deadline: float) -> dict:
     """Per organization and decode batch at `paged_context`: the whole-model decode step
     with paged and with contiguous recurrent state, alternated."""
@@ -301,18 +318,7 @@ def paged_vs_contiguous(model, geometry: Geometry, plan, deadline: float) -> dic
                 sample(model.forward(ids, pos, ContiguousRecurrentDecodeIO(a, items, dense,
                                                                            gathered)), rows)
 
-            for fn in (paged, contiguous):
-                for _ in range(plan.warmup):
-                    fn()
-            tp, tc = [], []
-            for _ in range(plan.repeats + 1):
-                for fn, acc in ((paged, tp), (contiguous, tc)):
-                    synchronize(dev)
-                    t0 = time.perf_counter()
-                    fn()
-                    synchronize(dev)
-                    acc.append(time.perf_counter() - t0)
-            p, c = statistics.median(tp), statistics.median(tc)
+            p, c = _alternated_medians((paged, contiguous), dev, plan.warmup, plan.repeats)
             out.append({"org": org, "batch": b, "context": ctx, "paged_s": p,
                         "contiguous_s": c, "ratio": p / c,
                         "ssm_in_place": bool(a.ssm_in_place)})

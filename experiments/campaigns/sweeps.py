@@ -21,18 +21,13 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from hydra.errors import CompactHydraException, OverrideParseException
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
+
+from experiments.config.bad_input import CampaignError
 
 ORDERS = ("product", "seed_major", "balanced")
 SMOKE_SUFFIX = "_smoke"
-
-
-class CampaignError(CompactHydraException, ValueError):
-    """A campaign that cannot start (bad input) or that finished with failed runs.
-
-    Hydra prints a CompactHydraException as its message alone, without a traceback.
-    """
 
 
 def _positive_int(value: Any, field_name: str) -> int:

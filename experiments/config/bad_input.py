@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hydra.errors import (
+    CompactHydraException,
     ConfigCompositionException,
     InstantiationException,
     MissingConfigException,
@@ -27,6 +28,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 EXIT_BAD_INPUT = 2
 _MAX_KEYS = 12
+
+
+class CampaignError(CompactHydraException, ValueError):
+    """A campaign that cannot start (bad input) or that finished with failed runs.
+
+    Hydra prints a CompactHydraException as its message alone, without a traceback.
+    """
 
 
 def _first_line(text: str) -> str:
@@ -58,8 +66,6 @@ def _missing_option(ex: MissingConfigException) -> str | None:
 
 def bad_input_message(ex: BaseException) -> str | None:
     """The one-line message for an exception caused by bad input, None for anything else."""
-    from experiments.campaigns.sweeps import CampaignError
-
     if isinstance(ex, CampaignError):
         return str(ex) if getattr(ex, "bad_input", True) else None
     if isinstance(ex, MissingConfigException):

@@ -4,7 +4,7 @@
 cheap to build (geometry, budget plan, device profile, engine rules, normalized
 workload and load) without building the workload itself, so a campaign can check
 all of its cells before launching the first one; it returns the run's plan
-(experiments.config.run_plan.RunPlan), which the run then uses.
+(experiments.runners.run_plan.RunPlan), which the run then uses.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.config.run_plan import RunPlan
 from experiments.config.spec import SIMULATED, VLLM, VLLM_VIRTUAL, engine_spec, executor_path
+from experiments.runners.run_plan import RunPlan
 from experiments.workloads.workload import normalize_load_config, normalize_workload_config
 from ledgers.arms import arm as arm_row
 from serving_core.executor.profiles import load_device_profile
@@ -95,7 +95,7 @@ def check_ledger_root(root: str | os.PathLike) -> Path:
 
 def validate_config(cfg: DictConfig, *, check_root: bool = True,
                     preflight: bool = True) -> RunPlan:
-    """The run plan of a cell config (experiments.config.run_plan); ValueError names the
+    """The run plan of a cell config (experiments.runners.run_plan); ValueError names the
     first bad field. With `preflight`, the engine the plan describes is checked to run the
     requested rules (a run that builds its engine next checks it there instead)."""
     for section in SECTIONS:

@@ -21,8 +21,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config.run_plan import RunPlan, plan_run
-from experiments.config.spec import (
+from experiments.runners.run_plan import RunPlan, plan_run
+from experiments.runners.spec import (
     SIMULATED,
     TORCH_HTTP,
     TORCH_INPROC,

@@ -257,6 +257,31 @@ def request_extra() -> dict:
             "stream_options": {"include_usage": True}}
 
 
+def _requests(specs, records) -> dict[str, list]:
+    """The requests table from the client's records: vLLM reports each request's cached
+    prompt tokens (adopted prefix) and not its resumes, preemptions or episodes (-1)."""
+    from experiments.runners.http_run import request_table
+
+    no_server = {c: [] for c in ("start_s", "adopted_prefix_tokens", "resume_adopted_tokens",
+                                 "preemptions", "episodes", "request_id")}
+    requests = request_table(specs, records, no_server, 0.0)
+    requests["adopted_prefix_tokens"] = [r.cached_prompt_tokens for r in records]
+    for col in ("resume_adopted_tokens", "preemptions", "episodes"):
+        requests[col] = [-1] * len(records)  # not exported by vLLM
+    return requests
+
+
+def _boot(vcfg: VllmExecutorConfig, served_name: str, **limits):
+    """vLLM's server process on a free port (not started) and its base URL."""
+    from experiments.runners.server_process import ServerProcess
+
+    port = free_port()
+    cmd = vllm_command(vcfg, served_name=served_name, port=port, **limits)
+    base_url = f"http://127.0.0.1:{port}"
+    return ServerProcess(cmd, base_url=base_url, health_timeout_s=vcfg.boot_timeout_s,
+                         env=vllm_env(vcfg)), base_url
+
+
 def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int,
                   max_num_batched_tokens: int, max_model_len: int, kv_bytes: int,
                   kv_token_bytes: int, num_layers: int, block_tokens: int) -> VllmServed:
@@ -267,21 +292,16 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
 
     from experiments.runners.http_run import (
         request_paths_table,
-        request_table,
         run_episode,
         summarize_client,
     )
-    from experiments.runners.server_process import ServerError, ServerProcess
+    from experiments.runners.server_process import ServerError
 
-    port = free_port()
-    cmd = vllm_command(vcfg, served_name=served_name, port=port, cap=cap,
-                       max_num_batched_tokens=max_num_batched_tokens,
-                       max_model_len=max_model_len, kv_bytes=kv_bytes,
-                       block_tokens=block_tokens)
-    base_url = f"http://127.0.0.1:{port}"
     wall0 = time.perf_counter()
-    srv = ServerProcess(cmd, base_url=base_url, health_timeout_s=vcfg.boot_timeout_s,
-                        env=vllm_env(vcfg))
+    srv, base_url = _boot(vcfg, served_name, cap=cap,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, kv_bytes=kv_bytes,
+                          block_tokens=block_tokens)
     with srv:
         boot_s = time.perf_counter() - wall0
         boot_err, boot_out = len(srv.log_text()), len(srv.stdout_lines)
@@ -305,12 +325,7 @@ def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int
     facts = boot_log_facts(log)
     cache = effective_cache(info, facts, kv_bytes=kv_bytes, kv_token_bytes=kv_token_bytes,
                             num_layers=num_layers)
-    no_server = {c: [] for c in ("start_s", "adopted_prefix_tokens", "resume_adopted_tokens",
-                                 "preemptions", "episodes", "request_id")}
-    requests = request_table(specs, records, no_server, 0.0)
-    requests["adopted_prefix_tokens"] = [r.cached_prompt_tokens for r in records]
-    for col in ("resume_adopted_tokens", "preemptions", "episodes"):
-        requests[col] = [-1] * len(records)  # not exported by vLLM
+    requests = _requests(specs, records)
     summary = summarize_client(records, episode_end, time.perf_counter() - wall0)
     summary.update(engine_summary(poller.columns))
     summary["poller_errors"] = poller.errors

@@ -33,7 +33,6 @@ imports none of the others); `python -m experiments.studies.calibrate` (make cal
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import math
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.studies import study_parser
 from serving_core.executor.profiles import EXECUTOR_CONF_DIR, DeviceProfile, load_device_profile
 from serving_core.executor.simulated import AdditiveStepModel
 
@@ -773,7 +773,7 @@ def calibrate_steps(args, log) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = study_parser("calibrate", __doc__, ledgers=False)
     p.add_argument("--anchors", type=Path, default=ANCHORS_CSV)
     p.add_argument("--mixed", type=Path, default=MIXED_CSV)
     p.add_argument("--steps", type=Path, default=None,

@@ -12,7 +12,6 @@ the A100's (see conf/executor/cpu.yaml and serving_core/executor/profiles.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -21,7 +20,8 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 
 from experiments.config.bad_input import EXIT_BAD_INPUT
-from experiments.config.spec import engine_spec
+from experiments.runners.spec import engine_spec
+from experiments.studies import study_parser
 from experiments.workloads.workload import RequestSpec
 from ledgers.arms import ARMS
 from serving_core.builder import build_engine
@@ -49,8 +49,7 @@ def _steps(model, checkpoint: str, preset: str, org: str, specs) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.codec_fit",
-                                description=__doc__.split("\n")[0])
+    p = study_parser("codec_fit", __doc__, ledgers=False)
     p.add_argument("--checkpoint", required=True, help="tiny checkpoint (make tiny-model)")
     p.add_argument("--orgs", default="d0,s2")
     p.add_argument("--requests", type=int, default=12)

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.studies import study_parser
 from experiments.workloads.workload import RequestSpec
 from ledgers.arms import arm
 from ledgers.studies import (
@@ -446,11 +447,8 @@ def _bad_case(label: str) -> bool:
     return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.continuation",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="models/falcon_h1_tiny")
-    p.add_argument("--preset", default="falcon_h1_tiny")
+def _parser() -> argparse.ArgumentParser:
+    p = study_parser("continuation", __doc__, model=True, run=True)
     p.add_argument("--orgs", default=",".join(ORGS))
     p.add_argument("--cases", default=",".join(OFFSETS),
                    help="offsets from multiples of C: kC, kC+d, kC-d")
@@ -461,11 +459,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault", default="none", help="fault injection: none | credit_n_minus_1")
     p.add_argument("--split-last-boundary", action="store_true",
                    help="engine.split_last_boundary: aligned chunks of a k C prompt end at N - C")
-    p.add_argument("--budget", default="b63")
     p.add_argument("--output-tokens", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ledger-root", default=os.environ.get("LEDGER_ROOT", "ledgers/data"))
-    args = p.parse_args(argv)
+    return p
+
+
+def _row_text(row: PairResult, org: str, case: str) -> str:
+    window = "" if row.window_b < 0 else f"; window B={row.window_b} p={row.window_p}"
+    return (f"{org:>3} N={row.n_tokens:>5} ({case:>4}) "
+            f"C={row.interval}: B={row.restored_prefix_b} p={row.credited_prefix_p} "
+            f"expected {row.expected_p} (lost {row.reuse_lost}); first batch "
+            f"{row.first_context}/{row.first_scheduled}; {row.bytes_h2d:,} B H2D{window}; "
+            f"tokens {'equal' if row.tokens_equal else 'DIFFER'}; "
+            f"{'ok' if row.ok else 'FAIL'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     orgs = _choices(args.orgs, ORGS, "orgs")
     cases = _choices(args.cases, ("kC", "kC+d", "kC-d"), "cases", _bad_case)
     delayed = ([] if args.delayed_save_cases.strip() == "none" else
@@ -510,13 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: org={org} case={case}: {err}", file=sys.stderr)
                 return 2
             rows.append(row)
-            window = "" if row.window_b < 0 else f"; window B={row.window_b} p={row.window_p}"
-            print(f"[{len(rows)}/{total}] {org:>3} N={row.n_tokens:>5} ({case:>4}) "
-                  f"C={row.interval}: B={row.restored_prefix_b} p={row.credited_prefix_p} "
-                  f"expected {row.expected_p} (lost {row.reuse_lost}); first batch "
-                  f"{row.first_context}/{row.first_scheduled}; {row.bytes_h2d:,} B H2D{window}; "
-                  f"tokens {'equal' if row.tokens_equal else 'DIFFER'}; "
-                  f"{'ok' if row.ok else 'FAIL'} ({time.perf_counter() - t:.1f} s)", flush=True)
+            print(f"[{len(rows)}/{total}] {_row_text(row, org, case)} "
+                  f"({time.perf_counter() - t:.1f} s)", flush=True)
     path = write_rows(args.ledger_root, rows, args.preset)
     print(f"ledger: {path}; page: python -m analysis.studies.continuation --ledgers "
           f"{args.ledger_root}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.studies import study_parser
 from experiments.studies.continuation import OFFSETS, ORGS, VOCAB, chunk_ends, parse_case
 from experiments.studies.reload_study import Server, server_spec
 from ledgers.studies import new_study_id, now_iso, rows_to_columns, write_study
@@ -143,11 +143,8 @@ def write_rows(root: str, rows: list[HttpCase], *, model: str, budget: str,
         model=model, budget=budget, seed=seed))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.continuation_http",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="models/falcon_h1_tiny")
-    p.add_argument("--preset", default="falcon_h1_tiny")
+def _parser() -> argparse.ArgumentParser:
+    p = study_parser("continuation_http", __doc__, model=True, run=True)
     p.add_argument("--orgs", default=",".join(ORGS))
     p.add_argument("--cases", default=",".join(OFFSETS), help="offsets: kC, kC+d, kC-d; none")
     p.add_argument("--output-tokens", type=int, default=64)
@@ -155,10 +152,28 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma list of {', '.join(TEMPLATES)}, all, or none")
     p.add_argument("--template-lengths", default="3583,3584,5376")
     p.add_argument("--template-output-tokens", type=int, default=256)
-    p.add_argument("--budget", default="b63")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ledger-root", default=os.environ.get("LEDGER_ROOT", "ledgers/data"))
-    args = p.parse_args(argv)
+    return p
+
+
+def _cases(args, cases: list[str], templates: list[str], lengths: list[int], C: int,
+           first: int) -> list[tuple[str, str, list[int], int]]:
+    """(case, template, prompt ids, output tokens) of one organization's server, random
+    prompts of the offset cases first; `first`: rows already run (the prompts' seed)."""
+    todo = []
+    rng = np.random.default_rng([args.seed, first])
+    for c in cases:
+        k, d = parse_case(c)
+        todo.append((c, "random", [int(t) for t in rng.integers(0, VOCAB, k * C + d)],
+                     args.output_tokens))
+    for t in templates:
+        for n in lengths:  # a new document per case: its cold run recomputes
+            todo.append((f"N={n}", t, template_ids(t, n, len(todo)),
+                         args.template_output_tokens))
+    return todo
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     orgs = [o.strip() for o in args.orgs.split(",") if o.strip()]
     cases = [] if args.cases.strip() == "none" else [
         c.strip() for c in args.cases.split(",") if c.strip()]
@@ -185,21 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="continuation-http-") as tmp, \
                 Server(spec, Path(tmp)) as srv:
             eff = srv.effective
-            C = 0
             from serving_core.memory import org_layout
 
             C = org_layout(spec.geometry(), spec.org).checkpoint_interval
-            todo = []
-            rng = np.random.default_rng([args.seed, len(rows)])
-            for c in cases:
-                k, d = parse_case(c)
-                todo.append((c, "random", [int(t) for t in rng.integers(0, VOCAB, k * C + d)],
-                             args.output_tokens))
-            for t in templates:
-                for n in lengths:  # a new document per case: its cold run recomputes
-                    todo.append((f"N={n}", t, template_ids(t, n, len(todo)),
-                                 args.template_output_tokens))
-            for case, template, prompt, out in todo:
+            for case, template, prompt, out in _cases(args, cases, templates, lengths, C,
+                                                      len(rows)):
                 row = run_case(srv, org, case, template, prompt, out, C,
                                eff["max_num_batched_tokens"], eff["align_chunks"],
                                eff["split_last_boundary"], args.seed)

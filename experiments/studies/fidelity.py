@@ -19,7 +19,6 @@ terms held at 0 (default OMIT). The last line is JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import ledgers
 from experiments.config.bad_input import EXIT_BAD_INPUT
+from experiments.studies import study_parser
 from ledgers.studies import new_study_id, now_iso, rows_to_columns, write_study
 from serving_core.executor.fit_steps import OMITTABLE, STEP_COLUMNS, fit_steps
 from serving_core.geometry import load_geometry
@@ -104,9 +104,7 @@ def fit_profile(root: Path, omit: tuple[str, ...] = OMIT) -> tuple[dict, list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.fidelity",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--ledger-root", default="ledgers/data")
+    p = study_parser("fidelity", __doc__)
     p.add_argument("--skip-real", action="store_true",
                    help="fit to the real runs already in the ledgers; run none")
     p.add_argument("--omit", default=",".join(OMIT),

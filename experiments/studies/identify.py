@@ -45,6 +45,7 @@ import numpy as np
 import yaml
 
 from experiments.studies import calibrate as cal
+from experiments.studies import study_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 SPACE_YAML = ROOT / "conf" / "calibration" / "identify.yaml"
@@ -697,19 +698,14 @@ def write_conf(summaries: list[dict], selection: dict, space: Space, search: str
 
 
 # ----- command line -------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.identify",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--ledger-root", type=Path, default=Path("ledgers/data"))
-    p.add_argument("--smoke", action="store_true",
-                   help="the smoke design, 1 seed, 40 requests, 1 iteration (campaigns *_smoke)")
+def _parser() -> argparse.ArgumentParser:
+    p = study_parser("identify", __doc__, smoke="the smoke design, 1 seed, 40 requests, "
+                     "1 iteration (campaigns *_smoke)")
     p.add_argument("--design", default=None,
                    help="comma-separated designs of the space (default: its `full` list)")
     p.add_argument("--combinations", default="",
                    help="comma-separated combination names to run (of the chosen designs)")
     p.add_argument("--jobs", type=int, default=None, help="parallel runs (default: cores)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per cell (smoke only)")
-    p.add_argument("--requests", type=int, default=None, help="requests per run (smoke only)")
     p.add_argument("--iterations", type=int, default=None, help="at most this many fits")
     p.add_argument("--list", action="store_true", help="list the combinations; run nothing")
     p.add_argument("--no-conf", action="store_true",
@@ -720,34 +716,84 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--search", default=None,
                    help="with --select-only: the search key to select over (default: the key "
                         "of this space and these settings)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _chosen(args, space: Space) -> list:
+    """The combinations the flags choose; ValueError names the bad flag."""
+    designs = (args.design.split(",") if args.design else
+               ["smoke"] if args.smoke else list(space.full))
+    combos = space.combinations(designs)
+    if args.combinations:
+        wanted = args.combinations.split(",")
+        unknown = sorted(set(wanted) - {c.name for c in combos})
+        if unknown:
+            raise ValueError(f"--combinations: unknown {', '.join(unknown)}; allowed values are "
+                             f"{', '.join(c.name for c in combos)}")
+        combos = [c for c in combos if c.name in wanted]
+    for flag in ("jobs", "seeds", "requests", "iterations"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag}={value}: allowed integers >= 1")
+    if not args.smoke and (args.seeds or args.requests):
+        raise ValueError("--seeds/--requests: allowed only with --smoke (a full search runs "
+                         "the anchors' 3 seeds and 300 requests)")
+    return combos
+
+
+def _log(msg) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _score_all(combos, space: Space, settings: Settings, search: str, study_id: str,
+               select_only: bool) -> tuple[list[dict], list[str]]:
+    """Summaries of every combination (scored now or earlier by `search`), and the names
+    --select-only left unscored."""
+    from ledgers.studies import write_study
+
+    anchors = cal.load_anchors()
+    mixed = cal.load_mixed()
+    done = scored(settings.ledger_root, search)
+    _log(f"identify: search {search}, {len(combos)} combinations ({len(done)} already scored), "
+         f"{settings.seeds} seed(s) per cell, at most {settings.max_iterations} fit iterations; "
+         f"ledgers {settings.ledger_root}")
+    summaries, unscored = [], []
+    for i, combo in enumerate(combos, 1):
+        if combo.name in done:
+            summaries.append(summary_of(done[combo.name]))
+            continue
+        if select_only:
+            unscored.append(combo.name)
+            continue
+        result = identify_one(combo, space, anchors, mixed, settings, _log)
+        cols = result_rows(result, space, anchors, search, settings, study_id)
+        write_study(settings.ledger_root, TABLE, cols)
+        s = summary_of(cols)
+        summaries.append(s)
+        _log(f"[{i}/{len(combos)}] {combo.name}: fit loss {s['fit_loss']:.3f}, check loss "
+             f"{s['check_loss']:.3f}, targets {s['targets_met']}/{s['targets']}, "
+             f"{result.iterations} fits, {result.seconds:.0f} s")
+    return summaries, unscored
+
+
+def _print_ranking(summaries: list[dict], selection: dict) -> None:
+    for s in sorted(summaries, key=lambda s: s["fit_loss"]):
+        print(f"{s['combination']:32} fit {s['fit_loss']:8.3f}  check {s['check_loss']:8.3f}  "
+              f"targets {s['targets_met']:2d}/{s['targets']}"
+              + ("  identified" if s["combination"] in selection["identified"] else ""))
+    print(f"best {selection['best']}; adopted {selection['adopted']}: {selection['reason']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.search and not args.select_only:
         print("error: --search: allowed only with --select-only", file=sys.stderr)
         return 2
     try:
         space = load_space()
-        designs = (args.design.split(",") if args.design else
-                   ["smoke"] if args.smoke else list(space.full))
-        combos = space.combinations(designs)
+        combos = _chosen(args, space)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.combinations:
-        wanted = args.combinations.split(",")
-        unknown = sorted(set(wanted) - {c.name for c in combos})
-        if unknown:
-            print(f"error: --combinations: unknown {', '.join(unknown)}; allowed values are "
-                  f"{', '.join(c.name for c in combos)}", file=sys.stderr)
-            return 2
-        combos = [c for c in combos if c.name in wanted]
-    for flag in ("jobs", "seeds", "requests", "iterations"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            print(f"error: --{flag}={value}: allowed integers >= 1", file=sys.stderr)
-            return 2
-    if not args.smoke and (args.seeds or args.requests):
-        print("error: --seeds/--requests: allowed only with --smoke (a full search runs the "
-              "anchors' 3 seeds and 300 requests)", file=sys.stderr)
         return 2
     if args.list:
         for c in combos:
@@ -760,40 +806,16 @@ def main(argv: list[str] | None = None) -> int:
         requests=(args.requests or 40) if args.smoke else None,
         max_iterations=args.iterations or (1 if args.smoke else space.fit["max_iterations"]),
         tolerance=float(space.fit["tolerance"]))
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
     from ledgers.studies import write_study
 
-    anchors = cal.load_anchors()
-    mixed = cal.load_mixed()
     search = args.search or settings.key(space)
     study_id = time.strftime("%Y%m%dT%H%M%S") + "-" + search
-    done = scored(settings.ledger_root, search)
     t0 = time.perf_counter()
-    log(f"identify: search {search}, {len(combos)} combinations ({len(done)} already scored), "
-        f"{settings.seeds} seed(s) per cell, at most {settings.max_iterations} fit iterations; "
-        f"ledgers {settings.ledger_root}")
-    summaries, unscored = [], []
-    for i, combo in enumerate(combos, 1):
-        if combo.name in done:
-            summaries.append(summary_of(done[combo.name]))
-            continue
-        if args.select_only:
-            unscored.append(combo.name)
-            continue
-        result = identify_one(combo, space, anchors, mixed, settings, log)
-        cols = result_rows(result, space, anchors, search, settings, study_id)
-        write_study(settings.ledger_root, TABLE, cols)
-        s = summary_of(cols)
-        summaries.append(s)
-        log(f"[{i}/{len(combos)}] {combo.name}: fit loss {s['fit_loss']:.3f}, check loss "
-            f"{s['check_loss']:.3f}, targets {s['targets_met']}/{s['targets']}, "
-            f"{result.iterations} fits, {result.seconds:.0f} s")
+    summaries, unscored = _score_all(combos, space, settings, search, study_id,
+                                     args.select_only)
     if unscored:
-        log(f"select-only: {len(unscored)} combination(s) of the space not scored by {search}: "
-            + ", ".join(unscored))
+        _log(f"select-only: {len(unscored)} combination(s) of the space not scored by {search}: "
+             + ", ".join(unscored))
     if not summaries:
         print(f"error: search {search}: nothing scored under {settings.ledger_root}",
               file=sys.stderr)
@@ -805,19 +827,14 @@ def main(argv: list[str] | None = None) -> int:
     seconds = sum(s["seconds"] for s in summaries)
     if not args.smoke and not args.no_conf:
         write_conf(summaries, selection, space, search, settings, seconds, unscored)
-        log(f"wrote {OUT_CSV.relative_to(ROOT)} and {OUT_IDENTIFIED.relative_to(ROOT)}")
-    for s in sorted(summaries, key=lambda s: s["fit_loss"]):
-        print(f"{s['combination']:32} fit {s['fit_loss']:8.3f}  check {s['check_loss']:8.3f}  "
-              f"targets {s['targets_met']:2d}/{s['targets']}"
-              + ("  identified" if s["combination"] in selection["identified"] else ""))
-    print(f"best {selection['best']}; adopted {selection['adopted']}: {selection['reason']}")
+        _log(f"wrote {OUT_CSV.relative_to(ROOT)} and {OUT_IDENTIFIED.relative_to(ROOT)}")
+    _print_ranking(summaries, selection)
     print(json.dumps({"search": search, "combinations": len(summaries), "best":
                       selection["best"], "adopted": selection["adopted"],
                       "identified": selection["identified"],
                       "unscored": unscored, "search_seconds": round(seconds, 1),
                       "wall_seconds": round(time.perf_counter() - t0, 1)}))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

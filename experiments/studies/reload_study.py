@@ -25,11 +25,9 @@ output line is JSON {"requests", "paths": {path: count}, "mismatches", "ledger"}
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -41,6 +39,7 @@ import numpy as np
 
 from experiments.runners.http_client import ClientRecord, stream_one
 from experiments.runners.server_process import ServerError, ServerProcess, hsl_server_command
+from experiments.studies import study_parser
 from experiments.workloads.workload import RequestSpec
 from ledgers.arms import arm
 from ledgers.studies import REQUEST_PATHS, new_study_id, now_iso, rows_to_columns, write_study
@@ -164,13 +163,7 @@ def run_pair(specs, *, pair: int, order: str, lengths: list[int], trials: int,
                 "pair": pair, "order": order, "server": position, "host_tier": tier,
                 "split_last_boundary": split, "n_tokens": n, "interval": interval,
                 "trial": trial, "document": document, "condition": condition,
-                "path": rec.path, "reused_tokens": rec.reused_tokens,
-                "restored_tokens": rec.restored_tokens, "suffix_tokens": n - rec.reused_tokens,
-                "first_batch_computed": rec.first_batch_computed,
-                "first_batch_scheduled": rec.first_batch_scheduled,
-                "ttft_s": rec.first_token_s - rec.sent_s, "e2e_s": rec.finish_s - rec.sent_s,
-                "output_tokens": len(rec.token_ids), "output_ids": json.dumps(rec.token_ids),
-                "output_matches": matches, "_server": position, "_server_id": rec.server_id,
+                **_served_fields(rec, n), "output_matches": matches, "_server": position,
             })
             log(f"pair {pair} ({order}) server {position} tier {'ON ' if tier else 'OFF'} "
                 f"N={n} trial {trial} {condition:>6}: {rec.path} B/reused={rec.reused_tokens} "
@@ -194,15 +187,32 @@ def run_pair(specs, *, pair: int, order: str, lengths: list[int], trials: int,
                                 continue
                             srv.reset_prefix_cache()
                         send(position, srv, n, trial, document, condition, output_tokens)
-    # Each server's own records (written at shutdown) must state the same paths.
-    recorded = {position: srv.recorded_paths for position, srv in servers}
+    _check_recorded_paths(rows, {position: srv.recorded_paths for position, srv in servers})
+    return rows
+
+
+def _served_fields(rec, n: int) -> dict:
+    """A row's fields from the client's record of one request of N prompt tokens."""
+    return {
+        "path": rec.path, "reused_tokens": rec.reused_tokens,
+        "restored_tokens": rec.restored_tokens, "suffix_tokens": n - rec.reused_tokens,
+        "first_batch_computed": rec.first_batch_computed,
+        "first_batch_scheduled": rec.first_batch_scheduled,
+        "ttft_s": rec.first_token_s - rec.sent_s, "e2e_s": rec.finish_s - rec.sent_s,
+        "output_tokens": len(rec.token_ids), "output_ids": json.dumps(rec.token_ids),
+        "_server_id": rec.server_id,
+    }
+
+
+def _check_recorded_paths(rows: list[dict], recorded: dict) -> None:
+    """Each server's own records (written at shutdown) must state the rows' paths; drops
+    the rows' private _server and _server_id fields."""
     for row in rows:
         rid = row.pop("_server_id").rsplit("-", 1)[-1]
         got = recorded[row.pop("_server")].get(rid, {})
         if got.get("path") != row["path"]:
             raise ServerError(f"request {rid}: path {row['path']} in its usage, "
                               f"{got.get('path')} in the server's records")
-    return rows
 
 
 def summary(rows: list[dict]) -> dict:
@@ -213,20 +223,14 @@ def summary(rows: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.studies.reload_study",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", default="models/falcon_h1_tiny")
-    p.add_argument("--preset", default="falcon_h1_tiny")
+    p = study_parser("reload_study", __doc__, model=True, run=True)
     p.add_argument("--org", default="d0")
-    p.add_argument("--budget", default="b63")
     p.add_argument("--lengths", default="3583,3584,5376")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--warmup-tokens", type=int, default=1024)
     p.add_argument("--pairs", default="off_on,on_off",
                    help="server pairs to run, in order (off_on, on_off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ledger-root", default=os.environ.get("LEDGER_ROOT", "ledgers/data"))
     args = p.parse_args(argv)
     orders = dict(ORDERS)
     pairs = [s.strip() for s in args.pairs.split(",") if s.strip()]

@@ -18,7 +18,6 @@ evaluates the families on those runs.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from experiments.studies import study_parser
 from ledgers.studies import new_study_id, now_iso, rows_to_columns, write_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,14 +177,10 @@ def run_jobs(jobs: list[Job], ledger_root: Path, progress: bool = True) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ledgers", type=Path, default=Path("ledgers/data"), help="ledger root")
+    p = study_parser("sensitivity", __doc__, smoke="smoke size: the file's smoke seeds and "
+                     "requests, *_smoke campaigns")
     p.add_argument("--alternatives", default="",
                    help="comma-separated subset of conf/sensitivity/alternatives.yaml")
-    p.add_argument("--smoke", action="store_true",
-                   help="smoke size: the file's smoke seeds and requests, *_smoke campaigns")
-    p.add_argument("--seeds", type=int, default=None, help="first N seeds of every cell")
-    p.add_argument("--requests", type=int, default=None, help="requests per run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     raw, alts = load_alternatives()
@@ -204,12 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         requests = requests or int(raw["smoke"]["requests"])
     jobs = planned_jobs([alts[n] for n in names], raw["families"], smoke=args.smoke,
                         seeds=seeds, requests=requests)
-    rows = run_jobs(jobs, args.ledgers, progress=not args.quiet)
-    path = write_study(args.ledgers, TABLE, rows_to_columns(
+    rows = run_jobs(jobs, args.ledger_root, progress=not args.quiet)
+    path = write_study(args.ledger_root, TABLE, rows_to_columns(
         TABLE, rows, study_id=new_study_id(), created_at=now_iso()))
     ran = sum(r["outcome"] == "ran" for r in rows)
     print(f"sensitivity: {len(jobs)} runs ({ran} ran, {len(rows) - ran} skipped) "
-          f"for {len(names)} alternatives into {args.ledgers}; study table {path}")
+          f"for {len(names)} alternatives into {args.ledger_root}; study table {path}")
     return 0
 
 

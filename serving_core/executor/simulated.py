@@ -58,6 +58,17 @@ def _is_int(value: Any) -> bool:
     return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
 
 
+def _long_chunks(new_tokens: Sequence[int], q: int, num_chunks: int,
+                 intra_pairs: int) -> tuple[int, int]:
+    """Chunk and intra-chunk pair counts corrected for the sequences longer than one chunk
+    of `q`: n tokens are `full` chunks of q and a remainder, s^2 pairs per chunk of s."""
+    for n in [n for n in new_tokens if n > q]:
+        full, rest = divmod(n, q)
+        num_chunks += full - (rest == 0)
+        intra_pairs += full * q * q + rest * rest - n * n
+    return num_chunks, intra_pairs
+
+
 class StepTimeModel:
     """Roofline step time of one model on one device under one memory organization.
 
@@ -257,22 +268,11 @@ class StepTimeModel:
         num_chunks = num_seqs
         intra_pairs = sum_new_sq
         if new_max > q:
-            for n in [n for n in new_tokens if n > q]:
-                full, rest = divmod(n, q)
-                num_chunks += full - (rest == 0)
-                intra_pairs += full * q * q + rest * rest - n * n
+            num_chunks, intra_pairs = _long_chunks(new_tokens, q, num_chunks, intra_pairs)
         # Causal attention within the chunk: token j of n attends to c + j + 1 keys.
         attention_pairs = sum_new_ctx + (sum_new_sq + sum_new) // 2
-        return (
-            num_seqs,
-            sum_new,
-            sum_ctx,
-            sum_new_ctx,
-            sum_new_sq,
-            num_chunks,
-            intra_pairs,
-            attention_pairs,
-        )
+        return (num_seqs, sum_new, sum_ctx, sum_new_ctx, sum_new_sq, num_chunks, intra_pairs,
+                attention_pairs)
 
     def _times(
         self, agg: tuple[int, ...], checkpoint_writes: int

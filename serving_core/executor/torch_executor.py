@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from serving_core.engine import ExecutorOutput
+from serving_core.executor.base import ExecutorOutput
 from serving_core.executor.device import host_index, synchronize
 from serving_core.executor.state_arena import StateArena
 from serving_core.model.paged_attention import decode_attention, fused_decode_attention

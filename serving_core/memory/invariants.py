@@ -70,43 +70,50 @@ def _check_pools(mem: MemoryOrganization) -> None:
             if unit in free:
                 assert owner is None, f"pool {name}: free unit {unit} still owned by {owner!r}"
                 continue
-            evictable = unit in pool.evictable
-            state = "evictable" if evictable else "used"
-            assert owner is not None, f"pool {name}: {state} unit {unit} has no owner (leaked)"
-            if isinstance(owner, StateObject):
-                assert mem.live.get(owner.oid) is owner, (
-                    f"pool {name}: {state} unit {unit} owned by dead {owner}"
-                )
-                assert owner.valid, f"pool {name}: {state} unit {unit} owned by invalid {owner}"
-                assert owner.pool == name, (
-                    f"pool {name}: unit {unit} owned by {owner} of another pool"
-                )
-                assert unit in owner.units, (
-                    f"pool {name}: unit {unit}'s owner {owner} does not list it"
-                )
-                if evictable:
-                    assert owner.ref_count == 0, (
-                        f"invariant 2: unit {unit} of referenced {owner} is in the LRU"
-                    )
-                    assert owner.cached, f"pool {name}: evictable unit {unit} of uncached {owner}"
-                else:
-                    assert owner.ref_count > 0, (
-                        f"pool {name}: unit {unit} of unreferenced {owner} "
-                        "is neither free nor evictable"
-                    )
-            else:
-                assert slabs.get(unit) is owner, (
-                    f"pool {name}: unit {unit} owned by {owner!r}, not a live object or slab"
-                )
-                if evictable:
-                    assert owner.num_referenced == 0, (
-                        f"invariant 2: slab page {unit} with {owner.num_referenced} "
-                        "referenced slots is in the LRU"
-                    )
-                else:
-                    assert owner.num_referenced > 0, (
-                        f"pool {name}: slab page {unit} has no referenced slot but is not evictable"
-                    )
+            _check_owner(mem, name, unit, owner, unit in pool.evictable, slabs)
+
+
+def _check_owner(mem: MemoryOrganization, name: str, unit: int, owner, evictable: bool,
+                 slabs: dict) -> None:
+    """Invariant 2 for one unit in use or evictable: a live, valid object of this pool
+    listing the unit (or a slab page), referenced exactly when not evictable."""
+    state = "evictable" if evictable else "used"
+    assert owner is not None, f"pool {name}: {state} unit {unit} has no owner (leaked)"
+    if isinstance(owner, StateObject):
+        assert mem.live.get(owner.oid) is owner, (
+            f"pool {name}: {state} unit {unit} owned by dead {owner}"
+        )
+        assert owner.valid, f"pool {name}: {state} unit {unit} owned by invalid {owner}"
+        assert owner.pool == name, (
+            f"pool {name}: unit {unit} owned by {owner} of another pool"
+        )
+        assert unit in owner.units, (
+            f"pool {name}: unit {unit}'s owner {owner} does not list it"
+        )
+        if evictable:
+            assert owner.ref_count == 0, (
+                f"invariant 2: unit {unit} of referenced {owner} is in the LRU"
+            )
+            assert owner.cached, f"pool {name}: evictable unit {unit} of uncached {owner}"
+        else:
+            assert owner.ref_count > 0, (
+                f"pool {name}: unit {unit} of unreferenced {owner} "
+                "is neither free nor evictable"
+            )
+    else:
+        assert slabs.get(unit) is owner, (
+            f"pool {name}: unit {unit} owned by {owner!r}, not a live object or slab"
+        )
+        if evictable:
+            assert owner.num_referenced == 0, (
+                f"invariant 2: slab page {unit} with {owner.num_referenced} "
+                "referenced slots is in the LRU"
+            )
+        else:
+            assert owner.num_referenced > 0, (
+                f"pool {name}: slab page {unit} has no referenced slot but is not evictable"
+            )
+
 
 
 def _check_slot(mem: MemoryOrganization, obj: StateObject) -> None:

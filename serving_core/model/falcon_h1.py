@@ -70,6 +70,91 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, c: int,
+                     valid: torch.Tensor | None, scale: float, gqa: bool) -> torch.Tensor:
+    """Causal attention of t new queries q (b, H, t, d) over keys and values (b, KVH, c + t,
+    d) whose first c positions are context; valid (b, c) masks context padding (None: all
+    valid). Queries go in blocks of ATTENTION_QUERY_BLOCK, each over the keys it can see.
+    Returns (b, H, t, d)."""
+    b, _, t, _ = q.shape
+    keep = None
+    if valid is not None:
+        pad = torch.ones(b, t, dtype=torch.bool, device=q.device)
+        keep = torch.cat([valid, pad], dim=1)[:, None, None, :]  # (b, 1, 1, c + t)
+    outs = []
+    for s in range(0, t, ATTENTION_QUERY_BLOCK):
+        e = min(t, s + ATTENTION_QUERY_BLOCK)
+        span = c + e
+        qpos = torch.arange(s, e, device=q.device)[:, None] + c
+        mask = (torch.arange(span, device=q.device)[None, :] <= qpos)[None, None]
+        if keep is not None:
+            mask = mask & keep[..., :span]
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, s:e], keys[:, :, :span].to(q.dtype), vals[:, :, :span].to(q.dtype),
+            attn_mask=mask, scale=scale, enable_gqa=gqa))
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+def model_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a `dtype` config value; ValueError names the allowed ones."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: allowed values are {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def scan_chunk_tokens(scan_chunk: int | None) -> int:
+    """The SSD scan's chunk: `scan_chunk`, else SCAN_CHUNK (not the checkpoint's GPU chunk)."""
+    chunk = int(scan_chunk or SCAN_CHUNK)
+    if chunk < 1:
+        raise ValueError(f"scan_chunk={scan_chunk!r}: expected an integer >= 1")
+    return chunk
+
+
+def rope_inv_freq(cfg: dict, head_dim: int, device: torch.device) -> torch.Tensor:
+    """Default RoPE inverse frequencies of a config's rope_theta."""
+    rope = cfg.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    ).to(device)
+
+
+def device_weights(weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                   mamba_layers) -> dict[str, torch.Tensor]:
+    """The weights on `device` in `dtype`, but each Mamba2 layer's SSM parameters (A_log, D,
+    dt_bias) in fp32; an absent lm_head is tied to the embedding."""
+    w = {k: v.to(device, dtype) for k, v in weights.items()}
+    for i in mamba_layers:
+        for k in ("A_log", "D", "dt_bias"):
+            name = f"model.layers.{i}.mamba.{k}"
+            w[name] = weights[name].to(device, torch.float32)
+    if "lm_head.weight" not in w:
+        w["lm_head.weight"] = w["model.embed_tokens.weight"]  # tied
+    return w
+
+
+def load_checkpoint(folder: str | Path, required: list[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's *.safetensors; ValueError when there are none or one of
+    `required` is missing."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"checkpoint={str(folder)!r}: no *.safetensors weights next to config.json"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    missing = [k for k in required if k not in weights]
+    if missing:
+        raise ValueError(
+            f"checkpoint={str(folder)!r}: weights missing {len(missing)} tensors "
+            f"(first: {missing[0]})"
+        )
+    return weights
+
+
 class FalconH1:
     """Weights and forward of a Falcon-H1 causal LM (inference only)."""
 
@@ -77,9 +162,7 @@ class FalconH1:
                  scan_chunk: int | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}: allowed values are {sorted(DTYPES)}")
-        self.dtype = DTYPES[dtype]
+        self.dtype = model_dtype(dtype)
         self.num_layers = int(cfg["num_hidden_layers"])
         self.hidden = int(cfg["hidden_size"])
         self.heads = int(cfg["num_attention_heads"])
@@ -92,9 +175,7 @@ class FalconH1:
         self.n_groups = int(cfg["mamba_n_groups"])
         self.d_conv = int(cfg["mamba_d_conv"])
         self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state
-        self.chunk = int(scan_chunk or SCAN_CHUNK)  # not the checkpoint's GPU-kernel chunk
-        if self.chunk < 1:
-            raise ValueError(f"scan_chunk={scan_chunk!r}: expected an integer >= 1")
+        self.chunk = scan_chunk_tokens(scan_chunk)
         self.eps = float(cfg.get("rms_norm_eps", 1e-5))
         self.rms_gated = bool(cfg.get("mamba_rms_norm", False))
         self.norm_before_gate = bool(cfg.get("mamba_norm_before_gate", True))
@@ -108,19 +189,10 @@ class FalconH1:
         }
         self.mlp_mult = [float(v) for v in (cfg.get("mlp_multipliers") or [1.0, 1.0])]
         rope = cfg.get("rope_parameters") or {}
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"rope_type={rope.get('rope_type')!r}: only 'default' is supported")
-        self.inv_freq = 1.0 / (
-            theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim)
-        ).to(self.device)
-        self.w = {k: v.to(self.device, self.dtype) for k, v in weights.items()}
-        for k in ("A_log", "D", "dt_bias"):  # SSM parameters stay fp32
-            for i in range(self.num_layers):
-                name = f"model.layers.{i}.mamba.{k}"
-                self.w[name] = weights[name].to(self.device, torch.float32)
-        if "lm_head.weight" not in self.w:
-            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]  # tied
+        self.inv_freq = rope_inv_freq(cfg, self.head_dim, self.device)
+        self.w = device_weights(weights, self.device, self.dtype, range(self.num_layers))
         self.mup = self._mup_vector().to(self.device, self.dtype)
         self.A = [
             -torch.exp(self.w[f"model.layers.{i}.mamba.A_log"]) for i in range(self.num_layers)
@@ -137,23 +209,8 @@ class FalconH1:
     def load(cls, folder: str | Path, device="cpu", dtype="float32",
              scan_chunk: int | None = None) -> FalconH1:
         """Load a Hugging Face-format folder (config.json + *.safetensors)."""
-        from safetensors.torch import load_file
-
         cfg = read_config(folder)
-        files = sorted(Path(folder).glob("*.safetensors"))
-        if not files:
-            raise ValueError(
-                f"checkpoint={str(folder)!r}: no *.safetensors weights next to config.json"
-            )
-        weights: dict[str, torch.Tensor] = {}
-        for f in files:
-            weights.update(load_file(str(f)))
-        missing = [k for k in cls.required_weights(cfg) if k not in weights]
-        if missing:
-            raise ValueError(
-                f"checkpoint={str(folder)!r}: weights missing {len(missing)} tensors "
-                f"(first: {missing[0]})"
-            )
+        weights = load_checkpoint(folder, cls.required_weights(cfg))
         return cls(cfg, weights, device, dtype, scan_chunk)
 
     @staticmethod
@@ -241,22 +298,7 @@ class FalconH1:
         vals = vals.transpose(1, 2)
         q = q.transpose(1, 2)  # (b, H, t, d)
         scale = self.head_dim ** -0.5
-        keep = None
-        if valid is not None:
-            pad = torch.ones(b, t, dtype=torch.bool, device=x.device)
-            keep = torch.cat([valid, pad], dim=1)[:, None, None, :]  # (b, 1, 1, c + t)
-        outs = []
-        for s in range(0, t, ATTENTION_QUERY_BLOCK):
-            e = min(t, s + ATTENTION_QUERY_BLOCK)
-            span = c + e
-            qpos = torch.arange(s, e, device=x.device)[:, None] + c
-            mask = (torch.arange(span, device=x.device)[None, :] <= qpos)[None, None]
-            if keep is not None:
-                mask = mask & keep[..., :span]
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, s:e], keys[:, :, :span].to(q.dtype), vals[:, :, :span].to(q.dtype),
-                attn_mask=mask, scale=scale, enable_gqa=self.heads != self.kv_heads))
-        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (b, H, t, d)
+        out = causal_attention(q, keys, vals, c, valid, scale, self.heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self._lin(out, p + "o_proj")
 

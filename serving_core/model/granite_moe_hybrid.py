@@ -29,13 +29,16 @@ import torch.nn.functional as F
 from serving_core.model import mamba
 from serving_core.model.config import read_config
 from serving_core.model.falcon_h1 import (
-    ATTENTION_QUERY_BLOCK,
-    DTYPES,
-    SCAN_CHUNK,
     StateIO,
     _json_float,
+    causal_attention,
+    device_weights,
+    load_checkpoint,
+    model_dtype,
     rms_norm,
+    rope_inv_freq,
     rotate_half,
+    scan_chunk_tokens,
 )
 
 MAMBA, ATTENTION = "linear_attention", "full_attention"
@@ -48,9 +51,7 @@ class GraniteMoeHybrid:
                  scan_chunk: int | None = None):
         self.cfg = cfg
         self.device = torch.device(device)
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}: allowed values are {sorted(DTYPES)}")
-        self.dtype = DTYPES[dtype]
+        self.dtype = model_dtype(dtype)
         self.num_layers = int(cfg["num_hidden_layers"])
         self.layer_types = [str(t) for t in cfg["layer_types"]]
         unknown = sorted(set(self.layer_types) - {MAMBA, ATTENTION})
@@ -87,9 +88,7 @@ class GraniteMoeHybrid:
         self.m_heads = self.members * self.layer_heads
         self.top_k = int(cfg["num_experts_per_tok"])
         self.num_experts = int(cfg["num_local_experts"])
-        self.chunk = int(scan_chunk or SCAN_CHUNK)
-        if self.chunk < 1:
-            raise ValueError(f"scan_chunk={scan_chunk!r}: expected an integer >= 1")
+        self.chunk = scan_chunk_tokens(scan_chunk)
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))
         limit = cfg.get("time_step_limit") or (0.0, float("inf"))
         self.dt_limit = (_json_float(limit[0]), _json_float(limit[1]))
@@ -99,18 +98,9 @@ class GraniteMoeHybrid:
         self.logits_scaling = float(cfg.get("logits_scaling", 1.0))
         self.rope = cfg.get("position_embedding_type") == "rope"
         if self.rope:
-            rope = cfg.get("rope_parameters") or {}
-            theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-            self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float)
-                                             / self.head_dim)).to(self.device)
-        self.w = {k: v.to(self.device, self.dtype) for k, v in weights.items()}
-        for i, t in enumerate(self.layer_types):  # SSM parameters stay fp32
-            if t == MAMBA:
-                for k in ("A_log", "D", "dt_bias"):
-                    name = f"model.layers.{i}.mamba.{k}"
-                    self.w[name] = weights[name].to(self.device, torch.float32)
-        if "lm_head.weight" not in self.w:
-            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]  # tied
+            self.inv_freq = rope_inv_freq(cfg, self.head_dim, self.device)
+        self.w = device_weights(weights, self.device, self.dtype,
+                                [i for i, t in enumerate(self.layer_types) if t == MAMBA])
         self.A = {i: -torch.exp(self.w[f"model.layers.{i}.mamba.A_log"])
                   for i, t in enumerate(self.layer_types) if t == MAMBA}
 
@@ -118,20 +108,8 @@ class GraniteMoeHybrid:
     def load(cls, folder: str | Path, device="cpu", dtype="float32",
              scan_chunk: int | None = None) -> GraniteMoeHybrid:
         """Load a Hugging Face-format folder (config.json + *.safetensors)."""
-        from safetensors.torch import load_file
-
         cfg = read_config(folder, "granitemoehybrid")
-        files = sorted(Path(folder).glob("*.safetensors"))
-        if not files:
-            raise ValueError(
-                f"checkpoint={str(folder)!r}: no *.safetensors weights next to config.json")
-        weights: dict[str, torch.Tensor] = {}
-        for f in files:
-            weights.update(load_file(str(f)))
-        missing = [k for k in cls.required_weights(cfg) if k not in weights]
-        if missing:
-            raise ValueError(f"checkpoint={str(folder)!r}: weights missing {len(missing)} "
-                             f"tensors (first: {missing[0]})")
+        weights = load_checkpoint(folder, cls.required_weights(cfg))
         return cls(cfg, weights, device, dtype, scan_chunk)
 
     @staticmethod
@@ -235,22 +213,7 @@ class GraniteMoeHybrid:
         keys = (torch.cat([k_ctx.to(k.dtype), k], dim=1) if c else k).transpose(1, 2)
         vals = (torch.cat([v_ctx.to(v.dtype), v], dim=1) if c else v).transpose(1, 2)
         q = q.transpose(1, 2)  # (b, H, t, d)
-        keep = None
-        if valid is not None:
-            pad = torch.ones(b, t, dtype=torch.bool, device=x.device)
-            keep = torch.cat([valid, pad], dim=1)[:, None, None, :]
-        outs = []
-        for s in range(0, t, ATTENTION_QUERY_BLOCK):
-            e = min(t, s + ATTENTION_QUERY_BLOCK)
-            span = c + e
-            qpos = torch.arange(s, e, device=x.device)[:, None] + c
-            mask = (torch.arange(span, device=x.device)[None, :] <= qpos)[None, None]
-            if keep is not None:
-                mask = mask & keep[..., :span]
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, s:e], keys[:, :, :span].to(q.dtype), vals[:, :, :span].to(q.dtype),
-                attn_mask=mask, scale=scale, enable_gqa=self.heads != self.kv_heads))
-        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        out = causal_attention(q, keys, vals, c, valid, scale, self.heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self._lin(out, p + "o_proj")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from experiments.config.spec import engine_spec, executor_path
+from experiments.runners.spec import engine_spec, executor_path
 from ledgers.arms import Arm, arm
 from serving_core.engine_spec import EngineSpec
 from serving_core.geometry import Geometry, geometry_from_config
@@ -23,7 +23,7 @@ from serving_core.planner import BudgetPlan, plan_budget, units_for
 @dataclass(frozen=True)
 class RunPlan:
     arm: Arm  # ledgers.arms row of `org=`
-    path: str  # how the cell is served (experiments.config.spec.executor_path)
+    path: str  # how the cell is served (experiments.runners.spec.executor_path)
     geometry: Geometry
     budget: BudgetPlan  # the planner's plan of `budget=` under the geometry
     spec: EngineSpec  # the engine the run builds (pool units: the budget's for the arm)
