@@ -175,10 +175,13 @@ def test_marconi_is_refused_with_jenga(falcon):
 NUM_OPS = 100_000
 
 
-@pytest.mark.parametrize("name", ["JENGA-falcon-dense",
-                                  pytest.param("JENGA-granite", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~25 CPU s each
+@pytest.mark.parametrize("name", ["JENGA-falcon-dense", "JENGA-granite"])
 def test_invariants_over_100k_random_operations(name):
-    """Full check_invariants (with Jenga's own check) after every one of 10^5 operations."""
+    """Full check_invariants (with Jenga's own check) after every one of 10^5 operations.
+    In the default suite: the same check after every one of 10^4 operations on the same
+    configurations and JENGA-falcon, with the same exercised-states floor
+    (tests/test_memory_invariants.py::test_random_operations_keep_all_invariants[JENGA-*])."""
     mem, recorder, driver = new_run(CONFIG[name], seed=29)
     run(driver, NUM_OPS, lambda: check_invariants(mem))
     assert_exercised(CONFIG[name], driver, recorder)

@@ -61,13 +61,31 @@ def test_winners_name_ties_and_the_runner_up():
     assert page.winners(flat, [])["decision"].iloc[0] == "all organizations tie"
 
 
-def test_make_campaign_models_smoke_and_its_page(tmp_path):
-    root = tmp_path / "ledgers"
-    proc = subprocess.run(["make", "--no-print-directory", "campaign", "C=models", "SMOKE=1",
-                           f"LEDGER_ROOT={root}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    con = ledgers.connect(root)
+def test_smoke_campaign_plans_exactly_the_smoke_families_cells():
+    """`make campaign C=models SMOKE=1` plans 144 runs under models_smoke, and they are the
+    runs the plan's smoke families need (each family accepted, every run used)."""
+    from test_campaign_plans import frame
+
+    from analysis.inference.families import smoke_plan
+    from experiments.campaigns import campaign as camp
+
+    runs = camp.plan_campaign(["campaign=models", "hydra.sweeper.smoke=true",
+                               "ledger_root=/nonexistent/ledgers"])[1]
+    assert len(runs) == 6 * 2 * 4 * 3  # models x budgets x organizations x smoke seeds
+    assert {r.key.campaign for r in runs} == {"models_smoke"}
+    assert all(r.cfg.workload.num_requests == CAMPAIGN["hydra"]["sweeper"]["smoke_requests"]
+               for r in runs)
+    plan = smoke_plan(prereg.load_plan("models"), {"models_smoke"})
+    assert [f.name for f in plan.families] == [f"{m} (smoke)" for m in BLOCKS]
+    used: set[str] = set()
+    for fam in plan.families:
+        check = prereg.check_family(plan, fam, frame(runs))
+        assert check.accepted, (fam.name, check.reasons()[:3])
+        used |= set(check.runs.run_id)
+    assert used == {r.key.run_id for r in runs}
+
+
+def _page_assertions(con) -> None:
     n = con.execute("SELECT count(*) FROM runs WHERE campaign = 'models_smoke' "
                     "AND status = 'complete'").fetchone()[0]
     assert n == 6 * 2 * 4 * 3  # models x budgets x organizations x smoke seeds
@@ -81,3 +99,27 @@ def test_make_campaign_models_smoke_and_its_page(tmp_path):
     assert decided["p_exact"].notna().all()
     assert decided["family"].str.contains("(", regex=False).all()
     assert "extrapolated" in result.markdown()
+
+
+def test_smoke_ledger_of_every_cell_and_its_page(tmp_path):
+    """Every smoke cell of the plan run in process (run_cell, written as experiments.run
+    writes a run: tests/analysis_ledgers.py) on a short synthetic workload: the page names a
+    winner per model and budget from the plan's smoke families."""
+    from analysis_ledgers import Part, build
+
+    build(tmp_path, tuple(Part("models", name, "smoke") for name in BLOCKS))
+    _page_assertions(ledgers.connect(tmp_path))
+
+
+@pytest.mark.slow  # 144 forked runs, ~100 CPU s
+def test_make_campaign_models_smoke_and_its_page(tmp_path):
+    """The whole `make campaign C=models SMOKE=1`. In the default suite: the campaign's smoke
+    plan against the families (test_smoke_campaign_plans_exactly_the_smoke_families_cells), the
+    page on an in-process ledger of every smoke cell (test_smoke_ledger_of_every_cell_and_its_page),
+    and `make campaign SMOKE=1` end to end (tests/test_arms_campaign.py)."""
+    root = tmp_path / "ledgers"
+    proc = subprocess.run(["make", "--no-print-directory", "campaign", "C=models", "SMOKE=1",
+                           f"LEDGER_ROOT={root}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _page_assertions(ledgers.connect(root))
