@@ -15,9 +15,9 @@ from omegaconf import open_dict
 
 from experiments.runners.spec import engine_spec
 from serving_core.builder import build_engine, preflight
+from serving_core.engine_spec import RULE_SECTIONS
 from serving_core.executor.base import EXECUTOR_RULE_KEYS, Executor
 from serving_core.records import run_summary
-from serving_core.scheduler import SchedulerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 CORE = REPO / "serving_core"
@@ -134,10 +134,15 @@ def test_a_config_without_the_optional_engine_keys_gets_scheduler_config_default
     with open_dict(cfg):
         for key in optional:
             del cfg.engine[key]
-    got = engine_spec(cfg).scheduler
-    defaults = {f.name: f.default for f in fields(SchedulerConfig)}
-    assert {k: getattr(got, k) for k in optional} == {k: defaults[k] for k in optional}
-    assert engine_spec(compose_config()).scheduler == got  # the config's values are these
+    got = engine_spec(cfg)
+    # each rule's declared default, from the dataclass of the layer that owns it
+    defaults = {f.name: getattr(cls(), f.name)
+                for cls in RULE_SECTIONS.values() for f in fields(cls)}
+    owner = {f.name: section for section, cls in RULE_SECTIONS.items() for f in fields(cls)}
+    values = {k: getattr(getattr(got, owner[k]), k) for k in optional}
+    assert values == {k: defaults[k] for k in optional}
+    full = engine_spec(compose_config())  # the config's values are these
+    assert (full.scheduler, full.allocator) == (got.scheduler, got.allocator)
 
 
 # ----- one run-summary builder ----------------------------------------------------------------

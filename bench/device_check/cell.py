@@ -24,11 +24,11 @@ from dataclasses import asdict
 
 import numpy as np
 
-from bench.device_check.exactness import Spec
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import serve
 from serving_core.engine_spec import EngineSpec
 from serving_core.geometry import Geometry
+from serving_core.server.runtime import ServedSpec as Spec
 
 METRICS = ("throughput_ledger", "throughput_span", "c_once_tokens", "ttft_p50", "ttft_p99",
            "e2e_p99", "completed", "output_tokens", "preemptions", "engine_steps",

@@ -53,6 +53,10 @@ class _Request:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def num_prompt(self) -> int:  # every token is prompt here: no request asks for logprobs
+        return len(self.tokens)
+
     def token_ids(self, start: int, end: int) -> list:
         return self.tokens[start:end]
 
