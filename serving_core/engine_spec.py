@@ -253,7 +253,8 @@ def rule_differences(requested: Mapping[str, Any], effective: Mapping[str, Any])
     for key, want in requested.items():
         got = effective.get(key, "<absent>")
         if got != want:
-            out.append(f"{key} requested {_show(want)}, effective {_show(got)}")
+            shown = rules.show_value
+            out.append(f"{key} requested {shown(want)}, effective {shown(got)}")
     return out
 
 
@@ -262,14 +263,6 @@ def check_effective(requested: Mapping[str, Any], effective: Mapping[str, Any]) 
     diffs = rule_differences(requested, effective)
     if diffs:
         raise ValueError("engine rules differ from the request: " + "; ".join(diffs))
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def rule_sections(**flat: Any) -> dict[str, Any]:
@@ -299,7 +292,8 @@ def rules_table() -> str:
     for section, f in rule_declarations():
         r = rules.declared(f)
         allowed = r.allowed_text().removeprefix("values are ")
-        lines.append(f"| `{rules.hydra_key(f)}` | `{_show(rules.default_of(f))}` | {allowed} "
+        default = rules.show_value(rules.default_of(f))
+        lines.append(f"| `{rules.hydra_key(f)}` | `{default}` | {allowed} "
                      f"| {layer.get(section, section)} | {r.doc} |")
     return "\n".join(lines) + "\n"
 

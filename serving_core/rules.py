@@ -47,7 +47,7 @@ class Rule:
 
     def allowed_text(self) -> str:
         if self.allowed is not None:
-            return "values are " + ", ".join(_show(a) for a in self.allowed)
+            return "values are " + ", ".join(show_value(a) for a in self.allowed)
         return self.shown
 
 
@@ -135,7 +135,8 @@ def is_number(value: Any) -> bool:
             and math.isfinite(value))
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
+    """A rule value as the config spells it (null, true, false, or its text)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
