@@ -25,6 +25,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config.bad_input import CampaignError
+from serving_core.rules import show_value
 
 ORDERS = ("product", "seed_major", "balanced")
 SMOKE_SUFFIX = "_smoke"
@@ -109,14 +110,6 @@ class Job:
     overrides: tuple[str, ...]
 
 
-def _scalar_text(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
 def _parse(parser: OverridesParser, lines: Sequence[str], where: str) -> list[Override]:
     try:
         return parser.parse_overrides(list(lines))
@@ -164,10 +157,10 @@ def expand_jobs(spec: CampaignSpec, arguments: Sequence[str], campaign_name: str
         if spec.smoke:
             smoke = [f"workload.num_requests={spec.smoke_requests}"]
             _merge_axes(axes, _parse(parser, smoke, "hydra.sweeper.smoke"), "smoke")
-        params = [f"{k}={_scalar_text(v)}" for k, v in spec.params.items()]
+        params = [f"{k}={show_value(v)}" for k, v in spec.params.items()]
         _merge_axes(axes, _parse(parser, params, "hydra.sweeper.params"), "hydra.sweeper.params")
         where = f"hydra.sweeper.blocks.{name}"
-        own = [f"{k}={_scalar_text(v)}" for k, v in block.items()]
+        own = [f"{k}={show_value(v)}" for k, v in block.items()]
         _merge_axes(axes, _parse(parser, own, where), where)
         _merge_axes(axes, command_line, "command line")
         if spec.smoke:

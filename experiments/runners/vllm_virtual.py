@@ -23,15 +23,14 @@ import os
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from experiments.runners.vllm_arm import DEFAULT_PYTHON, PYTHON_ENV, REPO, VllmServed
+from experiments.runners.vllm_arm import VLLM_ORG as VIRTUAL_ORG  # vLLM's organization
+
 VIRTUAL_KIND = "vllm_virtual"
-VIRTUAL_ORG = "n0"
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-PYTHON_ENV = "HSL_VLLM_PYTHON"
 BLOCK_RETENTION = "block"
 PLATFORMS = ("gpu", "cpu")
 CACHE_MODES = ("align", "none")  # vLLM 0.32's MambaCacheMode values
@@ -231,17 +230,6 @@ def run_worker(python: str, init: dict, price, on_ready=None) -> tuple[dict, dic
     raise WorkerError(f"vLLM virtual worker exited with code {proc.returncode}: {tail}")
 
 
-@dataclass
-class VirtualServed:
-    """Tables, summary, units and effective settings of one vllm_virtual run."""
-
-    tables: dict
-    summary: dict
-    units: dict
-    engine_config: dict = field(default_factory=dict)
-    memory: object = None
-
-
 def crossings(new, ctx, block: int) -> int:
     """Block boundaries the step's chunks cross (the composites align mode writes)."""
     return sum((c + n) // block - c // block for n, c in zip(new, ctx, strict=True))
@@ -305,7 +293,7 @@ def _summary(done: dict, wall: float) -> dict:
 
 
 def serve_on_vllm_virtual(vcfg: VirtualExecutorConfig, geometry, specs, *, budget: str,
-                          cap: int, max_num_batched_tokens: int) -> VirtualServed:
+                          cap: int, max_num_batched_tokens: int) -> VllmServed:
     """The workload through vLLM's scheduler on a virtual clock; the run's tables."""
     from serving_core.executor.profiles import load_device_profile
     from serving_core.executor.simulated import build_step_model
@@ -339,10 +327,10 @@ def serve_on_vllm_virtual(vcfg: VirtualExecutorConfig, geometry, specs, *, budge
         "cap": int(cap),
     }
     usable = int(settings["num_blocks"]) - 1  # less vLLM's null block, as N0's units
-    return VirtualServed(tables, _summary(done, wall), {"shared": usable}, engine_config)
+    return VllmServed(tables, _summary(done, wall), {"shared": usable}, engine_config)
 
 
-def run_cell_on_vllm_virtual(cfg, geometry, sched_cfg, specs) -> VirtualServed:
+def run_cell_on_vllm_virtual(cfg, geometry, sched_cfg, specs) -> VllmServed:
     """executor=vllm_virtual: the cell's workload through vLLM's scheduler at the cell's
     budget, cap and token budget."""
     vcfg = virtual_executor_config(cfg.executor)

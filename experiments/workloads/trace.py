@@ -72,8 +72,8 @@ class Trace:
 
 def trace_path(name: str) -> Path:
     """The file of a vendored trace name or a path; ValueError names the field."""
-    path = TRACES.get(name, Path(str(name)).expanduser())
-    if not path.is_file():
+    path = TRACES.get(name, Path(str(name)).expanduser()) if isinstance(name, str) else None
+    if not name or path is None or not path.is_file():
         raise ValueError(
             f"workload.trace_file={name!r}: allowed values are {', '.join(TRACES)} "
             "or the path of a JSONL trace file"
