@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from serving_core.engine_spec import EngineSpec
@@ -348,21 +348,38 @@ class Engine:
 
 
 def serve(engine: Engine, specs, max_steps: int | None = None) -> EngineResult:
-    """Plan every spec at its arrival time and step until all have finished."""
+    """Plan every spec at its arrival time and step until all have finished. A spec with
+    `after` >= 0 (a session's later turn) is planned when request `after` finishes, at the
+    engine's clock then plus its `think_s` (its own arrival_s is not used)."""
     if not specs:
         raise ValueError("workload.num_requests must be >= 1")
     engine.check_feasible(specs)
+    dependents: dict[int, list] = {}
     for spec in specs:
-        engine.add_request(spec)
+        after = getattr(spec, "after", -1)
+        if after >= 0:
+            dependents.setdefault(after, []).append(spec)
+        else:
+            engine.add_request(spec)
     n = len(specs)
     limit = max_steps or 20 * sum(len(s.prompt) + int(s.output_tokens) for s in specs) + 1000
     while engine.num_finished < n:
-        engine.step()
+        outcome = engine.step()
+        if dependents and outcome is not None:
+            _release_dependents(engine, dependents, outcome.finished)
         if engine.sched.step > limit:
             raise RuntimeError(
                 f"no progress after {engine.sched.step} steps: {engine.num_finished}/{n} finished"
             )
     return engine.result()
+
+
+def _release_dependents(engine: Engine, dependents: dict[int, list], finished) -> None:
+    """Plan the turns waiting on the requests that just finished (their finish is now)."""
+    now = engine.clock.now()
+    for rid in finished:
+        for spec in dependents.pop(rid, ()):
+            engine.add_request(replace(spec, arrival_s=now + float(spec.think_s)))
 
 
 def engine_summary(requests: list[Request], sched: Scheduler, clock: float,

@@ -18,7 +18,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.config.spec import SIMULATED, VLLM, VLLM_VIRTUAL, engine_spec, executor_path
+from experiments.config.spec import (
+    SIMULATED,
+    TORCH_INPROC,
+    VLLM,
+    VLLM_VIRTUAL,
+    engine_spec,
+    executor_path,
+)
 from experiments.runners.run_plan import RunPlan
 from experiments.workloads.workload import normalize_load_config, normalize_workload_config
 from ledgers.arms import arm as arm_row
@@ -69,15 +76,23 @@ def _prefixed(section: str, build, *args):
         raise ValueError(f"{section}: {err}") from err
 
 
-def _check_trace_vocab(workload: dict, model, geometry) -> None:
-    """A trace workload's token ids must lie in the model's vocabulary (where it states one)."""
-    if workload["source"] != "trace":
+def _check_trace_vocab(workload: dict, model, geometry, path: str) -> None:
+    """A trace or sessions workload's token ids must lie in the model's vocabulary (where it
+    states one); sessions (turns that wait on earlier turns) run only in an engine's own
+    loop (serving_core.engine.serve)."""
+    source = workload["source"]
+    if source == "sessions" and path not in (SIMULATED, TORCH_INPROC):
+        raise ValueError(f"workload.source=sessions: allowed only with executor=a100 (or "
+                         f"another simulated profile) or executor=torch_inproc; the {path} "
+                         "path has no turn dependencies")
+    key = {"trace": "trace_vocab_size", "sessions": "session_vocab_size"}.get(source)
+    if key is None:
         return
     stated = [geometry.vocab_size, *(model.get(section, {}).get("vocab_size", 0)
                                     for section in ("architecture", "count_fields"))]
     vocab = next((int(v) for v in stated if v), 0)
-    if vocab and workload["trace_vocab_size"] > vocab:
-        raise ValueError(f"workload.trace_vocab_size={workload['trace_vocab_size']}: allowed "
+    if vocab and workload[key] > vocab:
+        raise ValueError(f"workload.{key}={workload[key]}: allowed "
                          f"integers <= {vocab}, the vocabulary of model={model.name}")
 
 
@@ -152,7 +167,7 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True,
         from serving_core.builder import preflight as check_engine
 
         check_engine(plan.spec)  # the engine would run the requested rules, or it is refused
-    _check_trace_vocab(normalize_workload_config(cfg.workload), cfg.model, geometry)
+    _check_trace_vocab(normalize_workload_config(cfg.workload), cfg.model, geometry, path)
     for key in ("rate", "on_s"):  # rate=inf would put every arrival at t = 0
         if key in cfg.load:
             _positive_finite(cfg.load[key], f"load.{key}")

@@ -54,9 +54,9 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.workloads import sharegpt, trace
+from experiments.workloads import sessions, sharegpt, trace
 
-SOURCES = ("sharegpt", "synthetic", "trace")
+SOURCES = ("sharegpt", "synthetic", "trace", "sessions")
 REUSE_MODES = ("share", "isolate")
 OUTPUT_RULES = ("tokenizer_ratio", "raw")
 ARRIVALS = ("poisson", "onoff")
@@ -90,6 +90,10 @@ TRACE_DEFAULTS = {
     "trace_block_tokens": 512,  # tokens one 512-token hash block becomes (trace.py)
     "trace_vocab_size": 32000,  # token ids in [100, vocab); <= the model's vocabulary
 }
+# source=sessions only (conf/workload/sessions.yaml, agentic.yaml): experiments/workloads/sessions.py
+SESSION_DEFAULTS = sessions.SESSION_DEFAULTS
+# each source's own fields, allowed only with it
+SOURCE_FIELDS = {"trace": TRACE_DEFAULTS, "sessions": SESSION_DEFAULTS}
 LOAD_DEFAULTS = {"rate": 3.0, "arrival": "poisson", "on_s": 5.0, "off_s": 15.0}
 
 _STREAM_CONVERSATIONS = 1
@@ -114,6 +118,9 @@ class RequestSpec:
     output_tokens: int  # exact tokens to generate (EOS ignored), >= 1
     context_id: int  # 0..num_contexts-1 for a shared context, -1 for a unique context
     salt: str  # "" under SHARE; a stable unique per-request salt under ISOLATE
+    # sessions: arrives think_s after request `after` finished (arrival_s unused); -1: none
+    after: int = -1
+    think_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -141,15 +148,16 @@ class _Material:
 
 def normalize_workload_config(cfg) -> dict:
     """Defaults filled in, every field validated; raises ValueError naming the field."""
-    out = _merge(cfg, {**WORKLOAD_DEFAULTS, **TRACE_DEFAULTS}, "workload")
+    out = _merge(cfg, {**WORKLOAD_DEFAULTS, **TRACE_DEFAULTS, **SESSION_DEFAULTS}, "workload")
     out["source"] = _choice(out["source"], SOURCES, "workload.source")
-    trace_cfg = {key: out.pop(key) for key in TRACE_DEFAULTS}
-    if out["source"] == "trace":
-        out.update(_trace_fields(trace_cfg))
-    else:
-        given = [key for key in TRACE_DEFAULTS if cfg is not None and key in cfg]
+    for source, fields in SOURCE_FIELDS.items():
+        own = {key: out.pop(key) for key in fields}
+        if out["source"] == source:
+            out.update(_trace_fields(own) if source == "trace" else _session_fields(own))
+            continue
+        given = [key for key in fields if cfg is not None and key in cfg]
         if given:
-            raise ValueError(f"workload.{given[0]}: allowed only with workload.source=trace")
+            raise ValueError(f"workload.{given[0]}: allowed only with workload.source={source}")
     out["reuse"] = _choice(out["reuse"], REUSE_MODES, "workload.reuse")
     if out["tokenizer"] not in sharegpt.TOKENIZERS:
         raise ValueError(
@@ -268,6 +276,22 @@ def _trace_fields(cfg: dict) -> dict:
     return out
 
 
+def _session_fields(cfg: dict) -> dict:
+    out = {"session_lengths": _choice(cfg["session_lengths"], sessions.LENGTHS,
+                                      "workload.session_lengths")}
+    for key in ("session_mean_turns", "session_think_s"):
+        low = 1.0 if key == "session_mean_turns" else 0.0
+        out[key] = _finite(_number(cfg[key], f"workload.{key}", low), f"workload.{key}")
+    for key, low in (("session_system_tokens", 0), ("session_max_turns", 1),
+                     ("session_user_tokens", 1), ("session_output_tokens", 1),
+                     ("session_max_tokens", 2), ("session_vocab_size", 1000)):
+        out[key] = _integer(cfg[key], f"workload.{key}", low=low)
+    if out["session_system_tokens"] + 2 > out["session_max_tokens"]:
+        raise ValueError(f"workload.session_system_tokens={out['session_system_tokens']}: "
+                         f"allowed <= session_max_tokens - 2 = {out['session_max_tokens'] - 2}")
+    return out
+
+
 def _finite(value: float, field: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{field}={value!r}: allowed finite numbers > 0")
@@ -305,6 +329,8 @@ def build_workload(
     seed = _seed(seed)
     if wcfg["source"] == "trace":
         return _trace_workload(wcfg, lcfg, seed)
+    if wcfg["source"] == "sessions":
+        return _session_workload(wcfg, lcfg, seed, Path(cache_dir or default_cache_dir()))
     n = wcfg["num_requests"]
     if wcfg["source"] == "sharegpt":
         pool = sharegpt.load_pool(wcfg["tokenizer"], Path(cache_dir or default_cache_dir()))
@@ -576,30 +602,74 @@ def _trace_workload(wcfg: dict, lcfg: dict, seed: int) -> Workload:
         )
         for i, line in enumerate(lines)
     )
-    prompt_total = sum(len(r.prompt) for r in requests)
     span = float(arrivals[-1])
     meta = {
-        **_length_stats(requests),
         "tokenizer": {"name": "trace-hash-blocks", "n_vocab": vocab},
         "trace": {"file": data.name, "sha256": data.sha256, "requests_in_file": len(data),
                   "first_line": lines.start + 1, "last_line": lines.stop,
                   "block_tokens": block, "speed": wcfg["trace_speed"]},
+        "arrival": "trace",
+        "rate": (len(requests) - 1) / span if span > 0 else 0.0,
+        "arrival_span_s": span,
+    }
+    return _bounded_workload(requests, bound, meta, (wcfg, lcfg, seed))
+
+
+def _bounded_workload(requests: tuple, bound: tuple, meta: dict, config: tuple) -> Workload:
+    """A workload that records each request's bound (trace, sessions), with its meta."""
+    wcfg, lcfg, seed = config
+    meta = {
+        **_length_stats(requests),
+        **meta,
         "reusable_prefix_tokens": int(sum(bound)),
-        "reusable_fraction": sum(bound) / prompt_total,
+        "reusable_fraction": sum(bound) / sum(len(r.prompt) for r in requests),
         "config_hash": workload_config_hash(wcfg, lcfg, seed),
-        "source": "trace",
+        "source": wcfg["source"],
         "q": wcfg["q"],
         "reuse": wcfg["reuse"],
         "seed": seed,
         "num_requests": len(requests),
         "num_shared": -1,
-        "arrival": "trace",
-        "rate": (len(requests) - 1) / span if span > 0 else 0.0,
-        "arrival_span_s": span,
         "workload": wcfg,
         "load": lcfg,
     }
-    return Workload(requests, meta, reusable_prefix=bound)
+    return Workload(requests, meta, reusable_prefix=tuple(bound))
+
+
+# ---------------------------------------------------------------- sessions
+
+
+def _session_workload(wcfg: dict, lcfg: dict, seed: int, cache_dir: Path) -> Workload:
+    """Multi-turn sessions (experiments/workloads/sessions.py): a session's first turn at
+    the load's arrivals (sessions per second), each later turn after the previous one."""
+    turns = sessions.draw_turns(wcfg, seed, cache_dir)
+    count = turns[-1].session + 1
+    starts = arrival_times(lcfg, count, seed)
+    prompts, bound = sessions.prompts(turns, wcfg["session_system_tokens"],
+                                      wcfg["session_vocab_size"])
+    requests = tuple(
+        RequestSpec(
+            request_id=i,
+            arrival_s=float(starts[t.session]),
+            prompt=prompts[i],
+            output_tokens=t.output_tokens,
+            context_id=-1,
+            salt=f"req-{seed}-{i}" if wcfg["reuse"] == "isolate" else "",
+            after=i - 1 if t.turn else -1,
+            think_s=t.think_s,
+        )
+        for i, t in enumerate(turns)
+    )
+    meta = {
+        "tokenizer": {"name": "session-segments", "n_vocab": wcfg["session_vocab_size"]},
+        "sessions": {"count": count, "lengths": wcfg["session_lengths"],
+                     "mean_turns": len(turns) / count,
+                     "max_turns": max(t.turn for t in turns) + 1},
+        "arrival": lcfg["arrival"],
+        "rate": lcfg["rate"],
+        "arrival_span_s": float(starts[-1]),
+    }
+    return _bounded_workload(requests, bound, meta, (wcfg, lcfg, seed))
 
 
 # ---------------------------------------------------------------- command line
