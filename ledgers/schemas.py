@@ -24,7 +24,8 @@ TABLES = ("runs", "requests", "poller", "trace", "slab", "steps", "footprint", "
 RUN_TABLES = TABLES[1:]  # per-run tables the engine produces; runs is written last
 
 POOLS = ("shared", "attention", "recurrent")
-REQUEST_STATUSES = ("finished", "failed", "unfinished")
+# refused: it cannot fit the budget even alone (trace and sessions workloads; docs/usage.md)
+REQUEST_STATUSES = ("finished", "failed", "unfinished", "refused")
 RUN_STATUSES = ("complete", "failed")
 ARRIVALS = ("poisson", "onoff", "trace")
 TRACE_EVENTS = (
@@ -204,7 +205,8 @@ _RUNS = [
     _f("units_detail", _S, "", "JSON object of units per pool."),
     _f("cap", _I, "count", "Concurrency cap (max running requests)."),
     _f("rate", _F, "1/s", "Offered load lambda (Poisson arrivals per second); trace "
-       "workloads: workload.trace_speed, the factor the trace's timestamps are divided by."),
+       "workloads: workload.trace_speed, the factor the trace's timestamps are divided by; "
+       "sessions: sessions started per second."),
     _f("arrival", _S, "", "Arrival process (onoff: 5 s on, 15 s off, same mean; trace: the "
        "trace's own timestamps).", ARRIVALS),
     _f("q", _F, "fraction", "Share of requests drawn from shared contexts."),

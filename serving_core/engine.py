@@ -79,13 +79,22 @@ class StepOutcome:
     prompt_logprobs: dict[int, list] = field(default_factory=dict)  # ExecutorOutput's
 
 
+REFUSED_UNFIT = "cannot fit the budget alone"  # Request.refusal of a refused request
+
+
+def shortfall(mem: MemoryOrganization, tokens: int) -> dict[str, tuple[int, int]]:
+    """Pool -> (units needed, units there) for each pool that cannot hold one request of
+    `tokens` prompt + output tokens alone (empty: it fits)."""
+    composites = 2 if mem.has_recurrent else 0  # working state + one destination at a boundary
+    need = mem.demand(math.ceil(tokens / mem.block_tokens), composites)
+    total = mem.total_units()
+    return {p: (need[p], total[p]) for p in need if need[p] > total[p]}
+
+
 def check_feasible(mem: MemoryOrganization, specs, org: str, budget: str) -> None:
     """Fail fast when the budget cannot hold one maximal request of this workload."""
     longest = max(len(s.prompt) + int(s.output_tokens) for s in specs)
-    composites = 2 if mem.has_recurrent else 0  # working state + one destination at a boundary
-    need = mem.demand(math.ceil(longest / mem.block_tokens), composites)
-    total = mem.total_units()
-    short = {p: (need[p], total[p]) for p in need if need[p] > total[p]}
+    short = shortfall(mem, longest)
     if short:
         detail = ", ".join(f"{p} pool needs {n} units but has {t}" for p, (n, t) in short.items())
         raise ValueError(
@@ -164,6 +173,10 @@ class Engine:
         self._cond = threading.Condition()
         self._next_poll = 0
         self._wall0 = time.perf_counter()
+        # serve(refuse_unfit=True): a request that cannot fit alone is refused at arrival
+        # (REFUSED_UNFIT, counted finished for the loop, never scheduled); their ids in order
+        self.refuse_unfit = False
+        self.refused: list[int] = []
 
     # ----- requests ---------------------------------------------------------------------------
     def check_feasible(self, specs) -> None:
@@ -193,6 +206,11 @@ class Engine:
         req = Request(spec, self.mem.block_tokens)
         req.arrival_s = arrival
         self.requests.append(req)
+        if self.refuse_unfit and shortfall(self.mem, req.num_prompt + req.target_output):
+            req.refusal = REFUSED_UNFIT
+            self.refused.append(req.rid)
+            self.num_finished += 1  # done with: nothing will ever run it
+            return req
         self.recorder.now = arrival
         self.sched.add_request(req, arrival)
         if self.host_tier is not None:
@@ -347,13 +365,20 @@ class Engine:
         return EngineResult(tables, summary, self.requests, self.mem, self.effective_rules())
 
 
-def serve(engine: Engine, specs, max_steps: int | None = None) -> EngineResult:
+def serve(engine: Engine, specs, max_steps: int | None = None, *,
+          refuse_unfit: bool = False) -> EngineResult:
     """Plan every spec at its arrival time and step until all have finished. A spec with
     `after` >= 0 (a session's later turn) is planned when request `after` finishes, at the
-    engine's clock then plus its `think_s` (its own arrival_s is not used)."""
+    engine's clock then plus its `think_s` (its own arrival_s is not used).
+
+    A request that cannot fit the budget even alone: by default the whole run is refused
+    before its first step (check_feasible); with `refuse_unfit` that request alone is
+    refused when it arrives (status refused, never scheduled, its later turns released)."""
     if not specs:
         raise ValueError("workload.num_requests must be >= 1")
-    engine.check_feasible(specs)
+    engine.refuse_unfit = refuse_unfit
+    if not refuse_unfit:
+        engine.check_feasible(specs)
     dependents: dict[int, list] = {}
     for spec in specs:
         after = getattr(spec, "after", -1)
@@ -363,10 +388,14 @@ def serve(engine: Engine, specs, max_steps: int | None = None) -> EngineResult:
             engine.add_request(spec)
     n = len(specs)
     limit = max_steps or 20 * sum(len(s.prompt) + int(s.output_tokens) for s in specs) + 1000
+    refused = 0  # engine.refused already seen
     while engine.num_finished < n:
         outcome = engine.step()
         if dependents and outcome is not None:
             _release_dependents(engine, dependents, outcome.finished)
+        if dependents and len(engine.refused) > refused:
+            _release_dependents(engine, dependents, engine.refused[refused:])
+            refused = len(engine.refused)
         if engine.sched.step > limit:
             raise RuntimeError(
                 f"no progress after {engine.sched.step} steps: {engine.num_finished}/{n} finished"
@@ -405,5 +434,6 @@ def engine_summary(requests: list[Request], sched: Scheduler, clock: float,
         "prefill_tokens_computed": sched.prompt_tokens_total,
         "max_running": sched.max_running,
         "max_waiting": sched.max_waiting,
+        "refused": sum(1 for r in requests if r.refusal),
     })
     return summary

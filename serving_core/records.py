@@ -221,7 +221,7 @@ def request_columns(requests) -> dict[str, list]:
             "ttft_s": ttft,
             "e2e_s": e2e,
             "tpot_s": tpot,
-            "status": "finished" if finished else "unfinished",
+            "status": "refused" if r.refusal else "finished" if finished else "unfinished",
         }
         for col in REQUEST_COLUMNS:
             cols[col].append(row[col])

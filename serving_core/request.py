@@ -68,6 +68,7 @@ class Request:
         "next_token",
         "sampling",
         "room_end",
+        "refusal",
     )
 
     def __init__(self, spec, block_tokens: int) -> None:
@@ -101,6 +102,7 @@ class Request:
         self.start_s = math.nan
         self.first_token_s = math.nan
         self.finish_s = math.nan
+        self.refusal = ""  # why the engine refused it at arrival ("": not refused)
         self.adopted_first = 0
         self.adopted_resume = 0
         self.alloc_fail_logged = False

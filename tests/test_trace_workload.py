@@ -239,13 +239,44 @@ def _adopted_and_bound(org: str, n: int, budget: str) -> tuple[dict, dict]:
     adopted = dict(zip(requests["request_id"], requests["adopted_prefix_tokens"], strict=True))
     assert sorted(bound) == sorted(adopted) == list(range(n))
     assert all(adopted[r] <= bound[r] for r in bound)
+    grid = result.memory.checkpoint_interval  # adoption lands on the organization's grid
+    assert all(adopted[r] <= grid * (bound[r] // grid) for r in bound)
     return adopted, bound
 
 
 @pytest.mark.parametrize("org", ORGS)
 def test_every_organization_adopts_at_most_the_bound(org):
-    _, bound = _adopted_and_bound(org, 60, BUDGET)
+    adopted, bound = _adopted_and_bound(org, 60, BUDGET)
     assert sum(bound.values()) == 30208  # 59 blocks of 512 tokens reusable in this window
+    assert max(bound.values()) == 512  # the first block, shared: below D0's and N0's grid
+    if org in ("d0", "d0_marconi", "n0"):  # C = 1,792 and 1,568 > 512: nothing to adopt
+        assert sum(adopted.values()) == 0
+
+
+def test_reuse_distance_by_hand(tmp_path):
+    rows = [(0, 1024, [1, 2]), (1, 600, [1, 9]), (2, 1536, [1, 2, 3]), (3, 1024, [1, 2]),
+            (4, 100, [7])]
+    data = "\n".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 1,
+                                 "hash_ids": h}) for t, n, h in rows).encode()
+    parsed = trace.parse_trace(data, "hand")
+    assert trace.reusable_prefix_blocks(parsed, range(5)) == [0, 1, 2, 2, 0]
+    # line 1 reuses line 0's block 1 (nothing between); line 2 reuses [1, 2] of line 0, with
+    # line 1's 600 tokens between; line 3 reuses [1, 2] of line 2, the latest holder
+    assert trace.reuse_distance_tokens(parsed, range(5)) == [-1, 0, 600, 0, -1]
+
+
+def test_why_deep_reuse_of_the_first_thousand_conversation_requests_is_never_adopted():
+    """docs/usage.md, "Why D0 and N0 adopt nothing": the window's bound is one shared
+    512-token first block on 781 requests (held by the request just before) and 2+ blocks on
+    218, each of which at least 450,847 prompt tokens of other requests separate from the
+    latest request holding its prefix: more than any organization's 24576MiB budget caches
+    (D0's attention pool, the largest, holds 18,852 x 16 = 301,632 tokens)."""
+    parsed = trace.read_trace("conversation")
+    bound = np.array(trace.reusable_prefix_blocks(parsed, range(1000)))
+    distance = np.array(trace.reuse_distance_tokens(parsed, range(1000)))
+    assert (bound == 1).sum() == 781 and (bound >= 2).sum() == 218 and (bound == 0).sum() == 1
+    assert distance[bound == 1].max() == 0
+    assert distance[bound >= 2].min() == 450847 > 301632
 
 
 @pytest.mark.slow  # 1,000 requests of up to 122k tokens per organization: minutes each
@@ -300,17 +331,45 @@ def test_trace_ids_must_fit_the_model_vocabulary():
             validate_config(cfg)
 
 
-def test_a_window_whose_longest_request_cannot_fit_alone_is_refused_before_a_step():
-    """Today's rule (serving_core.engine.check_feasible): the whole run is refused, naming the
-    longest request and the pool's shortfall; nothing waits on it."""
+def test_a_request_that_cannot_fit_alone_is_refused_and_the_others_served():
+    """Trace and sessions runs refuse such a request alone, at its arrival (status refused,
+    counted in the summary); the rest of the window completes."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.runners.cell import run_cell
+    from serving_core.engine import shortfall
+
+    with initialize_config_dir(version_base="1.3", config_dir=CONF):
+        cfg = compose(config_name="config", overrides=[
+            "workload=trace", "workload.trace_start=174", "workload.num_requests=8", "org=s2",
+            "budget=b63", "write_ledgers=false"])
+    result = run_cell(cfg)
+    req = result.tables["requests"]
+    size = [p + o for p, o in zip(req["prompt_tokens"], req["target_output_tokens"],
+                                  strict=True)]
+    refused = sorted(n for n, s in zip(size, req["status"], strict=True) if s == "refused")
+    assert refused == [103270]  # it needs 209 S2 pages, b63 holds 193 (76,032 tokens fit)
+    assert 76032 in size
+    assert all(bool(shortfall(result.memory, n)) == (n in refused) for n in size)
+    assert result.summary["refused"] == 1 and result.summary["failed"] == 1
+    assert result.summary["completed"] == 7
+    assert set(req["status"]) == {"finished", "refused"}
+    assert all(math.isnan(f) for f, s in zip(req["first_token_s"], req["status"], strict=True)
+               if s == "refused")
+
+
+def test_an_ordinary_workload_that_cannot_fit_is_refused_before_a_step():
+    """ShareGPT and synthetic keep the whole-run refusal (serving_core.engine.check_feasible):
+    one line naming the longest request and the pool's shortfall; nothing waits on it."""
     from hydra import compose, initialize_config_dir
 
     from experiments.runners.cell import run_cell
 
     with initialize_config_dir(version_base="1.3", config_dir=CONF):
         cfg = compose(config_name="config", overrides=[
-            "workload=trace", "workload.num_requests=200", "org=s2", "budget=b63",
+            "workload.source=synthetic", "workload.num_requests=10",
+            "workload.synthetic_prompt_tokens=4000", "org=s2", "budget=p7",
             "write_ledgers=false"])
-    with pytest.raises(ValueError, match=r"^budget='b63' cannot hold one maximal request of "
-                       r"121213 tokens under org=S2: shared pool needs 244 units but has 193"):
+    with pytest.raises(ValueError, match=r"^budget='p7' cannot hold one maximal request of "
+                       r"4032 tokens under org=S2: shared pool needs 15 units but has 7"):
         run_cell(cfg)

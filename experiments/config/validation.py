@@ -76,15 +76,20 @@ def _prefixed(section: str, build, *args):
         raise ValueError(f"{section}: {err}") from err
 
 
-def _check_trace_vocab(workload: dict, model, geometry, path: str) -> None:
-    """A trace or sessions workload's token ids must lie in the model's vocabulary (where it
-    states one); sessions (turns that wait on earlier turns) run only in an engine's own
-    loop (serving_core.engine.serve)."""
-    source = workload["source"]
-    if source == "sessions" and path not in (SIMULATED, TORCH_INPROC):
+def _check_sessions_path(workload, path: str) -> None:
+    """Sessions (turns that wait on earlier turns) run only in an engine's own loop
+    (serving_core.engine.serve): the simulated and in-process paths."""
+    if str(workload.get("source", "")).strip().lower() == "sessions" and \
+            path not in (SIMULATED, TORCH_INPROC):
         raise ValueError(f"workload.source=sessions: allowed only with executor=a100 (or "
                          f"another simulated profile) or executor=torch_inproc; the {path} "
                          "path has no turn dependencies")
+
+
+def _check_trace_vocab(workload: dict, model, geometry) -> None:
+    """A trace or sessions workload's token ids must lie in the model's vocabulary (where it
+    states one)."""
+    source = workload["source"]
     key = {"trace": "trace_vocab_size", "sessions": "session_vocab_size"}.get(source)
     if key is None:
         return
@@ -134,6 +139,7 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True,
     units = units_for(budget, run_arm.org)  # refuses an org the layer pattern does not fit
     # (serving_core/planner.py, refusals)
     path = executor_path(cfg.executor)
+    _check_sessions_path(cfg.workload, path)
     if path == VLLM:  # real vLLM: N0, its interpreter, a matching checkpoint
         from experiments.runners.vllm_arm import check_vllm_cell, vllm_executor_config
         from serving_core.executor.torch_config import check_checkpoint
@@ -167,7 +173,7 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True,
         from serving_core.builder import preflight as check_engine
 
         check_engine(plan.spec)  # the engine would run the requested rules, or it is refused
-    _check_trace_vocab(normalize_workload_config(cfg.workload), cfg.model, geometry, path)
+    _check_trace_vocab(normalize_workload_config(cfg.workload), cfg.model, geometry)
     for key in ("rate", "on_s"):  # rate=inf would put every arrival at t = 0
         if key in cfg.load:
             _positive_finite(cfg.load[key], f"load.{key}")

@@ -42,6 +42,7 @@ SUMMARY_KEYS = (
     "seed",
     "completed",
     "failed",
+    "refused",  # of the failed: requests that cannot fit the budget alone (trace, sessions)
     "output_tokens",
     "throughput_ledger",
     "throughput_span",
@@ -222,7 +223,9 @@ def run_cell(cfg: DictConfig, on_step=None, *, plan: RunPlan | None = None,
             engine = build_engine(spec, on_step=on_step)
         elif on_step is not None:
             engine.on_step = on_step
-        result = serve(engine, workload.requests)
+        # trace and sessions: a request that cannot fit alone is refused, not the run
+        result = serve(engine, workload.requests,
+                       refuse_unfit=workload.reusable_prefix is not None)
         if path == TORCH_INPROC:  # wall-clock timings depend on this process's settings
             from serving_core.server.process_settings import runtime_settings
 

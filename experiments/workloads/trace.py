@@ -234,3 +234,21 @@ def reusable_prefix_blocks(trace: Trace, lines: range) -> list[int]:
         for h in ids[matched:]:
             node = children.setdefault((node, h), len(children) + 1)
     return out
+
+
+def reuse_distance_tokens(trace: Trace, lines: range) -> list[int]:
+    """Per line of the window, the prompt tokens of the lines between it and the latest
+    earlier line holding its whole reusable prefix (`reusable_prefix_blocks`); -1 where the
+    bound is 0. Under LRU a prefix survives only while the cache holds what came between:
+    a distance above a budget's token capacity means the bound cannot be realised there."""
+    bound = reusable_prefix_blocks(trace, lines)
+    holder: dict[tuple[int, ...], int] = {}  # whole-block prefix -> latest line holding it
+    tokens = np.concatenate([[0], np.cumsum(trace.input_lengths[lines.start:lines.stop])])
+    out = []
+    for k, line in enumerate(lines):
+        ids = tuple(trace.hash_ids(line)[: full_blocks(trace, line)].tolist())
+        source = holder.get(ids[: bound[k]]) if bound[k] else None
+        out.append(-1 if source is None else int(tokens[k] - tokens[source + 1]))
+        for j in range(1, len(ids) + 1):
+            holder[ids[:j]] = k
+    return out
