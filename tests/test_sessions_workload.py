@@ -81,7 +81,8 @@ def test_exchanges_pair_each_human_turn_with_the_model_turn_after_it():
     record = {"conversations": [{"from": "gpt", "value": "orphan"},
                                 {"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
                                 {"from": "human", "value": "q2"}, {"from": "human", "value": "q3"},
-                                {"from": "chatgpt", "value": "a3"}, {"from": "human", "value": "x"}]}
+                                {"from": "chatgpt", "value": "a3"},
+                                {"from": "human", "value": "x"}]}
     assert sessions.exchanges(record) == [("q1", "a1"), ("q3", "a3")]
     assert sessions.exchanges({"conversations": None}) == []
 

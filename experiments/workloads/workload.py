@@ -90,7 +90,7 @@ TRACE_DEFAULTS = {
     "trace_block_tokens": 512,  # tokens one 512-token hash block becomes (trace.py)
     "trace_vocab_size": 32000,  # token ids in [100, vocab); <= the model's vocabulary
 }
-# source=sessions only (conf/workload/sessions.yaml, agentic.yaml): experiments/workloads/sessions.py
+# source=sessions only (conf/workload/sessions.yaml, agentic.yaml; workloads/sessions.py)
 SESSION_DEFAULTS = sessions.SESSION_DEFAULTS
 # each source's own fields, allowed only with it
 SOURCE_FIELDS = {"trace": TRACE_DEFAULTS, "sessions": SESSION_DEFAULTS}
