@@ -1,11 +1,14 @@
 """Third-party clients against our server as `make serve` starts it (the tiny Falcon-H1 on
 the torch executor, S2, the llama3 tokenizer): the openai SDK (a dev dependency) and vLLM's
 own benchmark client (its `vllm bench serve` module, run by .venv-vllm's interpreter when
-that venv exists; skipped, saying so, otherwise). Every request must succeed."""
+that venv exists; skipped, saying so, otherwise), and aiperf's mooncake_trace replay (where
+aiperf is installed: $AIPERF or .venv-aiperf/bin/aiperf). Every request must succeed."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,7 @@ from experiments.runners.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+AIPERF = Path(os.environ.get("AIPERF", ROOT / ".venv-aiperf" / "bin" / "aiperf"))
 MODEL = "falcon_h1_tiny"
 
 
@@ -102,3 +106,47 @@ def test_vllm_bench_serve_completes_every_request(server, tiny_checkpoint, tmp_p
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["completed"] == n and result["failed"] == 0, result.get("errors")
     assert result["total_output_tokens"] <= n * 8
+
+
+def hf_cache_layout(checkpoint: Path, hub: Path, repo: str) -> None:
+    """The checkpoint's tokenizer as a snapshot of `repo` in a Hugging Face cache at `hub`:
+    aiperf 0.13's decode workers load a tokenizer by repo id from the cache in offline mode
+    (a local folder fails there; docs/benchmarks.md)."""
+    model = hub / f"models--{repo.replace('/', '--')}"
+    (model / "refs").mkdir(parents=True)
+    (model / "refs" / "main").write_text("local")
+    (model / "snapshots" / "local").mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "config.json"):
+        shutil.copy(checkpoint / name, model / "snapshots" / "local" / name)
+
+
+@pytest.mark.slow  # aiperf's services start in about 30 s on two cores; the replay in minutes
+@pytest.mark.skipif(not AIPERF.exists(), reason=f"aiperf 0.13 not found at {AIPERF} (set "
+                    "$AIPERF or install it into .venv-aiperf)")
+def test_aiperf_replays_a_mooncake_trace_window(server, tiny_checkpoint, tmp_path):
+    """Five requests of the vendored conversation trace (short prompts, 4 s apart) replayed
+    by aiperf's mooncake_trace mode at their timestamps: every request completes, and the
+    requests after the first share the trace's first hash block (equal hash ids, equal text
+    in aiperf's synthesis), which our server reports as cached prompt tokens (usage)."""
+    from experiments.workloads import trace
+
+    lines = trace.TRACES["conversation"].read_text().splitlines()
+    rows = [json.loads(lines[i]) for i in (10345, 10346, 10347, 10354, 10355)]
+    assert all(r["hash_ids"][0] == 0 and r["input_length"] < 2000 for r in rows)
+    window = tmp_path / "window.jsonl"
+    window.write_text("".join(json.dumps({**r, "timestamp": 4000 * k}) + "\n"
+                              for k, r in enumerate(rows)))
+    hf_cache_layout(Path(tiny_checkpoint), tmp_path / "hub", "local/falcon_h1_tiny")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    cmd = [str(AIPERF), "profile", "--model", MODEL, "--url", server.base_url,
+           "--endpoint-type", "chat", "--streaming", "--input-file", str(window),
+           "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
+           "--tokenizer", "local/falcon_h1_tiny", "--artifact-dir", str(tmp_path / "out")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert res.returncode == 0, res.stdout[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "out" / "profile_export.jsonl").open()]
+    assert len(records) == 5 and not any("error" in r and r["error"] for r in records)
+    cached = [r["metrics"].get("usage_prompt_cache_read_tokens", {}).get("value", 0)
+              for r in records]
+    assert set(cached) <= {0, 512} and sum(cached) >= 512
