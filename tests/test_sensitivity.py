@@ -35,7 +35,9 @@ def test_planned_jobs_cover_every_cell_seed_and_alternative():
     chosen = [alts["default"], alts["slab_dense"]]
     planned = sens.planned_jobs(chosen, raw["families"], smoke=True, seeds=2, requests=12)
     jobs = [j.overrides for j in planned]
-    cells = len(sens.family_cells("q1", "EXT-22")) + len(sens.family_cells("q6", "Q6-17"))
+    cells = sum(len(sens.family_cells(f["plan"], f["family"])) for f in raw["families"])
+    assert cells == (len(sens.family_cells("q1", "EXT-22")) + len(sens.family_cells("q6", "Q6-17"))
+                     + len(sens.family_cells("arms", "ARMS-9")))
     assert len(jobs) == 2 * cells * 2
     dense = [j for j in jobs if "campaign_name=sens_slab_dense_smoke" in j]
     assert len(dense) == cells * 2 and all("engine.slab_policy=dense" in j for j in dense)
@@ -85,10 +87,11 @@ def _check_page(root, out, alternatives):
     return text
 
 
-@pytest.mark.slow  # end to end: 80 runs through experiments.run, the page, the whole report
+@pytest.mark.slow  # end to end: 110 runs through experiments.run, the page, the whole report
 def test_sensitivity_at_smoke_size_writes_its_page_into_the_report(tmp_path):
     root, out = tmp_path / "ledgers", tmp_path / "report"
-    """Two alternatives, one seed and 12 requests per run (80 runs): the pipeline end to end."""
+    """Two alternatives, one seed and 12 requests per run (110 runs): the pipeline end to
+    end."""
     assert sens.main(["--ledgers", str(root), "--smoke", "--alternatives",
                       "default,slab_dense", "--seeds", "1", "--requests", "12",
                       "--quiet"]) == 0

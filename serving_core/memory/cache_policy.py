@@ -23,10 +23,9 @@
     chooses it, by replaying the recent requests under a grid of weights
     (memory.marconi_tuning); under `fixed` it is `engine.marconi_alpha`. Ties go to the
     older stamp, then the lower unit. Attention blocks carry no FLOP term (efficiency 0,
-    recency order, tail
-    first): Marconi evicts only radix nodes without children, so a shared shallow block
-    that deeper hits need never goes before them; ranking blocks by their own FLOPs would
-    evict exactly those.
+    recency order, tail first): Marconi evicts only radix nodes without children, so a
+    shared shallow block that deeper hits need never goes before them; ranking blocks by
+    their own FLOPs would evict exactly those.
   Simplifications, stated: Marconi's radix tree checkpoints at the exact token where
   sequences diverge and at the exact last token; here checkpoints exist only on the
   organization's grid, so both points are rounded down to it; the final boundary is
