@@ -67,6 +67,10 @@ def test_robustness_marks_sign_and_decision_changes():
 def test_bad_alternative_exits_2(tmp_path, capsys):
     assert sens.main(["--ledgers", str(tmp_path), "--alternatives", "default,magic"]) == 2
     assert "magic" in capsys.readouterr().err
+    assert sens.main(["--ledgers", str(tmp_path), "--families", "ARMS-9,Q99"]) == 2
+    err = capsys.readouterr().err
+    assert "--families: unknown Q99; allowed values are EXT-22, Q6-17, ARMS-9" in err
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 def _check_page(root, out, alternatives):
@@ -76,13 +80,13 @@ def _check_page(root, out, alternatives):
     finally:
         con.close()
     text = path.read_text()
-    assert info["contrasts"] == 22 + 17 and info["alternatives"] == alternatives
+    assert info["contrasts"] == 22 + 17 + 9 and info["alternatives"] == alternatives
     assert "Robust and fragile conclusions" in text
     for alt in alternatives:
         assert f"`{alt}`" in text
     long = pd.read_csv(out / "tables" / "sensitivity_long.csv")
     assert set(long["alternative"]) == set(alternatives)
-    assert long.groupby("alternative")["test"].nunique().eq(39).all()
+    assert long.groupby("alternative")["test"].nunique().eq(48).all()
     assert not long["effect"].map(lambda v: isinstance(v, float) and math.isnan(v)).all()
     return text
 

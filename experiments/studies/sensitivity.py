@@ -13,7 +13,7 @@ alternative, plan cell, seed, run id and whether it ran or was skipped), goes to
 evaluates the families on those runs.
 
     python -m experiments.studies.sensitivity --ledgers ROOT [--smoke] [--alternatives a,b]
-        [--seeds N] [--requests N]
+        [--families F,G] [--seeds N] [--requests N]
 """
 
 from __future__ import annotations
@@ -181,15 +181,21 @@ def main(argv: list[str] | None = None) -> int:
                      "requests, *_smoke campaigns")
     p.add_argument("--alternatives", default="",
                    help="comma-separated subset of conf/sensitivity/alternatives.yaml")
+    p.add_argument("--families", default="",
+                   help="comma-separated subset of the file's families (e.g. ARMS-9)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     raw, alts = load_alternatives()
     names = [n for n in args.alternatives.split(",") if n] or list(alts)
-    unknown = [n for n in names if n not in alts]
-    if unknown:
-        print(f"--alternatives: unknown {', '.join(unknown)}; allowed values are "
-              f"{', '.join(alts)}", file=sys.stderr)
-        return 2
+    listed = [f["family"] for f in raw["families"]]
+    families = [n for n in args.families.split(",") if n] or listed
+    for flag, chosen, allowed in (("alternatives", names, list(alts)),
+                                  ("families", families, listed)):
+        unknown = [n for n in chosen if n not in allowed]
+        if unknown:
+            print(f"--{flag}: unknown {', '.join(unknown)}; allowed values are "
+                  f"{', '.join(allowed)}", file=sys.stderr)
+            return 2
     for flag in ("seeds", "requests"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             print(f"--{flag}={getattr(args, flag)}: must be >= 1", file=sys.stderr)
@@ -198,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         seeds = seeds or int(raw["smoke"]["seeds"])
         requests = requests or int(raw["smoke"]["requests"])
-    jobs = planned_jobs([alts[n] for n in names], raw["families"], smoke=args.smoke,
-                        seeds=seeds, requests=requests)
+    jobs = planned_jobs([alts[n] for n in names],
+                        [f for f in raw["families"] if f["family"] in families],
+                        smoke=args.smoke, seeds=seeds, requests=requests)
     rows = run_jobs(jobs, args.ledger_root, progress=not args.quiet)
     path = write_study(args.ledger_root, TABLE, rows_to_columns(
         TABLE, rows, study_id=new_study_id(), created_at=now_iso()))
