@@ -73,17 +73,28 @@ def _alternatives() -> dict:
     return load_alternatives()
 
 
+def alternative_effects(con, plan: str, family: str, plan_dir=None,
+                        spec: dict | None = None) -> pd.DataFrame:
+    """The sensitivity long table of one family (analysis.studies.sensitivity.evaluate):
+    every primary contrast's effect and decision under each alternative with runs."""
+    from analysis.studies.sensitivity import QUESTION, evaluate
+
+    runs = common.load_runs(con, [QUESTION]).all_runs
+    if runs.empty:
+        return pd.DataFrame()
+    spec = spec or _alternatives()
+    return evaluate(runs, {**spec, "families": [{"plan": plan, "family": family}]},
+                    plan_dir)[0]
+
+
 def add_flip_columns(families, con, plan_dir=None, spec: dict | None = None) -> None:
     """Add COLUMN to the primary estimand's table of every primary family in `families`
     (FamilyResult objects of one page), from the sensitivity runs in `con`'s ledgers."""
-    from analysis.studies.sensitivity import QUESTION, evaluate
-
     primary = [f for f in families if f.role == "primary" and f.primary in f.tables]
     if not primary:
         return
     spec = spec or _alternatives()
     listed = _spec_entries(spec, plan_dir)
-    runs = None
     for fam in primary:
         name = fam.name.split(" (")[0]
         table = fam.tables.get(fam.primary)
@@ -93,9 +104,6 @@ def add_flip_columns(families, con, plan_dir=None, spec: dict | None = None) -> 
         if plan is None:
             table[COLUMN] = NOT_LISTED
             continue
-        if runs is None:
-            runs = common.load_runs(con, [QUESTION]).all_runs
-        long, _ = evaluate(runs, {**spec, "families": [{"plan": plan, "family": name}]},
-                           plan_dir)
+        long = alternative_effects(con, plan, name, plan_dir, spec)
         texts = flip_texts(long) if not long.empty else {}
         table[COLUMN] = [texts.get((name, t), NOT_RUN) for t in table["test"]]

@@ -63,7 +63,7 @@ def test_every_page_family_gets_the_column(monkeypatch):
     listed = _family(["JENGA_vs_S2", "other"])
     listed.question, listed.name = "ARMS", "ARMS-9"
     monkeypatch.setattr(flips.common, "load_runs",
-                        lambda con, q: type("R", (), {"all_runs": pd.DataFrame()})())
+                        lambda con, q: type("R", (), {"all_runs": pd.DataFrame({"seed": [1]})})())
     monkeypatch.setattr(sens, "evaluate", lambda runs, spec, plan_dir=None: (PLANTED, {}))
     flips.add_flip_columns([listed], con=None, spec=spec)
     assert list(listed.tables["throughput_span"][flips.COLUMN]) == [
