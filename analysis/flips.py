@@ -104,6 +104,10 @@ def add_flip_columns(families, con, plan_dir=None, spec: dict | None = None) -> 
         if plan is None:
             table[COLUMN] = NOT_LISTED
             continue
-        long = alternative_effects(con, plan, name, plan_dir, spec)
+        try:  # a family the study cannot evaluate must not take its page down
+            long = alternative_effects(con, plan, name, plan_dir, spec)
+        except Exception as exc:  # noqa: BLE001 - named in the column instead
+            table[COLUMN] = f"not compared ({type(exc).__name__}: {exc})"
+            continue
         texts = flip_texts(long) if not long.empty else {}
         table[COLUMN] = [texts.get((name, t), NOT_RUN) for t in table["test"]]

@@ -41,8 +41,11 @@ TABLE = "sensitivity_runs"  # study table (ledgers.studies); page analysis/studi
 CELL_KEYS = {"org": "org", "budget": "budget", "cap": "engine.cap", "rate": "load.rate",
              "q": "workload.q", "f": "engine.headroom", "pinning_k": "engine.pinning_k",
              "reuse": "workload.reuse", "arrival": "load.arrival", "trace": "trace",
-             "model": "model", "d0_attention_fraction": "model.d0_attention_fraction"}
-IGNORED_KEYS = ("campaign",)  # replaced by the sensitivity campaign
+             "model": "model", "d0_attention_fraction": "model.d0_attention_fraction",
+             "retention_k": "retention.k", "host_tier_bytes": "host_tier.capacity_bytes"}
+# campaign: replaced by the sensitivity campaign; seeds: a cell's own seeds (family_cells)
+IGNORED_KEYS = ("campaign", "seeds")
+NOT_APPLICABLE = -1  # a plan's retention_k or host_tier_bytes of a cell without one
 EXECUTORS = {"sim:a100-calibrated": "a100"}
 
 
@@ -128,6 +131,10 @@ def cell_overrides(keys: dict) -> list[str]:
                              f"(known: {', '.join(CELL_KEYS)})")
         if key == "d0_attention_fraction" and str(keys.get("org", "")).upper() != "D0":
             continue
+        if key == "retention_k" and value == NOT_APPLICABLE:
+            continue
+        if key == "host_tier_bytes" and value == NOT_APPLICABLE:
+            value = None
         value = str(value).lower() if key == "org" else value
         out.append(f"{CELL_KEYS[key]}={_override_value(value)}")
     return out
