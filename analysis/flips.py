@@ -13,7 +13,8 @@ same size (analysis.studies.sensitivity.robustness), and the page's primary tabl
   contrast is not a winner, it is a winner under some of the rules the anchors cannot
   decide;
 - `not run under the alternatives (...)` when the family has no sensitivity runs, naming
-  how to collect them.
+  how to collect them. A rerun refused by the plan check (e.g. its runs still being
+  collected) is left out.
 
 Any page gets the column without code of its own: analysis.report calls
 `add_flip_columns(result.families, con)` after a page's `analyze` (a campaign page added
@@ -27,6 +28,7 @@ from functools import lru_cache
 import pandas as pd
 
 from analysis.inference import prereg
+from analysis.inference.families import REFUSED
 from analysis.pages import common
 
 COLUMN = "holds_under"
@@ -40,6 +42,10 @@ def flip_texts(long: pd.DataFrame) -> dict[tuple[str, str], str]:
     alternative, family and test: effect and decision; analysis.studies.sensitivity)."""
     from analysis.studies.sensitivity import robustness
 
+    # a refused or incomplete rerun (its runs still collecting) decides nothing: left out
+    long = long[(long["n"] > 0) & ~long["decision"].astype(str).str.startswith(REFUSED)]
+    if long.empty:
+        return {}
     table = robustness(long)
     out = {}
     for r in table.itertuples():

@@ -38,6 +38,15 @@ def test_a_planted_flip_is_reported_as_depending_on_its_rule():
     assert texts[("ARMS-9", "S2M_vs_S2")] == "holds under all 2 alternatives"
 
 
+def test_a_refused_rerun_is_not_a_flip():
+    """An alternative whose runs are incomplete is refused by the plan check: no effect, no
+    decision, and no claim that the contrast depends on it."""
+    refused = _long([("identified_b", "JENGA_vs_S2", float("nan"), "refused")]).assign(n=0)
+    texts = flips.flip_texts(pd.concat([PLANTED, refused], ignore_index=True))
+    assert texts[("ARMS-9", "S2M_vs_S2")] == "holds under all 2 alternatives"
+    assert texts[("ARMS-9", "JENGA_vs_S2")] == "depends on slab_dense (sign)"
+
+
 def test_without_a_default_rerun_nothing_is_claimed():
     texts = flips.flip_texts(PLANTED[PLANTED["alternative"] != "default"])
     assert set(texts.values()) == {"not compared (no default rerun)"}
