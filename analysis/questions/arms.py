@@ -21,13 +21,26 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import flips
-from analysis.pages import readouts
+from analysis.inference.families import evaluate_family
+from analysis.pages import common, readouts
 from analysis.pages.render import QuestionResult, Section
 
 QUESTION = "arms"
 TITLE = "Arms from the literature against S2 (Jenga, Marconi)"
 METRICS = ("throughput_span", "throughput_ledger", "c_once_tokens", "token_hit_rate",
            "ttft_p99")
+# S2 and S2+Marconi rerun at full size under another slab rule (docs/usage.md, arms):
+# make campaign C=arms ARGS="campaign_name=arms_slab_<rule> engine.slab_policy=<rule>
+#   hydra.sweeper.blocks.arms.org=s2,s2_marconi"; the other arms have no slabs
+SLAB_CAMPAIGNS = {"slab_dense": "arms_slab_dense", "slab_refill": "arms_slab_refill"}
+SLAB_ORGS = ("S2", "S2_MARCONI")
+FULL_SLAB_TEXT = (
+    "ARMS-9 at its full design under each slab rule: the S2 and S2+Marconi cells rerun "
+    "under `engine.slab_policy=<rule>` (campaigns arms_slab_<rule>; the other arms hold "
+    "no slabs, so their runs are the campaign's), evaluated by the plan's own decision "
+    "(mean seedwise % change, exact sign-flip test, Holm over 9). `holds_under` compares "
+    "each rule with the page's `write_once` runs: a contrast that changes sign or decision "
+    "depends on the slab rule and is not a winner.")
 DECOMPOSITION = (("D0", "S2"), ("D0_MARCONI", "D0"), ("D0_MARCONI", "S2"),
                  ("S2_MARCONI", "S2"))
 SLAB_TEXT = (
@@ -88,6 +101,41 @@ def slab_rule_table(con, plan_dir=None) -> pd.DataFrame:
     return text.pivot(index="test", columns="alternative", values="value").reset_index()
 
 
+def _slab_runs(runs: pd.DataFrame, arms_runs: pd.DataFrame, campaign: str) -> pd.DataFrame:
+    """The campaign's runs with S2's and S2+Marconi's taken from `campaign` (empty when it
+    lacks them)."""
+    alt = runs[(runs["campaign"].astype(str) == campaign) & runs["org"].isin(SLAB_ORGS)]
+    if alt.empty:
+        return alt
+    keep = arms_runs[~arms_runs["org"].isin(SLAB_ORGS)]
+    return pd.concat([keep, alt.assign(campaign=QUESTION)], ignore_index=True)
+
+
+def full_slab_table(con, plan, arms_runs: pd.DataFrame, own) -> pd.DataFrame:
+    """ARMS-9 per slab rule at full size: effect (decision) per test and rule, and where
+    each contrast's sign or decision changes against the page's own runs (`own`)."""
+    runs = common.load_runs(con, [QUESTION]).all_runs
+    fam = plan.family("ARMS-9")
+    rows = [{"alternative": "default", "test": r.test, "effect": r.effect,
+             "decision": r.decision, "n": r.n} for r in own.itertuples()]
+    for alt, campaign in SLAB_CAMPAIGNS.items():
+        mixed = _slab_runs(runs, arms_runs, campaign)
+        table = (evaluate_family(plan, fam, mixed).tables.get(fam.primary_estimand.name)
+                 if not mixed.empty else None)
+        rows += [] if table is None else [
+            {"alternative": alt, "test": r.test, "effect": r.effect, "decision": r.decision,
+             "n": r.n} for r in table.itertuples()]
+    long = pd.DataFrame(rows).assign(family="ARMS-9", label="", unit="%")
+    if set(long["alternative"]) == {"default"}:
+        return pd.DataFrame()
+    long["value"] = [f"{e:+.1f}% ({d})" for e, d in zip(long["effect"], long["decision"],
+                                                          strict=True)]
+    table = long.pivot(index="test", columns="alternative", values="value")
+    texts = flips.flip_texts(long)
+    table[flips.COLUMN] = [texts.get(("ARMS-9", t), "") for t in table.index]
+    return table.reindex(list(own["test"])).reset_index()
+
+
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
     result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
     runs = runset.runs
@@ -110,7 +158,16 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
         alphas = result.add("marconi_alphas", tuned_alphas(arms))
         result.sections.append(Section("Marconi's tuned weight", TUNED_TEXT,
                                         [("alphas chosen", alphas, None)]))
-    readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
+    families = readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir,
+                                        allow_changed_plan)
+    own = [f.tables["throughput_span"] for f in families
+           if f.name == "ARMS-9" and "throughput_span" in f.tables]
+    if own:
+        full = result.add("arms9_by_slab_rule", full_slab_table(
+            con, plan, readouts.family_runs(plan, "ARMS-9", runs), own[0]))
+        if not full.empty:
+            result.sections.append(Section("ARMS-9 under each slab rule (full size)",
+                                            FULL_SLAB_TEXT, [("", full, None)]))
     return result
 
 
