@@ -2,15 +2,15 @@
 
 Some engine rules cannot be identified from the calibration anchors (slab policy, admission
 gate, checkpoint placement, the free queue, checkpoint recency). For each alternative of
-conf/sensitivity/alternatives.yaml and each primary family listed there (Q1's EXT-22, which
-also decides Q4's D0/S2 rows, and Q6's Q6-17), every cell of the family's preregistered plan
-(conf/prereg/<plan>.yaml) is run at its seeds with the alternative's overrides, into
-campaign `sens_<alternative>` (`sens_<alternative>_smoke` at smoke size: the first seeds and
-fewer requests), question `sensitivity`. Runs go through experiments.run (complete runs are
-skipped, the ledgers written as for any run); the study's own record, one row per run (its
-alternative, plan cell, seed, run id and whether it ran or was skipped), goes to the
-`sensitivity_runs` study table (ledgers.studies). `analysis.studies.sensitivity` then
-evaluates the families on those runs.
+conf/sensitivity/alternatives.yaml and each primary family listed there (every page's; Q1's
+EXT-22 also decides Q4's D0/S2 rows; `--families` picks some), every cell of the family's
+preregistered plan (conf/prereg/<plan>.yaml) is run at its seeds with the alternative's
+overrides, into campaign `sens_<alternative>` (`sens_<alternative>_smoke` at smoke size:
+the first seeds and fewer requests), question `sensitivity`. Runs go through
+experiments.run (complete runs are skipped, the ledgers written as for any run); the
+study's own record, one row per run (its alternative, plan cell, seed, run id and whether
+it ran or was skipped), goes to the `sensitivity_runs` study table (ledgers.studies).
+`analysis.studies.sensitivity` then evaluates the families on those runs.
 
     python -m experiments.studies.sensitivity --ledgers ROOT [--smoke] [--alternatives a,b]
         [--families F,G] [--seeds N] [--requests N]
