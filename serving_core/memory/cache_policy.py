@@ -43,7 +43,12 @@ from numbers import Real
 import numpy as np
 
 from serving_core.geometry import Geometry
-from serving_core.memory.marconi_tuning import MARCONI_WEIGHTS, AlphaTuner, replayed
+from serving_core.memory.marconi_tuning import (
+    MARCONI_WEIGHTS,
+    AlphaTuner,
+    normalized,
+    replayed,
+)
 from serving_core.memory.pool import UnitPool
 
 CACHE_POLICIES = ("lru", "marconi")
@@ -209,7 +214,7 @@ class ScoredPool(UnitPool):
         units = np.flatnonzero(self._mask)
         stamps = self._stamp[units]
         eff = self._eff[units]
-        score = _normalized(stamps.astype(np.float64)) + self.policy.alpha * _normalized(eff)
+        score = normalized(stamps.astype(np.float64)) + self.policy.alpha * normalized(eff)
         best = units[score == score.min()]
         if len(best) > 1:
             stamps = self._stamp[best]
@@ -222,13 +227,6 @@ class ScoredPool(UnitPool):
         del self.evictable[unit]
         self._mask[unit] = False
         return unit
-
-
-def _normalized(values: np.ndarray) -> np.ndarray:
-    """Min-max normalization to [0, 1] (all equal: zeros)."""
-    low = values.min()
-    span = values.max() - low
-    return (values - low) / span if span > 0 else np.zeros_like(values)
 
 
 def build_cache_policy(policy: str, geometry: Geometry, alpha: float = DEFAULT_MARCONI_ALPHA,

@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 BOOTSTRAP_MULTIPLIER = 5  # the low end of Marconi's 5-15x bootstrap window
 ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))  # 0, 0.1, ..., 2.0
 MARCONI_WEIGHTS = ("tuned", "fixed")
@@ -59,39 +61,47 @@ def replayed(keys: list[int], num_prompt: int, final_tokens: int, block: int,
 
 
 class _Shadow:
-    """A checkpoint cache of `capacity` entries ranked by Marconi's utility."""
+    """A checkpoint cache of `capacity` entries ranked by Marconi's utility (one slot per
+    entry: its recency stamp and the FLOPs of its prefix)."""
 
     def __init__(self, capacity: int, alpha: float, flops) -> None:
-        self.capacity, self.alpha, self.flops = capacity, alpha, flops
-        self.entries: dict[int, list] = {}  # key -> [stamp, flops of its prefix]
+        self.alpha, self.flops = alpha, flops
+        self.entries: dict[int, int] = {}  # key -> slot
+        self.keys: list[int] = []  # slot -> key
+        self.stamp = np.zeros(capacity)
+        self.eff = np.zeros(capacity)
         self.clock = 0
 
     def touch(self, key: int) -> None:
         self.clock += 1
-        self.entries[key][0] = self.clock
+        self.stamp[self.entries[key]] = self.clock
 
     def admit(self, key: int, boundary: int) -> None:
         if key in self.entries:
             self.touch(key)
             return
-        if len(self.entries) >= self.capacity:
-            del self.entries[self.victim()]
+        if len(self.keys) < len(self.stamp):
+            slot = len(self.keys)
+            self.keys.append(key)
+        else:
+            slot = self.victim()
+            del self.entries[self.keys[slot]]
+            self.keys[slot] = key
+        self.entries[key] = slot
         self.clock += 1
-        self.entries[key] = [self.clock, self.flops.prefix(boundary)]
+        self.stamp[slot], self.eff[slot] = self.clock, self.flops.prefix(boundary)
 
     def victim(self) -> int:
-        items = list(self.entries.items())
-        stamps = [v[0] for _, v in items]
-        effs = [v[1] for _, v in items]
-        s_lo, s_span = min(stamps), max(stamps) - min(stamps)
-        e_lo, e_span = min(effs), max(effs) - min(effs)
+        """The slot of least recency' + alpha x efficiency' (the older stamp on a tie)."""
+        score = normalized(self.stamp) + self.alpha * normalized(self.eff)
+        tied = np.flatnonzero(score == score.min())
+        return int(tied[np.argmin(self.stamp[tied])])
 
-        def score(v):
-            rec = (v[0] - s_lo) / s_span if s_span > 0 else 0.0
-            eff = (v[1] - e_lo) / e_span if e_span > 0 else 0.0
-            return (rec + self.alpha * eff, v[0])
 
-        return min(items, key=lambda kv: score(kv[1]))[0]
+def normalized(values: np.ndarray) -> np.ndarray:
+    """Min-max normalization to [0, 1] (all equal: zeros)."""
+    low, span = values.min(), values.max() - values.min()
+    return (values - low) / span if span > 0 else np.zeros_like(values)
 
 
 def replay_hit_rate(window, capacity: int, alpha: float, flops, block: int, interval: int,
