@@ -44,4 +44,4 @@ def test_make_campaign_arms_smoke(tmp_path):
     assert len(alphas) == 6 and (alphas["runs"] == 3).all()
     decomposed = result.frames["marconi_decomposed"]  # D0's grid, then the policy
     assert len(decomposed) == 4 * 3  # 4 pairs (arms.DECOMPOSITION) x 3 budgets
-    assert decomposed["comparison"].str.contains("D0_MARCONI").sum() == 2 * 3
+    assert decomposed["comparison"].str.contains("D0+Marconi", regex=False).sum() == 2 * 3
