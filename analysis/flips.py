@@ -14,7 +14,8 @@ same size (analysis.studies.sensitivity.robustness), and the page's primary tabl
   decide;
 - `not run under the alternatives (...)` when the family has no sensitivity runs, naming
   how to collect them. A rerun refused by the plan check (e.g. its runs still being
-  collected) is left out.
+  collected) is left out. Reruns at smoke size say so: with 3 seeds no decision can
+  change, only signs.
 
 Any page gets the column without code of its own: analysis.report calls
 `add_flip_columns(result.families, con)` after a page's `analyze` (a campaign page added
@@ -32,6 +33,7 @@ from analysis.inference.families import REFUSED
 from analysis.pages import common
 
 COLUMN = "holds_under"
+SMOKE = "_smoke"  # a sensitivity campaign at smoke size (analysis.studies.sensitivity)
 NOT_LISTED = ("not run under the alternatives (list the family in "
               "conf/sensitivity/alternatives.yaml, then make sensitivity)")
 NOT_RUN = "not run under the alternatives (make sensitivity; SMOKE=1 for a first look)"
@@ -47,15 +49,17 @@ def flip_texts(long: pd.DataFrame) -> dict[tuple[str, str], str]:
     if long.empty:
         return {}
     table = robustness(long)
+    smoke = ("campaign" in long and long["campaign"].astype(str).str.endswith(SMOKE).any())
+    size = f" (smoke reruns, n = {int(long['n'].min())}: signs only)" if smoke else ""
     out = {}
     for r in table.itertuples():
         alts = set(long[(long["family"] == r.family) & (long["test"] == r.contrast)]
                    ["alternative"]) - {"default"}
         if r.robust == "yes":
-            out[(r.family, r.contrast)] = f"holds under all {len(alts)} alternatives"
+            out[(r.family, r.contrast)] = f"holds under all {len(alts)} alternatives{size}"
         elif r.robust == "no":
             parts = [c.replace(": ", " (", 1) + ")" for c in str(r.changes).split("; ")]
-            out[(r.family, r.contrast)] = "depends on " + "; ".join(parts)
+            out[(r.family, r.contrast)] = "depends on " + "; ".join(parts) + size
         else:
             out[(r.family, r.contrast)] = "not compared (no default rerun)"
     return out

@@ -38,6 +38,13 @@ def test_a_planted_flip_is_reported_as_depending_on_its_rule():
     assert texts[("ARMS-9", "S2M_vs_S2")] == "holds under all 2 alternatives"
 
 
+def test_smoke_reruns_say_they_decide_nothing():
+    smoke = PLANTED.assign(campaign=PLANTED["campaign"] + "_smoke", n=3)
+    texts = flips.flip_texts(smoke)
+    assert texts[("ARMS-9", "JENGA_vs_S2")] == ("depends on slab_dense (sign) "
+                                                "(smoke reruns, n = 3: signs only)")
+
+
 def test_a_refused_rerun_is_not_a_flip():
     """An alternative whose runs are incomplete is refused by the plan check: no effect, no
     decision, and no claim that the contrast depends on it."""
