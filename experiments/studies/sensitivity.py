@@ -23,6 +23,7 @@ import io
 import json
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import yaml
@@ -98,10 +99,16 @@ def _override_value(value) -> str:
     return "null" if value is None else str(value)
 
 
+@lru_cache(maxsize=64)
+def _plan_yaml(path: Path) -> dict:
+    """A plan file, parsed once per process (planning reads each for every alternative)."""
+    return yaml.safe_load(path.read_text())
+
+
 def family_cells(plan_name: str, family: str, plan_dir: Path = PREREG_DIR) -> list[dict]:
     """[{id, keys, seeds}] of one family: the plan's defaults, the family's, then the cell's
     own keys (the merge order conf/prereg documents)."""
-    plan = yaml.safe_load((Path(plan_dir) / f"{plan_name}.yaml").read_text())
+    plan = _plan_yaml(Path(plan_dir) / f"{plan_name}.yaml")
     fams = [f for f in plan["families"] if f["name"] == family]
     if not fams:
         raise ValueError(f"conf/prereg/{plan_name}.yaml has no family {family!r}")
