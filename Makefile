@@ -203,7 +203,7 @@ demo: setup ## end-to-end demo: Q1 Exp 1a at b63, Exp 1b, Q9 K_ret, 3 seeds each
 	@echo "ledgers: $(abspath $(LEDGER_ROOT)) (campaigns demo_q1, demo_q9; DuckDB views: python -c 'import ledgers; ledgers.connect(\"$(LEDGER_ROOT)\")')"
 	@echo "report: $(abspath $(REPORT_DIR))/index.md"
 
-sensitivity: setup ## rerun Q1 EXT-22 and Q6-17 under each alternative engine rule (SMOKE=1: 3 seeds, 60 requests), then sensitivity.md
+sensitivity: setup ## rerun every page's primary family under each alternative engine rule (SMOKE=1: 3 seeds, 60 requests; ARGS=--families ...), then sensitivity.md
 	$(BIN)/python -m experiments.studies.sensitivity --ledgers $(LEDGER_ROOT) \
 		$(if $(filter $(SMOKE_ON),$(SMOKE)),--smoke) $(ARGS)
 	$(BIN)/python -m analysis.studies.sensitivity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) > /dev/null

@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 import ledgers
+from analysis.flips import add_flip_columns
 from analysis.inference import prereg
 from analysis.pages import common, readouts
 from analysis.pages.render import md_table
@@ -118,6 +119,7 @@ def _question_page(module, con, out: Path, plan_dir: Path, allow_changed_plan: b
     page = out / f"{module.QUESTION}.md"
     try:
         result = module.analyze(con, plan_dir=plan_dir, allow_changed_plan=allow_changed_plan)
+        add_flip_columns(result.families, con, plan_dir)  # where each winner flips
         result.figures = module.draw(result, out / "figures")
         _write_tables(result, out, summary)
         page.write_text(result.markdown(relative_to=out), encoding="utf-8")

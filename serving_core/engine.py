@@ -325,6 +325,8 @@ class Engine:
             "trace": bool(self.trace),
             "host_tier": self.host_tier.describe() if self.host_tier is not None else False,
         })
+        if mem.cache_policy is not None:  # Marconi's tuned weights (memory.marconi_tuning)
+            rules["marconi_tuning"] = mem.cache_policy.tuning_record()
         if self.host_tier is not None:
             rules["host_tier_copies"] = self.host_tier.describe_transfer()
         described = self.executor.describe()

@@ -327,6 +327,8 @@ class HybridStateManager:
 
     def release_all(self, req: Request, finishing: bool = False) -> None:
         """Everything a finishing or preempted request holds, in the release order."""
+        if finishing and self.admitted is not None:  # Marconi's tuned weight logs it
+            self.mem.cache_policy.observe(req, self.B, self.C, len(self.mem.cache.checkpoints))
         if self.mem.release_order == "attention_first":
             self._release_attention(req, finishing)
             self._release_state(req)

@@ -40,3 +40,8 @@ def test_make_campaign_arms_smoke(tmp_path):
     assert len(cells) == 15 and cells["token_hit_rate"].between(0, 1).all()
     (family,) = [f for f in result.families if f.name.startswith("ARMS-9")]
     assert len(family.tables["throughput_span"]) == 9
+    alphas = result.frames["marconi_alphas"]  # the tuned weights each Marconi arm recorded
+    assert len(alphas) == 6 and (alphas["runs"] == 3).all()
+    decomposed = result.frames["marconi_decomposed"]  # D0's grid, then the policy
+    assert len(decomposed) == 4 * 3  # 4 pairs (arms.DECOMPOSITION) x 3 budgets
+    assert decomposed["comparison"].str.contains("D0+Marconi", regex=False).sum() == 2 * 3

@@ -4,6 +4,8 @@ out by hand; `lru` is today's engine; bad values are refused naming the field.""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from conftest import compose_config
@@ -90,7 +92,8 @@ def test_scored_pool_victim_by_hand():
     0.4, 0.5, 1.2 -> unit 0."""
     eff = {0: 10.0, 1: 0.0, 2: 5.0}
     for alpha, victim in ((1.0, 1), (0.0, 0), (0.4, 0)):
-        pool = ScoredPool("p", 3, 1, alpha, eff.__getitem__)
+        policy = SimpleNamespace(alpha=alpha, on_eviction=lambda: None)
+        pool = ScoredPool("p", 3, 1, policy, eff.__getitem__)
         for unit in (0, 1, 2):
             pool.free.popleft()
             pool.add_evictable(unit)
@@ -115,7 +118,8 @@ def test_marconi_evicts_the_least_useful_checkpoint_by_hand(falcon):
     tie at 1: the older stamp, 5,376, goes. alpha 0.4: 5376 -> 0.4, 1792 -> 0.5: 5,376."""
     for alpha, victims in ((1.0, [1792, 5376]), (0.4, [5376, 1792]), (0.0, [5376, 1792])):
         mem = build_memory(falcon, "D0", {"attention": 4, "recurrent": 3},
-                           cache_policy="marconi", marconi_alpha=alpha)
+                           cache_policy="marconi", marconi_weight="fixed",
+                           marconi_alpha=alpha)
         objs = {}
         for key, boundary in ((1, 5376), (2, 1792), (3, 3584)):
             obj = mem.allocate_composite(key)
@@ -159,7 +163,9 @@ def test_marconi_ranks_attention_blocks_and_slabs_in_s2(falcon):
     res = run_cell(cfg, on_step=lambda sched, mem: check_invariants(mem))
     assert res.summary["completed"] == 40
     assert res.engine_config["cache_policy"] == "marconi"
-    assert res.engine_config["marconi_alpha"] == 1.0
+    assert res.engine_config["marconi_weight"] == "tuned"  # the default: Marconi's replay
+    assert res.engine_config["marconi_alpha"] is None
+    assert isinstance(res.engine_config["marconi_tuning"], list)
 
 
 # ----- the axis ----------------------------------------------------------------------------
@@ -170,11 +176,14 @@ def test_default_is_lru_and_recorded_from_the_engine():
                                   "write_ledgers=false"))
     assert res.engine_config["cache_policy"] == "lru"
     assert res.engine_config["marconi_alpha"] is None
+    assert res.engine_config["marconi_weight"] is None
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"cache_policy": "lfu"}, "engine.cache_policy='lfu': allowed values are lru, marconi"),
     ({"cache_policy": "marconi", "marconi_alpha": -1.0}, "engine.marconi_alpha=-1.0"),
+    ({"cache_policy": "marconi", "marconi_weight": "auto"},
+     "engine.marconi_weight='auto': allowed values are tuned, fixed"),
     ({"cache_policy": "marconi", "free_queue": "single_queue"}, "engine.free_queue="),
 ])
 def test_bad_values_name_the_field(kwargs, message):

@@ -150,7 +150,8 @@ def test_rules_keep_the_invariants_and_complete(org, rule):
 def test_default_rules_are_todays():
     assert asdict(AllocatorRules()) == {
         "slab_policy": "write_once", "free_queue": "free_first", "checkpoint_recency": "release",
-        "cache_policy": "lru", "marconi_alpha": 1.0, "conv_page_recency": "members",
+        "cache_policy": "lru", "marconi_weight": "tuned", "marconi_alpha": 1.0,
+        "conv_page_recency": "members",
         "release_order": "attention_first", "duplicates": "drop", "private_blocks": "mru"}
     eng = compose_config().engine
     assert (eng.free_queue, eng.checkpoint_recency, eng.conv_page_recency, eng.release_order,

@@ -15,6 +15,8 @@ from analysis import report
 from analysis.studies import sensitivity as page
 from experiments.studies import sensitivity as sens
 
+FAMILIES = "EXT-22,Q6-17"  # the end-to-end checks' families (22 + 17 primary contrasts)
+
 
 def test_plan_cells_map_to_run_overrides():
     cells = {c["id"]: c for c in sens.family_cells("q1", "EXT-22")}
@@ -35,7 +37,8 @@ def test_planned_jobs_cover_every_cell_seed_and_alternative():
     chosen = [alts["default"], alts["slab_dense"]]
     planned = sens.planned_jobs(chosen, raw["families"], smoke=True, seeds=2, requests=12)
     jobs = [j.overrides for j in planned]
-    cells = len(sens.family_cells("q1", "EXT-22")) + len(sens.family_cells("q6", "Q6-17"))
+    cells = sum(len(sens.family_cells(f["plan"], f["family"])) for f in raw["families"])
+    assert cells > len(sens.family_cells("q1", "EXT-22")) + len(sens.family_cells("q6", "Q6-17"))
     assert len(jobs) == 2 * cells * 2
     dense = [j for j in jobs if "campaign_name=sens_slab_dense_smoke" in j]
     assert len(dense) == cells * 2 and all("engine.slab_policy=dense" in j for j in dense)
@@ -65,6 +68,10 @@ def test_robustness_marks_sign_and_decision_changes():
 def test_bad_alternative_exits_2(tmp_path, capsys):
     assert sens.main(["--ledgers", str(tmp_path), "--alternatives", "default,magic"]) == 2
     assert "magic" in capsys.readouterr().err
+    assert sens.main(["--ledgers", str(tmp_path), "--families", "ARMS-9,Q99"]) == 2
+    err = capsys.readouterr().err
+    assert "--families: unknown Q99; allowed values are EXT-22, Q6-17, ARMS-9" in err
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 def _check_page(root, out, alternatives):
@@ -88,10 +95,11 @@ def _check_page(root, out, alternatives):
 @pytest.mark.slow  # end to end: 80 runs through experiments.run, the page, the whole report
 def test_sensitivity_at_smoke_size_writes_its_page_into_the_report(tmp_path):
     root, out = tmp_path / "ledgers", tmp_path / "report"
-    """Two alternatives, one seed and 12 requests per run (80 runs): the pipeline end to end."""
+    """Two alternatives, Q1's and Q6's families, one seed and 12 requests per run (80 runs):
+    the pipeline end to end."""
     assert sens.main(["--ledgers", str(root), "--smoke", "--alternatives",
-                      "default,slab_dense", "--seeds", "1", "--requests", "12",
-                      "--quiet"]) == 0
+                      "default,slab_dense", "--families", FAMILIES, "--seeds", "1",
+                      "--requests", "12", "--quiet"]) == 0
     out.mkdir()
     text = _check_page(root, out, ["default", "slab_dense"])
     assert "Smoke size" in text and "no test can be rejected" in text
@@ -102,9 +110,9 @@ def test_sensitivity_at_smoke_size_writes_its_page_into_the_report(tmp_path):
 
 @pytest.mark.slow
 def test_sensitivity_at_full_size(tmp_path):
-    """Every alternative at the families' full design (about 480 runs per alternative)."""
+    """Every alternative at Q1's and Q6's full design (about 480 runs per alternative)."""
     root, out = tmp_path / "ledgers", tmp_path / "report"
-    assert sens.main(["--ledgers", str(root), "--quiet"]) == 0
+    assert sens.main(["--ledgers", str(root), "--families", FAMILIES, "--quiet"]) == 0
     out.mkdir()
     _, alts = sens.load_alternatives()
     text = _check_page(root, out, list(alts))
@@ -132,3 +140,14 @@ def test_an_identified_alternative_is_read_under_its_own_executor_profile():
     assert {c.keys["executor"] for c in plain.families[0].cells} == {
         c.keys["executor"] for c in plan.families[0].cells}
     assert page.executor_of("torch:cpu", overrides) == "torch:cpu"  # only simulated cells move
+
+
+def test_retention_host_tier_and_cell_seeds_map_to_run_overrides():
+    """Q8/Q9's retention_k, the tier page's host_tier_bytes (-1: not applicable) and a
+    cell's own seeds (read by family_cells) so every page's family can be rerun."""
+    assert sens.cell_overrides({"org": "S2_RETENTION", "retention_k": 2, "seeds": [1]}) == [
+        "org=s2_retention", "retention.k=2"]
+    assert sens.cell_overrides({"org": "S2", "retention_k": -1, "host_tier_bytes": -1}) == [
+        "org=s2", "host_tier.capacity_bytes=null"]
+    assert sens.cell_overrides({"host_tier_bytes": 4294967296}) == [
+        "host_tier.capacity_bytes=4294967296"]

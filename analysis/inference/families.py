@@ -28,6 +28,8 @@ from analysis.metrics import METRICS, seeds_text
 ROW_COLUMNS = ("test", "label", "kind", "predicted", "cells", "n", "effect", "unit", "min_seed",
                "max_seed", "ci_low", "ci_high", "interval", "n_pos", "n_neg", "n_zero",
                "statistic", "p6", "p9", "p_exact", "p_sensitivity", "p_holm", "decision", "note")
+# as shown on a page: where the decision flips under the alternatives (analysis.flips)
+SHOWN_COLUMNS = (*ROW_COLUMNS[:-1], "holds_under", ROW_COLUMNS[-1])
 TEXT_COLUMNS = ("label", "kind", "predicted", "cells", "unit", "interval", "statistic",
                 "decision", "note")
 # The trace probe costs nothing in simulation: ON and OFF runs are identical, and so are
@@ -59,6 +61,7 @@ class FamilyResult:
     m: int = 0  # tests in the family (Holm's m), also when only some rows are shown
     fill: list[str] = field(default_factory=list)  # commands that collect missing runs
     summary: str = ""  # one line: what is missing
+    primary: str = ""  # the name of the primary estimand (its table carries the decision)
 
     @property
     def status(self) -> str:
@@ -107,7 +110,7 @@ class FamilyResult:
                        "PASSED" if self.gate_passed else "NOT PASSED")
             out += [f"Gate: {verdict}.", ""]
         for estimand, table in self.tables.items():
-            shown = [c for c in ROW_COLUMNS if c in table and not _blank(table[c])]
+            shown = [c for c in SHOWN_COLUMNS if c in table and not _blank(table[c])]
             out += [f"_Estimand {estimand}: {self.estimand_notes.get(estimand, '')}_", "",
                     md_table(table, shown), ""]
         skipped = {k: v for k, v in self.estimand_notes.items() if k not in self.tables}
@@ -191,7 +194,9 @@ def evaluate_family(plan: prereg.Plan, fam: prereg.Family, runs: pd.DataFrame, *
                     allow_changed_plan: bool = False) -> FamilyResult:
     result = FamilyResult(plan.question, fam.name, fam.role, fam.decision["method"],
                           " ".join(str(fam_description(plan, fam)).split()), False, [],
-                          m=len(fam.tests))
+                          m=len(fam.tests),
+                          primary=next((e.name for e in fam.estimands if e.role == "primary"),
+                                       ""))
     try:
         check = prereg.check_family(plan, fam, runs, allow_changed_plan=allow_changed_plan)
     except ValueError as exc:  # runs lack a column the cells name

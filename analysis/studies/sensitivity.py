@@ -1,10 +1,10 @@
 """Which conclusions survive the engine rules the anchors cannot identify (sensitivity.md).
 
-`make sensitivity` reruns the primary families (conf/sensitivity/alternatives.yaml: Q1's
-EXT-22, which also decides Q4's D0/S2 rows, and Q6's Q6-17) under each declared alternative
-rule, into campaign `sens_<alternative>` (`..._smoke` at smoke size), question
-`sensitivity`. Here each family is evaluated per alternative with the question's own
-machinery (analysis.inference.families.evaluate_family on the preregistered family, its cells moved
+`make sensitivity` reruns the primary families (conf/sensitivity/alternatives.yaml: every
+page's, Q1's EXT-22 also deciding Q4's D0/S2 rows) under each declared alternative rule,
+into campaign `sens_<alternative>` (`..._smoke` at smoke size), question `sensitivity`.
+Here each family is evaluated per alternative with the question's own machinery
+(analysis.inference.families.evaluate_family on the preregistered family, its cells moved
 to that campaign and its seeds cut to those collected): the primary estimand's seedwise
 effect, Holm-adjusted decision and all. One table: every primary contrast's estimate and
 decision under every alternative; a contrast whose sign or decision differs from the

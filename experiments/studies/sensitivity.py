@@ -2,18 +2,18 @@
 
 Some engine rules cannot be identified from the calibration anchors (slab policy, admission
 gate, checkpoint placement, the free queue, checkpoint recency). For each alternative of
-conf/sensitivity/alternatives.yaml and each primary family listed there (Q1's EXT-22, which
-also decides Q4's D0/S2 rows, and Q6's Q6-17), every cell of the family's preregistered plan
-(conf/prereg/<plan>.yaml) is run at its seeds with the alternative's overrides, into
-campaign `sens_<alternative>` (`sens_<alternative>_smoke` at smoke size: the first seeds and
-fewer requests), question `sensitivity`. Runs go through experiments.run (complete runs are
-skipped, the ledgers written as for any run); the study's own record, one row per run (its
-alternative, plan cell, seed, run id and whether it ran or was skipped), goes to the
-`sensitivity_runs` study table (ledgers.studies). `analysis.studies.sensitivity` then
-evaluates the families on those runs.
+conf/sensitivity/alternatives.yaml and each primary family listed there (every page's; Q1's
+EXT-22 also decides Q4's D0/S2 rows; `--families` picks some), every cell of the family's
+preregistered plan (conf/prereg/<plan>.yaml) is run at its seeds with the alternative's
+overrides, into campaign `sens_<alternative>` (`sens_<alternative>_smoke` at smoke size:
+the first seeds and fewer requests), question `sensitivity`. Runs go through
+experiments.run (complete runs are skipped, the ledgers written as for any run); the
+study's own record, one row per run (its alternative, plan cell, seed, run id and whether
+it ran or was skipped), goes to the `sensitivity_runs` study table (ledgers.studies).
+`analysis.studies.sensitivity` then evaluates the families on those runs.
 
     python -m experiments.studies.sensitivity --ledgers ROOT [--smoke] [--alternatives a,b]
-        [--seeds N] [--requests N]
+        [--families F,G] [--seeds N] [--requests N]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import io
 import json
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import yaml
@@ -41,8 +42,11 @@ TABLE = "sensitivity_runs"  # study table (ledgers.studies); page analysis/studi
 CELL_KEYS = {"org": "org", "budget": "budget", "cap": "engine.cap", "rate": "load.rate",
              "q": "workload.q", "f": "engine.headroom", "pinning_k": "engine.pinning_k",
              "reuse": "workload.reuse", "arrival": "load.arrival", "trace": "trace",
-             "model": "model", "d0_attention_fraction": "model.d0_attention_fraction"}
-IGNORED_KEYS = ("campaign",)  # replaced by the sensitivity campaign
+             "model": "model", "d0_attention_fraction": "model.d0_attention_fraction",
+             "retention_k": "retention.k", "host_tier_bytes": "host_tier.capacity_bytes"}
+# campaign: replaced by the sensitivity campaign; seeds: a cell's own seeds (family_cells)
+IGNORED_KEYS = ("campaign", "seeds")
+NOT_APPLICABLE = -1  # a plan's retention_k or host_tier_bytes of a cell without one
 EXECUTORS = {"sim:a100-calibrated": "a100"}
 
 
@@ -95,10 +99,16 @@ def _override_value(value) -> str:
     return "null" if value is None else str(value)
 
 
+@lru_cache(maxsize=64)
+def _plan_yaml(path: Path) -> dict:
+    """A plan file, parsed once per process (planning reads each for every alternative)."""
+    return yaml.safe_load(path.read_text())
+
+
 def family_cells(plan_name: str, family: str, plan_dir: Path = PREREG_DIR) -> list[dict]:
     """[{id, keys, seeds}] of one family: the plan's defaults, the family's, then the cell's
     own keys (the merge order conf/prereg documents)."""
-    plan = yaml.safe_load((Path(plan_dir) / f"{plan_name}.yaml").read_text())
+    plan = _plan_yaml(Path(plan_dir) / f"{plan_name}.yaml")
     fams = [f for f in plan["families"] if f["name"] == family]
     if not fams:
         raise ValueError(f"conf/prereg/{plan_name}.yaml has no family {family!r}")
@@ -128,6 +138,10 @@ def cell_overrides(keys: dict) -> list[str]:
                              f"(known: {', '.join(CELL_KEYS)})")
         if key == "d0_attention_fraction" and str(keys.get("org", "")).upper() != "D0":
             continue
+        if key == "retention_k" and value == NOT_APPLICABLE:
+            continue
+        if key == "host_tier_bytes" and value == NOT_APPLICABLE:
+            value = None
         value = str(value).lower() if key == "org" else value
         out.append(f"{CELL_KEYS[key]}={_override_value(value)}")
     return out
@@ -181,15 +195,21 @@ def main(argv: list[str] | None = None) -> int:
                      "requests, *_smoke campaigns")
     p.add_argument("--alternatives", default="",
                    help="comma-separated subset of conf/sensitivity/alternatives.yaml")
+    p.add_argument("--families", default="",
+                   help="comma-separated subset of the file's families (e.g. ARMS-9)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     raw, alts = load_alternatives()
     names = [n for n in args.alternatives.split(",") if n] or list(alts)
-    unknown = [n for n in names if n not in alts]
-    if unknown:
-        print(f"--alternatives: unknown {', '.join(unknown)}; allowed values are "
-              f"{', '.join(alts)}", file=sys.stderr)
-        return 2
+    listed = [f["family"] for f in raw["families"]]
+    families = [n for n in args.families.split(",") if n] or listed
+    for flag, chosen, allowed in (("alternatives", names, list(alts)),
+                                  ("families", families, listed)):
+        unknown = [n for n in chosen if n not in allowed]
+        if unknown:
+            print(f"--{flag}: unknown {', '.join(unknown)}; allowed values are "
+                  f"{', '.join(allowed)}", file=sys.stderr)
+            return 2
     for flag in ("seeds", "requests"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             print(f"--{flag}={getattr(args, flag)}: must be >= 1", file=sys.stderr)
@@ -198,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         seeds = seeds or int(raw["smoke"]["seeds"])
         requests = requests or int(raw["smoke"]["requests"])
-    jobs = planned_jobs([alts[n] for n in names], raw["families"], smoke=args.smoke,
-                        seeds=seeds, requests=requests)
+    jobs = planned_jobs([alts[n] for n in names],
+                        [f for f in raw["families"] if f["family"] in families],
+                        smoke=args.smoke, seeds=seeds, requests=requests)
     rows = run_jobs(jobs, args.ledger_root, progress=not args.quiet)
     path = write_study(args.ledger_root, TABLE, rows_to_columns(
         TABLE, rows, study_id=new_study_id(), created_at=now_iso()))

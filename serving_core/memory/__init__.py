@@ -99,7 +99,8 @@ def build_memory(
             f"got {sorted(pool_units)}"
         )
     rules = replace(rules or AllocatorRules(), **overrides)
-    policy = build_cache_policy(rules.cache_policy, geometry, rules.marconi_alpha)
+    policy = build_cache_policy(rules.cache_policy, geometry, rules.marconi_alpha,
+                                rules.marconi_weight)
     return cls(layout, dict(pool_units), events, rules=rules, cache_policy=policy)
 
 

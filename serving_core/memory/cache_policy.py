@@ -18,12 +18,14 @@
   * eviction by utility: among a pool's evictable units the victim minimizes
     S = recency' + alpha x efficiency', each min-max normalized over the candidates
     (Marconi section 4.2), recency being the unit's LRU stamp and efficiency the FLOPs a
-    hit on a recurrent checkpoint saves per byte it holds (`FlopModel`); alpha is
-    `engine.marconi_alpha` (alpha = 0 is LRU order). Ties go to the older stamp, then the
-    lower unit. Attention blocks carry no FLOP term (efficiency 0, recency order, tail
-    first): Marconi evicts only radix nodes without children, so a shared shallow block
-    that deeper hits need never goes before them; ranking blocks by their own FLOPs would
-    evict exactly those.
+    hit on a recurrent checkpoint saves per byte it holds (`FlopModel`). alpha = 0 is LRU
+    order; under `engine.marconi_weight=tuned` (the default) alpha is chosen as Marconi
+    chooses it, by replaying the recent requests under a grid of weights
+    (memory.marconi_tuning); under `fixed` it is `engine.marconi_alpha`. Ties go to the
+    older stamp, then the lower unit. Attention blocks carry no FLOP term (efficiency 0,
+    recency order, tail first): Marconi evicts only radix nodes without children, so a
+    shared shallow block that deeper hits need never goes before them; ranking blocks by
+    their own FLOPs would evict exactly those.
   Simplifications, stated: Marconi's radix tree checkpoints at the exact token where
   sequences diverge and at the exact last token; here checkpoints exist only on the
   organization's grid, so both points are rounded down to it; the final boundary is
@@ -41,17 +43,27 @@ from numbers import Real
 import numpy as np
 
 from serving_core.geometry import Geometry
+from serving_core.memory.marconi_tuning import (
+    MARCONI_WEIGHTS,
+    AlphaTuner,
+    normalized,
+    replayed,
+)
 from serving_core.memory.pool import UnitPool
 
 CACHE_POLICIES = ("lru", "marconi")
-DEFAULT_MARCONI_ALPHA = 1.0  # equal weight of the two normalized terms (not fitted)
+DEFAULT_MARCONI_ALPHA = 1.0  # engine.marconi_weight=fixed: equal weight of the two terms
+DEFAULT_MARCONI_WEIGHT = "tuned"  # Marconi's replay over recent requests (marconi_tuning)
 
 
-def check_cache_policy(policy: str, alpha: float) -> None:
+def check_cache_policy(policy: str, alpha: float, weight: str = DEFAULT_MARCONI_WEIGHT) -> None:
     """ValueError naming the field and the allowed values."""
     if policy not in CACHE_POLICIES:
         raise ValueError(f"engine.cache_policy={policy!r}: allowed values are "
                          f"{', '.join(CACHE_POLICIES)}")
+    if weight not in MARCONI_WEIGHTS:
+        raise ValueError(f"engine.marconi_weight={weight!r}: allowed values are "
+                         f"{', '.join(MARCONI_WEIGHTS)}")
     if isinstance(alpha, bool) or not isinstance(alpha, Real) or not 0 <= alpha < float("inf"):
         raise ValueError(f"engine.marconi_alpha={alpha!r}: allowed values are finite "
                          "numbers >= 0")
@@ -87,10 +99,42 @@ class CachePolicy:
 
     name = "marconi"
 
-    def __init__(self, geometry: Geometry, alpha: float = DEFAULT_MARCONI_ALPHA) -> None:
-        check_cache_policy(self.name, alpha)
-        self.alpha = float(alpha)
+    def __init__(self, geometry: Geometry, alpha: float = DEFAULT_MARCONI_ALPHA,
+                 weight: str = DEFAULT_MARCONI_WEIGHT) -> None:
+        check_cache_policy(self.name, alpha, weight)
+        self.weight = weight
+        self.tuner = AlphaTuner() if weight == "tuned" else None
+        self.alpha = 0.0 if self.tuner else float(alpha)  # the weight in force
         self.flops = FlopModel.of(geometry)
+
+    @property
+    def fixed_alpha(self) -> float | None:
+        """engine.marconi_alpha as it runs: the fixed weight, None when tuned."""
+        return None if self.tuner else self.alpha
+
+    # ----- the weight, tuned (memory.marconi_tuning) ------------------------------------------
+    def on_eviction(self) -> None:
+        if self.tuner:
+            self.tuner.on_eviction()
+
+    def observe(self, req, block: int, interval: int, capacity: int) -> None:
+        """A request finished (its tokens still held): log it, and tune when due."""
+        if not self.tuner or not interval:
+            return
+        final = req.num_prompt + req.num_generated - 1
+        record = replayed(req.ensure_keys(final // block)[: final // block], req.num_prompt,
+                          final, block, interval)
+        if self.tuner.observe(record):
+            self.alpha = self.tuner.tune(capacity, self.flops, block, interval,
+                                         self.admitted_boundaries)
+
+    def tuning_record(self) -> list[dict] | None:
+        """The tunings made (None under a fixed weight): when, the alpha chosen, its
+        replayed hit rate, the window and the shadow cache's capacity."""
+        if not self.tuner:
+            return None
+        keys = ("after_requests", "alpha", "hit_rate", "window", "capacity")
+        return [dict(zip(keys, h, strict=True)) for h in self.tuner.history]
 
     # ----- admission -----------------------------------------------------------------------
     @staticmethod
@@ -128,21 +172,22 @@ class CachePolicy:
         if free_queue != "free_first":
             raise ValueError(f"engine.free_queue={free_queue!r}: engine.cache_policy=marconi "
                              "ranks evictable units itself; allowed value is free_first")
-        return ScoredPool(name, num_units, unit_bytes, self.alpha, weight_of)
+        return ScoredPool(name, num_units, unit_bytes, self, weight_of)
 
 
 class ScoredPool(UnitPool):
     """A UnitPool whose eviction takes the unit of least Marconi utility (module doc).
 
     `evictable` keeps its meaning (unit -> recency stamp); `weight_of(unit)` gives the
-    efficiency of the entry on a unit when the unit becomes evictable."""
+    efficiency of the entry on a unit when the unit becomes evictable; alpha is the
+    policy's weight in force (it moves when tuned)."""
 
-    __slots__ = ("alpha", "weight_of", "_stamp", "_eff", "_mask")
+    __slots__ = ("policy", "weight_of", "_stamp", "_eff", "_mask")
 
-    def __init__(self, name: str, num_units: int, unit_bytes: int, alpha: float,
+    def __init__(self, name: str, num_units: int, unit_bytes: int, policy: CachePolicy,
                  weight_of: Callable[[int], float]) -> None:
         super().__init__(name, num_units, unit_bytes, "free_first")
-        self.alpha = alpha
+        self.policy = policy
         self.weight_of = weight_of
         self._stamp = np.zeros(num_units, dtype=np.int64)
         self._eff = np.zeros(num_units, dtype=np.float64)
@@ -169,7 +214,7 @@ class ScoredPool(UnitPool):
         units = np.flatnonzero(self._mask)
         stamps = self._stamp[units]
         eff = self._eff[units]
-        score = _normalized(stamps.astype(np.float64)) + self.alpha * _normalized(eff)
+        score = normalized(stamps.astype(np.float64)) + self.policy.alpha * normalized(eff)
         best = units[score == score.min()]
         if len(best) > 1:
             stamps = self._stamp[best]
@@ -177,21 +222,15 @@ class ScoredPool(UnitPool):
         return int(best[0])
 
     def pop_lru(self) -> int:
+        self.policy.on_eviction()
         unit = self.victim()
         del self.evictable[unit]
         self._mask[unit] = False
         return unit
 
 
-def _normalized(values: np.ndarray) -> np.ndarray:
-    """Min-max normalization to [0, 1] (all equal: zeros)."""
-    low = values.min()
-    span = values.max() - low
-    return (values - low) / span if span > 0 else np.zeros_like(values)
-
-
-def build_cache_policy(policy: str, geometry: Geometry,
-                       alpha: float = DEFAULT_MARCONI_ALPHA) -> CachePolicy | None:
+def build_cache_policy(policy: str, geometry: Geometry, alpha: float = DEFAULT_MARCONI_ALPHA,
+                       weight: str = DEFAULT_MARCONI_WEIGHT) -> CachePolicy | None:
     """The policy object an organization runs (None: `lru`, the pools' own order)."""
-    check_cache_policy(policy, alpha)
-    return None if policy == "lru" else CachePolicy(geometry, alpha)
+    check_cache_policy(policy, alpha, weight)
+    return None if policy == "lru" else CachePolicy(geometry, alpha, weight)

@@ -17,7 +17,12 @@ from serving_core.memory.base import (
     PRIVATE_BLOCK_RULES,
     RELEASE_ORDERS,
 )
-from serving_core.memory.cache_policy import CACHE_POLICIES, DEFAULT_MARCONI_ALPHA
+from serving_core.memory.cache_policy import (
+    CACHE_POLICIES,
+    DEFAULT_MARCONI_ALPHA,
+    DEFAULT_MARCONI_WEIGHT,
+)
+from serving_core.memory.marconi_tuning import MARCONI_WEIGHTS
 from serving_core.memory.pool import FREE_QUEUES
 from serving_core.memory.s2 import SLAB_POLICIES
 from serving_core.rules import check_rules, is_number, rule
@@ -49,12 +54,19 @@ class AllocatorRules:
     cache_policy: str = rule(
         "lru", "eviction order: recency (lru) or recency plus FLOPs saved per byte (marconi)",
         allowed=CACHE_POLICIES, effective=lambda mem: mem.cache_policy_name)
+    marconi_weight: str = rule(
+        DEFAULT_MARCONI_WEIGHT, "marconi: alpha re-chosen by replaying recent requests "
+        "(tuned, Marconi 4.2) or engine.marconi_alpha (fixed)",
+        allowed=MARCONI_WEIGHTS, identity_neutral=False,
+        requested=lambda value, ctx: value if ctx.rules.cache_policy != "lru" else None,
+        effective=lambda mem: None if mem.cache_policy is None else mem.cache_policy.weight)
     marconi_alpha: float = rule(
-        DEFAULT_MARCONI_ALPHA, "marconi: weight of the FLOPs-saved-per-byte term",
+        DEFAULT_MARCONI_ALPHA, "marconi_weight=fixed: weight of the FLOPs-saved-per-byte term",
         check=lambda v: is_number(v) and v >= 0, shown="values are finite numbers >= 0",
         normalize=float,
-        requested=lambda value, ctx: value if ctx.rules.cache_policy != "lru" else None,
-        effective=lambda mem: None if mem.cache_policy is None else mem.cache_policy.alpha)
+        requested=lambda value, ctx: (value if ctx.rules.cache_policy != "lru"
+                                      and ctx.rules.marconi_weight == "fixed" else None),
+        effective=lambda mem: None if mem.cache_policy is None else mem.cache_policy.fixed_alpha)
     conv_page_recency: str = rule(
         "members", "S1's conv page: recency of its SSM members, or of its last write",
         allowed=CONV_PAGE_RECENCIES,
