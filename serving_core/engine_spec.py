@@ -284,6 +284,13 @@ def rule_declarations() -> list[tuple[str, Any]]:
             for f in rules.rule_fields(cls)]
 
 
+def config_defaults() -> dict[str, Any]:
+    """engine.<name> -> its default in the run config, for every rule the config sets (the
+    `engine_rules` config node, experiments/config/rule_defaults.py)."""
+    return {f.name: rules.config_default(f) for _, f in rule_declarations()
+            if rules.declared(f).config}
+
+
 def rules_table() -> str:
     """The Markdown table of every declared rule (docs/engine_rules.md, between its
     engine-rules markers; tests/test_engine_rules.py holds it up to date)."""

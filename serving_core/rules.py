@@ -33,7 +33,8 @@ class Rule:
     identity_neutral: at its default the rule stays out of a run's identity (a rule added
     after runs were collected, its default reproducing the earlier engine); config: set
     by the config key engine.<name> (False: derived otherwise, as retention_k from the arm
-    and retention.k)."""
+    and retention.k); config_null: the config's default is null, filled elsewhere (as
+    max_num_batched_tokens from the executor profile)."""
 
     doc: str
     allowed: tuple | None = None
@@ -44,6 +45,7 @@ class Rule:
     effective: Callable[[Any], Any] | None = None
     identity_neutral: bool = True
     config: bool = True
+    config_null: bool = False
 
     def allowed_text(self) -> str:
         if self.allowed is not None:
@@ -84,6 +86,12 @@ def hydra_key(f: Field) -> str:
 
 def default_of(f: Field) -> Any:
     return f.default_factory() if f.default is MISSING else f.default
+
+
+def config_default(f: Field) -> Any:
+    """The default the run config gives a rule: null for a config_null rule, else the
+    declared default."""
+    return None if declared(f).config_null else default_of(f)
 
 
 def check_rules(obj: Any) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import compose_config
 
+from experiments.config.rule_defaults import register as register_rule_defaults
 from experiments.config.validation import validate_config
 from experiments.runners.cell import config_hash, run_cell
 from serving_core import engine_spec as engine_spec_module
@@ -25,7 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL = ("workload.source=synthetic", "workload.num_requests=12", "org=s1",
          "model=falcon_h1_tiny", "budget=b8", "write_ledgers=false")
 # The whole addition of a rule: one declaration on the allocator's rule dataclass
-# (here a subclass registered in RULE_SECTIONS, as a test cannot edit memory/rules.py).
+# (here a subclass registered in RULE_SECTIONS, as a test cannot edit memory/rules.py); the
+# config then has its key at its default (engine.victim_order=..., no `+`, no YAML).
 ADD_RULE = """
 from dataclasses import make_dataclass
 from serving_core.engine_spec import RULE_SECTIONS
@@ -49,11 +51,14 @@ def victim_order(monkeypatch):
                                     allowed=("oldest", "newest")))],
         bases=(AllocatorRules,), frozen=True)
     monkeypatch.setitem(engine_spec_module.RULE_SECTIONS, "allocator", cls)
-    return cls
+    register_rule_defaults()  # what Hydra's start does (hydra_plugins/hsl_rules)
+    yield cls
+    monkeypatch.undo()
+    register_rule_defaults()
 
 
 def test_a_rule_added_by_its_declaration_alone_runs_and_is_recorded(victim_order):
-    cfg = compose_config(*SMALL, "+engine.victim_order=newest")
+    cfg = compose_config(*SMALL, "engine.victim_order=newest")
     plan = validate_config(cfg, check_root=False)
     assert isinstance(plan.spec.allocator, victim_order)
     assert plan.spec.requested_rules()["victim_order"] == "newest"
@@ -63,12 +68,12 @@ def test_a_rule_added_by_its_declaration_alone_runs_and_is_recorded(victim_order
     assert res.engine_config["victim_order"] == "newest"  # read back for the record
     assert "| `engine.victim_order` | `oldest` | oldest, newest | allocator" in rules_table()
     # at its declared default it stays out of a run's identity
-    assert config_hash(compose_config(*SMALL, "+engine.victim_order=oldest")) == \
+    assert config_hash(compose_config(*SMALL, "engine.victim_order=oldest")) == \
         config_hash(compose_config(*SMALL))
 
 
 def test_a_rule_added_by_its_declaration_alone_refuses_a_bad_value(victim_order):
-    cfg = compose_config(*SMALL, "+engine.victim_order=sideways")
+    cfg = compose_config(*SMALL, "engine.victim_order=sideways")
     with pytest.raises(ValueError) as err:
         validate_config(cfg, check_root=False)
     assert str(err.value) == "engine.victim_order='sideways': allowed values are oldest, newest"
@@ -78,7 +83,7 @@ def test_a_bad_value_of_an_added_rule_exits_2_with_one_line(tmp_path):
     script = ADD_RULE + "from experiments.run import cli\ncli()\n"
     res = subprocess.run(
         [sys.executable, "-c", script, f"--config-path={REPO / 'conf'}", *SMALL,
-         "+engine.victim_order=sideways", f"hydra.run.dir={tmp_path}"],
+         "engine.victim_order=sideways", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == [
