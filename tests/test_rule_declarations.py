@@ -111,12 +111,13 @@ def test_config_file_sets_every_declared_rule_at_its_declared_default():
         assert f.name in eng and eng[f.name] == expected, f.name
 
 
-def test_a_run_plans_its_budget_and_builds_its_engine_once(tmp_path, monkeypatch):
+def _count_builds(monkeypatch) -> dict[str, int]:
+    """Counts of engine assemblies (builder._assemble: a build or a preflight) and budget
+    plans from here on."""
     import experiments.config.validation as validation
     import experiments.runners.run_plan as run_plan
     import serving_core.builder as builder
     import serving_core.planner as planner
-    from experiments.run import main_run
 
     calls = {"assemble": 0, "plan_budget": 0}
 
@@ -130,7 +131,30 @@ def test_a_run_plans_its_budget_and_builds_its_engine_once(tmp_path, monkeypatch
     plan_budget = counted("plan_budget", planner.plan_budget)
     for module in (planner, validation, run_plan):
         monkeypatch.setattr(module, "plan_budget", plan_budget)
+    return calls
+
+
+def test_a_run_plans_its_budget_and_builds_its_engine_once(tmp_path, monkeypatch):
+    from experiments.run import main_run
+
+    calls = _count_builds(monkeypatch)
     cfg = compose_config(*SMALL[:-1], f"ledger_root={tmp_path}")
     line = main_run(cfg)
     assert line["completed"] == 12 and not line["skipped"]
+    assert calls == {"assemble": 1, "plan_budget": 1}
+
+
+def test_a_torch_run_in_process_builds_its_engine_once(tiny_checkpoint, monkeypatch):
+    """The in-process torch run uses its plan's spec and builds its engine (the model
+    loaded) once, checked as it is built: no preflight engine beside it."""
+    from experiments.run import main_run
+
+    calls = _count_builds(monkeypatch)
+    cfg = compose_config(*SMALL, "executor=torch_inproc",
+                         f"executor.checkpoint={tiny_checkpoint}",
+                         "workload.num_requests=2", "workload.synthetic_prompt_tokens=40",
+                         "workload.synthetic_context_tokens=16",
+                         "workload.synthetic_output_tokens=2")
+    line = main_run(cfg)
+    assert line["completed"] == 2 and not line["skipped"]
     assert calls == {"assemble": 1, "plan_budget": 1}
