@@ -17,10 +17,11 @@ from conftest import compose_config
 from experiments.config.rule_defaults import register as register_rule_defaults
 from experiments.config.validation import validate_config
 from experiments.runners.cell import config_hash, run_cell
+from experiments.runners.run_plan import plan_run
 from serving_core import engine_spec as engine_spec_module
 from serving_core.engine_spec import rule_declarations, rules_table
 from serving_core.memory import AllocatorRules
-from serving_core.rules import declared, default_of, rule
+from serving_core.rules import declared, default_of, hydra_key, rule
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ("workload.source=synthetic", "workload.num_requests=12", "org=s1",
@@ -158,3 +159,31 @@ def test_a_torch_run_in_process_builds_its_engine_once(tiny_checkpoint, monkeypa
     line = main_run(cfg)
     assert line["completed"] == 2 and not line["skipped"]
     assert calls == {"assemble": 1, "plan_budget": 1}
+
+
+def test_executor_rules_are_declared_on_the_executor_spec():
+    """The executor's rules (serving_core/executor/spec.py) are declarations like the
+    others: documented in the table, at their declared defaults in the config, asked of the
+    executor that runs them only, and refused on a bad value in one line."""
+    from serving_core.engine_spec import ExecutorSpec, executor_rule_declarations
+
+    keys = {hydra_key(f) for _, f in executor_rule_declarations()}
+    assert keys == {"engine.indirection_overhead", "executor.scan_chunk",
+                    "executor.prefill_batch_tokens"}
+    table = rules_table()
+    assert all(f"| `{key}` |" in table for key in keys)
+    assert "| `executor.prefill_batch_tokens` | `null` | integers >= 0 or null" in table
+    assert compose_config().engine.indirection_overhead == 0.0  # no line of YAML
+    torch = ExecutorSpec(kind="torch", checkpoint="x", prefill_batch_tokens=64)
+    assert ExecutorSpec(kind="torch", checkpoint="x").prefill_batch_tokens is None
+    cfg = compose_config(*SMALL)
+    for ex, asked in ((torch, {"prefill_batch_tokens": 64}), (ExecutorSpec(), {})):
+        spec = engine_spec_module.EngineSpec.from_dict(
+            {**plan_run(cfg).spec.to_dict(), "executor": ex.__dict__ | {"profile": None}})
+        requested = spec.requested_rules()
+        assert {k: requested[k] for k in ("prefill_batch_tokens", "scan_chunk",
+                                          "indirection_overhead") if k in requested} == asked
+    with pytest.raises(ValueError) as err:
+        ExecutorSpec(kind="torch", checkpoint="x", prefill_batch_tokens=-1)
+    assert str(err.value) == ("executor.prefill_batch_tokens=-1: allowed integers >= 0 or "
+                              "null (the executor's default)")

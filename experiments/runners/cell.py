@@ -31,9 +31,9 @@ from experiments.runners.spec import (
     executor_path,
 )
 from ledgers.arms import ARM_NAMES, arm
-from serving_core.engine_spec import rule_declarations
+from serving_core.engine_spec import executor_rule_declarations, rule_declarations
 from serving_core.records import MECHANISM_KEYS
-from serving_core.rules import declared, default_of
+from serving_core.rules import declared, default_of, hydra_key
 
 ARMS = ARM_NAMES  # ledgers.arms: the one table of arm names
 SUMMARY_KEYS = (
@@ -80,7 +80,6 @@ _NEUTRAL_SETTINGS: dict[tuple[str, str], object] = {
     ("executor", "logit_row_s"): 0.0,
     ("executor", "logit_block_rows"): 4,
     ("model", "kv_group_heads"): None,
-    ("executor", "prefill_batch_tokens"): None,
     ("host_tier", "capacity_bytes"): None,
 }
 # Documentation inside a section, never identity: a preset's card (its public source and
@@ -91,7 +90,8 @@ DOCUMENTATION_KEYS = (("model", "card"),)
 def identity_neutral_defaults() -> dict[tuple[str, str], object]:
     """(section, key) -> neutral default: every engine rule declared identity-neutral at its
     declared default (serving_core/rules.py), and the other settings above."""
-    rules = {("engine", f.name): default_of(f) for _, f in rule_declarations()
+    rules = {tuple(hydra_key(f).split(".", 1)): default_of(f)
+             for _, f in rule_declarations() + executor_rule_declarations()
              if declared(f).config and declared(f).identity_neutral}
     return {**rules, **_NEUTRAL_SETTINGS}
 
