@@ -31,6 +31,33 @@ def with_ledgers(root: str | Path, body: Callable) -> int:
         con.close()
 
 
+def report_page_main(prog: str, doc: str | None, page: str, write_page: Callable,
+                     passed: str, empty: Callable | None = None,
+                     argv: list[str] | None = None) -> int:
+    """A report page's command line: `--ledgers ROOT [--out DIR]`. Writes the page, prints
+    it, its path and, as the LAST line, its JSON summary; exit 0 when the summary's
+    `passed` count is not zero, else 1. A write_page that finds nothing returns None:
+    `empty(args)` prints what is missing, the summary is `{passed: 0}`, exit 1."""
+    p = parser(prog, doc)
+    p.add_argument("--out", default="reports", help=f"report directory for {page}")
+    args = p.parse_args(argv)
+
+    def show(con) -> int:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        written = write_page(con, Path(args.out))
+        if written is None:
+            empty(args)
+            print(json.dumps({passed: 0}))
+            return 1
+        path, info = written
+        print(path.read_text(encoding="utf-8"))
+        print(f"page: {path}")
+        print(json.dumps(info))
+        return 0 if info.get(passed) else 1
+
+    return with_ledgers(args.ledgers, show)
+
+
 def study_page_main(prog: str, doc: str | None, write_page: Callable, table: str, fill: str,
                     count: str, argv: list[str] | None = None) -> int:
     """A study page's command line: `--ledgers ROOT [--out DIR]`. Writes the page from the
@@ -53,3 +80,21 @@ def study_page_main(prog: str, doc: str | None, write_page: Callable, table: str
         return 0 if info["ok"] == info[count] else 1
 
     return with_ledgers(args.ledgers, show)
+
+
+def study_page(table: str, page: str, render: Callable, summarize: Callable, fill: str,
+               count: str, doc: str | None) -> tuple[Callable, Callable]:
+    """(write_page, main) of a study page over the newest run of `table`: write_page(con,
+    out) writes `page` = render(rows) and returns its path and summarize(rows) (None when
+    the table is empty); main(argv) is its command line (study_page_main)."""
+
+    def write_page(con, out: Path) -> tuple[Path, dict] | None:
+        from analysis.pages import common
+
+        return common.write_study_page(con, out, table, page, render, summarize)
+
+    def main(argv: list[str] | None = None) -> int:
+        return study_page_main(f"analysis.studies.{table}", doc, write_page, table, fill,
+                               count, argv)
+
+    return write_page, main

@@ -52,23 +52,14 @@ def time_cell(overrides: list[str], repeats: int) -> dict:
     }
 
 
+DEFAULT_CELL = ("org=s2", "budget=b63", "seed=42000", "write_ledgers=false")
+
+
 def time_process() -> float:
     """Whole `python -m experiments.run` process for the default cell, seconds."""
     t0 = time.perf_counter()
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments.run",
-            "org=s2",
-            "budget=b63",
-            "seed=42000",
-            "write_ledgers=false",
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    subprocess.run([sys.executable, "-m", "experiments.run", *DEFAULT_CELL], cwd=ROOT,
+                   check=True, capture_output=True)
     return time.perf_counter() - t0
 
 

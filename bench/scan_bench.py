@@ -16,49 +16,30 @@ import argparse
 import json
 import math
 import os
+import statistics
 import time
 
 import torch
 
 from bench.kernel_bench import RESULTS
+from bench.timing import median_ms
 from serving_core.model import mamba
-from serving_core.model.mamba import _chunks, _decay, segment_sum
+from serving_core.model.mamba import _decay, segment_sum
 
 SHAPES = ((1, 512), (1, 1024), (1, 2048), (4, 512))
 CHUNKS = (64, 128, 256)
 H, P, N, G = 12, 64, 512, 1
 
 
-def _chunk_scan_before(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    chunk: int,
-    initial: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """SSD scan of one batch of equal-length segments.
-
-    x (b, T, H, P), dt (b, T, H) discretized, A (H,) negative, B and C (b, T, G, N),
-    initial (b, H, P, N). Returns y (b, T, H, P) fp32 and the final state (b, H, P, N).
-
-    Within a chunk of `chunk` tokens the output is the masked quadratic form; across chunks
-    the state is carried by a short loop (one (b, H, P, N) update per chunk). Heads that
-    share a group share B and C, so the group's heads are stacked into one matrix product
-    (no per-head copies of B or C): cost 2 T H P N for the states plus T x chunk x (N + H P)
-    for the intra-chunk terms.
-    """
+def _chunk_scan_before(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                       C: torch.Tensor, D: torch.Tensor, chunk: int, initial: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mamba.chunk_scan` as it was (arguments and results the same): the state carried
+    across chunks by one (b, H, P, N) update per chunk, token-major states, all-pairs decay."""
     b, t, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     hg = h // g
-    x = x.float()
-    pad = (chunk - t % chunk) % chunk
-    d_res = x * D.float()[:, None]
-    xdt = x * dt[..., None].float()
-    Adt = A.float() * dt.float()  # (b, T, H)
-    xdt, Adt, B, C = (_chunks(v, pad, chunk) for v in (xdt, Adt, B.float(), C.float()))
+    d_res, xdt, Adt, B, C = mamba.scan_inputs(x, dt, A, B, C, D, chunk)
     nc = xdt.shape[1]
     A_cum = torch.cumsum(Adt, dim=2)  # (b, c, l, H)
     # Intra-chunk: y_diag[i] = sum_{j <= i} (C_i . B_j) exp(A_cum_i - A_cum_j) xdt_j.
@@ -101,13 +82,8 @@ def _inputs(b: int, t: int, seed: int = 0):
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-    return 1e3 * sorted(times)[len(times) // 2]
+    """This thread's CPU milliseconds of `fn()`, the upper median of `repeats` calls."""
+    return median_ms(fn, repeats, clock=time.thread_time, pick=statistics.median_high)
 
 
 def main(argv: list[str] | None = None) -> int:

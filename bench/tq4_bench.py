@@ -15,25 +15,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 
 import torch
 
+from bench.timing import median_ms as _median_ms
 from serving_core import kv_pages
 from serving_core.kv_codec import TQ4Codec
 
 HQ, HKV, D, BLOCK = 12, 2, 128, 512
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def _plain_decode(q, pool, table, lengths):

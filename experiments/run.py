@@ -139,7 +139,7 @@ def main_run(cfg: DictConfig) -> dict:
     """
     _mark("composed")
     plan = validate_config(cfg, preflight=False)
-    engine = checked_engine(plan)  # built once (simulated), checked before anything is written
+    engine = checked_engine(plan)  # built once (in process), checked before anything is written
     key = run_key(cfg)
     if not cfg.write_ledgers:
         line = _ran_line(key, _timed_cell(cfg, plan, engine))

@@ -90,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "serving_core.server", "--spec", path, "--host", args.host,
            "--port", str(args.port), "--drain", args.drain, "--tokenizer", args.tokenizer,
            "--threads", str(args.threads)]
+    from experiments.runners.server_process import RECORDS_WRITER, allocator_env
+
     if args.records:
-        cmd += ["--records", args.records]
+        cmd += ["--records", args.records, "--records-writer", RECORDS_WRITER]
     if args.exit_with_parent:
         cmd.append("--exit-with-parent")
-    from experiments.runners.server_process import allocator_env
 
     env, _ = allocator_env("auto")  # tcmalloc when installed, as every launched server
     sys.stdout.flush()

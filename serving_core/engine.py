@@ -178,6 +178,13 @@ class Engine:
         self.refuse_unfit = False
         self.refused: list[int] = []
 
+    def start_wall_clock(self) -> None:
+        """An engine on a wall clock, built ahead of its run and not yet stepped: its clock
+        and wall seconds count from now (the run's start), not from its construction."""
+        assert self.sched.step == 0 and not self.requests, "the engine has already run"
+        self.clock.restart()
+        self._wall0 = time.perf_counter()
+
     # ----- requests ---------------------------------------------------------------------------
     def check_feasible(self, specs) -> None:
         check_feasible(self.mem, specs, self.org, self.budget_label)

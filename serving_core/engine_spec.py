@@ -2,8 +2,8 @@
 
 `EngineSpec` names everything that decides what an engine does: the model
 geometry, the storage organization, the budget (or explicit pool units), every
-engine rule (the scheduler's and the allocator's rule dataclasses, RULE_SECTIONS), the
-executor and its settings, the clock and the trace. Every
+engine rule (the scheduler's and the allocator's rule dataclasses, RULE_SECTIONS, and the
+executor's, declared on its ExecutorSpec), the executor, the clock and the trace. Every
 path that builds an engine (a simulated cell, the in-process torch engine, the
 HTTP server, continuation, calibration, benchmarks) goes through
 `serving_core.builder.build_engine(spec)`; the server receives the same spec as
@@ -24,50 +24,17 @@ from typing import Any
 
 from serving_core import rules
 from serving_core.executor.base import EXECUTOR_RULE_KEYS
+from serving_core.executor.spec import EXECUTOR_KINDS, ExecutorSpec  # noqa: F401
 from serving_core.geometry import Geometry, geometry_from_config
 from serving_core.memory.rules import AllocatorRules
 from serving_core.scheduler import SchedulerConfig
 
-# The engine's rule dataclasses, side by side in EngineSpec: section -> class (each field
-# one rule declaration, serving_core/rules.py; the order is the order of the records).
-RULE_SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "allocator": AllocatorRules}
-
-# external: an engine another program runs (the vLLM arm); the spec still carries its
-# scheduler settings, but serving_core builds no engine for it.
-EXECUTOR_KINDS = ("simulated", "paced", "torch", "external")
 CLOCKS = ("virtual", "wall")
 DEFAULT_CLOCK = {"simulated": "virtual", "paced": "wall", "torch": "wall", "external": "wall"}
 
-
-@dataclass(frozen=True)
-class ExecutorSpec:
-    """The executor of an engine, chosen by `kind` in the builder's registry.
-
-    simulated / paced: `profile` is the device profile mapping (conf/executor/<name>.yaml,
-    resolved) and `indirection_overhead` the extra S1/S2 fraction on top of the profile's;
-    paced sleeps each modelled step on a wall clock. torch: `checkpoint`, `device`, `dtype`.
-    external: served by another program (vLLM), never built here.
-    """
-
-    kind: str = "simulated"
-    profile: Mapping[str, Any] | None = None
-    indirection_overhead: float = 0.0
-    checkpoint: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    scan_chunk: int | None = None  # torch: tokens per chunk of the prefill SSD scan
-    # torch: prefill chunks over the same span share a forward up to this many tokens
-    # (0: one request per forward; None: the executor's default, 0 over packed KV)
-    prefill_batch_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in EXECUTOR_KINDS:
-            raise ValueError(
-                f"executor.kind={self.kind!r}: allowed values are {', '.join(EXECUTOR_KINDS)}"
-            )
-        if self.kind == "torch" and not self.checkpoint:
-            raise ValueError("executor.checkpoint: a checkpoint folder is required with torch")
-
+# The engine's rule dataclasses, side by side in EngineSpec: section -> class (each field
+# one rule declaration, serving_core/rules.py; the order is the order of the records).
+RULE_SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "allocator": AllocatorRules}
 
 @dataclass(frozen=True)
 class HostTierSpec:
@@ -225,18 +192,16 @@ def _known(data: Mapping, cls, where: str) -> None:
 
 def _requested_executor_rules(ex: ExecutorSpec, geometry: Geometry) -> dict[str, Any]:
     """What the spec asks of its executor, under keys of EXECUTOR_RULE_KEYS (the executor's
-    describe() reports the same keys): its kind and step model; for torch the settings
-    the spec fixes (scan chunk, prefill batch cap, when given) and the model's KV codec."""
-    rules: dict[str, Any] = {"executor": ex.kind, "step_model": _requested_step_model(ex)}
+    describe() reports the same keys): its kind and step model, each executor rule the
+    executor runs (their declarations on ExecutorSpec say which) and for torch the model's
+    KV codec."""
+    out: dict[str, Any] = {"executor": ex.kind, "step_model": _requested_step_model(ex),
+                           **rules.requested(ex, lambda spec: spec)}
     if ex.kind == "torch":
-        if ex.scan_chunk:
-            rules["scan_chunk"] = ex.scan_chunk
-        if ex.prefill_batch_tokens is not None:
-            rules["prefill_batch_tokens"] = ex.prefill_batch_tokens
-        rules["kv_codec"] = geometry.kv_codec
-        rules["kv_group_heads"] = geometry.kv_group_heads
-    assert rules.keys() <= set(EXECUTOR_RULE_KEYS), sorted(rules)
-    return rules
+        out["kv_codec"] = geometry.kv_codec
+        out["kv_group_heads"] = geometry.kv_group_heads
+    assert out.keys() <= set(EXECUTOR_RULE_KEYS), sorted(out)
+    return out
 
 
 def _requested_step_model(ex: ExecutorSpec) -> str | None:
@@ -284,12 +249,25 @@ def rule_declarations() -> list[tuple[str, Any]]:
             for f in rules.rule_fields(cls)]
 
 
+def executor_rule_declarations() -> list[tuple[str, Any]]:
+    """("executor", field) of every executor rule (declared on ExecutorSpec)."""
+    return [("executor", f) for f in rules.rule_fields(ExecutorSpec)]
+
+
+def config_defaults() -> dict[str, Any]:
+    """<name> -> its default in the run config, for every rule the config's engine section
+    sets (the `engine_rules` config node, experiments/config/rule_defaults.py)."""
+    return {f.name: rules.config_default(f)
+            for _, f in rule_declarations() + executor_rule_declarations()
+            if rules.declared(f).config and rules.hydra_key(f) == f"engine.{f.name}"}
+
+
 def rules_table() -> str:
     """The Markdown table of every declared rule (docs/engine_rules.md, between its
     engine-rules markers; tests/test_engine_rules.py holds it up to date)."""
     lines = ["| key | default | allowed | layer | what it decides |", "|---|---|---|---|---|"]
     layer = {"scheduler": "scheduler", "allocator": "allocator (memory)"}
-    for section, f in rule_declarations():
+    for section, f in rule_declarations() + executor_rule_declarations():
         r = rules.declared(f)
         allowed = r.allowed_text().removeprefix("values are ")
         default = rules.show_value(rules.default_of(f))

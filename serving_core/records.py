@@ -68,6 +68,12 @@ def format_key(key: int | None) -> str:
     return "" if key is None else f"{key & _MASK64:016x}"
 
 
+def _append(table: dict[str, list], **values) -> None:
+    """Append one value to each named column of `table`."""
+    for column, value in values.items():
+        table[column].append(value)
+
+
 class Recorder(MemoryEvents):
     """Collects one run's records; also the memory-event sink."""
 
@@ -105,15 +111,8 @@ class Recorder(MemoryEvents):
         if len(tr["seq"]) >= self.max_trace_events:
             self.dropped += 1
             return
-        tr["seq"].append(len(tr["seq"]))
-        tr["t_s"].append(t)
-        tr["step"].append(self.step)
-        tr["event"].append(event)
-        tr["request_id"].append(request_id)
-        tr["episode"].append(episode)
-        tr["kind"].append(kind)
-        tr["boundary"].append(boundary)
-        tr["key"].append(key)
+        _append(tr, seq=len(tr["seq"]), t_s=t, step=self.step, event=event,
+                request_id=request_id, episode=episode, kind=kind, boundary=boundary, key=key)
         for suffix, hit in (("m0", hit_m0), ("m1", hit_m1)):
             tr["a_" + suffix].append(hit.amax if hit else -1)
             tr["rmax_" + suffix].append(hit.rmax if hit else -1)
@@ -157,15 +156,8 @@ class Recorder(MemoryEvents):
         if not self.slab_enabled:
             return
         sl = self.slab
-        sl["seq"].append(len(sl["seq"]))
-        sl["t_s"].append(self.now)
-        sl["step"].append(self.step)
-        sl["event"].append(event)
-        sl["page"].append(page)
-        sl["slot"].append(slot)
-        sl["request_id"].append(request_id)
-        sl["occupancy"].append(occupancy)
-        sl["invalidated"].append(invalidated)
+        _append(sl, seq=len(sl["seq"]), t_s=self.now, step=self.step, event=event, page=page,
+                slot=slot, request_id=request_id, occupancy=occupancy, invalidated=invalidated)
 
     # ----- steps and poller -----------------------------------------------------------------
     def record_step(self, **row) -> None:

@@ -1,9 +1,10 @@
 """How an engine rule is declared: one dataclass field whose metadata says everything else.
 
 A rule is a field of the rule dataclass of the layer that runs it (the allocator's
-`serving_core.memory.rules.AllocatorRules`, the scheduler's `SchedulerConfig`), made
-with `rule(...)`: its default, its doc line, its allowed values (or a check with the
-allowed values in words), its Hydra key (`engine.<name>`), how the run asks for it
+`serving_core.memory.rules.AllocatorRules`, the scheduler's `SchedulerConfig`, the
+executor's `serving_core.executor.spec.ExecutorSpec`), made with `rule(...)`: its
+default, its doc line, its allowed values (or a check with the allowed values in words),
+its config key (`engine.<name>`, or its declared `key`), how the run asks for it
 given the organization (`requested`), how it is read back from the built engine object
 (`effective`) and whether its default stays out of a run's identity. Validation, the
 requested and effective rules, the run-identity defaults, the config translation and the
@@ -19,6 +20,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 RULE = "engine_rule"  # the metadata key of a rule field
+OMIT = object()  # a requested value that asks nothing under the rule's name
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,11 @@ class Rule:
     identity_neutral: at its default the rule stays out of a run's identity (a rule added
     after runs were collected, its default reproducing the earlier engine); config: set
     by the config key engine.<name> (False: derived otherwise, as retention_k from the arm
-    and retention.k)."""
+    and retention.k); config_null: the config's default is null, filled elsewhere (as
+    max_num_batched_tokens from the executor profile); key: the config key when it is not
+    engine.<name> (an executor group's setting: executor.<name>). A `requested` that
+    returns OMIT asks nothing under the rule's name (the executor does not run it, or
+    reports it under another key)."""
 
     doc: str
     allowed: tuple | None = None
@@ -44,6 +50,8 @@ class Rule:
     effective: Callable[[Any], Any] | None = None
     identity_neutral: bool = True
     config: bool = True
+    config_null: bool = False
+    key: str = ""
 
     def allowed_text(self) -> str:
         if self.allowed is not None:
@@ -78,12 +86,20 @@ def declared(f: Field) -> Rule:
 
 
 def hydra_key(f: Field) -> str:
-    """engine.<name> for a rule the config sets, else its bare name."""
-    return f"engine.{f.name}" if declared(f).config else f.name
+    """The config key of a rule the config sets (its declared key, else engine.<name>),
+    else its bare name."""
+    r = declared(f)
+    return (r.key or f"engine.{f.name}") if r.config else f.name
 
 
 def default_of(f: Field) -> Any:
     return f.default_factory() if f.default is MISSING else f.default
+
+
+def config_default(f: Field) -> Any:
+    """The default the run config gives a rule: null for a config_null rule, else the
+    declared default."""
+    return None if declared(f).config_null else default_of(f)
 
 
 def check_rules(obj: Any) -> None:
@@ -105,7 +121,9 @@ def requested(obj: Any, ctx_of: Callable[[Any], RuleContext]) -> dict[str, Any]:
     out = {}
     for f in rule_fields(obj):
         r, value = declared(f), getattr(obj, f.name)
-        out[f.name] = value if r.requested is None else r.requested(value, ctx)
+        want = value if r.requested is None else r.requested(value, ctx)
+        if want is not OMIT:
+            out[f.name] = want
     return out
 
 

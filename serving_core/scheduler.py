@@ -83,7 +83,8 @@ class SchedulerConfig:
                     identity_neutral=False)
     max_num_batched_tokens: int = rule(
         2048, "token budget of one step (config null: the executor profile's)",
-        check=lambda v: is_integer(v, 1), shown="integers >= 1", identity_neutral=False)
+        check=lambda v: is_integer(v, 1), shown="integers >= 1", identity_neutral=False,
+        config_null=True)
     headroom: float = rule(
         0.0, "f: admission keeps floor(f x units) free per pool",
         check=lambda v: is_number(v) and 0.0 <= v < 1.0, shown="numbers in [0, 1)",

@@ -108,6 +108,17 @@ def reads_no_cache(req: Request) -> bool:
             and req.num_generated == 0)
 
 
+def boundaries_crossed(chunks, C: int, step_end: bool) -> int:
+    """Composites the chunks (items with `context` and `num_new`) write at checkpoint
+    boundaries of interval C (0: none): at a chunk's end only (step_end), or at every
+    boundary it crosses."""
+    if not C:
+        return 0
+    if step_end:
+        return sum(1 for i in chunks if not (i.context + i.num_new) % C)
+    return sum((i.context + i.num_new) // C - i.context // C for i in chunks)
+
+
 class HybridStateManager:
     """State objects of the requests over one memory organization (see the module doc)."""
 
@@ -146,12 +157,7 @@ class HybridStateManager:
     def boundaries_crossed(self, chunks) -> int:
         """Composites the chunks (items with `context` and `num_new`) write at checkpoint
         boundaries. One pass over a whole step's plan (hot path: every step)."""
-        C = self.C
-        if not C:
-            return 0
-        if self.step_end:
-            return sum(1 for i in chunks if not (i.context + i.num_new) % C)
-        return sum((i.context + i.num_new) // C - i.context // C for i in chunks)
+        return boundaries_crossed(chunks, self.C, self.step_end)
 
     # ----- demand ------------------------------------------------------------------------------
     def chunk_demand(self, req: Request, start: int, n: int, working: int,

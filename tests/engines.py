@@ -9,9 +9,11 @@ model object (modelled executors) or an already loaded model (torch).
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+import os
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
+import pytest
 
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import Engine, EngineResult, serve
@@ -31,6 +33,49 @@ def prompt_set(seed: int, context: int, suffixes) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     ctx = rng.integers(0, 128_256, context)
     return [np.concatenate([ctx, rng.integers(0, 128_256, n)]).astype(np.int32) for n in suffixes]
+
+
+def transformers_generate(model_class: str, checkpoint, prompts, output_tokens: int):
+    """transformers' own greedy continuation (`generate`, fp32, EOS ignored) of each prompt
+    alone: (the continuations, the network)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+
+    net = getattr(transformers, model_class).from_pretrained(checkpoint,
+                                                             dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt.tolist()], dtype=torch.long)
+            gen = net.generate(ids, max_new_tokens=output_tokens, min_new_tokens=output_tokens,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(gen[0, ids.shape[1]:].tolist())
+    return out, net
+
+
+def reference_fixtures(short: tuple, long: tuple, greedy, checkpoint: str):
+    """Module fixtures prompts, long_prompts (prompt_set of seeds 2026 and 2027 at the
+    `short` and `long` sizes), reference and long_reference (`greedy(checkpoint folder,
+    prompts)` over the fixture named `checkpoint`), for a module to assign by those names."""
+
+    @pytest.fixture(scope="module")
+    def prompts():
+        return prompt_set(2026, *short)
+
+    @pytest.fixture(scope="module")
+    def long_prompts():
+        return prompt_set(2027, *long)
+
+    @pytest.fixture(scope="module")
+    def reference(request, prompts):
+        return greedy(request.getfixturevalue(checkpoint), prompts)
+
+    @pytest.fixture(scope="module")
+    def long_reference(request, long_prompts):
+        return greedy(request.getfixturevalue(checkpoint), long_prompts)
+
+    return prompts, long_prompts, reference, long_reference
 
 
 def _sections(rules) -> dict:
@@ -82,3 +127,51 @@ def serve_greedy(model, preset: str, org: str, budget: str, specs, max_tokens: i
                           clock="virtual")
     produced = record_produced(engine)
     return serve(engine, specs), produced
+
+
+@dataclass(frozen=True)
+class GreedyChecks:
+    """The checks that serving on `preset`'s torch engine continues a reference exactly
+    (each request `output_tokens` greedy tokens): adoption of a published prefix,
+    preemption and resumption, chunked prefill."""
+
+    preset: str
+    output_tokens: int
+
+    def specs(self, prompts, which, arrivals) -> list:
+        return [Spec(i, a, prompts[w], self.output_tokens)
+                for i, (w, a) in enumerate(zip(which, arrivals, strict=True))]
+
+    def adoption(self, model, prompts, reference, org: str, adopted: int,
+                 max_tokens: int = 2048) -> EngineResult:
+        """The second request arrives after the first finished: it adopts the shared
+        prefix's deepest checkpoint (`adopted` tokens, published by the first) and computes
+        only the rest. (The engine's poller samples every virtual second up to the arrival:
+        10^4 s, not 10^6, is still hours of the first request's measured step time, at 1 %
+        of the samples.)"""
+        specs = self.specs(prompts, (0, 1), (0.0, 1e4))
+        result, produced = serve_greedy(model, self.preset, org, "b12", specs,
+                                        max_tokens=max_tokens)
+        assert result.tables["requests"]["adopted_prefix_tokens"] == [0, adopted]
+        assert produced[0] == reference[0]
+        assert produced[1] == reference[1]
+        return result
+
+    def preemption(self, model, prompts, reference, org: str, budget: str, **rules) -> None:
+        """Three requests at once on a budget that preempts: every resumed one continues."""
+        specs = self.specs(prompts, (0, 1, 2), (0.0, 0.0, 0.0))
+        result, produced = serve_greedy(model, self.preset, org, budget, specs, **rules)
+        assert result.summary["preemptions"] >= 1
+        requests = result.tables["requests"]
+        resumed = [i for i, n in enumerate(requests["preemptions"]) if n]
+        assert resumed and all(requests["episodes"][i] >= 2 for i in resumed)
+        for i in range(3):
+            assert produced[i] == reference[i], f"request {i}"
+
+    def chunked_prefill(self, model, prompts, reference, org: str, chunk: int) -> None:
+        """The third prompt in prefill chunks of at most `chunk` tokens."""
+        specs = self.specs(prompts, (2,), (0.0,))
+        result, produced = serve_greedy(model, self.preset, org, "b12", specs, max_tokens=chunk)
+        prefill_steps = [n for n in result.tables["steps"]["prefill_tokens_initial"] if n]
+        assert max(prefill_steps) <= chunk and len(prefill_steps) == -(-len(prompts[2]) // chunk)
+        assert produced[0] == reference[2]

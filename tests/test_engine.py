@@ -264,17 +264,8 @@ def test_single_run_command_is_deterministic(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.run",
-        "org=s2",
-        "budget=b63",
-        "seed=42000",
-        "write_ledgers=false",
-        "workload.num_requests=120",
-        f"hydra.run.dir={tmp_path}/h",
-    ]
+    cmd = [sys.executable, "-m", "experiments.run", "org=s2", "budget=b63", "seed=42000",
+           "write_ledgers=false", "workload.num_requests=120", f"hydra.run.dir={tmp_path}/h"]
     outputs = []
     for _ in range(2):
         proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=True)

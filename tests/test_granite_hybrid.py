@@ -10,8 +10,7 @@ split into chunks that do not align with anything.
 
 from __future__ import annotations
 
-import os
-
+import engines
 import numpy as np
 import pytest
 import torch
@@ -39,18 +38,8 @@ def prompts():
 
 
 def _reference(checkpoint, prompts):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import GraniteMoeHybridForCausalLM
-
-    net = GraniteMoeHybridForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt.tolist()])
-            gen = net.generate(ids, max_new_tokens=OUTPUT_TOKENS, do_sample=False,
-                               min_new_tokens=OUTPUT_TOKENS, eos_token_id=None,
-                               pad_token_id=0)
-            out.append(gen[0, ids.shape[1]:].tolist())
+    out, net = engines.transformers_generate("GraniteMoeHybridForCausalLM", checkpoint, prompts,
+                                             OUTPUT_TOKENS)
     return out, sum(p.numel() for p in net.parameters())
 
 

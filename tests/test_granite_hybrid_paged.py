@@ -13,12 +13,8 @@ checkpoint interval.
 
 from __future__ import annotations
 
-import os
-
 import engines
 import pytest
-import torch
-from engines import Spec, prompt_set
 
 from serving_core.geometry import load_geometry
 from serving_core.model.granite_moe_hybrid import GraniteMoeHybrid
@@ -41,59 +37,15 @@ def model(checkpoint):
 
 
 def _transformers_greedy(checkpoint, prompts):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import GraniteMoeHybridForCausalLM
-
-    net = GraniteMoeHybridForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt.tolist()], dtype=torch.long)
-            gen = net.generate(ids, max_new_tokens=OUTPUT_TOKENS, min_new_tokens=OUTPUT_TOKENS,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(gen[0, ids.shape[1]:].tolist())
-    return out
+    return engines.transformers_generate("GraniteMoeHybridForCausalLM", checkpoint, prompts,
+                                         OUTPUT_TOKENS)[0]
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    return prompt_set(2026, *SHORT)
+prompts, long_prompts, reference, long_reference = engines.reference_fixtures(
+    SHORT, LONG, _transformers_greedy, "checkpoint")
 
 
-@pytest.fixture(scope="module")
-def long_prompts():
-    return prompt_set(2027, *LONG)
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint, prompts):
-    return _transformers_greedy(checkpoint, prompts)
-
-
-@pytest.fixture(scope="module")
-def long_reference(checkpoint, long_prompts):
-    return _transformers_greedy(checkpoint, long_prompts)
-
-
-def serve_greedy(model, org, budget, specs, **kwargs):
-    return engines.serve_greedy(model, PRESET, org, budget, specs, **kwargs)
-
-
-def _specs(prompts, which, arrivals):
-    return [Spec(i, a, prompts[w], OUTPUT_TOKENS)
-            for i, (w, a) in enumerate(zip(which, arrivals, strict=True))]
-
-
-def _check_adoption(model, prompts, reference, org, adopted, max_tokens=2048):
-    # (The engine's poller samples every virtual second up to the arrival: 10^4 s, not
-    # 10^6, is still hours of the first request's measured step time, at 1 % of the
-    # samples.)
-    specs = _specs(prompts, (0, 1), (0.0, 1e4))
-    result, produced = serve_greedy(model, org, "b12", specs, max_tokens=max_tokens)
-    assert result.tables["requests"]["adopted_prefix_tokens"] == [0, adopted]
-    assert produced[0] == reference[0]
-    assert produced[1] == reference[1]
-    return result
+CHECKS = engines.GreedyChecks(PRESET, OUTPUT_TOKENS)
 
 
 def test_one_group_of_one_attention_and_three_mamba2_layers():
@@ -108,7 +60,7 @@ def test_one_group_of_one_attention_and_three_mamba2_layers():
 def test_greedy_equals_transformers_and_adopted_prefix_continues_exactly(
     model, prompts, reference, org
 ):
-    _check_adoption(model, prompts, reference, org, 512)
+    CHECKS.adoption(model, prompts, reference, org, 512)
 
 
 @pytest.mark.parametrize(("org", "adopted"), [("N0", 864), ("JENGA", 512)])
@@ -118,32 +70,21 @@ def test_n0_and_jenga_greedy_equal_transformers_with_adoption(
     """N0: vLLM's per-layer pages (one 144-token page per attention block, a checkpoint one
     page per Mamba2 layer of the group: 3), every boundary published, so the 1,000 shared
     tokens give 6 x 144 = 864; Jenga: S2's 512-token grid."""
-    _check_adoption(model, prompts, reference, org, adopted)
+    CHECKS.adoption(model, prompts, reference, org, adopted)
 
 
 def test_d0_greedy_and_adoption_with_a_boundary_inside_a_chunk(
     model, long_prompts, long_reference
 ):
-    result = _check_adoption(model, long_prompts, long_reference, "D0", 1792, 1000)
+    result = CHECKS.adoption(model, long_prompts, long_reference, "D0", 1792, 1000)
     assert max(result.tables["steps"]["prefill_tokens_initial"]) == 1000
 
 
 def test_preemption_and_resume_continue_exactly(model, prompts, reference):
-    specs = _specs(prompts, (0, 1, 2), (0.0, 0.0, 0.0))
-    result, produced = serve_greedy(model, "S2", "p7", specs)
-    assert result.summary["preemptions"] >= 1
-    requests = result.tables["requests"]
-    resumed = [i for i, n in enumerate(requests["preemptions"]) if n]
-    assert resumed and all(requests["episodes"][i] >= 2 for i in resumed)
-    for i in range(3):
-        assert produced[i] == reference[i], f"request {i}"
+    CHECKS.preemption(model, prompts, reference, "S2", "p7")
 
 
 @pytest.mark.parametrize(("org", "chunk"),
                          [("S1", 300), ("S2", 700), ("S0", 450), ("N0", 300)])
 def test_chunked_prefill_continues_exactly(model, prompts, reference, org, chunk):
-    specs = _specs(prompts, (2,), (0.0,))
-    result, produced = serve_greedy(model, org, "b12", specs, max_tokens=chunk)
-    prefill_steps = [n for n in result.tables["steps"]["prefill_tokens_initial"] if n]
-    assert max(prefill_steps) <= chunk and len(prefill_steps) == -(-len(prompts[2]) // chunk)
-    assert produced[0] == reference[2]
+    CHECKS.chunked_prefill(model, prompts, reference, org, chunk)

@@ -187,21 +187,20 @@ class Driver:
         self.held[obj.oid] = obj
         return obj
 
-    def allocate_attention(self, rid: int) -> StateObject:
-        obj = self._track(self.mem.allocate_attention(rid))
+    def _allocated(self, obj: StateObject, op: str) -> StateObject:
+        """Track a newly allocated object, count `op`, call on_allocate."""
+        obj = self._track(obj)
         self.allocated.append(obj)
-        self.stats["allocate_attention"] += 1
+        self.stats[op] += 1
         if self.on_allocate is not None:
             self.on_allocate(obj)
         return obj
 
+    def allocate_attention(self, rid: int) -> StateObject:
+        return self._allocated(self.mem.allocate_attention(rid), "allocate_attention")
+
     def allocate_composite(self, rid: int) -> StateObject:
-        obj = self._track(self.mem.allocate_composite(rid))
-        self.allocated.append(obj)
-        self.stats["allocate_composite"] += 1
-        if self.on_allocate is not None:
-            self.on_allocate(obj)
-        return obj
+        return self._allocated(self.mem.allocate_composite(rid), "allocate_composite")
 
     def acquire(self, obj: StateObject) -> None:
         self.mem.acquire(obj)
@@ -925,6 +924,17 @@ def test_check_invariants_detects_corruption(corrupt, message) -> None:
 
 
 # ----- hypothesis state machine: shrinkable sequences over the same operations -----------
+def _op_rule(name: str, op: str):
+    """A state-machine rule `name` running the driver's op_<op> with a shrinkable random."""
+
+    @rule(rng=st.randoms(use_true_random=False))
+    def step(self, rng: random.Random) -> None:
+        getattr(self.driver, "op_" + op)(rng)
+
+    step.__name__ = step.__qualname__ = name
+    return step
+
+
 def _machine(config: Config):
     class MemoryMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -933,36 +943,13 @@ def _machine(config: Config):
             self.mem = make_memory(config, self.recorder)
             self.driver = Driver(self.mem, seed=0, max_running=config.max_running)
 
-        def _op(self, name: str, rng: random.Random) -> None:
-            getattr(self.driver, "op_" + name)(rng)
-
-        @rule(rng=st.randoms(use_true_random=False))
-        def admit(self, rng):
-            self._op("admit", rng)
-
-        @rule(rng=st.randoms(use_true_random=False))
-        def advance(self, rng):
-            self._op("advance", rng)
-
-        @rule(rng=st.randoms(use_true_random=False))
-        def finish_or_preempt(self, rng):
-            self._op("finish", rng)
-
-        @rule(rng=st.randoms(use_true_random=False))
-        def pin(self, rng):
-            self._op("pin", rng)
-
-        @rule(rng=st.randoms(use_true_random=False))
-        def unpin(self, rng):
-            self._op("unpin", rng)
-
-        @rule(rng=st.randoms(use_true_random=False))
-        def burst(self, rng):
-            self._op("burst", rng)
-
-        @rule(rng=st.randoms(use_true_random=False))
-        def drain(self, rng):
-            self._op("drain", rng)
+        admit = _op_rule("admit", "admit")
+        advance = _op_rule("advance", "advance")
+        finish_or_preempt = _op_rule("finish_or_preempt", "finish")
+        pin = _op_rule("pin", "pin")
+        unpin = _op_rule("unpin", "unpin")
+        burst = _op_rule("burst", "burst")
+        drain = _op_rule("drain", "drain")
 
         @invariant()
         def all_invariants(self):

@@ -131,15 +131,22 @@ def _mask(runs: pd.DataFrame, keys) -> pd.Series:
     return mask
 
 
-def test_q6_17_self_comparisons_and_seeded_bootstrap():
+def _q6_values(*, seed: int, sd: float, level: float, d0_gain: float):
+    """Q6's plan, its primary family and a throughput value(cell, seed): `level` (times
+    `d0_gain` for D0 cells) times exp of seeded normal noise of deviation `sd` per run."""
     plan = prereg.load_plan("q6")
     fam = plan.primary_family
-    rng = np.random.default_rng(3)
-    noise = {(c.id, s): rng.normal(0, 0.04) for c in fam.cells for s in fam.seeds}
+    rng = np.random.default_rng(seed)
+    noise = {(c.id, s): rng.normal(0, sd) for c in fam.cells for s in fam.seeds}
 
     def value(cell, seed):
-        return 900 * (1.1 if cell.startswith("D0") else 1.0) * np.exp(noise[(cell, seed)])
+        return level * (d0_gain if cell.startswith("D0") else 1.0) * np.exp(noise[(cell, seed)])
 
+    return plan, fam, value
+
+
+def test_q6_17_self_comparisons_and_seeded_bootstrap():
+    plan, fam, value = _q6_values(seed=3, sd=0.04, level=900, d0_gain=1.1)
     result = evaluate_family(plan, fam, runs_for(plan, "Q6-17", value))
     assert result.accepted and result.m == 17
     table = result.tables["throughput_span"].set_index("test")
@@ -162,14 +169,7 @@ def test_q6_17_self_comparisons_and_seeded_bootstrap():
 def test_q6_17_cross_budget_rows_are_pt_and_p19_differences_without_intervals():
     """A2: #1 (budget-endpoint) = PT(b108) - PT(b63), #2 = P19(b108) - P19(b63), log-ratio
     differences, no bootstrap interval; every other non-self row keeps its interval."""
-    plan = prereg.load_plan("q6")
-    fam = plan.primary_family
-    rng = np.random.default_rng(8)
-    noise = {(c.id, s): rng.normal(0, 0.05) for c in fam.cells for s in fam.seeds}
-
-    def value(cell, seed):
-        return 800 * (1.05 if cell.startswith("D0") else 1.0) * np.exp(noise[(cell, seed)])
-
+    plan, fam, value = _q6_values(seed=8, sd=0.05, level=800, d0_gain=1.05)
     table = evaluate_family(plan, fam, runs_for(plan, "Q6-17", value)).tables[
         "throughput_span"].set_index("test")
     log = {c.id: np.log([value(c.id, s) for s in fam.seeds]) for c in fam.cells}

@@ -15,7 +15,6 @@ import os
 import engines
 import pytest
 import torch
-from engines import Spec, prompt_set
 
 OUTPUT_TOKENS = 64
 # Prompts: a shared document plus a question. S orgs: a 1,000-token document (checkpoints at
@@ -48,61 +47,25 @@ def _transformers_greedy(checkpoint, prompts):
     return out
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    return prompt_set(2026, *SHORT)
+prompts, long_prompts, reference, long_reference = engines.reference_fixtures(
+    SHORT, LONG, _transformers_greedy, "tiny_checkpoint")
 
 
-@pytest.fixture(scope="module")
-def long_prompts():
-    return prompt_set(2027, *LONG)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_checkpoint, prompts):
-    return _transformers_greedy(tiny_checkpoint, prompts)
-
-
-@pytest.fixture(scope="module")
-def long_reference(tiny_checkpoint, long_prompts):
-    return _transformers_greedy(tiny_checkpoint, long_prompts)
-
-
-def serve_greedy(model, org, budget, specs, **kwargs):
-    return engines.serve_greedy(model, "falcon_h1_tiny", org, budget, specs, **kwargs)
-
-
-def _specs(prompts, which, arrivals):
-    return [Spec(i, a, prompts[w], OUTPUT_TOKENS) for i, (w, a) in enumerate(zip(which, arrivals,
-                                                                                   strict=True))]
-
-
-def _check_adoption(model, prompts, reference, org, adopted, max_tokens=2048):
-    # The second request arrives after the first finished: it adopts the shared prefix's
-    # deepest checkpoint (published by the first) and computes only the rest.
-    # (The engine's poller samples every virtual second up to the arrival: 10^4 s, not
-    # 10^6, is still hours of the first request's measured step time, at 1 % of the
-    # samples.)
-    specs = _specs(prompts, (0, 1), (0.0, 1e4))
-    result, produced = serve_greedy(model, org, "b12", specs, max_tokens=max_tokens)
-    assert result.tables["requests"]["adopted_prefix_tokens"] == [0, adopted]
-    assert produced[0] == reference[0]
-    assert produced[1] == reference[1]
-    return result
+CHECKS = engines.GreedyChecks("falcon_h1_tiny", OUTPUT_TOKENS)
 
 
 @pytest.mark.parametrize("org", ["S0", "S1", "S2", "JENGA"])
 def test_greedy_equals_transformers_and_adopted_prefix_continues_exactly(
     tiny_model, prompts, reference, org
 ):
-    _check_adoption(tiny_model, prompts, reference, org, 512)
+    CHECKS.adoption(tiny_model, prompts, reference, org, 512)
 
 
 def test_d0_greedy_and_adoption_with_a_boundary_inside_a_chunk(
     tiny_model, long_prompts, long_reference
 ):
     # 1,000-token chunks: the 1,792 boundary falls inside the second chunk.
-    result = _check_adoption(tiny_model, long_prompts, long_reference, "D0", 1792, 1000)
+    result = CHECKS.adoption(tiny_model, long_prompts, long_reference, "D0", 1792, 1000)
     assert max(result.tables["steps"]["prefill_tokens_initial"]) == 1000
 
 
@@ -112,20 +75,9 @@ def test_d0_greedy_and_adoption_with_a_boundary_inside_a_chunk(
     ("S2", "p13", {}), ("JENGA", "b5", {"admission": "first_chunk", "max_tokens": 256})])
 def test_preemption_and_resume_continue_exactly(tiny_model, prompts, reference, org, budget,
                                                  rules):
-    specs = _specs(prompts, (0, 1, 2), (0.0, 0.0, 0.0))
-    result, produced = serve_greedy(tiny_model, org, budget, specs, **rules)
-    assert result.summary["preemptions"] >= 1
-    requests = result.tables["requests"]
-    resumed = [i for i, n in enumerate(requests["preemptions"]) if n]
-    assert resumed and all(requests["episodes"][i] >= 2 for i in resumed)
-    for i in range(3):
-        assert produced[i] == reference[i], f"request {i}"
+    CHECKS.preemption(tiny_model, prompts, reference, org, budget, **rules)
 
 
 @pytest.mark.parametrize(("org", "chunk"), [("S1", 300), ("S2", 700), ("JENGA", 700)])
 def test_chunked_prefill_continues_exactly(tiny_model, prompts, reference, org, chunk):
-    specs = _specs(prompts, (2,), (0.0,))
-    result, produced = serve_greedy(tiny_model, org, "b12", specs, max_tokens=chunk)
-    prefill_steps = [n for n in result.tables["steps"]["prefill_tokens_initial"] if n]
-    assert max(prefill_steps) <= chunk and len(prefill_steps) == -(-len(prompts[2]) // chunk)
-    assert produced[0] == reference[2]
+    CHECKS.chunked_prefill(tiny_model, prompts, reference, org, chunk)

@@ -151,6 +151,39 @@ def test_bad_arguments_exit_2_with_one_line(tag, tmp_path):
     assert not (tmp_path / "rec").exists()
 
 
+def test_records_go_through_the_writer_the_launcher_names(tmp_path, capsys):
+    """The server writes its records through a port (server/records_out.py): --records
+    without --records-writer, or a writer that does not load, is one line and exit 2,
+    nothing written; the launchers name the ledger side's writer."""
+    from experiments.runners.server_process import RECORDS_WRITER, hsl_server_command
+    from serving_core.server.__main__ import main
+    from serving_core.server.records_out import load_writer
+
+    rec = tmp_path / "rec"
+    for extra, message in (([], "error: --records: needs --records-writer MODULE:FUNCTION"),
+                           (["--records-writer", "nowhere:write"],
+                            "error: --records-writer='nowhere:write': cannot load")):
+        assert main(["--spec", str(tmp_path / "none.json"), "--records", str(rec),
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) and len(err.strip().splitlines()) == 1
+    assert not rec.exists()
+    cmd = hsl_server_command(spec="s.json", records=str(rec))
+    assert cmd[cmd.index("--records-writer") + 1] == RECORDS_WRITER
+    import pyarrow.parquet as pq
+
+    from ledgers.schemas import ENGINE_SCHEMAS
+    from serving_core.server.records_out import RECORD_TABLES
+
+    empty = {name: {c: [] for c in ENGINE_SCHEMAS[name].names} for name in RECORD_TABLES}
+    out = load_writer(RECORDS_WRITER)(rec, empty, {"clock_end_s": 0.0})
+    for name in RECORD_TABLES:  # written under the ledger's column types
+        written = pq.read_schema(out / f"{name}.parquet")
+        assert [(f.name, f.type) for f in written] == \
+            [(f.name, f.type) for f in ENGINE_SCHEMAS[name]]
+    assert read_records(out)[1] == {"clock_end_s": 0.0}
+
+
 def test_model_folder_that_does_not_load(tag, tmp_path, tiny_checkpoint):
     """config.json matches the preset but the weights are damaged: exit 1, one clear
     line, nothing left running."""

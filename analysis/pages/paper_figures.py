@@ -245,6 +245,17 @@ def low_load(runs: pd.DataFrame, path: Path, title: str, note: str = "",
     return save(fig, path)
 
 
+def _grouped(frame: pd.DataFrame, bar: str, bars: list, group: str, groups: list,
+             width: float):
+    """(group index, bar value, x, row) of every grouped bar that has a row in `frame`:
+    bars of each `bar` value side by side within each `group` position, bar by bar."""
+    for j, b in enumerate(bars):
+        for i, g in enumerate(groups):
+            row = frame[(frame[bar] == b) & (frame[group] == g)]
+            if not row.empty:
+                yield i, b, i + (j - (len(bars) - 1) / 2) * width, row
+
+
 def c_once_bars(cells: pd.DataFrame, path: Path, title: str, note: str = "",
                 stage: str = "main") -> Path | None:
     """Fig. 3(a): C_once bars (10^3 tokens/run) with hollow throughput symbols per
@@ -256,16 +267,11 @@ def c_once_bars(cells: pd.DataFrame, path: Path, title: str, note: str = "",
     width = 0.8 / len(orgs)
     fig, ax = plt.subplots(figsize=(7.0, 4.4))
     right = ax.twinx()
-    for j, org in enumerate(orgs):
-        for i, point in enumerate(points):
-            row = cells[(cells["org"] == org) & (cells["point"] == point)]
-            if row.empty:
-                continue
-            x = i + (j - (len(orgs) - 1) / 2) * width
-            ax.bar(x, row["c_once_tokens"].iloc[0] / 1e3, width, color=_color(org), alpha=0.8,
-                   label=org_name(org) if i == 0 else None)
-            right.scatter(x, row["throughput_span"].iloc[0], marker="o", facecolor="white",
-                          edgecolor="black", zorder=4)
+    for i, org, x, row in _grouped(cells, "org", orgs, "point", points, width):
+        ax.bar(x, row["c_once_tokens"].iloc[0] / 1e3, width, color=_color(org), alpha=0.8,
+               label=org_name(org) if i == 0 else None)
+        right.scatter(x, row["throughput_span"].iloc[0], marker="o", facecolor="white",
+                      edgecolor="black", zorder=4)
     ax.set_xticks(range(len(points)), points)
     ax.set_xlabel("operating point (three-run means)")
     ax.set_ylabel("C_once (10³ tokens/run)")
@@ -313,18 +319,14 @@ def endpoint_bars(table: pd.DataFrame, path: Path, title: str, note: str = "",
     width = 0.8 / len(steps)
     colors = {"S1 over S0": _color("S1"), "S2 over S1": _color("S2"), "D0 over S2": _color("D0")}
     fig, ax = plt.subplots(figsize=(6.0, 4.4))
-    for j, step in enumerate(steps):
-        for i, q in enumerate(qs):
-            row = table[(table["step"] == step) & (table["q"] == q)]
-            if row.empty:
-                continue
-            x = i + (j - (len(steps) - 1) / 2) * width
-            value = float(row["effect"].iloc[0])
-            ax.bar(x, value, width, color=colors.get(step, "#dd8452"),
-                   label=step if i == 0 else None)
-            ax.annotate(f"{value:.3f}" if q == 0 else f"{value:.1f}", (x, value), ha="center",
-                        va="bottom" if value >= 0 else "top", fontsize=8)
-            _dots(ax, rng, x, row["values"].iloc[0], width=width / 4)
+    for i, step, x, row in _grouped(table, "step", steps, "q", qs, width):
+        q = qs[i]
+        value = float(row["effect"].iloc[0])
+        ax.bar(x, value, width, color=colors.get(step, "#dd8452"),
+               label=step if i == 0 else None)
+        ax.annotate(f"{value:.3f}" if q == 0 else f"{value:.1f}", (x, value), ha="center",
+                    va="bottom" if value >= 0 else "top", fontsize=8)
+        _dots(ax, rng, x, row["values"].iloc[0], width=width / 4)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(qs)), [f"q = {q:g}" for q in qs])
     ax.set_xlabel("shared-context fraction q (dots: seeds)")

@@ -100,6 +100,24 @@ def begin_plan(con, question: str, title: str, plan_dir=None
     return result, runset, plan
 
 
+def plan_analyzer(question: str, title: str, fill, borrow: tuple | None = None):
+    """The `analyze(con, *, plan_dir=None, allow_changed_plan=False)` of a question page
+    over its plan: `begin_plan`, then `fill(result, plan, runs, con)` when the plan's
+    campaigns hold runs, the plan's families attached, then the rows `borrow` names
+    (another question, its experiment, the rows: `borrow_rows`)."""
+
+    def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
+        result, runset, plan = begin_plan(con, question, title, plan_dir)
+        if not runset.runs.empty:
+            fill(result, plan, runset.runs, con)
+        attach_families(result, runset.all_runs, question, plan_dir, allow_changed_plan)
+        if borrow is not None:
+            borrow_rows(result, con, *borrow, plan_dir, allow_changed_plan)
+        return result
+
+    return analyze
+
+
 def run_frame(runs: pd.DataFrame) -> pd.DataFrame:
     """The per-run CSV table: identity, design, readouts and provenance columns."""
     return runs[[c for c in RUN_COLUMNS if c in runs]]

@@ -47,31 +47,29 @@ def s0_index(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
-    result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
-    runs = runset.runs
-    if not runs.empty:
-        anchors = readouts.family_runs(plan, "anchors", runs)
-        anchors = anchors.assign(point=anchors["budget"].map(POINTS))
-        result.add("anchor_runs", readouts.run_frame(anchors))
-        cells = result.add("anchors", readouts.means_table(anchors, ["point", "org"], WORK))
-        result.sections.append(Section(
-            "Anchors 2a and 2b: work, gauges and throughput",
-            "Means over runs (seeds 0-2). C_once, H in tokens per run; K engine steps; H/K the "
-            "mean of per-run ratios; gauges per-run median and maximum of the 1-s samples. "
-            "Paired changes per step (means of same-seed relative changes): family `anchors`.",
-            [("", cells, None)]))
-        control = readouts.family_runs(plan, "exp2c_no_sharing", runs)
-        result.add("exp2c", readouts.means_table(control, ["org"], WORK))
-        index = result.add("s0_index", s0_index(control))
-        result.sections.append(Section(
-            "Exp 2c: no sharing (b83, q = 0)",
-            "The Q3 q = 0 runs. `t_index`: mean over seeds of the within-seed throughput ratio "
-            "to S0 (I_S2 = mean r1 r2, not the product of averaged steps); `c_once_index`: mean "
-            "within-seed C_once ratio to S0.",
-            [("cell means", result.frames["exp2c"], None), ("S0-normalized index", index, None)]))
-    readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
-    return result
+def _fill(result: QuestionResult, plan, runs, con) -> None:
+    anchors = readouts.family_runs(plan, "anchors", runs)
+    anchors = anchors.assign(point=anchors["budget"].map(POINTS))
+    result.add("anchor_runs", readouts.run_frame(anchors))
+    cells = result.add("anchors", readouts.means_table(anchors, ["point", "org"], WORK))
+    result.sections.append(Section(
+        "Anchors 2a and 2b: work, gauges and throughput",
+        "Means over runs (seeds 0-2). C_once, H in tokens per run; K engine steps; H/K the "
+        "mean of per-run ratios; gauges per-run median and maximum of the 1-s samples. "
+        "Paired changes per step (means of same-seed relative changes): family `anchors`.",
+        [("", cells, None)]))
+    control = readouts.family_runs(plan, "exp2c_no_sharing", runs)
+    result.add("exp2c", readouts.means_table(control, ["org"], WORK))
+    index = result.add("s0_index", s0_index(control))
+    result.sections.append(Section(
+        "Exp 2c: no sharing (b83, q = 0)",
+        "The Q3 q = 0 runs. `t_index`: mean over seeds of the within-seed throughput ratio "
+        "to S0 (I_S2 = mean r1 r2, not the product of averaged steps); `c_once_index`: mean "
+        "within-seed C_once ratio to S0.",
+        [("cell means", result.frames["exp2c"], None), ("S0-normalized index", index, None)]))
+
+
+analyze = readouts.plan_analyzer(QUESTION, TITLE, _fill)
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:

@@ -36,25 +36,23 @@ def step_effects(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
-    result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
-    runs = runset.runs
-    if not runs.empty:
-        levels = readouts.family_runs(plan, "sharing_levels", runs)
-        cells = result.add("cells", readouts.means_table(
-            levels, ["q", "org"], ("throughput_span", "throughput_ledger", "c_once_tokens")))
-        effects = step_effects(levels)
-        result.frames["_endpoints"] = effects  # for the figure; not a CSV (array column)
-        shown = effects.drop(columns="values") if len(effects) else effects
-        result.add("step_effects", shown)
-        result.sections.append(Section(
-            "Organization steps by sharing level",
-            "b83, λ 3, cap 63, f 0; arithmetic run means and mean seedwise percent changes "
-            "(request span). The q = 1 runs are Q1's (S0-S2) and Q4's (D0).",
-            [("cell means", cells, None), ("mean seedwise step effects (%)", shown, None)]))
-    readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
-    readouts.borrow_rows(result, con, "q1", "EXT-22", ENDPOINT_ROWS, plan_dir, allow_changed_plan)
-    return result
+def _fill(result: QuestionResult, plan, runs, con) -> None:
+    levels = readouts.family_runs(plan, "sharing_levels", runs)
+    cells = result.add("cells", readouts.means_table(
+        levels, ["q", "org"], ("throughput_span", "throughput_ledger", "c_once_tokens")))
+    effects = step_effects(levels)
+    result.frames["_endpoints"] = effects  # for the figure; not a CSV (array column)
+    shown = effects.drop(columns="values") if len(effects) else effects
+    result.add("step_effects", shown)
+    result.sections.append(Section(
+        "Organization steps by sharing level",
+        "b83, λ 3, cap 63, f 0; arithmetic run means and mean seedwise percent changes "
+        "(request span). The q = 1 runs are Q1's (S0-S2) and Q4's (D0).",
+        [("cell means", cells, None), ("mean seedwise step effects (%)", shown, None)]))
+
+
+analyze = readouts.plan_analyzer(QUESTION, TITLE, _fill,
+                                 borrow=("q1", "EXT-22", ENDPOINT_ROWS))
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:

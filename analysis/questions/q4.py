@@ -36,23 +36,21 @@ def c_once_difference(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
-    result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
-    runs = runset.runs
-    if not runs.empty:
-        four = readouts.family_runs(plan, "four_orgs", runs)
-        cells = result.add("cells", readouts.means_table(
-            four, ["budget", "org"], ("throughput_span", "throughput_ledger", "e2e_p99",
-                                      "c_once_tokens")))
-        diff = result.add("c_once_d0_minus_s2", c_once_difference(four))
-        result.sections.append(Section(
-            "Four organizations by budget", "λ 3, cap 63, q 1, f 0, pin K 2; arithmetic means "
-            "over runs; C_once difference D0 - S2 as the mean of seedwise differences.",
-            [("cell means", cells, None), ("C_once D0 - S2 (tokens/run)", diff, None)]))
-        supporting.stranded_section(result, con, four, ["budget", "org"], plan)
-    readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
-    readouts.borrow_rows(result, con, "q1", "EXT-22", D0_ROWS, plan_dir, allow_changed_plan)
-    return result
+def _fill(result: QuestionResult, plan, runs, con) -> None:
+    four = readouts.family_runs(plan, "four_orgs", runs)
+    cells = result.add("cells", readouts.means_table(
+        four, ["budget", "org"], ("throughput_span", "throughput_ledger", "e2e_p99",
+                                  "c_once_tokens")))
+    diff = result.add("c_once_d0_minus_s2", c_once_difference(four))
+    result.sections.append(Section(
+        "Four organizations by budget", "λ 3, cap 63, q 1, f 0, pin K 2; arithmetic means "
+        "over runs; C_once difference D0 - S2 as the mean of seedwise differences.",
+        [("cell means", cells, None), ("C_once D0 - S2 (tokens/run)", diff, None)]))
+    supporting.stranded_section(result, con, four, ["budget", "org"], plan)
+
+
+analyze = readouts.plan_analyzer(QUESTION, TITLE, _fill,
+                                 borrow=("q1", "EXT-22", D0_ROWS))
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:

@@ -16,12 +16,10 @@ passes, 1 when one fails, 2 without a continuation_http table.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pandas as pd
 
 from analysis import cli
-from analysis.pages import common
 
 PAGE = "continuation_http.md"
 TITLE = "Continuation over HTTP (host tier in the server)"
@@ -59,14 +57,7 @@ def section(rows: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def write_page(con, out: Path) -> tuple[Path, dict] | None:
-    """Write continuation_http.md from the newest study run; None when the table is empty."""
-    return common.write_study_page(con, out, TABLES[0], PAGE, section, summary)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return cli.study_page_main(f"analysis.studies.{TABLES[0]}", __doc__, write_page,
-                               TABLES[0], FILL, "cases", argv)
+write_page, main = cli.study_page(TABLES[0], PAGE, section, summary, FILL, "cases", __doc__)
 
 
 if __name__ == "__main__":

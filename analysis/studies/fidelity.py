@@ -359,23 +359,11 @@ def write_page(con, out: Path) -> tuple[Path, dict] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = cli.parser("analysis.studies.fidelity", __doc__)
-    p.add_argument("--out", default="reports", help="report directory for fidelity.md")
-    args = p.parse_args(argv)
+    def empty(args) -> None:
+        print(f"fidelity: no runs of {REAL} or {SIM} under {args.ledgers}; {FILL}")
 
-    def show(con) -> int:
-        written = write_page(con, Path(args.out))
-        if written is None:
-            print(f"fidelity: no runs of {REAL} or {SIM} under {args.ledgers}; {FILL}")
-            print(json.dumps({"cells": 0}))
-            return 1
-        path, info = written
-        print(path.read_text(encoding="utf-8"))
-        print(f"page: {path}")
-        print(json.dumps(info))
-        return 0 if info.get("cells") else 1
-
-    return cli.with_ledgers(args.ledgers, show)
+    return cli.report_page_main("analysis.studies.fidelity", __doc__, PAGE, write_page, "cells",
+                                empty, argv)
 
 
 if __name__ == "__main__":

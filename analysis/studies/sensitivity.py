@@ -19,7 +19,6 @@ the derived plans check cells and seeds, not plan hashes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
@@ -264,19 +263,8 @@ def write_page(con, out: Path, plan_dir=None) -> tuple[Path, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = cli.parser("analysis.studies.sensitivity", __doc__)
-    p.add_argument("--out", default="reports", help="report directory for sensitivity.md")
-    args = p.parse_args(argv)
-
-    def show(con) -> int:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        path, info = write_page(con, Path(args.out))
-        print(path.read_text(encoding="utf-8"))
-        print(f"page: {path}")
-        print(json.dumps(info))
-        return 0 if info.get("contrasts") else 1
-
-    return cli.with_ledgers(args.ledgers, show)
+    return cli.report_page_main("analysis.studies.sensitivity", __doc__, PAGE, write_page,
+                                "contrasts", argv=argv)
 
 
 if __name__ == "__main__":

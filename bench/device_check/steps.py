@@ -36,7 +36,7 @@ from serving_core.executor.torch_executor import TorchExecutor, _DecodeIO
 from serving_core.geometry import Geometry
 from serving_core.memory import build_memory
 from serving_core.memory.objects import NULL
-from serving_core.state_manager import ChunkState
+from serving_core.state_manager import ChunkState, boundaries_crossed
 
 VOCAB = 128_256
 
@@ -133,13 +133,8 @@ class OrgBench:
         return _Item(_Request(seq.rid, self._tokens(n)), n, 0, state)
 
     def crossings(self, items) -> int:
-        """Composites the chunks write at boundaries (HybridStateManager.boundaries_crossed)."""
-        c = self.interval
-        if not c:
-            return 0
-        if self.step_end:
-            return sum(1 for i in items if not (i.context + i.num_new) % c)
-        return sum((i.context + i.num_new) // c - i.context // c for i in items)
+        """Composites the chunks write at boundaries (the state manager's count)."""
+        return boundaries_crossed(items, self.interval, self.step_end)
 
     def run(self, items) -> None:
         self.executor.execute(items, self.crossings(items))

@@ -113,6 +113,29 @@ def check_ledger_root(root: str | os.PathLike) -> Path:
     return path.resolve()
 
 
+def _check_executor(cfg: DictConfig, run_arm, geometry) -> str:
+    """Check the executor the config names against the arm and the model; its path."""
+    path = executor_path(cfg.executor)
+    if path == VLLM:  # real vLLM: N0, its interpreter, a matching checkpoint
+        from experiments.runners.vllm_arm import check_vllm_cell, vllm_executor_config
+        from serving_core.executor.torch_config import check_checkpoint
+
+        device = vllm_executor_config(cfg.executor)
+        check_vllm_cell(device, run_arm.name)
+        check_checkpoint(device, geometry)
+    elif path == VLLM_VIRTUAL:  # vLLM's scheduler on a virtual clock: N0, a vLLM venv
+        from experiments.runners.vllm_virtual import check_virtual_cell, virtual_executor_config
+
+        check_virtual_cell(virtual_executor_config(cfg.executor), run_arm.name, geometry)
+    elif path != SIMULATED:  # the real executor: its checkpoint must match the model
+        from serving_core.executor.torch_config import check_checkpoint, torch_executor_config
+
+        check_checkpoint(torch_executor_config(cfg.executor), geometry)
+    else:
+        _prefixed("executor", load_device_profile, cfg.executor)
+    return path
+
+
 def validate_config(cfg: DictConfig, *, check_root: bool = True,
                     preflight: bool = True) -> RunPlan:
     """The run plan of a cell config (experiments.runners.run_plan); ValueError names the
@@ -138,25 +161,8 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True,
     budget = plan_budget(geometry, str(cfg.budget))  # planned once for the run
     units = units_for(budget, run_arm.org)  # refuses an org the layer pattern does not fit
     # (serving_core/planner.py, refusals)
-    path = executor_path(cfg.executor)
+    path = _check_executor(cfg, run_arm, geometry)
     _check_sessions_path(cfg.workload, path)
-    if path == VLLM:  # real vLLM: N0, its interpreter, a matching checkpoint
-        from experiments.runners.vllm_arm import check_vllm_cell, vllm_executor_config
-        from serving_core.executor.torch_config import check_checkpoint
-
-        device = vllm_executor_config(cfg.executor)
-        check_vllm_cell(device, run_arm.name)
-        check_checkpoint(device, geometry)
-    elif path == VLLM_VIRTUAL:  # vLLM's scheduler on a virtual clock: N0, a vLLM venv
-        from experiments.runners.vllm_virtual import check_virtual_cell, virtual_executor_config
-
-        check_virtual_cell(virtual_executor_config(cfg.executor), run_arm.name, geometry)
-    elif path != SIMULATED:  # the real executor: its checkpoint must match the model
-        from serving_core.executor.torch_config import check_checkpoint, torch_executor_config
-
-        check_checkpoint(torch_executor_config(cfg.executor), geometry)
-    else:
-        _prefixed("executor", load_device_profile, cfg.executor)
     _number(cfg.engine.indirection_overhead, "engine.indirection_overhead")
     _integer(cfg.retention.k, "retention.k", 1)
     unknown = sorted(set(cfg.host_tier) - {"capacity_bytes"})

@@ -31,9 +31,9 @@ from experiments.runners.spec import (
     executor_path,
 )
 from ledgers.arms import ARM_NAMES, arm
-from serving_core.engine_spec import rule_declarations
+from serving_core.engine_spec import executor_rule_declarations, rule_declarations
 from serving_core.records import MECHANISM_KEYS
-from serving_core.rules import declared, default_of
+from serving_core.rules import declared, default_of, hydra_key
 
 ARMS = ARM_NAMES  # ledgers.arms: the one table of arm names
 SUMMARY_KEYS = (
@@ -81,7 +81,6 @@ _NEUTRAL_SETTINGS: dict[tuple[str, str], object] = {
     ("executor", "logit_row_s"): 0.0,
     ("executor", "logit_block_rows"): 4,
     ("model", "kv_group_heads"): None,
-    ("executor", "prefill_batch_tokens"): None,
     ("host_tier", "capacity_bytes"): None,
 }
 # Documentation inside a section, never identity: a preset's card (its public source and
@@ -92,7 +91,8 @@ DOCUMENTATION_KEYS = (("model", "card"),)
 def identity_neutral_defaults() -> dict[tuple[str, str], object]:
     """(section, key) -> neutral default: every engine rule declared identity-neutral at its
     declared default (serving_core/rules.py), and the other settings above."""
-    rules = {("engine", f.name): default_of(f) for _, f in rule_declarations()
+    rules = {tuple(hydra_key(f).split(".", 1)): default_of(f)
+             for _, f in rule_declarations() + executor_rule_declarations()
              if declared(f).config and declared(f).identity_neutral}
     return {**rules, **_NEUTRAL_SETTINGS}
 
@@ -162,15 +162,16 @@ class _Served:
 
 def checked_engine(plan: RunPlan, on_step=None):
     """Check, before a run starts, that its engine runs the requested rules (ValueError,
-    one line). A simulated run's engine is built here, once, and returned for run_cell;
-    a torch engine is checked without its model (preflight: run_cell builds it, loading
-    the model, only for a run that is not skipped) and None returned, as for a run served
-    elsewhere (vLLM)."""
+    one line). An engine of this process (simulated, or torch in process: its model
+    loaded) is built here from the plan's spec, once, checked as it is built, and returned
+    for run_cell; the server's engine (torch over HTTP) is checked without its model
+    (preflight: the server builds it) and None returned, as for a run served elsewhere
+    (vLLM)."""
     from serving_core.builder import build_engine, preflight
 
-    if plan.path == SIMULATED:
+    if plan.path in (SIMULATED, TORCH_INPROC):
         return build_engine(plan.spec, on_step=on_step)
-    if plan.path in (TORCH_INPROC, TORCH_HTTP):
+    if plan.path == TORCH_HTTP:
         preflight(plan.spec)
     return None
 
@@ -215,21 +216,8 @@ def run_cell(cfg: DictConfig, on_step=None, *, plan: RunPlan | None = None,
         tables, served, effective = run_cell_over_http(spec, workload.requests)
         result = _Served(tables, served, engine_config=effective)
     else:
-        assert path in (SIMULATED, TORCH_INPROC)
-        from serving_core.builder import build_engine
-        from serving_core.engine import serve
-
-        if engine is None:
-            engine = build_engine(spec, on_step=on_step)
-        elif on_step is not None:
-            engine.on_step = on_step
-        # trace and sessions: a request that cannot fit alone is refused, not the run
-        result = serve(engine, workload.requests,
-                       refuse_unfit=workload.reusable_prefix is not None)
-        if path == TORCH_INPROC:  # wall-clock timings depend on this process's settings
-            from serving_core.server.process_settings import runtime_settings
-
-            result.engine_config = {**result.engine_config, "runtime": runtime_settings()}
+        result = _serve_here(plan, engine, on_step, workload.requests,
+                             refuse_unfit=workload.reusable_prefix is not None)
     summary = {"org": name, "budget": str(cfg.budget), "seed": int(cfg.seed)}
     summary.update({k: result.summary[k] for k in SUMMARY_KEYS if k in result.summary})
     summary["wall_seconds"] = time.perf_counter() - wall0
@@ -243,6 +231,29 @@ def run_cell(cfg: DictConfig, on_step=None, *, plan: RunPlan | None = None,
         engine_config=dict(getattr(result, "engine_config", {}) or {}),
         workload_columns=workload_columns(workload),
     )
+
+
+def _serve_here(plan: RunPlan, engine, on_step, requests, refuse_unfit: bool):
+    """Serve `requests` on this process's engine of the plan (simulated or torch in
+    process): `engine` as checked_engine built it (None: built here). `refuse_unfit`
+    (trace and sessions): a request that cannot fit alone is refused, not the run."""
+    from serving_core.builder import build_engine
+    from serving_core.engine import serve
+
+    assert plan.path in (SIMULATED, TORCH_INPROC)
+    if engine is None:
+        engine = build_engine(plan.spec, on_step=on_step)
+    else:  # built ahead by checked_engine: a wall clock starts at the run
+        if engine.clock.wall:
+            engine.start_wall_clock()
+        if on_step is not None:
+            engine.on_step = on_step
+    result = serve(engine, requests, refuse_unfit=refuse_unfit)
+    if plan.path == TORCH_INPROC:  # wall-clock timings depend on this process's settings
+        from serving_core.server.process_settings import runtime_settings
+
+        result.engine_config = {**result.engine_config, "runtime": runtime_settings()}
+    return result
 
 
 def workload_columns(workload) -> dict[str, dict[int, int]]:

@@ -84,8 +84,20 @@ def hsl_server_command(*, spec: str, records: str | None = None, drain: str = "f
            "--tokenizer", tokenizer, "--port", "0", "--drain", drain, "--exit-with-parent",
            "--threads", str(int(threads))]
     if records:
-        cmd += ["--records", str(records)]
+        cmd += ["--records", str(records), "--records-writer", RECORDS_WRITER]
     return cmd
+
+
+# The server's records port (serving_core/server/records_out.py), filled by the ledger side.
+RECORDS_WRITER = "experiments.runners.server_process:write_server_records"
+
+
+def write_server_records(folder, tables: dict[str, dict[str, list]], summary: dict) -> Path:
+    """The server's records under the ledger's engine schemas (`--records-writer`)."""
+    from ledgers.schemas import ENGINE_SCHEMAS
+    from serving_core.server.records_out import write_records
+
+    return write_records(folder, tables, summary, ENGINE_SCHEMAS)
 
 
 class ServerProcess:

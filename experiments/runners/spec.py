@@ -57,6 +57,35 @@ def engine_spec(cfg: DictConfig, *, run_arm: Arm | None = None,
     config's arm, already resolved; `pool_units`: the planner's units, already planned
     (None: the builder plans them from the budget)."""
     a = run_arm or arm(cfg.org)
+    executor, default_tokens = _executor(cfg)
+    # Every declared rule the config sets (engine.<name>), routed to the layer that declares
+    # it; a key the config lacks keeps its declaration's default (no second spelling here).
+    eng = cfg.engine
+    sections: dict[str, dict[str, Any]] = {section: {} for section in RULE_SECTIONS}
+    for section, f in rule_declarations():
+        if declared(f).config and f.name in eng:
+            sections[section][f.name] = _plain_value(eng[f.name])
+    scheduler = sections["scheduler"]
+    if scheduler.get("max_num_batched_tokens") is None:  # null: the executor's default
+        scheduler["max_num_batched_tokens"] = int(default_tokens)
+    scheduler["retention_k"] = cfg.retention.k if a.retention else None
+    if a.cache_policy != "lru":  # a cache-policy arm (ledgers.arms) runs under its policy
+        sections["allocator"]["cache_policy"] = a.cache_policy
+    return EngineSpec.from_dict({
+        "model": _plain(cfg.model),
+        "org": a.org,
+        "budget": str(cfg.budget),
+        **sections,
+        "executor": executor,
+        "trace": bool(cfg.trace),
+        "host_tier": _host_tier(cfg),
+        "pool_units": pool_units,
+    })
+
+
+def _executor(cfg: DictConfig) -> tuple[dict[str, Any], int]:
+    """The spec's executor section of a run config and the executor's default token budget
+    of a step (engine.max_num_batched_tokens: null)."""
     path = executor_path(cfg.executor)
     ex_cfg = _plain(cfg.executor)
     if path in (TORCH_INPROC, TORCH_HTTP):
@@ -91,29 +120,7 @@ def engine_spec(cfg: DictConfig, *, run_arm: Arm | None = None,
         default_tokens = profile.max_num_batched_tokens
         executor = {"kind": "simulated", "profile": ex_cfg,
                     "indirection_overhead": float(cfg.engine.indirection_overhead)}
-    # Every declared rule the config sets (engine.<name>), routed to the layer that declares
-    # it; a key the config lacks keeps its declaration's default (no second spelling here).
-    eng = cfg.engine
-    sections: dict[str, dict[str, Any]] = {section: {} for section in RULE_SECTIONS}
-    for section, f in rule_declarations():
-        if declared(f).config and f.name in eng:
-            sections[section][f.name] = _plain_value(eng[f.name])
-    scheduler = sections["scheduler"]
-    if scheduler.get("max_num_batched_tokens") is None:  # null: the executor's default
-        scheduler["max_num_batched_tokens"] = int(default_tokens)
-    scheduler["retention_k"] = cfg.retention.k if a.retention else None
-    if a.cache_policy != "lru":  # a cache-policy arm (ledgers.arms) runs under its policy
-        sections["allocator"]["cache_policy"] = a.cache_policy
-    return EngineSpec.from_dict({
-        "model": _plain(cfg.model),
-        "org": a.org,
-        "budget": str(cfg.budget),
-        **sections,
-        "executor": executor,
-        "trace": bool(cfg.trace),
-        "host_tier": _host_tier(cfg),
-        "pool_units": pool_units,
-    })
+    return executor, default_tokens
 
 
 def _host_tier(cfg: DictConfig) -> dict | None:

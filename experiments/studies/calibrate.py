@@ -285,6 +285,46 @@ def cell_mean(runs: list[RunStats], metric: str) -> float:
 
 
 # ----- fits ---------------------------------------------------------------------------------
+def _fit_rows(runs: dict, anchors: list[Anchor]) -> list[tuple]:
+    """(label, target, [(features, paged, pieces, output, span, k)], kind) of every event
+    and throughput anchor of sections A-C with simulated runs."""
+    rows = []
+    for a in anchors:
+        if a.cell not in runs or a.section not in "ABC":
+            continue
+        paged = a.cell.org in ("S1", "S2")
+        per_run = [(r.features, paged, (r.metrics["state_pages"], r.metrics["conv_slots"]),
+                    r.metrics["output_tokens"], r.metrics["span_s"], r.metrics["k"])
+                   for r in runs[a.cell]]
+        if a.metric in ("event_s", "throughput"):
+            rows.append((f"{a.metric} {a.section} {a.cell.point} {a.cell.org}", a.value,
+                         per_run, a.metric))
+    return rows
+
+
+def _device_s(theta, feats, paged, pieces):
+    """A run's device seconds under the constants `theta` (CONSTANTS' order)."""
+    inv_mem, inv_mm, mix, x, _, page_s, slot_s = theta
+    return (feats[0] * inv_mem + feats[1] * inv_mm + feats[2] + feats[3] * mix) * (
+        1 + (x if paged else 0.0)) + feats[4] * (pieces[0] * page_s + pieces[1] * slot_s)
+
+
+def _predictions(theta, ran, rows, mixed) -> np.ndarray:
+    """What `theta` predicts for each fit row (`ran`: the constants the runs ran with),
+    then each mixed step's split saving."""
+    out = []
+    for _, _, per_run, kind in rows:
+        if kind == "event_s":
+            out.append(np.mean([_device_s(theta, f, p, q) for f, p, q, *_ in per_run]))
+        else:
+            out.append(np.mean([
+                o / (span + _device_s(theta, f, p, q) - _device_s(ran, f, p, q)
+                     + k * (theta[4] - ran[4]))
+                for f, p, q, o, span, k in per_run]))
+    out.extend(theta[2] for _ in mixed)  # split saving of a D0 step: mixed_step_s
+    return np.array(out)
+
+
 def fit_constants(runs: dict, anchors: list[Anchor], mixed: list, profile: DeviceProfile,
                   fitted: tuple[str, ...] = FITTED):
     """Joint least squares of the `fitted` constants (a STEP_FORMS entry; the others of
@@ -301,23 +341,7 @@ def fit_constants(runs: dict, anchors: list[Anchor], mixed: list, profile: Devic
     unknown = sorted(set(fitted) - set(CONSTANTS))
     if unknown:
         raise ValueError(f"fitted constants {unknown}: allowed values are {', '.join(CONSTANTS)}")
-    rows = []  # (label, target, [(features, paged, pieces, output, span, k)], kind)
-    for a in anchors:
-        if a.cell not in runs or a.section not in "ABC":
-            continue
-        paged = a.cell.org in ("S1", "S2")
-        per_run = [(r.features, paged, (r.metrics["state_pages"], r.metrics["conv_slots"]),
-                    r.metrics["output_tokens"], r.metrics["span_s"], r.metrics["k"])
-                   for r in runs[a.cell]]
-        if a.metric in ("event_s", "throughput"):
-            rows.append((f"{a.metric} {a.section} {a.cell.point} {a.cell.org}", a.value,
-                         per_run, a.metric))
-
-    def device(theta, feats, paged, pieces):
-        inv_mem, inv_mm, mix, x, _, page_s, slot_s = theta
-        return (feats[0] * inv_mem + feats[1] * inv_mm + feats[2] + feats[3] * mix) * (
-            1 + (x if paged else 0.0)) + feats[4] * (pieces[0] * page_s + pieces[1] * slot_s)
-
+    rows = _fit_rows(runs, anchors)
     # `ran`: the constants the simulated trajectories ran with (the span adjustment's
     # baseline); `base`: the same with the paged constants outside the form at 0.
     ran = np.array([1 / profile.memory_efficiency, 1 / profile.matmul_efficiency,
@@ -337,18 +361,7 @@ def fit_constants(runs: dict, anchors: list[Anchor], mixed: list, profile: Devic
         return out
 
     def predictions(theta_free):
-        theta = full(theta_free)
-        out = []
-        for _, _, per_run, kind in rows:
-            if kind == "event_s":
-                out.append(np.mean([device(theta, f, p, q) for f, p, q, *_ in per_run]))
-            else:
-                out.append(np.mean([
-                    o / (span + device(theta, f, p, q) - device(ran, f, p, q)
-                         + k * (theta[4] - ran[4]))
-                    for f, p, q, o, span, k in per_run]))
-        out.extend(theta[2] for _ in mixed)  # split saving of a D0 step: mixed_step_s
-        return np.array(out)
+        return _predictions(full(theta_free), ran, rows, mixed)
 
     targets = np.array([r[1] for r in rows] + [m[2] for m in mixed])
 
@@ -575,11 +588,38 @@ def calibrate_anchors(args, log) -> int:
     if profile.step_model != "additive" and args.iterations:
         profile = replace(profile, step_model="additive", name="a100-calibrated")
     extra = list(args.override)
-    fit_sections = set("ABC")
-    fit_cells = sorted({a.cell for a in anchors if a.section in fit_sections and a.metric in (
+    fit_cells = sorted({a.cell for a in anchors if a.section in "ABC" and a.metric in (
         "throughput", "event_s")}, key=str)
     report_cells = sorted({a.cell for a in anchors if a.section in "ABCD"}, key=str)
     log(f"output ratio: configured {args.output_ratio}")
+    profile, device_res = _iterate_fit(args, log, anchors, mixed, profile, fit_cells, extra)
+    runs = simulate_cells(report_cells, args.seeds, profile, extra)
+    rows = compare(anchors, runs)
+    ratio, ratio_means = (None, {})
+    if not args.skip_output_fit:
+        ratio, ratio_means = fit_output_ratio(args.output_ratio)
+    fit = _fit_record(args, profile, device_res, rows, extra)
+    profile = replace(profile, calibration="fitted to docs/calibration.md sections A-C "
+                      "(conf/calibration/paper_anchors.csv) by make calibrate")
+    if args.out:
+        write_profile(profile, args.out, fit, PROFILE_HEADER)
+        log(f"wrote {args.out}")
+    print("\n== anchors vs simulation (mean over "
+          f"{args.seeds} seeds per cell; section A uses the first seeds of 42000-42011)")
+    print(format_table(rows))
+    ratios = ratio_rows(rows)
+    print("\n== organization ratios (ratio of cell means, as r - 1; gap = ours - measured)")
+    print(format_ratios(ratios))
+    print("\n== acceptance")
+    print("\n".join(acceptance(rows, ratios)))
+    _print_fit(args, profile, device_res)
+    _print_workload(args, anchors, runs, ratio, ratio_means)
+    return 0
+
+
+def _iterate_fit(args, log, anchors, mixed, profile, fit_cells, extra):
+    """Simulate the fit cells and refit the step constants until they move less than
+    args.tolerance (at most args.iterations times): (profile, device residuals)."""
     device_res = []
     fitted_names = STEP_FORMS[args.form]
     for it in range(args.iterations):
@@ -592,13 +632,14 @@ def calibrate_anchors(args, log) -> int:
             + f"  (max change {change:.2%})")
         if change < args.tolerance:
             break
-    runs = simulate_cells(report_cells, args.seeds, profile, extra)
-    rows = compare(anchors, runs)
-    ratio, ratio_means = (None, {})
-    if not args.skip_output_fit:
-        ratio, ratio_means = fit_output_ratio(args.output_ratio)
+    return profile, device_res
+
+
+def _fit_record(args, profile, device_res, rows, extra) -> dict:
+    """The `fit` section a calibrated profile carries: constants, residuals, data."""
     tp = [r for r in rows if r[3] == "throughput" and r[0] in "ABC"]
-    fit = {
+    anchors = Path(args.anchors)
+    return {
         "form": args.form,
         "fitted": {f: getattr(profile, f) for f in STEP_FORMS[args.form]},
         "step_model": STEP_MODEL_TEXT,
@@ -609,8 +650,8 @@ def calibrate_anchors(args, log) -> int:
             {"data": f"{r[0]} {r[1]} {r[2]}", "measured": r[4], "simulated": float(r[5]),
              "rel_error": float(r[6])} for r in tp],
         "data": {
-            "anchors": str(Path(args.anchors).relative_to(ROOT)) if Path(args.anchors)
-            .is_relative_to(ROOT) else str(args.anchors),
+            "anchors": str(anchors.relative_to(ROOT)) if anchors.is_relative_to(ROOT)
+            else str(args.anchors),
             "anchors_sha256": _sha(args.anchors),
             "mixed_steps": str(Path(args.mixed).name),
             "mixed_steps_sha256": _sha(args.mixed),
@@ -619,26 +660,19 @@ def calibrate_anchors(args, log) -> int:
             "overrides": extra,
         },
     }
-    header = PROFILE_HEADER
-    profile = replace(profile, calibration="fitted to docs/calibration.md sections A-C "
-                      "(conf/calibration/paper_anchors.csv) by make calibrate")
-    if args.out:
-        write_profile(profile, args.out, fit, header)
-        log(f"wrote {args.out}")
-    print("\n== anchors vs simulation (mean over "
-          f"{args.seeds} seeds per cell; section A uses the first seeds of 42000-42011)")
-    print(format_table(rows))
-    ratios = ratio_rows(rows)
-    print("\n== organization ratios (ratio of cell means, as r - 1; gap = ours - measured)")
-    print(format_ratios(ratios))
-    print("\n== acceptance")
-    print("\n".join(acceptance(rows, ratios)))
+
+
+def _print_fit(args, profile, device_res) -> None:
     print(f"\n== fitted constants (profile {profile.name}, form {args.form})")
     for f in STEP_FORMS[args.form]:
         print(f"  {f:22} {getattr(profile, f):.6g}")
     print("  fit residuals (event seconds, throughput with the last trajectory, mixed steps):")
     for lab, t, p, e in device_res:
         print(f"    {lab:34} measured {t:10.4f}  fitted {p:10.4f}  {100 * e:+6.1f}%")
+
+
+def _print_workload(args, anchors, runs, ratio, ratio_means) -> None:
+    """The workload section: output and input lengths against the anchors, S2's reclaims."""
     print("\n== workload")
     for label, target in OUTPUT_ANCHORS.items():
         ours = ratio_means.get(label, math.nan)
@@ -658,7 +692,6 @@ def calibrate_anchors(args, log) -> int:
         print(f"  S2 runs with a slab reclaim invalidating cached checkpoints: {popped} of "
               f"{len(s2)} (measured: 35 of 63 extension-campaign S2 runs)")
         print(format_occupancy(runs))
-    return 0
 
 
 # One rule at a time switched back to the earlier engine (the first_chunk preset's value);

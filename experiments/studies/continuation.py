@@ -40,6 +40,7 @@ methods: `Engine.on_plan` sees each step's plan (the reload's first batch), and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -47,6 +48,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -307,12 +309,109 @@ def _force_credit(engine, rid: int, keys: list[int], p: int) -> None:
     engine.sched.state.adoption_hook = forced
 
 
+def case_tokens(case: str, C: int) -> int:
+    """N, the prompt length of a length case (`2C+1`) at checkpoint interval C."""
+    k, d = parse_case(case)
+    n = k * C + d
+    if n < 1:
+        raise ValueError(f"case {case!r} gives N = {n} < 1 for C = {C}")
+    return n
+
+
+def _publishing_engine(spec, model):
+    """A fresh engine of `spec` whose state manager logs what it publishes (the host tier
+    saves it)."""
+    from serving_core.builder import build_engine
+
+    engine = build_engine(spec, model=model)
+    engine.sched.state.log_publications()
+    return engine
+
+
+NO_WINDOW = {"b": -1, "p": -1, "pending": 0, "equal": False}  # no delayed-save audit
+
+
+def _prompts(seed: int, n: int, side: int) -> list[np.ndarray]:
+    """The target prompt (n tokens) and the two interposers' (side tokens each)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, n).astype(np.int32)]
+    return prompts + [rng.integers(0, VOCAB, side).astype(np.int32) for _ in range(2)]
+
+
+def _save_window(early, host, clock: list[float], save_delay_s: float, lookup_keys,
+                 target_spec, cold_tokens: list[int]) -> dict:
+    """The delayed-save audit: halfway through the save delay, what a request on a fresh
+    engine (`early`) restores (b), is credited (p) and generates (equal to the cold run's);
+    then the delay passes and the copies land."""
+    clock[0] += save_delay_s / 2
+    host.complete()
+    pending = host.num_pending
+    got = _restore(early, host, lookup_keys)
+    early_tokens, early_req = _generate(early, [target_spec])
+    clock[0] += save_delay_s  # the window has passed: the copies land
+    host.complete()
+    return {"b": got.prefix_tokens, "p": early_req.adopted_first, "pending": pending,
+            "equal": early_tokens == cold_tokens}
+
+
+def _first_mismatch(a: list[int], b: list[int]) -> int:
+    """The first position where two token lists differ (-1: equal)."""
+    mismatch = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), -1)
+    if mismatch < 0 and len(a) != len(b):
+        mismatch = min(len(a), len(b))
+    return mismatch
+
+
+def _reload_audits(warm, host, geometry, target, lookup_keys, n: int,
+                   fault: str | None) -> tuple[Any, dict]:
+    """Restore the target's prefix from the host tier onto the reset engine `warm` (the
+    whole prompt's keys under the credit_n_minus_1 fault, which then credits N - 1) and
+    audit it: (the restore, the PairResult fields of its depth, exactness and sizes)."""
+    C, bt = warm.mem.checkpoint_interval, warm.mem.block_tokens
+    full_keys = target.ensure_keys(n // bt)
+    tier_full = host.restorable_prefix(full_keys, bt, C)
+    empty = all(used == cached == 0 for used, cached, _, _ in warm.mem.usage().values())
+    keys = lookup_keys
+    if fault == "credit_n_minus_1":
+        if tier_full != n:
+            raise ValueError(f"fault {fault}: the tier holds no entry at B = N = {n} "
+                             f"(deepest over the whole prompt: {tier_full})")
+        keys = full_keys
+    restored = _restore(warm, host, keys)
+    exact = _restored_exact(host, warm.executor.arena, keys, restored)
+    expected_bytes, capacity, units, expected_units = _restore_sizes(warm.mem, geometry,
+                                                                     restored)
+    objs = restored.blocks + ([restored.checkpoint] if restored.checkpoint else [])
+    # Fresh units: the reset device held nothing, and the reload's objects live there now.
+    fresh = empty and all(o.valid and o.cached and warm.mem.live.get(o.oid) is o for o in objs)
+    if fault == "credit_n_minus_1":
+        _force_credit(warm, 0, full_keys, n - 1)
+    return restored, {
+        "tier_full_depth": tier_full, "restored_exact": exact, "expected_bytes": expected_bytes,
+        "unit_capacity_bytes": capacity, "restored_units": units,
+        "expected_units": expected_units, "reload_units_fresh": fresh}
+
+
+def _placement_fields(sched, n: int, C: int, b: int) -> dict:
+    """The PairResult fields the scheduler's placement rules decide for a prompt of n
+    tokens restored at b: the expected credited prefix p and first chunk."""
+    budget_tokens, split = sched.max_num_batched_tokens, sched.split_last_boundary
+    p_rule = expected_prefix(n, C, budget_tokens, sched.step_end, sched.align, split)
+    return {
+        "placement": "step_end" if sched.step_end else "every_boundary",
+        "align_chunks": bool(sched.align), "split_last_boundary": split,
+        "expected_p": p_rule, "full_prefix": C * ((n - 1) // C),
+        "reuse_lost": C * ((n - 1) // C) - p_rule,
+        "expected_first": next(iter(chunk_ends(b, n, C, budget_tokens, sched.align, split)),
+                               b) - b}
+
+
 def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: int,
              seed: int, *, delayed_save: bool = False, save_delay_s: float = 1.0,
              fault: str | None = None, interposer_tokens: int | None = None,
              poison: bool = True, split_last_boundary: bool = False) -> PairResult:
     """The protocol for one organization and one prompt length (see the module doc)."""
-    from serving_core.builder import build_engine, loaded_model_spec
+    from serving_core.builder import loaded_model_spec
     from serving_core.host_tier import HostTier
     from serving_core.request import Request
 
@@ -322,22 +421,13 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
                              {"cap": 8, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                               "split_last_boundary": split_last_boundary})
 
-    def fresh_engine():
-        engine = build_engine(spec, model=model)
-        engine.sched.state.log_publications()  # the tier saves what it publishes
-        return engine
-
+    fresh_engine = functools.partial(_publishing_engine, spec, model)
     cold = fresh_engine()
     sched = cold.sched  # the rules the engine runs, read back from it
     C, bt = cold.mem.checkpoint_interval, cold.mem.block_tokens
-    k, d = parse_case(case)
-    n = k * C + d
-    if n < 1:
-        raise ValueError(f"case {case!r} gives N = {n} < 1 for C = {C}")
-    rng = np.random.default_rng(seed)
-    side = min(n, C + 1) if interposer_tokens is None else interposer_tokens or n
-    prompts = [rng.integers(0, VOCAB, n).astype(np.int32)]
-    prompts += [rng.integers(0, VOCAB, side).astype(np.int32) for _ in range(2)]
+    n = case_tokens(case, C)
+    prompts = _prompts(seed, n, min(n, C + 1) if interposer_tokens is None
+                       else interposer_tokens or n)
     target = _spec(0, 0.0, prompts[0], output_tokens)
     clock = [0.0]  # the tier's clock (seconds): saves of the delayed-save audit wait on it
     host = HostTier(TIER_CAPACITY_BYTES, poison=poison,
@@ -345,18 +435,10 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     cold_tokens, _ = _generate(cold, [target], host)
     lookup_keys = Request(target, bt).lookup_keys()
 
-    window = {"b": -1, "p": -1, "pending": 0, "equal": False}
-    if delayed_save:  # a request arriving while the saves are held incomplete
-        clock[0] += save_delay_s / 2
-        host.complete()
-        window["pending"] = host.num_pending
-        early = fresh_engine()
-        got = _restore(early, host, lookup_keys)
-        early_tokens, early_req = _generate(early, [_spec(0, 0.0, prompts[0], output_tokens)])
-        window.update(b=got.prefix_tokens, p=early_req.adopted_first,
-                      equal=early_tokens == cold_tokens)
-        clock[0] += save_delay_s  # the window has passed: the copies land
-        host.complete()
+    window = NO_WINDOW  # delayed_save: a request arriving while the saves are incomplete
+    if delayed_save:
+        window = _save_window(fresh_engine(), host, clock, save_delay_s, lookup_keys,
+                              _spec(0, 0.0, prompts[0], output_tokens), cold_tokens)
     # Interposers: two other prompts through the same device (their own state published).
     _generate(cold, [_spec(i, 0.0, prompts[i], INTERPOSER_TOKENS) for i in (1, 2)], host)
     clock[0] += save_delay_s
@@ -364,54 +446,22 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     saves = host.saves_completed
 
     warm = fresh_engine()  # device cache reset; the host tier is kept
-    full_keys = Request(target, bt).ensure_keys(n // bt)
-    tier_full = host.restorable_prefix(full_keys, bt, C)
-    empty = all(used == cached == 0 for used, cached, _, _ in warm.mem.usage().values())
-    keys = lookup_keys
-    if fault == "credit_n_minus_1":
-        if tier_full != n:
-            raise ValueError(f"fault {fault}: the tier holds no entry at B = N = {n} "
-                             f"(deepest over the whole prompt: {tier_full})")
-        keys = full_keys
-    arena = warm.executor.arena
-    restored = _restore(warm, host, keys)
-    exact = _restored_exact(host, arena, keys, restored)
-    expected_bytes, capacity, units, expected_units = _restore_sizes(warm.mem, geometry,
-                                                                     restored)
-    objs = restored.blocks + ([restored.checkpoint] if restored.checkpoint else [])
-    # Fresh units: the reset device held nothing, and the reload's objects live there now.
-    fresh = empty and all(o.valid and o.cached and warm.mem.live.get(o.oid) is o for o in objs)
-    if fault == "credit_n_minus_1":
-        _force_credit(warm, 0, full_keys, n - 1)
+    restored, audits = _reload_audits(warm, host, geometry, Request(target, bt), lookup_keys,
+                                      n, fault)
     first = _first_batch(warm, 0)
     reload_tokens, req = _generate(warm, [_spec(0, 0.0, prompts[0], output_tokens)])
-    mismatch = next((i for i, (a, b) in enumerate(zip(cold_tokens, reload_tokens,
-                                                      strict=False)) if a != b), -1)
-    if mismatch < 0 and len(cold_tokens) != len(reload_tokens):
-        mismatch = min(len(cold_tokens), len(reload_tokens))
-    budget_tokens = sched.max_num_batched_tokens
-    split = sched.split_last_boundary
-    p_rule = expected_prefix(n, C, budget_tokens, sched.step_end, sched.align, split)
-    b = restored.prefix_tokens
     return PairResult(
         budget=budget, seed=seed, org=org, length_case=case, n_tokens=n, interval=C,
-        placement="step_end" if sched.step_end else "every_boundary",
-        align_chunks=bool(sched.align), split_last_boundary=split,
-        output_tokens=output_tokens,
-        restored_prefix_b=b, credited_prefix_p=req.adopted_first, expected_p=p_rule,
-        full_prefix=C * ((n - 1) // C), reuse_lost=C * ((n - 1) // C) - p_rule,
-        tier_full_depth=tier_full, first_context=first.get("context", -1),
-        first_scheduled=first.get("scheduled", -1),
-        expected_first=next(iter(chunk_ends(b, n, C, budget_tokens, sched.align, split)),
-                            b) - b,
-        bytes_h2d=restored.bytes_h2d, expected_bytes=expected_bytes,
-        unit_capacity_bytes=capacity, restored_units=units, expected_units=expected_units,
-        poisoned_units=restored.poisoned_units, restored_exact=exact,
+        output_tokens=output_tokens, **_placement_fields(sched, n, C, restored.prefix_tokens),
+        restored_prefix_b=restored.prefix_tokens, credited_prefix_p=req.adopted_first,
+        first_context=first.get("context", -1), first_scheduled=first.get("scheduled", -1),
+        bytes_h2d=restored.bytes_h2d, poisoned_units=restored.poisoned_units, **audits,
         window_b=window["b"], window_p=window["p"], window_pending=window["pending"],
         window_tokens_equal=window["equal"], fault=fault or "",
-        tokens_equal=cold_tokens == reload_tokens, first_mismatch=mismatch,
+        tokens_equal=cold_tokens == reload_tokens,
+        first_mismatch=_first_mismatch(cold_tokens, reload_tokens),
         cold_tokens=json.dumps(cold_tokens), reload_tokens=json.dumps(reload_tokens),
-        host_saves=saves, reload_units_fresh=fresh,
+        host_saves=saves,
     )
 
 

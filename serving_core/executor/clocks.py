@@ -32,6 +32,10 @@ class WallClock:
     kind = "wall"
 
     def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        """Read time from now on (an engine built ahead of its run starts it at the run)."""
         self.t0 = time.perf_counter()
 
     def now(self) -> float:

@@ -433,17 +433,22 @@ class MemoryOrganization:
 
     def _destroy(self, obj: StateObject, cause: int, taken: int = -1) -> None:
         """Return every unit of obj (except `taken`, which the caller reuses) to the free queue."""
-        pool = self.pools[obj.pool]
         owner = self._owner[obj.pool]
         for unit in obj.units:
             owner[unit] = None
             if unit != taken:
-                stamp = pool.evictable.get(unit) if pool.single_queue else None
-                pool.discard_evictable(unit)
-                pool.push_free(unit, stamp)
+                self._free_unit(obj.pool, unit)
         obj.units = []
         obj.valid = False
         self.live.pop(obj.oid, None)
+
+    def _free_unit(self, pool_name: str, unit: int) -> None:
+        """A destroyed object's unit: off the LRU, onto its pool's free queue (vLLM's one
+        queue keeps its place in the order)."""
+        pool = self.pools[pool_name]
+        stamp = pool.evictable.get(unit) if pool.single_queue else None
+        pool.discard_evictable(unit)
+        pool.push_free(unit, stamp)
 
     # ----- eviction -----------------------------------------------------------------------
     def drop_cached(self) -> int:

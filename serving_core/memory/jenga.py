@@ -434,17 +434,10 @@ class JengaTwoLevel(MemoryOrganization):
             small.add_evictable(unit, stamp)
             self._set(obj.pool, unit, _CACHED)
 
-    def _destroy(self, obj: StateObject, cause: int, taken: int = -1) -> None:
-        owner = self._owner[obj.pool]
-        small = self.pools[obj.pool]
-        for unit in obj.units:
-            owner[unit] = None
-            if unit != taken:
-                small.discard_evictable(unit)
-                self._set(obj.pool, unit, _FREE)
-        obj.units = []
-        obj.valid = False
-        self.live.pop(obj.oid, None)
+    def _free_unit(self, pool_name: str, unit: int) -> None:
+        """A destroyed object's small page: off the LRU, free in its large page."""
+        self.pools[pool_name].discard_evictable(unit)
+        self._set(pool_name, unit, _FREE)
 
     def drop_cached(self) -> int:
         freed = 0

@@ -52,16 +52,24 @@ def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, limit: tuple[float, f
     return torch.clamp(dt, min=limit[0], max=limit[1])
 
 
-def chunk_scan(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    chunk: int,
-    initial: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def scan_inputs(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, D: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+    """What the chunked scan starts from (chunk_scan's arguments): the skip term D x
+    (b, T, H, P), then x dt, A dt, B and C cut into chunks of `chunk` tokens (the last
+    zero-padded), all fp32."""
+    t = x.shape[1]
+    x = x.float()
+    pad = (chunk - t % chunk) % chunk
+    d_res = x * D.float()[:, None]
+    xdt = x * dt[..., None].float()
+    Adt = A.float() * dt.float()  # (b, T, H)
+    xdt, Adt, B, C = (_chunks(v, pad, chunk) for v in (xdt, Adt, B.float(), C.float()))
+    return d_res, xdt, Adt, B, C
+
+
+def chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+               C: torch.Tensor, D: torch.Tensor, chunk: int, initial: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """SSD scan of one batch of equal-length segments.
 
     x (b, T, H, P), dt (b, T, H) discretized, A (H,) negative, B and C (b, T, G, N),
@@ -82,12 +90,7 @@ def chunk_scan(
     b, t, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     hg = h // g
-    x = x.float()
-    pad = (chunk - t % chunk) % chunk
-    d_res = x * D.float()[:, None]
-    xdt = x * dt[..., None].float()
-    Adt = A.float() * dt.float()  # (b, T, H)
-    xdt, Adt, B, C = (_chunks(v, pad, chunk) for v in (xdt, Adt, B.float(), C.float()))
+    d_res, xdt, Adt, B, C = scan_inputs(x, dt, A, B, C, D, chunk)
     nc, ln = xdt.shape[1], chunk
     Ah = Adt.permute(0, 1, 3, 2).contiguous()  # (b, c, H, ln) head-major
     A_cum = torch.cumsum(Ah, dim=-1)  # (b, c, H, ln)
@@ -131,16 +134,9 @@ def chunk_scan(
     return y, final
 
 
-def chunk_scan_reference(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    chunk: int,
-    initial: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                         C: torch.Tensor, D: torch.Tensor, chunk: int, initial: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSD scan as transformers' torch path writes it (per-head B and C, all-pairs chunk
     decay): the cross-check for `chunk_scan`."""
     b, t, h, p = x.shape

@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--records", help="folder for the engine's records at shutdown")
+    p.add_argument("--records-writer", metavar="MODULE:FUNCTION",
+                   help="the function that writes --records (required with it; see "
+                        "server/records_out.py: the launchers in experiments/ name theirs)")
     p.add_argument("--drain", default="finish", help=f"one of {', '.join(DRAIN_MODES)}")
     p.add_argument("--host-tier-capacity-bytes", type=int, default=None, metavar="N",
                    help="host tier on with N bytes of capacity (else the spec's host_tier, "
@@ -67,6 +70,16 @@ def _check(args) -> None:
     if args.threads < 0:
         raise UsageError(f"--threads={args.threads}: allowed values are 0 (auto) or a whole "
                          "number >= 1")
+    if args.records and not args.records_writer:
+        raise UsageError("--records: needs --records-writer MODULE:FUNCTION (python -m "
+                         "experiments.serve passes the ledger's writer)")
+    if args.records:
+        from serving_core.server.records_out import load_writer
+
+        try:
+            args.write_records = load_writer(args.records_writer)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
 
 
 def load_spec(path: str):
@@ -175,7 +188,6 @@ def make_app(args, spec, engine, runtime, effective: dict):
     """The FastAPI app over `runtime`, writing the records (--records) at shutdown."""
     from serving_core.server.app import create_app
     from serving_core.server.metrics import cache_config_labels
-    from serving_core.server.records_out import write_records
 
     tokenizer = None
     if args.tokenizer != "none":
@@ -189,7 +201,7 @@ def make_app(args, spec, engine, runtime, effective: dict):
             summary = dict(result.summary, org=spec.org, budget=spec.budget,
                            clock_end_s=engine.clock.now(), engine_error=runtime.error,
                            engine_config=effective)
-            out = write_records(args.records, result.tables, summary)
+            out = args.write_records(args.records, result.tables, summary)
             paths = {str(rid): rec.to_dict() for rid, rec in runtime.paths.paths.items()}
             (out / "request_paths.json").write_text(json.dumps(paths))
             print(f"records written to {out}", flush=True)
