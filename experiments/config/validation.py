@@ -116,6 +116,7 @@ def check_ledger_root(root: str | os.PathLike) -> Path:
 def _check_executor(cfg: DictConfig, run_arm, geometry) -> str:
     """Check the executor the config names against the arm and the model; its path."""
     path = executor_path(cfg.executor)
+    _check_sessions_path(cfg.workload, path)
     if path == VLLM:  # real vLLM: N0, its interpreter, a matching checkpoint
         from experiments.runners.vllm_arm import check_vllm_cell, vllm_executor_config
         from serving_core.executor.torch_config import check_checkpoint
@@ -162,7 +163,6 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True,
     units = units_for(budget, run_arm.org)  # refuses an org the layer pattern does not fit
     # (serving_core/planner.py, refusals)
     path = _check_executor(cfg, run_arm, geometry)
-    _check_sessions_path(cfg.workload, path)
     _number(cfg.engine.indirection_overhead, "engine.indirection_overhead")
     _integer(cfg.retention.k, "retention.k", 1)
     unknown = sorted(set(cfg.host_tier) - {"capacity_bytes"})
