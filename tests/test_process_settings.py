@@ -79,3 +79,14 @@ def test_a_preloaded_process_reads_back_tcmalloc():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, check=True).stdout.strip()
         assert out == allocator
+
+
+def test_a_server_without_torch_kernels_keeps_its_threads_without_importing_torch():
+    """The paced executor runs no torch kernels: its server never imports torch (about 2 CPU
+    s per process), and still states the thread count torch would be given."""
+    code = ("import sys; from serving_core.server import process_settings as ps; "
+            "n = ps.apply_threads(3, load_torch=False); r = ps.runtime_settings(); "
+            "print(n, r['threads'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["3", "3", "False"]

@@ -257,8 +257,11 @@ def serve(args) -> int:
 
     spec = with_host_tier(load_spec(args.spec), args.host_tier_capacity_bytes)
     sock = bind(args.host, args.port)  # before the model loads: a taken port fails fast
-    apply_threads(args.threads)
+    torch_kernels = spec.executor.kind == "torch"
+    apply_threads(args.threads, load_torch=torch_kernels)
     engine = build_engine(spec)
+    if not torch_kernels:  # set on a torch the build imported after all (a host tier)
+        apply_threads(args.threads, load_torch=False)
     effective = engine.effective_rules()
     runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len,
                             drain=args.drain)

@@ -9,13 +9,18 @@ load average 8-11 from other work: 1 thread 87.4 / 86.5 output tok/s, 2 threads 
 (alternating runs). The allocator is set by the launcher (LD_PRELOAD,
 experiments.runners.server_process.allocator_env); the server reads back which one its process
 actually has mapped.
+
+A server whose engine runs no torch kernels (the paced executor) does not import torch
+(about 2 CPU seconds per process): its thread count is kept and set on torch if the
+engine's build loads it after all (a host tier's copies).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-import torch
+_threads: int | None = None  # the count apply_threads settled on, None before it ran
 
 
 def default_threads(cores: int | None = None) -> int:
@@ -24,13 +29,31 @@ def default_threads(cores: int | None = None) -> int:
     return max(1, cores - 1)
 
 
-def apply_threads(threads: int) -> int:
-    """Set torch's intra-op threads (0: `default_threads()`); returns the count in effect."""
+def apply_threads(threads: int, *, load_torch: bool = True) -> int:
+    """Set torch's intra-op threads (0: `default_threads()`); returns the count in effect.
+    With `load_torch` false the count is set only if torch is already imported (else kept,
+    for `threads_in_effect` and a later call)."""
+    global _threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads={threads!r}: allowed values are 0 (auto) or a whole "
                          "number >= 1")
-    torch.set_num_threads(threads or default_threads())
+    _threads = threads or default_threads()
+    if not load_torch and "torch" not in sys.modules:
+        return _threads
+    import torch
+
+    torch.set_num_threads(_threads)
     return torch.get_num_threads()
+
+
+def threads_in_effect() -> int:
+    """torch's intra-op threads, read back; in a process that never imported torch, the
+    count `apply_threads` kept (torch's own default if it never ran)."""
+    if "torch" in sys.modules or _threads is None:
+        import torch
+
+        return torch.get_num_threads()
+    return _threads
 
 
 def allocator_in_use() -> str:
@@ -44,5 +67,5 @@ def allocator_in_use() -> str:
 
 def runtime_settings() -> dict:
     """What this process runs with, read back (not the request)."""
-    return {"threads": torch.get_num_threads(), "allocator": allocator_in_use(),
+    return {"threads": threads_in_effect(), "allocator": allocator_in_use(),
             "cpus": os.cpu_count()}
