@@ -80,6 +80,7 @@ _NEUTRAL_SETTINGS: dict[tuple[str, str], object] = {
     ("executor", "logit_row_s"): 0.0,
     ("executor", "logit_block_rows"): 4,
     ("model", "kv_group_heads"): None,
+    ("model", "state_codec"): "auto",
     ("executor", "prefill_batch_tokens"): None,
     ("host_tier", "capacity_bytes"): None,
 }
