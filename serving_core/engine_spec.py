@@ -27,6 +27,7 @@ from serving_core.executor.base import EXECUTOR_RULE_KEYS
 from serving_core.geometry import Geometry, geometry_from_config
 from serving_core.memory.rules import AllocatorRules
 from serving_core.scheduler import SchedulerConfig
+from serving_core.state_codec import DEFAULT_STATE_CODEC
 
 # The engine's rule dataclasses, side by side in EngineSpec: section -> class (each field
 # one rule declaration, serving_core/rules.py; the order is the order of the records).
@@ -226,7 +227,8 @@ def _known(data: Mapping, cls, where: str) -> None:
 def _requested_executor_rules(ex: ExecutorSpec, geometry: Geometry) -> dict[str, Any]:
     """What the spec asks of its executor, under keys of EXECUTOR_RULE_KEYS (the executor's
     describe() reports the same keys): its kind and step model; for torch the settings
-    the spec fixes (scan chunk, prefill batch cap, when given) and the model's KV codec."""
+    the spec fixes (scan chunk, prefill batch cap, when given) and the model's KV codec; for
+both a state codec other than auto."""
     rules: dict[str, Any] = {"executor": ex.kind, "step_model": _requested_step_model(ex)}
     if ex.kind == "torch":
         if ex.scan_chunk:
@@ -235,6 +237,8 @@ def _requested_executor_rules(ex: ExecutorSpec, geometry: Geometry) -> dict[str,
             rules["prefill_batch_tokens"] = ex.prefill_batch_tokens
         rules["kv_codec"] = geometry.kv_codec
         rules["kv_group_heads"] = geometry.kv_group_heads
+    if geometry.state_codec != DEFAULT_STATE_CODEC:  # auto: the record as before the axis
+        rules["state_codec"] = geometry.state_codec
     assert rules.keys() <= set(EXECUTOR_RULE_KEYS), sorted(rules)
     return rules
 

@@ -147,3 +147,36 @@ def test_bad_codec_one_line(falcon):
         falcon.with_state_codec("fp4")
     with pytest.raises(ValueError, match="mamba1 layer has no heads to scale"):
         load_geometry("jamba_v0_1").with_state_codec("int8")
+
+
+# ----- the simulator prices the codec ------------------------------------------------------
+def test_roofline_prices_fewer_bytes_and_the_codec_work(falcon):
+    """a100_roofline, 4 decode sequences and 1 checkpoint write, fp8 against auto: state
+    bytes are 44 x 807,936 per composite, read 4x and written 5x; the codec work is 4
+    sequences x 44 x 786,432 SSM elements x (1 + 5) operations at 1 / 9.75e12 s each."""
+    from serving_core.executor.simulated import StepTimeModel
+
+    new, ctx = [1] * 4, [1000] * 4
+    auto = StepTimeModel(falcon, "a100_roofline", "S2").breakdown(new, ctx, 1)
+    fp8 = StepTimeModel(falcon.with_state_codec("fp8_e4m3"), "a100_roofline",
+                        "S2").breakdown(new, ctx, 1)
+    assert auto["state_read_bytes"] == 4 * 44 * 1_594_368
+    assert fp8["state_read_bytes"] == 4 * 44 * 807_936
+    assert fp8["state_write_bytes"] == 5 * 44 * 807_936
+    ops = 4 * 44 * 786_432 * 6
+    assert (auto["state_codec_ops"], fp8["state_codec_ops"]) == (0, ops)
+    assert fp8["codec_s"] == pytest.approx(ops / 9.75e12)
+    assert auto["codec_s"] == 0 and fp8["memory_s"] < auto["memory_s"]
+
+
+def test_additive_model_adds_the_codec_work_to_fixed(falcon):
+    from serving_core.executor.simulated import AdditiveStepModel
+
+    auto = AdditiveStepModel(falcon, "a100", "S0")
+    i8 = AdditiveStepModel(falcon.with_state_codec("int8"), "a100", "S0")
+    (m0, d0, f0, x0), (m1, d1, f1, x1) = (m.features(3, 3, 3000, 0, 0, 0) for m in (auto, i8))
+    assert f1 - f0 == pytest.approx(3 * 44 * 786_432 * (2 + 5) / 9.75e12)
+    # memory: 2 x 3 composites at the peak bandwidth, 808,032 against 1,594,368 B per layer
+    bw = auto.device.hbm_bytes_per_s
+    assert m0 - m1 == pytest.approx(6 * 44 * (1_594_368 - 808_032) / bw)
+    assert (d0, x0) == (d1, x1)
