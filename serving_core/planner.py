@@ -281,8 +281,8 @@ def format_plan(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> str:
             total = plan.org_bytes(org)
             rows.append((org, "total", "", "", f"{total:,}", _mib(total),
                          f"{plan.diff_bytes(org):+,}"))
-    title = (f"model {plan.model}  kv {plan.kv_codec}  state {plan.state_codec}  budget {plan.label}  nominal "
-             f"{plan.nominal_bytes:,} B ({_mib(plan.nominal_bytes)} MiB)")
+    title = (f"model {plan.model}  kv {plan.kv_codec}  state {plan.state_codec}  budget "
+             f"{plan.label}  nominal {plan.nominal_bytes:,} B ({_mib(plan.nominal_bytes)} MiB)")
     if plan.scope_layers > 1 and plan.kv_bytes_per_token:
         title += (f" per storage group x {plan.scope_layers}; whole model: KV "
                   f"{plan.kv_bytes_per_token:,} B/token, recurrent "
