@@ -23,7 +23,6 @@ import torch
 from serving_core.state_codec import codec
 
 FP8_MAX = 448.0
-FP8_MAX_BITS = 0x7E  # 448 in e4m3fn; 0x7F is NaN
 FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -32,23 +31,18 @@ def row_seed(request_seed: int, position: int, layer: int) -> int:
     return ((int(request_seed) * 1_000_003 + int(position)) * 8_191 + int(layer)) % (1 << 63)
 
 
-def _fp8_bits(bits: torch.Tensor) -> torch.Tensor:
-    return bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
-
-
 def fp8_stochastic(x: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """e4m3fn codes (uint8) of x, rounded up with probability (|x| - lo) / (hi - lo)."""
+    """e4m3fn codes (uint8) of x, rounded up with probability (|x| - lo) / (hi - lo).
+
+    The neighbours lo, lo + ulp of |x| (saturated at 448) are found arithmetically: ulp is
+    2^(e - 3) for |x| in [2^e, 2^(e+1)) (3 mantissa bits), e at least -6 (the subnormals'
+    spacing, 2^-9), so the rounded value is exact in e4m3fn and its cast is exact."""
     a = x.abs().clamp(max=FP8_MAX)
-    nearest = a.to(torch.float8_e4m3fn)
-    bits = nearest.view(torch.uint8).to(torch.int16)
-    above = nearest.float() > a
-    lo_bits = torch.where(above, bits - 1, bits)
-    hi_bits = torch.where(above, bits, (bits + 1).clamp(max=FP8_MAX_BITS))
-    lo, hi = _fp8_bits(lo_bits), _fp8_bits(hi_bits)
-    span = hi - lo
-    p = torch.where(span > 0, (a - lo) / torch.where(span > 0, span, 1.0), 0.0)
-    out = torch.where(uniforms < p, hi_bits, lo_bits)
-    return (out | torch.where(x < 0, 0x80, 0)).to(torch.uint8)
+    _, exponent = torch.frexp(a)  # a = m 2^E with m in [0.5, 1): e = E - 1
+    ulp = torch.exp2((exponent - 1).clamp(min=-6).float() - 3)
+    lo = torch.floor(a / ulp) * ulp
+    rounded = torch.where(uniforms < (a - lo) / ulp, lo + ulp, lo).clamp(max=FP8_MAX)
+    return torch.copysign(rounded, x).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 class StateEncoder:
