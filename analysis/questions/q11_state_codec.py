@@ -46,6 +46,13 @@ def codecs_of(model: str) -> tuple[str, str, str]:
     return name.removesuffix("_tq4"), kv, state
 
 
+def with_codecs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Runs with their base model, KV codec and state codec columns (`codecs_of`)."""
+    parts = pd.DataFrame(runs["model"].map(codecs_of).tolist(), index=runs.index,
+                         columns=["base", "kv_codec", "state_codec"])
+    return pd.concat([runs, parts], axis=1)
+
+
 def ranking(cells: pd.DataFrame) -> pd.DataFrame:
     """Per group and state codec: organizations by mean request-span throughput, best first;
     `changed` says whether the order differs from the same group's auto order."""
@@ -94,15 +101,14 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
     result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
     runs = runset.runs
     if not runs.empty:
-        parts = pd.DataFrame(runs["model"].map(codecs_of).tolist(), index=runs.index,
-                             columns=["base", "kv_codec", "state_codec"])
-        runs = pd.concat([runs, parts], axis=1)
+        runs = with_codecs(runs)
         result.add("runs", readouts.run_frame(runs).assign(model=runs["model"],
                                                            state_codec=runs["state_codec"]))
-        cells = result.add("cells", readouts.means_table(
-            runs, [*GROUP, "org", "state_codec"], MAIN))
-        order = result.add("ranking", ranking(cells))
-        gain = result.add("gains", gains(cells))
+        cells = readouts.means_table(runs, [*GROUP, "org", "state_codec"], MAIN)
+        frames = {"cells": cells, "gains": gains(cells), "ranking": ranking(cells)}
+        for name, frame in frames.items():
+            result.add(name, frame)
+        cells, gain, order = frames["cells"], frames["gains"], frames["ranking"]
         result.sections.append(Section(
             "Cells, gains and ranking by state codec",
             "EXPLORATORY (conf/prereg/q11_state_codec.yaml). λ 3, cap 63, q 1, f 0, pin K 2, "
