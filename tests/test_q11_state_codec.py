@@ -31,7 +31,7 @@ def _cells(throughput: dict[str, list[float]]) -> pd.DataFrame:
         for org, t in zip(["S0", "S1", "S2"], values, strict=True):
             rows.append({"base": "falcon_h1_7b", "kv_codec": "bf16", "reuse": "share",
                          "budget": "b63", "org": org, "state_codec": codec,
-                         "throughput_span": t, "running_mean": t / 10, "max_running": 5})
+                         "throughput_span": t, "running_mean": t / 10, "running_max": 5})
     return pd.DataFrame(rows)
 
 
