@@ -114,16 +114,8 @@ class StateArena:
 
             self.codec = codec_for(self.head_dim, device=self.device)
         self.kv_group_heads = geometry.kv_group_heads  # None: rebuild all KV heads at once
-        # The SSM state's codec (serving_core/state_codec.py): None stores it as the pool's
-        # dtype; otherwise its leading ssm_elems elements hold the encoded bytes.
         self.state_codec = geometry.state_codec
-        self.encoder = None
-        if transcodes(geometry.state_codec, elem):
-            if geometry.ssm_bytes % elem:
-                raise ValueError(f"model.state_codec={geometry.state_codec!r}: the encoded SSM "
-                                 f"state of {geometry.ssm_bytes} B is not whole {elem}-B "
-                                 "elements of the arena")
-            self.encoder = StateEncoder(geometry.state_codec, self.ssm_shape, k)
+        self.encoder = self._state_encoder(geometry, elem, k)
         self.token_bytes = geometry.attention_bytes_per_token
         # Every pool is one byte tensor (layers, units, unit bytes); `pools` views it in the
         # storage dtype, `raw` as bytes (the packed KV view reads it).
@@ -161,6 +153,17 @@ class StateArena:
                 self.slots_per_slab = mem.layout.slots_per_slab
         self._page_views: dict[int, tuple] = {}
         self._kv_scratch: torch.Tensor | None = None  # gather_kv_heads' buffer, reused
+
+    def _state_encoder(self, geometry: Geometry, elem: int, k: int) -> StateEncoder | None:
+        """The SSM state's codec (serving_core/state_codec.py): None stores it in the pool's
+        dtype; otherwise its leading ssm_elems elements hold the encoded bytes."""
+        if not transcodes(geometry.state_codec, elem):
+            return None
+        if geometry.ssm_bytes % elem:
+            raise ValueError(f"model.state_codec={geometry.state_codec!r}: the encoded SSM "
+                             f"state of {geometry.ssm_bytes} B is not whole {elem}-B elements "
+                             "of the arena")
+        return StateEncoder(geometry.state_codec, self.ssm_shape, k)
 
     @property
     def num_bytes(self) -> int:
