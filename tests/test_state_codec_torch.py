@@ -78,12 +78,16 @@ def test_reused_compressed_checkpoint_continues_exactly(tiny_model, codec):
     assert engine.executor.describe()["state_codec"] == codec
 
 
-@pytest.mark.parametrize("org", ["S0", "S1", "N0"])
+@pytest.mark.parametrize("org", ["S0", pytest.param("S1", marks=pytest.mark.slow),
+                                 pytest.param("N0", marks=pytest.mark.slow)])
 def test_continuation_per_organization_fp8(tiny_model, org):
+    """S0: contiguous units (as N0 and D0); S1 pages as S2 does (slow: S2's codec tests above
+    cover paged addressing), N0 its own page (slow)."""
     produced, hit, c, _ = _served(tiny_model, "fp8_e4m3", org)
     assert hit == c and produced[0] == produced[1]
 
 
+@pytest.mark.slow  # test_state_codec.py::test_default_is_todays_accounting holds transcodes()
 def test_auto_equals_fp32_storage_on_the_tiny_model(tiny_model):
     """On an fp32 model fp32 storage does not transcode: the same tokens as auto."""
     auto, _, _, _ = _served(tiny_model, "auto", "S2")
