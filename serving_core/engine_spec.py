@@ -28,6 +28,7 @@ from serving_core.executor.spec import EXECUTOR_KINDS, ExecutorSpec  # noqa: F40
 from serving_core.geometry import Geometry, geometry_from_config
 from serving_core.memory.rules import AllocatorRules
 from serving_core.scheduler import SchedulerConfig
+from serving_core.state_codec import DEFAULT_STATE_CODEC
 
 CLOCKS = ("virtual", "wall")
 DEFAULT_CLOCK = {"simulated": "virtual", "paced": "wall", "torch": "wall", "external": "wall"}
@@ -193,13 +194,15 @@ def _known(data: Mapping, cls, where: str) -> None:
 def _requested_executor_rules(ex: ExecutorSpec, geometry: Geometry) -> dict[str, Any]:
     """What the spec asks of its executor, under keys of EXECUTOR_RULE_KEYS (the executor's
     describe() reports the same keys): its kind and step model, each executor rule the
-    executor runs (their declarations on ExecutorSpec say which) and for torch the model's
-    KV codec."""
+    executor runs (their declarations on ExecutorSpec say which), for torch the model's
+    KV codec, and for both a state codec other than auto."""
     out: dict[str, Any] = {"executor": ex.kind, "step_model": _requested_step_model(ex),
                            **rules.requested(ex, lambda spec: spec)}
     if ex.kind == "torch":
         out["kv_codec"] = geometry.kv_codec
         out["kv_group_heads"] = geometry.kv_group_heads
+    if geometry.state_codec != DEFAULT_STATE_CODEC:  # auto: the record as before the axis
+        out["state_codec"] = geometry.state_codec
     assert out.keys() <= set(EXECUTOR_RULE_KEYS), sorted(out)
     return out
 

@@ -17,6 +17,8 @@ from typing import Any
 import yaml
 
 from serving_core import layer_pattern as lp
+from serving_core import state_codec as sc
+from serving_core.rules import rule
 
 MODEL_CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 
@@ -56,6 +58,9 @@ class Geometry:
     # tq4 on the torch executor: KV heads whose K/V a prefill rebuilds from packed pages at
     # once (None: all). Bounds the reconstruction's temporary; results do not depend on it.
     kv_group_heads: int | None = None
+    # How the SSM state is stored (serving_core/state_codec.py); conv stays at dtype_bytes.
+    state_codec: str = rule(sc.DEFAULT_STATE_CODEC, "how the recurrent SSM state is stored "
+                            "(auto: the model's dtype)", allowed=sc.STATE_CODECS, config=False)
     d0_attention_fraction: float = 0.5
     max_model_len: int = 8192
     # N0's attention-kernel block alignment (tokens): 16 for vLLM's FlashAttention (A100),
@@ -110,6 +115,11 @@ class Geometry:
                              "block of a context); allowed value: null")
         if self.kv_codec not in KV_CODECS:
             raise ValueError(f"kv_codec={self.kv_codec!r}: allowed values are {KV_CODECS}")
+        sc.codec(self.state_codec)  # one line naming model.state_codec and its values
+        if self.state_codec == "int8" and self.state_layer_counts["mamba1"]:
+            raise ValueError("model.state_codec='int8': a mamba1 layer has no heads to scale; "
+                             "allowed values for this model are "
+                             + ", ".join(c for c in sc.STATE_CODECS if c != "int8"))
         for f in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes", "max_model_len",
                   "n0_block_alignment"):
             if getattr(self, f) <= 0:
@@ -264,9 +274,24 @@ class Geometry:
         group = self.kv_group_heads if kv_codec == "tq4" else None
         return replace(self, kv_codec=kv_codec, kv_group_heads=group)
 
+    def with_state_codec(self, state_codec: str) -> Geometry:
+        """The same model with its SSM state stored in another codec."""
+        return replace(self, state_codec=state_codec)
+
     @property
     def mamba_inner(self) -> int:
         return self.mamba_heads * self.mamba_head_dim
+
+    def layer_ssm_shape(self, kind: str) -> tuple[int, int]:
+        """(elements, heads) of one layer's SSM state of `kind` (mamba1: one head)."""
+        if kind == "mamba2":
+            return self.mamba_inner * self.d_state, self.mamba_heads
+        if kind == "gdn":
+            return (self.gdn_value_heads * self.gdn_key_head_dim * self.gdn_value_head_dim,
+                    self.gdn_value_heads)
+        if kind == "mamba1":
+            return self.mamba1_d_inner * self.mamba1_d_state, 1
+        raise ValueError(f"recurrent kind={kind!r}: allowed values are mamba2, gdn, mamba1")
 
     def layer_state_bytes(self, kind: str) -> tuple[int, int]:
         """(SSM, conv) bytes of one layer's recurrent state of `kind`.
@@ -274,20 +299,28 @@ class Geometry:
         mamba2: heads x head dim x d_state; conv over x, B and C (inner + 2 G N channels).
         gdn: value heads x key dim x value dim; conv over q, k, v (2 Hk dk + Hv dv channels).
         mamba1: inner x d_state; conv over x (inner channels). Conv keeps d_conv - 1 inputs.
+        The SSM elements are stored in the state codec's bytes (plus its per-head scales);
+        the conv window at dtype_bytes.
         """
         e = self.dtype_bytes
+        elements, heads = self.layer_ssm_shape(kind)
+        ssm = sc.ssm_bytes(self.state_codec, elements, heads, e)
         if kind == "mamba2":
             conv_dim = self.mamba_inner + 2 * self.n_groups * self.d_state
-            return self.mamba_inner * self.d_state * e, conv_dim * (self.d_conv - 1) * e
+            return ssm, conv_dim * (self.d_conv - 1) * e
         if kind == "gdn":
-            ssm = self.gdn_value_heads * self.gdn_key_head_dim * self.gdn_value_head_dim * e
             conv_dim = (2 * self.gdn_key_heads * self.gdn_key_head_dim
                         + self.gdn_value_heads * self.gdn_value_head_dim)
             return ssm, conv_dim * (self.gdn_conv - 1) * e
-        if kind == "mamba1":
-            return (self.mamba1_d_inner * self.mamba1_d_state * e,
-                    self.mamba1_d_inner * (self.mamba1_d_conv - 1) * e)
-        raise ValueError(f"recurrent kind={kind!r}: allowed values are mamba2, gdn, mamba1")
+        return ssm, self.mamba1_d_inner * (self.mamba1_d_conv - 1) * e
+
+    @property
+    def ssm_elements_per_checkpoint(self) -> int:
+        """SSM elements of one sequence's recurrent state, whole model (what a codec
+        encodes and decodes)."""
+        counts = self.state_layer_counts
+        return sum(counts[k] * self.layer_ssm_shape(k)[0] for k in ("mamba2", "gdn", "mamba1")
+                   if counts[k])
 
     def _scope_state(self, part: int) -> int:
         return sum(self._per_scope(kind) * self.layer_state_bytes(kind)[part]

@@ -8,10 +8,13 @@ group of the layer pattern (serving_core/layer_pattern.py), so its nominal bytes
 N x 2^20 / Geometry.scope_layers, floored. bN and pN are sized in the model's reference KV
 representation (bf16, geometry.REFERENCE_KV_CODEC), so a label names the same bytes under
 every codec: with kv_codec=tq4, b63 is still 63 bf16 uniform pages of bytes, and each
-organization fits its (smaller) attention units into them. Each organization's class
-(serving_core/memory/) converts the bytes with its own rounding (`plan_pools`), so arms
-are planner-matched, not byte-equal; the plan reports the difference to nominal for that
-reason. This module loops over the registry and names no organization.
+organization fits its (smaller) attention units into them; likewise under a state codec
+(model.state_codec, serving_core/state_codec.py) b63 is 63 pages of the model's own state
+bytes, into which each organization fits its smaller (or larger) composites. Each
+organization's class (serving_core/memory/) converts the bytes with its own rounding
+(`plan_pools`), so arms are planner-matched, not byte-equal; the plan reports the
+difference to nominal for that reason. This module loops over the registry and names no
+organization.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from serving_core.geometry import (
 )
 from serving_core.layout import PoolPlan, exact_fraction, paged_page_bytes, uniform_page_bytes
 from serving_core.memory import ORG_TO_CLASS, normalize_org
+from serving_core.state_codec import DEFAULT_STATE_CODEC, STATE_CODECS
 
 BUDGET_FORMS = ("bN (N uniform hybrid pages), pN or 'N pages' (N S1/S2 pages), NMiB (N MiB for "
                 "the whole model), N a positive integer")
@@ -87,6 +91,7 @@ class BudgetPlan:
     recurrent_bytes_per_checkpoint: int = 0  # whole model, every recurrent layer
     # Organizations that cannot hold the model's layer pattern: {org: the one-line reason}.
     refused: tuple[tuple[str, str], ...] = ()
+    state_codec: str = DEFAULT_STATE_CODEC  # how the SSM state is stored (model.state_codec)
 
     @property
     def model_nominal_bytes(self) -> int:
@@ -125,9 +130,11 @@ def headroom_units(total_units: int, f: float) -> int:
 
 
 def nominal_bytes(geometry: Geometry, budget: str | Budget) -> int:
-    """Bytes a label names: counted in the reference (bf16) representation's units."""
+    """Bytes a label names: counted in the reference representation's units (bf16 KV, the
+    SSM state at the model's dtype, state_codec auto), so a label names the same bytes
+    under every KV and state codec."""
     parsed = budget if isinstance(budget, Budget) else parse_budget(budget)
-    reference = geometry.with_codec(REFERENCE_KV_CODEC)
+    reference = geometry.with_codec(REFERENCE_KV_CODEC).with_state_codec(DEFAULT_STATE_CODEC)
     if parsed.kind == "m":
         return parsed.count * 2**20 // geometry.scope_layers
     if parsed.kind == "b":
@@ -204,7 +211,7 @@ def plan_budget(geometry: Geometry, budget: str | Budget) -> BudgetPlan:
         )
     return BudgetPlan(geometry.name, parsed.label, nominal, pools, geometry.kv_codec,
                       geometry.scope_layers, geometry.kv_bytes_per_token,
-                      geometry.recurrent_bytes_per_checkpoint, refused)
+                      geometry.recurrent_bytes_per_checkpoint, refused, geometry.state_codec)
 
 
 def _orgs(orgs: Sequence[str] | None) -> tuple[str, ...]:
@@ -238,6 +245,7 @@ def plan_to_dict(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> dict:
     return {
         "model": plan.model,
         "kv_codec": plan.kv_codec,
+        "state_codec": plan.state_codec,
         "budget": plan.label,
         "nominal_bytes": plan.nominal_bytes,
         "scope_layers": plan.scope_layers,
@@ -273,8 +281,8 @@ def format_plan(plan: BudgetPlan, orgs: Sequence[str] | None = None) -> str:
             total = plan.org_bytes(org)
             rows.append((org, "total", "", "", f"{total:,}", _mib(total),
                          f"{plan.diff_bytes(org):+,}"))
-    title = (f"model {plan.model}  kv {plan.kv_codec}  budget {plan.label}  nominal "
-             f"{plan.nominal_bytes:,} B ({_mib(plan.nominal_bytes)} MiB)")
+    title = (f"model {plan.model}  kv {plan.kv_codec}  state {plan.state_codec}  budget "
+             f"{plan.label}  nominal {plan.nominal_bytes:,} B ({_mib(plan.nominal_bytes)} MiB)")
     if plan.scope_layers > 1 and plan.kv_bytes_per_token:
         title += (f" per storage group x {plan.scope_layers}; whole model: KV "
                   f"{plan.kv_bytes_per_token:,} B/token, recurrent "
@@ -338,6 +346,8 @@ def add_table_options(parser: argparse.ArgumentParser, org_help: str) -> None:
         "--kv-codec", choices=(*KV_CODECS, "both"),
         help="attention KV representation (default: the preset's); both: side by side",
     )
+    parser.add_argument("--state-codec", choices=STATE_CODECS,
+                        help="SSM state storage (model.state_codec; default: the preset's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -359,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         geometry = load_geometry(args.model)
+        if args.state_codec:
+            geometry = geometry.with_state_codec(args.state_codec)
         label = args.budget if args.budget is not None else f"{args.pages} pages"
         codecs = KV_CODECS if args.kv_codec == "both" else (args.kv_codec or geometry.kv_codec,)
         orgs = _orgs(args.org)

@@ -296,6 +296,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> dict:
     geometry = load_geometry(args.model)
+    if args.state_codec:
+        geometry = geometry.with_state_codec(args.state_codec)
     if args.kv_codec == "both":
         return {c: _run_one(args, geometry.with_codec(c)) for c in KV_CODECS}
     return _run_one(args, geometry.with_codec(args.kv_codec or geometry.kv_codec))

@@ -248,13 +248,14 @@ def test_cli_side_by_side_codecs():
 
 def test_plan_to_dict_shape(falcon):
     data = plan_to_dict(plan_budget(falcon, "b63"))
-    assert set(data) == {"model", "kv_codec", "budget", "nominal_bytes", "scope_layers",
+    assert set(data) == {"model", "kv_codec", "state_codec", "budget", "nominal_bytes",
+                         "scope_layers",
                          "model_nominal_bytes", "kv_bytes_per_token",
                          "recurrent_bytes_per_checkpoint", "orgs"}
     # Falcon-H1-7B: 44 layers, each 1,024 B of KV per token and a 1,594,368-B composite
     assert (data["scope_layers"], data["kv_bytes_per_token"]) == (44, 44 * 1_024)
     assert data["recurrent_bytes_per_checkpoint"] == 44 * 1_594_368
-    assert data["kv_codec"] == "bf16"
+    assert data["kv_codec"] == "bf16" and data["state_codec"] == "auto"
     assert set(data["orgs"]) == {"S0", "S1", "S2", "D0", "N0", "JENGA"}
     assert data["orgs"]["S1"] == {"units": 193, "unit_bytes": 524_288, "bytes": 101_187_584}
     d0 = data["orgs"]["D0"]

@@ -81,6 +81,7 @@ _NEUTRAL_SETTINGS: dict[tuple[str, str], object] = {
     ("executor", "logit_row_s"): 0.0,
     ("executor", "logit_block_rows"): 4,
     ("model", "kv_group_heads"): None,
+    ("model", "state_codec"): "auto",
     ("host_tier", "capacity_bytes"): None,
 }
 # Documentation inside a section, never identity: a preset's card (its public source and

@@ -103,6 +103,9 @@ def hf_config(geometry) -> dict:
     if g.kv_codec != "bf16":
         raise ValueError(f"model.kv_codec={g.kv_codec!r}: the vLLM arm stores KV as the model "
                          "dtype; allowed bf16")
+    if g.state_codec != "auto":
+        raise ValueError(f"model.state_codec={g.state_codec!r}: the vLLM arm runs vLLM's "
+                         "default Mamba cache dtype; allowed auto")
     kinds = [s.split("+")[0] for s in g.layer_strings]
     common = {
         "hidden_size": g.hidden_size, "num_hidden_layers": g.num_layers,

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 EXECUTOR_RULE_KEYS = ("executor", "step_model", "profile", "indirection", "paged_state_s",
                       "logit_gemm_s", "logit_row_s", "logit_block_rows", "device", "dtype",
                       "scan_chunk", "prefill_batch_tokens", "kv_codec", "kv_group_heads",
-                      "decode_attention")
+                      "decode_attention", "state_codec")
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from serving_core.executor.base import ExecutorOutput
+from serving_core.state_codec import DEFAULT_STATE_CODEC
 
 
 class SimulatedExecutor:
@@ -42,6 +43,9 @@ class SimulatedExecutor:
             "profile": getattr(device, "name", None),
             "indirection": float(indirection),
         }
+        codec = getattr(getattr(model, "geometry", None), "state_codec", DEFAULT_STATE_CODEC)
+        if codec != DEFAULT_STATE_CODEC:  # the step model prices this codec's bytes and work
+            out["state_codec"] = codec
         paged = getattr(model, "paged_s_per_seq", 0.0)
         if paged:  # the additive model's paged-state gathers, seconds per scheduled sequence
             out["paged_state_s"] = float(paged)

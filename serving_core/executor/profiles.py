@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from serving_core.geometry import Geometry
+from serving_core.state_codec import ops_per_element
 
 EXECUTOR_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "executor"
 
@@ -47,6 +48,11 @@ NOMINAL_HOST_LINK_BANDWIDTH_BPS = 16e9 * 16 * 128 / 130 / 8
 NOMINAL_HOST_LINK_LATENCY_S = 10e-6
 NOMINAL_KV_DECODE_S_PER_ELEMENT = 4 / 9.75e12
 NOMINAL_KV_ENCODE_S_PER_ELEMENT = 17 / 9.75e12
+# SSM state codec work (model.state_codec, serving_core/state_codec.py), NOMINAL A100 value,
+# not fitted (no A100 here): seconds per elementary operation on CUDA cores, the TQ4 rate
+# above (19.5 TFLOP/s fp32 non-tensor at half), 1 / 9.75e12; the codec states its operations
+# per element (fp8_e4m3: 1 to decode, 5 to encode with stochastic rounding).
+NOMINAL_STATE_CODEC_S_PER_OP = 1 / 9.75e12
 
 # Profile fields that are fractions of a peak, in (0, 1].
 _EFFICIENCY_FIELDS = (
@@ -101,6 +107,9 @@ class DeviceProfile:
     # the geometry's kv_codec is not bf16. Default: the nominal A100 values above.
     kv_decode_s_per_element: float = NOMINAL_KV_DECODE_S_PER_ELEMENT
     kv_encode_s_per_element: float = NOMINAL_KV_ENCODE_S_PER_ELEMENT
+    # SSM state codec seconds per operation (serving_core/state_codec.py ops per element);
+    # used only when the state codec transcodes. Default: the nominal A100 value above.
+    state_codec_s_per_op: float = NOMINAL_STATE_CODEC_S_PER_OP
     # The host link of a host tier (bytes/s per direction, seconds per copy); default: the
     # nominal A100 PCIe 4.0 x16 values above.
     host_link_bandwidth_Bps: float = NOMINAL_HOST_LINK_BANDWIDTH_BPS
@@ -125,7 +134,7 @@ class DeviceProfile:
         for f in ("per_step_overhead_s", "per_seq_overhead_s", "mixed_step_s",
                   "indirection_overhead", "state_page_s", "conv_slot_s", "kv_page_s",
                   "prefill_chunk_s", "logit_gemm_s", "logit_row_s", "kv_decode_s_per_element",
-                  "kv_encode_s_per_element", "host_link_latency_s"):
+                  "kv_encode_s_per_element", "host_link_latency_s", "state_codec_s_per_op"):
             value = getattr(self, f)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{f}={value} must be finite and >= 0")
@@ -168,6 +177,7 @@ _PROFILE_CASTS = {
     "calibration": str,
     "kv_decode_s_per_element": float,
     "kv_encode_s_per_element": float,
+    "state_codec_s_per_op": float,
     "host_link_bandwidth_Bps": float,
     "host_link_latency_s": float,
 }
@@ -248,6 +258,9 @@ class ModelCosts:
     scan_flops_per_intra_pair: int  # 2 sum(H P + G N): intra-chunk C B^T and its product
     ssd_chunk_tokens: int  # Q
     codec_elements_per_token: int = 0  # K/V elements of one token, all La layers (0: bf16)
+    # SSM state codec operations of one composite read and written once (every recurrent
+    # layer's SSM elements x the codec's decode + encode operations; 0: not transcoded)
+    state_codec_ops_per_composite: int = 0
 
     @property
     def has_recurrent(self) -> bool:
@@ -310,4 +323,6 @@ def model_costs(geometry: Geometry, ssd_chunk_tokens: int = SSD_CHUNK_TOKENS) ->
         codec_elements_per_token=(
             g.kv_elements_per_token * attention_layers if g.kv_codec != "bf16" else 0
         ),
+        state_codec_ops_per_composite=g.ssm_elements_per_checkpoint * ops_per_element(
+            g.state_codec, g.dtype_bytes),
     )

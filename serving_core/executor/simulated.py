@@ -15,6 +15,7 @@ step's memory traffic and FLOPs plus host overhead:
               + [4 HPN L sum(n) + 2 HPN L sum(ceil(n / Q))
                  + 2 (HP + GN) L sum(s^2 over chunks s of n)] / (F eff_scan)
               + E [t_dec sum(c + n) + t_enc sum(n)]                  (compressed KV only)
+              + B O t_op                                      (transcoded SSM state only)
 
 for B scheduled sequences with n new and c cached tokens each, k checkpoints
 published this step, W weight bytes, kv / state the whole-model bytes of one
@@ -22,6 +23,10 @@ token's KV / one recurrent composite, and x the indirection overhead (S1/S2
 only). Coefficients come from `ModelCosts`; device constants from the profile. With a
 compressed KV representation (kv_codec tq4) kv is the packed bytes, and E = 2 Hkv d L K/V
 elements per token are decoded where read (t_dec s each) and encoded where written (t_enc).
+With a transcoded SSM state (model.state_codec, serving_core/state_codec.py) state is its
+stored bytes, and each scheduled sequence decodes and encodes its composite once a step:
+O = SSM elements x the codec's decode + encode operations, t_op the profile's
+state_codec_s_per_op (a published checkpoint is a copy of encoded bytes: bytes only).
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class StepTimeModel:
         "_seq_overhead_s",
         "_decode_s_per_token",
         "_encode_s_per_token",
+        "_state_codec_s",
     )
 
     def __init__(
@@ -141,6 +147,7 @@ class StepTimeModel:
         self._seq_overhead_s = dev.per_seq_overhead_s
         self._decode_s_per_token = costs.codec_elements_per_token * dev.kv_decode_s_per_element
         self._encode_s_per_token = costs.codec_elements_per_token * dev.kv_encode_s_per_element
+        self._state_codec_s = costs.state_codec_ops_per_composite * dev.state_codec_s_per_op
 
     def step_seconds(
         self,
@@ -211,6 +218,7 @@ class StepTimeModel:
             "scan_s": scan_s,
             "codec_decode_elements": (sum_ctx + sum_new) * c.codec_elements_per_token,
             "codec_encode_elements": sum_new * c.codec_elements_per_token,
+            "state_codec_ops": num_seqs * c.state_codec_ops_per_composite,
             "codec_s": codec_s,
             "compute_s": compute_s,
             "step_overhead_s": self._step_overhead_s,
@@ -280,6 +288,10 @@ class StepTimeModel:
         """Seconds of each roofline term: weights, kv, state | dense, attention, scan, codec |
         host."""
         num_seqs, sum_new, sum_ctx, _, _, num_chunks, intra_pairs, attention_pairs = agg
+        codec_s = ((sum_ctx + sum_new) * self._decode_s_per_token
+                   + sum_new * self._encode_s_per_token)
+        if self._state_codec_s:  # a compressed SSM state: each sequence decodes and encodes it
+            codec_s += num_seqs * self._state_codec_s
         return (
             self._weights_s,
             # Read the cached context and the chunk's own keys; write the chunk's KV.
@@ -293,7 +305,7 @@ class StepTimeModel:
             + num_chunks * self._scan_s_per_chunk
             + intra_pairs * self._scan_s_per_intra_pair,
             # A compressed KV decodes every key it reads and encodes every key it writes.
-            (sum_ctx + sum_new) * self._decode_s_per_token + sum_new * self._encode_s_per_token,
+            codec_s,
             self._step_overhead_s + num_seqs * self._seq_overhead_s,
         )
 
@@ -347,6 +359,8 @@ class AdditiveStepModel:
     of its cached context is not charged: prefill KV reads are not in memory_s either (the fit
     absorbs them), and at 4 CUDA-core operations per element against 4 Ha d tensor-core FLOPs
     per (query, key) pair it is about 1 % of the chunk's attention time for n >= 512.
+    A transcoded SSM state (model.state_codec) adds its codec work per scheduled sequence
+    (`ModelCosts.state_codec_ops_per_composite` x state_codec_s_per_op) to fixed_s.
     A step is mixed when it carries both prefill and decode sequences. x_org is the
     profile's indirection overhead (plus `extra_indirection`) for S1/S2, else 0.
     A sequence with one new token is a decode sequence.
@@ -379,6 +393,7 @@ class AdditiveStepModel:
         "_seq_s",
         "_dec",
         "_enc",
+        "_state_codec",
         "_kv_page_s",
         "_chunk_s",
         "_logit_gemm_s",
@@ -414,6 +429,7 @@ class AdditiveStepModel:
         self._seq_s = dev.per_seq_overhead_s
         self._dec = c.codec_elements_per_token * dev.kv_decode_s_per_element
         self._enc = c.codec_elements_per_token * dev.kv_encode_s_per_element
+        self._state_codec = c.state_codec_ops_per_composite * dev.state_codec_s_per_op
         self.state_pages, self.conv_slots = paged_state_pieces(geometry, self.org)
         self.paged_s_per_seq = (self.state_pages * dev.state_page_s
                                 + self.conv_slots * dev.conv_slot_s)
@@ -467,6 +483,8 @@ class AdditiveStepModel:
         if self._dec or self._enc:
             fixed += (decode_context + num_decode) * self._dec + (
                 prefill_tokens + num_decode) * self._enc
+        if self._state_codec:
+            fixed += num_seqs * self._state_codec
         mixed = 1 if num_decode and num_decode < num_seqs else 0
         return memory, dense, fixed, mixed
 
@@ -527,7 +545,7 @@ class AdditiveStepModel:
             "attention": self._attn * c["prefill_attention_pairs"],
             "scan": self._scan * prefill,
             "codec": (self._dec * (c["decode_context_tokens"] + dec)
-                      + self._enc * (prefill + dec)),
+                      + self._enc * (prefill + dec) + self._state_codec * num),
             "mixed": ((dec > 0) & (dec < num)).astype(np.float64),
             "kv_pages": self.kv_pages(dec, c["decode_context_tokens"]),
             "prefill_chunks": num - dec,

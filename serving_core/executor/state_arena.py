@@ -29,9 +29,11 @@ from __future__ import annotations
 import torch
 
 from serving_core.executor.device import host_index
+from serving_core.executor.state_encoding import StateEncoder
 from serving_core.geometry import Geometry
 from serving_core.memory import CONV_ADDRESSING, MemoryOrganization, org_class
 from serving_core.memory.s2 import decode_conv_line
+from serving_core.state_codec import transcodes
 
 STORAGE_DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
@@ -112,6 +114,8 @@ class StateArena:
 
             self.codec = codec_for(self.head_dim, device=self.device)
         self.kv_group_heads = geometry.kv_group_heads  # None: rebuild all KV heads at once
+        self.state_codec = geometry.state_codec
+        self.encoder = self._state_encoder(geometry, elem, k)
         self.token_bytes = geometry.attention_bytes_per_token
         # Every pool is one byte tensor (layers, units, unit bytes); `pools` views it in the
         # storage dtype, `raw` as bytes (the packed KV view reads it).
@@ -149,6 +153,17 @@ class StateArena:
                 self.slots_per_slab = mem.layout.slots_per_slab
         self._page_views: dict[int, tuple] = {}
         self._kv_scratch: torch.Tensor | None = None  # gather_kv_heads' buffer, reused
+
+    def _state_encoder(self, geometry: Geometry, elem: int, k: int) -> StateEncoder | None:
+        """The SSM state's codec (serving_core/state_codec.py): None stores it in the pool's
+        dtype; otherwise its leading ssm_elems elements hold the encoded bytes."""
+        if not transcodes(geometry.state_codec, elem):
+            return None
+        if geometry.ssm_bytes % elem:
+            raise ValueError(f"model.state_codec={geometry.state_codec!r}: the encoded SSM "
+                             f"state of {geometry.ssm_bytes} B is not whole {elem}-B elements "
+                             "of the arena")
+        return StateEncoder(geometry.state_codec, self.ssm_shape, k)
 
     @property
     def num_bytes(self) -> int:
@@ -306,7 +321,8 @@ class StateArena:
         copy in or out: fp32 storage, and S0/D0 (the state leads its composite's unit) or
         S1/S2 member pages that hold whole heads."""
         if (not self.mem.has_recurrent or self.dtype != torch.float32
-                or self.members_per_group != 1):  # a model slices a group's stacked state
+                or self.members_per_group != 1  # a model slices a group's stacked state
+                or self.encoder is not None):  # an encoded state is decoded into a copy
             return False
         if self.contiguous:
             return True
@@ -368,42 +384,61 @@ class StateArena:
             k = self.members
             rows = rows.view(b, k, -1)
             s, c = self.ssm_elems // k, self.conv_elems // k
-            ssm = rows[:, :, :s].reshape(b, *self.ssm_shape)
+            ssm = self._ssm_out(rows[:, :, :s], b)
             conv = rows[:, :, s : s + c].reshape(b, *self.conv_shape)
             return conv, ssm, rows
         if self.contiguous:
-            ssm = rows[:, : self.ssm_elems].view(b, *self.ssm_shape)
+            ssm = self._ssm_out(rows[:, : self.ssm_elems], b)
             conv = rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems]
             return conv.view(b, *self.conv_shape), ssm, rows
-        flat = rows.view(b, -1)[:, : self.ssm_elems]
-        ssm = flat.view(b, *self.ssm_shape)
+        ssm = self._ssm_out(rows.view(b, -1)[:, : self.ssm_elems], b)
         conv_rows = self._conv_read(layer, loc["conv"])
         conv = conv_rows[:, : self.conv_elems].view(b, *self.conv_shape)
         return conv, ssm, (rows, conv_rows)
 
-    def scatter(self, layer: int, loc, gathered, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Write conv and ssm (as returned by `gather`, updated) back to their units."""
+    def _ssm_out(self, raw: torch.Tensor, b: int) -> torch.Tensor:
+        """The SSM states (b, k H, P, N) of their stored elements: a view of them as they
+        are, or their decoded copy under a state codec."""
+        if self.encoder is None:
+            return raw.reshape(b, *self.ssm_shape) if raw.dim() == 3 else raw.view(
+                b, *self.ssm_shape)
+        return self.encoder.decode(raw.reshape(b, -1).contiguous().view(torch.uint8))
+
+    def _ssm_in(self, ssm: torch.Tensor, keys, layer: int) -> torch.Tensor:
+        """(b, ssm elements) to store of states (b, k H, P, N): encoded under a codec
+        (`keys`: per row (request seed, token position) of its stochastic rounding)."""
+        b = ssm.shape[0]
+        if self.encoder is None:
+            return ssm.reshape(b, -1)
+        return self.encoder.encode(ssm, keys, layer).view(self.dtype)
+
+    def scatter(self, layer: int, loc, gathered, conv: torch.Tensor, ssm: torch.Tensor,
+                keys=None) -> None:
+        """Write conv and ssm (as returned by `gather`, updated) back to their units
+        (`keys`: the rows' stochastic-rounding keys under a state codec, `_ssm_in`)."""
         arena = self.pools[self.rec_pool][layer]
         pages = loc["pages"]
         b = pages.shape[0]
         if self.layer_pages:
             k, rows = self.members, gathered
             s, c = self.ssm_elems // k, self.conv_elems // k
-            rows[:, :, :s] = ssm.reshape(b, k, s)
+            rows[:, :, :s] = self._ssm_in(ssm, keys, layer).reshape(b, k, s)
             rows[:, :, s : s + c] = conv.reshape(b, k, c)
             arena.index_copy_(0, pages.reshape(-1), rows.view(b * k, -1))
             return
         if self.contiguous:
             rows = gathered
             if ssm.data_ptr() != rows.data_ptr():
-                rows[:, : self.ssm_elems] = ssm.reshape(b, -1)
-                rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems] = conv.reshape(b, -1)
+                rows[:, : self.ssm_elems] = self._ssm_in(ssm, keys, layer)
+                conv_rows = rows[:, self.ssm_elems : self.ssm_elems + self.conv_elems]
+                if conv.data_ptr() != conv_rows.data_ptr():  # not updated where it lies
+                    conv_rows[...] = conv.reshape(b, -1)
             arena.index_copy_(0, pages.reshape(-1), rows)
             return
         rows, conv_rows = gathered
         flat = rows.view(b, -1)
         if ssm.data_ptr() != flat.data_ptr():
-            flat[:, : self.ssm_elems] = ssm.reshape(b, -1)
+            flat[:, : self.ssm_elems] = self._ssm_in(ssm, keys, layer)
         arena.index_copy_(0, pages.reshape(-1), rows)
         if conv.data_ptr() != conv_rows.data_ptr():
             conv_rows[:, : self.conv_elems] = conv.reshape(b, -1)
@@ -418,9 +453,12 @@ class StateArena:
             out.append((conv.float().clone(), ssm.float().clone()))
         return out
 
-    def write(self, obj, states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Store per-layer (conv, ssm) into one composite's units."""
+    def write(self, obj, states: list[tuple[torch.Tensor, torch.Tensor]], key=None) -> None:
+        """Store per-layer (conv, ssm) into one composite's units (`key`: its (request seed,
+        token position) under a state codec)."""
         loc = self.locate([obj])
+        keys = None if key is None else [key]
         for layer, (conv, ssm) in enumerate(states):
             c, s, gathered = self.gather(layer, loc)
-            self.scatter(layer, loc, gathered, conv.to(self.dtype), ssm.to(self.dtype))
+            self.scatter(layer, loc, gathered, conv.to(self.dtype),
+                         ssm if self.encoder is not None else ssm.to(self.dtype), keys)

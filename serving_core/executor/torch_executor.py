@@ -51,9 +51,10 @@ class PagedRecurrentIO:
     copy per layer, S2's slab slots included). Otherwise the composite is gathered into a
     copy and scattered back."""
 
-    def __init__(self, arena: StateArena, composites) -> None:
+    def __init__(self, arena: StateArena, composites, keys=None) -> None:
         self.arena = arena
         self.loc = arena.locate(composites)
+        self.keys = keys  # per composite (request seed, position) of a state codec's rounding
         self.fp32 = arena.dtype == torch.float32
         self.in_place = arena.ssm_in_place
         self._gathered = {}
@@ -73,14 +74,17 @@ class PagedRecurrentIO:
             return
         gathered = self._gathered.pop(layer)
         dtype = self.arena.dtype
-        self.arena.scatter(layer, self.loc, gathered, conv.to(dtype), ssm.to(dtype))
+        if self.arena.encoder is None:
+            ssm = ssm.to(dtype)
+        self.arena.scatter(layer, self.loc, gathered, conv.to(dtype), ssm, self.keys)
 
 
 class _DecodeIO(PagedRecurrentIO):
     """State access of a batch of one-token decodes, in place through the mapping."""
 
     def __init__(self, arena: StateArena, items, gathered: bool = False) -> None:
-        super().__init__(arena, [it.state.working for it in items])
+        super().__init__(arena, [it.state.working for it in items],
+                         [codec_key(it, it.context + 1) for it in items])
         dev = arena.device
         bt = arena.block_tokens
         ctx = [it.context for it in items]
@@ -357,7 +361,7 @@ class TorchExecutor:
                     return [(c[i : i + 1], m[i : i + 1]) for c, m in layers]
 
                 self._pending.append((it.state, [(e, own(st)) for e, st in boundary_states],
-                                      own(states)))
+                                      own(states), it, c1))
         self._sample(logits, items, sampled, logprobs)
 
     def _prompt_logprobs(self, h, items, want, s: int, e: int, out: dict) -> None:
@@ -381,6 +385,8 @@ class TorchExecutor:
                 "dtype": str(self.model.dtype).removeprefix("torch."),
                 "scan_chunk": int(self.model.chunk), "kv_codec": self.arena.kv_codec,
                 "kv_group_heads": self.arena.kv_group_heads,
+                **({"state_codec": self.arena.state_codec}
+                   if self.arena.state_codec != "auto" else {}),
                 "prefill_batch_tokens": self.effective_prefill_batch_tokens,
                 "decode_attention": "packed_pages" if self.arena.packed else self.decode_attention}
 
@@ -391,7 +397,7 @@ class TorchExecutor:
         ChunkState when the scheduler completed the step (a no-op publication and a
         finished request receive nothing)."""
         pending, self._pending = self._pending, []
-        for state, boundary_states, final in pending:
+        for state, boundary_states, final, item, end in pending:
             published = dict(state.published)
             for boundary, states in boundary_states:
                 target = published.get(boundary)
@@ -399,9 +405,18 @@ class TorchExecutor:
                     if not (target.valid and target.cached and target.boundary == boundary):
                         raise RuntimeError(f"composite published at {boundary} is not cached "
                                            "there at commit")
-                    self.arena.write(target, states)
+                    self.arena.write(target, states, codec_key(item, boundary))
             if state.final:
-                self.arena.write(state.final, final)
+                self.arena.write(state.final, final, codec_key(item, end))
+
+
+def codec_key(item, position: int) -> tuple[int, int]:
+    """The (request seed, token position) that seeds a state codec's stochastic rounding
+    of the state written after `position` tokens of the item's request (seed 0 without
+    one; serving_core/executor/state_encoding.py)."""
+    params = getattr(item.req.spec, "sampling", None)
+    seed = getattr(params, "seed", None)
+    return (0 if seed is None else int(seed), int(position))
 
 
 def _prompt_logprobs_k(item) -> int | None:

@@ -35,6 +35,11 @@ from serving_core.memory.base import MemoryOrganization
 # `n0_block_alignment` picks one per run.
 N0_BLOCK_ALIGNMENT = 16
 N0_CPU_BLOCK_ALIGNMENT = 128
+# SSM state codecs vLLM's Mamba page stores (serving_core/state_codec.py): vLLM 0.32's
+# mamba_ssm_cache_dtype (auto, float32, float16, bfloat16; config/cache.py MambaDType) and
+# fp8_e4m3 (pull request 52962; MambaSpec's page is then the shapes' bytes at each dtype).
+# int8 with per-head scales has no vLLM dtype, so N0 refuses it.
+N0_STATE_CODECS = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3")
 
 
 def n0_layer_shape(geometry: Geometry) -> tuple[int, int, int]:
@@ -125,7 +130,11 @@ class N0UniformPages(MemoryOrganization):
 
     @classmethod
     def unit_layout(cls, geometry: Geometry) -> OrgLayout:
-        """`n0_layout` at the model's kernel block alignment (`n0_block_alignment`)."""
+        """`n0_layout` at the model's kernel block alignment (`n0_block_alignment`); a
+        state codec vLLM's Mamba page has no dtype for (`N0_STATE_CODECS`) is refused."""
+        if geometry.state_codec not in N0_STATE_CODECS:
+            raise ValueError(f"org=n0 cannot hold model.state_codec={geometry.state_codec!r}: "
+                             f"allowed values are {', '.join(N0_STATE_CODECS)}")
         return n0_layout(geometry, geometry.n0_block_alignment)
 
     @classmethod
