@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import yaml
 
 import ledgers
 from analysis.questions import traces
-from experiments.campaigns.campaign import plan_campaign
+from experiments.campaigns.sweeps import CampaignSpec, expand_jobs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,14 +52,15 @@ def test_traces_smoke_campaign_and_page(tmp_path):
 
 
 def test_a_trace_repeat_is_the_window_its_seed_maps_to():
-    runs = plan_campaign(["campaign=traces"])
+    raw = yaml.safe_load((REPO / "conf" / "campaign" / "traces.yaml").read_text())
+    jobs = expand_jobs(CampaignSpec.from_config(raw["hydra"]["sweeper"]), [], "traces")
     starts = {}
-    for run in runs:
-        over = dict(o.split("=", 1) for o in run.job.overrides)
+    for job in jobs:
+        over = dict(o.split("=", 1) for o in job.overrides)
         if over.get("workload") == "trace":
-            starts.setdefault((over["workload.trace_file"], run.key.seed), set()).add(
+            starts.setdefault((over["workload.trace_file"], int(over["seed"])), set()).add(
                 int(over["workload.trace_start"]))
-    assert len(runs) == 384 and len(starts) == 16
+    assert len(jobs) == 384 and len(starts) == 16
     assert all(s == {400 * (seed - 42000)} for (_, seed), s in starts.items())
 
 
