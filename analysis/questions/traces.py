@@ -142,7 +142,8 @@ def _sections(result: QuestionResult, runs: pd.DataFrame, plan) -> None:
 
 
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
-    result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
+    result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir,
+                                                per_campaign=True)
     if not runset.runs.empty:
         runs = readouts.family_runs(plan, FAMILY, runset.runs)
         if not runs.empty:
