@@ -175,6 +175,15 @@ n0: setup ## N0 (vLLM native, simulated) next to S0/S1/S2/D0 at b63/b83/b108: 18
 	@$(MAKE) --no-print-directory report LEDGER_ROOT=$(LEDGER_ROOT)
 	@echo "N0 page: $(abspath $(REPORT_DIR))/n0_native.md"
 
+# SMOKE=1: the first window of each trace, one seed of sessions and agentic, 10 requests a run.
+TRACES_SMOKE := hydra.sweeper.only=[conversation_w0,synthetic_w0,sessions,agentic] \
+	hydra.sweeper.smoke_seeds=1 workload.num_requests=10
+traces: override ARGS := $(if $(filter $(SMOKE_ON),$(SMOKE)),$(TRACES_SMOKE)) $(ARGS)
+traces: setup ## issue 45: S0/S1/S2/D0/N0/Jenga x 2 budgets on Mooncake trace windows, sessions, agentic (384 runs), then traces.md
+	$(call campaign_run,traces)
+	$(BIN)/python -m analysis.questions.traces --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) > /dev/null
+	@echo "traces page: $(abspath $(REPORT_DIR))/traces.md"
+
 campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, pinning, orig5, q6_development, tier)
 	@test -n "$(C)" || { echo "usage: make campaign C=<name of conf/campaign/*.yaml>"; exit 2; }
 	$(call campaign_run,$(C))
@@ -209,7 +218,7 @@ sensitivity: setup ## rerun every page's primary family under each alternative e
 	$(BIN)/python -m analysis.studies.sensitivity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) > /dev/null
 	@echo "sensitivity page: $(abspath $(REPORT_DIR))/sensitivity.md"
 
-.PHONY: $(QUESTIONS) n0 campaign campaign-plan smoke demo sensitivity
+.PHONY: $(QUESTIONS) n0 traces campaign campaign-plan smoke demo sensitivity
 
 # ---- the real core over HTTP (serving_core.server) -------------------------------------------
 # MODEL=falcon|granite: the tiny random-weight checkpoint (built offline) and preset that

@@ -601,15 +601,24 @@ def home_campaign(campaign: str) -> str:
     return campaign.removeprefix("demo_")
 
 
+def _plan_name(campaign: str, rows: pd.DataFrame, plan_dir: Path) -> str:
+    """The plan a campaign's runs were stamped with: the campaign's own plan file, else (a
+    campaign named for a workload, e.g. traces_conversation) the question its runs ran."""
+    home = home_campaign(campaign)
+    questions = rows["question"].dropna().astype(str).unique() if "question" in rows else ()
+    if (Path(plan_dir) / f"{home}.yaml").is_file() or len(questions) != 1:
+        return home
+    return str(questions[0])
+
+
 def _changed_plans(plan: Plan, found: pd.DataFrame, hash_column: str) -> tuple[ChangedPlan, ...]:
     """Run hashes that differ from the plan of the campaign each run was collected in."""
     changed = []
     plan_dir = plan.path.parent if plan.path else PLAN_DIR
     for campaign, rows in found.groupby("campaign", sort=True):
         campaign = str(campaign)
-        home = home_campaign(campaign)
         expected = (plan.plan_hash if campaign == plan.campaign
-                    else load_plan(home, plan_dir).plan_hash)
+                    else load_plan(_plan_name(campaign, rows, plan_dir), plan_dir).plan_hash)
         hashes = rows[hash_column].map(lambda h: "<none>" if pd.isna(h) or h == "" else str(h))
         changed += [ChangedPlan(campaign, h, expected, int(k))
                     for h, k in sorted(hashes.value_counts().items()) if h != expected]

@@ -83,11 +83,25 @@ def in_plan(plan: prereg.Plan, runs: pd.DataFrame) -> pd.DataFrame:
     return runs[runs["run_id"].isin(ids)].copy()
 
 
-def begin_plan(con, question: str, title: str, plan_dir=None
+def _by_campaign(runset: RunSet) -> RunSet:
+    """The run set with campaign in the duplicate key, so that runs whose cells differ only
+    by campaign (a workload named by its campaign, e.g. traces_conversation) are not set
+    aside as duplicates of each other."""
+    every = pd.concat([runset.runs, runset.set_aside], ignore_index=True)
+    ordered = every.sort_values(["created_at", "run_id"], kind="stable")
+    extra = ordered.duplicated(["campaign", "cell", "seed"], keep="first")
+    return RunSet(runset.questions, runset.campaigns, ordered[~extra].reset_index(drop=True),
+                  ordered[extra].reset_index(drop=True))
+
+
+def begin_plan(con, question: str, title: str, plan_dir=None, per_campaign: bool = False
                ) -> tuple[QuestionResult, RunSet, prereg.Plan]:
-    """`begin` over the campaigns the question's plan names, restricted to its cells."""
+    """`begin` over the campaigns the question's plan names, restricted to its cells
+    (`per_campaign`: campaign in the duplicate key, `_by_campaign`)."""
     plan = load_plan(question, plan_dir)
-    runset = load_runs(con, plan_reads(plan))
+    reads = plan_reads(plan)
+    runset = load_runs(con, reads)
+    runset = _by_campaign(runset) if per_campaign else runset
     kept = in_plan(plan, runset.runs)
     runset = RunSet(runset.questions, tuple(sorted(kept["campaign"].unique())), kept,
                     runset.set_aside)
