@@ -22,6 +22,7 @@ from experiments.config.spec import SIMULATED, VLLM, VLLM_VIRTUAL, engine_spec, 
 from experiments.runners.run_plan import RunPlan
 from experiments.workloads.workload import normalize_load_config, normalize_workload_config
 from ledgers.arms import arm as arm_row
+from serving_core.executor.device_fit import check_fits
 from serving_core.executor.profiles import load_device_profile
 from serving_core.geometry import geometry_from_config
 from serving_core.planner import plan_budget, units_for
@@ -134,8 +135,9 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True,
         from serving_core.executor.torch_config import check_checkpoint, torch_executor_config
 
         check_checkpoint(torch_executor_config(cfg.executor), geometry)
-    else:
-        _prefixed("executor", load_device_profile, cfg.executor)
+    else:  # the simulated device must hold the model (serving_core/executor/device_fit.py)
+        profile = _prefixed("executor", load_device_profile, cfg.executor)
+        check_fits(geometry, profile, budget.model_nominal_bytes, "executor")
     _number(cfg.engine.indirection_overhead, "engine.indirection_overhead")
     _integer(cfg.retention.k, "retention.k", 1)
     unknown = sorted(set(cfg.host_tier) - {"capacity_bytes"})
