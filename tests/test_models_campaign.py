@@ -137,3 +137,25 @@ def test_make_campaign_models_smoke_and_its_page(tmp_path):
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     _page_assertions(ledgers.connect(root), regime.MODELS)
+
+
+def test_smoke_campaign_plans_exactly_the_smoke_families_cells():
+    """`make campaign C=models SMOKE=1` plans its runs under models_smoke, and they are the
+    runs the plan's smoke families need (each family accepted, every run used)."""
+    from test_campaign_plans import frame
+
+    from analysis.inference.families import smoke_plan
+    from experiments.campaigns import campaign as camp
+
+    runs = camp.plan_campaign(["campaign=models", "hydra.sweeper.smoke=true",
+                               "ledger_root=/nonexistent/ledgers"])[1]
+    assert len(runs) == 6 * 2 * 2 * 6 * 3  # models x budgets x loads x orgs x smoke seeds
+    assert {r.key.campaign for r in runs} == {"models_smoke"}
+    plan = smoke_plan(prereg.load_plan("models"), {"models_smoke"})
+    assert [f.name for f in plan.families] == [f"{m} (smoke)" for m in regime.MODELS]
+    used: set[str] = set()
+    for fam in plan.families:
+        check = prereg.check_family(plan, fam, frame(runs))
+        assert check.accepted, (fam.name, check.reasons()[:3])
+        used |= set(check.runs.run_id)
+    assert used == {r.key.run_id for r in runs}
