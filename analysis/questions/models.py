@@ -38,6 +38,7 @@ ALPHA = 0.05  # conf/prereg/models.yaml
 REGIME_FILE = Path(__file__).resolve().parents[2] / "conf" / "calibration" / "models_regime.yaml"
 SENS_CAMPAIGN = "models_sens"
 MEAN_BLOCKS = 8  # a mean request's 3,602 tokens in 512-token blocks: ceil(3602 / 512)
+BATCH = 16  # bytes per token and per checkpoint of 16 mean requests (large pages, slabs shared)
 MAIN = ("throughput_span", "ttft_p99", "e2e_p99", "running_mean", "preemptions",
         "prefix_hit_tokens")
 CAVEAT = (
@@ -166,8 +167,9 @@ def regime_table(reg: dict) -> pd.DataFrame:
 
 def capacity_table(reg: dict) -> pd.DataFrame:
     """Per model, budget and organization: bytes per KV token and per checkpoint as the
-    organization stores them, their padding over the raw bytes, and the mean requests (8
-    blocks of 512 tokens and one checkpoint) that fit (D0 at its chosen split)."""
+    organization stores 16 mean requests' (so large pages and slab slots are shared as in
+    a run), their padding over the raw bytes, and the mean requests (8 blocks of 512 tokens
+    and one checkpoint) that fit (D0 at its chosen split)."""
     from serving_core.geometry import load_geometry
     from serving_core.planner import plan_budget
     from serving_core.storage import capacity, cost
@@ -180,8 +182,9 @@ def capacity_table(reg: dict) -> pd.DataFrame:
             plan = plan_budget(g, f"{mib}MiB")  # storage prices one storage scope
             scale = plan.model_nominal_bytes / plan.nominal_bytes
             for org in ("S0", "S1", "S2", "D0", "N0", "JENGA"):
-                per_token = scale * cost(g, org, 1, 0) / 512
-                per_ckpt = scale * cost(g, org, 0, 1)
+                per_token = scale * cost(g, org, BATCH * MEAN_BLOCKS, 0) / (
+                    BATCH * MEAN_BLOCKS * 512)
+                per_ckpt = scale * cost(g, org, 0, BATCH) / BATCH
                 rows.append({
                     "model": model, "level": level, "org": org,
                     "bytes_per_token": per_token,
