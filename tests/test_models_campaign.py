@@ -29,10 +29,11 @@ def test_budgets_are_requests_at_the_mean_in_whole_mib():
     assert regime.request_bytes("falcon_h1_7b") == 3_602 * 45_056 + 70_152_192 == 232_443_904
     assert regime.budget_mib("falcon_h1_7b", 16) == math.ceil(16 * 232_443_904 / 2**20) == 3547
     assert {b["model"] for b in BLOCKS.values()} == set(regime.MODELS)
+    devices = {m: regime.device_for(m) for m in regime.MODELS}
     for name, block in BLOCKS.items():
         model, level = block["model"], name.rsplit("_", 1)[1]
         assert block["budget"] == f"{regime.budget_mib(model, int(level[1:]))}MiB", name
-        assert block["executor"] == regime.device_for(model) == REGIME[model]["device"]
+        assert block["executor"] == devices[model] == REGIME[model]["device"]
         rates = REGIME[model]["rates"]
         assert block["load.rate"] == f"{rates['l60']},{rates['l90']}"
         ceiling = REGIME[model]["ceiling"]

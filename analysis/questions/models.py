@@ -249,7 +249,7 @@ def reasons(win: pd.DataFrame, cap: pd.DataFrame) -> pd.DataFrame:
 def _sens_runs(con) -> pd.DataFrame:
     from analysis.pages.common import load_runs
 
-    runs = load_runs(con, [QUESTION]).runs
+    runs = load_runs(con, ["sensitivity"]).runs  # as the sens_<alternative> campaigns
     if runs.empty:
         return runs
     sens = runs[runs["campaign"].astype(str) == SENS_CAMPAIGN].copy()

@@ -88,9 +88,9 @@ def byte_balanced(model: str) -> float:
 
 
 def campaign_file(name: str, header: str, top: dict, params: dict, blocks: dict,
-                  requests: int = REQUESTS) -> Path:
-    """Write conf/campaign/<name>.yaml (a sweeper campaign of question models)."""
-    doc = {"campaign_name": name, "question": "models", **COMMON,
+                  requests: int = REQUESTS, question: str = "models") -> Path:
+    """Write conf/campaign/<name>.yaml (a sweeper campaign of question `question`)."""
+    doc = {"campaign_name": name, "question": question, **COMMON,
            "workload": {"q": 1.0, "reuse": "share", "num_requests": requests}, **top,
            "hydra": {"sweeper": {"order": "seed_major", "smoke_requests": 30,
                                  "params": params, "blocks": blocks}}}
@@ -168,10 +168,13 @@ def split_stage(regime: dict, root) -> dict:
 def choose_split(runs: list[dict]) -> tuple[float, dict]:
     """The fraction of best mean throughput over the runs (ties: nearest 0.5); only runs on
     SPLIT_SEEDS count, so the test seeds never choose it."""
+    newest = {}  # a cell and seed run again (another config of the stage): its latest run
+    for r in sorted(runs, key=lambda r: str(r.get("created_at", ""))):
+        newest[(float(r["d0_attention_fraction"]), r["seed"])] = r
     by: dict[float, list[float]] = {}
-    for r in runs:
-        if r["seed"] in SPLIT_SEEDS:
-            by.setdefault(float(r["d0_attention_fraction"]), []).append(r["throughput_span"])
+    for (fraction, seed), r in sorted(newest.items()):
+        if seed in SPLIT_SEEDS:
+            by.setdefault(fraction, []).append(r["throughput_span"])
     if not by:
         raise ValueError(f"no D0 run on the selection seeds {SPLIT_SEEDS}")
     means = {f: _mean(v) for f, v in sorted(by.items())}
@@ -185,7 +188,9 @@ def main_stage(regime: dict, root) -> dict:
     runs = _runs(root, "models_split")
     blocks = {}
     for m, entry in regime.items():
-        split, means = choose_split([r for r in runs if r["model"] == m])
+        small = f"{entry['budgets'][f'r{min(BUDGET_REQUESTS)}']}MiB"
+        split, means = choose_split([r for r in runs if r["model"] == m
+                                     and r["budget"] == small])
         entry["d0_split"] = {"fraction": split, "selection_means": means}
         for level, mib in entry["budgets"].items():
             blocks[f"{m}_{level}"] = {
@@ -203,7 +208,8 @@ def main_stage(regime: dict, root) -> dict:
                   "cell of the models campaign at the higher load.",
                   {"load": {"arrival": "poisson"}},
                   {"org": "s2", "seed": seeds,
-                   "engine.slab_policy": ",".join(SENSITIVITY.values())}, sens)
+                   "engine.slab_policy": ",".join(SENSITIVITY.values())}, sens,
+                  question="sensitivity")  # its S2 cells are the test cells' under other rules
     from experiments.campaigns.models_plan import write_plan
 
     write_plan(regime, ORGS, range(*TEST_SEEDS))

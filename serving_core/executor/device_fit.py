@@ -18,6 +18,7 @@ GPU); a model no declared device holds is refused in one line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -65,9 +66,14 @@ def activation_bytes(geometry: Geometry, profile: DeviceProfile) -> int:
             * geometry.dtype_bytes)
 
 
+@functools.lru_cache(maxsize=32)
+def _named_profile(name: str) -> DeviceProfile:
+    return load_device_profile(name)
+
+
 def device_fit(geometry: Geometry, device: str | DeviceProfile, state_bytes: int) -> Fit:
     """The per-GPU bytes of serving `geometry` with `state_bytes` of state on `device`."""
-    profile = load_device_profile(device)
+    profile = _named_profile(device) if isinstance(device, str) else device
     tp = profile.tensor_parallel
     name = device if isinstance(device, str) else profile.name
     return Fit(name, tp, geometry.weight_bytes / tp, activation_bytes(geometry, profile),
