@@ -80,6 +80,10 @@ def test_tost_calls_ties_within_the_margin():
     apart = runs.assign(throughput_span=[100.0, 120.0, 110.0, 100.0, 130.0, 118.0,
                                          100.0, 125.0, 113.0])
     assert list(page.winners(apart, [], reg, eq)["answer"]) == ["S1"]
+    # seedwise S2/S1: +0.8, -1.5, +1.6 %: the 90 % interval spans 0 and the margin
+    noisy = runs.assign(throughput_span=[100.0, 120.0, 121.0, 100.0, 130.0, 128.0,
+                                         100.0, 125.0, 127.0])
+    assert list(page.winners(noisy, [], reg, eq)["answer"]) == ["S2 (undecided)"]
 
 
 def test_plan_has_one_family_per_model_with_every_pair_per_budget_and_load():

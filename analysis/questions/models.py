@@ -100,7 +100,8 @@ def _test_row(families, model: str, best: str, second: str, cell: str) -> dict:
 def winners(runs: pd.DataFrame, families, reg: dict, equivalence: dict) -> pd.DataFrame:
     """Per model, budget and load: the organization of highest mean throughput, the
     runner-up, the seedwise effect, the TOST against the runner-up (a tie when equivalent:
-    no winner named), the winner's throughput as a fraction of the model's ceiling, its p99
+    no winner named; undecided when its interval holds 0 but not within the margin), the
+    winner's throughput as a fraction of the model's ceiling, its p99
     TTFT and the declared test's Holm p."""
     margin, alpha = float(equivalence["margin_pct"]), float(equivalence["alpha"])
     rows = []
@@ -120,7 +121,8 @@ def winners(runs: pd.DataFrame, families, reg: dict, equivalence: dict) -> pd.Da
         rows.append({
             "stage": stage, "model": model, "budget": budget, "level": _level(entry, budget),
             "rate": rate, "load": _load(entry, rate), "best": best,
-            "answer": "tie: " + "=".join([best, *ties]) if equivalent else best,
+            "answer": ("tie: " + "=".join([best, *ties]) if equivalent
+                       else best if low > 0 else f"{best} (undecided)"),
             "best_tokens_s": float(means.iloc[0]), "runner_up": second,
             "best_of_ceiling_pct": 100 * float(means.iloc[0]) / ceiling,
             "runner_up_of_ceiling_pct": 100 * float(means.iloc[1]) / ceiling,
@@ -295,7 +297,8 @@ WINNERS_TEXT = (
     "percent of the model's measured ceiling): the organization of highest mean request-span "
     "throughput (output tokens/s), or `tie: A=B...` when the preregistered two one-sided "
     "tests (paired t, 90 % interval of the seedwise log ratio within +-1 %) hold against the "
-    "runner-up (every organization equivalent to the best is listed); the throughputs as "
+    "runner-up (every organization equivalent to the best is listed), `A (undecided)` when "
+    "that interval spans both the margin and no difference; the throughputs as "
     "percent of the model's ceiling; the seedwise effect against the runner-up and its TOST "
     "interval; the declared pair test's Holm p (Falcon-H1-7B's family primary, the others "
     "secondary); p99 TTFT of the winner and the worst organization. ")
