@@ -7,14 +7,15 @@ and Nemotron-H, A100-80GB for Granite Small, one H200 for Jamba, two H200s tenso
 for Qwen3-Next). Every organization (S0, S1, S2, D0, N0, Jenga) at two budgets that mean
 the same for every model (16 and 32 requests at the workload's mean: KV of 3,602 tokens and
 one checkpoint each) and two loads (60 and 90 % of the model's memory-unbound ceiling,
-measured by the campaign's first stage); D0's split chosen per model and budget on separate
-seeds (43000-43001); test seeds 42000-42002 (campaign models, plan conf/prereg/models.yaml;
-conf/calibration/models_regime.yaml holds the regime, experiments/campaigns/models_regime.py
-writes it). Per model, budget and load the page names the organization of highest mean
-request-span throughput, or a tie when the preregistered equivalence test (TOST at +-1 %)
-holds against the runner-up; each throughput as a fraction of the model's ceiling; the
+measured by the campaign's first stage); D0's split chosen per model on separate seeds
+(43000-43001); test seeds 42000-42002, 150 requests a run (campaign models, plan
+conf/prereg/models.yaml; conf/calibration/models_regime.yaml holds the regime,
+experiments/campaigns/models_regime.py writes it). Per model, budget and load the page
+names the organization of highest mean request-span throughput, a tie when the
+preregistered equivalence test (TOST at +-1 %) holds against the runner-up, or the best as
+undecided when neither holds; each throughput as a fraction of the model's ceiling; the
 capacity in bytes behind it; and whether S2's slab policy (refill, dense: campaign
-models_sens) changes the answer.
+models_sens, the higher load) changes the answer.
 """
 
 from __future__ import annotations
@@ -251,7 +252,10 @@ def reasons(win: pd.DataFrame, cap: pd.DataFrame) -> pd.DataFrame:
 def _sens_runs(con) -> pd.DataFrame:
     from analysis.pages.common import load_runs
 
-    runs = load_runs(con, ["sensitivity"]).runs  # as the sens_<alternative> campaigns
+    # question sensitivity, as the sens_<alternative> campaigns; refill and dense runs of one
+    # cell and seed are one design cell to the run set, which sets the second aside: both kept
+    loaded = load_runs(con, ["sensitivity"])
+    runs = pd.concat([loaded.runs, loaded.set_aside], ignore_index=True)
     if runs.empty:
         return runs
     sens = runs[runs["campaign"].astype(str) == SENS_CAMPAIGN].copy()
