@@ -145,7 +145,6 @@ def test_make_campaign_models_smoke_and_its_page(tmp_path):
     _page_assertions(ledgers.connect(root), regime.MODELS)
 
 
-@pytest.mark.slow  # planning composes every run's config: minutes on a loaded 2-core machine
 def test_smoke_campaign_plans_exactly_the_smoke_familys_cells():
     """`make campaign C=models SMOKE=1` plans its runs under models_smoke, and they are the
     runs the plan's smoke family needs (one model's two blocks here, as the whole campaign
