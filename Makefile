@@ -89,7 +89,7 @@ bench-serve: setup ## our server (S2, S0, D0) vs vLLM's (if .venv-vllm), saturat
 	@case "$(CLIENT)" in ours|vllm|guidellm) ;; *) echo "CLIENT=$(CLIENT): allowed values are ours, vllm, guidellm"; exit 2;; esac
 	$(BIN)/python -m bench.serve_bench --client $(CLIENT) $(ARGS)
 
-.PHONY: help setup test test-all test-cpu lint plan bench bench-serve calibrate tiny-model \
+.PHONY: help setup test test-all test-cpu lint plan bench bench-serve calibrate tiny-model models \
 	device-check
 
 # ---- vLLM (the real-engine arm's server) in its own venv -----------------------------------
@@ -187,6 +187,15 @@ traces: setup ## issue 45: S0/S1/S2/D0/N0/Jenga x 2 budgets on Mooncake trace wi
 campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, pinning, orig5, q6_development, tier)
 	@test -n "$(C)" || { echo "usage: make campaign C=<name of conf/campaign/*.yaml>"; exit 2; }
 	$(call campaign_run,$(C))
+
+models: setup ## issue 48's per-model campaign in its stages (ceilings, D0's split, test cells, S2 slab sensitivity); resumable
+	$(BIN)/python -m experiments.campaigns.models_regime ceiling
+	$(call campaign_run,models_ceiling)
+	$(BIN)/python -m experiments.campaigns.models_regime split --ledger-root $(LEDGER_ROOT)
+	$(call campaign_run,models_split)
+	$(BIN)/python -m experiments.campaigns.models_regime main --ledger-root $(LEDGER_ROOT)
+	$(call campaign_run,models)
+	$(call campaign_run,models_sens)
 
 campaign-plan: setup ## list the runs of C=<campaign> (and whether complete) without running
 	@test -n "$(C)" || { echo "usage: make campaign-plan C=<name of conf/campaign/*.yaml>"; exit 2; }

@@ -29,6 +29,7 @@ from experiments.config.spec import (
 from experiments.runners.run_plan import RunPlan
 from experiments.workloads.workload import normalize_load_config, normalize_workload_config
 from ledgers.arms import arm as arm_row
+from serving_core.executor.device_fit import check_fits
 from serving_core.executor.profiles import load_device_profile
 from serving_core.geometry import geometry_from_config
 from serving_core.planner import plan_budget, units_for
@@ -113,8 +114,9 @@ def check_ledger_root(root: str | os.PathLike) -> Path:
     return path.resolve()
 
 
-def _check_executor(cfg: DictConfig, run_arm, geometry) -> str:
-    """Check the executor the config names against the arm and the model; its path."""
+def _check_executor(cfg: DictConfig, run_arm, geometry, budget) -> str:
+    """Check the executor the config names against the arm and the model (a simulated
+    device must hold the model and its budget); its path."""
     path = executor_path(cfg.executor)
     _check_sessions_path(cfg.workload, path)
     if path == VLLM:  # real vLLM: N0, its interpreter, a matching checkpoint
@@ -132,8 +134,9 @@ def _check_executor(cfg: DictConfig, run_arm, geometry) -> str:
         from serving_core.executor.torch_config import check_checkpoint, torch_executor_config
 
         check_checkpoint(torch_executor_config(cfg.executor), geometry)
-    else:
-        _prefixed("executor", load_device_profile, cfg.executor)
+    else:  # the simulated device must hold the model (serving_core/executor/device_fit.py)
+        profile = _prefixed("executor", load_device_profile, cfg.executor)
+        check_fits(geometry, profile, budget.model_nominal_bytes, "executor")
     return path
 
 
@@ -162,7 +165,7 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True,
     budget = plan_budget(geometry, str(cfg.budget))  # planned once for the run
     units = units_for(budget, run_arm.org)  # refuses an org the layer pattern does not fit
     # (serving_core/planner.py, refusals)
-    path = _check_executor(cfg, run_arm, geometry)
+    path = _check_executor(cfg, run_arm, geometry, budget)
     _number(cfg.engine.indirection_overhead, "engine.indirection_overhead")
     _integer(cfg.retention.k, "retention.k", 1)
     unknown = sorted(set(cfg.host_tier) - {"capacity_bytes"})

@@ -111,9 +111,10 @@ def _executor(cfg: DictConfig) -> tuple[dict[str, Any], int]:
         default_tokens = vcfg.max_num_batched_tokens or profile.max_num_batched_tokens
         executor = {"kind": "external"}
     else:
-        from serving_core.executor.profiles import load_device_profile
+        from serving_core.executor.profiles import load_device_profile, resolve_derived
 
         try:
+            ex_cfg = resolve_derived(ex_cfg)
             profile = load_device_profile(ex_cfg)
         except ValueError as err:
             raise ValueError(f"executor: {err}") from err

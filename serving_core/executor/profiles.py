@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from serving_core.executor.moe_reads import moe_split
 from serving_core.geometry import Geometry
 from serving_core.state_codec import ops_per_element
 
@@ -114,6 +115,13 @@ class DeviceProfile:
     # nominal A100 PCIe 4.0 x16 values above.
     host_link_bandwidth_Bps: float = NOMINAL_HOST_LINK_BANDWIDTH_BPS
     host_link_latency_s: float = NOMINAL_HOST_LINK_LATENCY_S
+    # Tensor parallelism over `tensor_parallel` identical GPUs (the peaks and the capacity
+    # above are one GPU's): weights, KV, state and FLOPs split evenly, every GPU working in
+    # parallel, plus the all-reduces (serving_core.executor.tensor_parallel) over a link of
+    # tp_link_bandwidth_Bps per direction and tp_link_latency_s per all-reduce. 1: one GPU.
+    tensor_parallel: int = 1
+    tp_link_bandwidth_Bps: float = 0.0
+    tp_link_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.step_model not in STEP_MODELS:
@@ -142,6 +150,17 @@ class DeviceProfile:
                 self.logit_block_rows, int) or self.logit_block_rows < 1:
             raise ValueError(f"logit_block_rows={self.logit_block_rows!r}: allowed whole "
                              "numbers >= 1")
+        if isinstance(self.tensor_parallel, bool) or not isinstance(
+                self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel={self.tensor_parallel!r}: allowed whole "
+                             "numbers >= 1")
+        for f in ("tp_link_bandwidth_Bps", "tp_link_latency_s"):
+            value = getattr(self, f)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{f}={value} must be finite and >= 0")
+        if self.tensor_parallel > 1 and self.tp_link_bandwidth_Bps <= 0:
+            raise ValueError(f"tp_link_bandwidth_Bps={self.tp_link_bandwidth_Bps}: a "
+                             "tensor-parallel device needs a link bandwidth > 0")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive"
@@ -180,6 +199,9 @@ _PROFILE_CASTS = {
     "state_codec_s_per_op": float,
     "host_link_bandwidth_Bps": float,
     "host_link_latency_s": float,
+    "tensor_parallel": int,
+    "tp_link_bandwidth_Bps": float,
+    "tp_link_latency_s": float,
 }
 _OPTIONAL_FIELDS = {f.name for f in fields(DeviceProfile) if f.default is not MISSING}
 assert set(_PROFILE_CASTS) == {f.name for f in fields(DeviceProfile)}
@@ -191,7 +213,7 @@ def available_devices() -> list[str]:
 
 def device_profile_from_config(cfg: Any) -> DeviceProfile:
     """Build a profile from a mapping (dict, OmegaConf node); every field is required."""
-    data = dict(cfg.items())
+    data = resolve_derived(dict(cfg.items()))
     data.pop("fit", None)  # a calibrated profile's fit report: provenance, not a parameter
     allowed = sorted(_PROFILE_CASTS)
     unknown = sorted(set(data) - set(_PROFILE_CASTS))
@@ -215,6 +237,26 @@ def device_profile_from_config(cfg: Any) -> DeviceProfile:
         except (TypeError, ValueError):
             raise ValueError(f"{key}={raw!r} is not a valid {cast.__name__}") from None
     return DeviceProfile(**values)
+
+
+def _profile_fields(name: str) -> dict:
+    """The fields of conf/executor/<name>.yaml (its `derive_from` base resolved first)."""
+    path = EXECUTOR_CONF_DIR / f"{name}.yaml"
+    if not path.exists():
+        raise ValueError(f"derive_from={name!r}: allowed values are {available_devices()}")
+    data = yaml.safe_load(path.read_text())
+    base = data.pop("derive_from", None)
+    data.pop("fit", None)
+    return {**_profile_fields(str(base)), **data} if base is not None else data
+
+
+def resolve_derived(data: dict) -> dict:
+    """A profile mapping with its `derive_from` base's fields filled in (its own win), so a
+    run's record states every constant it ran with; a mapping without one is returned as is."""
+    if "derive_from" not in data:
+        return data
+    rest = {k: v for k, v in data.items() if k != "derive_from"}
+    return {**_profile_fields(str(data["derive_from"])), **rest}
 
 
 def load_device_profile(name_or_mapping: str | Any) -> DeviceProfile:
@@ -246,8 +288,8 @@ class ModelCosts:
     summed over the recurrent layers; Q the SSD chunk length.
     """
 
-    # num_params x dtype bytes, streamed once per step (a MoE model's every expert: a step
-    # of a batch reaches most of them; the conservative bound)
+    # num_params x dtype bytes; a dense model streams them once per step, a MoE model its
+    # non-expert bytes and the experts its tokens reach (serving_core.executor.moe_reads)
     weight_bytes: int
     kv_bytes_per_token: int  # attention K+V of one token, all La attention layers
     state_bytes_per_composite: int  # one recurrent composite (SSM + conv), every layer
@@ -261,6 +303,11 @@ class ModelCosts:
     # SSM state codec operations of one composite read and written once (every recurrent
     # layer's SSM elements x the codec's decode + encode operations; 0: not transcoded)
     state_codec_ops_per_composite: int = 0
+    expert_bytes: int = 0  # one expert of one MoE layer (0: a dense model)
+    moe_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    dense_weight_bytes: int = 0  # weight_bytes less every expert of every MoE layer
 
     @property
     def has_recurrent(self) -> bool:
@@ -310,6 +357,7 @@ def model_costs(geometry: Geometry, ssd_chunk_tokens: int = SSD_CHUNK_TOKENS) ->
             hpn += counts[kind] * heads * head_dim * state
             intra += counts[kind] * (heads * head_dim + groups * state)
     attention_layers = counts["attention"]
+    expert_bytes, moe_layers, dense_bytes = moe_split(g)
     return ModelCosts(
         weight_bytes=g.weight_bytes,
         kv_bytes_per_token=g.kv_bytes_per_token,
@@ -325,4 +373,9 @@ def model_costs(geometry: Geometry, ssd_chunk_tokens: int = SSD_CHUNK_TOKENS) ->
         ),
         state_codec_ops_per_composite=g.ssm_elements_per_checkpoint * ops_per_element(
             g.state_codec, g.dtype_bytes),
+        expert_bytes=expert_bytes,
+        moe_layers=moe_layers,
+        num_experts=g.num_experts if moe_layers else 0,
+        experts_per_token=g.experts_per_token if moe_layers else 0,
+        dense_weight_bytes=dense_bytes,
     )

@@ -37,7 +37,9 @@ from numbers import Integral
 from operator import mul
 from typing import Any
 
+from serving_core.executor.moe_reads import weight_bytes_read
 from serving_core.executor.profiles import DeviceProfile, load_device_profile, model_costs
+from serving_core.executor.tensor_parallel import allreduce_terms
 from serving_core.geometry import Geometry
 from serving_core.memory import org_class
 
@@ -105,6 +107,8 @@ class StepTimeModel:
         "_decode_s_per_token",
         "_encode_s_per_token",
         "_state_codec_s",
+        "_bw",
+        "_allreduce",
     )
 
     def __init__(
@@ -126,19 +130,22 @@ class StepTimeModel:
         # Fold every device constant into per-unit seconds once, so a call only
         # multiplies token sums by them.
         dev = self.device
-        bw = dev.effective_bytes_per_s
+        # a tensor-parallel device: every byte and FLOP split over tensor_parallel GPUs
+        tp = dev.tensor_parallel
+        bw = dev.effective_bytes_per_s * tp
+        self._bw = bw
+        self._allreduce = allreduce_terms(geometry, dev)
         self._weights_s = costs.weight_bytes / bw
         self._kv_s_per_token = costs.kv_bytes_per_token / bw
         self._state_s_per_composite = (
             costs.state_bytes_per_composite * (1.0 + self.effective_indirection) / bw
         )
-        self._dense_s_per_token = costs.dense_flops_per_token / (
-            dev.peak_flops * dev.matmul_efficiency
-        )
+        peak = dev.peak_flops * tp
+        self._dense_s_per_token = costs.dense_flops_per_token / (peak * dev.matmul_efficiency)
         self._attention_s_per_pair = costs.attention_flops_per_pair / (
-            dev.peak_flops * dev.attention_efficiency
+            peak * dev.attention_efficiency
         )
-        scan_flops_per_s = dev.peak_flops * dev.scan_efficiency
+        scan_flops_per_s = peak * dev.scan_efficiency
         self._scan_s_per_token = costs.scan_flops_per_token / scan_flops_per_s
         self._scan_s_per_chunk = costs.scan_flops_per_chunk / scan_flops_per_s
         self._scan_s_per_intra_pair = costs.scan_flops_per_intra_pair / scan_flops_per_s
@@ -166,7 +173,10 @@ class StepTimeModel:
         )
         memory_s = weights_s + kv_s + state_s
         compute_s = dense_s + attention_s + scan_s + codec_s
-        return (memory_s if memory_s >= compute_s else compute_s) + overhead_s
+        step_s = (memory_s if memory_s >= compute_s else compute_s) + overhead_s
+        if self.device.tensor_parallel > 1:
+            step_s += self._allreduce[0] * sum(new_tokens) + self._allreduce[1]
+        return step_s
 
     def breakdown(
         self,
@@ -187,18 +197,21 @@ class StepTimeModel:
         compute_s = dense_s + attention_s + scan_s + codec_s
         state_read = num_seqs * c.state_bytes_per_composite
         state_write = (num_seqs + checkpoint_writes) * c.state_bytes_per_composite
-        bw = self.device.effective_bytes_per_s
+        bw = self._bw
         return {
+            "tensor_parallel": self.device.tensor_parallel,
+            "allreduce_s": (self._allreduce[0] * sum_new + self._allreduce[1]
+                            if self.device.tensor_parallel > 1 else 0.0),
             "num_seqs": num_seqs,
             "new_tokens": sum_new,
             "context_tokens": sum_ctx,
             "checkpoint_writes": checkpoint_writes,
-            "weight_bytes": c.weight_bytes,
+            "weight_bytes": weight_bytes_read(c, sum_new),
             "kv_read_bytes": (sum_ctx + sum_new) * c.kv_bytes_per_token,
             "kv_write_bytes": sum_new * c.kv_bytes_per_token,
             "state_read_bytes": state_read,
             "state_write_bytes": state_write,
-            "memory_bytes": c.weight_bytes
+            "memory_bytes": weight_bytes_read(c, sum_new)
             + (sum_ctx + 2 * sum_new) * c.kv_bytes_per_token
             + state_read
             + state_write,
@@ -293,7 +306,8 @@ class StepTimeModel:
         if self._state_codec_s:  # a compressed SSM state: each sequence decodes and encodes it
             codec_s += num_seqs * self._state_codec_s
         return (
-            self._weights_s,
+            self._weights_s if not self.costs.moe_layers
+            else weight_bytes_read(self.costs, sum_new) / self._bw,
             # Read the cached context and the chunk's own keys; write the chunk's KV.
             (sum_ctx + 2 * sum_new) * self._kv_s_per_token,
             # Each sequence reads and writes its working composite once; each published
@@ -400,6 +414,8 @@ class AdditiveStepModel:
         "_logit_row_s",
         "logit_block_rows",
         "_dispatch",
+        "_allreduce",
+        "_bw",
     )
 
     def __init__(self, geometry: Geometry, device, org: str, extra_indirection: float = 0.0):
@@ -410,7 +426,11 @@ class AdditiveStepModel:
         extra = _indirection(extra_indirection)
         self.indirection = dev.indirection_overhead + extra if self.indirect else 0.0
         self.costs = c = model_costs(geometry)
-        bw, peak = dev.hbm_bytes_per_s, dev.peak_flops
+        # a tensor-parallel device: every byte and FLOP split over tensor_parallel GPUs
+        tp = dev.tensor_parallel
+        bw, peak = dev.hbm_bytes_per_s * tp, dev.peak_flops * tp
+        self._bw = bw
+        self._allreduce = allreduce_terms(geometry, dev)
         self._w = c.weight_bytes / bw
         self._kv = c.kv_bytes_per_token / bw
         self._state = c.state_bytes_per_composite / bw
@@ -474,7 +494,7 @@ class AdditiveStepModel:
     ) -> tuple[float, float, float, int]:
         """(memory_s, dense_s, fixed_s, mixed) from step totals (also a steps-ledger row)."""
         memory = (
-            (self._w if num_decode else 0.0)
+            (self._weights(num_decode + prefill_tokens) if num_decode else 0.0)
             + (decode_context + num_decode) * self._kv
             + (2 * num_seqs + checkpoint_writes) * self._state
         )
@@ -487,6 +507,12 @@ class AdditiveStepModel:
             fixed += num_seqs * self._state_codec
         mixed = 1 if num_decode and num_decode < num_seqs else 0
         return memory, dense, fixed, mixed
+
+    def _weights(self, tokens):
+        """Seconds of the weights a step of `tokens` routed tokens streams (at the peak)."""
+        if not self.costs.moe_layers:
+            return self._w
+        return weight_bytes_read(self.costs, tokens) / self._bw
 
     def kv_pages(self, num_decode, decode_context):
         """KV pages the decode sequences' attention visits: (c + 1) tokens each in pages of
@@ -539,7 +565,8 @@ class AdditiveStepModel:
         prefill = (c["prefill_tokens_initial"] + c["prefill_tokens_resume"]
                    + c["decode_tokens"] - dec)
         return {
-            "memory": (self._w * (dec > 0) + self._kv * (c["decode_context_tokens"] + dec)
+            "memory": (self._weights(dec + prefill) * (dec > 0)
+                       + self._kv * (c["decode_context_tokens"] + dec)
                        + self._state * (2 * num + c["checkpoint_writes"])),
             "dense": self._dense * prefill,
             "attention": self._attn * c["prefill_attention_pairs"],
@@ -574,6 +601,8 @@ class AdditiveStepModel:
         feats = self.plan_features(new_tokens, context_tokens, checkpoint_writes)
         seconds = self.device_seconds(feats) + self._step_s + (
             self._seq_s + self.paged_s_per_seq) * len(new_tokens)
+        if self.device.tensor_parallel > 1:
+            seconds += self._allreduce[0] * sum(new_tokens) + self._allreduce[1]
         if self._dispatch:
             num_decode = decode_ctx = 0
             for n, c in zip(new_tokens, context_tokens, strict=True):
