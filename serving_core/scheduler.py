@@ -26,6 +26,9 @@ Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12
 - align_chunks: a prefill chunk ends on the last checkpoint boundary (a multiple
   of C) within the budget, and the tail after the last boundary is a chunk of its
   own, so every full interval of a prompt is published at a step end.
+- align_final_chunk (on by default): with aligned chunks, the chunk that reaches the
+  end of the known tokens ends on a boundary too; off is vLLM's align-mode split (the
+  Mamba2 layer saves the last boundary's state inside that chunk).
 - split_last_boundary (off by default): with aligned chunks, a prefill chunk that
   would end exactly at the end of a prompt of k C tokens ends at (k-1) C instead, so
   the state at N - C is published (p = C floor((N-1)/C) for a later identical
@@ -113,6 +116,11 @@ class SchedulerConfig:
         None, "prefill chunks end on checkpoint boundaries (null: the organization's default)",
         allowed=(True, False, None), identity_neutral=False,
         requested=lambda value, ctx: _aligned(ctx), effective=lambda sched: bool(sched.align))
+    align_final_chunk: bool = rule(
+        True, "aligned: the chunk that reaches the end of the known tokens ends on a boundary "
+        "too (false: vLLM's align-mode split, only non-final chunks end on one)",
+        allowed=(True, False), requested=lambda value, ctx: _aligned(ctx) and value,
+        effective=lambda sched: sched.align and sched.align_final_chunk)
     split_last_boundary: bool = rule(
         False, "aligned: a chunk ending at N = k C ends at N - C", allowed=(True, False),
         requested=lambda value, ctx: _aligned(ctx) and value)
@@ -191,6 +199,7 @@ class Scheduler:
         )
         # Only aligned chunks end on boundaries by rule; elsewhere the split has no effect.
         self.split_last_boundary = self.align and bool(cfg.split_last_boundary)
+        self.align_final_chunk = bool(cfg.align_final_chunk)
         self.full_prompt = cfg.admission in ("full_prompt", "reserve_output")
         self.reserve_output = cfg.admission == "reserve_output"
         self.reserve_output_tokens = cfg.reserve_output_tokens
@@ -311,9 +320,10 @@ class Scheduler:
         Aligned chunks stop at the last checkpoint boundary within the budget, then the
         tail follows in its own chunk; 0 when the budget reaches neither a boundary nor
         the end. With split_last_boundary, a chunk that would end at `total` on a boundary
-        ends one interval earlier (when that is past `start`)."""
+        ends one interval earlier (when that is past `start`). Without align_final_chunk
+        (vLLM's `_mamba_block_aligned_split`), a chunk that reaches `total` is not cut."""
         end = min(total, start + budget)
-        if self.align:
+        if self.align and (end < total or self.align_final_chunk):
             aligned = end // self.C * self.C
             if self.split_last_boundary and aligned == total and aligned - self.C > start:
                 aligned -= self.C

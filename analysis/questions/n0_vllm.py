@@ -38,7 +38,7 @@ HIT_SHARE, PREEMPT_REL, PREEMPT_ABS, PREEMPT_SMALL = 98.0, 10.0, 2, 20
 TPUT_PCT, TTFT_PCT = 2.0, 5.0
 
 _RUNS = """
-    SELECT run_id, model, budget, rate, seed, executor, throughput_span
+    SELECT run_id, model, budget, rate, seed, executor, engine_config, throughput_span
     FROM runs WHERE campaign = ? AND status = 'complete' AND adopted
 """
 _REQUESTS = """
@@ -54,9 +54,19 @@ _STEPS = """
 """
 
 
-def arm_of(executor: str) -> str:
-    """'vllm' for the virtual-clock vLLM arm, 'sim' for the simulator's N0."""
-    return "vllm" if str(executor).startswith("vllm") else "sim"
+# N0 under vLLM's rules (docs/engine_rules.md section 17): the rules a simulated run must
+# have read back to count as arm "sim_vllm" rather than "sim" (N0 at its defaults).
+VLLM_RULES = {"align_chunks": True, "align_final_chunk": False}
+SIM_ARMS = {"sim": "N0 at its defaults", "sim_vllm": "N0 under vLLM's rules"}
+
+
+def arm_of(executor: str, engine_config: str) -> str:
+    """'vllm' for the virtual-clock vLLM arm; for the simulator's N0 'sim_vllm' where its
+    effective rules are VLLM_RULES, else 'sim'."""
+    if str(executor).startswith("vllm"):
+        return "vllm"
+    rules = json.loads(engine_config)
+    return "sim_vllm" if all(rules.get(k) == v for k, v in VLLM_RULES.items()) else "sim"
 
 
 def load(con, campaign: str = CAMPAIGN) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -65,7 +75,8 @@ def load(con, campaign: str = CAMPAIGN) -> tuple[pd.DataFrame, pd.DataFrame, pd.
     runs = con.execute(_RUNS, [campaign]).df()
     if runs.empty:
         return runs, pd.DataFrame(), pd.DataFrame()
-    runs["arm"] = runs["executor"].map(arm_of)
+    runs["arm"] = [arm_of(e, c) for e, c in zip(runs["executor"], runs["engine_config"],
+                                                  strict=True)]
     runs = runs.sort_values(["arm", *RUN, "run_id"]).drop_duplicates(["arm", *RUN])
     keys = runs[["run_id", "arm", *RUN]]
     reqs = con.execute(_REQUESTS, [campaign]).df().merge(keys, on="run_id")
@@ -182,14 +193,34 @@ def summary(runs: pd.DataFrame, pairs: pd.DataFrame, cells: pd.DataFrame) -> dic
             "ranking": {m: list(v) for m, v in rank.items()}}
 
 
+def against(frame: pd.DataFrame, sim_arm: str) -> pd.DataFrame:
+    """The vLLM arm's rows and `sim_arm`'s, the latter relabelled 'sim'."""
+    sub = frame[frame["arm"].isin(("vllm", sim_arm))].copy()
+    sub.loc[sub["arm"] == sim_arm, "arm"] = "sim"
+    return sub
+
+
 def section(runs: pd.DataFrame, reqs: pd.DataFrame, steps: pd.DataFrame) -> tuple[str, dict]:
-    """Markdown of the comparison and its summary."""
-    out = [f"# {TITLE} ({CAMPAIGN})", ""]
-    if runs.empty or set(runs["arm"]) != {"vllm", "sim"}:
-        have = sorted(set(runs["arm"])) if not runs.empty else []
-        out.append(f"Needs complete runs of both arms (have: {', '.join(have) or 'none'}); "
+    """Markdown of the comparison of each simulated arm present against vLLM, and the
+    summaries by arm."""
+    out, info = [f"# {TITLE} ({CAMPAIGN})", ""], {"paired_requests": 0}
+    have = sorted(set(runs["arm"])) if not runs.empty else []
+    arms = [a for a in SIM_ARMS if a in have] if "vllm" in have else []
+    if not arms:
+        out.append(f"Needs complete runs of vLLM and N0 (have: {', '.join(have) or 'none'}); "
                    f"`{FILL}` fills them.")
-        return "\n".join(out) + "\n", {"paired_requests": 0}
+        return "\n".join(out) + "\n", info
+    for arm in arms:
+        text, info[arm] = arm_section(*(against(f, arm) for f in (runs, reqs, steps)))
+        out += [f"## {SIM_ARMS[arm]} ({arm}) against vLLM", "", text]
+        info["paired_requests"] += info[arm]["paired_requests"]
+    return "\n".join(out), info
+
+
+def arm_section(runs: pd.DataFrame, reqs: pd.DataFrame,
+                steps: pd.DataFrame) -> tuple[str, dict]:
+    """Markdown of one simulated arm against vLLM, and its summary."""
+    out = []
     pairs = paired_requests(reqs)
     cells = cell_table(runs, pairs)
     info = summary(runs, pairs, cells)
@@ -205,7 +236,7 @@ def section(runs: pd.DataFrame, reqs: pd.DataFrame, steps: pd.DataFrame) -> tupl
         f"alike of those whose vLLM means differ beyond the target, within a model): "
         f"throughput {info['ranking']['throughput_span']}, TTFT p50 "
         f"{info['ranking']['ttft_p50']}.", "",
-        "## Step by step", "",
+        "Step by step:", "",
         "Steps paired by index: the first whose scheduled prefill tokens or decode sequences "
         "differ (-1: none), the share of equal steps, and the steps that preempted.", "",
         md_table(step_agreement(steps)), ""]
@@ -218,9 +249,11 @@ def write_page(con, out: Path, campaign: str = CAMPAIGN) -> tuple[Path, dict] | 
     if runs.empty:
         return None
     text, info = section(runs, reqs, steps)
-    if set(runs["arm"]) == {"vllm", "sim"}:
-        (out / "tables").mkdir(parents=True, exist_ok=True)
-        paired_requests(reqs).to_csv(out / "tables" / "n0_vllm_requests.csv", index=False)
+    for arm in SIM_ARMS:
+        if {arm, "vllm"} <= set(runs["arm"]):
+            (out / "tables").mkdir(parents=True, exist_ok=True)
+            paired_requests(against(reqs, arm)).to_csv(
+                out / "tables" / f"n0_vllm_requests_{arm}.csv", index=False)
     path = out / PAGE
     path.write_text(text, encoding="utf-8")
     return path, info
