@@ -261,15 +261,8 @@ def write_page(con, out: Path, campaign: str = CAMPAIGN) -> tuple[Path, dict] | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cli.parser("analysis.questions.n0_vllm", __doc__).parse_args(argv)
-
-    def show(con) -> int:
-        text, info = section(*load(con))
-        print(text)
-        print(json.dumps(info))
-        return 0 if info["paired_requests"] else 1
-
-    return cli.with_ledgers(args.ledgers, show)
+    return cli.section_main("analysis.questions.n0_vllm", __doc__,
+                            lambda con: section(*load(con)), argv)
 
 
 if __name__ == "__main__":
