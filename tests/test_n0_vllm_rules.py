@@ -104,7 +104,7 @@ def test_n0_under_vllms_rules_agrees_with_the_arm_decision_by_decision(tmp_path)
         main_run(compose_config(*SMALL_CELL, f"ledger_root={tmp_path}", *overrides))
     runs, reqs, steps = n0_vllm.load(ledgers.connect(tmp_path))
     for arm, agreeing_steps in (("sim_vllm", 90), ("sim", 0)):
-        a_runs, a_reqs, a_steps = (n0_vllm.against(f, arm) for f in (runs, reqs, steps))
+        a_runs, a_reqs, a_steps = (n0_vllm.against(f, arm, runs) for f in (runs, reqs, steps))
         pairs = n0_vllm.paired_requests(a_reqs)
         assert len(pairs) == 24
         (row,) = n0_vllm.step_agreement(a_steps).to_dict("records")

@@ -177,7 +177,7 @@ def ranking(runs: pd.DataFrame, metric: str, tol_pct: float) -> tuple[int, int]:
                 continue
             total += 1
             same += (va > vb) == (means[("sim", *a)] > means[("sim", *b)])
-    return same, total
+    return int(same), total
 
 
 def summary(runs: pd.DataFrame, pairs: pd.DataFrame, cells: pd.DataFrame) -> dict:
@@ -194,9 +194,13 @@ def summary(runs: pd.DataFrame, pairs: pd.DataFrame, cells: pd.DataFrame) -> dic
             "ranking": {m: list(v) for m, v in rank.items()}}
 
 
-def against(frame: pd.DataFrame, sim_arm: str) -> pd.DataFrame:
-    """The vLLM arm's rows and `sim_arm`'s, the latter relabelled 'sim'."""
-    sub = frame[frame["arm"].isin(("vllm", sim_arm))].copy()
+def against(frame: pd.DataFrame, sim_arm: str, runs: pd.DataFrame) -> pd.DataFrame:
+    """The vLLM arm's rows and `sim_arm`'s (relabelled 'sim') of the runs (model, budget,
+    load, seed) both arms completed in `runs`."""
+    arms = runs[runs["arm"].isin(("vllm", sim_arm))]
+    both = arms.groupby(RUN)["arm"].nunique().reset_index()
+    sub = frame[frame["arm"].isin(("vllm", sim_arm))].merge(
+        both[both["arm"] == 2][RUN], on=RUN)
     sub.loc[sub["arm"] == sim_arm, "arm"] = "sim"
     return sub
 
@@ -212,7 +216,7 @@ def section(runs: pd.DataFrame, reqs: pd.DataFrame, steps: pd.DataFrame) -> tupl
                    f"`{FILL}` fills them.")
         return "\n".join(out) + "\n", info
     for arm in arms:
-        text, info[arm] = arm_section(*(against(f, arm) for f in (runs, reqs, steps)))
+        text, info[arm] = arm_section(*(against(f, arm, runs) for f in (runs, reqs, steps)))
         out += [f"## {SIM_ARMS[arm]} ({arm}) against vLLM", "", text]
         info["paired_requests"] += info[arm]["paired_requests"]
     return "\n".join(out), info
@@ -253,7 +257,7 @@ def write_page(con, out: Path, campaign: str = CAMPAIGN) -> tuple[Path, dict] | 
     for arm in SIM_ARMS:
         if {arm, "vllm"} <= set(runs["arm"]):
             (out / "tables").mkdir(parents=True, exist_ok=True)
-            paired_requests(against(reqs, arm)).to_csv(
+            paired_requests(against(reqs, arm, runs)).to_csv(
                 out / "tables" / f"n0_vllm_requests_{arm}.csv", index=False)
     path = out / PAGE
     path.write_text(text, encoding="utf-8")
