@@ -113,3 +113,24 @@ def test_n0_under_vllms_rules_agrees_with_the_arm_decision_by_decision(tmp_path)
             assert pairs["same_hit"].all() and pairs["same_preemptions"].all()
         else:
             assert row["first_differing_step"] == 1
+
+
+# ----- the comparison page (analysis.questions.n0_vllm) -------------------------------------
+@pytest.mark.parametrize("sim, vllm, agree", [
+    (0, 2, True), (0, 3, False), (19, 21, True),  # under 20: within 2
+    (18, 20, True), (17, 20, False), (33, 30, True), (34, 30, False),  # 10 % of vLLM's
+])
+def test_preemptions_agree_within_the_issues_target(sim, vllm, agree):
+    assert n0_vllm.preemptions_agree(sim, vllm) is agree
+
+
+def test_ranking_counts_cell_pairs_ordered_alike_beyond_the_tolerance():
+    """Three cells of one model: vLLM 100 / 110 / 101 tok/s, N0 100 / 105 / 106. The pair
+    (100, 101) is a tie within 2 %; (100, 110) is ordered alike, (110, 101) is not."""
+    import pandas as pd
+
+    rows = [(arm, b, v) for arm, values in (("vllm", (100, 110, 101)), ("sim", (100, 105, 106)))
+            for b, v in zip(("b63", "b83", "b108"), values, strict=True)]
+    runs = pd.DataFrame([{"arm": a, "model": "m", "budget": b, "rate": 3.0, "seed": 1,
+                          "throughput_span": v} for a, b, v in rows])
+    assert n0_vllm.ranking(runs, "throughput_span", 2.0) == (1, 2)

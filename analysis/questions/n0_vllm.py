@@ -121,7 +121,16 @@ def step_agreement(steps: pd.DataFrame) -> pd.DataFrame:
                      "equal_steps_pct": round(100.0 * equal.mean(), 1),
                      "preempting_steps_sim": int((sim["num_preempted"] > 0).sum()),
                      "preempting_steps_vllm": int((vllm["num_preempted"] > 0).sum())})
-    return pd.DataFrame(rows)
+    return in_cell_order(pd.DataFrame(rows))
+
+
+def in_cell_order(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows by model, budget (b63 before b108), load and seed where present."""
+    if frame.empty:
+        return frame
+    keys = [k for k in RUN if k in frame.columns]
+    return frame.sort_values(keys, key=lambda col: col.str[1:].astype(int)
+                             if col.name == "budget" else col).reset_index(drop=True)
 
 
 def _pct(sim: float, vllm: float) -> float:
@@ -146,6 +155,7 @@ def cell_table(runs: pd.DataFrame, pairs: pd.DataFrame) -> pd.DataFrame:
                      ("sim", "vllm"))
         p = pairs[(pairs[CELL] == pd.Series(key, index=CELL)).all(axis=1)]
         row = dict(zip(CELL, key, strict=True))
+        row["seeds"] = int((group["arm"] == "vllm").sum())
         row["requests"] = int(len(p))
         row["same_hit_pct"] = round(100.0 * p["same_hit"].mean(), 1) if len(p) else float("nan")
         row["preempt_sim"] = round(float(sim["preemptions"]), 1)
@@ -160,7 +170,7 @@ def cell_table(runs: pd.DataFrame, pairs: pd.DataFrame) -> pd.DataFrame:
             "5" if abs(row["ttft_p50_diff_pct"]) <= TTFT_PCT else "-",
             "9" if abs(row["ttft_p99_diff_pct"]) <= TTFT_PCT else "-"))
         rows.append(row)
-    return pd.DataFrame(rows)
+    return in_cell_order(pd.DataFrame(rows))
 
 
 def ranking(runs: pd.DataFrame, metric: str, tol_pct: float) -> tuple[int, int]:
