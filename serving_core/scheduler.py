@@ -30,16 +30,16 @@ Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12
 - align_chunks: a prefill chunk ends on the last checkpoint boundary (a multiple
   of C) within the budget, and the tail after the last boundary is a chunk of its
   own, so every full interval of a prompt is published at a step end.
-- align_final_chunk (on by default): with aligned chunks, the chunk that reaches the
-  end of the known tokens ends on a boundary too; off is vLLM's align-mode split (the
-  Mamba2 layer saves the last boundary's state inside that chunk).
+- cross_final_chunk (off by default): with aligned chunks, the chunk that reaches the
+  end of the known tokens may cross boundaries (vLLM's align-mode split: the Mamba2
+  layer saves the last boundary's state inside that chunk); off, it ends on one too.
 - stop_at_junction (off by default): where the cached attention prefix found at admission
   reaches beyond the adopted checkpoint, a prefill chunk ends at its end, so the state
   there is published (vLLM's `shared_prefix_boundary`, the junction its
   `_mamba_block_aligned_split` stops at).
-- shorten_chunks (on by default): a running request short of units shortens its chunk
-  to the last servable boundary before preempting; off is vLLM's `allocate_slots`, which
-  allocates the whole chunk or preempts.
+- whole_chunks (off by default): a running request short of units for its chunk is
+  preempted (vLLM's `allocate_slots`, all or nothing); off, it first shortens its chunk
+  to the last servable boundary.
 - split_last_boundary (off by default): with aligned chunks, a prefill chunk that
   would end exactly at the end of a prompt of k C tokens ends at (k-1) C instead, so
   the state at N - C is published (p = C floor((N-1)/C) for a later identical
@@ -130,18 +130,18 @@ class SchedulerConfig:
         None, "prefill chunks end on checkpoint boundaries (null: the organization's default)",
         allowed=(True, False, None), identity_neutral=False,
         requested=lambda value, ctx: _aligned(ctx), effective=lambda sched: bool(sched.align))
-    align_final_chunk: bool = rule(
-        True, "aligned: the chunk that reaches the end of the known tokens ends on a boundary "
-        "too (false: vLLM's align-mode split, only non-final chunks end on one)",
+    cross_final_chunk: bool = rule(
+        False, "aligned: the chunk that reaches the end of the known tokens may cross "
+        "boundaries (vLLM's align-mode split: only non-final chunks end on one)",
         allowed=(True, False), requested=lambda value, ctx: _aligned(ctx) and value,
-        effective=lambda sched: sched.align and sched.align_final_chunk)
+        effective=lambda sched: sched.align and sched.cross_final_chunk)
     stop_at_junction: bool = rule(
         False, "a prefill chunk stops where the cached attention prefix found at admission "
         "ends beyond the adopted checkpoint (vLLM's shared-prefix junction)",
         allowed=(True, False))
-    shorten_chunks: bool = rule(
-        True, "a running request short of units shortens its chunk to the last servable "
-        "boundary before preempting (false: vLLM's allocate_slots, all or nothing)",
+    whole_chunks: bool = rule(
+        False, "a running request short of units for its chunk is preempted (vLLM's "
+        "allocate_slots, all or nothing; false: it shortens the chunk to a boundary first)",
         allowed=(True, False))
     split_last_boundary: bool = rule(
         False, "aligned: a chunk ending at N = k C ends at N - C", allowed=(True, False),
@@ -221,8 +221,8 @@ class Scheduler:
         )
         # Only aligned chunks end on boundaries by rule; elsewhere the split has no effect.
         self.split_last_boundary = self.align and bool(cfg.split_last_boundary)
-        self.align_final_chunk = bool(cfg.align_final_chunk)
-        self.shorten_chunks = bool(cfg.shorten_chunks)
+        self.cross_final_chunk = bool(cfg.cross_final_chunk)
+        self.whole_chunks = bool(cfg.whole_chunks)
         self.stop_at_junction = bool(cfg.stop_at_junction)
         self.full_prompt = cfg.admission in ("full_prompt", "reserve_output", "capped_prompt")
         self.capped_prompt = cfg.admission == "capped_prompt"
@@ -346,11 +346,11 @@ class Scheduler:
         Aligned chunks stop at the last checkpoint boundary within the budget, then the
         tail follows in its own chunk; 0 when the budget reaches neither a boundary nor
         the end. With split_last_boundary, a chunk that would end at `total` on a boundary
-        ends one interval earlier (when that is past `start`). Without align_final_chunk
+        ends one interval earlier (when that is past `start`). With cross_final_chunk
         (vLLM's `_mamba_block_aligned_split`), a chunk that reaches `total` is not cut. A
         `stop` strictly inside the chunk ends it there (stop_at_junction)."""
         end = min(total, start + budget)
-        if self.align and (end < total or self.align_final_chunk):
+        if self.align and (end < total or not self.cross_final_chunk):
             aligned = end // self.C * self.C
             if self.split_last_boundary and aligned == total and aligned - self.C > start:
                 aligned -= self.C
@@ -373,7 +373,7 @@ class Scheduler:
     def _reserve(self, req: Request, want: int) -> int:
         """Units for a running request's next `want` tokens: the tokens granted, 0 when
         preemption is needed."""
-        return self.state.reserve(req, want, self.shorten_chunks) or self._reserve_failed(
+        return self.state.reserve(req, want, not self.whole_chunks) or self._reserve_failed(
             req, want)
 
     def _reserve_failed(self, req: Request, want: int) -> int:

@@ -19,17 +19,17 @@ from tests.test_n0_vllm import pytestmark as needs_vllm  # skipped with the reas
 B = 1_568
 
 
-@pytest.mark.parametrize("align, final, chunks", [
-    (False, True, [2048, 1187]),  # N0's default: unaligned chunks of the token budget
-    (True, True, [B, B, 99]),  # every chunk ends on a block boundary, then the tail
-    (True, False, [B, 3235 - B]),  # vLLM: the chunk reaching the prompt's end crosses 3,136
+@pytest.mark.parametrize("align, cross, chunks", [
+    (False, False, [2048, 1187]),  # N0's default: unaligned chunks of the token budget
+    (True, False, [B, B, 99]),  # every chunk ends on a block boundary, then the tail
+    (True, True, [B, 3235 - B]),  # vLLM: the chunk reaching the prompt's end crosses 3,136
 ])
-def test_align_final_chunk_is_vllms_split(falcon, align, final, chunks):
+def test_cross_final_chunk_is_vllms_split(falcon, align, cross, chunks):
     """A 3,235-token prompt, 2,048 batched tokens (vLLM runs it as 1,568 + 1,667)."""
     res = run(falcon, "N0", {"shared": 16}, [spec(0, 3235, 2)], max_num_batched_tokens=2048,
-              align_chunks=align, align_final_chunk=final)
+              align_chunks=align, cross_final_chunk=cross)
     assert prefill_chunks(res) == chunks
-    assert res.engine_config["align_final_chunk"] is (align and final)
+    assert res.engine_config["cross_final_chunk"] is (align and cross)
 
 
 @pytest.mark.parametrize("start, total, budget, stop, tokens", [
@@ -39,7 +39,7 @@ def test_align_final_chunk_is_vllms_split(falcon, align, final, chunks):
     (0, 5000, 2048, 4 * B, B),  # a junction beyond the aligned end changes nothing
 ])
 def test_a_chunk_stops_at_the_junction(start, total, budget, stop, tokens):
-    sched = SimpleNamespace(align=True, C=B, align_final_chunk=False, split_last_boundary=False)
+    sched = SimpleNamespace(align=True, C=B, cross_final_chunk=True, split_last_boundary=False)
     assert Scheduler._chunk(sched, start, total, budget, stop) == tokens
 
 
@@ -68,25 +68,25 @@ def test_capped_prompt_counts_one_boundary_composite(falcon, pages, admission, s
     assert res.engine_config["admission"] == admission
 
 
-@pytest.mark.parametrize("shorten, chunks, preemptions", [
+@pytest.mark.parametrize("whole, chunks, preemptions", [
     # Step 3 asks [3,095, 5,000): 2 blocks + 2 composites = 4 pages, 3 available (2 free
     # and the checkpoint at 1,568 evictable). Shortened to 4,704: 1 block + 2 = 3 pages.
-    (True, [2048, 2047, 4704 - 3095, 5000 - 4704], 0),
-    (False, [2048, 2047], 1),  # vLLM's allocate_slots: all or nothing, so it preempts
+    (False, [2048, 2047, 4704 - 3095, 5000 - 4704], 0),
+    (True, [2048, 2047], 1),  # vLLM's allocate_slots: all or nothing, so it preempts
 ])
-def test_shorten_chunks_off_preempts_instead(falcon, shorten, chunks, preemptions):
+def test_whole_chunks_preempt_instead_of_shortening(falcon, whole, chunks, preemptions):
     """8 pages under capped_prompt: request 1 is admitted on 6 and later runs short."""
     res = run(falcon, "N0", {"shared": 8}, TWO, max_num_batched_tokens=2048,
-              admission="capped_prompt", shorten_chunks=shorten)
+              admission="capped_prompt", whole_chunks=whole)
     assert prefill_chunks(res)[:len(chunks)] == chunks
     assert res.summary["preemptions"] == preemptions
     assert res.summary["completed"] == 2
 
 
 # ----- against vLLM's own scheduler (the virtual-clock arm) ---------------------------------
-VLLM_RULES = ("engine.align_chunks=true", "engine.align_final_chunk=false",
+VLLM_RULES = ("engine.align_chunks=true", "engine.cross_final_chunk=true",
               "engine.stop_at_junction=true", "engine.admission=capped_prompt",
-              "engine.shorten_chunks=false")
+              "engine.whole_chunks=true")
 SMALL_CELL = ("org=n0", "model=falcon_h1_7b", "budget=b63", "load.rate=3.0", "seed=42000",
               "workload.num_requests=24", "campaign_name=n0_vllm")
 
