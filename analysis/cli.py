@@ -58,6 +58,21 @@ def report_page_main(prog: str, doc: str | None, page: str, write_page: Callable
     return with_ledgers(args.ledgers, show)
 
 
+def section_main(prog: str, doc: str | None, section: Callable,
+                 argv: list[str] | None = None) -> int:
+    """A campaign page's command line: `--ledgers ROOT`; prints `section(con)`'s markdown
+    and, as the LAST line, its JSON summary; exit 0 when it paired requests, 1 when not."""
+    args = parser(prog, doc).parse_args(argv)
+
+    def show(con) -> int:
+        text, info = section(con)
+        print(text)
+        print(json.dumps(info))
+        return 0 if info["paired_requests"] else 1
+
+    return with_ledgers(args.ledgers, show)
+
+
 def study_page_main(prog: str, doc: str | None, write_page: Callable, table: str, fill: str,
                     count: str, argv: list[str] | None = None) -> int:
     """A study page's command line: `--ledgers ROOT [--out DIR]`. Writes the page from the

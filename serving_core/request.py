@@ -62,6 +62,7 @@ class Request:
         "adopted_first",
         "adopted_resume",
         "alloc_fail_logged",
+        "junction",
         "memo_hit",
         "memo_version",
         "blocked",
@@ -106,6 +107,7 @@ class Request:
         self.adopted_first = 0
         self.adopted_resume = 0
         self.alloc_fail_logged = False
+        self.junction = 0  # stop_at_junction: end of the cached attention prefix, or 0
         self.memo_hit = None  # last admission lookup and the cache version it saw
         self.memo_version = -1
         # (cache mark, pool gains, token budget) when its admission last failed with

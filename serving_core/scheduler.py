@@ -16,7 +16,11 @@ Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12
   `reserve_output`: full_prompt's gate with attention for [J, N + r) instead, r the
   guaranteed output tokens (`reserve_output_tokens`, at most the request's remaining
   output), so an admitted request can decode r tokens without taking pages from others
-  (a check at admission, not a hold; r = 0 is full_prompt).
+  (a check at admission, not a hold; r = 0 is full_prompt); `capped_prompt`: full_prompt's
+  gate with at most one composite for the boundaries inside (J, N) (vLLM 0.32's
+  `MambaManager.get_num_blocks_to_allocate(apply_admission_cap=True)`: the running-state
+  block and one prefill-checkpoint block), so running requests can run out later and be
+  preempted.
 - checkpoint placement `step_end`: a checkpoint is published only where a step
   ends on an interval boundary; `every_boundary`: at each boundary a chunk crosses.
 - interleave (off by default) `{decode_steps: k, prefill_tokens: m}`: while a running
@@ -26,6 +30,16 @@ Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12
 - align_chunks: a prefill chunk ends on the last checkpoint boundary (a multiple
   of C) within the budget, and the tail after the last boundary is a chunk of its
   own, so every full interval of a prompt is published at a step end.
+- cross_final_chunk (off by default): with aligned chunks, the chunk that reaches the
+  end of the known tokens may cross boundaries (vLLM's align-mode split: the Mamba2
+  layer saves the last boundary's state inside that chunk); off, it ends on one too.
+- stop_at_junction (off by default): where the cached attention prefix found at admission
+  reaches beyond the adopted checkpoint, a prefill chunk ends at its end, so the state
+  there is published (vLLM's `shared_prefix_boundary`, the junction its
+  `_mamba_block_aligned_split` stops at).
+- whole_chunks (off by default): a running request short of units for its chunk is
+  preempted (vLLM's `allocate_slots`, all or nothing); off, it first shortens its chunk
+  to the last servable boundary.
 - split_last_boundary (off by default): with aligned chunks, a prefill chunk that
   would end exactly at the end of a prompt of k C tokens ends at (k-1) C instead, so
   the state at N - C is published (p = C floor((N-1)/C) for a later identical
@@ -48,7 +62,7 @@ from serving_core.request import Request, Status
 from serving_core.rules import check_rules, is_integer, is_number, optional_integer, rule
 from serving_core.state_manager import ChunkState, HybridStateManager
 
-ADMISSION_GATES = ("full_prompt", "first_chunk", "reserve_output")
+ADMISSION_GATES = ("full_prompt", "first_chunk", "reserve_output", "capped_prompt")
 CHECKPOINT_PLACEMENTS = ("step_end", "every_boundary")
 
 
@@ -70,6 +84,8 @@ def _aligned(ctx) -> bool:
 def _admission(sched) -> str:
     if not sched.full_prompt:
         return "first_chunk"
+    if sched.capped_prompt:
+        return "capped_prompt"
     return "reserve_output" if sched.reserve_output else "full_prompt"
 
 
@@ -99,8 +115,9 @@ class SchedulerConfig:
         check=optional_integer(1), shown="integers >= 1 or null (off)",
         identity_neutral=False)
     admission: str = rule(
-        "full_prompt", "admission gate: whole remaining prompt, first chunk, or prompt plus "
-        "reserved output", allowed=ADMISSION_GATES, identity_neutral=False,
+        "full_prompt", "admission gate: whole remaining prompt, first chunk, prompt plus "
+        "reserved output, or prompt with one boundary composite (vLLM's capped check)",
+        allowed=ADMISSION_GATES, identity_neutral=False,
         effective=_admission)
     reserve_output_tokens: int = rule(
         0, "reserve_output: output tokens guaranteed at admission",
@@ -114,6 +131,19 @@ class SchedulerConfig:
         None, "prefill chunks end on checkpoint boundaries (null: the organization's default)",
         allowed=(True, False, None), identity_neutral=False,
         requested=lambda value, ctx: _aligned(ctx), effective=lambda sched: bool(sched.align))
+    cross_final_chunk: bool = rule(
+        False, "aligned: the chunk that reaches the end of the known tokens may cross "
+        "boundaries (vLLM's align-mode split: only non-final chunks end on one)",
+        allowed=(True, False), requested=lambda value, ctx: _aligned(ctx) and value,
+        effective=lambda sched: sched.align and sched.cross_final_chunk)
+    stop_at_junction: bool = rule(
+        False, "a prefill chunk stops where the cached attention prefix found at admission "
+        "ends beyond the adopted checkpoint (vLLM's shared-prefix junction)",
+        allowed=(True, False))
+    whole_chunks: bool = rule(
+        False, "a running request short of units for its chunk is preempted (vLLM's "
+        "allocate_slots, all or nothing; false: it shortens the chunk to a boundary first)",
+        allowed=(True, False))
     split_last_boundary: bool = rule(
         False, "aligned: a chunk ending at N = k C ends at N - C", allowed=(True, False),
         requested=lambda value, ctx: _aligned(ctx) and value)
@@ -192,7 +222,11 @@ class Scheduler:
         )
         # Only aligned chunks end on boundaries by rule; elsewhere the split has no effect.
         self.split_last_boundary = self.align and bool(cfg.split_last_boundary)
-        self.full_prompt = cfg.admission in ("full_prompt", "reserve_output")
+        self.cross_final_chunk = bool(cfg.cross_final_chunk)
+        self.whole_chunks = bool(cfg.whole_chunks)
+        self.stop_at_junction = bool(cfg.stop_at_junction)
+        self.full_prompt = cfg.admission in ("full_prompt", "reserve_output", "capped_prompt")
+        self.capped_prompt = cfg.admission == "capped_prompt"
         self.reserve_output = cfg.admission == "reserve_output"
         self.reserve_output_tokens = cfg.reserve_output_tokens
         self.interleave = cfg.interleave  # None, or {decode_steps, prefill_tokens}
@@ -248,7 +282,8 @@ class Scheduler:
             want = req.num_tokens - req.num_computed
             chunk = want > 1
             if chunk:  # decode (one token) needs no chunking
-                want = self._chunk(req.num_computed, req.num_tokens, min(budget, prefill))
+                want = self._chunk(req.num_computed, req.num_tokens, min(budget, prefill),
+                                   req.junction)
             elif req.num_computed < req.room_end:  # most decodes: held units suffice
                 plan.append(Scheduled(req, 1, req.num_computed))
                 budget -= 1
@@ -257,16 +292,16 @@ class Scheduler:
             if not want:
                 i += 1  # an aligned chunk needs more budget than is left this step
                 continue
-            got = self.state.reserve(req, want) or self._reserve_failed(req, want)
+            got = self._reserve(req, want)
             while not got:
                 if self.running[-1] is req and self._drop_own_holds(req):
-                    got = self.state.reserve(req, want) or self._reserve_failed(req, want)
+                    got = self._reserve(req, want)
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 if victim is req:
                     break
-                got = self.state.reserve(req, want) or self._reserve_failed(req, want)
+                got = self._reserve(req, want)
             if req.status != Status.RUNNING:
                 break
             plan.append(Scheduled(req, got, req.num_computed))
@@ -306,15 +341,17 @@ class Scheduler:
         return self.interleave["prefill_tokens"]
 
     # ----- chunks and reservations --------------------------------------------------------------
-    def _chunk(self, start: int, total: int, budget: int) -> int:
+    def _chunk(self, start: int, total: int, budget: int, stop: int = 0) -> int:
         """Tokens of the next chunk from `start` of a sequence of `total` known tokens.
 
         Aligned chunks stop at the last checkpoint boundary within the budget, then the
         tail follows in its own chunk; 0 when the budget reaches neither a boundary nor
         the end. With split_last_boundary, a chunk that would end at `total` on a boundary
-        ends one interval earlier (when that is past `start`)."""
+        ends one interval earlier (when that is past `start`). With cross_final_chunk
+        (vLLM's `_mamba_block_aligned_split`), a chunk that reaches `total` is not cut. A
+        `stop` strictly inside the chunk ends it there (stop_at_junction)."""
         end = min(total, start + budget)
-        if self.align:
+        if self.align and (end < total or not self.cross_final_chunk):
             aligned = end // self.C * self.C
             if self.split_last_boundary and aligned == total and aligned - self.C > start:
                 aligned -= self.C
@@ -322,7 +359,7 @@ class Scheduler:
                 end = aligned
             elif end < total:
                 return 0
-        return end - start
+        return (stop if start < stop < end else end) - start
 
     def _drop_own_holds(self, req: Request) -> bool:
         """Progress: before a request would preempt itself, release what it holds beyond
@@ -333,6 +370,12 @@ class Scheduler:
             self.state.release_pins(self.waiting)
             dropped = True
         return dropped
+
+    def _reserve(self, req: Request, want: int) -> int:
+        """Units for a running request's next `want` tokens: the tokens granted, 0 when
+        preemption is needed."""
+        return self.state.reserve(req, want, not self.whole_chunks) or self._reserve_failed(
+            req, want)
 
     def _reserve_failed(self, req: Request, want: int) -> int:
         """A running request got no units for its next `want` tokens (the state manager's
@@ -356,7 +399,7 @@ class Scheduler:
             gate = need
             if self.full_prompt:
                 whole = state.prompt_demand(req, jadopt, working, held,
-                                            self.reserve_output_tokens)
+                                            self.reserve_output_tokens, self.capped_prompt)
                 gate = {p: max(units, whole[p]) for p, units in need.items()}
             for pool, h in self.headroom.items():
                 extra[pool] += h
@@ -379,7 +422,9 @@ class Scheduler:
             # supply more) and the budget is no smaller (a chunk no shorter): it fails again.
             return None
         adoption = self.state.adoption(req)
-        n = self._chunk(adoption.jadopt, req.num_tokens, budget)
+        hit = adoption.hit.attention
+        req.junction = hit if self.stop_at_junction and hit > adoption.jadopt else 0
+        n = self._chunk(adoption.jadopt, req.num_tokens, budget, req.junction)
         if not n:
             return None  # an aligned first chunk needs more budget than is left this step
         n, gate, extra = self._admission_gate(req, adoption, n)

@@ -170,14 +170,17 @@ class HybridStateManager:
         return self.mem.demand(blocks, len(self.boundaries(start, start + n)) + working)
 
     def prompt_demand(self, req: Request, start: int, working: int, held_blocks: int,
-                      reserve_output: int = 0) -> dict[str, int]:
+                      reserve_output: int = 0, capped: bool = False) -> dict[str, int]:
         """full_prompt gate: attention for [start, N), one composite per checkpoint boundary
         strictly inside (start, N), and the working composite; `reserve_output` adds
-        attention for that many output tokens (at most the request's remaining output)."""
+        attention for that many output tokens (at most the request's remaining output);
+        `capped` (capped_prompt) counts at most one composite for those boundaries."""
         end = req.num_tokens
         reserved = min(reserve_output, req.target_output - req.num_generated)
         blocks = math.ceil((end + max(reserved, 0)) / self.B) - held_blocks
         boundaries = (end - 1) // self.C - start // self.C if self.C else 0
+        if capped:
+            boundaries = min(boundaries, 1)
         return self.mem.demand(blocks, boundaries + working)
 
     def can_allocate(self, need: dict[str, int], extra: dict[str, int] | None = None) -> bool:
@@ -266,9 +269,10 @@ class HybridStateManager:
         room, C = len(req.attn) * self.B, self.C
         req.room_end = min(room, -(-(start + n + 1) // C) * C - 1) if C else room
 
-    def reserve(self, req: Request, want: int) -> int:
+    def reserve(self, req: Request, want: int, shorten: bool = True) -> int:
         """Allocate units for the next `want` tokens of a running request; shorten to the
-        last servable boundary if short; 0 means the request cannot proceed (preemption)."""
+        last servable boundary if short (unless `shorten` is false: vLLM's allocate_slots,
+        all or nothing); 0 means the request cannot proceed (preemption)."""
         start = req.num_computed
         end = start + want
         if -(-end // self.B) <= len(req.attn):
@@ -278,6 +282,8 @@ class HybridStateManager:
         if self.mem.can_allocate(self.chunk_demand(req, start, want, 0)):
             self._allocate(req, start, want, False)
             return want
+        if not shorten:
+            return 0
         grid = self.C or self.B
         for b in range(((start + want - 1) // grid) * grid, start, -grid):
             if self.mem.can_allocate(self.chunk_demand(req, start, b - start, 0)):

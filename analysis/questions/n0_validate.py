@@ -15,7 +15,6 @@ of the seed, so the same request id is the same prompt and arrival time on both.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -154,15 +153,8 @@ def write_page(con, out: Path, campaign: str = CAMPAIGN) -> tuple[Path, dict] | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cli.parser("analysis.questions.n0_validate", __doc__).parse_args(argv)
-
-    def show(con) -> int:
-        text, info = section(*load(con))
-        print(text)
-        print(json.dumps(info))
-        return 0 if info["paired_requests"] else 1
-
-    return cli.with_ledgers(args.ledgers, show)
+    return cli.section_main("analysis.questions.n0_validate", __doc__,
+                            lambda con: section(*load(con)), argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,136 @@
+"""N0 under vLLM's rules (docs/engine_rules.md section 17), each rule on a hand-computed case.
+
+Falcon-H1-7B under N0: 1,568-token blocks, one page per attention block and one per
+checkpoint composite, so a request's demand is attention blocks + composites in pages.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from test_engine_rules import prefill_chunks, run, spec
+
+from analysis.questions import n0_vllm
+from serving_core.scheduler import Scheduler, SchedulerConfig
+from tests.conftest import compose_config
+from tests.test_n0_vllm import pytestmark as needs_vllm  # skipped with the reason without vLLM
+
+B = 1_568
+
+
+@pytest.mark.parametrize("align, cross, chunks", [
+    (False, False, [2048, 1187]),  # N0's default: unaligned chunks of the token budget
+    (True, False, [B, B, 99]),  # every chunk ends on a block boundary, then the tail
+    (True, True, [B, 3235 - B]),  # vLLM: the chunk reaching the prompt's end crosses 3,136
+])
+def test_cross_final_chunk_is_vllms_split(falcon, align, cross, chunks):
+    """A 3,235-token prompt, 2,048 batched tokens (vLLM runs it as 1,568 + 1,667)."""
+    res = run(falcon, "N0", {"shared": 16}, [spec(0, 3235, 2)], max_num_batched_tokens=2048,
+              align_chunks=align, cross_final_chunk=cross)
+    assert prefill_chunks(res) == chunks
+    assert res.engine_config["cross_final_chunk"] is (align and cross)
+
+
+@pytest.mark.parametrize("start, total, budget, stop, tokens", [
+    (B, 3258, 2031, 2 * B, B),  # vLLM's junction at 3,136 inside the final chunk: stop there
+    (B, 3258, 2031, 0, 3258 - B),  # no junction: the final chunk crosses
+    (B, 3258, 2031, B, 3258 - B),  # a junction at the chunk's start is no stop
+    (0, 5000, 2048, 4 * B, B),  # a junction beyond the aligned end changes nothing
+])
+def test_a_chunk_stops_at_the_junction(start, total, budget, stop, tokens):
+    sched = SimpleNamespace(align=True, C=B, cross_final_chunk=True, split_last_boundary=False)
+    assert Scheduler._chunk(sched, start, total, budget, stop) == tokens
+
+
+def test_stop_at_junction_is_declared_off_by_default():
+    assert SchedulerConfig().stop_at_junction is False
+    with pytest.raises(ValueError, match="stop_at_junction='yes': allowed values are true"):
+        SchedulerConfig(stop_at_junction="yes")
+
+
+# Request 0 (1,000 tokens, decoding) holds one block and its working composite: 2 pages.
+# Request 1 (5,000 tokens) arrives with it: full_prompt asks 4 blocks + 3 boundary
+# composites (1,568, 3,136, 4,704) + the working one = 8 pages; capped_prompt (vLLM's
+# MambaManager admission cap) 4 + 1 + 1 = 6.
+TWO = [spec(0, 1000, 50), spec(1, 5000, 4)]
+
+
+@pytest.mark.parametrize("pages, admission, second_starts", [
+    (9, "full_prompt", 0.5),  # 7 pages free < 8: waits until request 0 finishes
+    (9, "capped_prompt", 0.0),  # 7 >= 6: admitted beside it
+    (10, "full_prompt", 0.0),  # 8 >= 8
+])
+def test_capped_prompt_counts_one_boundary_composite(falcon, pages, admission, second_starts):
+    res = run(falcon, "N0", {"shared": pages}, TWO, max_num_batched_tokens=2048,
+              admission=admission)
+    assert res.requests[1].start_s == pytest.approx(second_starts)
+    assert res.engine_config["admission"] == admission
+
+
+@pytest.mark.parametrize("whole, chunks, preemptions", [
+    # Step 3 asks [3,095, 5,000): 2 blocks + 2 composites = 4 pages, 3 available (2 free
+    # and the checkpoint at 1,568 evictable). Shortened to 4,704: 1 block + 2 = 3 pages.
+    (False, [2048, 2047, 4704 - 3095, 5000 - 4704], 0),
+    (True, [2048, 2047], 1),  # vLLM's allocate_slots: all or nothing, so it preempts
+])
+def test_whole_chunks_preempt_instead_of_shortening(falcon, whole, chunks, preemptions):
+    """8 pages under capped_prompt: request 1 is admitted on 6 and later runs short."""
+    res = run(falcon, "N0", {"shared": 8}, TWO, max_num_batched_tokens=2048,
+              admission="capped_prompt", whole_chunks=whole)
+    assert prefill_chunks(res)[:len(chunks)] == chunks
+    assert res.summary["preemptions"] == preemptions
+    assert res.summary["completed"] == 2
+
+
+# ----- against vLLM's own scheduler (the virtual-clock arm) ---------------------------------
+VLLM_RULES = ("engine.align_chunks=true", "engine.cross_final_chunk=true",
+              "engine.stop_at_junction=true", "engine.admission=capped_prompt",
+              "engine.whole_chunks=true")
+SMALL_CELL = ("org=n0", "model=falcon_h1_7b", "budget=b63", "load.rate=3.0", "seed=42000",
+              "workload.num_requests=24", "campaign_name=n0_vllm")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_n0_under_vllms_rules_agrees_with_the_arm_decision_by_decision(tmp_path):
+    """24 requests, Falcon-H1-7B b63, 3 requests/s: under vLLM's rules N0 adopts the same
+    prefix for every request, preempts alike (never) and schedules the same prefill tokens
+    and decode sequences for the first 90 steps; at its defaults it differs at step 1."""
+    import ledgers
+    from experiments.run import main_run
+
+    for overrides in (("executor=vllm_virtual",), VLLM_RULES, ()):
+        main_run(compose_config(*SMALL_CELL, f"ledger_root={tmp_path}", *overrides))
+    runs, reqs, steps = n0_vllm.load(ledgers.connect(tmp_path))
+    for arm, agreeing_steps in (("sim_vllm", 90), ("sim", 0)):
+        a_runs, a_reqs, a_steps = (n0_vllm.against(f, arm, runs) for f in (runs, reqs, steps))
+        pairs = n0_vllm.paired_requests(a_reqs)
+        assert len(pairs) == 24
+        (row,) = n0_vllm.step_agreement(a_steps).to_dict("records")
+        assert row["first_differing_step"] == -1 or row["first_differing_step"] > agreeing_steps
+        if arm == "sim_vllm":
+            assert pairs["same_hit"].all() and pairs["same_preemptions"].all()
+        else:
+            assert row["first_differing_step"] == 1
+
+
+# ----- the comparison page (analysis.questions.n0_vllm) -------------------------------------
+@pytest.mark.parametrize("sim, vllm, agree", [
+    (0, 2, True), (0, 3, False), (19, 21, True),  # under 20: within 2
+    (18, 20, True), (17, 20, False), (33, 30, True), (34, 30, False),  # 10 % of vLLM's
+])
+def test_preemptions_agree_within_the_issues_target(sim, vllm, agree):
+    assert n0_vllm.preemptions_agree(sim, vllm) is agree
+
+
+def test_ranking_counts_cell_pairs_ordered_alike_beyond_the_tolerance():
+    """Three cells of one model: vLLM 100 / 110 / 101 tok/s, N0 100 / 105 / 106. The pair
+    (100, 101) is a tie within 2 %; (100, 110) is ordered alike, (110, 101) is not."""
+    import pandas as pd
+
+    rows = [(arm, b, v) for arm, values in (("vllm", (100, 110, 101)), ("sim", (100, 105, 106)))
+            for b, v in zip(("b63", "b83", "b108"), values, strict=True)]
+    runs = pd.DataFrame([{"arm": a, "model": "m", "budget": b, "rate": 3.0, "seed": 1,
+                          "throughput_span": v} for a, b, v in rows])
+    assert n0_vllm.ranking(runs, "throughput_span", 2.0) == (1, 2)
