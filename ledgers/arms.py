@@ -45,6 +45,8 @@ ARM_NAMES = tuple(ARMS)
 BY_LEDGER_ORG: dict[str, Arm] = {a.ledger_org: a for a in ARMS.values()}
 LEDGER_ORGS = tuple(BY_LEDGER_ORG)  # runs.org values in display order
 STORAGE_ORGS = tuple(dict.fromkeys(a.org for a in ARMS.values()))
+# one arm per storage organization, with no policy on top (s0, s1, s2, d0, n0, jenga)
+PLAIN_ARMS = tuple(a.name for a in ARMS.values() if a.ledger_org == a.org)
 OTHER_COLOR = "#dd8452"  # an org value outside the table
 
 

@@ -31,6 +31,7 @@ import yaml
 from analysis.inference.families import SMOKE_TAG
 from analysis.pages import readouts
 from analysis.pages.render import QuestionResult, Section
+from ledgers.arms import STORAGE_ORGS
 
 QUESTION = "models"
 TITLE = "Which memory organization serves each hybrid model best"
@@ -184,7 +185,7 @@ def capacity_table(reg: dict) -> pd.DataFrame:
         for level, mib in e.get("budgets", {}).items():
             plan = plan_budget(g, f"{mib}MiB")  # storage prices one storage scope
             scale = plan.model_nominal_bytes / plan.nominal_bytes
-            for org in ("S0", "S1", "S2", "D0", "N0", "JENGA"):
+            for org in STORAGE_ORGS:
                 per_token = scale * cost(g, org, BATCH * MEAN_BLOCKS, 0) / (
                     BATCH * MEAN_BLOCKS * 512)
                 per_ckpt = scale * cost(g, org, 0, BATCH) / BATCH

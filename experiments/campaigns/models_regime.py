@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from ledgers.arms import PLAIN_ARMS
 from ledgers.writer import read_raw_runs
 from serving_core.executor.device_fit import activation_bytes, choose_device, device_fit
 from serving_core.executor.profiles import load_device_profile
@@ -41,7 +42,7 @@ CAMPAIGN_DIR = ROOT / "conf" / "campaign"
 REGIME_FILE = ROOT / "conf" / "calibration" / "models_regime.yaml"
 MODELS = ("falcon_h1_7b", "granite_4_0_h_tiny", "granite_4_0_h_small", "nemotron_h_8b",
           "qwen3_next_80b_a3b", "jamba_v0_1")
-ORGS = ("s0", "s1", "s2", "d0", "n0", "jenga")
+ORGS = PLAIN_ARMS  # every storage organization (ledgers/arms.py)
 # The ShareGPT workload's mean request: input 3,365 tokens (conf/config.yaml
 # workload.mean_input_tokens) + output 237 (seed 42000: 71,041 tokens over 300 requests).
 MEAN_REQUEST_TOKENS = 3_602
