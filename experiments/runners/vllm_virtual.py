@@ -75,11 +75,12 @@ def virtual_executor_config(cfg) -> VirtualExecutorConfig:
                          "prefix caching is on; allowed values with prefix_caching=true: align "
                          "(prefix_caching=false runs none)")
     interval = data.get("retention_interval", BLOCK_RETENTION)
-    if interval is not None and interval != BLOCK_RETENTION and (
+    if interval is not None and retention_blocks(interval) == 0 and (
             isinstance(interval, bool) or not isinstance(interval, numbers.Integral)
             or interval < 0):
         raise ValueError(f"executor.retention_interval={interval!r}: allowed values are "
-                         "block, null (vLLM's default 0) or an integer >= 0 (tokens)")
+                         "block, <k>block (k blocks, e.g. 2block), null (vLLM's default 0) "
+                         "or an integer >= 0 (tokens)")
     tokens = data.get("max_num_batched_tokens")
     if tokens is not None and (isinstance(tokens, bool)
                                or not isinstance(tokens, numbers.Integral) or tokens < 1):
@@ -89,10 +90,20 @@ def virtual_executor_config(cfg) -> VirtualExecutorConfig:
         device=str(data.get("device", "a100")),
         python=str(data.get("python") or DEFAULT_PYTHON),
         platform=platform, prefix_caching=caching, mamba_cache_mode=mode,
-        retention_interval=interval if interval in (None, BLOCK_RETENTION) else int(interval),
+        retention_interval=interval if interval is None or retention_blocks(interval)
+        else int(interval),
         max_num_batched_tokens=None if tokens is None else int(tokens),
         name=str(data.get("name", VIRTUAL_KIND)),
     )
+
+
+def retention_blocks(interval) -> int:
+    """Blocks per retained checkpoint for "block" (1) or "<k>block" (k >= 1); 0 otherwise
+    (null or a token count: vLLM's own interval)."""
+    if not isinstance(interval, str) or not interval.endswith(BLOCK_RETENTION):
+        return 0
+    k = interval[:-len(BLOCK_RETENTION)] or "1"
+    return int(k) if k.isdigit() and int(k) >= 1 else 0
 
 
 def hf_config(geometry) -> dict:
@@ -179,8 +190,9 @@ def init_message(vcfg: VirtualExecutorConfig, geometry, *, budget: str, cap: int
         "vllm": {
             "platform": vcfg.platform, "prefix_caching": vcfg.prefix_caching,
             "mamba_cache_mode": vcfg.mamba_cache_mode if vcfg.prefix_caching else "none",
-            "retention_interval": 0 if interval in (None, BLOCK_RETENTION) else interval,
-            "retention_block": interval == BLOCK_RETENTION,
+            "retention_interval": 0 if interval is None or retention_blocks(interval)
+            else interval,
+            "retention_block": retention_blocks(interval),
             "max_num_seqs": int(cap), "max_num_batched_tokens": int(max_num_batched_tokens),
         },
         "requests": [{"id": int(s.request_id), "arrival_s": float(s.arrival_s),

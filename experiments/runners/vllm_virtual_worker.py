@@ -69,8 +69,9 @@ def build_scheduler(init: dict):
     platform = knobs["platform"]
     standins.align_block_size(vc, platform)
     if knobs.get("retention_block") and vc.cache_config.enable_prefix_caching:
-        # "block": retain a checkpoint at every block boundary (the block vLLM derived)
-        vc.cache_config.prefix_cache_retention_interval = vc.cache_config.block_size
+        # "<k>block": retain a checkpoint every k block boundaries (the block vLLM derived)
+        vc.cache_config.prefix_cache_retention_interval = (
+            vc.cache_config.block_size * int(knobs["retention_block"]))
     model_cls, _ = ModelRegistry.resolve_model_cls(model.architectures, model)
     specs = standins.layer_specs(vc, model_cls, platform)
     kv_config, block, hash_block = standins.initialize_kv_caches(
