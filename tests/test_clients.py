@@ -6,6 +6,7 @@ that venv exists; skipped, saying so, otherwise). Every request must succeed."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from experiments.runners.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = Path(os.environ.get("HSL_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 MODEL = "falcon_h1_tiny"
 
 

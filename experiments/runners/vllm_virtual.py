@@ -79,8 +79,8 @@ def virtual_executor_config(cfg) -> VirtualExecutorConfig:
             isinstance(interval, bool) or not isinstance(interval, numbers.Integral)
             or interval < 0):
         raise ValueError(f"executor.retention_interval={interval!r}: allowed values are "
-                         "block, <k>block (k blocks, e.g. 2block), null (vLLM's default 0) "
-                         "or an integer >= 0 (tokens)")
+                         "block, null (vLLM's default 0), <k>block (every k blocks, e.g. "
+                         "2block) or an integer >= 0 (tokens)")
     tokens = data.get("max_num_batched_tokens")
     if tokens is not None and (isinstance(tokens, bool)
                                or not isinstance(tokens, numbers.Integral) or tokens < 1):
@@ -136,8 +136,27 @@ def hf_config(geometry) -> dict:
                 "layer_types": ["full_attention" if k == "attention" else "linear_attention"
                                 for k in kinds],
                 "position_embedding_type": "nope"}
+    if set(kinds) == {"mamba2", "attention", "mlp"}:
+        return nemotron_h_config(g, kinds)
     raise ValueError(f"model={g.name!r}: executor=vllm_virtual builds vLLM's KV cache for "
-                     "Falcon-H1 (hybrid layers) or Granite-4.0-H (mamba2 / attention layers)")
+                     "Falcon-H1 (hybrid layers), Granite-4.0-H (mamba2 / attention layers) or "
+                     "Nemotron-H (mamba2 / attention / mlp layers)")
+
+
+NEMOTRON_PATTERN = {"mamba2": "M", "attention": "*", "mlp": "-"}
+
+
+def nemotron_h_config(g, kinds: list[str]) -> dict:
+    """Nemotron-H's public config (transformers' NemotronHConfig names): one block per
+    layer, its kind a letter of hybrid_override_pattern (M Mamba2, * attention, - MLP)."""
+    return {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+            "hidden_size": g.hidden_size, "num_hidden_layers": g.num_layers,
+            "num_attention_heads": g.num_attention_heads,
+            "num_key_value_heads": g.num_kv_heads, "head_dim": g.head_dim,
+            "mamba_num_heads": g.mamba_heads, "mamba_head_dim": g.mamba_head_dim,
+            "ssm_state_size": g.d_state, "n_groups": g.n_groups, "conv_kernel": g.d_conv,
+            "hybrid_override_pattern": "".join(NEMOTRON_PATTERN[k] for k in kinds),
+            "max_position_embeddings": g.max_model_len}
 
 
 def check_virtual_cell(vcfg: VirtualExecutorConfig, org: str, geometry) -> None:
