@@ -17,7 +17,6 @@ JSON); `analysis.report` writes it as fidelity_field.md when either campaign has
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from itertools import combinations
@@ -187,22 +186,12 @@ def write_page(con, out: Path) -> tuple[Path, dict] | None:
     """Write fidelity_field.md when either reference has runs."""
     if per_run(con, (VIRTUAL, REAL)).empty:
         return None
-    text, info = section(con)
-    path = out / PAGE
-    path.write_text(text, encoding="utf-8")
-    return path, info
+    return cli.write_section(con, out, PAGE, section)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cli.parser("analysis.questions.fidelity_field", __doc__).parse_args(argv)
-
-    def show(con) -> int:
-        text, info = section(con)
-        print(text)
-        print(json.dumps(info))
-        return 0 if any(v["cells"] for v in info.values()) else 1
-
-    return cli.with_ledgers(args.ledgers, show)
+    return cli.section_main("analysis.questions.fidelity_field", __doc__, section,
+                            lambda info: any(v["cells"] for v in info.values()), argv)
 
 
 if __name__ == "__main__":

@@ -113,24 +113,12 @@ def section(con) -> tuple[str, dict]:
 
 def write_page(con, out: Path) -> tuple[Path, dict] | None:
     """Write vllm_knobs.md when the campaign has runs."""
-    if load(con).empty:
-        return None
-    text, info = section(con)
-    path = out / PAGE
-    path.write_text(text, encoding="utf-8")
-    return path, info
+    return None if load(con).empty else cli.write_section(con, out, PAGE, section)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cli.parser("analysis.questions.vllm_knobs", __doc__).parse_args(argv)
-
-    def show(con) -> int:
-        text, info = section(con)
-        print(text)
-        print(json.dumps(info))
-        return 0 if info["runs"] else 1
-
-    return cli.with_ledgers(args.ledgers, show)
+    return cli.section_main("analysis.questions.vllm_knobs", __doc__, section,
+                            lambda info: bool(info["runs"]), argv)
 
 
 if __name__ == "__main__":
