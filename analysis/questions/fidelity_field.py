@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import cli
+from analysis.pages import common
 from analysis.pages.render import md_table
 
 PAGE = "fidelity_field.md"
@@ -85,8 +86,10 @@ def cells(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     seeds = runs.groupby(["arm", *keys])["seed"].nunique().rename("seeds")
     wide = pd.concat([means, seeds], axis=1).unstack("arm")
     wide.columns = [f"{m}_{arm}" for m, arm in wide.columns]
-    both = wide.dropna(subset=["seeds_ref", "seeds_sim"])
-    return both.reset_index()
+    both = wide.dropna(subset=["seeds_ref", "seeds_sim"]).reset_index()
+    order = both["budget"].map(common.budget_rank)
+    by = ["_o" if k == "budget" else k for k in keys]
+    return both.assign(_o=order).sort_values(by).drop(columns="_o").reset_index(drop=True)
 
 
 def _ape(ref: np.ndarray, sim: np.ndarray) -> np.ndarray:
