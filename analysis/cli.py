@@ -58,21 +58,6 @@ def report_page_main(prog: str, doc: str | None, page: str, write_page: Callable
     return with_ledgers(args.ledgers, show)
 
 
-def section_main(prog: str, doc: str | None, section: Callable,
-                 argv: list[str] | None = None) -> int:
-    """A campaign page's command line: `--ledgers ROOT`; prints `section(con)`'s markdown
-    and, as the LAST line, its JSON summary; exit 0 when it paired requests, 1 when not."""
-    args = parser(prog, doc).parse_args(argv)
-
-    def show(con) -> int:
-        text, info = section(con)
-        print(text)
-        print(json.dumps(info))
-        return 0 if info["paired_requests"] else 1
-
-    return with_ledgers(args.ledgers, show)
-
-
 def study_page_main(prog: str, doc: str | None, write_page: Callable, table: str, fill: str,
                     count: str, argv: list[str] | None = None) -> int:
     """A study page's command line: `--ledgers ROOT [--out DIR]`. Writes the page from the
@@ -113,3 +98,26 @@ def study_page(table: str, page: str, render: Callable, summarize: Callable, fil
                                count, argv)
 
     return write_page, main
+
+
+def write_section(con, out: Path, page: str, section: Callable) -> tuple[Path, dict]:
+    """Write `section(con)`'s text to out/page; (path, its JSON summary)."""
+    text, info = section(con)
+    path = out / page
+    path.write_text(text, encoding="utf-8")
+    return path, info
+
+
+def section_main(prog: str, doc: str | None, section: Callable, ok: Callable[[dict], bool],
+                 argv: list[str] | None = None) -> int:
+    """A campaign page's command line: `--ledgers ROOT`; prints the page and, as the LAST
+    line, its JSON summary; exit 0 when `ok(summary)`, 1 when not."""
+    args = parser(prog, doc).parse_args(argv)
+
+    def show(con) -> int:
+        text, info = section(con)
+        print(text)
+        print(json.dumps(info))
+        return 0 if ok(info) else 1
+
+    return with_ledgers(args.ledgers, show)

@@ -18,7 +18,7 @@ import pytest
 from experiments.runners.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = Path(os.environ.get("HSL_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 AIPERF = Path(os.environ.get("AIPERF", ROOT / ".venv-aiperf" / "bin" / "aiperf"))
 MODEL = "falcon_h1_tiny"
 

@@ -51,6 +51,7 @@ def _vllm_presets() -> list[str]:
     ("mamba_cache_mode", "all", "allowed values are align, none"),
     ("mamba_cache_mode", "none", "vLLM 0.32 runs align whenever prefix caching is on"),
     ("retention_interval", -1, "allowed values are block, null"),
+    ("retention_interval", "0block", "<k>block (every k blocks"),
     ("prefix_caching", "yes", "expected true or false"),
     ("max_num_batched_tokens", 0, "integer >= 1"),
     ("bogus", 1, "unknown key"),
@@ -82,10 +83,53 @@ def test_model_configs_name_vllm_architectures():
     assert granite["mamba_expand"] == 2  # 48 heads x 64 = 2 x 1,536
     attention = [i for i, t in enumerate(granite["layer_types"]) if t == "full_attention"]
     assert attention == [5, 15, 25, 35]
-    assert {"falcon_h1_7b", "granite_4_0_h_tiny", "granite_4_0_h_small"} <= set(_vllm_presets())
+    assert {"falcon_h1_7b", "granite_4_0_h_tiny", "granite_4_0_h_small",
+            "nemotron_h_8b"} <= set(_vllm_presets())
+    nemotron = hf_config(load_geometry("nemotron_h_8b"))
+    assert nemotron["architectures"] == ["NemotronHForCausalLM"]
+    pattern = nemotron["hybrid_override_pattern"]
+    assert len(pattern) == 52 and pattern.count("M") == 24 and pattern.count("*") == 4
+    assert pattern.startswith("M-M-M-M*-") and nemotron["mamba_num_heads"] == 128
     for name in ("jamba_v0_1", "qwen3_next_80b_a3b", "falcon_h1_7b_tq4"):
         with pytest.raises(ValueError):
             hf_config(load_geometry(name))
+
+
+def test_vllm_layer_names_group_the_cache_as_the_models_register_them():
+    """The stand-in's layer names (no vLLM needed): Nemotron-H's MLP layers hold no cache."""
+    from types import SimpleNamespace
+
+    from experiments.runners.vllm_standins import layer_names
+
+    cfg = SimpleNamespace(**hf_config(load_geometry("nemotron_h_8b")))
+    names = layer_names(cfg)
+    assert len(names) == 28 and names[0] == ("model.layers.0.mixer", "mamba")
+    assert [n for n, kind in names if kind == "attention"] == [
+        f"model.layers.{i}.mixer.attn" for i in (7, 18, 29, 40)]
+
+
+def test_retention_in_blocks_passes_the_multiple_to_vllm():
+    g = load_geometry("falcon_h1_7b")
+    for value, blocks in (("block", 1), ("2block", 2), (None, 0), (3136, 0)):
+        cfg = virtual_executor_config({"retention_interval": value})
+        init = init_message(cfg, g, budget="b63", cap=63, max_num_batched_tokens=2048,
+                            specs=[])
+        assert init["vllm"]["retention_block"] == blocks, value
+        assert init["vllm"]["retention_interval"] == (3136 if value == 3136 else 0)
+
+
+def test_the_guard_hash_changes_with_the_source(tmp_path, monkeypatch):
+    """What the guard test compares: a mirrored function's or class's source hash moves
+    with any edit of it (an upgrade that changes a mirrored function fails the guard)."""
+    from experiments.runners.vllm_standins import source_hash
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hashes = []
+    for i, body in enumerate(("return 1", "return 1", "return 2")):
+        (tmp_path / f"mirrored_{i}.py").write_text(f"class C:\n    def f(self):\n        {body}\n")
+        hashes.append((source_hash(f"mirrored_{i}:C.f"), source_hash(f"mirrored_{i}:C")))
+    assert hashes[0] == hashes[1] and hashes[1][0] != hashes[2][0]
+    assert hashes[1][1] != hashes[2][1]
 
 
 def test_budget_bytes_and_block_crossings():
@@ -142,6 +186,9 @@ def test_vllm_derives_n0s_block_page_and_blocks():
     assert falcon["kv_cache_groups"] == [["FullAttentionSpec", 44], ["MambaSpec", 44]]
     tiny = answers[presets.index("granite_4_0_h_tiny") * 2]
     assert tiny["block_size"] == 400 and len(tiny["kv_cache_groups"]) == 10
+    nemotron = answers[presets.index("nemotron_h_8b") * 2]
+    assert (nemotron["block_size"], nemotron["page_bytes"]) == (528, 2_162_688)
+    assert nemotron["kv_cache_groups"] == [["MambaSpec", 4]] * 6 + [["FullAttentionSpec", 4]]
 
 
 def _run(root, *overrides: str) -> None:

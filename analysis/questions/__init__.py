@@ -16,7 +16,8 @@ import importlib
 
 QUESTION_MODULES = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9", "supporting",
                     "q10_tq4", "q11_state_codec", "arms", "models", "traces")
-CAMPAIGN_PAGE_MODULES = ("vllm_arm", "n0_native", "n0_validate", "n0_vllm")
+CAMPAIGN_PAGE_MODULES = ("vllm_arm", "n0_native", "n0_validate", "n0_vllm", "fidelity_field",
+                         "vllm_knobs")
 
 
 def question_pages() -> tuple:

@@ -276,7 +276,8 @@ def write_page(con, out: Path, campaign: str = CAMPAIGN) -> tuple[Path, dict] | 
 
 def main(argv: list[str] | None = None) -> int:
     return cli.section_main("analysis.questions.n0_vllm", __doc__,
-                            lambda con: section(*load(con)), argv)
+                            lambda con: section(*load(con)),
+                            lambda info: bool(info["paired_requests"]), argv)
 
 
 if __name__ == "__main__":

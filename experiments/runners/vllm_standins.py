@@ -40,14 +40,21 @@ MIRRORED = {
     "vllm.model_executor.models.falcon_h1:FalconH1AttentionDecoderLayer.__init__":
         "b5b38051b25e5784",
     "vllm.model_executor.models.falcon_h1:FalconH1SSMDecoderLayer.__init__": "9cf2201b24213200",
-    "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridModel.__init__":
-        "fecf0e5cca40dfd5",
+    # (the Model classes whole: @support_torch_compile replaces their __init__ with a
+    # wrapper whose source is the same for every model)
+    "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridModel": "01ef055f9012a7af",
     "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridMambaDecoderLayer.__init__":
         "c543084b569d8151",
     "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridAttentionDecoderLayer.__init__":
         "16e2814a43bff4b2",
     "vllm.model_executor.models.granitemoehybrid:GraniteMoeHybridAttention.__init__":
         "26d7f4c7897bda7a",
+    "vllm.model_executor.models.nemotron_h:NemotronHModel": "b93dae320992f151",
+    "vllm.model_executor.models.nemotron_h:NemotronHMambaDecoderLayer.__init__":
+        "4ba96c43361a6789",
+    "vllm.model_executor.models.nemotron_h:NemotronHAttentionDecoderLayer.__init__":
+        "a75f12aeb644d5a9",
+    "vllm.model_executor.models.nemotron_h:NemotronHAttention.__init__": "513c1b25d9a13966",
     # what the model runner returns for a step (sampled tokens per scheduled request)
     "vllm.v1.outputs:ModelRunnerOutput": "b936f7c6940fc6ea",
 }
@@ -119,7 +126,9 @@ def layer_names(hf_config) -> list[tuple[str, str]]:
 
     FalconH1ParallelHybrid: layer i registers "model.layers.{i}.attn" and then its SSM
     branch under "model.{L + i}.mixer"; GraniteMoeHybridModel: "model.layers.{i}.mixer"
-    (linear_attention) or "model.layers.{i}.self_attn.attn" (full_attention)."""
+    (linear_attention) or "model.layers.{i}.self_attn.attn" (full_attention);
+    NemotronHModel: "model.layers.{i}.mixer" (M) or "model.layers.{i}.mixer.attn" (*), no
+    KV cache for its MLP layers (-)."""
     arch = hf_config.architectures[0]
     n = hf_config.num_hidden_layers
     if arch == "FalconH1ForCausalLM":
@@ -131,8 +140,12 @@ def layer_names(hf_config) -> list[tuple[str, str]]:
         return [(f"model.layers.{i}.mixer", "mamba") if kind == "linear_attention"
                 else (f"model.layers.{i}.self_attn.attn", "attention")
                 for i, kind in enumerate(hf_config.layer_types)]
+    if arch == "NemotronHForCausalLM":
+        return [(f"model.layers.{i}.mixer", "mamba") if kind == "M"
+                else (f"model.layers.{i}.mixer.attn", "attention")
+                for i, kind in enumerate(hf_config.hybrid_override_pattern) if kind in "M*"]
     raise ValueError(f"architecture {arch!r}: the virtual arm names the layers of "
-                     "FalconH1ForCausalLM, GraniteMoeHybridForCausalLM")
+                     "FalconH1ForCausalLM, GraniteMoeHybridForCausalLM, NemotronHForCausalLM")
 
 
 def layer_specs(vllm_config, model_cls, platform: str) -> dict:

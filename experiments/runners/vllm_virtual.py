@@ -75,11 +75,12 @@ def virtual_executor_config(cfg) -> VirtualExecutorConfig:
                          "prefix caching is on; allowed values with prefix_caching=true: align "
                          "(prefix_caching=false runs none)")
     interval = data.get("retention_interval", BLOCK_RETENTION)
-    if interval is not None and interval != BLOCK_RETENTION and (
+    if interval is not None and retention_blocks(interval) == 0 and (
             isinstance(interval, bool) or not isinstance(interval, numbers.Integral)
             or interval < 0):
         raise ValueError(f"executor.retention_interval={interval!r}: allowed values are "
-                         "block, null (vLLM's default 0) or an integer >= 0 (tokens)")
+                         "block, null (vLLM's default 0), <k>block (every k blocks, e.g. "
+                         "2block) or an integer >= 0 (tokens)")
     tokens = data.get("max_num_batched_tokens")
     if tokens is not None and (isinstance(tokens, bool)
                                or not isinstance(tokens, numbers.Integral) or tokens < 1):
@@ -89,10 +90,20 @@ def virtual_executor_config(cfg) -> VirtualExecutorConfig:
         device=str(data.get("device", "a100")),
         python=str(data.get("python") or DEFAULT_PYTHON),
         platform=platform, prefix_caching=caching, mamba_cache_mode=mode,
-        retention_interval=interval if interval in (None, BLOCK_RETENTION) else int(interval),
+        retention_interval=interval if interval is None or retention_blocks(interval)
+        else int(interval),
         max_num_batched_tokens=None if tokens is None else int(tokens),
         name=str(data.get("name", VIRTUAL_KIND)),
     )
+
+
+def retention_blocks(interval) -> int:
+    """Blocks per retained checkpoint for "block" (1) or "<k>block" (k >= 1); 0 otherwise
+    (null or a token count: vLLM's own interval)."""
+    if not isinstance(interval, str) or not interval.endswith(BLOCK_RETENTION):
+        return 0
+    k = interval[:-len(BLOCK_RETENTION)] or "1"
+    return int(k) if k.isdigit() and int(k) >= 1 else 0
 
 
 def hf_config(geometry) -> dict:
@@ -128,8 +139,27 @@ def hf_config(geometry) -> dict:
                 "layer_types": ["full_attention" if k == "attention" else "linear_attention"
                                 for k in kinds],
                 "position_embedding_type": "nope"}
+    if set(kinds) == {"mamba2", "attention", "mlp"}:
+        return nemotron_h_config(g, kinds)
     raise ValueError(f"model={g.name!r}: executor=vllm_virtual builds vLLM's KV cache for "
-                     "Falcon-H1 (hybrid layers) or Granite-4.0-H (mamba2 / attention layers)")
+                     "Falcon-H1 (hybrid layers), Granite-4.0-H (mamba2 / attention layers) or "
+                     "Nemotron-H (mamba2 / attention / mlp layers)")
+
+
+NEMOTRON_PATTERN = {"mamba2": "M", "attention": "*", "mlp": "-"}
+
+
+def nemotron_h_config(g, kinds: list[str]) -> dict:
+    """Nemotron-H's public config (transformers' NemotronHConfig names): one block per
+    layer, its kind a letter of hybrid_override_pattern (M Mamba2, * attention, - MLP)."""
+    return {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+            "hidden_size": g.hidden_size, "num_hidden_layers": g.num_layers,
+            "num_attention_heads": g.num_attention_heads,
+            "num_key_value_heads": g.num_kv_heads, "head_dim": g.head_dim,
+            "mamba_num_heads": g.mamba_heads, "mamba_head_dim": g.mamba_head_dim,
+            "ssm_state_size": g.d_state, "n_groups": g.n_groups, "conv_kernel": g.d_conv,
+            "hybrid_override_pattern": "".join(NEMOTRON_PATTERN[k] for k in kinds),
+            "max_position_embeddings": g.max_model_len}
 
 
 def check_virtual_cell(vcfg: VirtualExecutorConfig, org: str, geometry) -> None:
@@ -182,8 +212,9 @@ def init_message(vcfg: VirtualExecutorConfig, geometry, *, budget: str, cap: int
         "vllm": {
             "platform": vcfg.platform, "prefix_caching": vcfg.prefix_caching,
             "mamba_cache_mode": vcfg.mamba_cache_mode if vcfg.prefix_caching else "none",
-            "retention_interval": 0 if interval in (None, BLOCK_RETENTION) else interval,
-            "retention_block": interval == BLOCK_RETENTION,
+            "retention_interval": 0 if interval is None or retention_blocks(interval)
+            else interval,
+            "retention_block": retention_blocks(interval),
             "max_num_seqs": int(cap), "max_num_batched_tokens": int(max_num_batched_tokens),
         },
         "requests": [{"id": int(s.request_id), "arrival_s": float(s.arrival_s),

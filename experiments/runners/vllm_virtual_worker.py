@@ -66,8 +66,9 @@ def _vllm_config(init: dict):
     vc = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched_cfg)
     standins.align_block_size(vc, knobs["platform"])
     if knobs.get("retention_block") and vc.cache_config.enable_prefix_caching:
-        # "block": retain a checkpoint at every block boundary (the block vLLM derived)
-        vc.cache_config.prefix_cache_retention_interval = vc.cache_config.block_size
+        # "<k>block": retain a checkpoint every k block boundaries (the block vLLM derived)
+        vc.cache_config.prefix_cache_retention_interval = (
+            vc.cache_config.block_size * int(knobs["retention_block"]))
     return vc
 
 
