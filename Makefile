@@ -119,8 +119,8 @@ setup-vllm: $(VLLM_STAMP) ## vLLM 0.32.0 in its own venv VLLM_VENV=.venv-vllm (V
 
 # The tests of the vLLM arms (real server and virtual clock), slow ones included, against
 # VLLM_VENV: the default suite skips them, with the reason, when there is no vLLM venv.
-VLLM_TESTS := tests/test_n0_vllm.py tests/test_vllm_virtual.py tests/test_vllm_arm.py \
-	tests/test_vllm_granite.py tests/test_n0_validate.py tests/test_clients.py
+VLLM_TESTS := tests/test_n0_vllm.py tests/test_vllm_virtual.py tests/test_n0_vllm_rules.py \
+	tests/test_vllm_arm.py tests/test_vllm_granite.py tests/test_n0_validate.py tests/test_clients.py
 test-vllm: setup setup-vllm ## the vLLM arms' tests, slow ones included, against VLLM_VENV (installs it first)
 	HSL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -rs \
 		$(VLLM_TESTS) $(PYTEST_PARALLEL)
