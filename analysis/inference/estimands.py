@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats as sps
 
 from analysis.inference import stats
 from analysis.runset import RunSet, query
@@ -415,6 +414,8 @@ def upper_bound(d: np.ndarray, alpha: float, m: int) -> float:
     n = len(d)
     if n < 2:
         return math.nan
+    from scipy import stats as sps  # lazy: ~1 CPU s to import
+
     t = sps.t.ppf(1 - alpha / m, n - 1)
     return 100 * math.expm1(float(d.mean() + t * d.std(ddof=1) / math.sqrt(n)))
 

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats as scipy_stats
 
 from analysis.inference import stats
 from analysis.metrics import DESIGN_COLUMNS, METRICS, ORG_SETTINGS, budget_rank
@@ -78,6 +77,8 @@ def summarize_d(d: np.ndarray, scale: str, joined: pd.DataFrame | None = None) -
 def diff_interval(d: np.ndarray, confidence: float) -> tuple[float, float]:
     """Paired-t interval of mean d on the metric's own scale (df = n - 1)."""
     mean = float(d.mean())
+    from scipy import stats as scipy_stats  # lazy: ~1 CPU s to import
+
     half = float(scipy_stats.t.ppf(0.5 + confidence / 2, d.size - 1)
                  * d.std(ddof=1) / math.sqrt(d.size))
     return mean - half, mean + half

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy.special import stdtrit  # t quantile; scipy.stats.t.ppf calls it, lighter import
 
 EXACT_MAX_N = 20  # enumerate all 2^n sign assignments up to here (2^20 sums, ~8 MB)
 MC_RESAMPLES = 100_000  # Monte Carlo sign assignments beyond EXACT_MAX_N
@@ -270,6 +269,8 @@ class PairedTInterval:
 def _t_half_width(d: np.ndarray, confidence: float) -> tuple[float, float, float]:
     mean = float(d.mean())
     se = float(d.std(ddof=1) / math.sqrt(d.size))
+    from scipy.special import stdtrit  # t quantile (what scipy.stats.t.ppf calls); lazy import
+
     t_crit = float(stdtrit(d.size - 1, 0.5 + confidence / 2.0))
     return mean, se, t_crit * se
 

@@ -9,16 +9,13 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from analysis.pages.common import METRICS, cell_order  # noqa: E402
-from analysis.pages.text_fit import fit_text  # noqa: E402
-from ledgers import arms  # noqa: E402
+from analysis.pages.common import METRICS, cell_order
+from analysis.pages.text_fit import fit_text
+from analysis.pyplot import plt
+from ledgers import arms
 
 DPI = 100
 _JITTER = np.random.default_rng(0)

@@ -14,17 +14,13 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
-
-from analysis.pages.common import budget_rank  # noqa: E402
-from analysis.pages.text_fit import fit_text  # noqa: E402
-from ledgers import arms  # noqa: E402
+from analysis.pages.common import budget_rank
+from analysis.pages.text_fit import fit_text
+from analysis.pyplot import plt
+from ledgers import arms
 
 ORG_NAMES = {a.ledger_org: a.display for a in arms.ARMS.values()}  # legend names, in order
 DPI = 100
@@ -234,10 +230,10 @@ def low_load(runs: pd.DataFrame, path: Path, title: str, note: str = "",
         ax.set_ylim(0, 1.35 * max(ax.get_ylim()[1], 1.0))
         ax.set_title(textwrap.fill(f"Low load · {budget}: {conditions(part)}; "
                                    f"{n_text(part, ['org'])} per bar", 60), fontsize=9)
-    handles = [Line2D([], [], marker="D", color="black", linestyle="", label="TTFT p99"),
-               Line2D([], [], marker="o", markerfacecolor="white", color="black", linestyle="",
+    handles = [plt.Line2D([], [], marker="D", color="black", linestyle="", label="TTFT p99"),
+               plt.Line2D([], [], marker="o", markerfacecolor="white", color="black", linestyle="",
                       label="E2E p99"),
-               *[Line2D([], [], marker="s", color=_color(o), linestyle="", label=org_name(o))
+               *[plt.Line2D([], [], marker="s", color=_color(o), linestyle="", label=org_name(o))
                  for o in orgs]]
     axes[0][-1].legend(handles=handles, loc="upper right", ncol=2, fontsize=7)
     fig.suptitle(f"{title}{_note(note)}", fontsize=10)
@@ -278,7 +274,7 @@ def c_once_bars(cells: pd.DataFrame, path: Path, title: str, note: str = "",
     right.set_ylabel("throughput, request span (tokens/s)")
     right.set_ylim(bottom=0)
     handles = [*ax.get_legend_handles_labels()[0],
-               Line2D([], [], marker="o", markerfacecolor="white", color="black", linestyle="")]
+               plt.Line2D([], [], marker="o", markerfacecolor="white", color="black", linestyle="")]
     labels = [*ax.get_legend_handles_labels()[1], "throughput"]
     ax.legend(handles, labels, fontsize=8, loc="upper left")
     n = int(cells["n"].min())
@@ -364,7 +360,7 @@ def curves(runs: pd.DataFrame, x: str, xlabel: str, path: Path, title: str,
                                    f"{n_text(part, ['org', x])} per point", 56), fontsize=9)
         handles, labels = ax.get_legend_handles_labels()
         if rings:
-            handles.append(Line2D([], [], marker="o", markersize=11, markerfacecolor="none",
+            handles.append(plt.Line2D([], [], marker="o", markersize=11, markerfacecolor="none",
                                   color="black", linestyle=""))
             labels.append("preselected f")
         ax.legend(handles, labels, fontsize=8)
@@ -396,9 +392,9 @@ def depth_per_seed(table: pd.DataFrame, path: Path, title: str, by: str,
                        facecolor=color if filled else "white", linewidth=1.4, zorder=3)
             if column == "rmax_m1" and "rmax_m0" in rows:
                 ax.vlines(x, rows["rmax_m0"], rows["rmax_m1"], color=color, linewidth=1)
-        handles.append(Line2D([], [], marker=marker, color=color, linestyle="", label=label))
+        handles.append(plt.Line2D([], [], marker=marker, color=color, linestyle="", label=label))
     for group in groups:
-        handles.append(Line2D([], [], marker="o", color="black", linestyle="",
+        handles.append(plt.Line2D([], [], marker="o", color="black", linestyle="",
                               markerfacecolor="black" if group != open_value else "white",
                               label=str(group)))
     ax.set_xticks(range(len(seeds)), [str(s) for s in seeds])

@@ -17,16 +17,13 @@ import os
 import sys
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-import ledgers  # noqa: E402
-from analysis.pages import common  # noqa: E402
-from ledgers.studies import RELOAD_CONDITIONS, REQUEST_PATHS  # noqa: E402
+import ledgers
+from analysis.pages import common
+from analysis.pyplot import plt
+from ledgers.studies import RELOAD_CONDITIONS, REQUEST_PATHS
 
 PATH_COLORS = {"recompute": "#4c72b0", "device_reuse": "#55a868", "host_reload": "#c44e52"}
 PAGE = "reload_study.md"

@@ -150,12 +150,14 @@ def normalize_workload_config(cfg) -> dict:
     """Defaults filled in, every field validated; raises ValueError naming the field."""
     out = _merge(cfg, {**WORKLOAD_DEFAULTS, **TRACE_DEFAULTS, **SESSION_DEFAULTS}, "workload")
     out["source"] = _choice(out["source"], SOURCES, "workload.source")
+    # keys() first: a DictConfig's `in` on an absent key raises and formats an error inside
+    keys = set(cfg.keys()) if cfg is not None else set()
     for source, fields in SOURCE_FIELDS.items():
         own = {key: out.pop(key) for key in fields}
         if out["source"] == source:
             out.update(_trace_fields(own) if source == "trace" else _session_fields(own))
             continue
-        given = [key for key in fields if cfg is not None and key in cfg]
+        given = [key for key in fields if key in keys and key in cfg]
         if given:
             raise ValueError(f"workload.{given[0]}: allowed only with workload.source={source}")
     out["reuse"] = _choice(out["reuse"], REUSE_MODES, "workload.reuse")
