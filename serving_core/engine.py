@@ -130,6 +130,8 @@ class Engine:
     on_plan: Callable[[list], None] | None  # set by an observer (see above)
     requests: list[Request]
     num_finished: int
+    refuse_unfit: bool  # serve(refuse_unfit=True): a request that cannot fit alone is refused
+    refused: list[int]  # ids of the requests refused at arrival
 
     def __init__(
         self,
@@ -176,7 +178,7 @@ class Engine:
         # serve(refuse_unfit=True): a request that cannot fit alone is refused at arrival
         # (REFUSED_UNFIT, counted finished for the loop, never scheduled); their ids in order
         self.refuse_unfit = False
-        self.refused: list[int] = []
+        self.refused = []
 
     def start_wall_clock(self) -> None:
         """An engine on a wall clock, built ahead of its run and not yet stepped: its clock

@@ -49,8 +49,8 @@ SINGLE = [
     (("~org",), "error: org: required, it cannot be removed"),
     (("model.state_codec=fp4",), "error: model: model.state_codec='fp4': allowed values are "
                                  "auto, fp32, bf16, fp16, fp8_e4m3, int8"),
-    (("org=n0", "model.state_codec=int8"), "error: org=n0 cannot hold "
-     "model.state_codec='int8': allowed values are auto, fp32, bf16, fp16, fp8_e4m3"),
+    (("org=n0", "model.state_codec=int8"), "error: org=n0 cannot hold model 'falcon_h1_7b': "
+     "model.state_codec='int8', allowed values are auto, fp32, bf16, fp16, fp8_e4m3"),
 ]
 MULTI = [
     (("campaign=q99",), "error: campaign=q99: allowed arms, bursts, caps, d0_split, demo"),

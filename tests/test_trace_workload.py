@@ -317,11 +317,18 @@ def test_trace_ids_must_fit_the_model_vocabulary():
     from hydra import compose, initialize_config_dir
 
     from experiments.config.validation import validate_config
+    from serving_core.executor.device_fit import choose_device
+    from serving_core.geometry import load_geometry
+    from serving_core.planner import plan_budget
 
     with initialize_config_dir(version_base="1.3", config_dir=CONF):
         for model in sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml")):
+            # each on the first declared device that holds it at this budget
+            device = choose_device(load_geometry(model), plan_budget(
+                load_geometry(model), "16384MiB").model_nominal_bytes)
             cfg = compose(config_name="config", overrides=[
-                f"model={model}", "workload=trace", "budget=16384MiB", "write_ledgers=false"])
+                f"model={model}", f"executor={device}", "workload=trace", "budget=16384MiB",
+                "write_ledgers=false"])
             validate_config(cfg)  # the default 32,000 ids fit every preset
         cfg = compose(config_name="config", overrides=[
             "model=zamba2_7b", "workload=trace", "workload.trace_vocab_size=50000",

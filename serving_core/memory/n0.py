@@ -133,8 +133,9 @@ class N0UniformPages(MemoryOrganization):
         """`n0_layout` at the model's kernel block alignment (`n0_block_alignment`); a
         state codec vLLM's Mamba page has no dtype for (`N0_STATE_CODECS`) is refused."""
         if geometry.state_codec not in N0_STATE_CODECS:
-            raise ValueError(f"org=n0 cannot hold model.state_codec={geometry.state_codec!r}: "
-                             f"allowed values are {', '.join(N0_STATE_CODECS)}")
+            raise ValueError(f"org=n0 cannot hold model {geometry.name!r}: model.state_codec="
+                             f"{geometry.state_codec!r}, allowed values are "
+                             f"{', '.join(N0_STATE_CODECS)}")
         return n0_layout(geometry, geometry.n0_block_alignment)
 
     @classmethod
