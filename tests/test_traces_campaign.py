@@ -36,7 +36,7 @@ def test_traces_smoke_campaign_and_page(tmp_path):
     rows = con.execute("SELECT campaign, org, budget, seed, arrival FROM runs").fetchall()
     assert sorted(rows) == sorted(
         [("traces_conversation_smoke", o, b, 42000, "trace") for o in ("S2", "D0")
-         for b in ("16384MiB", "24576MiB")]
+         for b in ("16384MiB", "20480MiB")]
         + [("traces_sessions_smoke", o, b, 42000, "poisson") for o in ("S2", "D0")
            for b in ("b63", "b108")])
     over = con.execute("SELECT count(*) FROM requests WHERE reusable_prefix_tokens < 0 "
