@@ -86,7 +86,8 @@ def test_int8_units_and_n0_refusal(falcon):
     assert org_layout(g, "S0").page_bytes == 786_528 + 21_504 == 808_032
     assert org_layout(g, "S1").ssm_members == 2  # ceil(786,528 / 524,288)
     with pytest.raises(ValueError, match=r"^org=n0 cannot hold model 'falcon_h1_7b': "
-                       "model.state_codec='int8', allowed values are auto, fp32, bf16, fp16, fp8_e4m3$"):
+                       "model.state_codec='int8', allowed values are auto, fp32, bf16, fp16, "
+                       "fp8_e4m3$"):
         org_layout(g, "N0")
     assert dict(plan_budget(g, "b63").refused).keys() == {"N0"}
 
