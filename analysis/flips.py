@@ -87,12 +87,21 @@ def alternative_effects(con, plan: str, family: str, plan_dir=None,
                         spec: dict | None = None) -> pd.DataFrame:
     """The sensitivity long table of one family (analysis.studies.sensitivity.evaluate):
     every primary contrast's effect and decision under each alternative with runs."""
-    from analysis.studies.sensitivity import QUESTION, evaluate
+    return _effects(_sensitivity_runs(con), plan, family, plan_dir, spec or _alternatives())
 
-    runs = common.load_runs(con, [QUESTION]).all_runs
+
+def _sensitivity_runs(con) -> pd.DataFrame:
+    """Every run the sensitivity study collected (empty when it ran none)."""
+    from analysis.studies.sensitivity import QUESTION
+
+    return common.load_runs(con, [QUESTION]).all_runs
+
+
+def _effects(runs: pd.DataFrame, plan: str, family: str, plan_dir, spec: dict) -> pd.DataFrame:
+    from analysis.studies.sensitivity import evaluate
+
     if runs.empty:
         return pd.DataFrame()
-    spec = spec or _alternatives()
     return evaluate(runs, {**spec, "families": [{"plan": plan, "family": family}]},
                     plan_dir)[0]
 
@@ -105,6 +114,7 @@ def add_flip_columns(families, con, plan_dir=None, spec: dict | None = None) -> 
         return
     spec = spec or _alternatives()
     listed = _spec_entries(spec, plan_dir)
+    runs = None  # the sensitivity runs, read once for the page's families
     for fam in primary:
         name = fam.name.split(" (")[0]
         table = fam.tables.get(fam.primary)
@@ -115,7 +125,8 @@ def add_flip_columns(families, con, plan_dir=None, spec: dict | None = None) -> 
             table[COLUMN] = NOT_LISTED
             continue
         try:  # a family the study cannot evaluate must not take its page down
-            long = alternative_effects(con, plan, name, plan_dir, spec)
+            runs = _sensitivity_runs(con) if runs is None else runs
+            long = _effects(runs, plan, name, plan_dir, spec)
         except Exception as exc:  # noqa: BLE001 - named in the column instead
             table[COLUMN] = f"not compared ({type(exc).__name__}: {exc})"
             continue
