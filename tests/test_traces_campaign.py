@@ -1,8 +1,10 @@
 """`make traces SMOKE=1` (issue 45), narrowed to S2 and D0 on the first conversation-trace
-window and one sessions seed: the runs land under the workload's campaign, a trace repeat is
-the window its seed maps to, every request's adopted prefix stays within the recorded bound,
-and the page reads them through the plan (conf/prereg/traces.yaml). The winner procedure and
-its tie rule are checked by hand on a small frame."""
+window (Falcon-H1-7B) and one Granite-4.0-H-Tiny sessions seed: the runs land under the
+workload's (and model's) campaign, a trace repeat is the window its seed maps to, every
+request's adopted prefix stays within the recorded bound, and the page reads them through
+the plan (conf/prereg/traces.yaml), one winner table per model. The Granite half mirrors
+Falcon's cells with budgets by the same rule; the winner procedure and its tie rule are
+checked by hand on a small frame."""
 
 from __future__ import annotations
 
@@ -15,15 +17,19 @@ import pandas as pd
 import yaml
 
 import ledgers
+from analysis.inference import prereg
 from analysis.questions import traces
 from experiments.campaigns.sweeps import CampaignSpec, expand_jobs
+from serving_core.executor.device_fit import device_fit
+from serving_core.geometry import load_geometry
+from serving_core.planner import plan_budget
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_traces_smoke_campaign_and_page(tmp_path):
     root, out = tmp_path / "ledgers", tmp_path / "reports"
-    args = (f"org=s2,d0 hydra.sweeper.only=[conversation_w0,sessions] "
+    args = (f"org=s2,d0 hydra.sweeper.only=[conversation_w0,granite_sessions] "
             f"hydra.sweep.dir={tmp_path / 'sweep'}")
     proc = subprocess.run(["make", "-s", "--no-print-directory", "-o", ".venv/.installed",
                            "traces", "SMOKE=1", "JOBS=2", f"LEDGER_ROOT={root}",
@@ -33,20 +39,29 @@ def test_traces_smoke_campaign_and_page(tmp_path):
     summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert (summary["planned"], summary["done"], summary["failed"]) == (8, 8, 0)
     con = ledgers.connect(root)
-    rows = con.execute("SELECT campaign, org, budget, seed, arrival FROM runs").fetchall()
+    rows = con.execute("SELECT campaign, model, org, budget, seed, arrival FROM runs").fetchall()
     assert sorted(rows) == sorted(
-        [("traces_conversation_smoke", o, b, 42000, "trace") for o in ("S2", "D0")
-         for b in ("16384MiB", "20480MiB")]
-        + [("traces_sessions_smoke", o, b, 42000, "poisson") for o in ("S2", "D0")
-           for b in ("b63", "b108")])
+        [("traces_conversation_smoke", "falcon_h1_7b", o, b, 42000, "trace")
+         for o in ("S2", "D0") for b in ("16384MiB", "20480MiB")]
+        + [("traces_granite_sessions_smoke", "granite_4_0_h_tiny", o, b, 42000, "poisson")
+           for o in ("S2", "D0") for b in ("b63", "b108")])
     over = con.execute("SELECT count(*) FROM requests WHERE reusable_prefix_tokens < 0 "
                        "OR adopted_prefix_tokens > reusable_prefix_tokens").fetchone()[0]
     assert over == 0
     text = (out / "traces.md").read_text()
-    assert "Winner per workload and budget" in text and "Realised / possible reuse" in text
+    assert "Winner per model, workload and budget" in text
+    assert "Realised / possible reuse" in text
     assert "Family `TRACES-WIN (smoke)`" in text
+    assert "Family `TRACES-WIN-GRANITE (smoke)`" in text
+    winners = pd.read_csv(out / "tables" / "traces_winners.csv")
+    groups = zip(winners["model"], winners["workload"], winners["budget"], strict=True)
+    assert sorted(groups) == sorted(
+        [("falcon_h1_7b", "conversation", b) for b in ("16384MiB", "20480MiB")]
+        + [("granite_4_0_h_tiny", "sessions", b) for b in ("b63", "b108")])
     reuse = pd.read_csv(out / "tables" / "traces_reuse.csv")
-    assert set(reuse["workload"]) == {"conversation", "sessions"} and len(reuse) == 8
+    assert set(zip(reuse["model"], reuse["workload"], strict=True)) == {
+        ("falcon_h1_7b", "conversation"), ("granite_4_0_h_tiny", "sessions")}
+    assert len(reuse) == 8
     assert (reuse["adopted_tokens"] <= reuse["bound_tokens"]).all()
     con.close()
 
@@ -54,14 +69,50 @@ def test_traces_smoke_campaign_and_page(tmp_path):
 def test_a_trace_repeat_is_the_window_its_seed_maps_to():
     raw = yaml.safe_load((REPO / "conf" / "campaign" / "traces.yaml").read_text())
     jobs = expand_jobs(CampaignSpec.from_config(raw["hydra"]["sweeper"]), [], "traces")
-    starts = {}
+    starts, models = {}, {}
     for job in jobs:
         over = dict(o.split("=", 1) for o in job.overrides)
+        model = over.get("model", "falcon_h1_7b")
+        models[model] = models.get(model, 0) + 1
         if over.get("workload") == "trace":
-            starts.setdefault((over["workload.trace_file"], int(over["seed"])), set()).add(
-                int(over["workload.trace_start"]))
-    assert len(jobs) == 384 and len(starts) == 16
-    assert all(s == {400 * (seed - 42000)} for (_, seed), s in starts.items())
+            starts.setdefault((model, over["workload.trace_file"], int(over["seed"])),
+                              set()).add(int(over["workload.trace_start"]))
+    assert len(jobs) == 768 and models == {"falcon_h1_7b": 384, "granite_4_0_h_tiny": 384}
+    assert len(starts) == 32
+    assert all(s == {400 * (seed - 42000)} for (_, _, seed), s in starts.items())
+
+
+def _design(cell: prereg.Cell) -> tuple:
+    """A cell's design without its model: campaign (model tag dropped), keys and seeds."""
+    keys = {k: v for k, v in cell.keys.items()
+            if k not in ("model", "campaign", "d0_attention_fraction")}
+    return (cell.keys["campaign"].replace("traces_granite_", "traces_"),
+            tuple(sorted(keys.items())), cell.seeds)
+
+
+def test_the_granite_half_mirrors_falcon_with_budgets_by_the_same_rule():
+    """Amendment 2 of the plan: Granite-4.0-H-Tiny's cells are Falcon's (windows, seeds,
+    loads, budgets) with D0 at the preset's split; the trace budgets of each model are the
+    largest multiple of 4 GiB of state the A100-40GB holds beside its weights and 4 GiB
+    below it."""
+    plan = prereg.load_plan("traces")
+    falcon, granite = plan.family("TRACES-WIN"), plan.family("TRACES-WIN-GRANITE")
+    assert sorted(map(_design, falcon.cells)) == sorted(map(_design, granite.cells))
+    assert len(granite.cells) == 48 and {c.keys["campaign"] for c in granite.cells} == {
+        f"traces_granite_{w}" for w in ("conversation", "synthetic", "sessions", "agentic")}
+    for fam, model in ((falcon, "falcon_h1_7b"), (granite, "granite_4_0_h_tiny")):
+        g = load_geometry(model)
+        assert {c.keys["model"] for c in fam.cells} == {model}
+        assert {c.keys["d0_attention_fraction"] for c in fam.cells
+                if c.keys["org"] == "D0"} == {g.d0_attention_fraction}
+        mib = sorted({int(c.keys["budget"].removesuffix("MiB")) for c in fam.cells
+                      if c.keys["arrival"] == "trace"})
+
+        def fits(m, g=g):
+            return device_fit(g, "a100", plan_budget(g, f"{m}MiB").model_nominal_bytes).fits
+
+        assert mib == [mib[1] - 4096, mib[1]] and mib[1] % 4096 == 0
+        assert fits(mib[1]) and not fits(mib[1] + 4096)
 
 
 def _group(values: dict[str, list[float]]) -> pd.DataFrame:

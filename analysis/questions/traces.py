@@ -1,12 +1,13 @@
 """Organizations on trace windows and multi-turn sessions (issue 45; plan conf/prereg/traces.yaml).
 
 S0, S1, S2, D0, N0 and Jenga at two budgets on windows of the Mooncake FAST'25 traces
-(a repeat is a window, paired by seed) and on sessions (repeats by seed); each workload runs
-under its own campaign (traces_<workload>). The page shows, per workload and budget, the
-plan's winner (the organization with the highest geometric mean request-span throughput,
-tested against each other organization by exact sign flips, Holm over the 5), the realised
-share of the possible reuse (adopted prefix tokens over the requests ledger's
-`reusable_prefix_tokens` bound), and throughput and TTFT means.
+(a repeat is a window, paired by seed) and on sessions (repeats by seed), on Falcon-H1-7B
+(family TRACES-WIN) and Granite-4.0-H-Tiny (TRACES-WIN-GRANITE); each workload runs under its
+own campaign (traces_<workload>, traces_granite_<workload>). The page shows, per model,
+workload and budget, the plan's winner (the organization with the highest geometric mean
+request-span throughput, tested against each other organization by exact sign flips, Holm
+over the 5), the realised share of the possible reuse (adopted prefix tokens over the
+requests ledger's `reusable_prefix_tokens` bound), and throughput and TTFT means.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from analysis.pages.render import QuestionResult, Section
 
 QUESTION = "traces"
 TITLE = "Organizations on trace windows and multi-turn sessions"
-FAMILY = "TRACES-WIN"
+FAMILIES = ("TRACES-WIN", "TRACES-WIN-GRANITE")  # Falcon-H1-7B, Granite-4.0-H-Tiny
+GROUP = ["stage", "model", "workload", "budget"]  # one winner per group
 METRICS = ("throughput_span", "ttft_p50", "ttft_p99", "failed_requests")
 
 # Per run: the infinite-cache bound and what the organization adopted at first admission,
@@ -39,12 +41,19 @@ _REUSE = """
 
 
 def workload(campaign: str) -> str:
-    """The workload a run's campaign names (traces_conversation_smoke -> conversation)."""
-    return campaign.removesuffix("_smoke").removeprefix("traces_")
+    """The workload a run's campaign names (traces_conversation_smoke,
+    traces_granite_conversation -> conversation)."""
+    return campaign.removesuffix("_smoke").removeprefix("traces_").removeprefix("granite_")
 
 
-def _winner_rule(plan) -> dict:
-    return dict(plan.family(FAMILY).decision.get("winner", {}))
+def _winner_metric(plan) -> str:
+    """The plan's winner metric, one for every family of it (ValueError otherwise)."""
+    metrics = {plan.family(f).decision.get("winner", {}).get("metric", "throughput_span")
+               for f in FAMILIES}
+    if len(metrics) != 1:
+        raise ValueError(f"{QUESTION}: families {list(FAMILIES)} name winner metrics "
+                         f"{sorted(metrics)}; the page compares one")
+    return metrics.pop()
 
 
 def group_tests(group: pd.DataFrame, metric: str, alpha: float) -> tuple[str, list[dict]]:
@@ -78,11 +87,12 @@ def verdict(candidate: str, rows: list[dict]) -> str:
 
 def winner_tables(runs: pd.DataFrame, metric: str, alpha: float
                   ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per workload and budget: the verdict (one row) and the candidate's tests (5 rows)."""
+    """Per model, workload and budget: the verdict (one row) and the candidate's tests (5
+    rows)."""
     verdicts, tests = [], []
-    for (stage, wl, budget), group in runs.groupby(["stage", "workload", "budget"], sort=False):
+    for values, group in runs.groupby(GROUP, sort=False):
         candidate, rows = group_tests(group, metric, alpha)
-        key = {"stage": stage, "workload": wl, "budget": budget}
+        key = dict(zip(GROUP, values, strict=True))
         n = min((r["n"] for r in rows), default=0)
         verdicts.append({**key, "n": n, "candidate": candidate,
                          "winner": verdict(candidate, rows) if rows else "(one organization)"})
@@ -91,11 +101,13 @@ def winner_tables(runs: pd.DataFrame, metric: str, alpha: float
 
 
 def reuse_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Realised / possible reuse per workload, budget and organization, summed over runs."""
-    sums = runs.groupby(["stage", "workload", "budget", "org"], sort=False)[
+    """Realised / possible reuse per model, workload, budget and organization, summed over
+    runs."""
+    keys = [*GROUP, "org"]
+    sums = runs.groupby(keys, sort=False)[
         ["bound_tokens", "adopted_tokens", "refused_requests"]].sum().reset_index()
-    n = runs.groupby(["stage", "workload", "budget", "org"], sort=False)["seed"].nunique()
-    sums.insert(4, "n", n.to_numpy())
+    n = runs.groupby(keys, sort=False)["seed"].nunique()
+    sums.insert(len(keys), "n", n.to_numpy())
     bound = sums["bound_tokens"].astype(float)
     sums["realised"] = (sums["adopted_tokens"].astype(float) / bound).where(bound > 0)
     return sums
@@ -111,15 +123,13 @@ def load(con, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def _sections(result: QuestionResult, runs: pd.DataFrame, plan) -> None:
-    rule = _winner_rule(plan)
-    verdicts, tests = winner_tables(runs, rule.get("metric", "throughput_span"), plan.alpha)
+    verdicts, tests = winner_tables(runs, _winner_metric(plan), plan.alpha)
     result.add("winners", verdicts)
     result.add("winner_tests", tests)
     reuse = result.add("reuse", reuse_table(runs))
-    means = result.add("means", readouts.means_table(runs, ["workload", "budget", "org"],
-                                                     METRICS))
+    means = result.add("means", readouts.means_table(runs, [*GROUP[1:], "org"], METRICS))
     result.sections += [
-        Section("Winner per workload and budget",
+        Section("Winner per model, workload and budget",
                 "Candidate: the organization with the highest geometric mean request-span "
                 "throughput over the paired repeats (trace windows or session seeds). It is "
                 "tested against each other organization: exact two-sided sign-flip test of the "
@@ -145,7 +155,8 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
     result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir,
                                                 per_campaign=True)
     if not runset.runs.empty:
-        runs = readouts.family_runs(plan, FAMILY, runset.runs)
+        found = [readouts.family_runs(plan, f, runset.runs) for f in FAMILIES]
+        runs = pd.concat([f for f in found if len(f)] or found[:1], ignore_index=True)
         if not runs.empty:
             _sections(result, load(con, runs), plan)
     readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir, allow_changed_plan)
