@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from serving_core.memory import MemoryOrganization
 from serving_core.planner import headroom_units
+from serving_core.records import format_key
 from serving_core.request import Request, Status
 from serving_core.rules import check_rules, is_integer, is_number, optional_integer, rule
 from serving_core.state_manager import ChunkState, HybridStateManager
@@ -266,6 +267,8 @@ class Scheduler:
     def _trace_entry(self, req: Request, now: float) -> None:
         hit = self.state.peek(req)
         self.rec.event("ENTER_WAITING", now, req.rid, req.episodes + 1, hit_m0=hit)
+        if self.rec.lineage is not None:
+            self.rec.lineage.entered(req.rid, req.episodes + 1, req.lookup_keys(), hit)
 
     # ----- one step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> list[Scheduled]:
@@ -473,6 +476,8 @@ class Scheduler:
         if req.episodes == 1:
             req.start_s = self.now
             req.adopted_first = jadopt
+            if self.rec.attribution is not None:
+                self.rec.attribution.admitted(req, adoption, self.mem.cache)
         else:
             req.adopted_resume += jadopt
             self.prefix_hit_tokens_self += jadopt
@@ -487,6 +492,13 @@ class Scheduler:
             self.rec.event(
                 "ADOPT", self.now, req.rid, req.episodes, hit_m0=hit, hit_m1=m1, boundary=jadopt
             )
+            self._lineage_adopt(req, adoption)
+
+    def _lineage_adopt(self, req: Request, adoption) -> None:
+        lineage, ckpt = self.rec.lineage, adoption.checkpoint
+        if lineage is not None:
+            lineage.adopted(ckpt, req.rid, req.episodes, adoption.keys, self.now, self.step,
+                            format_key(ckpt.key) if ckpt else "")
 
     def _trace_alloc_fail(self, req: Request, need: dict, extra: dict) -> None:
         available = self.state.available()
@@ -512,6 +524,8 @@ class Scheduler:
 
     def _finish(self, req: Request, now: float) -> None:
         self.state.release_all(req, finishing=True)
+        if self.rec.attribution is not None:
+            self.rec.attribution.finished(req)
         req.status = Status.FINISHED
         req.finish_s = now
         req.release_tokens()  # keep memory proportional to the live requests
@@ -531,6 +545,8 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_s = now
         req.release_tokens()
+        if self.rec.lineage is not None:
+            self.rec.lineage.left(req.rid)
         if self.trace:
             self.rec.event("FINISH", now, req.rid, req.episodes)
         return True
