@@ -240,6 +240,9 @@ _RUNS = [
     _f("f", _F, "fraction", "Admission headroom fraction."),
     _f("retention_k", _I, "count", "Checkpoint retention K (-1: none)."),
     _f("pinning_k", _I, "count", "Preemption-time pinning threshold K (-1: Roff, no pinning)."),
+    _f("placement", _S, "", "Checkpoint placement the engine ran (its effective "
+       "checkpoint_placement; \"none\": no recurrent state; \"\": not reported, e.g. vLLM "
+       "or a failed run)."),
     _f("d0_attention_fraction", _F, "fraction",
        "D0 static split: attention pool share of nominal bytes (NaN: not D0)."),
     _f("reuse", _S, "", "Reuse mode (e.g. SHARE, ISOLATE)."),

@@ -47,10 +47,12 @@ def _winner_rule(plan) -> dict:
     return dict(plan.family(FAMILY).decision.get("winner", {}))
 
 
-def group_tests(group: pd.DataFrame, metric: str, alpha: float) -> tuple[str, list[dict]]:
-    """The candidate (highest mean log metric over the seeds every organization ran) and its
-    exact sign-flip tests against each other organization, Holm over them."""
-    wide = group.pivot_table(index="seed", columns="org", values=metric, aggfunc="first")
+def group_tests(group: pd.DataFrame, metric: str, alpha: float,
+                by: str = "org") -> tuple[str, list[dict]]:
+    """The candidate (highest mean log metric over the seeds every value of `by` ran: an
+    organization, or a placement) and its exact sign-flip tests against each other value,
+    Holm over them."""
+    wide = group.pivot_table(index="seed", columns=by, values=metric, aggfunc="first")
     wide = wide.dropna()
     logs = np.log(wide.astype(float))
     candidate = str(logs.mean().idxmax())
@@ -76,13 +78,15 @@ def verdict(candidate: str, rows: list[dict]) -> str:
     return candidate if not tied else "tie: " + ", ".join([candidate, *tied])
 
 
-def winner_tables(runs: pd.DataFrame, metric: str, alpha: float
+def winner_tables(runs: pd.DataFrame, metric: str, alpha: float,
+                  keys: tuple[str, ...] = ("stage", "workload", "budget"), by: str = "org"
                   ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per workload and budget: the verdict (one row) and the candidate's tests (5 rows)."""
+    """Per group of `keys` (workload and budget): the verdict (one row) and the candidate's
+    tests against the other values of `by` (one row each)."""
     verdicts, tests = [], []
-    for (stage, wl, budget), group in runs.groupby(["stage", "workload", "budget"], sort=False):
-        candidate, rows = group_tests(group, metric, alpha)
-        key = {"stage": stage, "workload": wl, "budget": budget}
+    for values, group in runs.groupby(list(keys), sort=False):
+        candidate, rows = group_tests(group, metric, alpha, by)
+        key = dict(zip(keys, values, strict=True))
         n = min((r["n"] for r in rows), default=0)
         verdicts.append({**key, "n": n, "candidate": candidate,
                          "winner": verdict(candidate, rows) if rows else "(one organization)"})
