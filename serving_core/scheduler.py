@@ -57,6 +57,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from serving_core.memory import MemoryOrganization
+from serving_core.placement import (
+    PLACEMENT_SHOWN,
+    RETENTION_SHOWN,
+    Placement,
+    is_placement,
+    is_retention,
+    parse_placement,
+    retention_blocks,
+)
 from serving_core.planner import headroom_units
 from serving_core.records import format_key
 from serving_core.request import Request, Status
@@ -124,10 +133,15 @@ class SchedulerConfig:
         0, "reserve_output: output tokens guaranteed at admission",
         check=lambda v: is_integer(v, 0), shown="integers >= 0")
     checkpoint_placement: str | None = rule(
-        None, "where checkpoints are published (null: the organization's default)",
-        allowed=(*CHECKPOINT_PLACEMENTS, None), identity_neutral=False, requested=_placement,
-        effective=lambda sched: (("step_end" if sched.step_end else "every_boundary")
-                                 if sched.C else None))
+        None, "where checkpoints are published (null: the organization's default; "
+        "serving_core/placement.py)", check=lambda v: v is None or is_placement(v),
+        shown=PLACEMENT_SHOWN, identity_neutral=False, requested=_placement,
+        effective=lambda sched: sched.placement.name if sched.C else None)
+    retention_interval: str | None = rule(
+        None, "<k>block: checkpoints kept only at multiples of k checkpoint intervals and "
+        "the prompt's last boundary (vLLM's prefix_cache_retention_interval); null: all",
+        check=is_retention, shown=RETENTION_SHOWN,
+        requested=lambda value, ctx: value if ctx.layout.checkpoint_interval else None)
     align_chunks: bool | None = rule(
         None, "prefill chunks end on checkpoint boundaries (null: the organization's default)",
         allowed=(True, False, None), identity_neutral=False,
@@ -166,6 +180,16 @@ class SchedulerConfig:
                 f"engine.reserve_output_tokens={r}: applies only with "
                 "engine.admission=reserve_output (allowed value here: 0)"
             )
+
+
+def _build_placement(mem: MemoryOrganization, cfg: SchedulerConfig) -> Placement:
+    """The engine's placement: the asked one or the organization's; `optimal`'s M from the
+    budget is the composites the pools hold less a full batch's working composites."""
+    name, param = parse_placement(cfg.checkpoint_placement or type(mem).checkpoint_placement)
+    per = sum(mem.demand(0, 1).values()) if mem.checkpoint_interval else 0
+    held = sum(mem.total_units().values()) // per if per else 0
+    return Placement(name, mem.checkpoint_interval, retention_blocks(cfg.retention_interval),
+                     param, budget_checkpoints=max(1, held - cfg.cap), block=mem.block_tokens)
 
 
 INTERLEAVE_KEYS = ("decode_steps", "prefill_tokens")
@@ -214,7 +238,9 @@ class Scheduler:
         self.headroom_fraction = cfg.headroom
         self.headroom = {p: headroom_units(n, cfg.headroom) for p, n in mem.total_units().items()}
         org = type(mem)
-        self.step_end = (cfg.checkpoint_placement or org.checkpoint_placement) == "step_end"
+        self.placement = _build_placement(mem, cfg)
+        self.step_end = self.placement.policy == "step_end"
+        self.retention_interval = cfg.retention_interval if self.C else None
         # Aligned chunks need a token budget that reaches a boundary (else nothing progresses).
         self.align = (
             bool(self.C)
@@ -238,8 +264,11 @@ class Scheduler:
                 f"{mem.org}'s checkpoint interval {self.C} with aligned chunks no prefill "
                 "could progress while requests decode; allowed: prefill_tokens >= "
                 f"{self.C}, or engine.align_chunks=false")
+        legacy = self.placement.name in CHECKPOINT_PLACEMENTS and not self.retention_interval
         self.state = HybridStateManager(mem, step_end=self.step_end,
-                                        retention_k=cfg.retention_k, pinning_k=cfg.pinning_k)
+                                        retention_k=cfg.retention_k, pinning_k=cfg.pinning_k,
+                                        placement=None if legacy or not self.C
+                                        else self.placement)
         self.state_views = False  # attach a ChunkState to each planned chunk (Engine sets it)
         # memoize a blocked head's failed admission (_try_admit) where that is exact
         self.memo_blocked = mem.stable_demand
