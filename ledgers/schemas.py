@@ -97,7 +97,7 @@ _REQUESTS_WORKLOAD = [
        "compare adopted_prefix_tokens (-1: the workload defines none, e.g. ShareGPT)."),
 ]
 # The engine's hit attribution of each request's first admission (serving_core/attribution.py;
-# docs/engine_rules.md section 15): ideal = adopted_prefix_tokens + the seven losses, each
+# docs/engine_rules.md section 18): ideal = adopted_prefix_tokens + the seven losses, each
 # level of the waterfall at most the one above; -1 throughout: not attributed (never
 # admitted, or a path that does not run our engine: vLLM, files written before the columns).
 _LOSS_DOCS = {
@@ -240,9 +240,6 @@ _RUNS = [
     _f("f", _F, "fraction", "Admission headroom fraction."),
     _f("retention_k", _I, "count", "Checkpoint retention K (-1: none)."),
     _f("pinning_k", _I, "count", "Preemption-time pinning threshold K (-1: Roff, no pinning)."),
-    _f("placement", _S, "", "Checkpoint placement the engine ran (its effective "
-       "checkpoint_placement; \"none\": no recurrent state; \"\": not reported, e.g. vLLM "
-       "or a failed run)."),
     _f("d0_attention_fraction", _F, "fraction",
        "D0 static split: attention pool share of nominal bytes (NaN: not D0)."),
     _f("reuse", _S, "", "Reuse mode (e.g. SHARE, ISOLATE)."),

@@ -1,5 +1,5 @@
 """Per-request hit attribution: why a request's first admission adopted less than the
-longest prefix it shared with the requests before it (docs/engine_rules.md section 15).
+longest prefix it shared with the requests before it (docs/engine_rules.md section 18).
 
 Levels, from the ideal down to the adopted prefix J (each one at most the one above, so
 the losses, the differences of consecutive levels, add up to ideal - J by construction):

@@ -1,6 +1,6 @@
 """Checkpoint lineage of a traced run: every checkpoint's publication, each adoption, its
 end with the cause and its age, and the depth events of the waiting episodes (the
-reference paper's C.1 lineage; definitions in docs/engine_rules.md section 16).
+reference paper's C.1 lineage; definitions in docs/engine_rules.md section 19).
 
 Rows (LINEAGE_COLUMNS), one per event in engine order:
 - PUBLISH: a checkpoint published (request_id: its producer); `same_step` = 1 when a

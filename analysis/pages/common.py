@@ -137,7 +137,7 @@ def _load_runs(con, questions: Sequence[str]) -> RunSet:
 
 def placement_of(engine_config: str) -> str:
     """The checkpoint placement a run's engine ran (its record's `checkpoint_placement`;
-    "none": no recurrent state; "": not recorded), for runs written before runs.placement."""
+    "none": no recurrent state; "": not recorded): the runs' `placement` column."""
     try:
         rules = json.loads(engine_config or "{}")
     except (TypeError, ValueError):

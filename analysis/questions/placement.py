@@ -97,7 +97,7 @@ WINNER_TEXT = (
     "placements not rejected tie with it. mean_pct: mean seedwise 100 (candidate / other - 1). "
     "The attribution explains the verdict: ideal_tokens, the longest prefix each request "
     "shared with an earlier one; adopted_tokens, what it adopted; lost_<cause>, the tokens "
-    "lost to each cause in the waterfall of docs/engine_rules.md section 15 (block: beyond the "
+    "lost to each cause in the waterfall of docs/engine_rules.md section 18 (block: beyond the "
     "last whole block; placement: no checkpoint was ever published there; admission: published "
     "only after the lookup; attention / group / checkpoint: evicted; tier: not restored). "
     "realised = adopted / ideal; residual = ideal - adopted - losses (0 by the identity).")
@@ -155,21 +155,8 @@ def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write this page alone (`make placement`): <out>/placement.md and its tables."""
-    p = cli.parser("analysis.questions.placement", __doc__)
-    p.add_argument("--out", default="reports", help="report directory for the page")
-    args = p.parse_args(argv)
-
-    def write(con) -> int:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result = analyze(con)
-        common.write_tables(out, QUESTION, result.tables())
-        page = out / f"{QUESTION}.md"
-        page.write_text(result.markdown(relative_to=out), encoding="utf-8")
-        print(page)
-        return 0
-
-    return cli.with_ledgers(args.ledgers, write)
+    return cli.question_page_main("analysis.questions.placement", __doc__, QUESTION, analyze,
+                                  argv)
 
 
 if __name__ == "__main__":

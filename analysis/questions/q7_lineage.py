@@ -1,4 +1,4 @@
-"""Q7's lineage counts (the reference paper's C.1; docs/engine_rules.md section 16), from the
+"""Q7's lineage counts (the reference paper's C.1; docs/engine_rules.md section 19), from the
 lineage table of the traced runs and the episodes of their trace (analysis/questions/q7.py).
 
 Per run:

@@ -162,21 +162,8 @@ def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write this page alone (`make traces`): <out>/traces.md and its tables."""
-    p = cli.parser("analysis.questions.traces", __doc__)
-    p.add_argument("--out", default="reports", help="report directory for the page")
-    args = p.parse_args(argv)
-
-    def write(con) -> int:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result = analyze(con)
-        common.write_tables(out, QUESTION, result.tables())
-        page = out / f"{QUESTION}.md"
-        page.write_text(result.markdown(relative_to=out), encoding="utf-8")
-        print(page)
-        return 0
-
-    return cli.with_ledgers(args.ledgers, write)
+    return cli.question_page_main("analysis.questions.traces", __doc__, QUESTION, analyze,
+                                  argv)
 
 
 if __name__ == "__main__":

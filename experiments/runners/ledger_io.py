@@ -154,8 +154,7 @@ def _engine_columns(effective: Mapping) -> dict:
     """Rule columns read back from the engine (its effective rules), where it reports them;
     the builder refused any run whose rules differ from the config's, so these equal the
     config's values: the row states what ran."""
-    placement = effective.get("checkpoint_placement", "")
-    out = {"placement": "none" if placement is None else str(placement)}
+    out = {}
     if "cap" in effective:
         out["cap"] = int(effective["cap"])
     if "headroom" in effective:
@@ -174,7 +173,6 @@ def failed_runs_row(cfg: DictConfig, key: RunKey, run_seconds: float) -> dict:
     values = {
         **cell_columns(cfg),
         **_provenance_columns(key),
-        "placement": "",
         "units": sum(units.values()),
         "units_detail": units,
         "engine_config": "{}",
