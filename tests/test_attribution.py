@@ -129,10 +129,11 @@ def test_lineage_counts_of_a_hand_built_run():
 
 @pytest.fixture(scope="module")
 def smoke_root(tmp_path_factory):
-    """`make placement SMOKE=1` at one budget and 8 requests a run (10 runs)."""
+    """`make placement SMOKE=1` at one budget, two placements and 8 requests a run (8 runs)."""
     tmp = tmp_path_factory.mktemp("placement")
     root = tmp / "ledgers"
-    args = f"budget=b108 workload.num_requests=8 hydra.sweep.dir={tmp / 'sweep'}"
+    args = ("budget=b108 engine.checkpoint_placement=step_end,junction "
+            f"workload.num_requests=8 hydra.sweep.dir={tmp / 'sweep'}")
     proc = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed",
                            "placement", "SMOKE=1", f"LEDGER_ROOT={root}",
                            f"REPORT_DIR={tmp / 'reports'}", f"ARGS={args}"],
@@ -152,7 +153,7 @@ def _requests(root) -> pd.DataFrame:
 def test_smoke_campaign_attribution_adds_up_on_every_run(smoke_root):
     root, page = smoke_root
     requests = _requests(root)
-    assert requests["run_id"].nunique() == 10
+    assert requests["run_id"].nunique() == 8
     finished = requests[requests["status"] == "finished"]
     assert len(finished) and (finished["ideal_prefix_tokens"] >= 0).all()
     assert identity_violations(requests.to_dict("records")) == []
