@@ -236,8 +236,11 @@ def cell_labels(runs: pd.DataFrame) -> pd.Series:
     # Same units, different model (e.g. S0 under bf16 and TQ4 KV): name the model.
     ambiguous = identity.groupby(labels).transform("nunique") > 1
     labels[ambiguous] = labels[ambiguous] + " " + runs.loc[ambiguous, "model"].astype(str)
-    if "placement" in runs and (per_org["placement"].nunique(dropna=False) > 1).any():
-        labels = labels + " " + runs["placement"].astype(str)  # issue 44: placement varies
+    # issue 44: placements compared within a campaign (an alternative rule's reruns, each in
+    # a campaign of its own, keep their labels)
+    by_campaign = runs.groupby(["campaign", "org"])["placement"] if "placement" in runs else None
+    if by_campaign is not None and (by_campaign.nunique(dropna=False) > 1).any():
+        labels = labels + " " + runs["placement"].astype(str)
     return labels
 
 
