@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import cli
-from analysis.pages import common, readouts
+from analysis.pages import readouts
 from analysis.pages.render import QuestionResult, Section
 from analysis.questions import traces
 
@@ -48,11 +48,7 @@ def workload(campaign: str) -> str:
 
 def load(con, runs: pd.DataFrame) -> pd.DataFrame:
     """The runs with their workload and per-run attribution sums."""
-    runset = common.RunSet((QUESTION,), tuple(sorted(runs["campaign"].unique())), runs,
-                           runs.head(0))
-    sums = common.query(con, _ATTRIBUTION, runset)
-    out = runs.merge(sums, on="run_id", how="left")
-    return out.assign(workload=out["campaign"].astype(str).map(workload))
+    return traces.load(con, runs, _ATTRIBUTION, QUESTION, workload)
 
 
 def attribution_table(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

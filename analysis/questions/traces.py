@@ -105,13 +105,15 @@ def reuse_table(runs: pd.DataFrame) -> pd.DataFrame:
     return sums
 
 
-def load(con, runs: pd.DataFrame) -> pd.DataFrame:
-    """The plan's runs with their workload and per-run reuse sums."""
-    runset = common.RunSet((QUESTION,), tuple(sorted(runs["campaign"].unique())), runs,
+def load(con, runs: pd.DataFrame, sql: str = _REUSE, question: str = QUESTION,
+         name_of=workload) -> pd.DataFrame:
+    """The plan's runs with their workload (`name_of` their campaign) and the per-run sums
+    of `sql` (default: the reuse sums)."""
+    runset = common.RunSet((question,), tuple(sorted(runs["campaign"].unique())), runs,
                            runs.head(0))
-    reuse = common.query(con, _REUSE, runset)
-    out = runs.merge(reuse, on="run_id", how="left")
-    return out.assign(workload=out["campaign"].astype(str).map(workload))
+    sums = common.query(con, sql, runset)
+    out = runs.merge(sums, on="run_id", how="left")
+    return out.assign(workload=out["campaign"].astype(str).map(name_of))
 
 
 def _sections(result: QuestionResult, runs: pd.DataFrame, plan) -> None:
