@@ -37,36 +37,39 @@ UNATTRIBUTED = -1  # never admitted (or a path without an engine of ours)
 GROUP_REASONS = frozenset({"slab_reclaim", "pool_pressure"})  # lost through shared storage
 
 
-def _common(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two token arrays."""
-    m = min(len(a), len(b))
-    diff = np.flatnonzero(a[:m] != b[:m])
+_TOKEN = np.dtype(">i8")  # big-endian: the bytes of two sequences sort as the sequences do
+
+
+def _encode(tokens) -> bytes:
+    return np.asarray(tokens, dtype=_TOKEN).tobytes()
+
+
+def _common(a: bytes, b: bytes) -> int:
+    """Length in tokens of the common prefix of two encoded sequences."""
+    m = min(len(a), len(b)) // _TOKEN.itemsize
+    x = np.frombuffer(a, dtype=_TOKEN, count=m)
+    y = np.frombuffer(b, dtype=_TOKEN, count=m)
+    diff = np.flatnonzero(x != y)
     return int(diff[0]) if diff.size else m
 
 
 class PrefixIndex:
-    """Token sequences seen so far, sorted per salt, and the longest prefix a new one
-    shares with any of them."""
+    """Token sequences seen so far, sorted per salt (8 bytes a token, no Python int per
+    token), and the longest prefix a new one shares with any of them."""
 
     def __init__(self) -> None:
-        self.sorted: dict[str, list[tuple[tuple[int, ...], int]]] = {}
-        self.arrays: dict[int, np.ndarray] = {}
-        self._next = 0
+        self.sorted: dict[str, list[bytes]] = {}
 
     def insert(self, salt: str, tokens) -> None:
-        entry = (tuple(int(t) for t in tokens), self._next)
-        self.arrays[self._next] = np.asarray(entry[0], dtype=np.int64)
-        self._next += 1
-        bisect.insort(self.sorted.setdefault(salt, []), entry)
+        bisect.insort(self.sorted.setdefault(salt, []), _encode(tokens))
 
     def longest_shared(self, salt: str, tokens) -> int:
         """Longest prefix `tokens` shares with a sequence inserted before (0: none)."""
         entries = self.sorted.get(salt, [])
-        probe = tuple(int(t) for t in tokens)
-        i = bisect.bisect_left(entries, (probe, -1))
-        arr = np.asarray(probe, dtype=np.int64)
-        return max((_common(arr, self.arrays[entries[j][1]]) for j in (i - 1, i)
-                    if 0 <= j < len(entries)), default=0)
+        probe = _encode(tokens)
+        i = bisect.bisect_left(entries, probe)
+        return max((_common(probe, entries[j]) for j in (i - 1, i) if 0 <= j < len(entries)),
+                   default=0)
 
 
 class HitAttribution:
