@@ -27,6 +27,7 @@ CHUNK = 300  # prefill chunks of 300 tokens: the boundary 512 falls inside one
 PLACEMENTS = ("align", "all", "junction", "periodic:2", "optimal")
 MODELS = {"falcon_h1_tiny": "FalconH1ForCausalLM", "granite_hybrid_tiny":
           "GraniteMoeHybridForCausalLM"}
+BUDGET = {"falcon_h1_tiny": "p13", "granite_hybrid_tiny": "p10"}  # each preempts here
 DEFAULT = {("falcon_h1_tiny", "junction")}
 
 
@@ -63,11 +64,11 @@ def test_greedy_tokens_equal_transformers_under_each_placement(served, preset, p
     model, reference = served(preset)
     specs = [engines.Spec(i, a, PROMPTS[i], OUTPUT_TOKENS) for i, a in enumerate(ARRIVALS)]
     rules = {"admission": "first_chunk", "checkpoint_placement": placement}
-    result, produced = engines.serve_greedy(model, preset, "S2", "p13", specs,
+    result, produced = engines.serve_greedy(model, preset, "S2", BUDGET[preset], specs,
                                             max_tokens=CHUNK, **rules)
     geometry = load_geometry(preset)
     simulated = engines.run_simulated(
-        geometry, "S2", units_for(plan_budget(geometry, "p13"), "S2"),
+        geometry, "S2", units_for(plan_budget(geometry, BUDGET[preset]), "S2"),
         SchedulerConfig(cap=4, max_num_batched_tokens=CHUNK, **rules), specs, ConstantStep())
     requests = result.tables["requests"]
     assert result.summary["preemptions"] >= 1
