@@ -4,7 +4,8 @@ chunks that do not align with the grid (the tiny Falcon-H1 and Granite-4.0-H-sty
 
 Checkpoint positions are the scheduler's (serving_core/placement.py): the executor keeps the
 state at every boundary inside a chunk and writes those published, so a placement changes
-only which states exist. One placement per model runs by default; the matrix is slow."""
+only which states exist. The matrix is slow; by default, one cheap case: align's prefill
+checkpoint (inside the prompt's one chunk) adopted by a second request."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ PLACEMENTS = ("align", "all", "junction", "periodic:2", "optimal")
 MODELS = {"falcon_h1_tiny": "FalconH1ForCausalLM", "granite_hybrid_tiny":
           "GraniteMoeHybridForCausalLM"}
 BUDGET = {"falcon_h1_tiny": "p13", "granite_hybrid_tiny": "p10"}  # each preempts here
-DEFAULT = {("falcon_h1_tiny", "junction")}
+DEFAULT: set = set()  # the matrix is slow; the cheap default case is the last test
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +78,22 @@ def test_greedy_tokens_equal_transformers_under_each_placement(served, preset, p
         assert requests[column] == simulated.tables["requests"][column], column
     for i in range(len(specs)):
         assert produced[i] == reference[i], f"request {i}"
+
+
+SHORT = engines.prompt_set(2045, 520, (8, 12))  # one chunk each; align publishes 512 inside
+
+
+@pytest.fixture(scope="module")
+def short_reference(tiny_checkpoint):
+    return engines.transformers_generate(MODELS["falcon_h1_tiny"], tiny_checkpoint, SHORT, 4)[0]
+
+
+def test_align_prefill_checkpoint_is_adopted_exactly(tiny_model, short_reference):
+    """Falcon-H1 tiny, S2, align: the first prompt (528 tokens, one chunk) publishes the state
+    at 512 inside its chunk (vLLM's prefill checkpoint); the second adopts it and computes
+    16 tokens; both continue as transformers does."""
+    specs = [engines.Spec(i, a, SHORT[i], 4) for i, a in enumerate((0.0, 1e4))]
+    result, produced = engines.serve_greedy(tiny_model, "falcon_h1_tiny", "S2", "b12", specs,
+                                            checkpoint_placement="align")
+    assert result.tables["requests"]["adopted_prefix_tokens"] == [0, 512]
+    assert [produced[0], produced[1]] == short_reference
