@@ -22,7 +22,9 @@ Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12
   block and one prefill-checkpoint block), so running requests can run out later and be
   preempted.
 - checkpoint placement `step_end`: a checkpoint is published only where a step
-  ends on an interval boundary; `every_boundary`: at each boundary a chunk crosses.
+  ends on an interval boundary; `every_boundary`: at each boundary a chunk crosses; `align`,
+  `all`, `junction`, `periodic:N`, `optimal` and the retention interval: the Placement of
+  serving_core/placement.py, asked per request by the state manager.
 - interleave (off by default) `{decode_steps: k, prefill_tokens: m}`: while a running
   request decodes, k steps carry decodes only, then one step carries the decodes plus at
   most m prefill tokens (running chunks and admissions together); with no decoder, chunks
