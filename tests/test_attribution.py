@@ -1,5 +1,5 @@
 """Hit attribution (serving_core/attribution.py) and Q7's lineage counts
-(analysis/questions/q7_lineage.py): the waterfall on a hand-built run computed by hand, the
+(analysis/pages/lineage.py): the waterfall on a hand-built run computed by hand, the
 identity ideal = adopted + losses on every run of the placement smoke campaign (checked
 independently by ledgers.check) and a planted broken cause that the check catches."""
 
@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 
 import ledgers
-from analysis.questions import placement, q7_lineage
+from analysis.pages import lineage as q7_lineage
+from analysis.questions import placement
 from ledgers import check
 from serving_core import attribution
 from serving_core.attribution import HitAttribution, PrefixIndex, identity_violations

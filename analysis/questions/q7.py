@@ -8,7 +8,7 @@ valid at the start of that step), Amax (`a_*`), Rmax (`rmax_*`) and Jadopt
 same episode carries the entry depth Jenter (`j_m0` at queue entry). Each
 episode is classed by entry vs adopted depth. Depth results are produced only
 after the ON/OFF probe containment gate passes (docs/statistics.md section 9). The
-lineage counts (analysis/questions/q7_lineage.py) come from the lineage table.
+lineage counts (analysis/pages/lineage.py) come from the lineage table.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from analysis.inference.families import (
 )
 from analysis.inference.paired import seed_values
 from analysis.pages import figures, readouts
+from analysis.pages import lineage as q7_lineage
 from analysis.pages import paper_figures as pf
 from analysis.pages.common import DESIGN_COLUMNS, RunSet, cell_order, load_runs, query
 from analysis.pages.render import QuestionResult, Section
-from analysis.questions import q7_lineage
 
 QUESTION = "q7"
 TITLE = "Which state limits joint reuse depth?"
