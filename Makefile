@@ -193,6 +193,15 @@ traces: setup ## issue 45: S0/S1/S2/D0/N0/Jenga x 2 budgets on Mooncake trace wi
 	$(BIN)/python -m analysis.questions.traces --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) > /dev/null
 	@echo "traces page: $(abspath $(REPORT_DIR))/traces.md"
 
+# SMOKE=1: the q 1 / load 3 shared block and the S2 45238 shift, one seed, 10 requests a run.
+PLACEMENT_SMOKE := hydra.sweeper.only=[shared_q1_r3,shift_s2_above,shift_s2_below] \
+	hydra.sweeper.smoke_seeds=1 workload.num_requests=10
+placement: override ARGS := $(if $(filter $(SMOKE_ON),$(SMOKE)),$(PLACEMENT_SMOKE)) $(ARGS)
+placement: setup ## issue 44: checkpoint placements x S2/D0/N0 x budgets on shared contexts, conversation windows and the vLLM 45238 shift, then placement.md (resumable)
+	$(call campaign_run,placement)
+	$(BIN)/python -m analysis.questions.placement --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) > /dev/null
+	@echo "placement page: $(abspath $(REPORT_DIR))/placement.md"
+
 campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, pinning, orig5, q6_development, tier)
 	@test -n "$(C)" || { echo "usage: make campaign C=<name of conf/campaign/*.yaml>"; exit 2; }
 	$(call campaign_run,$(C))
@@ -236,7 +245,7 @@ sensitivity: setup ## rerun every page's primary family under each alternative e
 	$(BIN)/python -m analysis.studies.sensitivity --ledgers $(LEDGER_ROOT) --out $(REPORT_DIR) > /dev/null
 	@echo "sensitivity page: $(abspath $(REPORT_DIR))/sensitivity.md"
 
-.PHONY: $(QUESTIONS) n0 traces campaign campaign-plan smoke demo sensitivity
+.PHONY: $(QUESTIONS) n0 traces placement campaign campaign-plan smoke demo sensitivity
 
 # ---- the real core over HTTP (serving_core.server) -------------------------------------------
 # MODEL=falcon|granite: the tiny random-weight checkpoint (built offline) and preset that

@@ -121,3 +121,26 @@ def section_main(prog: str, doc: str | None, section: Callable, ok: Callable[[di
         return 0 if ok(info) else 1
 
     return with_ledgers(args.ledgers, show)
+
+
+def question_page_main(prog: str, doc: str | None, question: str, analyze: Callable,
+                       argv: list[str] | None = None) -> int:
+    """A question page written alone (`--ledgers ROOT [--out DIR]`): <out>/<question>.md and
+    its tables; prints the page's path."""
+    from analysis.pages import common
+
+    p = parser(prog, doc)
+    p.add_argument("--out", default="reports", help="report directory for the page")
+    args = p.parse_args(argv)
+
+    def write(con) -> int:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = analyze(con)
+        common.write_tables(out, question, result.tables())
+        page = out / f"{question}.md"
+        page.write_text(result.markdown(relative_to=out), encoding="utf-8")
+        print(page)
+        return 0
+
+    return with_ledgers(args.ledgers, write)

@@ -110,7 +110,8 @@ def _record(cfg: DictConfig, root: Path, key: RunKey, plan: RunPlan, engine) -> 
     )
     write_manifest(root, manifest)
     # Empty tables (trace when off, slab outside S2) are not written.
-    tables = {name: cols for name, cols in result.tables.items() if len(next(iter(cols.values())))}
+    tables = {name: cols for name, cols in {**result.tables, **result.extra_tables}.items()
+              if len(next(iter(cols.values())))}
     write_run(root, key.campaign, key.run_id, tables, row, result.workload_columns)
     return line
 

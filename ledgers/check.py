@@ -5,7 +5,8 @@ Exit 0 when clean, 1 when any problem is found or ROOT holds no ledger file
 Problems: unreadable files (each named, with why), complete runs whose files
 are missing or damaged (presence, Parquet probe, size, sha256 and row count
 against the runs row's file record), incomplete runs, traced runs whose END is missing or not last,
-trace sequence gaps, dropped or write-error counts, duplicate complete run
+trace sequence gaps, dropped or write-error counts, requests whose hit attribution
+does not add up (ideal = adopted + losses, no loss negative), duplicate complete run
 ids, orphan and mislabeled rows, adoption keys without exactly one adopted
 run, study files (ledgers.studies) that do not read or whose schema is not
 their table's. A run is identified by (campaign, run_id). Notes (never failing):
@@ -32,7 +33,7 @@ import duckdb
 from ledgers.catalog import LedgerWarning, create_views
 from ledgers.commands import module_command
 from ledgers.integrity import LedgerScan, damage_lines, stray_files
-from ledgers.schemas import TABLES
+from ledgers.schemas import ATTRIBUTION_COLUMNS, TABLES
 from ledgers.studies import check_studies, study_files
 from ledgers.writer import ADOPTION_KEY, TEMP_SUFFIX, attempt_run_id
 
@@ -70,6 +71,7 @@ PROBLEMS = (
     "mislabeled rows",
     "adoption keys without exactly one adopted run",
     "study files with a wrong schema",
+    "requests whose hit attribution does not add up",
 )
 NOTES = ("superseded attempts", "run ids complete in several campaigns", "stale temp files",
          "complete runs without a file record", "Parquet files outside the ledger layout")
@@ -188,6 +190,20 @@ def _trace_losses(con) -> list[str]:
     ]
 
 
+def _attribution(con) -> list[str]:
+    """Requests of complete runs breaking ideal = adopted + the losses, or with a negative
+    loss (schemas.WORKLOAD_COLUMNS; -1 or NULL ideal: not attributed)."""
+    losses = [c for c in ATTRIBUTION_COLUMNS if c.startswith("lost_")]
+    total = " + ".join(["adopted_prefix_tokens", *losses])
+    sql = f"""
+        SELECT campaign, run_id, request_id, ideal_prefix_tokens, {total}
+        FROM requests WHERE ideal_prefix_tokens >= 0
+          AND (ideal_prefix_tokens != {total} OR least({", ".join(losses)}) < 0)
+        ORDER BY ALL"""
+    return [f"run {run_id} (campaign {campaign}) request {rid}: ideal {ideal} != adopted + "
+            f"losses {total}" for campaign, run_id, rid, ideal, total in _rows(con, sql)]
+
+
 def _duplicates(con) -> list[str]:
     sql = """
         SELECT campaign, run_id, count(*), string_agg(attempt, ', ' ORDER BY attempt)
@@ -276,6 +292,7 @@ def check(root: str | os.PathLike) -> CheckReport:
             mislabeled,
             _adoption(con),
             check_studies(root),
+            _attribution(con),
         )
     finally:
         con.close()

@@ -1,4 +1,4 @@
-"""Arrow schemas of the eight ledger tables (TABLES), documented field by field.
+"""Arrow schemas of the nine ledger tables (TABLES), documented field by field.
 
 Every field carries metadata {"doc", "unit"} (and "values" for enumerated
 strings). Units: "s" seconds, "tokens", "units" (allocation units of the
@@ -9,8 +9,9 @@ nullable: absence is a sentinel (-1, NaN or "") stated in the field's doc.
 `SCHEMAS[name]` is the stored schema (what the Parquet files and the catalog
 views hold). The engine produces `ENGINE_SCHEMAS[name]`, which for every table
 but runs lacks the leading run_id and campaign columns the writer prepends, and
-lacks the workload's columns (`WORKLOAD_COLUMNS`) the writer appends: those
-describe the workload, not the engine, so the engine's tables stay what they were.
+lacks the columns the writer appends (`WORKLOAD_COLUMNS`): the workload's, which describe
+the workload, and the engine's hit attribution, reported beside its tables; so the
+engine's tables stay what they were.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-TABLES = ("runs", "requests", "poller", "trace", "slab", "steps", "footprint", "request_paths")
+TABLES = ("runs", "requests", "poller", "trace", "slab", "steps", "footprint", "request_paths",
+          "lineage")
 RUN_TABLES = TABLES[1:]  # per-run tables the engine produces; runs is written last
 
 POOLS = ("shared", "attention", "recurrent")
@@ -94,7 +96,32 @@ _REQUESTS_WORKLOAD = [
        "requests of the workload held (trace workloads; experiments/workloads/trace.py); "
        "compare adopted_prefix_tokens (-1: the workload defines none, e.g. ShareGPT)."),
 ]
-WORKLOAD_COLUMNS: dict[str, tuple[pa.Field, ...]] = {"requests": tuple(_REQUESTS_WORKLOAD)}
+# The engine's hit attribution of each request's first admission (serving_core/attribution.py;
+# docs/engine_rules.md section 18): ideal = adopted_prefix_tokens + the seven losses, each
+# level of the waterfall at most the one above; -1 throughout: not attributed (never
+# admitted, or a path that does not run our engine: vLLM, files written before the columns).
+_LOSS_DOCS = {
+    "block": "beyond the strict prefix's last whole attention block (below the first block: all)",
+    "placement": "no other request ever published a checkpoint at those boundaries",
+    "admission": "checkpoints there were published only after this request's lookup",
+    "attention": "the cached attention prefix no longer reached them (attention evicted)",
+    "group": "checkpoint lost through another state group's storage (slab, large page)",
+    "checkpoint": "checkpoint evicted while its attention blocks were present",
+    "tier": "evicted and not restored by the host tier (host copy absent or partial)",
+}
+_REQUESTS_ATTRIBUTION = [
+    _f("ideal_prefix_tokens", _I, "tokens",
+       "Longest token prefix shared with any request first admitted earlier (same salt; "
+       "finished ones with their output): the attribution's ideal (-1: not attributed)."),
+    _f("cached_attention_tokens", _I, "tokens",
+       "Contiguous cached attention prefix at the first admission's lookup (-1: not "
+       "attributed)."),
+    *(_f(f"lost_{cause}_tokens", _I, "tokens", f"Tokens of the ideal lost: {doc}.")
+      for cause, doc in _LOSS_DOCS.items()),
+]
+WORKLOAD_COLUMNS: dict[str, tuple[pa.Field, ...]] = {
+    "requests": (*_REQUESTS_WORKLOAD, *_REQUESTS_ATTRIBUTION)}
+ATTRIBUTION_COLUMNS = tuple(f.name for f in _REQUESTS_ATTRIBUTION)
 WORKLOAD_SENTINEL = -1
 
 _POLLER = [
@@ -265,6 +292,33 @@ _RUNS = [
        "a run counts only while every listed file is present and whole."),
 ]
 
+LINEAGE_EVENTS = ("PUBLISH", "ADOPT", "END", "DEPTH_DOWN", "DEPTH_UP")
+LINEAGE_CAUSES = ("lru", "slab_reclaim", "pool_pressure", "reset", "run_end", "attention",
+                  "checkpoint", "")
+_LINEAGE = [
+    _f("seq", _I, "", "Gapless order of the run's lineage rows."),
+    _f("t_s", _F, "s", "Engine time of the event."),
+    _f("step", _I, "", "Engine step of the event."),
+    _f("event", _S, "", "PUBLISH, ADOPT, END of a checkpoint; DEPTH_DOWN / DEPTH_UP of a "
+       "waiting episode's joint depth.", LINEAGE_EVENTS),
+    _f("key", _S, "", "Checkpoint key (16 hex; \"\" for depth events)."),
+    _f("boundary", _I, "tokens", "Boundary of the checkpoint (or of the entry whose "
+       "publication or loss moved the depth)."),
+    _f("request_id", _I, "", "Producer (PUBLISH, END), adopter (ADOPT) or the waiting "
+       "request (DEPTH_*)."),
+    _f("episode", _I, "count", "Admission episode of ADOPT / DEPTH_* rows (0 otherwise)."),
+    _f("cause", _S, "", "END: lru, slab_reclaim, pool_pressure, reset, run_end; DEPTH_*: "
+       "the kind of entry (attention, checkpoint); \"\" otherwise.", LINEAGE_CAUSES),
+    _f("cause_request_id", _I, "", "END / DEPTH_DOWN: whose allocation took the entry "
+       "(-1: none); DEPTH_UP: the publishing request."),
+    _f("age_s", _F, "s", "END / ADOPT: time since the checkpoint's publication (NaN else)."),
+    _f("age_steps", _I, "count", "END / ADOPT: steps since its publication (-1 else)."),
+    _f("depth_before", _I, "tokens", "DEPTH_*: the waiting episode's joint depth before."),
+    _f("depth_after", _I, "tokens", "DEPTH_*: its joint depth after (-1 else)."),
+    _f("same_step", _I, "count", "PUBLISH: 1 when a request whose chain holds the key was "
+       "admitted in the same step (a same-step ambiguous publication), else 0."),
+]
+
 ENGINE_SCHEMAS: dict[str, pa.Schema] = {
     "runs": pa.schema(_RUNS),
     "requests": pa.schema(_REQUESTS),
@@ -274,6 +328,7 @@ ENGINE_SCHEMAS: dict[str, pa.Schema] = {
     "steps": pa.schema(_STEPS),
     "footprint": pa.schema(_FOOTPRINT),
     "request_paths": pa.schema(_REQUEST_PATHS),
+    "lineage": pa.schema(_LINEAGE),
 }
 SCHEMAS: dict[str, pa.Schema] = {
     name: schema if name == "runs" else pa.schema(

@@ -31,7 +31,7 @@ RELOAD_CONDITIONS = ("cold", "repeat", "reload")
 # Arms the continuation matrix covers: every one with checkpoints (S2+Retention runs S2).
 CONTINUATION_ORGS = tuple(a.name for a in ARMS.values() if not a.retention)
 CONTINUATION_FAULTS = ("credit_n_minus_1",)  # injected faults; '' in the table: none
-PLACEMENTS = ("step_end", "every_boundary")
+PLACEMENTS = ("step_end", "every_boundary", "align", "all", "junction")  # continuation runs
 SENSITIVITY_OUTCOMES = ("ran", "skipped")
 
 _STUDY = [

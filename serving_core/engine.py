@@ -31,7 +31,13 @@ from serving_core.executor.clocks import VirtualClock, WallClock
 from serving_core.executor.modelled import PacedExecutor, SimulatedExecutor
 from serving_core.geometry import Geometry
 from serving_core.memory import MemoryOrganization
-from serving_core.records import Recorder, mechanism_summary, request_columns, run_summary
+from serving_core.records import (
+    Recorder,
+    format_key,
+    mechanism_summary,
+    request_columns,
+    run_summary,
+)
 from serving_core.request import Request, Status
 from serving_core.rules import effective as rule_effective
 from serving_core.scheduler import Scheduler
@@ -63,6 +69,10 @@ class EngineResult:
     requests: list[Request] = field(repr=False)
     memory: MemoryOrganization = field(repr=False)
     engine_config: dict = field(default_factory=dict)  # Engine.effective_rules(): the record
+    # Outside `tables` (whose digests tests/test_table_hashes.py holds): the hit attribution's
+    # request columns (name -> {request_id: value}) and, traced, the lineage table.
+    request_columns: dict = field(default_factory=dict)
+    extra_tables: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -153,6 +163,7 @@ class Engine:
         self.recorder = recorder
         self.trace = recorder.trace_enabled
         self.mem = memory
+        recorder.attach(memory, tier=host_tier is not None)
         self.sched = Scheduler(memory, spec.scheduler, recorder)
         self.executor = executor
         # An executor that addresses state gets it in the plan (Scheduled.state).
@@ -373,7 +384,14 @@ class Engine:
                 self.sched.prefix_hit_tokens_self,
             )
         )
-        return EngineResult(tables, summary, self.requests, self.mem, self.effective_rules())
+        extra = {}
+        if self.recorder.lineage is not None:
+            self.recorder.lineage.close(clock, self.sched.step, self.mem.cache.checkpoints,
+                                        format_key)
+            extra["lineage"] = self.recorder.lineage.rows
+        attribution = self.recorder.attribution.columns([r.rid for r in self.requests])
+        return EngineResult(tables, summary, self.requests, self.mem, self.effective_rules(),
+                            request_columns=attribution, extra_tables=extra)
 
 
 def serve(engine: Engine, specs, max_steps: int | None = None, *,

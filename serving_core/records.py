@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from serving_core.attribution import HitAttribution
+from serving_core.lineage import CheckpointLineage
 from serving_core.memory import Kind, MemoryEvents, StateObject
 
 _MASK64 = (1 << 64) - 1
@@ -88,6 +90,16 @@ class Recorder(MemoryEvents):
         self.slab = {c: [] for c in SLAB_COLUMNS}
         self.steps = {c: [] for c in STEP_COLUMNS}
         self.poller = {c: [] for c in POLLER_COLUMNS}
+        # set by the engine (attach): the hit attribution of every run, the checkpoint
+        # lineage of a traced one (serving_core.attribution, serving_core.lineage)
+        self.attribution: HitAttribution | None = None
+        self.lineage: CheckpointLineage | None = None
+
+    def attach(self, mem, tier: bool) -> None:
+        """Start the hit attribution (and, traced, the lineage) over `mem`."""
+        self.attribution = HitAttribution(mem.block_tokens, mem.checkpoint_interval, tier)
+        if self.trace_enabled:
+            self.lineage = CheckpointLineage(mem.block_tokens, mem.lookup)
 
     # ----- trace --------------------------------------------------------------------------
     def event(
@@ -132,12 +144,21 @@ class Recorder(MemoryEvents):
         self.trace["dropped"][-1] = self.dropped
 
     def on_publish(self, obj: StateObject) -> None:
+        if self.attribution is not None:
+            self.attribution.on_publish(obj)
         if self.trace_enabled:
             self._state_event("PUBLISH", obj, -1)
+            if self.lineage is not None:
+                self.lineage.published(obj, self.now, self.step, format_key(obj.key))
 
     def on_loss(self, obj: StateObject, cause_request: int) -> None:
+        if self.attribution is not None:
+            self.attribution.on_loss(obj, self.loss_reason)
         if self.trace_enabled:
             self._state_event("LOSS", obj, cause_request)
+            if self.lineage is not None:
+                self.lineage.lost(obj, self.now, self.step, format_key(obj.key),
+                                  self.loss_reason, cause_request)
 
     def _state_event(self, event: str, obj: StateObject, cause: int) -> None:
         kind = "checkpoint" if obj.kind == Kind.COMPOSITE else "attention"

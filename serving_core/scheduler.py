@@ -22,7 +22,9 @@ Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12
   block and one prefill-checkpoint block), so running requests can run out later and be
   preempted.
 - checkpoint placement `step_end`: a checkpoint is published only where a step
-  ends on an interval boundary; `every_boundary`: at each boundary a chunk crosses.
+  ends on an interval boundary; `every_boundary`: at each boundary a chunk crosses; `align`,
+  `all`, `junction`, `periodic:N`, `optimal` and the retention interval: the Placement of
+  serving_core/placement.py, asked per request by the state manager.
 - interleave (off by default) `{decode_steps: k, prefill_tokens: m}`: while a running
   request decodes, k steps carry decodes only, then one step carries the decodes plus at
   most m prefill tokens (running chunks and admissions together); with no decoder, chunks
@@ -57,7 +59,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from serving_core.memory import MemoryOrganization
+from serving_core.placement import (
+    PLACEMENT_SHOWN,
+    RETENTION_SHOWN,
+    Placement,
+    is_placement,
+    is_retention,
+    parse_placement,
+    retention_blocks,
+)
 from serving_core.planner import headroom_units
+from serving_core.records import format_key
 from serving_core.request import Request, Status
 from serving_core.rules import check_rules, is_integer, is_number, optional_integer, rule
 from serving_core.state_manager import ChunkState, HybridStateManager
@@ -123,10 +135,15 @@ class SchedulerConfig:
         0, "reserve_output: output tokens guaranteed at admission",
         check=lambda v: is_integer(v, 0), shown="integers >= 0")
     checkpoint_placement: str | None = rule(
-        None, "where checkpoints are published (null: the organization's default)",
-        allowed=(*CHECKPOINT_PLACEMENTS, None), identity_neutral=False, requested=_placement,
-        effective=lambda sched: (("step_end" if sched.step_end else "every_boundary")
-                                 if sched.C else None))
+        None, "where checkpoints are published (null: the organization's default; "
+        "serving_core/placement.py)", check=lambda v: v is None or is_placement(v),
+        shown=PLACEMENT_SHOWN, identity_neutral=False, requested=_placement,
+        effective=lambda sched: sched.placement.name if sched.C else None)
+    retention_interval: str | None = rule(
+        None, "<k>block: checkpoints kept only at multiples of k checkpoint intervals and "
+        "the prompt's last boundary (vLLM's prefix_cache_retention_interval); null: all",
+        check=is_retention, shown=RETENTION_SHOWN,
+        requested=lambda value, ctx: value if ctx.layout.checkpoint_interval else None)
     align_chunks: bool | None = rule(
         None, "prefill chunks end on checkpoint boundaries (null: the organization's default)",
         allowed=(True, False, None), identity_neutral=False,
@@ -165,6 +182,16 @@ class SchedulerConfig:
                 f"engine.reserve_output_tokens={r}: applies only with "
                 "engine.admission=reserve_output (allowed value here: 0)"
             )
+
+
+def _build_placement(mem: MemoryOrganization, cfg: SchedulerConfig) -> Placement:
+    """The engine's placement: the asked one or the organization's; `optimal`'s M from the
+    budget is the composites the pools hold less a full batch's working composites."""
+    name, param = parse_placement(cfg.checkpoint_placement or type(mem).checkpoint_placement)
+    per = sum(mem.demand(0, 1).values()) if mem.checkpoint_interval else 0
+    held = sum(mem.total_units().values()) // per if per else 0
+    return Placement(name, mem.checkpoint_interval, retention_blocks(cfg.retention_interval),
+                     param, budget_checkpoints=max(1, held - cfg.cap), block=mem.block_tokens)
 
 
 INTERLEAVE_KEYS = ("decode_steps", "prefill_tokens")
@@ -213,7 +240,9 @@ class Scheduler:
         self.headroom_fraction = cfg.headroom
         self.headroom = {p: headroom_units(n, cfg.headroom) for p, n in mem.total_units().items()}
         org = type(mem)
-        self.step_end = (cfg.checkpoint_placement or org.checkpoint_placement) == "step_end"
+        self.placement = _build_placement(mem, cfg)
+        self.step_end = self.placement.policy == "step_end"
+        self.retention_interval = cfg.retention_interval if self.C else None
         # Aligned chunks need a token budget that reaches a boundary (else nothing progresses).
         self.align = (
             bool(self.C)
@@ -237,8 +266,11 @@ class Scheduler:
                 f"{mem.org}'s checkpoint interval {self.C} with aligned chunks no prefill "
                 "could progress while requests decode; allowed: prefill_tokens >= "
                 f"{self.C}, or engine.align_chunks=false")
+        legacy = self.placement.name in CHECKPOINT_PLACEMENTS and not self.retention_interval
         self.state = HybridStateManager(mem, step_end=self.step_end,
-                                        retention_k=cfg.retention_k, pinning_k=cfg.pinning_k)
+                                        retention_k=cfg.retention_k, pinning_k=cfg.pinning_k,
+                                        placement=None if legacy or not self.C
+                                        else self.placement)
         self.state_views = False  # attach a ChunkState to each planned chunk (Engine sets it)
         # memoize a blocked head's failed admission (_try_admit) where that is exact
         self.memo_blocked = mem.stable_demand
@@ -266,6 +298,8 @@ class Scheduler:
     def _trace_entry(self, req: Request, now: float) -> None:
         hit = self.state.peek(req)
         self.rec.event("ENTER_WAITING", now, req.rid, req.episodes + 1, hit_m0=hit)
+        if self.rec.lineage is not None:
+            self.rec.lineage.entered(req.rid, req.episodes + 1, req.lookup_keys(), hit)
 
     # ----- one step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> list[Scheduled]:
@@ -473,6 +507,8 @@ class Scheduler:
         if req.episodes == 1:
             req.start_s = self.now
             req.adopted_first = jadopt
+            if self.rec.attribution is not None:
+                self.rec.attribution.admitted(req, adoption, self.mem.cache)
         else:
             req.adopted_resume += jadopt
             self.prefix_hit_tokens_self += jadopt
@@ -487,6 +523,13 @@ class Scheduler:
             self.rec.event(
                 "ADOPT", self.now, req.rid, req.episodes, hit_m0=hit, hit_m1=m1, boundary=jadopt
             )
+            self._lineage_adopt(req, adoption)
+
+    def _lineage_adopt(self, req: Request, adoption) -> None:
+        lineage, ckpt = self.rec.lineage, adoption.checkpoint
+        if lineage is not None:
+            lineage.adopted(ckpt, req.rid, req.episodes, adoption.keys, self.now, self.step,
+                            format_key(ckpt.key) if ckpt else "")
 
     def _trace_alloc_fail(self, req: Request, need: dict, extra: dict) -> None:
         available = self.state.available()
@@ -512,6 +555,8 @@ class Scheduler:
 
     def _finish(self, req: Request, now: float) -> None:
         self.state.release_all(req, finishing=True)
+        if self.rec.attribution is not None:
+            self.rec.attribution.finished(req)
         req.status = Status.FINISHED
         req.finish_s = now
         req.release_tokens()  # keep memory proportional to the live requests
@@ -531,6 +576,8 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_s = now
         req.release_tokens()
+        if self.rec.lineage is not None:
+            self.rec.lineage.left(req.rid)
         if self.trace:
             self.rec.event("FINISH", now, req.rid, req.episodes)
         return True

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from serving_core.memory import NULL, MemoryOrganization
 from serving_core.memory.prefix_cache import PrefixHit
+from serving_core.placement import Placement
 from serving_core.request import Request
 
 BLOCK, CHECKPOINT = "a", "c"  # kinds of the entries a state tier holds
@@ -123,11 +124,14 @@ class HybridStateManager:
     """State objects of the requests over one memory organization (see the module doc)."""
 
     def __init__(self, mem: MemoryOrganization, *, step_end: bool, retention_k: int | None,
-                 pinning_k: int | None) -> None:
+                 pinning_k: int | None, placement: Placement | None = None) -> None:
         self.mem = mem
         self.B = mem.block_tokens
         self.C = mem.checkpoint_interval
         self.step_end = step_end
+        # A placement other than step_end / every_boundary (serving_core/placement.py), or
+        # a retention interval: boundaries are asked of it, per request (None: step_end).
+        self.placement = placement
         self.retention_k = retention_k
         self.pinning_k = pinning_k  # preemption pins a checkpoint asked for by >= k requests
         # retention or pinning needs per-key demand counts
@@ -145,11 +149,14 @@ class HybridStateManager:
         self.preempted: list | None = None
 
     # ----- geometry of a chunk ---------------------------------------------------------------
-    def boundaries(self, start: int, end: int) -> range:
-        """Checkpoint indices j (boundary j C) published when [start, end) is computed."""
+    def boundaries(self, start: int, end: int, req: Request | None = None):
+        """Checkpoint indices j (boundary j C) published when [start, end) of `req` is
+        computed."""
         C = self.C
         if not C or end <= start:
             return range(0)
+        if self.placement is not None:
+            return self.placement.boundaries(req, start, end)
         if self.step_end:
             return range(end // C, end // C + 1) if end % C == 0 else range(0)
         return range(start // C + 1, end // C + 1)
@@ -157,6 +164,9 @@ class HybridStateManager:
     def boundaries_crossed(self, chunks) -> int:
         """Composites the chunks (items with `context` and `num_new`) write at checkpoint
         boundaries. One pass over a whole step's plan (hot path: every step)."""
+        if self.placement is not None and self.C:
+            return sum(len(self.placement.boundaries(i.req, i.context, i.context + i.num_new))
+                       for i in chunks)
         return boundaries_crossed(chunks, self.C, self.step_end)
 
     # ----- demand ------------------------------------------------------------------------------
@@ -167,7 +177,7 @@ class HybridStateManager:
         published, and `working` composites."""
         held = len(req.attn) if held_blocks is None else held_blocks
         blocks = math.ceil((start + n) / self.B) - held
-        return self.mem.demand(blocks, len(self.boundaries(start, start + n)) + working)
+        return self.mem.demand(blocks, len(self.boundaries(start, start + n, req)) + working)
 
     def prompt_demand(self, req: Request, start: int, working: int, held_blocks: int,
                       reserve_output: int = 0, capped: bool = False) -> dict[str, int]:
@@ -179,6 +189,8 @@ class HybridStateManager:
         reserved = min(reserve_output, req.target_output - req.num_generated)
         blocks = math.ceil((end + max(reserved, 0)) / self.B) - held_blocks
         boundaries = (end - 1) // self.C - start // self.C if self.C else 0
+        if self.placement is not None and boundaries:
+            boundaries = self.placement.gate(req, start, end)
         if capped:
             boundaries = min(boundaries, 1)
         return self.mem.demand(blocks, boundaries + working)
@@ -237,6 +249,8 @@ class HybridStateManager:
         req.attn = adoption.blocks
         req.adopted = adoption.checkpoint
         req.num_computed = adoption.jadopt
+        if self.placement is not None:
+            self.placement.admit(req)  # its positions are fixed before its first chunk's
         self._allocate(req, adoption.jadopt, n, bool(self.C))
         if self.admitted is not None:
             self.admitted[req.rid] = mem.cache_policy.admitted_boundaries(
@@ -262,7 +276,7 @@ class HybridStateManager:
         more = math.ceil((start + n) / self.B) - len(req.attn)
         if more > 0:
             req.attn.extend(mem.allocate_attention_blocks(req.rid, more))
-        for _ in self.boundaries(start, start + n):
+        for _ in self.boundaries(start, start + n, req):
             req.dests.append(mem.allocate_composite(req.rid))
         # From start + n on, a decode at position p writes token p + 1: it stays within the
         # blocks held and publishes nothing while p + 1 is below the next multiple of C.
@@ -277,7 +291,8 @@ class HybridStateManager:
         end = start + want
         if -(-end // self.B) <= len(req.attn):
             C = self.C  # fast path (most decode steps): no new block, no boundary
-            if not C or (end % C if self.step_end else end // C == start // C):
+            if not C or (end % C if self.step_end and self.placement is None
+                         else end // C == start // C):
                 return want
         if self.mem.can_allocate(self.chunk_demand(req, start, want, 0)):
             self._allocate(req, start, want, False)
@@ -341,6 +356,8 @@ class HybridStateManager:
         """Everything a finishing or preempted request holds, in the release order."""
         if finishing and self.admitted is not None:  # Marconi's tuned weight logs it
             self.mem.cache_policy.observe(req, self.B, self.C, len(self.mem.cache.checkpoints))
+        if finishing and self.placement is not None:
+            self.placement.finish(req)
         if self.mem.release_order == "attention_first":
             self._release_attention(req, finishing)
             self._release_state(req)
@@ -386,7 +403,7 @@ class HybridStateManager:
                 if not obj.cached:
                     if mem.publish(obj, keys[bi], (bi + 1) * B) and log is not None and not C:
                         log.append((BLOCK, keys[bi], keys[: bi + 1]))
-            for j in self.boundaries(c0, c1):
+            for j in self.boundaries(c0, c1, req):
                 published = self._cross_boundary(req, keys[j * C // B - 1], j * C)
                 if published and log is not None:
                     log.append((CHECKPOINT, keys[j * C // B - 1], keys[: j * C // B]))

@@ -182,16 +182,33 @@ def test_expected_prefix_under_every_boundary(n, p):
     assert p == 1792 * ((n - 1) // 1792)
 
 
+@pytest.mark.parametrize("n, placement, p", [
+    # C = 512, budget 2,048, aligned chunks (hand-computed chunk ends)
+    (1024, "align", 512),  # one chunk [0,1024): vLLM's prefill checkpoint at 512
+    (1025, "align", 1024),  # [0,1024) [1024,1025): 1024 ends a step
+    (1536, "align", 1024),  # one chunk [0,1536): 1024 inside it, 1536 = N at its end
+    (2560, "align", 2048),  # [0,2048) [2048,2560): 2048 ends a step; 2048 < 2048 + C
+    (3072, "align", 2560),  # [0,2048) [2048,3072): 2560 = 2048 + C inside the last
+    (1024, "junction", 512),  # first request: its tail, from (N - 1) // C = 1 on
+    (1025, "junction", 1024), (512, "junction", 0),
+])
+def test_expected_prefix_under_align_and_junction(n, placement, p):
+    assert cont.expected_prefix(n, 512, 2048, True, True, placement=placement) == p
+
+
+@pytest.mark.parametrize("placement", ["", "align", "junction"])
 @pytest.mark.parametrize("org", ["S2", "D0", "N0"])
-def test_rule_helper_agrees_with_the_engine(org):
+def test_rule_helper_agrees_with_the_engine(org, placement):
     """The independent rule (chunk ends, published boundaries) matches the checkpoints a
-    simulated engine publishes for one cold prompt, at every reference offset and N = kC."""
+    simulated engine publishes for one cold prompt, at every reference offset and N = kC,
+    under the organization's placement and under align and junction."""
     from serving_core.memory import org_layout
 
     geometry = load_geometry("falcon_h1_tiny")
     C = org_layout(geometry, org).checkpoint_interval
     units = units_for(plan_budget(geometry, "b63"), org)
-    cfg = SchedulerConfig(cap=4, max_num_batched_tokens=2048, headroom=0.0)
+    cfg = SchedulerConfig(cap=4, max_num_batched_tokens=2048, headroom=0.0,
+                          checkpoint_placement=placement or None)
     for k, d in [*map(cont.parse_case, cont.OFFSETS), (1, 0), (4, 0), (5, 0)]:
         n = k * C + d
         spec = RequestSpec(0, 0.0, np.arange(1, n + 1, dtype=np.int32) % 50_000, 1, -1, "")
@@ -207,7 +224,7 @@ def test_rule_helper_agrees_with_the_engine(org):
             rules = res.engine_config
             want = cont.published_boundaries(
                 n, C, 2048, rules["checkpoint_placement"] == "step_end",
-                rules["align_chunks"], rules["split_last_boundary"])
+                rules["align_chunks"], rules["split_last_boundary"], placement)
             assert got == want, (org, n, split)
 
 

@@ -249,7 +249,10 @@ def test_schemas_documented_and_keyed():
             assert schema.names[:2] == ["run_id", "campaign"]
             workload = [f.name for f in WORKLOAD_COLUMNS.get(name, ())]  # writer-appended
             assert schema.names[2:] == ENGINE_SCHEMAS[name].names + workload
-    assert [f.name for f in WORKLOAD_COLUMNS["requests"]] == ["reusable_prefix_tokens"]
+    assert [f.name for f in WORKLOAD_COLUMNS["requests"]] == [
+        "reusable_prefix_tokens", "ideal_prefix_tokens", "cached_attention_tokens",
+        *(f"lost_{c}_tokens" for c in ("block", "placement", "admission", "attention", "group",
+                                       "checkpoint", "tier"))]  # + the hit attribution
     assert ENGINE_SCHEMAS["poller"].names == [
         "t_s",
         "pool",

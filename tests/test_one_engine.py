@@ -24,11 +24,12 @@ from serving_core.memory import ORG_TO_CLASS
 REPO = Path(__file__).resolve().parent.parent
 RULE_KEYS = ("org", "admission", "checkpoint_placement", "align_chunks", "slab_policy",
              "free_queue", "checkpoint_recency", "retention_k", "pinning_k", "cap", "headroom",
-             "interleave", "split_last_boundary")
+             "interleave", "split_last_boundary", "retention_interval")
 PAPER_S2 = {"org": "S2", "admission": "full_prompt", "checkpoint_placement": "step_end",
             "align_chunks": True, "slab_policy": "write_once", "free_queue": "free_first",
             "checkpoint_recency": "release", "retention_k": None, "pinning_k": None, "cap": 63,
-            "headroom": 0.0, "interleave": None, "split_last_boundary": False}
+            "headroom": 0.0, "interleave": None, "split_last_boundary": False,
+            "retention_interval": None}
 # (overrides, the rules an engine must run for them), by hand from docs/engine_rules.md
 # section 13.
 SETTINGS = {
@@ -70,6 +71,13 @@ SETTINGS = {
                        "interleave": {"decode_steps": 4, "prefill_tokens": 64}}),
     "n0": (("org=n0",), {**PAPER_S2, "org": "N0", "checkpoint_placement": "every_boundary",
                          "align_chunks": False, "slab_policy": None}),
+    "s2_align": (("engine.checkpoint_placement=align",),
+                 {**PAPER_S2, "checkpoint_placement": "align"}),
+    "n0_junction_retention": (("org=n0", "engine.checkpoint_placement=junction",
+                               "engine.retention_interval=2block"),
+                              {**PAPER_S2, "org": "N0", "checkpoint_placement": "junction",
+                               "align_chunks": False, "slab_policy": None,
+                               "retention_interval": "2block"}),
     "n0_step_end": (("org=n0", "engine.checkpoint_placement=step_end"),
                     {**PAPER_S2, "org": "N0", "checkpoint_placement": "step_end",
                      "align_chunks": False, "slab_policy": None}),
@@ -149,7 +157,7 @@ def _served_rules(tmp_path: Path, spec: EngineSpec) -> dict:
 # between them change every rule key (checked below); the rest run with the slow tests. All
 # settings are checked in process above, on both executors.
 SERVED_BY_DEFAULT = ("first_chunk", "survival", "cap_f_pin", "retention", "d0_aligned",
-                     "split_last", "d0_interleave")
+                     "split_last", "d0_interleave", "n0_junction_retention")
 
 
 def test_served_settings_of_the_default_suite_change_every_rule():
@@ -168,7 +176,8 @@ def test_paced_server_runs_the_configured_rules(name, tmp_path):
     assert (effective["executor"], effective["step_model"]) == ("paced", "additive")
 
 
-@pytest.mark.parametrize("name", ["first_chunk", "slab_refill", "n0"])
+@pytest.mark.parametrize("name", ["first_chunk", "slab_refill", "n0",
+                                  pytest.param("n0_junction_retention", marks=pytest.mark.slow)])
 def test_torch_server_runs_the_configured_rules(name, tmp_path, tiny_checkpoint):
     """Drift 1: `semantics=first_chunk executor=torch` ran the paper rules over HTTP."""
     overrides, expected = SETTINGS[name]

@@ -118,6 +118,7 @@ def _load_runs(con, questions: Sequence[str]) -> RunSet:
     runs["trace"] = runs["trace"].astype(bool)
     runs["stage"] = runs["campaign"].map(stage_of)
     runs["host_tier_bytes"] = runs["engine_config"].map(host_tier_bytes)
+    runs["placement"] = runs["engine_config"].map(placement_of)
     staged = RunSet(questions, campaigns, runs, runs.head(0))
     for sql in (_REQUEST_METRICS, _STEP_METRICS, _POLLER_METRICS):
         metrics = query(con, sql, staged)
@@ -132,6 +133,17 @@ def _load_runs(con, questions: Sequence[str]) -> RunSet:
     extra = ordered.duplicated(["cell", "seed"], keep="first")
     return RunSet(questions, campaigns, ordered[~extra].sort_index().reset_index(drop=True),
                   ordered[extra].reset_index(drop=True))
+
+
+def placement_of(engine_config: str) -> str:
+    """The checkpoint placement a run's engine ran (its record's `checkpoint_placement`;
+    "none": no recurrent state; "": not recorded): the runs' `placement` column."""
+    try:
+        rules = json.loads(engine_config or "{}")
+    except (TypeError, ValueError):
+        return ""
+    value = rules.get("checkpoint_placement", "")
+    return "none" if value is None else str(value)
 
 
 def host_tier_bytes(engine_config: str) -> int:
@@ -224,6 +236,11 @@ def cell_labels(runs: pd.DataFrame) -> pd.Series:
     # Same units, different model (e.g. S0 under bf16 and TQ4 KV): name the model.
     ambiguous = identity.groupby(labels).transform("nunique") > 1
     labels[ambiguous] = labels[ambiguous] + " " + runs.loc[ambiguous, "model"].astype(str)
+    # issue 44: placements compared within a campaign (an alternative rule's reruns, each in
+    # a campaign of its own, keep their labels)
+    by_campaign = runs.groupby(["campaign", "org"])["placement"] if "placement" in runs else None
+    if by_campaign is not None and (by_campaign.nunique(dropna=False) > 1).any():
+        labels = labels + " " + runs["placement"].astype(str)
     return labels
 
 

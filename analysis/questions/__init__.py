@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 
 QUESTION_MODULES = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9", "supporting",
-                    "q10_tq4", "q11_state_codec", "arms", "models", "traces")
+                    "q10_tq4", "q11_state_codec", "arms", "models", "traces", "placement")
 CAMPAIGN_PAGE_MODULES = ("vllm_arm", "n0_native", "n0_validate", "n0_vllm", "fidelity_field",
                          "vllm_knobs")
 

@@ -7,7 +7,8 @@ valid at the start of that step), Amax (`a_*`), Rmax (`rmax_*`) and Jadopt
 (`j_*`); GapR = Rmax - Jadopt per bracket. The ENTER_WAITING record of the
 same episode carries the entry depth Jenter (`j_m0` at queue entry). Each
 episode is classed by entry vs adopted depth. Depth results are produced only
-after the ON/OFF probe containment gate passes (docs/statistics.md section 9).
+after the ON/OFF probe containment gate passes (docs/statistics.md section 9). The
+lineage counts (analysis/pages/lineage.py) come from the lineage table.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from analysis.inference.families import (
 )
 from analysis.inference.paired import seed_values
 from analysis.pages import figures, readouts
+from analysis.pages import lineage as q7_lineage
 from analysis.pages import paper_figures as pf
 from analysis.pages.common import DESIGN_COLUMNS, RunSet, cell_order, load_runs, query
 from analysis.pages.render import QuestionResult, Section
@@ -188,6 +190,21 @@ def depth_section(result: QuestionResult, runs: pd.DataFrame) -> None:
          "run-level shares (%)", classes, class_columns)]))
 
 
+def lineage_section(result: QuestionResult, con, runset: RunSet, runs: pd.DataFrame) -> None:
+    """Lineage counts per traced cell beside their definitions (frame lineage_counts)."""
+    lineage = query(con, q7_lineage.LINEAGE_SQL, runset)
+    traced = runs[runs["trace"]]
+    lineage = lineage[lineage["run_id"].isin(traced["run_id"])]
+    if lineage.empty:
+        result.sections.append(Section("Checkpoint lineage", "No data for the lineage: no "
+                                       "traced run has a lineage table."))
+        return
+    per_run = q7_lineage.lineage_counts(lineage, load_episodes(con, runset))
+    table = result.add("lineage_counts", q7_lineage.cell_counts(per_run, traced))
+    result.sections.append(Section("Checkpoint lineage", q7_lineage.DEFINITIONS,
+                                   [("lineage counts per traced cell", table, None)]))
+
+
 def containment_pairs(runs: pd.DataFrame) -> pd.DataFrame:
     """Trace ON vs OFF per condition: 90% paired-t interval of 100 ln(ON/OFF) vs +-3."""
     rows = []
@@ -339,6 +356,7 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
         runs = with_depth(runset.runs, depth)
         runs = runs[runs["campaign"].isin(passed)]
         depth_section(result, runs)
+        lineage_section(result, con, runset, runs)
         initial_section(result, runs, "f")
         readouts.changes_section(result, runs[runs["trace"]], "depth_changes",
                                  "D0 vs S2 depth over INITIAL admissions (trace ON)",

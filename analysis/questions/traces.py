@@ -56,10 +56,12 @@ def _winner_metric(plan) -> str:
     return metrics.pop()
 
 
-def group_tests(group: pd.DataFrame, metric: str, alpha: float) -> tuple[str, list[dict]]:
-    """The candidate (highest mean log metric over the seeds every organization ran) and its
-    exact sign-flip tests against each other organization, Holm over them."""
-    wide = group.pivot_table(index="seed", columns="org", values=metric, aggfunc="first")
+def group_tests(group: pd.DataFrame, metric: str, alpha: float,
+                by: str = "org") -> tuple[str, list[dict]]:
+    """The candidate (highest mean log metric over the seeds every value of `by` ran: an
+    organization, or a placement) and its exact sign-flip tests against each other value,
+    Holm over them."""
+    wide = group.pivot_table(index="seed", columns=by, values=metric, aggfunc="first")
     wide = wide.dropna()
     logs = np.log(wide.astype(float))
     candidate = str(logs.mean().idxmax())
@@ -85,14 +87,15 @@ def verdict(candidate: str, rows: list[dict]) -> str:
     return candidate if not tied else "tie: " + ", ".join([candidate, *tied])
 
 
-def winner_tables(runs: pd.DataFrame, metric: str, alpha: float
+def winner_tables(runs: pd.DataFrame, metric: str, alpha: float,
+                  keys: tuple[str, ...] = tuple(GROUP), by: str = "org"
                   ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per model, workload and budget: the verdict (one row) and the candidate's tests (5
-    rows)."""
+    """Per group of `keys` (model, workload and budget): the verdict (one row) and the candidate's
+    tests against the other values of `by` (one row each)."""
     verdicts, tests = [], []
-    for values, group in runs.groupby(GROUP, sort=False):
-        candidate, rows = group_tests(group, metric, alpha)
-        key = dict(zip(GROUP, values, strict=True))
+    for values, group in runs.groupby(list(keys), sort=False):
+        candidate, rows = group_tests(group, metric, alpha, by)
+        key = dict(zip(keys, values, strict=True))
         n = min((r["n"] for r in rows), default=0)
         verdicts.append({**key, "n": n, "candidate": candidate,
                          "winner": verdict(candidate, rows) if rows else "(one organization)"})
@@ -113,13 +116,15 @@ def reuse_table(runs: pd.DataFrame) -> pd.DataFrame:
     return sums
 
 
-def load(con, runs: pd.DataFrame) -> pd.DataFrame:
-    """The plan's runs with their workload and per-run reuse sums."""
-    runset = common.RunSet((QUESTION,), tuple(sorted(runs["campaign"].unique())), runs,
+def load(con, runs: pd.DataFrame, sql: str = _REUSE, question: str = QUESTION,
+         name_of=workload) -> pd.DataFrame:
+    """The plan's runs with their workload (`name_of` their campaign) and the per-run sums
+    of `sql` (default: the reuse sums)."""
+    runset = common.RunSet((question,), tuple(sorted(runs["campaign"].unique())), runs,
                            runs.head(0))
-    reuse = common.query(con, _REUSE, runset)
-    out = runs.merge(reuse, on="run_id", how="left")
-    return out.assign(workload=out["campaign"].astype(str).map(workload))
+    sums = common.query(con, sql, runset)
+    out = runs.merge(sums, on="run_id", how="left")
+    return out.assign(workload=out["campaign"].astype(str).map(name_of))
 
 
 def _sections(result: QuestionResult, runs: pd.DataFrame, plan) -> None:
@@ -169,21 +174,8 @@ def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write this page alone (`make traces`): <out>/traces.md and its tables."""
-    p = cli.parser("analysis.questions.traces", __doc__)
-    p.add_argument("--out", default="reports", help="report directory for the page")
-    args = p.parse_args(argv)
-
-    def write(con) -> int:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        result = analyze(con)
-        common.write_tables(out, QUESTION, result.tables())
-        page = out / f"{QUESTION}.md"
-        page.write_text(result.markdown(relative_to=out), encoding="utf-8")
-        print(page)
-        return 0
-
-    return cli.with_ledgers(args.ledgers, write)
+    return cli.question_page_main("analysis.questions.traces", __doc__, QUESTION, analyze,
+                                  argv)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,8 @@ class CellResult:
     # the workload's request columns (ledgers.schemas.WORKLOAD_COLUMNS): name -> {request_id:
     # value}; empty for a workload that defines none (the writer stores the sentinel)
     workload_columns: dict[str, dict[int, int]] = field(default_factory=dict)
+    # tables the engine reports beside `tables` (the lineage of a traced run)
+    extra_tables: dict[str, dict[str, list]] = field(default_factory=dict)
 
     @property
     def engine_seconds(self) -> float:
@@ -230,7 +232,9 @@ def run_cell(cfg: DictConfig, on_step=None, *, plan: RunPlan | None = None,
         summary, result.tables, episode, dict(workload.meta), pool_units, result.memory,
         run_seconds=time.perf_counter() - run0,
         engine_config=dict(getattr(result, "engine_config", {}) or {}),
-        workload_columns=workload_columns(workload),
+        workload_columns={**workload_columns(workload),
+                          **getattr(result, "request_columns", {})},
+        extra_tables=dict(getattr(result, "extra_tables", {})),
     )
 
 

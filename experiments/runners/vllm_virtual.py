@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 from experiments.runners.vllm_arm import DEFAULT_PYTHON, PYTHON_ENV, REPO, VllmServed
 from experiments.runners.vllm_arm import VLLM_ORG as VIRTUAL_ORG  # vLLM's organization
+from serving_core.placement import retention_blocks  # <k>block, as engine.retention_interval
 
 VIRTUAL_KIND = "vllm_virtual"
 BLOCK_RETENTION = "block"
@@ -95,15 +96,6 @@ def virtual_executor_config(cfg) -> VirtualExecutorConfig:
         max_num_batched_tokens=None if tokens is None else int(tokens),
         name=str(data.get("name", VIRTUAL_KIND)),
     )
-
-
-def retention_blocks(interval) -> int:
-    """Blocks per retained checkpoint for "block" (1) or "<k>block" (k >= 1); 0 otherwise
-    (null or a token count: vLLM's own interval)."""
-    if not isinstance(interval, str) or not interval.endswith(BLOCK_RETENTION):
-        return 0
-    k = interval[:-len(BLOCK_RETENTION)] or "1"
-    return int(k) if k.isdigit() and int(k) >= 1 else 0
 
 
 def hf_config(geometry) -> dict:

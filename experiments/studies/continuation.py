@@ -58,6 +58,7 @@ from ledgers.arms import arm
 from ledgers.studies import (
     CONTINUATION_FAULTS,
     CONTINUATION_ORGS,
+    PLACEMENTS,
     new_study_id,
     now_iso,
     rows_to_columns,
@@ -109,19 +110,32 @@ def chunk_ends(start: int, n: int, C: int, budget: int, align: bool,
 
 
 def published_boundaries(n: int, C: int, budget: int, step_end: bool, align: bool,
-                         split: bool = False) -> list[int]:
-    """Checkpoint boundaries a cold prefill of n tokens publishes: chunk ends on a
-    multiple of C (step_end), or every multiple of C a chunk reaches (every_boundary)."""
+                         split: bool = False, placement: str = "") -> list[int]:
+    """Checkpoint boundaries a cold prefill of n tokens (the engine's first request)
+    publishes: chunk ends on a multiple of C (step_end); every multiple of C a chunk
+    reaches (every_boundary, all); those and, in the last chunk when it starts on the grid,
+    the last multiple of C below n at least C past its start (align, vLLM 0.32); the
+    prompt's last boundary below n and those after it (junction: nothing seen before, so
+    no branch point, only the tail)."""
+    placement = placement or ("step_end" if step_end else "every_boundary")
     ends = chunk_ends(0, n, C, budget, align, split)
-    if step_end:
-        return [e for e in ends if e % C == 0]
+    if placement in ("step_end", "align"):
+        out = [e for e in ends if e % C == 0]
+        start = ends[-2] if len(ends) > 1 else 0
+        last = (n - 1) // C * C
+        if placement == "align" and start % C == 0 and last >= start + C:
+            out.append(last)
+        return sorted(set(out))
+    if placement == "junction":
+        return list(range(max((n - 1) // C, 1) * C, n + 1, C))
     return list(range(C, n + 1, C))
 
 
 def expected_prefix(n: int, C: int, budget: int, step_end: bool, align: bool,
-                    split: bool = False) -> int:
+                    split: bool = False, placement: str = "") -> int:
     """p: the deepest published boundary strictly inside the prompt (0 if none)."""
-    inside = [b for b in published_boundaries(n, C, budget, step_end, align, split) if b < n]
+    inside = [b for b in published_boundaries(n, C, budget, step_end, align, split, placement)
+              if b < n]
     return max(inside, default=0)
 
 
@@ -396,9 +410,10 @@ def _placement_fields(sched, n: int, C: int, b: int) -> dict:
     """The PairResult fields the scheduler's placement rules decide for a prompt of n
     tokens restored at b: the expected credited prefix p and first chunk."""
     budget_tokens, split = sched.max_num_batched_tokens, sched.split_last_boundary
-    p_rule = expected_prefix(n, C, budget_tokens, sched.step_end, sched.align, split)
+    name = sched.placement.name
+    p_rule = expected_prefix(n, C, budget_tokens, sched.step_end, sched.align, split, name)
     return {
-        "placement": "step_end" if sched.step_end else "every_boundary",
+        "placement": name,
         "align_chunks": bool(sched.align), "split_last_boundary": split,
         "expected_p": p_rule, "full_prefix": C * ((n - 1) // C),
         "reuse_lost": C * ((n - 1) // C) - p_rule,
@@ -409,7 +424,8 @@ def _placement_fields(sched, n: int, C: int, b: int) -> dict:
 def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: int,
              seed: int, *, delayed_save: bool = False, save_delay_s: float = 1.0,
              fault: str | None = None, interposer_tokens: int | None = None,
-             poison: bool = True, split_last_boundary: bool = False) -> PairResult:
+             poison: bool = True, split_last_boundary: bool = False,
+             placement: str | None = None) -> PairResult:
     """The protocol for one organization and one prompt length (see the module doc)."""
     from serving_core.builder import loaded_model_spec
     from serving_core.host_tier import HostTier
@@ -419,7 +435,8 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
         raise ValueError(f"fault={fault!r}: allowed values are {', '.join(FAULTS)}")
     spec = loaded_model_spec(model, geometry, arm(org).org, budget,
                              {"cap": 8, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
-                              "split_last_boundary": split_last_boundary})
+                              "split_last_boundary": split_last_boundary,
+                              "checkpoint_placement": placement})
 
     fresh_engine = functools.partial(_publishing_engine, spec, model)
     cold = fresh_engine()
@@ -510,6 +527,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split-last-boundary", action="store_true",
                    help="engine.split_last_boundary: aligned chunks of a k C prompt end at N - C")
     p.add_argument("--output-tokens", type=int, default=8)
+    p.add_argument("--placement", default=None, choices=PLACEMENTS,
+                   help="engine.checkpoint_placement (default: each organization's)")
     return p
 
 
@@ -564,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_pair(model, geometry, org, args.budget, case, args.output_tokens,
                                args.seed + i, delayed_save=parse_case(case) in delayed_keys,
                                save_delay_s=args.save_delay, fault=fault,
-                               split_last_boundary=args.split_last_boundary)
+                               split_last_boundary=args.split_last_boundary,
+                               placement=args.placement)
             except ValueError as err:  # a case the organization cannot run (N < 1, fault)
                 print(f"error: org={org} case={case}: {err}", file=sys.stderr)
                 return 2

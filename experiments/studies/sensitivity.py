@@ -43,7 +43,8 @@ CELL_KEYS = {"org": "org", "budget": "budget", "cap": "engine.cap", "rate": "loa
              "q": "workload.q", "f": "engine.headroom", "pinning_k": "engine.pinning_k",
              "reuse": "workload.reuse", "arrival": "load.arrival", "trace": "trace",
              "model": "model", "d0_attention_fraction": "model.d0_attention_fraction",
-             "retention_k": "retention.k", "host_tier_bytes": "host_tier.capacity_bytes"}
+             "retention_k": "retention.k", "host_tier_bytes": "host_tier.capacity_bytes",
+             "placement": "engine.checkpoint_placement"}
 # campaign: replaced by the sensitivity campaign; seeds: a cell's own seeds (family_cells)
 IGNORED_KEYS = ("campaign", "seeds")
 NOT_APPLICABLE = -1  # a plan's retention_k or host_tier_bytes of a cell without one

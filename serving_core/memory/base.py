@@ -116,6 +116,7 @@ class MemoryOrganization:
     conv_addressing = "page"  # CONV_ADDRESSING
     supports_retention = False
     stable_demand = True
+    _resetting = False  # inside drop_cached: losses are reported with reason `reset`
 
     # ----- the organization's unit layout, budget conversion and costs -------------------
     @classmethod
@@ -456,12 +457,14 @@ class MemoryOrganization:
         would: losses recorded, dependent units freed) and free its units; returns the
         cached units freed. A prefix-cache reset; referenced entries stay."""
         freed = 0
+        self._resetting = True
         for name, pool in self.pools.items():
             while pool.evictable:
                 unit = pool.pop_lru()
                 self._evict_unit(name, unit, -1)
                 pool.push_free(unit)
                 freed += 1
+        self._resetting = False
         return freed
 
     def _evict_unit(self, pool_name: str, unit: int, cause: int) -> None:
@@ -469,10 +472,16 @@ class MemoryOrganization:
         obj = self._owner[pool_name][unit]
         self._invalidate(obj, cause, taken=unit)
 
-    def _invalidate(self, obj: StateObject, cause: int, taken: int = -1) -> None:
+    def _invalidate(self, obj: StateObject, cause: int, taken: int = -1,
+                    reason: str = "lru") -> None:
+        """Evict a cached entry; `reason` (serving_core.lineage.END_CAUSES) is what the
+        loss report carries (`reset` throughout a prefix-cache reset)."""
         assert obj.ref_count == 0 and obj.cached, f"evicting a referenced or uncached {obj}"
         if self.cache.remove(obj):  # the key's last copy: the entry is lost
-            self.events.on_loss(obj, cause)
+            events = self.events
+            events.loss_reason = "reset" if self._resetting else reason
+            events.on_loss(obj, cause)
+            events.loss_reason = "lru"
         self._destroy(obj, cause, taken)
 
     # ----- publication and lookup ---------------------------------------------------------

@@ -10,7 +10,11 @@ from serving_core.memory.objects import StateObject
 
 
 class MemoryEvents:
-    """No-op sink; subclass and override what you record."""
+    """No-op sink; subclass and override what you record. `loss_reason` names what the
+    organization is doing when it reports a loss (serving_core.lineage.END_CAUSES): `lru`
+    unless it says otherwise around a slab reclaim, a large-page reclaim or a reset."""
+
+    loss_reason = "lru"
 
     def on_publish(self, obj: StateObject) -> None:
         """obj was published under obj.key (attention block or checkpoint)."""

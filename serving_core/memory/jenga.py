@@ -411,7 +411,7 @@ class JengaTwoLevel(MemoryOrganization):
         for obj in victims:
             for unit in obj.units:
                 self.pools[pool].discard_evictable(unit)
-            self._invalidate(obj, cause)
+            self._invalidate(obj, cause, reason="pool_pressure")
 
     # ----- references and frees -----------------------------------------------------------
     def _on_referenced(self, obj: StateObject) -> None:
@@ -445,7 +445,9 @@ class JengaTwoLevel(MemoryOrganization):
             for unit in obj.units:
                 self.pools[obj.pool].discard_evictable(unit)
             freed += len(obj.units)
+            self._resetting = True
             self._invalidate(obj, -1)
+            self._resetting = False
         return freed
 
     # ----- availability ---------------------------------------------------------------------

@@ -361,7 +361,7 @@ class S2PagingConvSlots(MemoryOrganization):
         for obj in victims:
             slab.slots[obj.slot] = None
             obj.slab_page = obj.slot = NO_SLOT
-            self._invalidate(obj, cause)
+            self._invalidate(obj, cause, reason="slab_reclaim")
         del self.slabs[unit]
         self._slabs_with_free.discard(unit)
         if slab is self._newest:

@@ -45,6 +45,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from serving_core.placement import retention_blocks
 from serving_core.server.paths import PATHS
 
 PREFIX = "hsl:"
@@ -182,7 +183,9 @@ def cache_config_labels(engine) -> dict[str, str]:
         "num_gpu_blocks": str(sum(units.values())),
         "num_cpu_blocks": "None",
         "cache_dtype": "auto",
-        "prefix_cache_retention_interval": str(sched.C or "None"),
+        # tokens between retained checkpoints: C, or k C under engine.retention_interval=<k>block
+        "prefix_cache_retention_interval": str(
+            sched.C * (retention_blocks(sched.retention_interval) or 1) or "None"),
         "organization": mem.org,
     }
 
