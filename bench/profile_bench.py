@@ -53,6 +53,7 @@ from serving_core.executor import torch_executor as tx
 from serving_core.executor.state_arena import StateArena
 from serving_core.geometry import load_geometry
 from serving_core.model.falcon_h1 import FalconH1
+from serving_core.server.process_settings import keep_freed_memory
 from serving_core.server.runtime import ServedSpec
 
 RESULTS = ROOT / "bench" / "results"
@@ -241,15 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-profile", action="store_true")
     parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
                         help="malloc of the run (auto: tcmalloc when installed)")
+    parser.add_argument("--malloc", default="keep", choices=("keep", "default"),
+                        help="under glibc, keep freed memory (the server's default) or not")
     parser.add_argument("--out", default=str(RESULTS / "profile.json"))
     args = parser.parse_args(argv)
     if argv is None:
         _reexec_with(args.allocator)
     torch.set_num_threads(args.threads)
+    kept = args.malloc == "keep" and keep_freed_memory()
     with tiny_checkpoint(args.checkpoint) as checkpoint:
         model = FalconH1.load(checkpoint)
         r = run(model, args.org, args.budget, args.requests, args.prompt, args.output,
                 args.max_num_batched_tokens, args.torch_profile)
+        r["malloc_keeps_freed"] = kept
         print_table(r)
         print(json.dumps({k: v for k, v in r.items() if k != "top_ops"}))
         out = Path(args.out)
