@@ -14,9 +14,11 @@ malloc are mmapped and page-faulted every step; tcmalloc keeps them.
 
 Per request, client side: TTFT (send to first token), TPOT ((last - first token) /
 (tokens - 1)), end to end. Per arm: output and total (prompt + output) tokens per second
-over the batch's wall time, TTFT / TPOT p50 and p99. Prints one table and a JSON line;
-writes bench/results/serve.json (serve_vllm_client.json with --client vllm). Numbers, not
-assertions.
+over the batch's wall time, TTFT / TPOT p50 and p99; server side, the server process
+tree's CPU ms and minor page faults per output token over the batch and its warm-up
+(bench/proc_usage.py; meaningful on a loaded machine where wall-clock rates are not).
+Prints one table and a JSON line; writes bench/results/serve.json (serve_vllm_client.json
+with --client vllm). Numbers, not assertions.
 
 Clients: `--client ours` (default) is the client above (token-id prompts, greedy).
 `--client vllm` measures every arm with vLLM's own benchmark client instead, unmodified
@@ -47,6 +49,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.proc_usage import tree_usage, usage_delta
 from bench.tiny import tiny_checkpoint
 from experiments.runners.server_process import ALLOCATORS, allocator_env
 from ledgers.arms import ARMS
@@ -226,17 +229,30 @@ def run_arm(arm, checkpoint, prompts, args, allocator):
                                 health_timeout_s=300, allocator=allocator)
             extra = {}
         with srv:
+            usage0 = tree_usage(srv.proc.pid if srv.proc else None)
             if args.client == "vllm":
                 row = _vllm_client(srv.base_url, checkpoint, args, Path(tmp))
             elif args.client == "guidellm":
                 row = _guidellm_client(srv.base_url, checkpoint, args, Path(tmp))
             else:
                 row = asyncio.run(_batch(srv.base_url, MODEL, prompts, args.output, extra))
+            usage = usage_delta(usage0, tree_usage(srv.proc.pid if srv.proc else None))
             # ours reads its settings back; vLLM's threads are its own (all cores on CPU)
             settings = srv.runtime_config() or {"allocator": srv.allocator, "threads": None}
     return {"arm": "vllm" if arm == "vllm" else f"ours {arm}", "client": args.client,
             "allocator": settings["allocator"], "threads": settings["threads"],
-            "load_avg": os.getloadavg()[0], **row}
+            "load_avg": os.getloadavg()[0], **row, **_per_token(usage, args)}
+
+
+def _per_token(usage: dict, args) -> dict:
+    """The server's CPU seconds and page faults over the batch (and its warm-up), in all and
+    per output token (the process tree: vLLM's engine core is a child process)."""
+    if not usage:
+        return {}
+    tokens = args.requests * args.output
+    return {"server_" + k: v for k, v in usage.items()} | {
+        "server_cpu_ms_per_token": 1e3 * usage["cpu_s"] / tokens,
+        "faults_per_token": usage["minor_faults"] / tokens}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -276,14 +292,16 @@ def _print_table(rows: list[dict], args) -> None:
           f"{os.cpu_count()} CPUs")
     print(f"{'arm':9} {'client':6} {'alloc':8} {'thr':>3} {'ok':>5} {'out tok/s':>9} "
           f"{'total tok/s':>11} {'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>7} "
-          f"{'load':>5}")
+          f"{'load':>5} {'cpu ms/tok':>10} {'faults/tok':>10}")
     for row in rows:
         thr = "-" if row["threads"] is None else str(row["threads"])
         ok = f"{row.get('completed', args.requests)}/{args.requests}"
         print(f"{row['arm']:9} {row['client']:6} {row['allocator']:8} {thr:>3} {ok:>5} "
               f"{row['output_tok_s']:>9.1f} {row['total_tok_s']:>11.1f} "
               f"{row['ttft_p50_s']:>8.2f} {row['ttft_p99_s']:>7.2f} "
-              f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f}")
+              f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f} "
+              f"{row.get('server_cpu_ms_per_token', float('nan')):>10.2f} "
+              f"{row.get('faults_per_token', float('nan')):>10.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
