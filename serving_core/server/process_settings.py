@@ -6,7 +6,12 @@ intra-op workers spin between kernels; with as many workers as cores they compet
 event loop for the core it needs to stream tokens. `auto` therefore leaves one core to the
 rest (one thread on 1-2 cores). Measured on the 2-core machine, bench serve, S2, tcmalloc,
 load average 8-11 from other work: 1 thread 87.4 / 86.5 output tok/s, 2 threads 84.8 / 78.8
-(alternating runs). The allocator is set by the launcher (LD_PRELOAD,
+(alternating runs). CPU-time efficiency of a second thread on the tiny model's GEMMs
+(process CPU ms per call, 1 -> 2 threads, load 28): LM head decode 64 x 128 x 128,256
+45.5 -> 68.0, prefill in_proj 2,048 x 128 x 2,572 25.0 -> 37.5, a scan bmm 48 x 256 x 256 x 64
+7.0 -> 10.5: the second thread costs 50 % more CPU for at most 1.33x, so on 2 cores auto
+keeps 1 (8 cores: 7, 64 cores: 63; not measured there, and at these sub-10 ms kernels the
+efficiency falls further with more threads). The allocator is set by the launcher (LD_PRELOAD,
 experiments.runners.server_process.allocator_env); the server reads back which one its process
 actually has mapped.
 
