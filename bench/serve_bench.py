@@ -10,7 +10,9 @@ N0 organization). Each server runs alone; arms alternate, round after round.
 Allocator: `--allocator auto` preloads tcmalloc into every server (ours and vLLM's)
 when a libtcmalloc is installed (Debian: libgoogle-perftools4 or libtcmalloc-minimal4),
 `glibc` never does; the table says which ran. Large per-step temporaries under glibc
-malloc are mmapped and page-faulted every step; tcmalloc keeps them.
+malloc are mmapped and page-faulted every step; tcmalloc keeps them, and so do our servers
+under glibc (mallopt at start, serving_core/server/process_settings.py) unless `--malloc
+default`; the table's alloc column then reads glibc+keep.
 
 Per request, client side: TTFT (send to first token), TPOT ((last - first token) /
 (tokens - 1)), end to end. Per arm: output and total (prompt + output) tokens per second
@@ -180,7 +182,8 @@ def _ours(checkpoint, org, args, records):
     path = Path(tempfile.mkdtemp(prefix="hsl-bench-")) / "spec.json"
     path.write_text(spec.to_json())
     return hsl_server_command(spec=str(path), records=records, threads=args.threads,
-                              tokenizer="none" if args.client == "ours" else "llama3")
+                              tokenizer="none" if args.client == "ours" else "llama3"
+                              ) + ["--malloc", args.malloc]
 
 
 def _vllm(checkpoint, args):
@@ -240,7 +243,8 @@ def run_arm(arm, checkpoint, prompts, args, allocator):
             # ours reads its settings back; vLLM's threads are its own (all cores on CPU)
             settings = srv.runtime_config() or {"allocator": srv.allocator, "threads": None}
     return {"arm": "vllm" if arm == "vllm" else f"ours {arm}", "client": args.client,
-            "allocator": settings["allocator"], "threads": settings["threads"],
+            "allocator": settings["allocator"] + ("+keep" if settings.get("malloc_keeps_freed")
+                                                  else ""), "threads": settings["threads"],
             "load_avg": os.getloadavg()[0], **row, **_per_token(usage, args)}
 
 
@@ -270,6 +274,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds")
     parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
                         help="malloc of every server (auto: tcmalloc when installed)")
+    parser.add_argument("--malloc", default="keep", choices=("keep", "default"),
+                        help="our servers under glibc: keep freed memory (their default) or "
+                             "glibc's defaults")
     parser.add_argument("--threads", type=int, default=0,
                         help="our servers' torch intra-op threads (0: the server's auto)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
@@ -290,13 +297,13 @@ def _print_table(rows: list[dict], args) -> None:
     print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
           f"all at once, streamed, EOS ignored; measured by {who}; "
           f"{os.cpu_count()} CPUs")
-    print(f"{'arm':9} {'client':6} {'alloc':8} {'thr':>3} {'ok':>5} {'out tok/s':>9} "
+    print(f"{'arm':9} {'client':6} {'alloc':13} {'thr':>3} {'ok':>5} {'out tok/s':>9} "
           f"{'total tok/s':>11} {'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>7} "
           f"{'load':>5} {'cpu ms/tok':>10} {'faults/tok':>10}")
     for row in rows:
         thr = "-" if row["threads"] is None else str(row["threads"])
         ok = f"{row.get('completed', args.requests)}/{args.requests}"
-        print(f"{row['arm']:9} {row['client']:6} {row['allocator']:8} {thr:>3} {ok:>5} "
+        print(f"{row['arm']:9} {row['client']:6} {row['allocator']:13} {thr:>3} {ok:>5} "
               f"{row['output_tok_s']:>9.1f} {row['total_tok_s']:>11.1f} "
               f"{row['ttft_p50_s']:>8.2f} {row['ttft_p99_s']:>7.2f} "
               f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f} "
