@@ -18,7 +18,15 @@ Categories:
   MLP, norms, LM head        the rest of FalconH1.forward (incl. the 128,256-wide projection)
   executor other             execute/commit outside the model (ids, argmax sampling, commit)
 
-`--torch-profile` adds torch.profiler's top operators (self CPU time).
+Each category also gets its system CPU seconds and the minor page faults taken on the
+engine thread (getrusage RUSAGE_THREAD, exclusive like the CPU time): with glibc malloc the
+large per-step tensors are mmapped, page-faulted and unmapped every step, and that kernel
+time is the allocator's cost. The run's totals (process getrusage) give minor/major page
+faults per step and per output token. `--allocator` (auto|tcmalloc|glibc, as in
+`bench.serve_bench`) re-executes the benchmark with that malloc preloaded (or not).
+
+`--torch-profile` adds torch.profiler's top operators (self CPU time) and the number of
+tensor allocations (profile_memory's [memory] events).
 Prints a table and one JSON line; writes bench/results/profile.json. Numbers, not assertions.
 """
 
@@ -27,32 +35,59 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from bench.kernel_bench import MODEL, ROOT
 from bench.tiny import tiny_checkpoint
+from experiments.runners.server_process import ALLOCATORS, allocator_env
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import Engine, serve
 from serving_core.executor import torch_executor as tx
 from serving_core.executor.state_arena import StateArena
 from serving_core.geometry import load_geometry
 from serving_core.model.falcon_h1 import FalconH1
+from serving_core.server.process_settings import keep_freed_memory
 from serving_core.server.runtime import ServedSpec
 
 RESULTS = ROOT / "bench" / "results"
 
 
+def _thread_usage() -> tuple[float, float, int]:
+    """(CPU s, system s, minor page faults) of the calling thread so far."""
+    ru = resource.getrusage(resource.RUSAGE_THREAD)
+    return time.thread_time(), ru.ru_stime, ru.ru_minflt
+
+
 class _Timer:
-    """Exclusive wall time per category over nested hooked calls."""
+    """Exclusive thread CPU time, system time and minor faults per category over nested
+    hooked calls."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
+        self.sys: dict[str, float] = defaultdict(float)
+        self.faults: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
-        self.stack: list[list] = []  # [category, start, child time]
+        self.stack: list[list] = []  # [category, start usage, child usage]
+
+    def _close(self, frame: list) -> None:
+        end = _thread_usage()
+        used = [e - s for e, s in zip(end, frame[1], strict=True)]
+        cat, child = frame[0], frame[2]
+        self.totals[cat] += used[0] - child[0]
+        self.sys[cat] += used[1] - child[1]
+        self.faults[cat] += used[2] - child[2]
+        self.calls[cat] += 1
+        if self.stack:
+            parent = self.stack[-1][2]
+            for i, u in enumerate(used):
+                parent[i] += u
 
     def wrap(self, owner, name: str, category) -> None:
         fn = getattr(owner, name)
@@ -60,17 +95,12 @@ class _Timer:
 
         def hooked(*args, **kwargs):
             cat = category(*args, **kwargs) if callable(category) else category
-            frame = [cat, time.thread_time(), 0.0]
+            frame = [cat, _thread_usage(), [0.0, 0.0, 0]]
             timer.stack.append(frame)
             try:
                 return fn(*args, **kwargs)
             finally:
-                timer.stack.pop()
-                elapsed = time.thread_time() - frame[1]
-                timer.totals[cat] += elapsed - frame[2]
-                timer.calls[cat] += 1
-                if timer.stack:
-                    timer.stack[-1][2] += elapsed
+                timer._close(timer.stack.pop())
 
         setattr(owner, name, hooked)
         return fn
@@ -102,6 +132,39 @@ def install_hooks(timer: _Timer) -> list[tuple]:
     return [(owner, name, timer.wrap(owner, name, cat)) for owner, name, cat in hooks]
 
 
+def _serve_measured(engine, specs, timer: _Timer, torch_profile: bool) -> dict:
+    """Serve `specs` with the hooks installed; wall, process CPU and page faults, and the
+    torch profiler's table when asked for."""
+    restore = install_hooks(timer)
+    prof = None
+    try:
+        if torch_profile:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                          profile_memory=True)
+            prof.__enter__()
+        ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        res = serve(engine, specs)
+        wall, ru1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        if prof is not None:
+            prof.__exit__(None, None, None)
+    finally:
+        for owner, name, fn in restore:
+            setattr(owner, name, fn)
+    out = {"wall_s": wall, "user_s": ru1.ru_utime - ru0.ru_utime,
+           "system_s": ru1.ru_stime - ru0.ru_stime,
+           "minor_faults": ru1.ru_minflt - ru0.ru_minflt,
+           "major_faults": ru1.ru_majflt - ru0.ru_majflt,
+           "steps": int(res.summary.get("num_steps", engine.sched.step))}
+    if prof is not None:
+        events = prof.key_averages()
+        out["tensor_allocations"] = sum(e.count for e in events if e.key == "[memory]")
+        out["top_ops"] = [
+            {"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "calls": e.count}
+            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
+        ]
+    return out
+
+
 def run(model, org: str, budget: str, requests: int, prompt: int, output: int,
         chunk: int, torch_profile: bool) -> dict:
     rng = np.random.default_rng(11)
@@ -112,54 +175,57 @@ def run(model, org: str, budget: str, requests: int, prompt: int, output: int,
     specs = [ServedSpec(i, 0.0, rng.integers(3, 128_000, prompt).astype(np.int32), output)
              for i in range(requests)]
     timer = _Timer()
-    restore = install_hooks(timer)
-    prof = None
-    try:
-        if torch_profile:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            prof.__enter__()
-        cpu0, t0 = os.times(), time.perf_counter()
-        res = serve(engine, specs)
-        wall, cpu1 = time.perf_counter() - t0, os.times()
-        if prof is not None:
-            prof.__exit__(None, None, None)
-    finally:
-        for owner, name, fn in restore:
-            setattr(owner, name, fn)
+    m = _serve_measured(engine, specs, timer, torch_profile)
     total = sum(timer.totals.values())
-    steps = int(res.summary.get("num_steps", engine.sched.step))
-    rows = {k: {"s": v, "share": v / total, "calls": timer.calls[k]}
+    rows = {k: {"s": v, "share": v / total, "sys_s": timer.sys[k], "minor_faults":
+                timer.faults[k], "calls": timer.calls[k]}
             for k, v in sorted(timer.totals.items(), key=lambda kv: -kv[1])}
-    out = {
+    tokens = requests * output
+    return {
         "org": org, "budget": budget, "requests": requests, "prompt_tokens": prompt,
         "output_tokens": output, "max_num_batched_tokens": chunk,
-        "threads": torch.get_num_threads(), "wall_s": wall, "steps": steps,
-        "user_s": cpu1.user - cpu0.user, "system_s": cpu1.system - cpu0.system,
-        "output_tok_s": requests * output / wall,
-        "total_tok_s": requests * (prompt + output) / wall,
+        "threads": torch.get_num_threads(), **m,
+        "faults_per_step": m["minor_faults"] / max(m["steps"], 1),
+        "faults_per_output_token": m["minor_faults"] / tokens,
+        "output_tok_s": tokens / m["wall_s"],
+        "total_tok_s": requests * (prompt + output) / m["wall_s"],
         "load_avg": os.getloadavg()[0], "categories": rows,
+        "allocator": "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "glibc",
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
     }
-    if prof is not None:
-        out["top_ops"] = [
-            {"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "calls": e.count}
-            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
-        ]
-    return out
 
 
 def print_table(r: dict) -> None:
     print(f"{r['org']} {r['budget']}: {r['requests']} requests x ({r['prompt_tokens']} prompt + "
-          f"{r['output_tokens']} output) tokens, {r['threads']} thread(s), "
+          f"{r['output_tokens']} output) tokens, {r['threads']} thread(s), {r['allocator']}, "
           f"load avg {r['load_avg']:.2f}")
     print(f"wall {r['wall_s']:.2f} s ({r['steps']} steps), user {r['user_s']:.2f} s, system "
           f"{r['system_s']:.2f} s; {r['output_tok_s']:.1f} output tok/s, "
           f"{r['total_tok_s']:.1f} total tok/s")
-    print(f"{'category':28} {'CPU s':>9} {'share':>7} {'calls':>8}")
+    print(f"page faults: {r['minor_faults']} minor, {r['major_faults']} major; "
+          f"{r['faults_per_step']:.0f} per step, {r['faults_per_output_token']:.1f} per output "
+          f"token" + (f"; {r['tensor_allocations']} tensor allocations"
+                      if "tensor_allocations" in r else ""))
+    print(f"{'category':28} {'CPU s':>9} {'share':>7} {'sys s':>7} {'faults':>9} {'calls':>8}")
     for name, row in r["categories"].items():
-        print(f"{name:28} {row['s']:>9.3f} {100 * row['share']:>6.1f}% {row['calls']:>8}")
+        print(f"{name:28} {row['s']:>9.3f} {100 * row['share']:>6.1f}% {row['sys_s']:>7.2f} "
+              f"{row['minor_faults']:>9} {row['calls']:>8}")
     for op in r.get("top_ops", []):
         print(f"  {op['op'][:40]:40} {op['self_cpu_s']:>8.3f} s {op['calls']:>8}")
+
+
+def _reexec_with(allocator: str) -> None:
+    """Re-execute this benchmark with `allocator`'s malloc preloaded (or with no tcmalloc
+    preload for glibc) unless the process already runs it; exit 2 naming the field when the
+    allocator is unknown or not installed."""
+    try:
+        env, _ = allocator_env(allocator)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if env.get("LD_PRELOAD", "") != os.environ.get("LD_PRELOAD", ""):
+        os.execve(sys.executable, [sys.executable, "-m", "bench.profile_bench", *sys.argv[1:]],
+                  env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,16 +240,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--torch-profile", action="store_true")
+    parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
+                        help="malloc of the run (auto: tcmalloc when installed)")
+    parser.add_argument("--malloc", default="keep", choices=("keep", "default"),
+                        help="under glibc, keep freed memory (the server's default) or not")
+    parser.add_argument("--out", default=str(RESULTS / "profile.json"))
     args = parser.parse_args(argv)
+    if argv is None:
+        _reexec_with(args.allocator)
     torch.set_num_threads(args.threads)
+    kept = args.malloc == "keep" and keep_freed_memory()
     with tiny_checkpoint(args.checkpoint) as checkpoint:
         model = FalconH1.load(checkpoint)
         r = run(model, args.org, args.budget, args.requests, args.prompt, args.output,
                 args.max_num_batched_tokens, args.torch_profile)
+        r["malloc_keeps_freed"] = kept
         print_table(r)
         print(json.dumps({k: v for k, v in r.items() if k != "top_ops"}))
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "profile.json").write_text(json.dumps(r, indent=2))
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(r, indent=2))
     return 0
 
 

@@ -10,13 +10,17 @@ N0 organization). Each server runs alone; arms alternate, round after round.
 Allocator: `--allocator auto` preloads tcmalloc into every server (ours and vLLM's)
 when a libtcmalloc is installed (Debian: libgoogle-perftools4 or libtcmalloc-minimal4),
 `glibc` never does; the table says which ran. Large per-step temporaries under glibc
-malloc are mmapped and page-faulted every step; tcmalloc keeps them.
+malloc are mmapped and page-faulted every step; tcmalloc keeps them, and so do our servers
+under glibc (mallopt at start, serving_core/server/process_settings.py) unless `--malloc
+default`; the table's alloc column then reads glibc+keep.
 
 Per request, client side: TTFT (send to first token), TPOT ((last - first token) /
 (tokens - 1)), end to end. Per arm: output and total (prompt + output) tokens per second
-over the batch's wall time, TTFT / TPOT p50 and p99. Prints one table and a JSON line;
-writes bench/results/serve.json (serve_vllm_client.json with --client vllm). Numbers, not
-assertions.
+over the batch's wall time, TTFT / TPOT p50 and p99; server side, the server process
+tree's CPU ms and minor page faults per output token over the batch and its warm-up
+(bench/proc_usage.py; meaningful on a loaded machine where wall-clock rates are not).
+Prints one table and a JSON line; writes bench/results/serve.json (serve_vllm_client.json
+with --client vllm). Numbers, not assertions.
 
 Clients: `--client ours` (default) is the client above (token-id prompts, greedy).
 `--client vllm` measures every arm with vLLM's own benchmark client instead, unmodified
@@ -47,6 +51,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.proc_usage import tree_usage, usage_delta
 from bench.tiny import tiny_checkpoint
 from experiments.runners.server_process import ALLOCATORS, allocator_env
 from ledgers.arms import ARMS
@@ -177,7 +182,8 @@ def _ours(checkpoint, org, args, records):
     path = Path(tempfile.mkdtemp(prefix="hsl-bench-")) / "spec.json"
     path.write_text(spec.to_json())
     return hsl_server_command(spec=str(path), records=records, threads=args.threads,
-                              tokenizer="none" if args.client == "ours" else "llama3")
+                              tokenizer="none" if args.client == "ours" else "llama3"
+                              ) + ["--malloc", args.malloc]
 
 
 def _vllm(checkpoint, args):
@@ -226,17 +232,31 @@ def run_arm(arm, checkpoint, prompts, args, allocator):
                                 health_timeout_s=300, allocator=allocator)
             extra = {}
         with srv:
+            usage0 = tree_usage(srv.proc.pid if srv.proc else None)
             if args.client == "vllm":
                 row = _vllm_client(srv.base_url, checkpoint, args, Path(tmp))
             elif args.client == "guidellm":
                 row = _guidellm_client(srv.base_url, checkpoint, args, Path(tmp))
             else:
                 row = asyncio.run(_batch(srv.base_url, MODEL, prompts, args.output, extra))
+            usage = usage_delta(usage0, tree_usage(srv.proc.pid if srv.proc else None))
             # ours reads its settings back; vLLM's threads are its own (all cores on CPU)
             settings = srv.runtime_config() or {"allocator": srv.allocator, "threads": None}
     return {"arm": "vllm" if arm == "vllm" else f"ours {arm}", "client": args.client,
-            "allocator": settings["allocator"], "threads": settings["threads"],
-            "load_avg": os.getloadavg()[0], **row}
+            "allocator": settings["allocator"] + ("+keep" if settings.get("malloc_keeps_freed")
+                                                  else ""), "threads": settings["threads"],
+            "load_avg": os.getloadavg()[0], **row, **_per_token(usage, args)}
+
+
+def _per_token(usage: dict, args) -> dict:
+    """The server's CPU seconds and page faults over the batch (and its warm-up), in all and
+    per output token (the process tree: vLLM's engine core is a child process)."""
+    if not usage:
+        return {}
+    tokens = args.requests * args.output
+    return {"server_" + k: v for k, v in usage.items()} | {
+        "server_cpu_ms_per_token": 1e3 * usage["cpu_s"] / tokens,
+        "faults_per_token": usage["minor_faults"] / tokens}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -254,6 +274,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds")
     parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
                         help="malloc of every server (auto: tcmalloc when installed)")
+    parser.add_argument("--malloc", default="keep", choices=("keep", "default"),
+                        help="our servers under glibc: keep freed memory (their default) or "
+                             "glibc's defaults")
     parser.add_argument("--threads", type=int, default=0,
                         help="our servers' torch intra-op threads (0: the server's auto)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
@@ -274,16 +297,18 @@ def _print_table(rows: list[dict], args) -> None:
     print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
           f"all at once, streamed, EOS ignored; measured by {who}; "
           f"{os.cpu_count()} CPUs")
-    print(f"{'arm':9} {'client':6} {'alloc':8} {'thr':>3} {'ok':>5} {'out tok/s':>9} "
+    print(f"{'arm':9} {'client':6} {'alloc':13} {'thr':>3} {'ok':>5} {'out tok/s':>9} "
           f"{'total tok/s':>11} {'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>7} "
-          f"{'load':>5}")
+          f"{'load':>5} {'cpu ms/tok':>10} {'faults/tok':>10}")
     for row in rows:
         thr = "-" if row["threads"] is None else str(row["threads"])
         ok = f"{row.get('completed', args.requests)}/{args.requests}"
-        print(f"{row['arm']:9} {row['client']:6} {row['allocator']:8} {thr:>3} {ok:>5} "
+        print(f"{row['arm']:9} {row['client']:6} {row['allocator']:13} {thr:>3} {ok:>5} "
               f"{row['output_tok_s']:>9.1f} {row['total_tok_s']:>11.1f} "
               f"{row['ttft_p50_s']:>8.2f} {row['ttft_p99_s']:>7.2f} "
-              f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f}")
+              f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f} "
+              f"{row.get('server_cpu_ms_per_token', float('nan')):>10.2f} "
+              f"{row.get('faults_per_token', float('nan')):>10.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:

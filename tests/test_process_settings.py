@@ -90,3 +90,51 @@ def test_a_server_without_torch_kernels_keeps_its_threads_without_importing_torc
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["3", "3", "False"]
+
+
+_REFAULT = """
+import ctypes, resource, sys
+from serving_core.server.process_settings import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def touched():
+    block = libc.malloc(40 << 20); ctypes.memset(block, 1, 40 << 20); libc.free(block)
+touched()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+touched()
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["keep", "default"])
+def test_glibc_keeps_a_freed_large_block_only_when_asked(mode):
+    """A 40 MiB block (above glibc's largest mmap threshold) freed and taken again: glibc's
+    defaults map it anew (10,240 pages faulted in again); kept, the heap serves it."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-c", _REFAULT, mode], capture_output=True,
+                         text=True, check=True, env=env).stdout.split()
+    kept, faults = out[0] == "True", int(out[1])
+    assert kept == (mode == "keep")
+    assert faults < 1000 if kept else faults > 10_000
+
+
+def test_proc_usage_reads_a_process_tree_and_its_faults():
+    from bench.proc_usage import tree_usage, usage_delta
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        import os
+
+        before = tree_usage(os.getpid())
+        assert os.getpid() in before and child.pid in before
+        block = bytearray(16 << 20)  # 4,096 pages written by the kernel's zeroing on touch
+        block[::4096] = b"\1" * len(block[::4096])
+        delta = usage_delta(before, tree_usage(os.getpid()))
+        assert delta["minor_faults"] >= 4000 and delta["cpu_s"] >= 0
+        assert usage_delta(before, {}) == {}
+    finally:
+        child.stdin.close()
+        child.wait()

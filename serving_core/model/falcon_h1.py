@@ -268,8 +268,8 @@ class FalconH1:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (..., V) fp32 of final hidden states (..., D)."""
         last = rms_norm(h, self.w["model.final_layernorm.weight"], self.eps)
-        out = F.linear(last, self.w["lm_head.weight"]) * self.mult["lm_head_multiplier"]
-        return out.float()
+        out = F.linear(last, self.w["lm_head.weight"])  # (..., V): scaled in place, no copy
+        return out.mul_(self.mult["lm_head_multiplier"]).float()
 
     def _attention(self, i, x, cos, sin, io: StateIO) -> torch.Tensor:
         p = f"model.layers.{i}.self_attn."

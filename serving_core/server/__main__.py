@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
                         "default off)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="shut down (abort) when the launching process dies")
+    p.add_argument("--malloc", default="keep", choices=("keep", "default"),
+                   help="under glibc malloc, keep freed memory in the process (keep) or "
+                        "glibc's defaults (see server/process_settings.py)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: auto, see server/process_settings.py)")
     return p
@@ -252,12 +255,18 @@ def make_server(app, runtime):
 
 
 def serve(args) -> int:
-    from serving_core.server.process_settings import apply_threads, runtime_settings
+    from serving_core.server.process_settings import (
+        apply_threads,
+        keep_freed_memory,
+        runtime_settings,
+    )
     from serving_core.server.runtime import EngineRuntime
 
     spec = with_host_tier(load_spec(args.spec), args.host_tier_capacity_bytes)
     sock = bind(args.host, args.port)  # before the model loads: a taken port fails fast
     torch_kernels = spec.executor.kind == "torch"
+    if torch_kernels and args.malloc == "keep":
+        keep_freed_memory()
     apply_threads(args.threads, load_torch=torch_kernels)
     engine = build_engine(spec)
     if not torch_kernels:  # set on a torch the build imported after all (a host tier)

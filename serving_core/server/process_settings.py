@@ -6,9 +6,25 @@ intra-op workers spin between kernels; with as many workers as cores they compet
 event loop for the core it needs to stream tokens. `auto` therefore leaves one core to the
 rest (one thread on 1-2 cores). Measured on the 2-core machine, bench serve, S2, tcmalloc,
 load average 8-11 from other work: 1 thread 87.4 / 86.5 output tok/s, 2 threads 84.8 / 78.8
-(alternating runs). The allocator is set by the launcher (LD_PRELOAD,
+(alternating runs). CPU-time efficiency of a second thread on the tiny model's GEMMs
+(process CPU ms per call, 1 -> 2 threads, load 28): LM head decode 64 x 128 x 128,256
+45.5 -> 68.0, prefill in_proj 2,048 x 128 x 2,572 25.0 -> 37.5, a scan bmm 48 x 256 x 256 x 64
+7.0 -> 10.5: the second thread costs 50 % more CPU for at most 1.33x, so on 2 cores auto
+keeps 1 (8 cores: 7, 64 cores: 63; not measured there, and at these sub-10 ms kernels the
+efficiency falls further with more threads). The allocator is set by the launcher (LD_PRELOAD,
 experiments.runners.server_process.allocator_env); the server reads back which one its process
 actually has mapped.
+
+glibc malloc serves every allocation above its mmap threshold (at most 32 MiB, e.g. a
+decode step's 64 x 128,256 fp32 logits) with a fresh mmap and returns it on free, and trims
+the heap's top back to the kernel: each step page-faults its large tensors in again (a third
+of the CPU time as system time in the first measurements). `keep_freed_memory` (applied by
+the server and the profile benchmark when the process runs glibc malloc) sets mallopt so
+that memory, once taken, stays with the process: no mmap for large blocks, no trimming, one
+arena (the engine thread's blocks come from the same heap the main thread freed them to).
+The step loop's working set is reused from the heap instead of faulted in every step; peak
+resident memory is the same, it is simply not returned between steps. Under tcmalloc the
+call is not made (tcmalloc keeps freed memory already).
 
 A server whose engine runs no torch kernels (the paced executor) does not import torch
 (about 2 CPU seconds per process): its thread count is kept and set on torch if the
@@ -17,10 +33,15 @@ engine's build loads it after all (a host tier's copies).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
 _threads: int | None = None  # the count apply_threads settled on, None before it ran
+# mallopt parameters (malloc.h): value set by keep_freed_memory.
+_KEEP = (("M_ARENA_MAX", -8, 1), ("M_MMAP_MAX", -4, 0), ("M_TRIM_THRESHOLD", -1, 2**31 - 1),
+         ("M_TOP_PAD", -2, 64 << 20))
+_kept: bool = False  # keep_freed_memory has set glibc's mallopt in this process
 
 
 def default_threads(cores: int | None = None) -> int:
@@ -65,7 +86,22 @@ def allocator_in_use() -> str:
         return "glibc"
 
 
+def keep_freed_memory() -> bool:
+    """Under glibc malloc, mallopt so freed memory stays with the process (module docstring);
+    returns whether it is in effect (False under another allocator or without glibc)."""
+    global _kept
+    if _kept or allocator_in_use() != "glibc":
+        return _kept
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _kept = all(mallopt(code, value) == 1 for _, code, value in _KEEP)
+    return _kept
+
+
 def runtime_settings() -> dict:
     """What this process runs with, read back (not the request)."""
     return {"threads": threads_in_effect(), "allocator": allocator_in_use(),
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "malloc_keeps_freed": _kept}
