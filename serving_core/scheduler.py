@@ -40,6 +40,11 @@ Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12
 - whole_chunks (off by default): a running request short of units for its chunk is
   preempted (vLLM's `allocate_slots`, all or nothing); off, it first shortens its chunk
   to the last servable boundary.
+- state_blocks (`n0` by default): `vllm_align` keeps vLLM's align-mode Mamba block lifecycle
+  (`MambaManager`): a chunk publishes the state where it ends on a boundary in its running
+  state and, when it reaches the prefill end, one prefill checkpoint at the last boundary
+  inside it; a running state is new only in a new block, and the previous one, the
+  checkpoint and the adopted one stay held until the request's next allocation.
 - split_last_boundary (off by default): with aligned chunks, a prefill chunk that
   would end exactly at the end of a prompt of k C tokens ends at (k-1) C instead, so
   the state at N - C is published (p = C floor((N-1)/C) for a later identical
@@ -64,6 +69,7 @@ from serving_core.state_manager import ChunkState, HybridStateManager
 
 ADMISSION_GATES = ("full_prompt", "first_chunk", "reserve_output", "capped_prompt")
 CHECKPOINT_PLACEMENTS = ("step_end", "every_boundary")
+STATE_BLOCKS = ("n0", "vllm_align")
 
 
 def _placement(value, ctx):
@@ -144,6 +150,11 @@ class SchedulerConfig:
         False, "a running request short of units for its chunk is preempted (vLLM's "
         "allocate_slots, all or nothing; false: it shortens the chunk to a boundary first)",
         allowed=(True, False))
+    state_blocks: str = rule(
+        "n0", "the recurrent state's blocks: n0 (a destination per boundary crossed, the "
+        "working composite published and replaced) or vllm_align (vLLM's align-mode Mamba "
+        "manager: state at chunk ends and one prefill checkpoint, released a step later)",
+        allowed=STATE_BLOCKS)
     split_last_boundary: bool = rule(
         False, "aligned: a chunk ending at N = k C ends at N - C", allowed=(True, False),
         requested=lambda value, ctx: _aligned(ctx) and value)
@@ -225,6 +236,7 @@ class Scheduler:
         self.cross_final_chunk = bool(cfg.cross_final_chunk)
         self.whole_chunks = bool(cfg.whole_chunks)
         self.stop_at_junction = bool(cfg.stop_at_junction)
+        self.state_blocks = cfg.state_blocks
         self.full_prompt = cfg.admission in ("full_prompt", "reserve_output", "capped_prompt")
         self.capped_prompt = cfg.admission == "capped_prompt"
         self.reserve_output = cfg.admission == "reserve_output"
@@ -238,7 +250,8 @@ class Scheduler:
                 "could progress while requests decode; allowed: prefill_tokens >= "
                 f"{self.C}, or engine.align_chunks=false")
         self.state = HybridStateManager(mem, step_end=self.step_end,
-                                        retention_k=cfg.retention_k, pinning_k=cfg.pinning_k)
+                                        retention_k=cfg.retention_k, pinning_k=cfg.pinning_k,
+                                        vllm_blocks=cfg.state_blocks == "vllm_align")
         self.state_views = False  # attach a ChunkState to each planned chunk (Engine sets it)
         # memoize a blocked head's failed admission (_try_admit) where that is exact
         self.memo_blocked = mem.stable_demand
@@ -284,7 +297,9 @@ class Scheduler:
             if chunk:  # decode (one token) needs no chunking
                 want = self._chunk(req.num_computed, req.num_tokens, min(budget, prefill),
                                    req.junction)
-            elif req.num_computed < req.room_end:  # most decodes: held units suffice
+            if req.lagging and want:  # state_blocks=vllm_align: allocate_slots frees them
+                self.state.release_lagging(req)
+            if not chunk and req.num_computed < req.room_end:  # held units suffice
                 plan.append(Scheduled(req, 1, req.num_computed))
                 budget -= 1
                 i += 1

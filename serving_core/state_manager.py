@@ -46,6 +46,11 @@ from dataclasses import dataclass, field
 from serving_core.memory import NULL, MemoryOrganization
 from serving_core.memory.prefix_cache import PrefixHit
 from serving_core.request import Request
+from serving_core.vllm_state_blocks import (
+    allocate_vllm_state,
+    prefill_checkpoint,
+    vllm_state_demand,
+)
 
 BLOCK, CHECKPOINT = "a", "c"  # kinds of the entries a state tier holds
 
@@ -123,8 +128,10 @@ class HybridStateManager:
     """State objects of the requests over one memory organization (see the module doc)."""
 
     def __init__(self, mem: MemoryOrganization, *, step_end: bool, retention_k: int | None,
-                 pinning_k: int | None) -> None:
+                 pinning_k: int | None, vllm_blocks: bool = False) -> None:
         self.mem = mem
+        # state_blocks=vllm_align (serving_core.state_blocks): vLLM's align-mode Mamba blocks
+        self.vllm_blocks = vllm_blocks and bool(mem.checkpoint_interval)
         self.B = mem.block_tokens
         self.C = mem.checkpoint_interval
         self.step_end = step_end
@@ -167,6 +174,8 @@ class HybridStateManager:
         published, and `working` composites."""
         held = len(req.attn) if held_blocks is None else held_blocks
         blocks = math.ceil((start + n) / self.B) - held
+        if self.vllm_blocks:
+            return self.mem.demand(blocks, vllm_state_demand(req, start, start + n, self.C))
         return self.mem.demand(blocks, len(self.boundaries(start, start + n)) + working)
 
     def prompt_demand(self, req: Request, start: int, working: int, held_blocks: int,
@@ -257,12 +266,14 @@ class HybridStateManager:
     # ----- running requests --------------------------------------------------------------------
     def _allocate(self, req: Request, start: int, n: int, working: bool) -> None:
         mem = self.mem
-        if working:
+        if self.vllm_blocks:
+            allocate_vllm_state(mem, req, start, start + n, self.C)
+        elif working:
             req.working = mem.allocate_composite(req.rid)
         more = math.ceil((start + n) / self.B) - len(req.attn)
         if more > 0:
             req.attn.extend(mem.allocate_attention_blocks(req.rid, more))
-        for _ in self.boundaries(start, start + n):
+        for _ in () if self.vllm_blocks else self.boundaries(start, start + n):
             req.dests.append(mem.allocate_composite(req.rid))
         # From start + n on, a decode at position p writes token p + 1: it stays within the
         # blocks held and publishes nothing while p + 1 is below the next multiple of C.
@@ -353,8 +364,17 @@ class HybridStateManager:
         req.attn = []
         req.room_end = 0
 
+    def release_lagging(self, req: Request) -> None:
+        """state_blocks=vllm_align: the state blocks a request kept past their step (its
+        previous running state, its prefill checkpoint, its adopted checkpoint) return at
+        its next allocation (vLLM's `MambaManager.remove_skipped_blocks`), newest first."""
+        self.mem.release_each(reversed(req.lagging))
+        req.lagging = []
+
     def _release_state(self, req: Request) -> None:
         mem = self.mem
+        if req.lagging:
+            self.release_lagging(req)
         for obj in req.dests:
             mem.release(obj, producer=True)
         req.dests = []
@@ -386,15 +406,29 @@ class HybridStateManager:
                 if not obj.cached:
                     if mem.publish(obj, keys[bi], (bi + 1) * B) and log is not None and not C:
                         log.append((BLOCK, keys[bi], keys[: bi + 1]))
-            for j in self.boundaries(c0, c1):
-                published = self._cross_boundary(req, keys[j * C // B - 1], j * C)
+            for j in self._published(req, c0, c1):
+                published = (self._publish_vllm(req, keys[j * C // B - 1], j * C, j * C < c1)
+                             if self.vllm_blocks else
+                             self._cross_boundary(req, keys[j * C // B - 1], j * C))
                 if published and log is not None:
                     log.append((CHECKPOINT, keys[j * C // B - 1], keys[: j * C // B]))
                 if view is not None and published:
                     view.published.append((j * C, published))
         if req.adopted:
-            self.mem.release(req.adopted)
+            if self.vllm_blocks:  # vLLM frees the hit block at the next allocation
+                req.lagging.append(req.adopted)
+            else:
+                self.mem.release(req.adopted)
             req.adopted = NULL
+
+    def _published(self, req: Request, c0: int, c1: int):
+        """Checkpoint indices [c0, c1) publishes: every boundary it crosses (placement), or
+        under state_blocks=vllm_align its prefill checkpoint and its end on a boundary."""
+        if not self.vllm_blocks:
+            return self.boundaries(c0, c1)
+        C = self.C
+        return [j for j in (prefill_checkpoint(req, c0, c1, C) // C,
+                            c1 // C if not c1 % C else 0) if j]
 
     def record_final_states(self, plan) -> None:
         """After a step completed: each chunk view's `final`, the working composite the
@@ -422,6 +456,20 @@ class HybridStateManager:
         else:
             mem.release(produced, producer=True)
         return produced
+
+    def _publish_vllm(self, req: Request, key: int, boundary: int, inside: bool):
+        """state_blocks=vllm_align: the prefill checkpoint's block (`inside` the chunk) is
+        published and kept until the next allocation; a chunk ending on `boundary`
+        publishes its running state in place. Returns the composite published (NULL for a
+        no-op publication: an entry exists)."""
+        mem = self.mem
+        obj = req.dests.pop(0) if inside else req.working
+        if inside:
+            req.lagging.append(obj)
+        if mem.cached_checkpoint(key) is not None and not mem.cache_duplicates:
+            return NULL
+        mem.publish(obj, key, boundary)
+        return obj
 
     # ----- a state tier ----------------------------------------------------------------------
     @property
