@@ -437,6 +437,8 @@ class Scheduler:
             # supply more) and the budget is no smaller (a chunk no shorter): it fails again.
             return None
         adoption = self.state.adoption(req)
+        if self.state.vllm_blocks and self.state.cached_this_step(req, adoption):
+            return None  # state_blocks=vllm_align: vLLM refuses the hit until the next step
         hit = adoption.hit.attention
         req.junction = hit if self.stop_at_junction and hit > adoption.jadopt else 0
         n = self._chunk(adoption.jadopt, req.num_tokens, budget, req.junction)

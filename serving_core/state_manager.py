@@ -48,6 +48,7 @@ from serving_core.memory.prefix_cache import PrefixHit
 from serving_core.request import Request
 from serving_core.vllm_state_blocks import (
     allocate_vllm_state,
+    cached_at_scheduling,
     prefill_checkpoint,
     vllm_state_demand,
 )
@@ -132,6 +133,7 @@ class HybridStateManager:
         self.mem = mem
         # state_blocks=vllm_align (serving_core.state_blocks): vLLM's align-mode Mamba blocks
         self.vllm_blocks = vllm_blocks and bool(mem.checkpoint_interval)
+        self.step_cached: set[int] = set()  # vllm_blocks: checkpoint keys cached this step
         self.B = mem.block_tokens
         self.C = mem.checkpoint_interval
         self.step_end = step_end
@@ -201,6 +203,17 @@ class HybridStateManager:
     # ----- lookup and adoption ------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.mem.cache.begin_step(step)
+        if self.step_cached:
+            self.step_cached.clear()
+
+    def cached_this_step(self, req: Request, adoption: Adoption) -> bool:
+        """state_blocks=vllm_align: whether the prefix `req` would adopt ends on a checkpoint
+        cached in this step (vLLM caches at scheduling; its `MambaManager` refuses such a
+        hit for the step, `cached_blocks_this_step`, which stops admission)."""
+        if not self.step_cached:
+            return False
+        keys, cached = adoption.keys, self.step_cached
+        return any(key in cached for key in keys[max(adoption.jadopt // self.B - 1, 0):])
 
     def peek(self, req: Request) -> PrefixHit:
         """The request's cached prefix now (no memo: a trace reading)."""
@@ -268,6 +281,7 @@ class HybridStateManager:
         mem = self.mem
         if self.vllm_blocks:
             allocate_vllm_state(mem, req, start, start + n, self.C)
+            self.step_cached.update(cached_at_scheduling(req, start, start + n, self.C))
         elif working:
             req.working = mem.allocate_composite(req.rid)
         more = math.ceil((start + n) / self.B) - len(req.attn)

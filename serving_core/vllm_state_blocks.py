@@ -10,7 +10,10 @@ starts on a block boundary and the checkpoint lies at least a block past it). Th
 previous running-state block, the checkpoint block and the prefix-hit block are freed
 at the request's next `allocate_slots` (`remove_skipped_blocks`), not when the step ends.
 A block that fills is cached (`cache_blocks`): the states at chunk ends on a boundary and
-the prefill checkpoints are what the prefix cache holds. The hybrid manager's Mamba2
+the prefill checkpoints are what the prefix cache holds, cached when the chunk is
+scheduled; a prefix hit on a state cached in the current step is refused until the next
+(`cached_blocks_this_step`), and the prompt's last boundary is cached again while the
+request still holds its state there (`_cache_partial_tail_block`). The hybrid manager's Mamba2
 spec asks one checkpoint block with alignment 1 (`MambaMixer2.get_kv_cache_spec`).
 """
 
@@ -50,3 +53,16 @@ def allocate_vllm_state(mem, req: Request, start: int, end: int, C: int) -> None
         req.working = mem.allocate_composite(req.rid)
     if prefill_checkpoint(req, start, end, C):
         req.dests.append(mem.allocate_composite(req.rid))
+
+
+def cached_at_scheduling(req: Request, start: int, end: int, C: int) -> list[int]:
+    """Keys of the checkpoints vLLM caches when it schedules the chunk [start, end): the
+    state at its end on a boundary, its prefill checkpoint, and the prompt's last boundary
+    when the chunk starts there (`_cache_partial_tail_block` keys it again)."""
+    last = (req.num_prompt - 1) // C * C
+    marks = [b for b in (0 if end % C else end, prefill_checkpoint(req, start, end, C),
+                         last if start == last else 0) if b]
+    if not marks:
+        return []
+    keys = req.ensure_keys(max(marks) // req.block_tokens)
+    return [keys[b // req.block_tokens - 1] for b in marks]
