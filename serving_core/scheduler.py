@@ -44,7 +44,9 @@ Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12
   (`MambaManager`): a chunk publishes the state where it ends on a boundary in its running
   state and, when it reaches the prefill end, one prefill checkpoint at the last boundary
   inside it; a running state is new only in a new block, and the previous one, the
-  checkpoint and the adopted one stay held until the request's next allocation.
+  checkpoint and the adopted one stay held until the request's next allocation;
+  `retention_blocks` k keeps a checkpoint every k blocks (0: only the prompt's last boundary
+  and the shared-prefix junction, vLLM's default retention).
 - split_last_boundary (off by default): with aligned chunks, a prefill chunk that
   would end exactly at the end of a prompt of k C tokens ends at (k-1) C instead, so
   the state at N - C is published (p = C floor((N-1)/C) for a later identical
@@ -155,6 +157,11 @@ class SchedulerConfig:
         "working composite published and replaced) or vllm_align (vLLM's align-mode Mamba "
         "manager: state at chunk ends and one prefill checkpoint, released a step later)",
         allowed=STATE_BLOCKS)
+    retention_blocks: int = rule(
+        1, "state_blocks=vllm_align: a checkpoint is kept every k blocks (vLLM's "
+        "prefix_cache_retention_interval in blocks); 0: only the prompt's last boundary and "
+        "the shared-prefix junction (vLLM's default)",
+        check=lambda v: is_integer(v, 0), shown="integers >= 0")
     split_last_boundary: bool = rule(
         False, "aligned: a chunk ending at N = k C ends at N - C", allowed=(True, False),
         requested=lambda value, ctx: _aligned(ctx) and value)
@@ -170,6 +177,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_rules(self)
+        if self.retention_blocks != 1 and self.state_blocks != "vllm_align":
+            raise ValueError(f"engine.retention_blocks={self.retention_blocks}: applies only "
+                             "with engine.state_blocks=vllm_align (allowed value here: 1)")
         r = self.reserve_output_tokens
         if r and self.admission != "reserve_output":
             raise ValueError(
@@ -237,6 +247,7 @@ class Scheduler:
         self.whole_chunks = bool(cfg.whole_chunks)
         self.stop_at_junction = bool(cfg.stop_at_junction)
         self.state_blocks = cfg.state_blocks
+        self.retention_blocks = cfg.retention_blocks
         self.full_prompt = cfg.admission in ("full_prompt", "reserve_output", "capped_prompt")
         self.capped_prompt = cfg.admission == "capped_prompt"
         self.reserve_output = cfg.admission == "reserve_output"
@@ -251,7 +262,8 @@ class Scheduler:
                 f"{self.C}, or engine.align_chunks=false")
         self.state = HybridStateManager(mem, step_end=self.step_end,
                                         retention_k=cfg.retention_k, pinning_k=cfg.pinning_k,
-                                        vllm_blocks=cfg.state_blocks == "vllm_align")
+                                        vllm_blocks=cfg.state_blocks == "vllm_align",
+                                        retention_blocks=cfg.retention_blocks)
         self.state_views = False  # attach a ChunkState to each planned chunk (Engine sets it)
         # memoize a blocked head's failed admission (_try_admit) where that is exact
         self.memo_blocked = mem.stable_demand

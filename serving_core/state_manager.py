@@ -46,12 +46,7 @@ from dataclasses import dataclass, field
 from serving_core.memory import NULL, MemoryOrganization
 from serving_core.memory.prefix_cache import PrefixHit
 from serving_core.request import Request
-from serving_core.vllm_state_blocks import (
-    allocate_vllm_state,
-    cached_at_scheduling,
-    prefill_checkpoint,
-    vllm_state_demand,
-)
+from serving_core.vllm_state_blocks import VllmStateBlocks
 
 BLOCK, CHECKPOINT = "a", "c"  # kinds of the entries a state tier holds
 
@@ -129,10 +124,13 @@ class HybridStateManager:
     """State objects of the requests over one memory organization (see the module doc)."""
 
     def __init__(self, mem: MemoryOrganization, *, step_end: bool, retention_k: int | None,
-                 pinning_k: int | None, vllm_blocks: bool = False) -> None:
+                 pinning_k: int | None, vllm_blocks: bool = False,
+                 retention_blocks: int = 1) -> None:
         self.mem = mem
         # state_blocks=vllm_align (serving_core.state_blocks): vLLM's align-mode Mamba blocks
         self.vllm_blocks = vllm_blocks and bool(mem.checkpoint_interval)
+        self.vllm = VllmStateBlocks(mem.checkpoint_interval, retention_blocks) if (
+            self.vllm_blocks) else None
         self.step_cached: set[int] = set()  # vllm_blocks: checkpoint keys cached this step
         self.B = mem.block_tokens
         self.C = mem.checkpoint_interval
@@ -177,7 +175,7 @@ class HybridStateManager:
         held = len(req.attn) if held_blocks is None else held_blocks
         blocks = math.ceil((start + n) / self.B) - held
         if self.vllm_blocks:
-            return self.mem.demand(blocks, vllm_state_demand(req, start, start + n, self.C))
+            return self.mem.demand(blocks, self.vllm.demand(req, start, start + n))
         return self.mem.demand(blocks, len(self.boundaries(start, start + n)) + working)
 
     def prompt_demand(self, req: Request, start: int, working: int, held_blocks: int,
@@ -280,8 +278,8 @@ class HybridStateManager:
     def _allocate(self, req: Request, start: int, n: int, working: bool) -> None:
         mem = self.mem
         if self.vllm_blocks:
-            allocate_vllm_state(mem, req, start, start + n, self.C)
-            self.step_cached.update(cached_at_scheduling(req, start, start + n, self.C))
+            self.vllm.allocate(mem, req, start, start + n)
+            self.step_cached.update(self.vllm.cached_at_scheduling(req, start, start + n))
         elif working:
             req.working = mem.allocate_composite(req.rid)
         more = math.ceil((start + n) / self.B) - len(req.attn)
@@ -440,9 +438,7 @@ class HybridStateManager:
         under state_blocks=vllm_align its prefill checkpoint and its end on a boundary."""
         if not self.vllm_blocks:
             return self.boundaries(c0, c1)
-        C = self.C
-        return [j for j in (prefill_checkpoint(req, c0, c1, C) // C,
-                            c1 // C if not c1 % C else 0) if j]
+        return [b // self.C for b in self.vllm.published(req, c0, c1)]
 
     def record_final_states(self, plan) -> None:
         """After a step completed: each chunk view's `final`, the working composite the
@@ -480,7 +476,8 @@ class HybridStateManager:
         obj = req.dests.pop(0) if inside else req.working
         if inside:
             req.lagging.append(obj)
-        if mem.cached_checkpoint(key) is not None and not mem.cache_duplicates:
+        if not self.vllm.retained(req, boundary) or (
+                mem.cached_checkpoint(key) is not None and not mem.cache_duplicates):
             return NULL
         mem.publish(obj, key, boundary)
         return obj
