@@ -385,7 +385,7 @@ class HybridStateManager:
 
     def _release_state(self, req: Request) -> None:
         mem = self.mem
-        if req.lagging:
+        if self.vllm_blocks and req.lagging:
             self.release_lagging(req)
         for obj in req.dests:
             mem.release(obj, producer=True)
