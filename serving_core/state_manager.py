@@ -383,10 +383,19 @@ class HybridStateManager:
         self.mem.release_each(reversed(req.lagging))
         req.lagging = []
 
+    def _release_vllm_state(self, req: Request) -> None:
+        """state_blocks=vllm_align: the Mamba blocks in vLLM's order, the highest block index
+        first (`pop_blocks_for_free`: the running state, the checkpoint, the earlier states,
+        the prefix hit)."""
+        objs = [o for o in (req.working, *reversed(req.dests), *reversed(req.lagging),
+                            req.adopted) if o]
+        self.mem.release_each(objs)
+        req.working, req.dests, req.lagging, req.adopted = NULL, [], [], NULL
+
     def _release_state(self, req: Request) -> None:
         mem = self.mem
-        if self.vllm_blocks and req.lagging:
-            self.release_lagging(req)
+        if self.vllm_blocks:
+            self._release_vllm_state(req)
         for obj in req.dests:
             mem.release(obj, producer=True)
         req.dests = []
@@ -427,8 +436,8 @@ class HybridStateManager:
                 if view is not None and published:
                     view.published.append((j * C, published))
         if req.adopted:
-            if self.vllm_blocks:  # vLLM frees the hit block at the next allocation
-                req.lagging.append(req.adopted)
+            if self.vllm_blocks:  # vLLM frees the hit block (the lowest index) next time
+                req.lagging.insert(0, req.adopted)
             else:
                 self.mem.release(req.adopted)
             req.adopted = NULL
