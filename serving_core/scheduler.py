@@ -156,12 +156,14 @@ class SchedulerConfig:
         "n0", "the recurrent state's blocks: n0 (a destination per boundary crossed, the "
         "working composite published and replaced) or vllm_align (vLLM's align-mode Mamba "
         "manager: state at chunk ends and one prefill checkpoint, released a step later)",
-        allowed=STATE_BLOCKS)
+        allowed=STATE_BLOCKS,
+        effective=lambda sched: "vllm_align" if sched.state.vllm_blocks else "n0")
     retention_blocks: int = rule(
         1, "state_blocks=vllm_align: a checkpoint is kept every k blocks (vLLM's "
         "prefix_cache_retention_interval in blocks); 0: only the prompt's last boundary and "
         "the shared-prefix junction (vLLM's default)",
-        check=lambda v: is_integer(v, 0), shown="integers >= 0")
+        check=lambda v: is_integer(v, 0), shown="integers >= 0",
+        effective=lambda sched: sched.state.vllm.retention if sched.state.vllm else 1)
     split_last_boundary: bool = rule(
         False, "aligned: a chunk ending at N = k C ends at N - C", allowed=(True, False),
         requested=lambda value, ctx: _aligned(ctx) and value)
@@ -246,8 +248,6 @@ class Scheduler:
         self.cross_final_chunk = bool(cfg.cross_final_chunk)
         self.whole_chunks = bool(cfg.whole_chunks)
         self.stop_at_junction = bool(cfg.stop_at_junction)
-        self.state_blocks = cfg.state_blocks
-        self.retention_blocks = cfg.retention_blocks
         self.full_prompt = cfg.admission in ("full_prompt", "reserve_output", "capped_prompt")
         self.capped_prompt = cfg.admission == "capped_prompt"
         self.reserve_output = cfg.admission == "reserve_output"
