@@ -51,6 +51,7 @@ class Request:
         "adopted",
         "dests",
         "retained",
+        "lagging",
         "pin",
         "episodes",
         "preemptions",
@@ -95,6 +96,7 @@ class Request:
         # needs no new unit and crosses no boundary (serving_core/state_manager.py _allocate)
         self.room_end = 0
         self.retained: list = []  # published checkpoints pinned by producer-side retention
+        self.lagging: list = []  # state_blocks=vllm_align: released at the next allocation
         self.pin = NULL  # preemption-time pin on the rightmost checkpoint
         self.episodes = 0
         self.preemptions = 0

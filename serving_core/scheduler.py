@@ -42,6 +42,13 @@ Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12
 - whole_chunks (off by default): a running request short of units for its chunk is
   preempted (vLLM's `allocate_slots`, all or nothing); off, it first shortens its chunk
   to the last servable boundary.
+- state_blocks (`n0` by default): `vllm_align` keeps vLLM's align-mode Mamba block lifecycle
+  (`MambaManager`): a chunk publishes the state where it ends on a boundary in its running
+  state and, when it reaches the prefill end, one prefill checkpoint at the last boundary
+  inside it; a running state is new only in a new block, and the previous one, the
+  checkpoint and the adopted one stay held until the request's next allocation;
+  `retention_blocks` k keeps a checkpoint every k blocks (0: only the prompt's last boundary
+  and the shared-prefix junction, vLLM's default retention).
 - split_last_boundary (off by default): with aligned chunks, a prefill chunk that
   would end exactly at the end of a prompt of k C tokens ends at (k-1) C instead, so
   the state at N - C is published (p = C floor((N-1)/C) for a later identical
@@ -76,6 +83,7 @@ from serving_core.state_manager import ChunkState, HybridStateManager
 
 ADMISSION_GATES = ("full_prompt", "first_chunk", "reserve_output", "capped_prompt")
 CHECKPOINT_PLACEMENTS = ("step_end", "every_boundary")
+STATE_BLOCKS = ("n0", "vllm_align")
 
 
 def _placement(value, ctx):
@@ -161,6 +169,18 @@ class SchedulerConfig:
         False, "a running request short of units for its chunk is preempted (vLLM's "
         "allocate_slots, all or nothing; false: it shortens the chunk to a boundary first)",
         allowed=(True, False))
+    state_blocks: str = rule(
+        "n0", "the recurrent state's blocks: n0 (a destination per boundary crossed, the "
+        "working composite published and replaced) or vllm_align (vLLM's align-mode Mamba "
+        "manager: state at chunk ends and one prefill checkpoint, released a step later)",
+        allowed=STATE_BLOCKS,
+        effective=lambda sched: "vllm_align" if sched.state.vllm_blocks else "n0")
+    retention_blocks: int = rule(
+        1, "state_blocks=vllm_align: a checkpoint is kept every k blocks (vLLM's "
+        "prefix_cache_retention_interval in blocks); 0: only the prompt's last boundary and "
+        "the shared-prefix junction (vLLM's default)",
+        check=lambda v: is_integer(v, 0), shown="integers >= 0",
+        effective=lambda sched: sched.state.vllm.retention if sched.state.vllm else 1)
     split_last_boundary: bool = rule(
         False, "aligned: a chunk ending at N = k C ends at N - C", allowed=(True, False),
         requested=lambda value, ctx: _aligned(ctx) and value)
@@ -176,6 +196,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_rules(self)
+        if self.retention_blocks != 1 and self.state_blocks != "vllm_align":
+            raise ValueError(f"engine.retention_blocks={self.retention_blocks}: applies only "
+                             "with engine.state_blocks=vllm_align (allowed value here: 1)")
         r = self.reserve_output_tokens
         if r and self.admission != "reserve_output":
             raise ValueError(
@@ -270,7 +293,9 @@ class Scheduler:
         self.state = HybridStateManager(mem, step_end=self.step_end,
                                         retention_k=cfg.retention_k, pinning_k=cfg.pinning_k,
                                         placement=None if legacy or not self.C
-                                        else self.placement)
+                                        else self.placement,
+                                        vllm_blocks=cfg.state_blocks == "vllm_align",
+                                        retention_blocks=cfg.retention_blocks)
         self.state_views = False  # attach a ChunkState to each planned chunk (Engine sets it)
         # memoize a blocked head's failed admission (_try_admit) where that is exact
         self.memo_blocked = mem.stable_demand
@@ -318,7 +343,9 @@ class Scheduler:
             if chunk:  # decode (one token) needs no chunking
                 want = self._chunk(req.num_computed, req.num_tokens, min(budget, prefill),
                                    req.junction)
-            elif req.num_computed < req.room_end:  # most decodes: held units suffice
+            if req.lagging and want:  # state_blocks=vllm_align: allocate_slots frees them
+                self.state.release_lagging(req)
+            if not chunk and req.num_computed < req.room_end:  # held units suffice
                 plan.append(Scheduled(req, 1, req.num_computed))
                 budget -= 1
                 i += 1
@@ -456,6 +483,8 @@ class Scheduler:
             # supply more) and the budget is no smaller (a chunk no shorter): it fails again.
             return None
         adoption = self.state.adoption(req)
+        if self.state.vllm_blocks and self.state.cached_this_step(req, adoption):
+            return None  # state_blocks=vllm_align: vLLM refuses the hit until the next step
         hit = adoption.hit.attention
         req.junction = hit if self.stop_at_junction and hit > adoption.jadopt else 0
         n = self._chunk(adoption.jadopt, req.num_tokens, budget, req.junction)

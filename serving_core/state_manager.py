@@ -47,6 +47,7 @@ from serving_core.memory import NULL, MemoryOrganization
 from serving_core.memory.prefix_cache import PrefixHit
 from serving_core.placement import Placement
 from serving_core.request import Request
+from serving_core.vllm_state_blocks import VllmStateBlocks
 
 BLOCK, CHECKPOINT = "a", "c"  # kinds of the entries a state tier holds
 
@@ -124,8 +125,14 @@ class HybridStateManager:
     """State objects of the requests over one memory organization (see the module doc)."""
 
     def __init__(self, mem: MemoryOrganization, *, step_end: bool, retention_k: int | None,
-                 pinning_k: int | None, placement: Placement | None = None) -> None:
+                 pinning_k: int | None, placement: Placement | None = None,
+                 vllm_blocks: bool = False, retention_blocks: int = 1) -> None:
         self.mem = mem
+        # state_blocks=vllm_align (serving_core.state_blocks): vLLM's align-mode Mamba blocks
+        self.vllm_blocks = vllm_blocks and bool(mem.checkpoint_interval)
+        self.vllm = VllmStateBlocks(mem.checkpoint_interval, retention_blocks) if (
+            self.vllm_blocks) else None
+        self.step_cached: set[int] = set()  # vllm_blocks: checkpoint keys cached this step
         self.B = mem.block_tokens
         self.C = mem.checkpoint_interval
         self.step_end = step_end
@@ -177,6 +184,8 @@ class HybridStateManager:
         published, and `working` composites."""
         held = len(req.attn) if held_blocks is None else held_blocks
         blocks = math.ceil((start + n) / self.B) - held
+        if self.vllm_blocks:
+            return self.mem.demand(blocks, self.vllm.demand(req, start, start + n))
         return self.mem.demand(blocks, len(self.boundaries(start, start + n, req)) + working)
 
     def prompt_demand(self, req: Request, start: int, working: int, held_blocks: int,
@@ -204,6 +213,17 @@ class HybridStateManager:
     # ----- lookup and adoption ------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.mem.cache.begin_step(step)
+        if self.step_cached:
+            self.step_cached.clear()
+
+    def cached_this_step(self, req: Request, adoption: Adoption) -> bool:
+        """state_blocks=vllm_align: whether the prefix `req` would adopt ends on a checkpoint
+        cached in this step (vLLM caches at scheduling; its `MambaManager` refuses such a
+        hit for the step, `cached_blocks_this_step`, which stops admission)."""
+        if not self.step_cached:
+            return False
+        keys, cached = adoption.keys, self.step_cached
+        return any(key in cached for key in keys[max(adoption.jadopt // self.B - 1, 0):])
 
     def peek(self, req: Request) -> PrefixHit:
         """The request's cached prefix now (no memo: a trace reading)."""
@@ -271,12 +291,15 @@ class HybridStateManager:
     # ----- running requests --------------------------------------------------------------------
     def _allocate(self, req: Request, start: int, n: int, working: bool) -> None:
         mem = self.mem
-        if working:
+        if self.vllm_blocks:
+            self.vllm.allocate(mem, req, start, start + n)
+            self.step_cached.update(self.vllm.cached_at_scheduling(req, start, start + n))
+        elif working:
             req.working = mem.allocate_composite(req.rid)
         more = math.ceil((start + n) / self.B) - len(req.attn)
         if more > 0:
             req.attn.extend(mem.allocate_attention_blocks(req.rid, more))
-        for _ in self.boundaries(start, start + n, req):
+        for _ in () if self.vllm_blocks else self.boundaries(start, start + n, req):
             req.dests.append(mem.allocate_composite(req.rid))
         # From start + n on, a decode at position p writes token p + 1: it stays within the
         # blocks held and publishes nothing while p + 1 is below the next multiple of C.
@@ -370,8 +393,26 @@ class HybridStateManager:
         req.attn = []
         req.room_end = 0
 
+    def release_lagging(self, req: Request) -> None:
+        """state_blocks=vllm_align: the state blocks a request kept past their step (its
+        previous running state, its prefill checkpoint, its adopted checkpoint) return at
+        its next allocation (vLLM's `MambaManager.remove_skipped_blocks`), newest first."""
+        self.mem.release_each(reversed(req.lagging))
+        req.lagging = []
+
+    def _release_vllm_state(self, req: Request) -> None:
+        """state_blocks=vllm_align: the Mamba blocks in vLLM's order, the highest block index
+        first (`pop_blocks_for_free`: the running state, the checkpoint, the earlier states,
+        the prefix hit)."""
+        objs = [o for o in (req.working, *reversed(req.dests), *reversed(req.lagging),
+                            req.adopted) if o]
+        self.mem.release_each(objs)
+        req.working, req.dests, req.lagging, req.adopted = NULL, [], [], NULL
+
     def _release_state(self, req: Request) -> None:
         mem = self.mem
+        if self.vllm_blocks:
+            self._release_vllm_state(req)
         for obj in req.dests:
             mem.release(obj, producer=True)
         req.dests = []
@@ -403,15 +444,27 @@ class HybridStateManager:
                 if not obj.cached:
                     if mem.publish(obj, keys[bi], (bi + 1) * B) and log is not None and not C:
                         log.append((BLOCK, keys[bi], keys[: bi + 1]))
-            for j in self.boundaries(c0, c1, req):
-                published = self._cross_boundary(req, keys[j * C // B - 1], j * C)
+            for j in self._published(req, c0, c1):
+                published = (self._publish_vllm(req, keys[j * C // B - 1], j * C, j * C < c1)
+                             if self.vllm_blocks else
+                             self._cross_boundary(req, keys[j * C // B - 1], j * C))
                 if published and log is not None:
                     log.append((CHECKPOINT, keys[j * C // B - 1], keys[: j * C // B]))
                 if view is not None and published:
                     view.published.append((j * C, published))
         if req.adopted:
-            self.mem.release(req.adopted)
+            if self.vllm_blocks:  # vLLM frees the hit block (the lowest index) next time
+                req.lagging.insert(0, req.adopted)
+            else:
+                self.mem.release(req.adopted)
             req.adopted = NULL
+
+    def _published(self, req: Request, c0: int, c1: int):
+        """Checkpoint indices [c0, c1) publishes: every boundary it crosses (placement), or
+        under state_blocks=vllm_align its prefill checkpoint and its end on a boundary."""
+        if not self.vllm_blocks:
+            return self.boundaries(c0, c1, req)
+        return [b // self.C for b in self.vllm.published(req, c0, c1)]
 
     def record_final_states(self, plan) -> None:
         """After a step completed: each chunk view's `final`, the working composite the
@@ -439,6 +492,21 @@ class HybridStateManager:
         else:
             mem.release(produced, producer=True)
         return produced
+
+    def _publish_vllm(self, req: Request, key: int, boundary: int, inside: bool):
+        """state_blocks=vllm_align: the prefill checkpoint's block (`inside` the chunk) is
+        published and kept until the next allocation; a chunk ending on `boundary`
+        publishes its running state in place. Returns the composite published (NULL for a
+        no-op publication: an entry exists)."""
+        mem = self.mem
+        obj = req.dests.pop(0) if inside else req.working
+        if inside:
+            req.lagging.append(obj)
+        if not self.vllm.retained(req, boundary) or (
+                mem.cached_checkpoint(key) is not None and not mem.cache_duplicates):
+            return NULL
+        mem.publish(obj, key, boundary)
+        return obj
 
     # ----- a state tier ----------------------------------------------------------------------
     @property

@@ -57,7 +57,8 @@ _STEPS = """
 # N0 under vLLM's rules (docs/engine_rules.md section 17): the rules a simulated run must
 # have read back to count as arm "sim_vllm" rather than "sim" (N0 at its defaults).
 VLLM_RULES = {"align_chunks": True, "cross_final_chunk": True, "stop_at_junction": True,
-              "admission": "capped_prompt", "whole_chunks": True}
+              "admission": "capped_prompt", "whole_chunks": True, "state_blocks": "vllm_align",
+              "duplicates": "cache"}
 SIM_ARMS = {"sim": "N0 at its defaults", "sim_vllm": "N0 under vLLM's rules"}
 
 
