@@ -47,7 +47,7 @@ class CheckpointLineage:
         self.lookup = lookup  # keys -> PrefixHit (the organization's lookup)
         self.rows = {c: [] for c in LINEAGE_COLUMNS}
         self.born: dict[int, tuple[float, int]] = {}  # cached checkpoint key -> (t, step)
-        self.waiting: dict[int, _Waiting] = {}
+        self.watched: dict[int, _Waiting] = {}
         self.watch: dict[int, dict[int, int]] = {}  # key -> {waiting rid: block index}
         self.admitted_keys: set[int] = set()  # chain keys of this step's admissions
         self.step = -1
@@ -86,7 +86,7 @@ class CheckpointLineage:
         self._row(t, step, "END", key, boundary, producer, cause=reason,
                   cause_request_id=cause, age_s=t - t0, age_steps=step - step0)
 
-    def adopted(self, checkpoint, rid: int, episode: int, keys, t: float, step: int,
+    def adoption(self, checkpoint, rid: int, episode: int, keys, t: float, step: int,
                 key: str) -> None:
         """An admission: its adopted checkpoint (if any) and the end of its wait."""
         self._new_step(step)
@@ -107,7 +107,7 @@ class CheckpointLineage:
     # ----- waiting episodes -----------------------------------------------------------------
     def entered(self, rid: int, episode: int, keys, hit) -> None:
         self._unwatch(rid)
-        self.waiting[rid] = _Waiting(rid, episode, keys, hit)
+        self.watched[rid] = _Waiting(rid, episode, keys, hit)
         for i, key in enumerate(keys):
             self.watch.setdefault(key, {})[rid] = i
 
@@ -115,7 +115,7 @@ class CheckpointLineage:
         self._unwatch(rid)
 
     def _unwatch(self, rid: int) -> None:
-        w = self.waiting.pop(rid, None)
+        w = self.watched.pop(rid, None)
         if w is None:
             return
         for key in w.keys:
@@ -131,7 +131,7 @@ class CheckpointLineage:
             return
         checkpoint = obj.kind == Kind.COMPOSITE
         for rid, i in list(watchers.items()):
-            w = self.waiting[rid]
+            w = self.watched[rid]
             end = (i + 1) * self.B
             if checkpoint:
                 relevant = end > w.jadopt if gain else end == w.jadopt

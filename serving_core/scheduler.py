@@ -557,7 +557,7 @@ class Scheduler:
     def _lineage_adopt(self, req: Request, adoption) -> None:
         lineage, ckpt = self.rec.lineage, adoption.checkpoint
         if lineage is not None:
-            lineage.adopted(ckpt, req.rid, req.episodes, adoption.keys, self.now, self.step,
+            lineage.adoption(ckpt, req.rid, req.episodes, adoption.keys, self.now, self.step,
                             format_key(ckpt.key) if ckpt else "")
 
     def _trace_alloc_fail(self, req: Request, need: dict, extra: dict) -> None:

@@ -361,5 +361,6 @@ def test_keys_added_at_their_neutral_default_keep_run_identities():
         assert config_hash(old) == base
         other = compose_config(*overrides)
         with open_dict(other):
-            other[section][key] = 1 if isinstance(default, int) else "other"
+            other[section][key] = (not default if isinstance(default, bool) else default + 1
+                                   if isinstance(default, int) else "other")
         assert config_hash(other) != base
