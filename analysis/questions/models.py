@@ -6,11 +6,11 @@ larger budget (serving_core/executor/device_fit.py: A100-40GB for Falcon-H1, Gra
 and Nemotron-H, A100-80GB for Granite Small, one H200 for Jamba, two H200s tensor-parallel
 for Qwen3-Next). Every organization (S0, S1, S2, D0, N0, Jenga) at two budgets that mean
 the same for every model (16 and 32 requests at the workload's mean: KV of 3,602 tokens and
-one checkpoint each) and two loads per budget, 50 and 80 % of the memory-bound capacity of
-the budget's best organization (its leader), measured by the campaign's first stage on its
-own seed (41000) with the model's memory-unbound ceiling and unloaded p99 TTFT; D0's split
-chosen per model on separate seeds (43000-43001); test seeds 42000-42009 (ten: a unanimous
-effect passes Holm over a family's 20 tests), 150 requests a run (campaign models, plan
+one checkpoint each) and one load per budget, 80 % of the memory-bound capacity of the
+budget's best organization (its leader), measured by the campaign's first stage on its own
+seed (41000) with the model's memory-unbound ceiling and unloaded p99 TTFT; D0's split
+chosen per model on separate seeds (43000-43001); test seeds 42000-42008 (nine: a unanimous
+effect passes Holm over a family's 10 tests), 100 requests a run (campaign models, plan
 conf/prereg/models.yaml; conf/calibration/models_regime.yaml holds the regime,
 experiments/campaigns/models_regime.py writes it). A cell whose mean p99 TTFT exceeds the
 model's bound (10 x its unloaded p99 TTFT) is overloaded: flagged, not ranked. Per model,
@@ -52,7 +52,7 @@ CAVEAT = (
     "fractions to their datasheet peaks (an assumption, not a fit). MoE steps read the experts "
     "their tokens reach (E (1 - (1 - k/E)^n)), not the whole model. Budgets are state memory "
     "for the whole model, 16 and 32 requests at the workload's mean for every model (bytes "
-    "differ by model); loads are 50 and 80 % of the memory-bound capacity of each budget's "
+    "differ by model); the load is 80 % of the memory-bound capacity of each budget's "
     "best organization, so an organization of less capacity can be overloaded (flagged, not "
     "ranked); below capacity every organization that keeps up serves the offered load, so "
     "throughput ties are the expected answer there. The identified alternatives carry the "
@@ -316,7 +316,7 @@ SENS_TEXT = (
     "answer on the same seeds; `flips` marks a changed answer. Falcon-H1-7B's family also "
     "gets the `holds_under` column of `make sensitivity` (analysis/flips.py).")
 WINNERS_TEXT = (
-    "Per model, budget level (r16, r32: requests at the workload's mean) and load (l50, l80: "
+    "Per model, budget level (r16, r32: requests at the workload's mean) and load (l80: "
     "percent of the memory-bound capacity of the budget's leader): `overloaded` lists the "
     "organizations whose mean p99 TTFT exceeds the model's bound (10 x its unloaded p99 "
     "TTFT; flagged, not ranked); among the rest, the organization of highest mean "
