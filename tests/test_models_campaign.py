@@ -282,3 +282,24 @@ def test_sensitivity_runs_share_what_they_would_repeat():
     assert sorted(zip(got["org"], got["executor"], strict=True)) == [
         ("S0", "sim:dev-identified_a"),
         ("S2", "sim:dev-identified_b")]
+
+
+def test_a_winner_is_named_only_when_the_declared_holm_test_agrees():
+    from types import SimpleNamespace
+
+    eq = {"margin_pct": 1.0, "alpha": 0.05}
+    runs = pd.DataFrame({
+        "stage": "main", "model": "m", "budget": "64MiB", "rate": 2.0, "ttft_p99": 1.0,
+        "seed": [1, 1, 2, 2, 3, 3], "org": ["S0", "S1"] * 3,
+        "throughput_span": [100.0, 110.0, 100.0, 112.0, 100.0, 111.0]})
+    reg = {"m": {"ceiling": {"tokens_s": 200.0}, "budgets": {"r16": 64},
+                 "rates": {"r16": {"l80": 2.0}}, "capacity": {"r16": {"org": "S0"}}}}
+
+    def family(p_holm):
+        table = pd.DataFrame({"test": ["S1_vs_S0_r16_l80"], "p_holm": [p_holm]})
+        return [SimpleNamespace(name="m", tables={"throughput_span": table})]
+
+    # S1 over the leader S0 on every seed: named when Holm passes, undecided when not
+    assert page.winners(runs, family(0.25), reg, eq).iloc[0]["answer"] == "S1 (undecided)"
+    win = page.winners(runs, family(0.01), reg, eq).iloc[0]
+    assert (win["answer"], win["p_holm"], win["holm_below_alpha"]) == ("S1", 0.01, True)

@@ -159,6 +159,9 @@ def winners(runs: pd.DataFrame, families, reg: dict, equivalence: dict) -> pd.Da
         leader = entry.get("capacity", {}).get(level, {}).get("org", "")
         best, d = call["best"], call["d"]
         other = call["runner_up"] if best == leader else leader
+        test = _test_row(families, model, best, other, f"{level}_{load}")
+        if call["answer"] == best and test["p_holm"] > ALPHA:  # the declared test disagrees
+            call["answer"] = f"{best} (undecided)"
         rows.append({
             "stage": stage, "model": model, "budget": budget, "level": level, "rate": rate,
             "load": load, "answer": call["answer"], "best": best,
@@ -171,7 +174,7 @@ def winners(runs: pd.DataFrame, families, reg: dict, equivalence: dict) -> pd.Da
             "n": int(d.size), "ttft_bound_s": bound,
             "best_ttft_p99_s": float(part[part["org"] == best]["ttft_p99"].mean()),
             "max_ttft_p99_s": float(part.groupby("org")["ttft_p99"].mean().max()),
-            "leader": leader, **_test_row(families, model, best, other, f"{level}_{load}"),
+            "leader": leader, **test,
             "ranking": " > ".join(means.index)})
     return pd.DataFrame(rows)
 
@@ -323,7 +326,8 @@ WINNERS_TEXT = (
     "request-span throughput (output tokens/s), or `tie: A=B...` when the preregistered two "
     "one-sided tests (paired t, 90 % interval of the seedwise log ratio within +-1 %) hold "
     "against the runner-up (every organization equivalent to the best is listed), "
-    "`A (undecided)` when that interval spans both the margin and no difference; the "
+    "`A (undecided)` when that interval spans both the margin and no difference or the "
+    "declared test below does not pass Holm (a winner is named only when both agree); the "
     "throughputs as percent of the model's ceiling; the seedwise effect against the "
     "runner-up and its TOST interval; the Holm p of the declared test of the winner against "
     "the budget's leader (against the runner-up when the winner leads; Falcon-H1-7B's "
