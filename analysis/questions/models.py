@@ -19,7 +19,7 @@ among those within the bound, a tie when the preregistered equivalence test (TOS
 +-1 %) holds against the runner-up, or the best as undecided when neither holds; each
 throughput as a fraction of the model's ceiling; the capacity in bytes behind it; and
 whether the answer changes under S2's other slab policies or the identified alternatives
-(campaign models_sens, the higher load, seeds 42000-42002).
+(campaign models_sens, the highest declared load, seeds 42000-42002).
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
 
 
 SENS_TEXT = (
-    "Each cell's answer at the higher load under S2's other slab policies (slab_refill, "
+    "Each cell's answer at the highest declared load under S2's other slab policies (slab_refill, "
     "slab_dense) and every identified alternative of the identify study (its fitted "
     "constants on every organization, its rules where it has them; conf/sensitivity/"
     "alternatives.yaml), on seeds 42000-42002 (campaign models_sens), beside the test runs' "

@@ -1,12 +1,12 @@
 """The models page's sensitivity columns: each cell's answer under every alternative rule.
 
 Campaign models_sens (question sensitivity, experiments/campaigns/models_sens.py) reruns the
-test cells at the higher load on the first test seeds under S2's other slab policies and the
-identified alternatives; the regime file's `sensitivity` spec says which organizations each
-alternative ran and which it shares (the test runs, `default`, or an earlier alternative's
-identical runs). Each alternative's runs are told apart by their executor name (identified
-constants) or their engine rules. The answer under an alternative is set beside the test
-runs' answer on the same seeds and cells; `flips` marks a change.
+test cells at the highest declared load on the first test seeds under S2's other slab
+policies and the identified alternatives; the regime file's `sensitivity` spec says which
+organizations each alternative ran and which it shares (the test runs, `default`, or an
+earlier alternative's identical runs). Each alternative's runs are told apart by their
+executor name (identified constants) or their engine rules. The answer under an alternative
+is set beside the test runs' answer on the same seeds and cells; `flips` marks a change.
 """
 
 from __future__ import annotations
