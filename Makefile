@@ -206,9 +206,9 @@ campaign: setup ## any campaign: make campaign C=orig5 (d0_split, caps, bursts, 
 	@test -n "$(C)" || { echo "usage: make campaign C=<name of conf/campaign/*.yaml>"; exit 2; }
 	$(call campaign_run,$(C))
 
-models: setup ## issue 48's per-model campaign in its stages (ceilings, D0's split, test cells, S2 slab sensitivity); resumable
-	$(BIN)/python -m experiments.campaigns.models_regime ceiling
-	$(call campaign_run,models_ceiling)
+models: setup ## issue 48's per-model campaign in its stages (capacities, D0's split, test cells, sensitivity runs); resumable
+	$(BIN)/python -m experiments.campaigns.models_regime capacity
+	$(call campaign_run,models_capacity)
 	$(BIN)/python -m experiments.campaigns.models_regime split --ledger-root $(LEDGER_ROOT)
 	$(call campaign_run,models_split)
 	$(BIN)/python -m experiments.campaigns.models_regime main --ledger-root $(LEDGER_ROOT)

@@ -6,21 +6,24 @@ larger budget (serving_core/executor/device_fit.py: A100-40GB for Falcon-H1, Gra
 and Nemotron-H, A100-80GB for Granite Small, one H200 for Jamba, two H200s tensor-parallel
 for Qwen3-Next). Every organization (S0, S1, S2, D0, N0, Jenga) at two budgets that mean
 the same for every model (16 and 32 requests at the workload's mean: KV of 3,602 tokens and
-one checkpoint each) and two loads (60 and 90 % of the model's memory-unbound ceiling,
-measured by the campaign's first stage); D0's split chosen per model on separate seeds
-(43000-43001); test seeds 42000-42002, 150 requests a run (campaign models, plan
+one checkpoint each) and one load per budget, 80 % of the memory-bound capacity of the
+budget's best organization (its leader), measured by the campaign's first stage on its own
+seed (41000) with the model's memory-unbound ceiling and unloaded p99 TTFT; D0's split
+chosen per model on separate seeds (43000-43001); test seeds 42000-42008 (nine: a unanimous
+effect passes Holm over a family's 10 tests), 100 requests a run (campaign models, plan
 conf/prereg/models.yaml; conf/calibration/models_regime.yaml holds the regime,
-experiments/campaigns/models_regime.py writes it). Per model, budget and load the page
-names the organization of highest mean request-span throughput, a tie when the
-preregistered equivalence test (TOST at +-1 %) holds against the runner-up, or the best as
-undecided when neither holds; each throughput as a fraction of the model's ceiling; the
-capacity in bytes behind it; and whether S2's slab policy (refill, dense: campaign
-models_sens, the higher load) changes the answer.
+experiments/campaigns/models_regime.py writes it). A cell whose mean p99 TTFT exceeds the
+model's bound (10 x its unloaded p99 TTFT) is overloaded: flagged, not ranked. Per model,
+budget and load the page names the organization of highest mean request-span throughput
+among those within the bound, a tie when the preregistered equivalence test (TOST at
++-1 %) holds against the runner-up, or the best as undecided when neither holds; each
+throughput as a fraction of the model's ceiling; the capacity in bytes behind it; and
+whether the answer changes under S2's other slab policies or the identified alternatives
+(campaign models_sens, the highest declared load, seeds 42000-42002).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -38,7 +41,6 @@ TITLE = "Which memory organization serves each hybrid model best"
 ESTIMAND = "throughput_span"
 ALPHA = 0.05  # conf/prereg/models.yaml
 REGIME_FILE = Path(__file__).resolve().parents[2] / "conf" / "calibration" / "models_regime.yaml"
-SENS_CAMPAIGN = "models_sens"
 MEAN_BLOCKS = 8  # a mean request's 3,602 tokens in 512-token blocks: ceil(3602 / 512)
 BATCH = 16  # bytes per token and per checkpoint of 16 mean requests (large pages, slabs shared)
 MAIN = ("throughput_span", "ttft_p99", "e2e_p99", "running_mean", "preemptions",
@@ -50,14 +52,21 @@ CAVEAT = (
     "fractions to their datasheet peaks (an assumption, not a fit). MoE steps read the experts "
     "their tokens reach (E (1 - (1 - k/E)^n)), not the whole model. Budgets are state memory "
     "for the whole model, 16 and 32 requests at the workload's mean for every model (bytes "
-    "differ by model); loads are 60 and 90 % of each model's own ceiling; the sensitivity "
-    "columns cover S2's slab policy only (the identified alternatives carry the A100's fitted "
-    "constants, which no other device has).")
+    "differ by model); the load is 80 % of the memory-bound capacity of each budget's "
+    "best organization, so an organization of less capacity can be overloaded (flagged, not "
+    "ranked); below capacity every organization that keeps up serves the offered load, so "
+    "throughput ties are the expected answer there. The identified alternatives carry the "
+    "A100's fitted constants to every device, as the default does; their sensitivity runs "
+    "use three seeds (signs, not decisions).")
 
 
 def regime(path: Path = REGIME_FILE) -> dict:
     """The campaign's regime per model ({} before its first stage ran)."""
-    return (yaml.safe_load(path.read_text()) or {}).get("models", {}) if path.is_file() else {}
+    return _regime_doc(path).get("models", {})
+
+
+def _regime_doc(path: Path = REGIME_FILE) -> dict:
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
 
 def _family_table(families, model: str) -> pd.DataFrame | None:
@@ -89,6 +98,8 @@ def _pair(part: pd.DataFrame, best: str, second: str) -> np.ndarray:
 
 
 def _test_row(families, model: str, best: str, second: str, cell: str) -> dict:
+    """The declared test the answer rests on: the winner against its budget's leader (the
+    runner-up when the winner leads); its Holm p."""
     table = _family_table(families, model)
     hit = None
     if table is not None:
@@ -99,42 +110,77 @@ def _test_row(families, model: str, best: str, second: str, cell: str) -> dict:
             "holm_below_alpha": bool(hit is not None and hit["p_holm"] <= ALPHA)}
 
 
+def overloaded(part: pd.DataFrame, bound_s: float) -> list[str]:
+    """The organizations of one cell whose mean p99 TTFT over the seeds exceeds the bound
+    (none when the bound is unknown)."""
+    if not math.isfinite(bound_s):
+        return []
+    means = part.groupby("org", sort=False)["ttft_p99"].mean()
+    return [org for org, v in means.items() if v > bound_s]
+
+
+def _answer(part: pd.DataFrame, means: pd.Series, margin: float, alpha: float) -> dict:
+    """The call among the organizations within the bound (means sorted, best first)."""
+    best, second = means.index[0], means.index[1]
+    d = _pair(part, best, second)
+    equivalent, low, high = tost(d, margin, alpha)
+    ties = [o for o in means.index[1:] if tost(_pair(part, best, o), margin, alpha)[0]]
+    return {"best": best, "runner_up": second, "d": d, "tost_low_pct": low,
+            "tost_high_pct": high,
+            "answer": ("tie: " + "=".join([best, *ties]) if equivalent
+                       else best if low > 0 else f"{best} (undecided)")}
+
+
 def winners(runs: pd.DataFrame, families, reg: dict, equivalence: dict) -> pd.DataFrame:
-    """Per model, budget and load: the organization of highest mean throughput, the
-    runner-up, the seedwise effect, the TOST against the runner-up (a tie when equivalent:
-    no winner named; undecided when its interval holds 0 but not within the margin), the
-    winner's throughput as a fraction of the model's ceiling, its p99
-    TTFT and the declared test's Holm p."""
+    """Per model, budget and load: the organizations over the overload bound (flagged, not
+    ranked); among the others, the one of highest mean throughput, the runner-up, the
+    seedwise effect, the TOST against the runner-up (a tie when equivalent: no winner named;
+    undecided when its interval holds 0 but not within the margin), the winner's throughput
+    as a fraction of the model's ceiling, p99 TTFTs against the bound and the Holm p of the
+    declared test against the budget's leader."""
     margin, alpha = float(equivalence["margin_pct"]), float(equivalence["alpha"])
     rows = []
     for (stage, model, budget, rate), part in runs.groupby(
             ["stage", "model", "budget", "rate"], sort=False):
-        means = part.groupby("org")[ESTIMAND].mean().sort_values(ascending=False, kind="stable")
-        if len(means) < 2:
-            continue
-        best, second = means.index[0], means.index[1]
-        d = _pair(part, best, second)
-        equivalent, low, high = tost(d, margin, alpha)
         entry = reg.get(model, {})
+        bound = float(entry.get("ttft_bound_s", math.nan))
+        over = overloaded(part, bound)
+        kept = part[~part["org"].isin(over)]
+        means = kept.groupby("org")[ESTIMAND].mean().sort_values(ascending=False, kind="stable")
+        if part["org"].nunique() < 2:
+            continue
+        level, load = _level(entry, budget), _load(entry, rate)
+        call = (_answer(kept, means, margin, alpha) if len(means) >= 2 else
+                {"best": means.index[0] if len(means) else "", "runner_up": "",
+                 "d": np.array([]), "tost_low_pct": math.nan, "tost_high_pct": math.nan,
+                 "answer": f"{means.index[0]} (alone within the bound)" if len(means)
+                 else "overloaded (every organization)"})
         ceiling = entry.get("ceiling", {}).get("tokens_s", math.nan)
-        cell = f"{_level(entry, budget)}_{_load(entry, rate)}"
-        ties = [o for o in means.index[1:]
-                if tost(_pair(part, best, o), margin, alpha)[0]]
+        leader = entry.get("capacity", {}).get(level, {}).get("org", "")
+        best, d = call["best"], call["d"]
+        other = call["runner_up"] if best == leader else leader
+        test = _test_row(families, model, best, other, f"{level}_{load}")
+        if call["answer"] == best and test["p_holm"] > ALPHA:  # the declared test disagrees
+            call["answer"] = f"{best} (undecided)"
         rows.append({
-            "stage": stage, "model": model, "budget": budget, "level": _level(entry, budget),
-            "rate": rate, "load": _load(entry, rate), "best": best,
-            "answer": ("tie: " + "=".join([best, *ties]) if equivalent
-                       else best if low > 0 else f"{best} (undecided)"),
-            "best_tokens_s": float(means.iloc[0]), "runner_up": second,
-            "best_of_ceiling_pct": 100 * float(means.iloc[0]) / ceiling,
-            "runner_up_of_ceiling_pct": 100 * float(means.iloc[1]) / ceiling,
+            "stage": stage, "model": model, "budget": budget, "level": level, "rate": rate,
+            "load": load, "answer": call["answer"], "best": best,
+            "overloaded": ",".join(over), "best_tokens_s": _mean_of(means, best),
+            "runner_up": call["runner_up"],
+            "best_of_ceiling_pct": 100 * _mean_of(means, best) / ceiling,
+            "runner_up_of_ceiling_pct": 100 * _mean_of(means, call["runner_up"]) / ceiling,
             "effect_pct": float(100 * np.mean(np.expm1(d))) if d.size else math.nan,
-            "tost_low_pct": low, "tost_high_pct": high, "n": int(d.size),
+            "tost_low_pct": call["tost_low_pct"], "tost_high_pct": call["tost_high_pct"],
+            "n": int(d.size), "ttft_bound_s": bound,
             "best_ttft_p99_s": float(part[part["org"] == best]["ttft_p99"].mean()),
             "max_ttft_p99_s": float(part.groupby("org")["ttft_p99"].mean().max()),
-            **_test_row(families, model, best, second, cell),
+            "leader": leader, **test,
             "ranking": " > ".join(means.index)})
     return pd.DataFrame(rows)
+
+
+def _mean_of(means: pd.Series, org: str) -> float:
+    return float(means[org]) if org in means.index else math.nan
 
 
 def _level(entry: dict, budget: str) -> str:
@@ -142,24 +188,31 @@ def _level(entry: dict, budget: str) -> str:
 
 
 def _load(entry: dict, rate: float) -> str:
-    return next((k for k, v in entry.get("rates", {}).items()
+    return next((load for rates in entry.get("rates", {}).values()
+                 for load, v in rates.items()
                  if math.isclose(v, float(rate), rel_tol=1e-9)), "")
 
 
 def regime_table(reg: dict) -> pd.DataFrame:
-    """Per model: device, ceiling, loads, budgets in bytes and units, D0's split."""
+    """Per model and budget: device, ceiling, the budget's capacity and leader, loads,
+    overload bound, budget in bytes and units, D0's split."""
     rows = []
     for model, e in reg.items():
         for level, mib in e.get("budgets", {}).items():
             nbytes = mib * 2**20
             split = e.get("d0_split", {})
+            cap = e.get("capacity", {}).get(level, {})
             rows.append({
                 "model": model, "device": e["device_name"], "fit": e["fit"],
                 "ceiling_tokens_s": e.get("ceiling", {}).get("tokens_s", math.nan),
-                "ceiling_org": e.get("ceiling", {}).get("org", ""),
-                "rate_l60": e.get("rates", {}).get("l60", math.nan),
-                "rate_l90": e.get("rates", {}).get("l90", math.nan),
                 "level": level, "budget_mib": mib,
+                "capacity_tokens_s": cap.get("tokens_s", math.nan),
+                "capacity_of_ceiling_pct": 100 * cap.get("tokens_s", math.nan)
+                / e.get("ceiling", {}).get("tokens_s", math.nan),
+                "leader": cap.get("org", ""), "capacity_per_org": cap.get("per_org", ""),
+                **{f"rate_{k}": v for k, v in e.get("rates", {}).get(level, {}).items()},
+                "idle_ttft_p99_s": min(e.get("idle_ttft_p99_s", {math.nan: math.nan}).values()),
+                "ttft_bound_s": e.get("ttft_bound_s", math.nan),
                 "requests_at_mean": nbytes / e["request_bytes"],
                 "kv_tokens": nbytes // e["kv_bytes_per_token"] if e["kv_bytes_per_token"] else 0,
                 "checkpoints": nbytes // e["checkpoint_bytes"] if e["checkpoint_bytes"] else 0,
@@ -201,36 +254,6 @@ def capacity_table(reg: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def sensitivity(win: pd.DataFrame, runs: pd.DataFrame, sens: pd.DataFrame,
-                equivalence: dict) -> pd.DataFrame:
-    """Per cell and S2 slab policy (models_sens): the answer with S2's runs under that
-    policy in place of write_once's, and whether it differs from the page's."""
-    rows = []
-    if sens.empty or win.empty:
-        return pd.DataFrame(rows)
-    for policy, alt in sens.groupby("slab_policy"):
-        swapped = pd.concat([runs[runs["org"] != "S2"], alt.assign(stage=runs["stage"].iloc[0])])
-        cells = alt[["model", "budget", "rate"]].drop_duplicates()
-        keep = swapped.merge(cells, on=["model", "budget", "rate"])
-        again = winners(keep, [], {}, equivalence)
-        merged = win.merge(again, on=["model", "budget", "rate"], suffixes=("", "_alt"))
-        for _, r in merged.iterrows():
-            rows.append({"model": r["model"], "level": r["level"], "load": r["load"],
-                         "slab_policy": policy, "answer": r["answer"],
-                         "answer_alt": r["answer_alt"], "flips": r["answer"] != r["answer_alt"],
-                         "s2_pct_change": _s2_change(runs, alt, r)})
-    return pd.DataFrame(rows)
-
-
-def _s2_change(runs: pd.DataFrame, alt: pd.DataFrame, r) -> float:
-    def mean(frame):
-        part = frame[(frame["model"] == r["model"]) & (frame["budget"] == r["budget"])
-                     & (frame["rate"] == r["rate"]) & (frame["org"] == "S2")]
-        return part[ESTIMAND].mean()
-
-    return 100 * (mean(alt) / mean(runs) - 1)
-
-
 def reasons(win: pd.DataFrame, cap: pd.DataFrame) -> pd.DataFrame:
     """Per model, budget and load, the answer in bytes: the requests each of the winner and
     runner-up fits at the mean, and their checkpoint and token padding."""
@@ -250,31 +273,22 @@ def reasons(win: pd.DataFrame, cap: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _sens_runs(con) -> pd.DataFrame:
-    from analysis.pages.common import load_runs
-
-    # question sensitivity, as the sens_<alternative> campaigns; refill and dense runs of one
-    # cell and seed are one design cell to the run set, which sets the second aside: both kept
-    loaded = load_runs(con, ["sensitivity"])
-    runs = pd.concat([loaded.runs, loaded.set_aside], ignore_index=True)
-    if runs.empty:
-        return runs
-    sens = runs[runs["campaign"].astype(str) == SENS_CAMPAIGN].copy()
-    sens["slab_policy"] = sens["engine_config"].map(lambda t: json.loads(t)["slab_policy"])
-    return sens
-
-
 def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> QuestionResult:
+    from analysis.questions import models_sens
+
     result, runset, plan = readouts.begin_plan(con, QUESTION, TITLE, plan_dir)
     runs = runset.runs
     families = readouts.attach_families(result, runset.all_runs, QUESTION, plan_dir,
                                         allow_changed_plan)
     if runs.empty:
         return result
-    reg, equivalence = regime(), plan.raw["equivalence"]
+    doc = _regime_doc()
+    reg, equivalence = doc.get("models", {}), plan.raw["equivalence"]
     win = result.add("winners", winners(runs, families, reg, equivalence))
     cap = result.add("capacity", capacity_table(reg))
-    sens = result.add("sensitivity", sensitivity(win, runs, _sens_runs(con), equivalence))
+    sens = result.add("sensitivity", models_sens.sensitivity(
+        runs, models_sens.sens_runs(con), doc.get("sensitivity", {}),
+        lambda frame: winners(frame, [], reg, equivalence)))
     why = result.add("reasons", reasons(win, cap))
     cells = result.add("cells", readouts.means_table(runs, ["model", "budget", "rate", "org"],
                                                      MAIN))
@@ -284,11 +298,11 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
         Section("The reason in bytes", "Per cell, the mean requests (8 blocks of 512 tokens "
                 "and one checkpoint) the winner and the runner-up fit in the budget, with "
                 "their padding.", [("", why, None)]),
-        Section("Sensitivity: S2's slab policy", "Each cell's answer with S2 run under "
-                "engine.slab_policy refill or dense (campaign models_sens, the higher load) "
-                "in place of write_once; `flips` marks a changed answer.", [("", sens, None)]),
-        Section("Regime: devices, ceilings, loads, budgets", "conf/calibration/"
-                "models_regime.yaml.", [("", result.add("regime", regime_table(reg)), None)]),
+        Section("Sensitivity: slab policies and identified alternatives", SENS_TEXT,
+                [("", sens, None)]),
+        Section("Regime: devices, ceilings, capacities, loads, bounds, budgets",
+                "conf/calibration/models_regime.yaml.",
+                [("", result.add("regime", regime_table(reg)), None)]),
         Section("Capacity per organization", "Bytes per KV token and per checkpoint as each "
                 "organization stores them (serving_core/storage.py), padding over the raw "
                 "bytes, and the mean requests that fit.", [("", cap, None)]),
@@ -297,16 +311,28 @@ def analyze(con, *, plan_dir=None, allow_changed_plan: bool = False) -> Question
     return result
 
 
+SENS_TEXT = (
+    "Each cell's answer at the highest declared load under S2's other slab policies (slab_refill, "
+    "slab_dense) and every identified alternative of the identify study (its fitted "
+    "constants on every organization, its rules where it has them; conf/sensitivity/"
+    "alternatives.yaml), on seeds 42000-42002 (campaign models_sens), beside the test runs' "
+    "answer on the same seeds; `flips` marks a changed answer. Falcon-H1-7B's family also "
+    "gets the `holds_under` column of `make sensitivity` (analysis/flips.py).")
 WINNERS_TEXT = (
-    "Per model, budget level (r16, r32: requests at the workload's mean) and load (l60, l90: "
-    "percent of the model's measured ceiling): the organization of highest mean request-span "
-    "throughput (output tokens/s), or `tie: A=B...` when the preregistered two one-sided "
-    "tests (paired t, 90 % interval of the seedwise log ratio within +-1 %) hold against the "
-    "runner-up (every organization equivalent to the best is listed), `A (undecided)` when "
-    "that interval spans both the margin and no difference; the throughputs as "
-    "percent of the model's ceiling; the seedwise effect against the runner-up and its TOST "
-    "interval; the declared pair test's Holm p (Falcon-H1-7B's family primary, the others "
-    "secondary); p99 TTFT of the winner and the worst organization. ")
+    "Per model, budget level (r16, r32: requests at the workload's mean) and load (l80: "
+    "percent of the memory-bound capacity of the budget's leader): `overloaded` lists the "
+    "organizations whose mean p99 TTFT exceeds the model's bound (10 x its unloaded p99 "
+    "TTFT; flagged, not ranked); among the rest, the organization of highest mean "
+    "request-span throughput (output tokens/s), or `tie: A=B...` when the preregistered two "
+    "one-sided tests (paired t, 90 % interval of the seedwise log ratio within +-1 %) hold "
+    "against the runner-up (every organization equivalent to the best is listed), "
+    "`A (undecided)` when that interval spans both the margin and no difference or the "
+    "declared test below does not pass Holm (a winner is named only when both agree); the "
+    "throughputs as percent of the model's ceiling; the seedwise effect against the "
+    "runner-up and its TOST interval; the Holm p of the declared test of the winner against "
+    "the budget's leader (against the runner-up when the winner leads; Falcon-H1-7B's "
+    "family primary, the others secondary); p99 TTFT of the winner and the worst "
+    "organization. ")
 
 
 def draw(result: QuestionResult, out_dir: Path) -> list[tuple[str, Path]]:
