@@ -219,22 +219,30 @@ def run_jobs(jobs: list[Job], ledger_root: Path, progress: bool = True) -> list[
 
 
 @lru_cache(maxsize=512)
-def _default_rules(base: tuple[str, ...]) -> str:
+def _default_engine(base: tuple[str, ...]) -> str:
     from hydra import compose
 
+    return _engine_identity(compose(config_name="config", overrides=list(base)))
+
+
+def _engine_identity(cfg) -> str:
+    """What decides a run apart from its bookkeeping: the rules its engine asks for
+    (`EngineSpec.requested_rules()`: engine, executor, clock, trace, host tier) and every
+    config section but `engine` as configured (the executor's constants among them); an
+    engine key reaches the run only through a declared rule."""
+    from experiments.runners.cell import cell_config
     from experiments.runners.spec import engine_spec
 
-    return json.dumps(engine_spec(compose(config_name="config", overrides=list(base)))
-                      .requested_rules(), sort_keys=True, default=str)
+    config = {k: v for k, v in cell_config(cfg).items()
+              if k not in ("engine", "campaign_name", "question")}
+    return json.dumps([engine_spec(cfg).requested_rules(), config], sort_keys=True,
+                      default=str)
 
 
 def _asks_default_rules(cfg, base: tuple[str, ...]) -> bool:
-    """Whether the engine of `cfg` asks for exactly the rules (engine, executor, clock,
-    trace, host tier) of its cell under the default alternative (`base`)."""
-    from experiments.runners.spec import engine_spec
-
-    mine = json.dumps(engine_spec(cfg).requested_rules(), sort_keys=True, default=str)
-    return mine == _default_rules(base)
+    """Whether the run of `cfg` is its cell's run under the default alternative (`base`):
+    the same requested rules and the same configuration outside `engine`."""
+    return _engine_identity(cfg) == _default_engine(base)
 
 
 def run_study(jobs: list[Job], ledger_root: Path, progress: bool = True) -> list[dict]:
