@@ -78,9 +78,9 @@ def test_every_page_family_gets_the_column(monkeypatch):
 
     listed = _family(["JENGA_vs_S2", "other"])
     listed.question, listed.name = "ARMS", "ARMS-9"
-    monkeypatch.setattr(flips.common, "load_runs",
-                        lambda con, q: type("R", (), {"all_runs": pd.DataFrame({"seed": [1]})})())
-    monkeypatch.setattr(sens, "evaluate", lambda runs, spec, plan_dir=None: (PLANTED, {}))
+    monkeypatch.setattr(sens, "load_inputs", lambda con: (pd.DataFrame({"seed": [1]}), None))
+    monkeypatch.setattr(sens, "evaluate",
+                        lambda runs, spec, plan_dir=None, record=None: (PLANTED, {}))
     flips.add_flip_columns([listed], con=None, spec=spec)
     assert list(listed.tables["throughput_span"][flips.COLUMN]) == [
         "depends on slab_dense (sign)", flips.NOT_RUN]
