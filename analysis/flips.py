@@ -25,6 +25,7 @@ later, e.g. per model, only lists its family in conf/sensitivity/alternatives.ya
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 
 import pandas as pd
 
@@ -65,9 +66,14 @@ def flip_texts(long: pd.DataFrame) -> dict[tuple[str, str], str]:
     return out
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=64)
 def _question_of(plan: str, plan_dir) -> str:
-    return str(prereg.load_plan(plan, plan_dir or prereg.PLAN_DIR).question).lower()
+    """A plan's question, lower case (its `question` key; the plan is not validated here)."""
+    import yaml
+
+    path = Path(plan_dir or prereg.PLAN_DIR) / f"{plan}.yaml"
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return str(yaml.load(path.read_text(), Loader=loader)["question"]).lower()
 
 
 def _spec_entries(spec: dict, plan_dir, key: str = "families") -> dict[tuple[str, str], dict]:
