@@ -89,3 +89,31 @@ def test_the_planted_flip_reads_depends_on_its_rule(planted, monkeypatch):
     column = dict(zip(table["test"], table[flips.COLUMN], strict=True))
     assert column["D0_vs_S2"] == "depends on slab_dense (sign)"
     assert column["JENGA_vs_D0"] == "holds under all 1 alternatives"
+
+
+@pytest.mark.slow  # ~3 s of CPU; the default suite holds pairing (planted runs) and as_default
+def test_the_column_from_real_runs_at_the_smallest_size(tmp_path):
+    """The runner and the column end to end: Q2's family (6 cells) at one seed and 10
+    requests under `default` (the page's own runs, campaign q2_smoke) and slab_dense (its
+    2 S2 cells rerun, the 4 S0/S1 cells read from the page's runs): 8 runs."""
+    import ledgers
+    from experiments.studies import sensitivity as runner
+
+    root = tmp_path / "ledgers"
+    assert runner.main(["--ledgers", str(root), "--smoke", "--alternatives",
+                        "default,slab_dense", "--families", "anchors", "--seeds", "1",
+                        "--requests", "10", "--quiet"]) == 0
+    con = ledgers.connect(root)
+    try:
+        record = con.execute("SELECT alternative, campaign, outcome FROM sensitivity_runs").df()
+        long = flips.alternative_effects(con, "q2", "anchors")
+    finally:
+        con.close()
+    outcomes = record.groupby(["alternative", "campaign", "outcome"]).size().to_dict()
+    assert outcomes == {("default", "q2_smoke", "ran"): 6,
+                        ("slab_dense", "sens_slab_dense_smoke", "ran"): 2,
+                        ("slab_dense", "sens_slab_dense_smoke", "as_default"): 4}
+    assert set(long["alternative"]) == {"default", "slab_dense"} and set(long["n"]) == {1}
+    texts = flips.flip_texts(long)
+    assert texts and all(t.startswith(("holds under all 1", "depends on slab_dense"))
+                         for t in texts.values())

@@ -297,7 +297,10 @@ def section(runs: pd.DataFrame, spec: dict, plan_dir=None,
         "(conf/sensitivity/alternatives.yaml), evaluated by the question's own preregistered "
         "decision (mean seedwise percent change of the primary estimand; exact sign-flip "
         "test, Holm within the family). Cells: as preregistered, collected in campaign "
-        "`sens_<alternative>`; seeds per run set: "
+        "`sens_<alternative>` (a cell whose engine asks the default's rules reads the "
+        "page's own run); `default` is the page's own runs, paired by seed: per family, "
+        "every alternative and the page at the seeds complete in all of them; largest n "
+        "per alternative: "
         + ", ".join(f"{a} n = {int(n_seeds[a])}" for a in shown_alts) + ".", ""]
     n_min = int(min(n_seeds.values()))
     if smoke:
