@@ -15,8 +15,9 @@ e.g. a slab policy for an organization without slabs) is not run: the page's own
 stands for it (outcome `as_default`). Runs go through experiments.run (complete runs are
 skipped, the ledgers written as for any run); the study's own record, one row per run (its
 alternative, plan cell, seed, campaign, run id and outcome), goes to the `sensitivity_runs`
-study table (ledgers.studies), written after each alternative and family, so a stopped
-study resumes where it stopped. `analysis.studies.sensitivity` then evaluates the families.
+study table (ledgers.studies), written after each family's seed (every alternative), so a
+stopped study resumes where it stopped and has whole seeds.
+`analysis.studies.sensitivity` then evaluates the families.
 
     python -m experiments.studies.sensitivity --ledgers ROOT [--smoke] [--alternatives a,b]
         [--families F,G] [--seeds N] [--requests N]
@@ -246,18 +247,17 @@ def _asks_default_rules(cfg, base: tuple[str, ...]) -> bool:
 
 
 def run_study(jobs: list[Job], ledger_root: Path, progress: bool = True) -> list[dict]:
-    """run_jobs per family and alternative (family by family, every alternative of one before
-    the next), the study record written after each (one study id), so a stopped study keeps
-    the record of what it ran and its finished families are complete."""
+    """run_jobs family by family and, within one, seed by seed (the seed's every alternative
+    and cell), the study record written after each (one study id): a stopped study keeps
+    the record of what it ran, and each family has whole seeds under every alternative, so
+    its pages pair the alternatives with their own runs at those seeds."""
     study_id, rows = new_study_id(), []
-    chunks: dict[tuple[str, str], list[Job]] = {}
-    for job in jobs:
-        chunks.setdefault((job.alternative.name, job.family), []).append(job)
+    chunks: dict[tuple[str, int], list[Job]] = {}
+    for job in jobs:  # planned alternative by alternative, cell by cell: regrouped
+        chunks.setdefault((job.family, job.seed), []).append(job)
     families = list(dict.fromkeys(job.family for job in jobs))
-    alternatives = list(dict.fromkeys(job.alternative.name for job in jobs))
-    order = sorted(chunks, key=lambda k: (families.index(k[1]), alternatives.index(k[0])))
-    for chunk in (chunks[k] for k in order):  # family by family: a stopped study has whole ones
-        done = run_jobs(chunk, ledger_root, progress)
+    for key in sorted(chunks, key=lambda k: (families.index(k[0]), k[1])):
+        done = run_jobs(chunks[key], ledger_root, progress)
         write_study(ledger_root, TABLE, rows_to_columns(TABLE, done, study_id=study_id,
                                                         created_at=now_iso()))
         rows += done
