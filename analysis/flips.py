@@ -50,8 +50,7 @@ def flip_texts(long: pd.DataFrame) -> dict[tuple[str, str], str]:
     if long.empty:
         return {}
     table = robustness(long)
-    smoke = ("campaign" in long and long["campaign"].astype(str).str.endswith(SMOKE).any())
-    size = f" (smoke reruns, n = {int(long['n'].min())}: signs only)" if smoke else ""
+    size = _size_note(long)
     out = {}
     for r in table.itertuples():
         alts = set(long[(long["family"] == r.family) & (long["test"] == r.contrast)]
@@ -64,6 +63,18 @@ def flip_texts(long: pd.DataFrame) -> dict[tuple[str, str], str]:
         else:
             out[(r.family, r.contrast)] = "not compared (no default rerun)"
     return out
+
+
+def _size_note(long: pd.DataFrame) -> str:
+    """What the comparison's size allows: smoke reruns, or fewer seeds than the plan's
+    (`planned`, a declared subset), say so; with n seeds and 2 / 2^n > 0.05 no decision can
+    change, only signs."""
+    n = int(long["n"].min())
+    signs = ": signs only" if 2.0 / 2 ** n > 0.05 else ""
+    if "campaign" in long and long["campaign"].astype(str).str.endswith(SMOKE).any():
+        return f" (smoke reruns, n = {n}: signs only)"
+    planned = int(long["planned"].max()) if "planned" in long else n
+    return f" (n = {n} of the plan's {planned} seeds{signs})" if n < planned else ""
 
 
 @lru_cache(maxsize=64)

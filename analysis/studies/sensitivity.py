@@ -178,10 +178,10 @@ def _restricted(derived: prereg.Plan, seeds: set[int]) -> prereg.Plan:
 def evaluate(runs: pd.DataFrame, spec: dict, plan_dir=None,
              record: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict]:
     """Long table (alternative, question, family, test, label, n, effect, p_holm, decision,
-    status) of every primary contrast under every alternative with runs and, as `default`,
-    on the page's own runs at the same seeds; and {(alt, family): status}. `runs`: the
-    pages' and the sensitivity runs; `record`: the study's record (its `as_default` cells
-    are read from the page's runs)."""
+    status, planned: the plan's seeds) of every primary contrast under every alternative
+    with runs and, as `default`, on the page's own runs at the same seeds; and
+    {(alt, family): status}. `runs`: the pages' and the sensitivity runs; `record`: the
+    study's record (its `as_default` cells are read from the page's runs)."""
     found = campaigns_present(runs, list(spec["alternatives"]))
     rows, status = [], {}
     for entry in spec["families"]:
@@ -202,7 +202,8 @@ def evaluate(runs: pd.DataFrame, spec: dict, plan_dir=None,
                              "test": r.test, "label": r.label, "predicted": r.predicted,
                              "n": r.n, "effect": r.effect, "unit": r.unit,
                              "p_holm": r.p_holm, "decision": r.decision,
-                             "status": res.status})
+                             "status": res.status,
+                             "planned": len(plan.family(entry["family"]).seeds)})
     return pd.DataFrame(rows), status
 
 
