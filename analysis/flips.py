@@ -50,9 +50,10 @@ def flip_texts(long: pd.DataFrame) -> dict[tuple[str, str], str]:
     if long.empty:
         return {}
     table = robustness(long)
-    size = _size_note(long)
+    sizes = {f: _size_note(rows) for f, rows in long.groupby("family")}
     out = {}
     for r in table.itertuples():
+        size = sizes[r.family]
         alts = set(long[(long["family"] == r.family) & (long["test"] == r.contrast)]
                    ["alternative"]) - {"default"}
         if r.robust == "yes":

@@ -144,9 +144,9 @@ def borrowed_cells(record: pd.DataFrame | None, alternative: str, family: str) -
 
 
 def _paired(runs, spec, entry, found, record, plan_dir):
-    """(plan, {alternative: derived plan}, seeds, smoke) of one family: every alternative
-    with runs at one size (full before smoke) and the page's own runs, cut to the seeds
-    complete in all of them (paired by seed)."""
+    """(plan, {alternative: (derived plan, its runs)}, seeds, smoke) of one family: every
+    alternative with runs at one size (full before smoke) and the page's own runs, cut to
+    the seeds complete in all of them (paired by seed)."""
     plan = prereg.load_plan(entry["plan"], plan_dir or prereg.PLAN_DIR)
     name = entry["family"]
     for smoke in (False, True):
@@ -157,14 +157,30 @@ def _paired(runs, spec, entry, found, record, plan_dir):
             overrides = spec["alternatives"][alt].get("overrides") or ()
             alt_plan = derived_plan(plan, name, campaign, None, overrides,
                                     borrowed_cells(record, alt, name), smoke)
-            mine = complete_seeds(alt_plan, runs)
+            alt_runs = family_runs(runs, record, alt, name, campaign)
+            mine = complete_seeds(alt_plan, alt_runs)
             if mine:
-                derived[alt] = alt_plan
+                derived[alt] = (alt_plan, alt_runs)
                 seeds = mine if seeds is None else seeds & mine
         if derived:
             seeds &= complete_seeds(page_plan(plan, name, seeds, smoke), runs)
             return plan, derived, seeds, smoke
     return plan, {}, set(), False
+
+
+def family_runs(runs: pd.DataFrame, record: pd.DataFrame | None, alternative: str,
+                family: str, campaign: str) -> pd.DataFrame:
+    """`runs` with the alternative's campaign cut to the runs the study record names for
+    `family`: one sens_<alternative> campaign holds every family's reruns, and a cell that
+    does not name an axis (EXT-22's S2_b63, no host tier) would otherwise also match another
+    family's runs on it (TIER-1's host-tier runs), a duplicate that drops the cell."""
+    if record is None or record.empty:
+        return runs
+    rows = record[(record["alternative"] == alternative) & (record["family"] == family)]
+    if rows.empty:
+        return runs
+    ids = set(rows["run_id"].astype(str)) - {""}
+    return runs[(runs["campaign"].astype(str) != campaign) | runs["run_id"].isin(ids)]
 
 
 def _restricted(derived: prereg.Plan, seeds: set[int]) -> prereg.Plan:
@@ -188,11 +204,11 @@ def evaluate(runs: pd.DataFrame, spec: dict, plan_dir=None,
         plan, derived, seeds, smoke = _paired(runs, spec, entry, found, record, plan_dir)
         if not seeds:
             continue
-        plans = {DEFAULT: page_plan(plan, entry["family"], seeds, smoke),
-                 **{alt: _restricted(d, seeds) for alt, d in derived.items()}}
-        for alt, alt_plan in plans.items():
+        plans = {DEFAULT: (page_plan(plan, entry["family"], seeds, smoke), runs),
+                 **{alt: (_restricted(d, seeds), r) for alt, (d, r) in derived.items()}}
+        for alt, (alt_plan, alt_runs) in plans.items():
             fam = alt_plan.families[0]
-            res = families.evaluate_family(alt_plan, fam, runs)
+            res = families.evaluate_family(alt_plan, fam, alt_runs)
             campaign = found.get(alt, "the page's own runs" + (" (smoke)" if smoke else ""))
             status[(alt, entry["family"])] = f"{res.status} ({campaign}, n = {len(seeds)})"
             table = res.tables.get(fam.primary_estimand.name)
