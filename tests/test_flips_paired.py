@@ -41,7 +41,8 @@ DENSE_S2 = 120.0  # under slab_dense S2 gains 20 %: D0 vs S2 turns negative
 
 
 def _runs(campaign, plan_hash, values, seeds):
-    return [{"campaign": campaign, "question": "t", "prereg_plan_hash": plan_hash,
+    return [{"run_id": f"{campaign}-{org}-{s}", "campaign": campaign, "question": "t",
+             "prereg_plan_hash": plan_hash,
              "status": "complete", "adopted": True, "model": "falcon_h1_7b",
              "executor": "sim:a100-calibrated", "org": org, "seed": s, **CELL,
              "d0_attention_fraction": 0.5 if org == "D0" else float("nan"),
@@ -53,11 +54,15 @@ def planted(tmp_path_factory):
     plan_dir = tmp_path_factory.mktemp("plans")
     (plan_dir / "t.yaml").write_text(PLAN)
     plan_hash = prereg.load_plan("t", plan_dir).plan_hash
+    other = _runs("sens_slab_dense", "", {"S2": 50.0}, [1])  # another family's rerun of a
+    other[0]["run_id"] = "another-family"  # cell alike on the plan's keys: not this family's
     runs = pd.DataFrame(_runs("t", plan_hash, PAGE, range(1, 7))  # the page's own, 6 seeds
-                        + _runs("sens_slab_dense", "", {"S2": DENSE_S2}, range(1, 5)))
-    record = pd.DataFrame([{"alternative": "slab_dense", "family": "F", "cell": c, "seed": s,
-                            "outcome": "as_default"} for c in ("D0", "JENGA")
-                           for s in range(1, 5)])
+                        + _runs("sens_slab_dense", "", {"S2": DENSE_S2}, range(1, 5)) + other)
+    record = pd.DataFrame(
+        [{"alternative": "slab_dense", "family": "F", "cell": c, "seed": s, "run_id": "",
+          "outcome": "as_default"} for c in ("D0", "JENGA") for s in range(1, 5)]
+        + [{"alternative": "slab_dense", "family": "F", "cell": "S2", "seed": s,
+            "run_id": f"sens_slab_dense-S2-{s}", "outcome": "ran"} for s in range(1, 5)])
     spec = {"families": [{"plan": "t", "family": "F"}],
             "alternatives": {"default": {"overrides": []},
                              "slab_dense": {"overrides": ["engine.slab_policy=dense"]}}}
@@ -69,7 +74,7 @@ def test_the_default_is_the_pages_own_runs_at_the_alternatives_seeds(planted):
     long, status = sens.evaluate(runs, spec, plan_dir, record)
     assert not long.empty, status
     by = long.set_index(["alternative", "test"])
-    assert set(long["n"]) == {4}  # seeds 1-4: complete under slab_dense, not 5-6
+    assert set(long["n"]) == {4}  # seeds 1-4 (seed 1 not taken for a duplicate), not 5-6
     assert by.loc[("default", "D0_vs_S2"), "effect"] == pytest.approx(10.0, abs=0.1)
     assert by.loc[("slab_dense", "D0_vs_S2"), "effect"] == pytest.approx(-8.33, abs=0.1)
     assert by.loc[("slab_dense", "JENGA_vs_D0"), "effect"] == pytest.approx(
