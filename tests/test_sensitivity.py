@@ -51,6 +51,8 @@ def test_planned_jobs_cover_every_cell_seed_and_alternative():
     q4 = {(j.campaign, next(o for o in j.overrides if o.startswith("question=")))
           for j in default if j.family == "four_orgs"}  # Q4 reads Q1's runs and its own
     assert q4 == {("q1_smoke", "question=q1"), ("q4_smoke", "question=q4")}
+    bursts = {j.campaign for j in default if j.family == "burst_pattern"}  # [q5, bursts]
+    assert bursts == {"q5_smoke", "bursts_smoke"}  # Q5's cells in q5, where Q5 runs them
     assert not any("question=sensitivity" in j.overrides for j in default)
 
 

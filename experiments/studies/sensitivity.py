@@ -134,11 +134,13 @@ def family_cells(plan_name: str, family: str, plan_dir: Path = PREREG_DIR) -> li
 
 
 def page_campaign(keys: dict, smoke: bool) -> tuple[str, str]:
-    """(campaign, question) of a cell's own runs: its home campaign (the last a cell names
-    collects its seeds, analysis.inference.families.fill_commands), `_smoke` at smoke
-    size, and the question conf/campaign/<home>.yaml gives its runs."""
+    """(campaign, question) of a cell's own runs: its home campaign, `_smoke` at smoke
+    size, and the question conf/campaign/<home>.yaml gives its runs. A cell several
+    campaigns collect (bursts' and ORIG-5's [q5, bursts]) goes to the first, where another
+    family (Q5's) collects the same run: one run per seed, not one in each campaign, which
+    the plan check would drop as duplicated."""
     value = keys["campaign"]
-    home = value if isinstance(value, str) else list(value)[-1]
+    home = value if isinstance(value, str) else list(value)[0]
     conf = _plan_yaml(ROOT / "conf" / "campaign" / f"{home}.yaml")
     return f"{home}{SMOKE_SUFFIX if smoke else ''}", str(conf["question"])
 
