@@ -25,18 +25,19 @@ later, e.g. per model, only lists its family in conf/sensitivity/alternatives.ya
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 
 import pandas as pd
 
 from analysis.inference import prereg
 from analysis.inference.families import REFUSED
-from analysis.pages import common
 
 COLUMN = "holds_under"
 SMOKE = "_smoke"  # a sensitivity campaign at smoke size (analysis.studies.sensitivity)
 NOT_LISTED = ("not run under the alternatives (list the family in "
               "conf/sensitivity/alternatives.yaml, then make sensitivity)")
 NOT_RUN = "not run under the alternatives (make sensitivity; SMOKE=1 for a first look)"
+NOT_RERUN = "not rerun under the alternatives: "  # + the file's reason (its `not_rerun`)
 
 
 def flip_texts(long: pd.DataFrame) -> dict[tuple[str, str], str]:
@@ -49,10 +50,10 @@ def flip_texts(long: pd.DataFrame) -> dict[tuple[str, str], str]:
     if long.empty:
         return {}
     table = robustness(long)
-    smoke = ("campaign" in long and long["campaign"].astype(str).str.endswith(SMOKE).any())
-    size = f" (smoke reruns, n = {int(long['n'].min())}: signs only)" if smoke else ""
+    sizes = {f: _size_note(rows) for f, rows in long.groupby("family")}
     out = {}
     for r in table.itertuples():
+        size = sizes[r.family]
         alts = set(long[(long["family"] == r.family) & (long["test"] == r.contrast)]
                    ["alternative"]) - {"default"}
         if r.robust == "yes":
@@ -65,15 +66,32 @@ def flip_texts(long: pd.DataFrame) -> dict[tuple[str, str], str]:
     return out
 
 
-@lru_cache(maxsize=8)
+def _size_note(long: pd.DataFrame) -> str:
+    """What the comparison's size allows: smoke reruns, or fewer seeds than the plan's
+    (`planned`, a declared subset), say so; with n seeds and 2 / 2^n > 0.05 no decision can
+    change, only signs."""
+    n = int(long["n"].min())
+    signs = ": signs only" if 2.0 / 2 ** n > 0.05 else ""
+    if "campaign" in long and long["campaign"].astype(str).str.endswith(SMOKE).any():
+        return f" (smoke reruns, n = {n}: signs only)"
+    planned = int(long["planned"].max()) if "planned" in long else n
+    return f" (n = {n} of the plan's {planned} seeds{signs})" if n < planned else ""
+
+
+@lru_cache(maxsize=64)
 def _question_of(plan: str, plan_dir) -> str:
-    return str(prereg.load_plan(plan, plan_dir or prereg.PLAN_DIR).question).lower()
+    """A plan's question, lower case (its `question` key; the plan is not validated here)."""
+    import yaml
+
+    path = Path(plan_dir or prereg.PLAN_DIR) / f"{plan}.yaml"
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return str(yaml.load(path.read_text(), Loader=loader)["question"]).lower()
 
 
-def _spec_entries(spec: dict, plan_dir) -> dict[tuple[str, str], str]:
-    """{(plan question, family): plan file} of the families the sensitivity study reruns."""
-    return {(_question_of(e["plan"], plan_dir), e["family"]): e["plan"]
-            for e in spec["families"]}
+def _spec_entries(spec: dict, plan_dir, key: str = "families") -> dict[tuple[str, str], dict]:
+    """{(plan question, family): entry} of the families the sensitivity study reruns (or,
+    key `not_rerun`, those it cannot rerun, each with why)."""
+    return {(_question_of(e["plan"], plan_dir), e["family"]): e for e in spec.get(key) or ()}
 
 
 @lru_cache(maxsize=1)
@@ -86,24 +104,26 @@ def _alternatives() -> dict:
 def alternative_effects(con, plan: str, family: str, plan_dir=None,
                         spec: dict | None = None) -> pd.DataFrame:
     """The sensitivity long table of one family (analysis.studies.sensitivity.evaluate):
-    every primary contrast's effect and decision under each alternative with runs."""
+    every primary contrast's effect and decision under each alternative with runs, and as
+    `default` on the page's own runs at the same seeds."""
     return _effects(_sensitivity_runs(con), plan, family, plan_dir, spec or _alternatives())
 
 
-def _sensitivity_runs(con) -> pd.DataFrame:
-    """Every run the sensitivity study collected (empty when it ran none)."""
-    from analysis.studies.sensitivity import QUESTION
+def _sensitivity_runs(con) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """(every complete run: the pages' own and the reruns; the study's record)."""
+    from analysis.studies.sensitivity import load_inputs
 
-    return common.load_runs(con, [QUESTION]).all_runs
+    return load_inputs(con)
 
 
-def _effects(runs: pd.DataFrame, plan: str, family: str, plan_dir, spec: dict) -> pd.DataFrame:
+def _effects(inputs, plan: str, family: str, plan_dir, spec: dict) -> pd.DataFrame:
     from analysis.studies.sensitivity import evaluate
 
+    runs, record = inputs
     if runs.empty:
         return pd.DataFrame()
     return evaluate(runs, {**spec, "families": [{"plan": plan, "family": family}]},
-                    plan_dir)[0]
+                    plan_dir, record)[0]
 
 
 def add_flip_columns(families, con, plan_dir=None, spec: dict | None = None) -> None:
@@ -114,16 +134,21 @@ def add_flip_columns(families, con, plan_dir=None, spec: dict | None = None) -> 
         return
     spec = spec or _alternatives()
     listed = _spec_entries(spec, plan_dir)
+    unrun = _spec_entries(spec, plan_dir, "not_rerun")
     runs = None  # the sensitivity runs, read once for the page's families
     for fam in primary:
         name = fam.name.split(" (")[0]
         table = fam.tables.get(fam.primary)
         if table is None or table.empty or "test" not in table:
             continue
-        plan = listed.get((str(fam.question).lower(), name))
-        if plan is None:
+        key = (str(fam.question).lower(), name)
+        if key in unrun:
+            table[COLUMN] = NOT_RERUN + " ".join(str(unrun[key]["why"]).split())
+            continue
+        if key not in listed:
             table[COLUMN] = NOT_LISTED
             continue
+        plan = listed[key]["plan"]
         try:  # a family the study cannot evaluate must not take its page down
             runs = _sensitivity_runs(con) if runs is None else runs
             long = _effects(runs, plan, name, plan_dir, spec)

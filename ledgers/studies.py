@@ -32,7 +32,7 @@ RELOAD_CONDITIONS = ("cold", "repeat", "reload")
 CONTINUATION_ORGS = tuple(a.name for a in ARMS.values() if not a.retention)
 CONTINUATION_FAULTS = ("credit_n_minus_1",)  # injected faults; '' in the table: none
 PLACEMENTS = ("step_end", "every_boundary", "align", "all", "junction")  # continuation runs
-SENSITIVITY_OUTCOMES = ("ran", "skipped")
+SENSITIVITY_OUTCOMES = ("ran", "skipped", "as_default")
 
 _STUDY = [
     _f("study_id", _S, "", "Study run identifier (UTC start time and a random suffix)."),
@@ -172,10 +172,11 @@ _SENSITIVITY_RUNS = [
     _f("family", _S, "", "Primary family the cell belongs to."),
     _f("cell", _S, "", "Cell id within the family."),
     _f("seed", _I, "", "Seed of the run."),
-    _f("campaign", _S, "", "Campaign the run was recorded in (sens_<alternative>[_smoke])."),
+    _f("campaign", _S, "", "Campaign the run was recorded in (sens_<alternative>[_smoke]; "
+       "the page's own for `default`)."),
     _f("run_id", _S, "", "Run id in the runs table."),
-    _f("outcome", _S, "", "Whether the run ran or was skipped as already complete.",
-       SENSITIVITY_OUTCOMES),
+    _f("outcome", _S, "", "ran, skipped as complete, or as_default (it asks the default's "
+       "rules: the page's own run stands for it).", SENSITIVITY_OUTCOMES),
 ]
 
 IDENTIFY_KINDS = ("constant", "residual", "level", "ratio", "slab", "loss", "target", "levels",

@@ -78,9 +78,53 @@ def test_every_page_family_gets_the_column(monkeypatch):
 
     listed = _family(["JENGA_vs_S2", "other"])
     listed.question, listed.name = "ARMS", "ARMS-9"
-    monkeypatch.setattr(flips.common, "load_runs",
-                        lambda con, q: type("R", (), {"all_runs": pd.DataFrame({"seed": [1]})})())
-    monkeypatch.setattr(sens, "evaluate", lambda runs, spec, plan_dir=None: (PLANTED, {}))
+    monkeypatch.setattr(sens, "load_inputs", lambda con: (pd.DataFrame({"seed": [1]}), None))
+    monkeypatch.setattr(sens, "evaluate",
+                        lambda runs, spec, plan_dir=None, record=None: (PLANTED, {}))
     flips.add_flip_columns([listed], con=None, spec=spec)
     assert list(listed.tables["throughput_span"][flips.COLUMN]) == [
         "depends on slab_dense (sign)", flips.NOT_RUN]
+
+
+def _plan_yaml(path):
+    import yaml
+
+    return yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def test_every_registered_page_with_a_primary_family_has_the_column(monkeypatch):
+    """Each question and campaign page whose plan has a primary family gets a `holds_under`
+    column that compares or says why not: never 'not listed' (every such family is listed
+    in conf/sensitivity/alternatives.yaml, as rerun or not_rerun with its reason)."""
+    from analysis.inference import prereg
+    from analysis.questions import campaign_pages, question_pages
+    from analysis.studies import sensitivity as sens
+
+    monkeypatch.setattr(sens, "load_inputs", lambda con: (pd.DataFrame(), None))
+    names = {getattr(p, "PLAN", None) or getattr(p, "QUESTION", "")
+             for p in (*question_pages(), *campaign_pages())}
+    plans = sorted(n for n in names if n and (prereg.PLAN_DIR / f"{n}.yaml").is_file())
+    assert {"q1", "q11_state_codec", "arms", "models", "tier", "traces", "vllm_knobs"} <= set(plans)
+    seen = 0
+    for name in plans:
+        plan = _plan_yaml(prereg.PLAN_DIR / f"{name}.yaml")
+        for fam in (f for f in plan.get("families", []) if f.get("role") == "primary"):
+            result = _family([t["id"] for t in fam.get("tests") or [{"id": "t"}]])
+            result.question, result.name = plan["question"], fam["name"]
+            flips.add_flip_columns([result], con=None)
+            column = set(result.tables["throughput_span"][flips.COLUMN])
+            assert flips.NOT_LISTED not in column, (name, fam["name"])
+            seen += 1
+    assert seen >= len(plans) - 1  # every page's plan but one without a primary family
+
+
+def test_every_plan_with_a_primary_family_is_listed():
+    """Also the plans no page module names itself (Q6's development search)."""
+    from analysis.inference import prereg
+
+    spec = flips._alternatives()
+    listed = {(e["plan"], e["family"]) for e in (*spec["families"], *spec["not_rerun"])}
+    primary = {(path.stem, f["name"]) for path in prereg.PLAN_DIR.glob("*.yaml")
+               for f in (_plan_yaml(path) or {}).get("families", [])
+               if f.get("role") == "primary"}
+    assert len(primary) >= 20 and primary <= listed, sorted(primary - listed)

@@ -42,7 +42,38 @@ def test_planned_jobs_cover_every_cell_seed_and_alternative():
     assert len(jobs) == 2 * cells * 2
     dense = [j for j in jobs if "campaign_name=sens_slab_dense_smoke" in j]
     assert len(dense) == cells * 2 and all("engine.slab_policy=dense" in j for j in dense)
-    assert all("question=sensitivity" in j and "workload.num_requests=12" in j for j in jobs)
+    assert all("question=sensitivity" in j for j in dense)
+    assert all("workload.num_requests=12" in j for j in jobs)
+    # the default's runs are the page's own: the cell's home campaign (smoke), its question
+    default = [j for j in planned if j.alternative.name == "default"]
+    arms = [j.overrides for j in default if j.family == "ARMS-9"]
+    assert arms and all("campaign_name=arms_smoke" in j and "question=arms" in j for j in arms)
+    q4 = {(j.campaign, next(o for o in j.overrides if o.startswith("question=")))
+          for j in default if j.family == "four_orgs"}  # Q4 reads Q1's runs and its own
+    assert q4 == {("q1_smoke", "question=q1"), ("q4_smoke", "question=q4")}
+    bursts = {j.campaign for j in default if j.family == "burst_pattern"}  # [q5, bursts]
+    assert bursts == {"q5_smoke", "bursts_smoke"}  # Q5's cells in q5, where Q5 runs them
+    assert not any("question=sensitivity" in j.overrides for j in default)
+
+
+def test_a_run_is_the_defaults_only_when_its_engine_and_executor_are():
+    """A slab policy asks nothing of D0 (no slabs): its run is the page's own. An identified
+    alternative's fitted step-model constants are not engine rules, yet change every run:
+    D0 under it must run (it once was taken for the default's)."""
+    from hydra import compose, initialize_config_dir
+
+    _, alts = sens.load_alternatives()
+    identified = next(n for n in alts if n.startswith("identified_"))
+    with initialize_config_dir(version_base="1.3", config_dir=str(sens.ROOT / "conf")):
+        def asks_default(org, alt):
+            base = (f"org={org}", "budget=b63", "seed=1")
+            cfg = compose(config_name="config", overrides=[
+                *base, *alts[alt].for_org(org), "campaign_name=x", "question=sensitivity"])
+            return sens._asks_default_rules(cfg, base)
+
+        assert asks_default("d0", "slab_dense")
+        assert not asks_default("s2", "slab_dense")
+        assert not asks_default("d0", identified)
 
 
 def test_robustness_marks_sign_and_decision_changes():

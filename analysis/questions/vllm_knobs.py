@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import cli
+from analysis.flips import add_flip_columns
 from analysis.inference import families, prereg
 from analysis.pages import common
 from analysis.pages.render import md_table
@@ -104,6 +105,7 @@ def section(con) -> tuple[str, dict]:
               md_table(table, list(table.columns)), ""]
     plan = prereg.load_plan(PLAN)
     results = families.evaluate_plan(plan, runs)
+    add_flip_columns(results, con)  # where each winner flips (analysis.flips)
     lines += ["## Preregistered family", "", *(r.markdown() for r in results)]
     info = {"runs": len(runs),
             "winners": {f"{r.model}:{r.budget}": r.winner for r in best.itertuples()},

@@ -6,11 +6,18 @@ conf/sensitivity/alternatives.yaml and each primary family listed there (every p
 EXT-22 also decides Q4's D0/S2 rows; `--families` picks some), every cell of the family's
 preregistered plan (conf/prereg/<plan>.yaml) is run at its seeds with the alternative's
 overrides, into campaign `sens_<alternative>` (`sens_<alternative>_smoke` at smoke size:
-the first seeds and fewer requests), question `sensitivity`. Runs go through
-experiments.run (complete runs are skipped, the ledgers written as for any run); the
-study's own record, one row per run (its alternative, plan cell, seed, run id and whether
-it ran or was skipped), goes to the `sensitivity_runs` study table (ledgers.studies).
-`analysis.studies.sensitivity` then evaluates the families on those runs.
+the first seeds and fewer requests), question `sensitivity`. The `default` alternative's
+runs are the page's own: they go to the cell's home campaign (`<home>_smoke` at smoke
+size) under that campaign's question, exactly as `make <home>` would run them, so each
+alternative is paired by seed with the runs the page reports. A run under an alternative
+whose engine asks for the same rules as the default's (`EngineSpec.requested_rules()`:
+e.g. a slab policy for an organization without slabs) is not run: the page's own run
+stands for it (outcome `as_default`). Runs go through experiments.run (complete runs are
+skipped, the ledgers written as for any run); the study's own record, one row per run (its
+alternative, plan cell, seed, campaign, run id and outcome), goes to the `sensitivity_runs`
+study table (ledgers.studies), written after each family's seed (every alternative), so a
+stopped study resumes where it stopped and has whole seeds.
+`analysis.studies.sensitivity` then evaluates the families.
 
     python -m experiments.studies.sensitivity --ledgers ROOT [--smoke] [--alternatives a,b]
         [--families F,G] [--seeds N] [--requests N]
@@ -49,6 +56,7 @@ CELL_KEYS = {"org": "org", "budget": "budget", "cap": "engine.cap", "rate": "loa
 IGNORED_KEYS = ("campaign", "seeds")
 NOT_APPLICABLE = -1  # a plan's retention_k or host_tier_bytes of a cell without one
 EXECUTORS = {"sim:a100-calibrated": "a100"}
+DEFAULT = "default"  # the alternative whose runs are the page's own
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,8 @@ class Alternative:
 
 @dataclass(frozen=True)
 class Job:
-    """One run of the study: which alternative, plan cell and seed, and its overrides."""
+    """One run of the study: which alternative, plan cell and seed, and its overrides
+    (`base`: the cell's own, without the alternative's and the bookkeeping)."""
 
     alternative: Alternative
     plan: str
@@ -73,6 +82,7 @@ class Job:
     seed: int
     campaign: str
     overrides: tuple[str, ...]
+    base: tuple[str, ...] = ()
 
 
 def campaign_name(alternative: str, smoke: bool) -> str:
@@ -116,11 +126,24 @@ def family_cells(plan_name: str, family: str, plan_dir: Path = PREREG_DIR) -> li
     fam = fams[0]
     out = []
     for cell in fam["cells"]:
-        keys = {**plan.get("defaults", {}), **fam.get("defaults", {}), **cell}
+        keys = {"campaign": plan["campaign"], **plan.get("defaults", {}),
+                **fam.get("defaults", {}), **cell}
         keys.pop("id")
         out.append({"id": cell["id"], "keys": keys,
                     "seeds": list(cell.get("seeds", fam["seeds"]))})
     return out
+
+
+def page_campaign(keys: dict, smoke: bool) -> tuple[str, str]:
+    """(campaign, question) of a cell's own runs: its home campaign, `_smoke` at smoke
+    size, and the question conf/campaign/<home>.yaml gives its runs. A cell several
+    campaigns collect (bursts' and ORIG-5's [q5, bursts]) goes to the first, where another
+    family (Q5's) collects the same run: one run per seed, not one in each campaign, which
+    the plan check would drop as duplicated."""
+    value = keys["campaign"]
+    home = value if isinstance(value, str) else list(value)[0]
+    conf = _plan_yaml(ROOT / "conf" / "campaign" / f"{home}.yaml")
+    return f"{home}{SMOKE_SUFFIX if smoke else ''}", str(conf["question"])
 
 
 def cell_overrides(keys: dict) -> list[str]:
@@ -153,24 +176,28 @@ def planned_jobs(alternatives: list[Alternative], families: list[dict], *, smoke
     """Every run: alternative x family cell x seed."""
     jobs = []
     for alt in alternatives:
-        campaign = campaign_name(alt.name, smoke)
         for fam in families:
             for cell in family_cells(fam["plan"], fam["family"]):
+                campaign, question = ((campaign_name(alt.name, smoke), QUESTION)
+                                      if alt.name != DEFAULT else
+                                      page_campaign(cell["keys"], smoke))
                 chosen = cell["seeds"][:seeds] if seeds else cell["seeds"]
                 for seed in chosen:
+                    size = [f"workload.num_requests={requests}"] if requests else []
                     job = [*cell_overrides(cell["keys"]),
                            *alt.for_org(cell["keys"].get("org", "")),
-                           f"campaign_name={campaign}", f"question={QUESTION}", f"seed={seed}"]
-                    if requests:
-                        job.append(f"workload.num_requests={requests}")
+                           f"campaign_name={campaign}", f"question={question}", f"seed={seed}",
+                           *size]
+                    base = (*cell_overrides(cell["keys"]), f"seed={seed}", *size)
                     jobs.append(Job(alt, fam["plan"], fam["family"], cell["id"], int(seed),
-                                    campaign, tuple(job)))
+                                    campaign, tuple(job), base))
     return jobs
 
 
 def run_jobs(jobs: list[Job], ledger_root: Path, progress: bool = True) -> list[dict]:
     """Run (or skip as complete) every job through experiments.run; one `sensitivity_runs`
-    row per job (run id and outcome)."""
+    row per job (run id and outcome). A job whose engine asks for the default's rules is
+    not run (`as_default`: the page's own run of its cell and seed stands for it)."""
     from hydra import compose, initialize_config_dir
     from tqdm import tqdm
 
@@ -181,13 +208,62 @@ def run_jobs(jobs: list[Job], ledger_root: Path, progress: bool = True) -> list[
         for job in tqdm(jobs, desc="sensitivity runs", disable=not progress, file=sys.stderr):
             cfg = compose(config_name="config",
                           overrides=[*job.overrides, f"ledger_root={ledger_root}"])
-            with contextlib.redirect_stdout(io.StringIO()):
-                line = main_run(cfg)
+            if job.alternative.name != DEFAULT and _asks_default_rules(cfg, job.base):
+                line, outcome = {"run_id": ""}, "as_default"
+            else:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    line = main_run(cfg)
+                outcome = "skipped" if line.get("skipped") else "ran"
             rows.append({"alternative": job.alternative.name,
                          "alternative_overrides": json.dumps(list(job.alternative.overrides)),
                          "plan": job.plan, "family": job.family, "cell": job.cell,
                          "seed": job.seed, "campaign": job.campaign, "run_id": line["run_id"],
-                         "outcome": "skipped" if line.get("skipped") else "ran"})
+                         "outcome": outcome})
+    return rows
+
+
+@lru_cache(maxsize=512)
+def _default_engine(base: tuple[str, ...]) -> str:
+    from hydra import compose
+
+    return _engine_identity(compose(config_name="config", overrides=list(base)))
+
+
+def _engine_identity(cfg) -> str:
+    """What decides a run apart from its bookkeeping: the rules its engine asks for
+    (`EngineSpec.requested_rules()`: engine, executor, clock, trace, host tier) and every
+    config section but `engine` as configured (the executor's constants among them); an
+    engine key reaches the run only through a declared rule."""
+    from experiments.runners.cell import cell_config
+    from experiments.runners.spec import engine_spec
+
+    config = {k: v for k, v in cell_config(cfg).items()
+              if k not in ("engine", "campaign_name", "question")}
+    return json.dumps([engine_spec(cfg).requested_rules(), config], sort_keys=True,
+                      default=str)
+
+
+def _asks_default_rules(cfg, base: tuple[str, ...]) -> bool:
+    """Whether the run of `cfg` is its cell's run under the default alternative (`base`):
+    the same requested rules and the same configuration outside `engine`."""
+    return _engine_identity(cfg) == _default_engine(base)
+
+
+def run_study(jobs: list[Job], ledger_root: Path, progress: bool = True) -> list[dict]:
+    """run_jobs family by family and, within one, seed by seed (the seed's every alternative
+    and cell), the study record written after each (one study id): a stopped study keeps
+    the record of what it ran, and each family has whole seeds under every alternative, so
+    its pages pair the alternatives with their own runs at those seeds."""
+    study_id, rows = new_study_id(), []
+    chunks: dict[tuple[str, int], list[Job]] = {}
+    for job in jobs:  # planned alternative by alternative, cell by cell: regrouped
+        chunks.setdefault((job.family, job.seed), []).append(job)
+    families = list(dict.fromkeys(job.family for job in jobs))
+    for key in sorted(chunks, key=lambda k: (families.index(k[0]), k[1])):
+        done = run_jobs(chunks[key], ledger_root, progress)
+        write_study(ledger_root, TABLE, rows_to_columns(TABLE, done, study_id=study_id,
+                                                        created_at=now_iso()))
+        rows += done
     return rows
 
 
@@ -221,13 +297,13 @@ def main(argv: list[str] | None = None) -> int:
         requests = requests or int(raw["smoke"]["requests"])
     jobs = planned_jobs([alts[n] for n in names],
                         [f for f in raw["families"] if f["family"] in families],
-                        smoke=args.smoke, seeds=seeds, requests=requests)
-    rows = run_jobs(jobs, args.ledger_root, progress=not args.quiet)
-    path = write_study(args.ledger_root, TABLE, rows_to_columns(
-        TABLE, rows, study_id=new_study_id(), created_at=now_iso()))
-    ran = sum(r["outcome"] == "ran" for r in rows)
-    print(f"sensitivity: {len(jobs)} runs ({ran} ran, {len(rows) - ran} skipped) "
-          f"for {len(names)} alternatives into {args.ledger_root}; study table {path}")
+                        smoke=args.smoke or requests is not None, seeds=seeds,
+                        requests=requests)  # another size than the page's: never its campaign
+    rows = run_study(jobs, args.ledger_root, progress=not args.quiet)
+    count = {o: sum(r["outcome"] == o for r in rows) for o in ("ran", "skipped", "as_default")}
+    print(f"sensitivity: {len(jobs)} runs ({count['ran']} ran, {count['skipped']} skipped as "
+          f"complete, {count['as_default']} as the default's) for {len(names)} alternatives "
+          f"into {args.ledger_root}; study table {args.ledger_root}/{TABLE}")
     return 0
 
 
