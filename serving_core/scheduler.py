@@ -42,8 +42,8 @@ Rules (SchedulerConfig, each one declaration; docs/engine_rules.md sections 5-12
 - whole_chunks (off by default): a running request short of units for its chunk is
   preempted (vLLM's `allocate_slots`, all or nothing); off, it first shortens its chunk
   to the last servable boundary.
-- state_blocks (`n0` by default): `vllm_align` keeps vLLM's align-mode Mamba block lifecycle
-  (`MambaManager`): a chunk publishes the state where it ends on a boundary in its running
+- state_blocks (`per_boundary` by default): `vllm_align` keeps vLLM's align-mode Mamba block
+  lifecycle (`MambaManager`): a chunk publishes the state where it ends on a boundary in its running
   state and, when it reaches the prefill end, one prefill checkpoint at the last boundary
   inside it; a running state is new only in a new block, and the previous one, the
   checkpoint and the adopted one stay held until the request's next allocation;
@@ -83,7 +83,7 @@ from serving_core.state_manager import ChunkState, HybridStateManager
 
 ADMISSION_GATES = ("full_prompt", "first_chunk", "reserve_output", "capped_prompt")
 CHECKPOINT_PLACEMENTS = ("step_end", "every_boundary")
-STATE_BLOCKS = ("n0", "vllm_align")
+STATE_BLOCKS = ("per_boundary", "vllm_align")
 
 
 def _placement(value, ctx):
@@ -170,11 +170,12 @@ class SchedulerConfig:
         "allocate_slots, all or nothing; false: it shortens the chunk to a boundary first)",
         allowed=(True, False))
     state_blocks: str = rule(
-        "n0", "the recurrent state's blocks: n0 (a destination per boundary crossed, the "
+        "per_boundary", "the recurrent state's blocks: per_boundary (a destination per "
+        "boundary crossed, the "
         "working composite published and replaced) or vllm_align (vLLM's align-mode Mamba "
         "manager: state at chunk ends and one prefill checkpoint, released a step later)",
         allowed=STATE_BLOCKS,
-        effective=lambda sched: "vllm_align" if sched.state.vllm_blocks else "n0")
+        effective=lambda sched: "vllm_align" if sched.state.vllm_blocks else "per_boundary")
     retention_blocks: int = rule(
         1, "state_blocks=vllm_align: a checkpoint is kept every k blocks (vLLM's "
         "prefix_cache_retention_interval in blocks); 0: only the prompt's last boundary and "

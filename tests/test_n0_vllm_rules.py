@@ -88,7 +88,7 @@ ALIGNED = {"align_chunks": True, "cross_final_chunk": True, "max_num_batched_tok
 
 
 @pytest.mark.parametrize("blocks, retention, published", [
-    ("n0", 1, [B, 2 * B, 3 * B, 4 * B]),  # a checkpoint at every boundary a chunk crosses
+    ("per_boundary", 1, [B, 2 * B, 3 * B, 4 * B]),  # a checkpoint at every boundary a chunk crosses
     ("vllm_align", 1, [B, 2 * B, 4 * B]),  # chunk 1: its checkpoint and end; 2: its checkpoint
     ("vllm_align", 0, [4 * B]),  # retention 0: only the prompt's last boundary
 ])
@@ -111,11 +111,11 @@ def test_a_hit_cached_in_this_step_waits_for_the_next(falcon):
     specs = [spec(0, 3300, 2, first=1), spec(1, 3250, 2, 1.0, first=1),
              spec(2, 3260, 2, 1.0, first=1)]
     starts = {}
-    for blocks in ("n0", "vllm_align"):
+    for blocks in ("per_boundary", "vllm_align"):
         res = run(falcon, "N0", {"shared": 32}, specs, state_blocks=blocks, **ALIGNED)
         assert [r.adopted_first for r in res.requests] == [0, 2 * B, 2 * B]
         starts[blocks] = res.requests[2].start_s - res.requests[1].start_s
-    assert starts == {"n0": 0.0, "vllm_align": pytest.approx(0.01)}
+    assert starts == {"per_boundary": 0.0, "vllm_align": pytest.approx(0.01)}
 
 
 @pytest.mark.parametrize("start, end, total, retention, checkpoint", [
