@@ -427,6 +427,18 @@ def _placement_fields(sched, n: int, C: int, b: int) -> dict:
                                b) - b}
 
 
+def _pair_spec(model, geometry, org: str, budget: str, chunk_tokens: int | str,
+               split_last_boundary: bool):
+    """The engine spec of a pair: cap 8, `chunk_tokens` per step (`chunk_budget`)."""
+    from serving_core.builder import loaded_model_spec
+    from serving_core.memory import org_layout
+
+    C = org_layout(geometry, arm(org).org).checkpoint_interval
+    return loaded_model_spec(model, geometry, arm(org).org, budget,
+                             {"cap": 8, "max_num_batched_tokens": chunk_budget(chunk_tokens, C),
+                              "split_last_boundary": split_last_boundary})
+
+
 def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: int,
              seed: int, *, delayed_save: bool = False, save_delay_s: float = 1.0,
              fault: str | None = None, interposer_tokens: int | None = None,
@@ -434,19 +446,12 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
              chunk_tokens: int | str = MAX_BATCHED_TOKENS) -> PairResult:
     """The protocol for one organization and one prompt length (see the module doc);
     `chunk_tokens`: the engine's token budget per step (`chunk_budget`)."""
-    from serving_core.builder import loaded_model_spec
     from serving_core.host_tier import HostTier
-    from serving_core.memory import org_layout
     from serving_core.request import Request
 
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"fault={fault!r}: allowed values are {', '.join(FAULTS)}")
-    chunk_tokens = chunk_budget(chunk_tokens, org_layout(geometry, arm(org).org)
-                                .checkpoint_interval)
-    spec = loaded_model_spec(model, geometry, arm(org).org, budget,
-                             {"cap": 8, "max_num_batched_tokens": chunk_tokens,
-                              "split_last_boundary": split_last_boundary})
-
+    spec = _pair_spec(model, geometry, org, budget, chunk_tokens, split_last_boundary)
     fresh_engine = functools.partial(_publishing_engine, spec, model)
     cold = fresh_engine()
     sched = cold.sched  # the rules the engine runs, read back from it
