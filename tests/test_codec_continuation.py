@@ -29,7 +29,8 @@ def test_a_preempted_fp8_request_resumes_bit_for_bit(tiny_model):
 def test_bad_codec_exits_2_naming_the_values(capsys):
     assert cc.main(["--codecs", "fp9"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: --codecs='fp9': allowed values are auto, fp32, bf16, fp16, fp8_e4m3, int8")
+        "error: --codecs='fp9': allowed values are auto, fp32, bf16, fp16, fp8_e4m3, int8, "
+        "bf16_sr, fp16_sr")
 
 
 @pytest.mark.slow
