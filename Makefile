@@ -281,7 +281,7 @@ continuation: setup $(TINY_MODEL)/config.json ## reload-from-host boundary matri
 	$(BIN)/python -m experiments.studies.continuation --checkpoint $(TINY_MODEL) --preset $(TINY_PRESET) \
 		--ledger-root $(LEDGER_ROOT) $(ARGS); $(call study_page,continuation)
 
-codec-continuation: setup $(TINY_MODEL)/config.json ## per state codec x organization: a reused and a preempted compressed state continue bit for bit (last line: JSON; 50 min on 2 cores at load 30)
+codec-continuation: setup $(TINY_MODEL)/config.json ## per state codec x organization: a reused and a preempted compressed state continue bit for bit (last line: JSON; 2 min on an idle machine)
 	$(BIN)/python -m experiments.studies.codec_continuation --checkpoint $(TINY_MODEL) --preset $(TINY_PRESET) \
 		--ledger-root $(LEDGER_ROOT) $(ARGS); $(call study_page,continuation)
 

@@ -43,6 +43,14 @@ def test_one_pair_end_to_end_and_the_refused_pair(tiny_checkpoint, tmp_path, cap
                                    "preempt_ok": 1, "ok": True}
 
 
+@pytest.mark.slow  # about 2 min on an idle machine (make codec-continuation)
+def test_the_full_matrix_passes(tiny_checkpoint, tmp_path, capsys):
+    assert cc.main(["--checkpoint", str(tiny_checkpoint), "--ledger-root", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {
+        "pairs": 34, "refused": ["int8 x n0", "bf16_sr x n0"], "reuse_ok": 34, "preempt_ok": 34,
+        "ok": True}
+
+
 @pytest.mark.slow
 def test_logprobs_must_match_only_where_the_cold_run_ended_a_chunk_at_b(tiny_model):
     """D0 (every boundary published, C = 1,792) under fp8: with 2,048-token steps the cold

@@ -2,10 +2,10 @@
 continues exactly as the same compressed state does without reuse (issue 47).
 
 `python -m experiments.studies.codec_continuation` (make codec-continuation). For each state
-codec (bf16, fp16, fp8_e4m3, int8) and each organization (S0, S1, S2, D0, N0, Jenga), on
-the tiny model, with chunks of C tokens (so every published boundary is a chunk end of the
-writer's run and its working state went through the codec there, with the same (seed,
-position) rounding the checkpoint got), greedy, each token's logprob returned:
+codec (bf16, fp16, fp8_e4m3, int8, bf16_sr, fp16_sr) and each organization (S0, S1, S2, D0,
+N0, Jenga), on the tiny model, with chunks of C tokens (so every published boundary is a
+chunk end of the writer's run and its working state went through the codec there, with the
+same (seed, position) rounding the checkpoint got), greedy, each token's logprob returned:
 
 - reuse: the continuation study's protocol (experiments/studies/continuation.py `run_pair`):
   the cold run saves to a host tier, the device is reset, the deepest held prefix B is
@@ -36,7 +36,7 @@ from experiments.studies import study_parser
 from ledgers.arms import PLAIN_ARMS, arm
 from serving_core.sampling_params import SamplingParams
 
-CODECS = ("bf16", "fp16", "fp8_e4m3", "int8")
+CODECS = ("bf16", "fp16", "fp8_e4m3", "int8", "bf16_sr", "fp16_sr")
 CASE = "C+1"  # the reuse prompt: B = C strictly inside it
 PREEMPT_CASE = "2C+1"  # preempted after its first chunk (C), two chunks left
 
