@@ -256,7 +256,7 @@ sensitivity: setup ## rerun every page's primary family under each alternative e
 MODEL ?= falcon
 TINY_PRESETS := falcon=falcon_h1_tiny granite=granite_hybrid_tiny
 TINY_PRESET := $(patsubst $(MODEL)=%,%,$(filter $(MODEL)=%,$(TINY_PRESETS)))
-MODEL_TARGETS := tiny-model serve http-smoke continuation continuation-http reload-study
+MODEL_TARGETS := tiny-model serve http-smoke continuation codec-continuation continuation-http reload-study
 ifneq ($(if $(TINY_PRESET),,$(filter $(MODEL_TARGETS),$(MAKECMDGOALS))),)
 $(error MODEL=$(MODEL): allowed values are falcon, granite (the tiny model of $(MODEL_TARGETS)))
 endif
@@ -291,6 +291,10 @@ continuation: setup $(TINY_MODEL)/config.json ## reload-from-host boundary matri
 	$(BIN)/python -m experiments.studies.continuation --checkpoint $(TINY_MODEL) --preset $(TINY_PRESET) \
 		--ledger-root $(LEDGER_ROOT) $(ARGS); $(call study_page,continuation)
 
+codec-continuation: setup $(TINY_MODEL)/config.json ## per state codec x organization: a reused and a preempted compressed state continue bit for bit (last line: JSON; 2 min on an idle machine)
+	$(BIN)/python -m experiments.studies.codec_continuation --checkpoint $(TINY_MODEL) --preset $(TINY_PRESET) \
+		--ledger-root $(LEDGER_ROOT) $(ARGS); $(call study_page,continuation)
+
 reload-study: setup $(TINY_MODEL)/config.json ## order-balanced cold/repeat/reload TTFT over HTTP (host tier OFF/ON pairs), page reload_study.md (last line: JSON)
 	$(BIN)/python -m experiments.studies.reload_study --checkpoint $(TINY_MODEL) --preset $(TINY_PRESET) --ledger-root $(LEDGER_ROOT) $(ARGS)
 	$(BIN)/python -m analysis.studies.reload_study $(LEDGER_ROOT) --out $(REPORT_DIR)
@@ -299,7 +303,7 @@ continuation-http: setup $(TINY_MODEL)/config.json ## the boundary matrix over H
 	$(BIN)/python -m experiments.studies.continuation_http --checkpoint $(TINY_MODEL) --preset $(TINY_PRESET) \
 		--ledger-root $(LEDGER_ROOT) $(ARGS); $(call study_page,continuation_http)
 
-.PHONY: serve http-smoke continuation fidelity reload-study continuation-http
+.PHONY: serve http-smoke continuation codec-continuation fidelity reload-study continuation-http
 
 identify: setup ## refit and score every rule combination of conf/calibration/identify.yaml on the anchors (SMOKE=1: 2 combinations, short runs), then identify.md
 	$(BIN)/python -m experiments.studies.identify --ledger-root $(LEDGER_ROOT) \

@@ -31,7 +31,7 @@ from serving_core.executor.state_encoding import StateEncoder
 from serving_core.model.dense_state import DenseState
 
 MODELS = ("falcon_h1_tiny", "granite_hybrid_tiny")
-CODECS = ("bf16", "fp16", "fp8_e4m3", "int8")
+CODECS = ("bf16", "fp16", "fp8_e4m3", "int8", "bf16_sr", "fp16_sr")
 SPANS = (0, 64, 256, 512, 1024, 4096)
 
 
@@ -68,20 +68,20 @@ def _load(name: str, directory: Path):
 
 
 @torch.no_grad()
-def _forced(model, members: int, prompt: torch.Tensor, tokens: int):
+def _forced(model, members: int, prompt: torch.Tensor, tokens: int, codecs=CODECS):
     """The reference's greedy tokens, and per codec its agreement and KL at each position,
     every codec's state fed the reference's tokens (teacher forcing, in lockstep: no
     distribution is kept)."""
     ref = DenseState(model)
-    states = {c: CodecState(model, c, members) for c in CODECS}
+    states = {c: CodecState(model, c, members) for c in codecs}
     logits = {"ref": ref.run(model, prompt)} | {c: s.run(model, prompt) for c, s in states.items()}
-    out, agree, kl = [], {c: [] for c in CODECS}, {c: [] for c in CODECS}
+    out, agree, kl = [], {c: [] for c in codecs}, {c: [] for c in codecs}
     for _ in range(tokens):
         lref = logits["ref"][0].double().log_softmax(-1)
         tok = int(lref.argmax())
         out.append(tok)
         p = lref.exp()
-        for c in CODECS:
+        for c in codecs:
             lp = logits[c][0].double().log_softmax(-1)
             agree[c].append(int(lp.argmax()) == tok)
             kl[c].append(float((p * (lref - lp)).sum()))
@@ -101,12 +101,13 @@ def _first_divergence(model, state, prompt, ref_tokens) -> int | None:
     return None
 
 
-def measure(name: str, model, members: int, tokens: int, prompt_tokens: int = 64) -> list[dict]:
+def measure(name: str, model, members: int, tokens: int, prompt_tokens: int = 64,
+            codecs=CODECS) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 128_256, (1, prompt_tokens), generator=gen)
-    ref_tokens, agreements, kls = _forced(model, members, prompt, tokens)
+    ref_tokens, agreements, kls = _forced(model, members, prompt, tokens, codecs)
     rows = []
-    for codec in CODECS:
+    for codec in codecs:
         agree, kl = agreements[codec], kls[codec]
         div = _first_divergence(model, CodecState(model, codec, members), prompt, ref_tokens)
         row = {"model": name, "codec": codec, "tokens": tokens,
@@ -143,20 +144,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.state_codec_drift")
     parser.add_argument("--tokens", type=int, default=512, help="generated tokens per run")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--codecs", default=",".join(CODECS))
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    names = args.models.split(",")
-    bad = [n for n in names if n not in MODELS]
+    names, codecs = args.models.split(","), args.codecs.split(",")
+    bad = [n for n in names if n not in MODELS] + [c for c in codecs if c not in CODECS]
     if bad or args.tokens < 1:
-        print(f"error: --models={args.models!r} / --tokens={args.tokens}: allowed models "
-              f"{', '.join(MODELS)}, tokens >= 1", file=sys.stderr)
+        print(f"error: --models={args.models!r} / --codecs={args.codecs!r} / "
+              f"--tokens={args.tokens}: allowed models {', '.join(MODELS)}, codecs "
+              f"{', '.join(CODECS)}, tokens >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             model, members = _load(name, Path(tmp))
-            rows += measure(name, model, members, args.tokens)
+            rows += measure(name, model, members, args.tokens, codecs=codecs)
     print(table(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -117,6 +117,11 @@ _CONTINUATION = [
     _f("host_saves", _I, "count", "Saves the tier completed before the device reset."),
     _f("reload_units_fresh", _B, "",
        "The reset device held nothing and the reload's objects live there now."),
+    _f("state_codec", _S, "", "How the SSM state was stored (model.state_codec)."),
+    _f("chunk_tokens", _I, "tokens", "Token budget per step (max_num_batched_tokens)."),
+    _f("same_chunks", _B, "", "The cold run ended a chunk at B and its chunks after B are the "
+                              "reload's: the reload must repeat its logprobs bit for bit."),
+    _f("logprobs_equal", _B, "", "The reload's token logprobs equal the cold run's bit for bit."),
     _f("b_equals_p", _B, "", "B = p = expected p."),
     _f("audits_ok", _B, "", "Byte, unit, poisoning and delayed-save audits all hold."),
     _f("ok", _B, "", "Every column of the pair holds."),

@@ -8,6 +8,9 @@ also applies to the temporal state only, model_executor/layers/mamba/mamba_utils
 - auto: the model's dtype_bytes, today's accounting (bf16 on the 7B presets, fp32 on the
   tiny real-path models); vLLM's `auto`.
 - fp32, bf16, fp16: that float format, written round-to-nearest.
+- bf16_sr, fp16_sr: bf16 or fp16 written with stochastic rounding (SGLang's state rounding
+  for bf16/fp16; vLLM 0.32's `--enable-mamba-cache-stochastic-rounding`, which requires
+  `--mamba-ssm-cache-dtype float16`): the same bytes as bf16 / fp16.
 - fp8_e4m3: one byte per element (e4m3fn, saturated at +-448), written with stochastic
   rounding (vLLM pull request 52962; SGLang's state rounding).
 - int8: one byte per element plus one fp32 scale per head per layer (amax / 127), written
@@ -18,16 +21,16 @@ profile's `state_codec_s_per_op`; none where the stored format is the model's ow
 `transcodes`): a float format converts in the scan kernel's registers (decode 1,
 encode 1); fp8_e4m3 decodes with one convert and encodes with 5 (random bits, about 1 op
 per element from a counter-based generator's 4 x 32-bit words; neighbour selection and
-compare, 2; saturate, 1; convert, 1);
-int8 decodes with 2 (convert, scale) and encodes with 5 (the head's amax, 1; scale, 1;
-round, 1; clamp, 1; convert, 1).
+compare, 2; saturate, 1; convert, 1); bf16_sr and fp16_sr decode with 1 and encode with 4
+(fp8_e4m3's without the saturation); int8 decodes with 2 (convert, scale) and encodes with
+5 (the head's amax, 1; scale, 1; round, 1; clamp, 1; convert, 1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-STATE_CODECS = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3", "int8")
+STATE_CODECS = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3", "int8", "bf16_sr", "fp16_sr")
 DEFAULT_STATE_CODEC = "auto"
 INT8_SCALE_BYTES = 4  # one fp32 scale per head per layer
 
@@ -51,6 +54,8 @@ CODECS = {
     "fp16": StateCodec("fp16", 2, 0, 1, 1, False),
     "fp8_e4m3": StateCodec("fp8_e4m3", 1, 0, 1, 5, True),
     "int8": StateCodec("int8", 1, INT8_SCALE_BYTES, 2, 5, False),
+    "bf16_sr": StateCodec("bf16_sr", 2, 0, 1, 4, True),
+    "fp16_sr": StateCodec("fp16_sr", 2, 0, 1, 4, True),
 }
 assert tuple(CODECS) == STATE_CODECS
 

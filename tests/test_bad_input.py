@@ -48,9 +48,9 @@ SINGLE = [
     (("engine=3",), "error: engine=3: allowed a config group or engine.<key>=value"),
     (("~org",), "error: org: required, it cannot be removed"),
     (("model.state_codec=fp4",), "error: model: model.state_codec='fp4': allowed values are "
-                                 "auto, fp32, bf16, fp16, fp8_e4m3, int8"),
+                                 "auto, fp32, bf16, fp16, fp8_e4m3, int8, bf16_sr, fp16_sr"),
     (("org=n0", "model.state_codec=int8"), "error: org=n0 cannot hold model 'falcon_h1_7b': "
-     "model.state_codec='int8', allowed values are auto, fp32, bf16, fp16, fp8_e4m3"),
+     "model.state_codec='int8', allowed values are auto, fp32, bf16, fp16, fp8_e4m3, fp16_sr"),
 ]
 MULTI = [
     (("campaign=q99",), "error: campaign=q99: allowed arms, bursts, caps, d0_split, demo"),

@@ -83,9 +83,9 @@ COUNTS = {
     "q10_tq4": (288, {"q10_tq4": 144, "q1": 108, "q4": 36}),  # TQ4 144; bf16 Exp 1a + Q4 D0
     "q6_development": (105, {"q6_development": 105}),  # 2 x 3 x 5 x 3 + S2 b83 5 x 3
     "tier": (216, {"tier": 144, "q1": 48, "q4": 24}),  # 3 orgs x 2 budgets x 2 tiers x 12
-    # primary 2 models x 5 orgs x 8 seeds; b108, isolate, granite 2 x 5 x 3 each; tq4 2 x 5 x 2
-    # budgets x 3; int8 4 orgs x 3
-    "q11_state_codec": (242, {"q11_state_codec": 80 + 30 + 30 + 60 + 30 + 12}),
+    # primary 2 models x 5 orgs x 10 seeds; b108, isolate, granite, granite_tq4 2 x 5 x 3 each;
+    # tq4 2 x 5 x 2 budgets x 3; int8 4 orgs x 3
+    "q11_state_codec": (292, {"q11_state_codec": 100 + 30 + 30 + 60 + 30 + 30 + 12}),
 }
 
 
@@ -171,7 +171,7 @@ def test_six_seed_comparisons_need_only_their_own_campaign(name, family):
 
 
 FAMILY_RUNS = {("q1", "EXT-22"): 288, ("q10_tq4", "codec_interactions"): 288,
-               ("q11_state_codec", "codec_and_ranking"): 80,
+               ("q11_state_codec", "codec_and_ranking"): 100,
                ("q6", "Q6-17"): 192, ("orig5", "ORIG-5"): 84, ("pinning", "PIN-2"): 48,
                ("q7", "probe_containment"): 24,
                ("q8", "retention_depth"): 6, ("q9", "k_ret"): 24}

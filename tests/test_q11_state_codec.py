@@ -22,6 +22,7 @@ def test_codecs_of_preset_names():
     assert q11.codecs_of("falcon_h1_7b_fp8") == ("falcon_h1_7b", "bf16", "fp8_e4m3")
     assert q11.codecs_of("falcon_h1_7b_tq4_fp8") == ("falcon_h1_7b", "tq4", "fp8_e4m3")
     assert q11.codecs_of("falcon_h1_7b_tq4") == ("falcon_h1_7b", "tq4", "auto")
+    assert q11.codecs_of("granite_4_0_h_tiny_tq4_fp8") == ("granite_4_0_h_tiny", "tq4", "fp8_e4m3")
     assert q11.codecs_of("granite_4_0_h_tiny_int8") == ("granite_4_0_h_tiny", "bf16", "int8")
 
 
@@ -58,6 +59,10 @@ def test_plan_primary_family_is_codec_effect_and_ranking():
     kinds = [t.kind for t in primary.tests]
     assert kinds.count("paired") == 5 and kinds.count("interaction") == 4
     assert {c.keys["org"] for c in plan.family("int8").cells} == {"S0", "S1", "S2", "D0"}
+    # amendment 1: 10 seeds (2/2^10 < 0.05/9, so Holm can reject), TQ4 KV crossed in on Granite
+    assert len(primary.seeds) == 10 and 2 / 2 ** len(primary.seeds) < 0.05 / 9
+    assert {c.keys["model"] for c in plan.family("granite_tq4").cells} == {
+        "granite_4_0_h_tiny_tq4", "granite_4_0_h_tiny_tq4_fp8"}
 
 
 @pytest.mark.slow

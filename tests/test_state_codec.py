@@ -25,6 +25,8 @@ FALCON_SSM = {
     "fp16": 786_432 * 2,
     "fp8_e4m3": 786_432 * 1,  # 786,432
     "int8": 786_432 * 1 + 24 * 4,  # + one fp32 scale per head: 786,528
+    "bf16_sr": 786_432 * 2,  # stochastic rounding changes the values, not the bytes
+    "fp16_sr": 786_432 * 2,
 }
 FALCON_CONV = (3_072 + 2 * 256) * 3 * 2
 
@@ -50,6 +52,8 @@ def test_default_is_todays_accounting(falcon):
     assert not transcodes("auto", 2) and not transcodes("bf16", 2) and transcodes("fp32", 2)
     assert not transcodes("fp32", 4) and ops_per_element("fp32", 4) == 0
     assert ops_per_element("fp8_e4m3", 2) == 1 + 5 and ops_per_element("int8", 4) == 2 + 5
+    # stochastic rounding into the model's own format is still work: bf16_sr on a bf16 model
+    assert transcodes("bf16_sr", 2) and ops_per_element("bf16_sr", 2) == 1 + 4
 
 
 # Per codec: (S0 page, S1/S2 SSM members of a 512-KiB page, N0 block tokens, N0 page).
@@ -63,6 +67,7 @@ FALCON_UNITS = {
     "bf16": (1_594_368, 3, 1_568, 1_605_632),
     "fp16": (1_594_368, 3, 1_568, 1_605_632),
     "fp8_e4m3": (807_936, 2, 800, 819_200),  # ceil(807,936 / 16,384) = 50 (49.3)
+    "fp16_sr": (1_594_368, 3, 1_568, 1_605_632),  # vLLM: float16 + stochastic rounding
 }
 
 
@@ -87,9 +92,11 @@ def test_int8_units_and_n0_refusal(falcon):
     assert org_layout(g, "S1").ssm_members == 2  # ceil(786,528 / 524,288)
     with pytest.raises(ValueError, match=r"^org=n0 cannot hold model 'falcon_h1_7b': "
                        "model.state_codec='int8', allowed values are auto, fp32, bf16, fp16, "
-                       "fp8_e4m3$"):
+                       "fp8_e4m3, fp16_sr$"):
         org_layout(g, "N0")
     assert dict(plan_budget(g, "b63").refused).keys() == {"N0"}
+    # bf16 with stochastic rounding: vLLM 0.32 rounds stochastically only into float16
+    assert dict(plan_budget(falcon.with_state_codec("bf16_sr"), "b63").refused).keys() == {"N0"}
 
 
 def test_checkpoint_costs_by_hand(falcon):
@@ -144,7 +151,8 @@ def test_n0_state_below_the_attention_page_is_padded(falcon):
 
 def test_bad_codec_one_line(falcon):
     with pytest.raises(ValueError, match=r"^model.state_codec='fp4': allowed values are auto, "
-                                         "fp32, bf16, fp16, fp8_e4m3, int8$"):
+                                         "fp32, bf16, fp16, fp8_e4m3, int8, bf16_sr, "
+                                         "fp16_sr$"):
         falcon.with_state_codec("fp4")
     with pytest.raises(ValueError, match="mamba1 layer has no heads to scale"):
         load_geometry("jamba_v0_1").with_state_codec("int8")

@@ -11,14 +11,14 @@ import torch
 from engines import Spec, prompt_set, torch_engine
 
 from serving_core.engine import serve
-from serving_core.executor.state_encoding import StateEncoder, fp8_stochastic
+from serving_core.executor.state_encoding import StateEncoder, float_stochastic, fp8_stochastic
 from serving_core.geometry import load_geometry
 from serving_core.memory import org_layout
 from serving_core.planner import plan_budget, units_for
 from serving_core.records import record_produced
 from serving_core.scheduler import SchedulerConfig
 
-CODECS = ("bf16", "fp16", "fp8_e4m3", "int8")
+CODECS = ("bf16", "fp16", "fp8_e4m3", "int8", "bf16_sr", "fp16_sr")
 
 
 def test_int8_layout_and_values_by_hand():
@@ -42,6 +42,22 @@ def test_fp8_rounds_to_a_neighbour_without_bias():
     # saturation at 448 and the sign bit
     big = fp8_stochastic(torch.tensor([-1e4, 448.0]), torch.zeros(2))
     assert big.view(torch.float8_e4m3fn).float().tolist() == [-448.0, 448.0]
+
+
+@pytest.mark.parametrize(("dtype", "x", "lo", "hi"), [
+    (torch.bfloat16, 1 + 2**-9, 1.0, 1 + 2**-7),  # 7 mantissa bits: up with p = 1/4
+    (torch.float16, 1 + 2**-12, 1.0, 1 + 2**-10),  # 10 mantissa bits: up with p = 1/4
+])
+def test_bf16_fp16_stochastic_rounding_by_hand(dtype, x, lo, hi):
+    u = torch.rand(20_000, generator=torch.Generator().manual_seed(1))
+    values = float_stochastic(torch.full((20_000,), x), u, dtype).float()
+    assert set(values.tolist()) == {lo, hi}
+    assert (values == hi).float().mean().item() == pytest.approx(0.25, abs=0.01)
+    assert values.mean().item() == pytest.approx(x, abs=0.01 * (hi - lo))  # unbiased
+    assert float_stochastic(torch.tensor([-x, -x]), torch.tensor([0.0, 0.9]), dtype).tolist() == [
+        -hi, -lo]  # magnitudes rounded: up when u < 1/4
+    assert float_stochastic(torch.tensor([1.5]), torch.zeros(1), dtype).item() == 1.5  # exact
+    assert float_stochastic(torch.tensor([1e6]), torch.ones(1), torch.float16).item() == 65504
 
 
 def test_rounding_is_seeded_per_request_and_position():

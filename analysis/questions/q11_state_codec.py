@@ -4,7 +4,7 @@ ranking?
 Campaign q11_state_codec (issue 47): the SSM state stored as fp8_e4m3 (and, in one family,
 int8 with per-head scales; serving_core/state_codec.py) against the model's own bf16 state
 (`auto`) at the same byte budgets, on Falcon-H1-7B (bf16 and TQ4 KV) and Granite-4.0-H-Tiny.
-Plan conf/prereg/q11_state_codec.yaml, exploratory: the primary family (8 seeds, b63,
+Plan conf/prereg/q11_state_codec.yaml, exploratory: the primary family (10 seeds, b63,
 share) is the codec's effect per organization and the ranking interactions, Holm over 9;
 the other families are descriptive. The page reads the model preset's name for its codecs
 (`<base>[_tq4][_fp8|_int8]`), as the Q10 page does for TQ4.

@@ -65,14 +65,19 @@ def section(rows: pd.DataFrame) -> str:
         window = "-" if r.window_b < 0 else f"{r.window_b} / {r.window_p}"
         tokens = "yes" if r.tokens_equal else f"no (first at {r.first_mismatch})"
         fault = f" fault {r.fault}" if r.fault else ""
+        codec = "" if r.state_codec == "auto" else f" ({r.state_codec} state)"
         lines.append(
-            f"| {r.org} | {r.n_tokens} ({r.length_case}{fault}) | {r.interval} | {rule} | "
+            f"| {r.org}{codec} | {r.n_tokens} ({r.length_case}{fault}) | {r.interval} | {rule} | "
             f"{r.restored_prefix_b} | {r.credited_prefix_p} | {r.expected_p} | "
             f"{r.full_prefix} | {r.reuse_lost} | {r.tier_full_depth} | "
             f"{r.first_context} / {r.first_scheduled} | {r.bytes_h2d:,} | "
             f"{_yes(r.bytes_h2d == r.expected_bytes and r.restored_exact)} | {window} | "
             f"{tokens} | {_yes(r.ok)} |")
-    lines += ["", f"{int(rows['ok'].sum())} of {len(rows)} pairs pass every column.", ""]
+    same = rows[rows["same_chunks"]]
+    lines += ["", f"{int(rows['ok'].sum())} of {len(rows)} pairs pass every column. Where the "
+              "cold run ended a chunk at B and then ran the reload's chunks, the reload must "
+              f"repeat its token logprobs bit for bit: {int(same['logprobs_equal'].sum())} of "
+              f"{len(same)} do.", ""]
     lost = rows[rows["reuse_lost"] != 0]
     if len(lost):
         lines.append("Reuse lost under the engine's rule (prompt N = k C run as one aligned "

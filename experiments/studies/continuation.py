@@ -64,6 +64,7 @@ from ledgers.studies import (
     rows_to_columns,
     write_study,
 )
+from serving_core.sampling_params import SamplingParams
 
 # The arms with checkpoints this check covers (S2+Retention runs S2's storage).
 ORGS = CONTINUATION_ORGS
@@ -178,6 +179,10 @@ class PairResult:
     reload_tokens: str
     host_saves: int
     reload_units_fresh: bool
+    state_codec: str  # model.state_codec the pair ran
+    chunk_tokens: int  # max_num_batched_tokens
+    same_chunks: bool  # the cold run ended a chunk at B and then ran the reload's chunks
+    logprobs_equal: bool  # the reload's token logprobs equal the cold run's bit for bit
 
     @property
     def b_equals_p(self) -> bool:
@@ -200,33 +205,44 @@ class PairResult:
     @property
     def ok(self) -> bool:
         return (self.tokens_equal and self.b_equals_p and self.reload_units_fresh
+                and (self.logprobs_equal or not self.same_chunks)
                 and self.first_context == self.restored_prefix_b
                 and self.first_scheduled == self.expected_first and self.audits_ok)
 
 
+@dataclass(frozen=True, slots=True)
+class SampledSpec(RequestSpec):
+    """A workload request with SamplingParams: greedy, each token's own logprob returned."""
+
+    sampling: SamplingParams | None = None
+
+
 def _spec(rid: int, arrival: float, prompt: np.ndarray, output_tokens: int) -> RequestSpec:
-    return RequestSpec(rid, arrival, prompt, output_tokens, -1, "")
+    return SampledSpec(rid, arrival, prompt, output_tokens, -1, "",
+                       sampling=SamplingParams(logprobs=0))
 
 
-def _generate(engine, specs, host=None) -> tuple[list[int], object]:
-    """Serve requests together to completion; the first one's generated ids and Request.
-    With a host tier, every step's published entries are saved (and the due copies
-    completed)."""
+def _generate(engine, specs, host=None) -> tuple[list[int], object, list[float]]:
+    """Serve requests together to completion; the first one's generated ids, Request and
+    token logprobs. With a host tier, every step's published entries are saved (and the due
+    copies completed)."""
     for spec in specs:
         engine.add_request(spec)
     first = specs[0].request_id
     tokens: list[int] = []
+    logprobs: list[float] = []
     target = engine.num_finished + len(specs)
     copier = _copier(engine)
     while engine.num_finished < target:
         out = engine.step()
         if out is not None:
             tokens += [tok for rid, tok in out.produced if rid == first]
+            logprobs += [out.logprobs[first][0]] if first in out.logprobs else []
         if host is not None:
             engine.sched.state.save_published(host, copier)
             host.complete()
     req = next(r for r in engine.requests if r.rid == first)
-    return tokens, req
+    return tokens, req, logprobs
 
 
 def _copier(engine):
@@ -345,7 +361,7 @@ def _publishing_engine(spec, model):
 NO_WINDOW = {"b": -1, "p": -1, "pending": 0, "equal": False}  # no delayed-save audit
 
 
-def _prompts(seed: int, n: int, side: int) -> list[np.ndarray]:
+def draw_prompts(seed: int, n: int, side: int) -> list[np.ndarray]:
     """The target prompt (n tokens) and the two interposers' (side tokens each)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, VOCAB, n).astype(np.int32)]
@@ -361,7 +377,7 @@ def _save_window(early, host, clock: list[float], save_delay_s: float, lookup_ke
     host.complete()
     pending = host.num_pending
     got = _restore(early, host, lookup_keys)
-    early_tokens, early_req = _generate(early, [target_spec])
+    early_tokens, early_req, _ = _generate(early, [target_spec])
     clock[0] += save_delay_s  # the window has passed: the copies land
     host.complete()
     return {"b": got.prefix_tokens, "p": early_req.adopted_first, "pending": pending,
@@ -408,11 +424,16 @@ def _reload_audits(warm, host, geometry, target, lookup_keys, n: int,
 
 def _placement_fields(sched, n: int, C: int, b: int) -> dict:
     """The PairResult fields the scheduler's placement rules decide for a prompt of n
-    tokens restored at b: the expected credited prefix p and first chunk."""
+    tokens restored at b: the expected credited prefix p and first chunk, and whether the
+    cold run's chunks after b are the reload's (`same_chunks`)."""
     budget_tokens, split = sched.max_num_batched_tokens, sched.split_last_boundary
     name = sched.placement.name
     p_rule = expected_prefix(n, C, budget_tokens, sched.step_end, sched.align, split, name)
+    cold = chunk_ends(0, n, C, budget_tokens, sched.align, split)
+    reload = chunk_ends(b, n, C, budget_tokens, sched.align, split)
     return {
+        "chunk_tokens": budget_tokens,
+        "same_chunks": (b == 0 or b in cold) and reload == [e for e in cold if e > b],
         "placement": name,
         "align_chunks": bool(sched.align), "split_last_boundary": split,
         "expected_p": p_rule, "full_prefix": C * ((n - 1) // C),
@@ -421,35 +442,47 @@ def _placement_fields(sched, n: int, C: int, b: int) -> dict:
                                b) - b}
 
 
+def _pair_spec(model, geometry, org: str, budget: str, chunk_tokens: int | str,
+               split_last_boundary: bool, placement: str | None = None):
+    """The engine spec of a pair: cap 8, `chunk_tokens` per step (`chunk_budget`), the
+    checkpoint placement (None: the organization's)."""
+    from serving_core.builder import loaded_model_spec
+    from serving_core.memory import org_layout
+
+    C = org_layout(geometry, arm(org).org).checkpoint_interval
+    return loaded_model_spec(model, geometry, arm(org).org, budget,
+                             {"cap": 8, "max_num_batched_tokens": chunk_budget(chunk_tokens, C),
+                              "split_last_boundary": split_last_boundary,
+                              "checkpoint_placement": placement})
+
+
 def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: int,
              seed: int, *, delayed_save: bool = False, save_delay_s: float = 1.0,
              fault: str | None = None, interposer_tokens: int | None = None,
              poison: bool = True, split_last_boundary: bool = False,
+             chunk_tokens: int | str = MAX_BATCHED_TOKENS,
              placement: str | None = None) -> PairResult:
-    """The protocol for one organization and one prompt length (see the module doc)."""
-    from serving_core.builder import loaded_model_spec
+    """The protocol for one organization and one prompt length (see the module doc);
+    `chunk_tokens`: the engine's token budget per step (`chunk_budget`)."""
     from serving_core.host_tier import HostTier
     from serving_core.request import Request
 
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"fault={fault!r}: allowed values are {', '.join(FAULTS)}")
-    spec = loaded_model_spec(model, geometry, arm(org).org, budget,
-                             {"cap": 8, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
-                              "split_last_boundary": split_last_boundary,
-                              "checkpoint_placement": placement})
-
+    spec = _pair_spec(model, geometry, org, budget, chunk_tokens, split_last_boundary,
+                      placement)
     fresh_engine = functools.partial(_publishing_engine, spec, model)
     cold = fresh_engine()
     sched = cold.sched  # the rules the engine runs, read back from it
     C, bt = cold.mem.checkpoint_interval, cold.mem.block_tokens
     n = case_tokens(case, C)
-    prompts = _prompts(seed, n, min(n, C + 1) if interposer_tokens is None
+    prompts = draw_prompts(seed, n, min(n, C + 1) if interposer_tokens is None
                        else interposer_tokens or n)
     target = _spec(0, 0.0, prompts[0], output_tokens)
     clock = [0.0]  # the tier's clock (seconds): saves of the delayed-save audit wait on it
     host = HostTier(TIER_CAPACITY_BYTES, poison=poison,
                     save_delay_s=save_delay_s if delayed_save else 0.0, clock=lambda: clock[0])
-    cold_tokens, _ = _generate(cold, [target], host)
+    cold_tokens, _, cold_lps = _generate(cold, [target], host)
     lookup_keys = Request(target, bt).lookup_keys()
 
     window = NO_WINDOW  # delayed_save: a request arriving while the saves are incomplete
@@ -466,7 +499,7 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
     restored, audits = _reload_audits(warm, host, geometry, Request(target, bt), lookup_keys,
                                       n, fault)
     first = _first_batch(warm, 0)
-    reload_tokens, req = _generate(warm, [_spec(0, 0.0, prompts[0], output_tokens)])
+    reload_tokens, req, reload_lps = _generate(warm, [_spec(0, 0.0, prompts[0], output_tokens)])
     return PairResult(
         budget=budget, seed=seed, org=org, length_case=case, n_tokens=n, interval=C,
         output_tokens=output_tokens, **_placement_fields(sched, n, C, restored.prefix_tokens),
@@ -478,7 +511,7 @@ def run_pair(model, geometry, org: str, budget: str, case: str, output_tokens: i
         tokens_equal=cold_tokens == reload_tokens,
         first_mismatch=_first_mismatch(cold_tokens, reload_tokens),
         cold_tokens=json.dumps(cold_tokens), reload_tokens=json.dumps(reload_tokens),
-        host_saves=saves,
+        host_saves=saves, state_codec=geometry.state_codec, logprobs_equal=cold_lps == reload_lps,
     )
 
 
@@ -496,7 +529,7 @@ def summary(rows: list[PairResult]) -> dict:
             "audits_ok": all(r.audits_ok for r in rows), "ok": sum(r.ok for r in rows)}
 
 
-def _choices(value: str, allowed, name: str, check=None) -> list[str] | None:
+def choices(value: str, allowed, name: str, check=None) -> list[str] | None:
     items = [v.strip() for v in str(value).split(",") if v.strip()]
     bad = [v for v in items if (check(v) if check else v not in allowed)]
     if bad or not items:
@@ -529,7 +562,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--placement", default=None, choices=PLACEMENTS,
                    help="engine.checkpoint_placement (default: each organization's)")
+    p.add_argument("--state-codec", default="auto",
+                   help="model.state_codec of the preset's geometry (serving_core/state_codec.py)")
+    p.add_argument("--chunk-tokens", default=str(MAX_BATCHED_TOKENS),
+                   help="token budget per step, or C: each organization's interval")
     return p
+
+
+def chunk_budget(value: str, C: int) -> int:
+    """--chunk-tokens: a positive number of tokens, or 'C' (the organization's interval)."""
+    text = str(value).strip().upper()
+    tokens = C if text == "C" else int(text) if text.isdigit() else 0
+    if tokens < 1:
+        raise ValueError(f"--chunk-tokens={value!r}: allowed values are a positive integer or C")
+    return tokens
 
 
 def _row_text(row: PairResult, org: str, case: str) -> str:
@@ -544,10 +590,10 @@ def _row_text(row: PairResult, org: str, case: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    orgs = _choices(args.orgs, ORGS, "orgs")
-    cases = _choices(args.cases, ("kC", "kC+d", "kC-d"), "cases", _bad_case)
+    orgs = choices(args.orgs, ORGS, "orgs")
+    cases = choices(args.cases, ("kC", "kC+d", "kC-d"), "cases", _bad_case)
     delayed = ([] if args.delayed_save_cases.strip() == "none" else
-               _choices(args.delayed_save_cases, ("kC", "kC+d", "kC-d", "none"),
+               choices(args.delayed_save_cases, ("kC", "kC+d", "kC-d", "none"),
                         "delayed-save-cases", _bad_case))
     if orgs is None or cases is None or delayed is None:
         return 2
@@ -566,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     from serving_core.model.loader import load_model
 
     try:
-        geometry = load_geometry(args.preset)
+        geometry = load_geometry(args.preset).with_state_codec(args.state_codec)
+        chunk_budget(args.chunk_tokens, 1)
         check_checkpoint(TorchExecutorConfig(args.checkpoint), geometry)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -584,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                                args.seed + i, delayed_save=parse_case(case) in delayed_keys,
                                save_delay_s=args.save_delay, fault=fault,
                                split_last_boundary=args.split_last_boundary,
-                               placement=args.placement)
+                               chunk_tokens=args.chunk_tokens, placement=args.placement)
             except ValueError as err:  # a case the organization cannot run (N < 1, fault)
                 print(f"error: org={org} case={case}: {err}", file=sys.stderr)
                 return 2

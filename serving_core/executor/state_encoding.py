@@ -5,6 +5,9 @@ per layer as H x P x N codes then, for int8, H fp32 scales; layers one after ano
 layer's bytes are contiguous (N0's per-layer pages hold one layer each). Formats:
 
 - fp32, bf16, fp16: the float format, round-to-nearest (torch's cast).
+- bf16_sr, fp16_sr: bf16 / fp16 with stochastic rounding: each element rounds to the upper
+  of its two neighbouring values in the format (magnitudes; fp16 saturated at 65,504) with
+  probability (|x| - lo) / (hi - lo).
 - fp8_e4m3: e4m3fn, magnitudes saturated at 448, stochastic rounding: each element rounds
   to the upper of its two neighbouring fp8 values with probability (|x| - lo) / (hi - lo),
   so the stored value is unbiased.
@@ -24,6 +27,7 @@ from serving_core.state_codec import codec
 
 FP8_MAX = 448.0
 FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ROUNDED = {"bf16_sr": torch.bfloat16, "fp16_sr": torch.float16}  # stochastic rounding
 
 
 def row_seed(request_seed: int, position: int, layer: int) -> int:
@@ -43,6 +47,19 @@ def fp8_stochastic(x: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     lo = torch.floor(a / ulp) * ulp
     rounded = torch.where(uniforms < (a - lo) / ulp, lo + ulp, lo).clamp(max=FP8_MAX)
     return torch.copysign(rounded, x).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def float_stochastic(x: torch.Tensor, uniforms: torch.Tensor, dtype) -> torch.Tensor:
+    """x in `dtype` (bf16 or fp16), each magnitude rounded up to its upper neighbour with
+    probability (|x| - lo) / (hi - lo). The neighbours are the nearest value r and the next
+    one toward |x| (r's bit pattern plus or minus one: magnitudes are ordered as integers)."""
+    a = x.abs().clamp(max=torch.finfo(dtype).max)
+    r = a.to(dtype)
+    step = r.view(torch.int16) + torch.where(r.float() > a, -1, 1).to(torch.int16)
+    other = step.view(dtype)
+    lo, hi = torch.minimum(r, other).float(), torch.maximum(r, other).float()
+    up = torch.where(hi > lo, (a - lo) / (hi - lo), 0.0)
+    return torch.copysign(torch.where(uniforms < up, hi, lo), x).to(dtype)
 
 
 class StateEncoder:
@@ -80,6 +97,10 @@ class StateEncoder:
         if self.name == "fp8_e4m3":
             u = self._uniforms(b, keys, layer, x.device).view_as(x)
             return fp8_stochastic(x, u).reshape(b, -1)
+        if self.name in ROUNDED:
+            u = self._uniforms(b, keys, layer, x.device).view_as(x)
+            codes = float_stochastic(x, u, ROUNDED[self.name]).reshape(b, self.layers, -1)
+            return codes.view(torch.uint8).reshape(b, -1)
         amax = x.abs().amax(dim=-1, keepdim=True)
         scale = amax / 127.0
         safe = torch.where(scale > 0, scale, 1.0)
@@ -102,8 +123,8 @@ class StateEncoder:
         """fp32 states (b, k x H, P, N) of (b, num_bytes) uint8."""
         b = raw.shape[0]
         per = raw.reshape(b, self.layers, self.layer_bytes)
-        if self.name in FLOATS:
-            x = per.contiguous().view(FLOATS[self.name]).float()
+        if self.name in FLOATS or self.name in ROUNDED:
+            x = per.contiguous().view({**FLOATS, **ROUNDED}[self.name]).float()
         elif self.name == "fp8_e4m3":
             x = per.contiguous().view(torch.float8_e4m3fn).float()
         else:

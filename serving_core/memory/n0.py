@@ -38,8 +38,10 @@ N0_CPU_BLOCK_ALIGNMENT = 128
 # SSM state codecs vLLM's Mamba page stores (serving_core/state_codec.py): vLLM 0.32's
 # mamba_ssm_cache_dtype (auto, float32, float16, bfloat16; config/cache.py MambaDType) and
 # fp8_e4m3 (pull request 52962; MambaSpec's page is then the shapes' bytes at each dtype).
-# int8 with per-head scales has no vLLM dtype, so N0 refuses it.
-N0_STATE_CODECS = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3")
+# fp16 with stochastic rounding (`--enable-mamba-cache-stochastic-rounding`, which vLLM 0.32
+# accepts only with float16, config/vllm.py). int8 with per-head scales and bf16 with
+# stochastic rounding have no vLLM form, so N0 refuses them.
+N0_STATE_CODECS = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3", "fp16_sr")
 
 
 def n0_layer_shape(geometry: Geometry) -> tuple[int, int, int]:
