@@ -61,6 +61,7 @@ from experiments.runners.ledger_io import (
 )
 from experiments.runners.manifest import build_manifest, read_manifest, write_manifest
 from experiments.runners.run_plan import RunPlan
+from experiments.runners.spec import resolved_config
 from ledgers.writer import write_run
 
 # `HSL_PHASES=<file>`: at exit, write the marks of this process's phases there (wall clock
@@ -139,9 +140,10 @@ def main_run(cfg: DictConfig) -> dict:
     ran or was skipped as complete.
     """
     _mark("composed")
-    plan = validate_config(cfg, preflight=False)
+    resolved = resolved_config(cfg)  # converted once for the plan and the identity
+    plan = validate_config(cfg, preflight=False, resolved=resolved)
     engine = checked_engine(plan)  # built once (in process), checked before anything is written
-    key = run_key(cfg)
+    key = run_key(cfg, resolved)
     if not cfg.write_ledgers:
         line = _ran_line(key, _timed_cell(cfg, plan, engine))
         print(format_summary(line, clock_label(cfg.executor)))

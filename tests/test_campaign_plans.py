@@ -56,11 +56,16 @@ def design() -> pd.DataFrame:
 def _release_plans():
     """Drop the cached plans (~2,000 composed configs, millions of OmegaConf nodes) when the
     module is done: kept alive, every later full garbage collection in this test process
-    walks them (seconds each, charged to whichever test happens to trigger it)."""
+    walks them (seconds each, charged to whichever test happens to trigger it). The heap
+    from before this module is frozen meanwhile: that collection, and any during the
+    module, walks only what the module made (0.4 of 2.8 CPU s less with torch, pandas and
+    transformers loaded before it)."""
+    gc.freeze()
     yield
     planned.cache_clear()
     design.cache_clear()
     gc.collect()  # OmegaConf nodes point at their parents: only a collection frees them
+    gc.unfreeze()
 
 
 # (campaign, total runs, runs per home campaign) as docs/paper_design.md sections 4 and 5

@@ -200,9 +200,10 @@ def test_list_names_the_full_search(capsys):
     assert out[-1] == f"{len(space.combinations(space.full))} combinations"
 
 
-def test_make_identify_smoke_end_to_end(tmp_path):
+def test_make_identify_smoke_end_to_end(tmp_path, capsys):
     """`make identify SMOKE=1`: the smoke design through the campaign driver, the study table,
-    a clean ledger check, the page; a second call scores nothing again."""
+    a clean ledger check, the page; a second call of the study (in this process: no
+    interpreter, imports or page again) scores nothing again."""
     import pyarrow.parquet as pq
 
     import ledgers
@@ -227,9 +228,10 @@ def test_make_identify_smoke_end_to_end(tmp_path):
     assert check_main([str(root)]) == 0
     page = (reports / "identify.md").read_text()
     assert "## Search table" in page and "base" in page
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert again.returncode == 0
-    assert "(2 already scored)" in again.stderr
+    capsys.readouterr()
+    assert ident.main(["--ledger-root", str(root), "--smoke", "--jobs", "2",
+                       "--requests", "20"]) == 0
+    assert "(2 already scored)" in capsys.readouterr().err
     assert len(sorted((root / "identify").glob("identify-*.parquet"))) == len(files) + 1
 
 

@@ -14,6 +14,7 @@ import numbers
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -141,10 +142,12 @@ def _check_executor(cfg: DictConfig, run_arm, geometry, budget) -> str:
 
 
 def validate_config(cfg: DictConfig, *, check_root: bool = True,
-                    preflight: bool = True) -> RunPlan:
+                    preflight: bool = True, resolved: Mapping | None = None) -> RunPlan:
     """The run plan of a cell config (experiments.runners.run_plan); ValueError names the
     first bad field. With `preflight`, the engine the plan describes is checked to run the
-    requested rules (a run that builds its engine next checks it there instead)."""
+    requested rules (a run that builds its engine next checks it there instead).
+    `resolved`: the config as plain Python (experiments.runners.spec.resolved_config),
+    converted once for this and the run's identity."""
     for section in SECTIONS:
         if not isinstance(cfg.get(section), DictConfig):
             raise ValueError(f"{section}={cfg.get(section)!r}: allowed a config group or "
@@ -177,7 +180,7 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True,
                          "allowed null")
     # every engine rule is checked by its declaration (serving_core/rules.py) here
     plan = RunPlan(run_arm, path, geometry, budget,
-                   engine_spec(cfg, run_arm=run_arm, pool_units=units))
+                   engine_spec(cfg, run_arm=run_arm, pool_units=units, resolved=resolved))
     if preflight and path not in (VLLM, VLLM_VIRTUAL):
         from serving_core.builder import preflight as check_engine
 

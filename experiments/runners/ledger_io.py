@@ -52,8 +52,10 @@ class RunKey:
     replicate: int
 
 
-def run_key(cfg: DictConfig) -> RunKey:
-    cell = cell_config(cfg)
+def run_key(cfg: DictConfig, resolved: Mapping | None = None) -> RunKey:
+    """The run's identity; `resolved`: the config already as plain Python
+    (experiments.runners.spec.resolved_config; None: converted here)."""
+    cell = cell_config(cfg if resolved is None else resolved)
     seed = int(cell.pop("seed"))
     replicate = int(cfg.replicate)
     cell_hash = config_hash(cell)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from ledgers.arms import Arm, arm
 from serving_core.engine_spec import RULE_SECTIONS, EngineSpec, rule_declarations
@@ -31,6 +32,21 @@ def _plain(node) -> dict[str, Any]:
     if isinstance(node, DictConfig):
         return OmegaConf.to_container(node, resolve=True)
     return dict(node)
+
+
+def resolved_config(cfg: DictConfig) -> dict[str, Any] | None:
+    """The whole config as plain Python, resolved once for a run's validation and identity
+    (engine_spec and run_key take it instead of converting their sections again); None
+    where it does not resolve, so the checks that follow name the field as without it."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException:
+        return None
+
+
+def _section(cfg: DictConfig, resolved: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
+    """Section `name` of the config as plain Python (from `resolved` where given)."""
+    return dict(resolved[name]) if resolved is not None else _plain(cfg[name])
 
 
 def _plain_value(value):
@@ -52,12 +68,14 @@ def executor_path(executor_cfg) -> str:
 
 
 def engine_spec(cfg: DictConfig, *, run_arm: Arm | None = None,
-                pool_units: Mapping[str, int] | None = None) -> EngineSpec:
+                pool_units: Mapping[str, int] | None = None,
+                resolved: Mapping[str, Any] | None = None) -> EngineSpec:
     """The engine spec of a run config; ValueError names the bad field. `run_arm`: the
     config's arm, already resolved; `pool_units`: the planner's units, already planned
-    (None: the builder plans them from the budget)."""
+    (None: the builder plans them from the budget); `resolved`: the config already as plain
+    Python (resolved_config; None: its sections are converted here)."""
     a = run_arm or arm(cfg.org)
-    executor, default_tokens = _executor(cfg)
+    executor, default_tokens = _executor(cfg, resolved)
     # Every declared rule the config sets (engine.<name>), routed to the layer that declares
     # it; a key the config lacks keeps its declaration's default (no second spelling here).
     eng = cfg.engine
@@ -72,7 +90,7 @@ def engine_spec(cfg: DictConfig, *, run_arm: Arm | None = None,
     if a.cache_policy != "lru":  # a cache-policy arm (ledgers.arms) runs under its policy
         sections["allocator"]["cache_policy"] = a.cache_policy
     return EngineSpec.from_dict({
-        "model": _plain(cfg.model),
+        "model": _section(cfg, resolved, "model"),
         "org": a.org,
         "budget": str(cfg.budget),
         **sections,
@@ -83,11 +101,12 @@ def engine_spec(cfg: DictConfig, *, run_arm: Arm | None = None,
     })
 
 
-def _executor(cfg: DictConfig) -> tuple[dict[str, Any], int]:
+def _executor(cfg: DictConfig, resolved: Mapping[str, Any] | None = None
+              ) -> tuple[dict[str, Any], int]:
     """The spec's executor section of a run config and the executor's default token budget
     of a step (engine.max_num_batched_tokens: null)."""
     path = executor_path(cfg.executor)
-    ex_cfg = _plain(cfg.executor)
+    ex_cfg = _section(cfg, resolved, "executor")
     if path in (TORCH_INPROC, TORCH_HTTP):
         from serving_core.executor.torch_config import torch_executor_config
 

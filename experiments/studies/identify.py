@@ -162,14 +162,15 @@ class Space:
 def load_space(path: Path = SPACE_YAML) -> Space:
     raw = yaml.safe_load(Path(path).read_text())
     factors = {}
+    orgs = anchor_orgs()  # read once (a YAML parse), not once per level
     for factor, levels in raw["factors"].items():
         factors[factor] = {}
         for name, spec in levels.items():
             over = {k: tuple(v) for k, v in (spec.get("overrides") or {}).items()}
-            bad = sorted(set(over) - {"all", *anchor_orgs()})
+            bad = sorted(set(over) - {"all", *orgs})
             if bad:
                 raise ValueError(f"{path}: {factor}.{name}: overrides for {bad}; allowed keys "
-                                 f"are all, {', '.join(anchor_orgs())}")
+                                 f"are all, {', '.join(orgs)}")
             factors[factor][name] = Level(factor, name, str(spec.get("code") or ""), over,
                                           " ".join(str(spec.get("why", "")).split()))
         codes = [lv.code for lv in factors[factor].values()]
@@ -305,8 +306,7 @@ def read_runs(root: Path, campaign: str, cells, profile) -> dict:
             "ORDER BY run_id, seq", [campaign]).df()
     finally:
         con.close()
-    steps_by = {k: g.to_dict("list") for k, g in steps.groupby("run_id")}
-    slab_by = {k: g.to_dict("list") for k, g in slab.groupby("run_id")}
+    steps_by, slab_by = _lists_by_run(steps), _lists_by_run(slab)
     empty_slab = {"t_s": [], "event": [], "invalidated": []}
     out: dict = {}
     for row in runs.itertuples(index=False):
@@ -330,6 +330,12 @@ def read_runs(root: Path, campaign: str, cells, profile) -> dict:
     if missing:
         raise RuntimeError(f"campaign {campaign}: no complete runs of {', '.join(missing)}")
     return out
+
+
+def _lists_by_run(frame) -> dict:
+    """{run_id: {column: list of Python values}} (DataFrame.to_dict("list") per run, a
+    column at a time: to_dict boxes value by value, a second per phase here)."""
+    return {k: {c: g[c].tolist() for c in g.columns} for k, g in frame.groupby("run_id")}
 
 
 STEP_COLUMNS = ("num_scheduled", "num_decode_seqs", "decode_context_tokens",
