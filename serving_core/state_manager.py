@@ -132,7 +132,8 @@ class HybridStateManager:
         self.vllm_blocks = vllm_blocks and bool(mem.checkpoint_interval)
         self.vllm = VllmStateBlocks(mem.checkpoint_interval, retention_blocks) if (
             self.vllm_blocks) else None
-        mem.queued_siblings = self.vllm_blocks
+        if self.vllm_blocks:
+            mem.queue_evicted_siblings()
         self.step_cached: set[int] = set()  # vllm_blocks: checkpoint keys cached this step
         self.B = mem.block_tokens
         self.C = mem.checkpoint_interval

@@ -201,7 +201,9 @@ def test_granite_checkpoints_return_group_by_group(vllm_groups):
     composite's nine pages evict both cached checkpoints A and B; N0's default frees B's
     other pages at B's eviction and reuses them, keeping A."""
     mem = build_memory(load_geometry("granite_4_0_h_tiny"), "N0", {"shared": 18})
-    mem.queued_siblings = vllm_groups
+    if vllm_groups:
+        mem.queue_evicted_siblings()
+    assert mem.queued_siblings is vllm_groups
     a, b = mem.allocate_composite(0), mem.allocate_composite(0)
     mem.publish(a, 1, 400)
     mem.publish(b, 2, 800)

@@ -231,7 +231,7 @@ class MemoryOrganization:
         self.private_blocks = rules.private_blocks
         self.private_first = rules.private_blocks == "evict_first"
         self.events = events or MemoryEvents()
-        # state_blocks=vllm_align (set by the state manager): an evicted composite's other
+        # state_blocks=vllm_align (queue_evicted_siblings): an evicted composite's other
         # units keep their LRU places, as vLLM's other KV cache groups keep their blocks
         # queued and cached (the checkpoint is lost: a hit needs every group).
         self.queued_siblings = False
@@ -418,10 +418,7 @@ class MemoryOrganization:
         (state_blocks=vllm_align; Granite's nine Mamba groups). Under a publication-stamped
         recency rule, or an organization with its own release mechanics (S2's slabs,
         Jenga), the objects go one by one (`release_each`)."""
-        cls = type(self)
-        if (self._recency_at_publication or self._conv_at_write
-                or cls._destroy is not MemoryOrganization._destroy
-                or cls._on_unreferenced is not MemoryOrganization._on_unreferenced):
+        if not self._plain_release():
             self.release_each(objs)
             return
         done = []
@@ -437,6 +434,20 @@ class MemoryOrganization:
         for obj in done:
             if not obj.cached:
                 self._retire(obj)
+
+    def _plain_release(self) -> bool:
+        """Whether releases and evictions take this class's mechanics unchanged and no
+        publication-stamped recency rule holds (the group-by-group rules apply)."""
+        cls, base = type(self), MemoryOrganization
+        return not (self._recency_at_publication or self._conv_at_write
+                    or cls._destroy is not base._destroy
+                    or cls._on_unreferenced is not base._on_unreferenced
+                    or cls._evict_unit is not base._evict_unit)
+
+    def queue_evicted_siblings(self) -> None:
+        """state_blocks=vllm_align: an evicted composite's other units keep their LRU places
+        (where the mechanics are this class's: see `_plain_release`)."""
+        self.queued_siblings = self._plain_release()
 
     def _return_unit(self, obj: StateObject, unit: int) -> None:
         """One unit of an unreferenced object: to the LRU (cached) or the free queue."""
