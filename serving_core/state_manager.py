@@ -132,6 +132,8 @@ class HybridStateManager:
         self.vllm_blocks = vllm_blocks and bool(mem.checkpoint_interval)
         self.vllm = VllmStateBlocks(mem.checkpoint_interval, retention_blocks) if (
             self.vllm_blocks) else None
+        if self.vllm_blocks:
+            mem.queue_evicted_siblings()
         self.step_cached: set[int] = set()  # vllm_blocks: checkpoint keys cached this step
         self.B = mem.block_tokens
         self.C = mem.checkpoint_interval
@@ -396,17 +398,18 @@ class HybridStateManager:
     def release_lagging(self, req: Request) -> None:
         """state_blocks=vllm_align: the state blocks a request kept past their step (its
         previous running state, its prefill checkpoint, its adopted checkpoint) return at
-        its next allocation (vLLM's `MambaManager.remove_skipped_blocks`), newest first."""
-        self.mem.release_each(reversed(req.lagging))
+        its next allocation (vLLM's `MambaManager.remove_skipped_blocks`), newest first,
+        group by group."""
+        self.mem.release_by_group(list(reversed(req.lagging)))
         req.lagging = []
 
     def _release_vllm_state(self, req: Request) -> None:
         """state_blocks=vllm_align: the Mamba blocks in vLLM's order, the highest block index
         first (`pop_blocks_for_free`: the running state, the checkpoint, the earlier states,
-        the prefix hit)."""
+        the prefix hit), one KV cache group after another (`KVCacheCoordinator.free`)."""
         objs = [o for o in (req.working, *reversed(req.dests), *reversed(req.lagging),
                             req.adopted) if o]
-        self.mem.release_each(objs)
+        self.mem.release_by_group(objs)
         req.working, req.dests, req.lagging, req.adopted = NULL, [], [], NULL
 
     def _release_state(self, req: Request) -> None:

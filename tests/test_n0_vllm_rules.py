@@ -12,6 +12,9 @@ import pytest
 from test_engine_rules import prefill_chunks, published_boundaries, run, spec
 
 from analysis.questions import n0_vllm
+from serving_core.geometry import load_geometry
+from serving_core.memory import build_memory
+from serving_core.memory.invariants import check_invariants
 from serving_core.scheduler import Scheduler, SchedulerConfig
 from serving_core.vllm_state_blocks import VllmStateBlocks
 from tests.conftest import compose_config
@@ -189,3 +192,28 @@ def test_ranking_counts_cell_pairs_ordered_alike_beyond_the_tolerance():
     runs = pd.DataFrame([{"arm": a, "model": "m", "budget": b, "rate": 3.0, "seed": 1,
                           "throughput_span": v} for a, b, v in rows])
     assert n0_vllm.ranking(runs, "throughput_span", 2.0) == (1, 2)
+
+
+@pytest.mark.parametrize("vllm_groups", [False, True])
+def test_granite_checkpoints_return_group_by_group(vllm_groups):
+    """Granite-4.0-H-Tiny under N0: a checkpoint is one page in each of nine Mamba groups.
+    vLLM frees group by group and keeps an evicted block's other groups queued, so a new
+    composite's nine pages evict both cached checkpoints A and B; N0's default frees B's
+    other pages at B's eviction and reuses them, keeping A."""
+    mem = build_memory(load_geometry("granite_4_0_h_tiny"), "N0", {"shared": 18})
+    if vllm_groups:
+        mem.queue_evicted_siblings()
+    assert mem.queued_siblings is vllm_groups
+    a, b = mem.allocate_composite(0), mem.allocate_composite(0)
+    mem.publish(a, 1, 400)
+    mem.publish(b, 2, 800)
+    units_a, units_b = list(a.units), list(b.units)
+    (mem.release_by_group if vllm_groups else mem.release_each)([b, a])
+    new = mem.allocate_composite(1)
+    check_invariants(mem)
+    if vllm_groups:
+        assert new.units == [u for pair in zip(units_b, units_a, strict=True) for u in pair][:9]
+        assert mem.cached_checkpoint(1) is None and mem.cached_checkpoint(2) is None
+    else:
+        assert sorted(new.units) == sorted(units_b)
+        assert mem.cached_checkpoint(1) is a and mem.cached_checkpoint(2) is None

@@ -231,6 +231,10 @@ class MemoryOrganization:
         self.private_blocks = rules.private_blocks
         self.private_first = rules.private_blocks == "evict_first"
         self.events = events or MemoryEvents()
+        # state_blocks=vllm_align (queue_evicted_siblings): an evicted composite's other
+        # units keep their LRU places, as vLLM's other KV cache groups keep their blocks
+        # queued and cached (the checkpoint is lost: a hit needs every group).
+        self.queued_siblings = False
         self.cache = PrefixCache()
         self.pools: dict[str, UnitPool] = {}
         self._owner: dict[str, list] = {}
@@ -407,6 +411,52 @@ class MemoryOrganization:
         for obj in reversed(private or ()):
             self._on_unreferenced(obj, least_recent=True)
 
+    def release_by_group(self, objs) -> None:
+        """`release_each` of composites with their units returned group by group, as vLLM's
+        hybrid coordinator frees one KV cache group after another (`KVCacheCoordinator.free`,
+        `remove_skipped_blocks`): member 0 of every object in `objs` order, then member 1, ...
+        (state_blocks=vllm_align; Granite's nine Mamba groups). Under a publication-stamped
+        recency rule, or an organization with its own release mechanics (S2's slabs,
+        Jenga), the objects go one by one (`release_each`)."""
+        if not self._plain_release():
+            self.release_each(objs)
+            return
+        done = []
+        for obj in objs:
+            assert obj.ref_count > 0, f"release of unreferenced {obj}"
+            obj.ref_count -= 1
+            if not obj.ref_count:
+                done.append(obj)
+        for j in range(max((len(obj.units) for obj in done), default=0)):
+            for obj in done:
+                if j < len(obj.units):
+                    self._return_unit(obj, obj.units[j])
+        for obj in done:
+            if not obj.cached:
+                self._retire(obj)
+
+    def _plain_release(self) -> bool:
+        """Whether releases and evictions take this class's mechanics unchanged and no
+        publication-stamped recency rule holds (the group-by-group rules apply)."""
+        cls, base = type(self), MemoryOrganization
+        return not (self._recency_at_publication or self._conv_at_write
+                    or cls._destroy is not base._destroy
+                    or cls._on_unreferenced is not base._on_unreferenced
+                    or cls._evict_unit is not base._evict_unit)
+
+    def queue_evicted_siblings(self) -> None:
+        """state_blocks=vllm_align: an evicted composite's other units keep their LRU places
+        (where the mechanics are this class's: see `_plain_release`)."""
+        self.queued_siblings = self._plain_release()
+
+    def _return_unit(self, obj: StateObject, unit: int) -> None:
+        """One unit of an unreferenced object: to the LRU (cached) or the free queue."""
+        if obj.cached:
+            self.pools[obj.pool].add_evictable(unit)
+        else:
+            self._owner[obj.pool][unit] = None
+            self._free_unit(obj.pool, unit)
+
     def _on_referenced(self, obj: StateObject) -> None:
         pool = self.pools[obj.pool]
         for unit in obj.units:
@@ -439,6 +489,10 @@ class MemoryOrganization:
             owner[unit] = None
             if unit != taken:
                 self._free_unit(obj.pool, unit)
+        self._retire(obj)
+
+    def _retire(self, obj: StateObject) -> None:
+        """An object whose units are all returned: invalid, no longer live."""
         obj.units = []
         obj.valid = False
         self.live.pop(obj.oid, None)
@@ -468,8 +522,17 @@ class MemoryOrganization:
         return freed
 
     def _evict_unit(self, pool_name: str, unit: int, cause: int) -> None:
-        """Invalidate the entry living on `unit` (now out of the LRU) and free its other units."""
-        obj = self._owner[pool_name][unit]
+        """Invalidate the entry living on `unit` (now out of the LRU) and free its other units
+        (under `queued_siblings` they stay in the LRU, owned by no one, until taken)."""
+        owner = self._owner[pool_name]
+        obj = owner[unit]
+        if obj is None:  # a queued sibling of an evicted composite: nothing depends on it
+            return
+        if self.queued_siblings and len(obj.units) > 1:
+            siblings = [u for u in obj.units if u != unit]
+            obj.units = [unit]
+            for u in siblings:
+                owner[u] = None
         self._invalidate(obj, cause, taken=unit)
 
     def _invalidate(self, obj: StateObject, cause: int, taken: int = -1,

@@ -9,7 +9,8 @@ step in debug mode and the property tests after every operation.
 
 What it checks, for S0, S1, S2, D0 and N0 alike:
 - pool partition: every unit is exactly one of free / evictable / in use; a free unit
-  has no owner; an evictable or used unit is owned by a live valid object (or an S2 slab);
+  has no owner; an evictable or used unit is owned by a live valid object (or an S2 slab),
+  except, under state_blocks=vllm_align, an evicted composite's other units left queued;
 - invariant 1 (complete checkpoint): every cached checkpoint is valid and owns all its
   members (SSM member pages, S1 conv page, S2 conv slot listed by its slab), so a
   lookup can never return a depth whose checkpoint misses a member;
@@ -70,6 +71,8 @@ def _check_pools(mem: MemoryOrganization) -> None:
             if unit in free:
                 assert owner is None, f"pool {name}: free unit {unit} still owned by {owner!r}"
                 continue
+            if owner is None and mem.queued_siblings and unit in pool.evictable:
+                continue  # an evicted composite's other unit, queued until taken
             _check_owner(mem, name, unit, owner, unit in pool.evictable, slabs)
 
 
