@@ -11,8 +11,8 @@ and the share of S2 runs with a slab reclaim. The anchors are split into a fitti
 reported, and the combination of least fitting loss is adopted only if it lowers the
 checking loss of the refitted defaults without moving a throughput level outside 10 %.
 
-Every simulated run goes through the campaign driver (conf/campaign/identify.yaml, one
-process per run, complete runs skipped) under its own campaign name,
+Every simulated run goes through the campaign driver (conf/campaign/identify.yaml, run in
+this process, each run forked from it, complete runs skipped) under its own campaign name,
 identify_<combination>_<phase> (fit1, fit2, ..., score); each iteration's constants are a
 deterministic function of the previous iteration's ledgers, so a killed search resumes
 where it stopped. Each combination's result is written to the `identify` study table
