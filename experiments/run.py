@@ -200,12 +200,17 @@ def _mode_from_overrides(self, config_name, overrides) -> RunMode | None:
     return None
 
 
-def cli() -> None:
-    """The command: Hydra's main with bad input reported in one line, exit code 2."""
+def install_hooks() -> None:
+    """The two Hydra replacements (get_mode, bad input in one line) the command runs under."""
     from hydra._internal.hydra import Hydra  # hydra-core==1.3.8
 
     Hydra.get_mode = _mode_from_overrides
     report_bad_input()
+
+
+def cli() -> None:
+    """The command: Hydra's main with bad input reported in one line, exit code 2."""
+    install_hooks()
     try:
         main()
     finally:

@@ -15,7 +15,6 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from analysis_ledgers import brute_sign_flip, shared_ledger
-from statsmodels.stats.multitest import multipletests
 
 import ledgers
 from analysis import report
@@ -114,6 +113,8 @@ def test_q1_low_load_table_means_and_waiting_run_maxima(analyzed, ledger):
 
 
 def test_ext22_smoke_is_the_real_family_over_four_campaigns(analyzed, ledger):
+    from statsmodels.stats.multitest import multipletests
+
     result = analyzed(q1)
     fam = family(result, "EXT-22 (smoke)")
     assert fam.accepted and fam.status == SMOKE_STATUS and fam.m == 22

@@ -12,8 +12,6 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from analysis_ledgers import Part, brute_sign_flip, build
-from statsmodels.stats.multitest import multipletests
-from statsmodels.stats.weightstats import DescrStatsW
 from test_paper_families import runs_for
 
 import ledgers
@@ -129,6 +127,8 @@ def test_q6_declares_36_bounds_against_the_preselected_f():
 
 
 def test_q6_bounds_are_bonferroni_one_sided_t_bounds():
+    from statsmodels.stats.weightstats import DescrStatsW
+
     plan = prereg.load_plan("q6")
     spec, chosen = plan.raw["simultaneous_upper_bounds"], plan.raw["preselected_f"]
     rng = np.random.default_rng(11)
@@ -175,6 +175,8 @@ def test_q6_page_prints_the_section_5_4_bound():
 
 
 def test_ext22_adoption_scenarios_b_and_c():
+    from statsmodels.stats.multitest import multipletests
+
     plan = prereg.load_plan("q1")
     spec = plan.raw["adoption_scenarios"]
     fam = plan.primary_family

@@ -22,7 +22,8 @@ from experiments.runners.cell import run_cell
 from experiments.runners.ledger_io import run_key, runs_row
 from ledgers import write_run
 
-SMOKE_REQUESTS = 24
+SMOKE_REQUESTS = 16
+MAIN_REQUESTS = 24  # the stages differ in size, which the titles state
 CELLS = (("q1", "EXT-22", ("S0_b63", "S2_b63")),
          ("q1", "exp1b_low_load", ("S0_b63_low", "S2_b63_low")),
          ("q5", "load_curves", ("S2_b63_r0p8", "D0_b63_r0p8", "S2_b63_r3", "D0_b63_r3")),
@@ -32,8 +33,9 @@ SEEDS = 2
 
 def _write(root, cell, campaign, home, seeds, smoke: bool) -> None:
     workload = [w for w in WORKLOAD if not w.startswith("workload.num_requests")]
+    size = SMOKE_REQUESTS if smoke else MAIN_REQUESTS
     cfg = compose_config(f"ledger_root={root}", f"campaign_name={campaign}", f"question={home}",
-                         *workload, f"workload.num_requests={SMOKE_REQUESTS if smoke else 36}",
+                         *workload, f"workload.num_requests={size}",
                          *cell_overrides(cell.keys))
     for seed in seeds:
         cfg.seed = int(seed)
@@ -97,7 +99,8 @@ def test_fig2_plots_main_only_means(drawn):
     low = runs[runs["rate"] == 0.8]
     bars = [h for ax in seen["q1_fig2cd_low_load.png"].axes for h in _bar_heights(ax)]
     assert sorted(bars) == pytest.approx(_means(low, "q1", ["org", "budget"], "throughput_span"))
-    assert "main stage, 36 requests per run" in seen["q1_fig2a_throughput.png"].axes[0].get_title()
+    title = seen["q1_fig2a_throughput.png"].axes[0].get_title()
+    assert f"main stage, {MAIN_REQUESTS} requests per run" in title
 
 
 def test_fig5_and_fig6_curves_plot_main_only_means(drawn):

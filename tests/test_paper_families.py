@@ -8,7 +8,6 @@ import numpy as np
 import pandas as pd
 import pytest
 from analysis_ledgers import brute_sign_flip
-from statsmodels.stats.multitest import multipletests
 
 from analysis.inference import prereg, stats
 from analysis.inference.families import evaluate_family
@@ -59,6 +58,8 @@ def orig5():
 
 
 def test_orig5_two_look_relative_percent_and_holm_over_the_five(orig5):
+    from statsmodels.stats.multitest import multipletests
+
     fam, result = orig5
     assert result.accepted and result.m == 5
     table = result.tables["throughput_span"].set_index("label")
@@ -84,6 +85,8 @@ def test_orig5_two_look_relative_percent_and_holm_over_the_five(orig5):
 
 
 def test_ext22_on_synthetic_runs(tmp_path):
+    from statsmodels.stats.multitest import multipletests
+
     plan = prereg.load_plan("q1")
     rng = np.random.default_rng(7)
     level = {org: 1000 * (1 + 0.05 * i) for i, org in enumerate(("S0", "S1", "S2", "D0"))}
@@ -146,6 +149,8 @@ def _q6_values(*, seed: int, sd: float, level: float, d0_gain: float):
 
 
 def test_q6_17_self_comparisons_and_seeded_bootstrap():
+    from statsmodels.stats.multitest import multipletests
+
     plan, fam, value = _q6_values(seed=3, sd=0.04, level=900, d0_gain=1.1)
     result = evaluate_family(plan, fam, runs_for(plan, "Q6-17", value))
     assert result.accepted and result.m == 17

@@ -11,7 +11,7 @@ import matplotlib.image as mpimg
 import pandas as pd
 import pyarrow as pa
 import pytest
-from analysis_ledgers import WORKLOAD, shared_ledger
+from analysis_ledgers import LEDGER_REQUESTS, WORKLOAD, shared_ledger
 from conftest import compose_config
 
 from analysis import report
@@ -122,7 +122,7 @@ def test_every_figure_is_a_labelled_png_and_svg_stating_its_conditions(drawn):
         titles = " ".join(" ".join(seen[name]["titles"]).split())  # wrapped lines joined
         assert "n = " in titles, (name, titles)  # every paper figure states n
         if name.endswith("_smoke.png"):  # and a smoke figure says so, with its request count
-            assert "SMOKE STAGE, 36 requests per run" in titles, (name, titles)
+            assert f"SMOKE STAGE, {LEDGER_REQUESTS} requests per run" in titles, (name, titles)
         assert "S2_RETENTION" not in titles and "S2_RETENTION" not in str(
             [ax.get_legend_handles_labels()[1] for _, _, ax in seen[name]["axes"]])
 

@@ -8,7 +8,6 @@ import numpy as np
 import pandas as pd
 import pytest
 from scipy import stats as sps
-from statsmodels.stats.multitest import multipletests
 
 from analysis.inference import stats
 
@@ -151,6 +150,8 @@ def test_holm_hand_example():
 
 
 def test_holm_family_of_22_matches_statsmodels():
+    from statsmodels.stats.multitest import multipletests
+
     rng = np.random.default_rng(22)
     p = np.concatenate([rng.uniform(0, 0.004, 8), rng.uniform(0, 1, 12), [0.002, 0.002]])
     rng.shuffle(p)

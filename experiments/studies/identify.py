@@ -11,8 +11,8 @@ and the share of S2 runs with a slab reclaim. The anchors are split into a fitti
 reported, and the combination of least fitting loss is adopted only if it lowers the
 checking loss of the refitted defaults without moving a throughput level outside 10 %.
 
-Every simulated run goes through the campaign driver (conf/campaign/identify.yaml, one
-process per run, complete runs skipped) under its own campaign name,
+Every simulated run goes through the campaign driver (conf/campaign/identify.yaml, run in
+this process, each run forked from it, complete runs skipped) under its own campaign name,
 identify_<combination>_<phase> (fit1, fit2, ..., score); each iteration's constants are a
 deterministic function of the previous iteration's ledgers, so a killed search resumes
 where it stopped. Each combination's result is written to the `identify` study table
@@ -30,11 +30,13 @@ renders the page.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import itertools
 import json
 import math
-import subprocess
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -248,6 +250,31 @@ def campaign_name(combo: Combination, phase: str, settings: Settings) -> str:
     return f"identify_{name}_{phase}"
 
 
+def campaign_in_process(args: list[str]) -> tuple[int, str, str]:
+    """`python -m experiments.run ARGS` (cwd: the repository) in this process, not a new
+    interpreter per phase: (exit code, stdout, stderr). The launcher forks its runs from here."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from experiments import run as entry
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv, cwd = sys.argv, os.getcwd()
+    # imported, not run as __main__: Hydra needs the config directory spelled out
+    sys.argv = [entry.__file__, "--config-path", str(ROOT / "conf"), *args]
+    try:
+        os.chdir(ROOT)
+        entry.install_hooks()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            entry.main()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        sys.argv = argv
+        os.chdir(cwd)
+        GlobalHydra.instance().clear()
+    return code, out.getvalue(), err.getvalue()
+
+
 def run_phase(combo: Combination, phase: str, cells, profile, settings: Settings, log) -> str:
     """Run (or skip as complete) `cells` under `combo` and `profile`; returns the campaign.
     Organizations whose rule overrides agree share one campaign-driver call."""
@@ -256,9 +283,8 @@ def run_phase(combo: Combination, phase: str, cells, profile, settings: Settings
     for cell in cells:
         groups.setdefault(tuple(combo.overrides(cell.org.lower())), []).append(block_of(cell))
     for overrides, blocks in groups.items():
-        cmd = [sys.executable, "-m", "experiments.run", "-m", "campaign=identify",
-               f"ledger_root={settings.ledger_root}", f"campaign_name={name}",
-               f"hydra.sweeper.only=[{','.join(blocks)}]", *overrides,
+        cmd = ["-m", "campaign=identify", f"ledger_root={settings.ledger_root}",
+               f"campaign_name={name}", f"hydra.sweeper.only=[{','.join(blocks)}]", *overrides,
                *profile_overrides(profile)]
         if settings.jobs:
             cmd.append(f"hydra.launcher.n_jobs={settings.jobs}")
@@ -266,12 +292,12 @@ def run_phase(combo: Combination, phase: str, cells, profile, settings: Settings
             cmd += ["hydra.sweeper.smoke=true", f"hydra.sweeper.smoke_seeds={settings.seeds}"]
             if settings.requests:
                 cmd.append(f"hydra.sweeper.smoke_requests={settings.requests}")
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        if out.returncode != 0:
-            tail = (out.stdout + out.stderr).strip().splitlines()[-5:]
+        code, stdout, stderr = campaign_in_process(cmd)
+        if code != 0:
+            tail = (stdout + stderr).strip().splitlines()[-5:]
             raise RuntimeError(f"campaign {name} ({len(blocks)} blocks) exited "
-                               f"{out.returncode}: " + " | ".join(tail))
-        summary = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+                               f"{code}: " + " | ".join(tail))
+        summary = [ln for ln in stdout.splitlines() if ln.startswith("{")]
         if summary and not settings.quiet:
             s = json.loads(summary[-1])
             log(f"    {name}: {s['planned']} runs, {s['done']} ran, {s['skipped']} skipped, "
