@@ -65,7 +65,7 @@ def section(rows: pd.DataFrame) -> str:
         window = "-" if r.window_b < 0 else f"{r.window_b} / {r.window_p}"
         tokens = "yes" if r.tokens_equal else f"no (first at {r.first_mismatch})"
         fault = f" fault {r.fault}" if r.fault else ""
-        codec = "" if r.state_codec == "auto" else f" ({r.state_codec} state)"
+        codec = f" ({r.state_codec} state)" if r.state_codec not in ("auto", "", None) else ""
         lines.append(
             f"| {r.org}{codec} | {r.n_tokens} ({r.length_case}{fault}) | {r.interval} | {rule} | "
             f"{r.restored_prefix_b} | {r.credited_prefix_p} | {r.expected_p} | "
