@@ -166,7 +166,8 @@ def test_the_pages_the_report_owns_come_from_the_registries(tmp_path, monkeypatc
     assert {p.PAGE for p in (*report.CAMPAIGN_PAGES, *report.STUDY_PAGES)} <= set(owned)
     assert not any("[" in name for name in owned)  # no hand-written q[1-9].md
     modules = {m.name for m in pkgutil.iter_modules(questions.__path__)}
-    helpers = {"development"}  # Q6's selection stage, shown on q6.md
+    # Q6's selection stage, shown on q6.md; the models page's sensitivity table, on models.md
+    helpers = {"development", "models_sens"}
     assert modules - helpers == {*questions.QUESTION_MODULES, *questions.CAMPAIGN_PAGE_MODULES}
     for name in questions.QUESTION_MODULES:
         module = importlib.import_module(f"analysis.questions.{name}")
