@@ -217,10 +217,32 @@ _IDENTIFY = [
     _f("met", _B, "", "Target met; constant fitted; selection row: the adopted default."),
 ]
 
+_CODEC_CONTINUATION = [
+    *_STUDY,
+    _f("model", _S, "", "Model geometry name (conf/model/)."),
+    _f("budget", _S, "", "Memory budget label (bN | pN)."),
+    _f("seed", _I, "", "Seed of the request's prompt."),
+    _f("org", _S, "", "Arm the request ran (config value).", CONTINUATION_ORGS),
+    _f("state_codec", _S, "", "model.state_codec of the run (serving_core/state_codec.py)."),
+    _f("n_tokens", _I, "tokens", "Prompt length 2C + 1."),
+    _f("interval", _I, "tokens", "Checkpoint interval C of the organization under the codec."),
+    _f("preempted_at", _I, "tokens", "Tokens computed when the request was preempted."),
+    _f("resumed_b", _I, "tokens", "Prefix the resumed request adopted (must be C)."),
+    _f("preemptions", _I, "", "Preemptions the request went through (must be 1)."),
+    _f("tokens_equal", _B, "", "Tokens equal the unpreempted run's."),
+    _f("logprobs_equal", _B, "", "Token logprobs equal the unpreempted run's bit for bit."),
+    _f("state_equal", _B, "", "The checkpoint written at 2C equals the unpreempted run's."),
+    _f("fp32_differs", _B, "", "Control: an fp32 state over the same chunks differs at 2C."),
+    _f("reuse_ok", _B, "", "The reuse pair of the same codec and organization passed "
+       "(its row is in the continuation table)."),
+    _f("ok", _B, "", "Every column above as required."),
+]
+
 STUDY_SCHEMAS: dict[str, pa.Schema] = {
     "reload_study": pa.schema(_RELOAD_STUDY),
     "continuation": pa.schema(_CONTINUATION),
     "continuation_http": pa.schema(_CONTINUATION_HTTP),
+    "codec_continuation": pa.schema(_CODEC_CONTINUATION),
     "fidelity_fit": pa.schema(_FIDELITY_FIT),
     "sensitivity_runs": pa.schema(_SENSITIVITY_RUNS),
     "identify": pa.schema(_IDENTIFY),

@@ -41,6 +41,16 @@ def test_one_pair_end_to_end_and_the_refused_pair(tiny_checkpoint, tmp_path, cap
     assert code == 0 and out[0].startswith("refused: int8 x n0: org=n0 cannot hold")
     assert json.loads(out[-1]) == {"pairs": 1, "refused": ["int8 x n0"], "reuse_ok": 1,
                                    "preempt_ok": 1, "ok": True}
+    from ledgers.studies import read_study
+
+    rows = read_study(tmp_path, "codec_continuation").to_pylist()
+    assert [(r["state_codec"], r["org"], r["ok"], r["reuse_ok"]) for r in rows] == [
+        ("int8", "s0", True, True)]
+    from analysis.studies import codec_continuation as page
+
+    assert page.main(["--ledgers", str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
+    text = (tmp_path / "rep" / "codec_continuation.md").read_text()
+    assert "| int8 | s0 | 512 | 512 | 512 | yes | yes | yes | yes | yes | yes |" in text
 
 
 @pytest.mark.slow  # about 2 min on an idle machine (make codec-continuation)

@@ -130,11 +130,17 @@ def test_proc_usage_reads_a_process_tree_and_its_faults():
 
         before = tree_usage(os.getpid())
         assert os.getpid() in before and child.pid in before
-        block = bytearray(16 << 20)  # 4,096 pages written by the kernel's zeroing on touch
-        block[::4096] = b"\1" * len(block[::4096])
+        # a fresh anonymous mapping (not the heap, which an earlier test may have kept),
+        # 4,096 pages each faulted in by its first write
+        import mmap
+
+        block = mmap.mmap(-1, 16 << 20)
+        for offset in range(0, 16 << 20, 4096):
+            block[offset] = 1
         delta = usage_delta(before, tree_usage(os.getpid()))
         assert delta["minor_faults"] >= 4000 and delta["cpu_s"] >= 0
         assert usage_delta(before, {}) == {}
+        block.close()
     finally:
         child.stdin.close()
         child.wait()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 
 STUDY_PAGE_MODULES = ("fidelity", "sensitivity", "reload_study", "continuation",
-                      "continuation_http", "identify")
+                      "codec_continuation", "continuation_http", "identify")
 
 
 def study_pages() -> tuple:

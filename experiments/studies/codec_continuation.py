@@ -29,15 +29,17 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from experiments.studies import continuation as cont
 from experiments.studies import study_parser
 from ledgers.arms import PLAIN_ARMS, arm
+from ledgers.studies import new_study_id, now_iso, rows_to_columns, write_study
 from serving_core.sampling_params import SamplingParams
 
 CODECS = ("bf16", "fp16", "fp8_e4m3", "int8", "bf16_sr", "fp16_sr")
 CASE = "C+1"  # the reuse prompt: B = C strictly inside it
+TABLE = "codec_continuation"  # the preemption half; the reuse half goes to `continuation`
 PREEMPT_CASE = "2C+1"  # preempted after its first chunk (C), two chunks left
 
 
@@ -165,6 +167,15 @@ def _line(codec: str, org: str, reuse, pre: PreemptResult, seconds: float) -> st
             f"({'ok' if pre.ok else 'FAIL'}) ({seconds:.1f} s)")
 
 
+def write_preemptions(root, results: list, model: str, budget: str, seed: int):
+    """The preemption half as one file of the `codec_continuation` study table (each row
+    beside the outcome of its codec and organization's reuse pair)."""
+    data = [{**asdict(q), "model": model, "budget": budget, "seed": seed,
+             "reuse_ok": r.ok, "ok": q.ok} for r, q in results]
+    return write_study(root, TABLE, rows_to_columns(
+        TABLE, data, study_id=new_study_id(), created_at=now_iso()))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = study_parser("codec_continuation", __doc__, model=True, run=True)
     p.add_argument("--codecs", default=",".join(CODECS))
@@ -194,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_line(codec, org, *got, time.perf_counter() - t), flush=True)
     if reuse_rows:
         print(f"ledger: {cont.write_rows(args.ledger_root, reuse_rows, args.preset)}")
+        print("ledger: " + str(write_preemptions(args.ledger_root, results, args.preset,
+                                                 args.budget, args.seed)))
     summary = {"pairs": len(results), "refused": refused,
                "reuse_ok": sum(r.ok for r, _ in results),
                "preempt_ok": sum(q.ok for _, q in results),
