@@ -16,19 +16,18 @@ passes, 1 when one fails, 2 without the table.
 from __future__ import annotations
 
 import sys
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from analysis import cli
 
-PAGE = "codec_continuation.md"
+if TYPE_CHECKING:
+    import pandas as pd
+
+TABLES = ("codec_continuation",)  # the preemption half; the reuse half is continuation's
+PAGE, FILL = ("codec_continuation.md",
+              "make codec-continuation (python -m experiments.studies.codec_continuation)")
 TITLE = "Compressed recurrent state: preemption and reuse continue exactly, per codec"
-TABLES = ("codec_continuation",)
-FILL = "make codec-continuation (python -m experiments.studies.codec_continuation)"
-
-
-def _mark(flag: bool) -> str:
-    return "yes" if flag else "NO"
+MARK = {True: "yes", False: "NO"}
 
 
 def summary(rows: pd.DataFrame) -> dict:
@@ -54,8 +53,9 @@ def section(rows: pd.DataFrame) -> str:
     for r in rows.itertuples(index=False):
         lines.append(
             f"| {r.state_codec} | {r.org} | {r.interval} | {r.preempted_at} | {r.resumed_b} | "
-            f"{_mark(r.tokens_equal)} | {_mark(r.logprobs_equal)} | {_mark(r.state_equal)} | "
-            f"{_mark(r.fp32_differs)} | {_mark(r.reuse_ok)} | {_mark(r.ok)} |")
+            f"{MARK[bool(r.tokens_equal)]} | {MARK[bool(r.logprobs_equal)]} | "
+            f"{MARK[bool(r.state_equal)]} | {MARK[bool(r.fp32_differs)]} | "
+            f"{MARK[bool(r.reuse_ok)]} | {MARK[bool(r.ok)]} |")
     lines += ["", f"{int(rows['ok'].sum())} of {len(rows)} rows pass; "
               f"{int(rows['reuse_ok'].sum())} reuse pairs pass.", ""]
     return "\n".join(lines)
