@@ -1,4 +1,4 @@
-"""The fidelity page's arithmetic (analysis/questions/fidelity_field.py) on hand-made cells:
+"""The fidelity page's arithmetic (analysis/field_errors.py) on hand-made cells:
 MAPE, Kendall's tau, pairwise order agreement per factor, cells paired across arms."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pandas as pd
 import pytest
 
-from analysis.questions.fidelity_field import METRICS, cells, errors, order_agreement
+from analysis.field_errors import METRICS, cells, errors, order_agreement
 
 
 def _runs(ref: list[float], sim: list[float]) -> pd.DataFrame:

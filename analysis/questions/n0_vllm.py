@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import cli
+from analysis import cli, field_errors
 from analysis.pages.render import md_table
 
 CAMPAIGN = "n0_vllm"
@@ -44,7 +44,7 @@ _RUNS = """
 _REQUESTS = """
     SELECT run_id, request_id, greatest(adopted_prefix_tokens, 0) AS hit,
            greatest(resume_adopted_tokens, 0) AS resume_hit, preemptions,
-           first_token_s, finish_s, ttft_s
+           first_token_s, finish_s, ttft_s, tpot_s, e2e_s
     FROM requests WHERE campaign = ? AND status = 'finished'
 """
 _STEPS = """
@@ -85,7 +85,8 @@ def load(con, campaign: str = CAMPAIGN) -> tuple[pd.DataFrame, pd.DataFrame, pd.
     steps = con.execute(_STEPS, [campaign]).df().merge(keys, on="run_id")
     per_run = reqs.groupby("run_id").agg(
         preemptions=("preemptions", "sum"), ttft_p50=("ttft_s", "median"),
-        ttft_p99=("ttft_s", lambda s: s.quantile(0.99)), hit_tokens=("hit", "sum"),
+        ttft_p99=("ttft_s", lambda s: s.quantile(0.99)), tpot_p50=("tpot_s", "median"),
+        e2e_p50=("e2e_s", "median"), hit_tokens=("hit", "sum"),
         resume_hit_tokens=("resume_hit", "sum")).reset_index()
     return runs.merge(per_run, on="run_id", how="left"), reqs, steps
 
@@ -238,20 +239,24 @@ def arm_section(runs: pd.DataFrame, reqs: pd.DataFrame,
     """Markdown of one simulated arm against vLLM, and its summary."""
     out = []
     pairs = paired_requests(reqs)
-    cells = cell_table(runs, pairs)
-    info = summary(runs, pairs, cells)
+    table = cell_table(runs, pairs)
+    info = summary(runs, pairs, table)
+    field, info["field"] = field_errors.error_table(
+        field_errors.cells(runs.replace({"arm": {"vllm": "ref"}}), CELL))
     out += [
         "Per cell, seeds pooled. same_hit_pct: paired requests whose prefix adopted at first "
         "admission is equal; preempt_*: preemptions per run; *_diff_pct: 100 (N0 / vLLM - 1) "
         "of the means over seeds. ok: H hit >= 98 %, P preemptions within 10 % (2 under 20), "
         "T throughput within 2 %, 5 and 9 TTFT p50 and p99 within 5 %.", "",
-        md_table(cells), "",
+        md_table(table), "",
         f"Requests: {info['paired_requests']} paired; equal admission hit "
         f"{info['same_hit_pct']} %, equal resume hit {info['same_resume_hit_pct']} %, equal "
         f"preemption count {info['same_preemptions_pct']} %. Ranking (cell pairs ordered "
         f"alike of those whose vLLM means differ beyond the target, within a model): "
         f"throughput {info['ranking']['throughput_span']}, TTFT p50 "
         f"{info['ranking']['ttft_p50']}.", "",
+        "In the field's format (as fidelity_field.md prints it). " + field_errors.ERROR_NOTE, "",
+        field, "",
         "Step by step:", "",
         "Steps paired by index: the first whose scheduled prefill tokens or decode sequences "
         "differ (-1: none), the share of equal steps, and the steps that preempted.", "",
