@@ -4,11 +4,12 @@ reported engine_config, the winner table with its tie rule, and the plan's famil
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pandas as pd
 
 from analysis.inference import prereg
-from analysis.questions.vllm_knobs import setting_of, winners
+from analysis.questions.vllm_knobs import setting_of, winner_tests, winners
 
 
 def _cfg(**kw) -> str:
@@ -48,3 +49,15 @@ def test_the_plan_pairs_every_setting_with_the_default():
     assert len(family.cells) == 24 and len(family.tests) == 20
     assert {t.cells["control"].split("_")[1] for t in family.tests} == {"ret0"}
     assert family.decision["method"] == "sign_flip_holm"
+
+
+def test_each_winner_carries_its_planned_test_against_the_default():
+    plan = prereg.load_plan("vllm_knobs")
+    tests = pd.DataFrame([{"test": "G108_ret2_vs_ret0", "n": 10, "effect": 3.0, "ci_low": 1.0,
+                           "ci_high": 5.0, "p_holm": 0.02, "decision": "reject"}])
+    results = [SimpleNamespace(tables={"throughput_span": tests})]
+    best = pd.DataFrame([{"model": "granite_4_0_h_tiny", "budget": "b108", "winner": w}
+                         for w in ("ret2", "ret0")])
+    got = winner_tests(best, plan, results).set_index("winner")
+    assert got.loc["ret2", ["test_n", "p_holm", "decision"]].tolist() == [10, 0.02, "reject"]
+    assert got.loc["ret0", "decision"] == "the default"
