@@ -58,9 +58,7 @@ def virtual_runs(con, campaign: str, arm: str) -> pd.DataFrame:
     runs = per_run(con, (campaign,))
     if runs.empty:
         return runs
-    runs["arm"] = [n0_vllm.arm_of(e, c) for e, c in zip(runs["executor"], runs["engine_config"],
-                                                          strict=True)]
-    runs = runs.sort_values(["arm", *n0_vllm.RUN, "run_id"]).drop_duplicates(["arm", *n0_vllm.RUN])
+    runs = n0_vllm.with_arms(runs)
     both = n0_vllm.against(runs, arm, runs)
     return both.assign(arm=both["arm"].replace({"vllm": "ref"}))
 

@@ -71,15 +71,21 @@ def arm_of(executor: str, engine_config: str) -> str:
     return "sim_vllm" if all(rules.get(k) == v for k, v in VLLM_RULES.items()) else "sim"
 
 
+def with_arms(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs (executor, engine_config, model, budget, rate, seed) with their arm, one per
+    (arm, model, budget, load, seed): the first by run id."""
+    runs = runs.assign(arm=[arm_of(e, c) for e, c in zip(runs["executor"],
+                                                          runs["engine_config"], strict=True)])
+    return runs.sort_values(["arm", *RUN, "run_id"]).drop_duplicates(["arm", *RUN])
+
+
 def load(con, campaign: str = CAMPAIGN) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(runs, finished requests, steps), each with its arm and run key; one run per
     (arm, model, budget, load, seed): the first adopted one."""
     runs = con.execute(_RUNS, [campaign]).df()
     if runs.empty:
         return runs, pd.DataFrame(), pd.DataFrame()
-    runs["arm"] = [arm_of(e, c) for e, c in zip(runs["executor"], runs["engine_config"],
-                                                  strict=True)]
-    runs = runs.sort_values(["arm", *RUN, "run_id"]).drop_duplicates(["arm", *RUN])
+    runs = with_arms(runs)
     keys = runs[["run_id", "arm", *RUN]]
     reqs = con.execute(_REQUESTS, [campaign]).df().merge(keys, on="run_id")
     steps = con.execute(_STEPS, [campaign]).df().merge(keys, on="run_id")
