@@ -16,10 +16,6 @@ from experiments.studies import calibrate as cal
 from experiments.studies import identify as ident
 
 ROOT = Path(__file__).resolve().parents[1]
-# Requests a run in the end-to-end smoke (the study's own smoke default is 40): what it checks
-# (the phases through the campaign driver, the table's kinds and 19 targets, the ledger check,
-# the page, the resume) does not depend on the runs' length.
-IDENTIFY_REQUESTS = 10
 
 
 def test_campaign_blocks_are_the_anchor_cells():
@@ -215,7 +211,7 @@ def test_make_identify_smoke_end_to_end(tmp_path, capsys):
 
     root, reports = tmp_path / "ledgers", tmp_path / "reports"
     cmd = ["make", "--no-print-directory", "identify", "SMOKE=1", f"LEDGER_ROOT={root}",
-           f"REPORT_DIR={reports}", "JOBS=2", f"ARGS=--requests {IDENTIFY_REQUESTS}"]
+           f"REPORT_DIR={reports}", "JOBS=2", "ARGS=--requests 20"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
@@ -234,7 +230,7 @@ def test_make_identify_smoke_end_to_end(tmp_path, capsys):
     assert "## Search table" in page and "base" in page
     capsys.readouterr()
     assert ident.main(["--ledger-root", str(root), "--smoke", "--jobs", "2",
-                       "--requests", str(IDENTIFY_REQUESTS)]) == 0
+                       "--requests", "20"]) == 0
     assert "(2 already scored)" in capsys.readouterr().err
     assert len(sorted((root / "identify").glob("identify-*.parquet"))) == len(files) + 1
 
