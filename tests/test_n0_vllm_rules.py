@@ -47,6 +47,22 @@ def test_a_chunk_stops_at_the_junction(start, total, budget, stop, tokens):
     assert Scheduler._chunk(sched, start, total, budget, stop) == tokens
 
 
+@pytest.mark.parametrize("start, total, prefill_end, end", [
+    (B, 2 * B + 1, 0, 2 * B + 1),  # a fresh 3,137-token prompt: the final chunk crosses 3,136
+    # Falcon b83 3 requests/s seed 42001, request 252 resumed with 3,127 prompt + 10 output
+    # tokens: prefill ends at 3,136, its checkpoint (1,568) is the chunk's start, so vLLM's
+    # split stops at 3,136 (last_cache_position) and the last token follows alone
+    (B, 2 * B + 1, 2 * B, 2 * B),
+    (0, 2 * B + 1, 2 * B, 2 * B + 1),  # resumed from 0: its checkpoint 1,568 lies inside
+    (B + 100, 3 * B, 0, 2 * B),  # a start inside a block: to the next boundary
+    (2 * B, 2 * B + 1, 2 * B, 2 * B + 1),  # past the prefill end: no split
+])
+def test_the_final_chunk_crosses_where_vllms_split_saves_its_checkpoint(start, total,
+                                                                         prefill_end, end):
+    sched = SimpleNamespace(align=True, C=B, cross_final_chunk=True, split_last_boundary=False)
+    assert Scheduler._chunk(sched, start, total, 4 * B, 0, prefill_end) == end - start
+
+
 def test_stop_at_junction_is_declared_off_by_default():
     assert SchedulerConfig().stop_at_junction is False
     with pytest.raises(ValueError, match="stop_at_junction='yes': allowed values are true"):
