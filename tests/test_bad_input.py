@@ -30,7 +30,8 @@ SINGLE = [
     (("load.rate=0",), "error: load.rate=0: allowed finite numbers > 0"),
     (("load.rate=-2",), "error: load.rate=-2: allowed finite numbers > 0"),
     (("load.arrival=bursty",), "error: load.arrival='bursty': allowed"),
-    (("org=s9",), "error: org='s9': allowed values are s0, s1, s2, d0, s2_retention, n0"),
+    (("org=s9",), "error: org='s9': allowed values are s0, s1, s2, d0, s2_retention, n0, "
+                  "n0_vllm, jenga"),
     (("budget=q12",), "error: budget='q12'"),
     (("engine.cap=0",), "error: engine.cap=0: allowed integers >= 1"),
     (("engine.cap=many",), "error: engine.cap='many': allowed integers >= 1"),
