@@ -190,6 +190,7 @@ def test_the_page_names_the_workload_of_each_campaign():
 
 
 
+@pytest.mark.filterwarnings("ignore::ledgers.catalog.LedgerWarning")  # an empty root
 def test_a_standalone_page_passes_allow_changed_plan_and_says_so(tmp_path):
     """`--allow-changed-plan` reaches the page's analysis, and the page says it was given."""
     seen = []
