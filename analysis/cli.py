@@ -123,20 +123,32 @@ def section_main(prog: str, doc: str | None, section: Callable, ok: Callable[[di
     return with_ledgers(args.ledgers, show)
 
 
+CHANGED_PLAN_NOTE = ("--allow-changed-plan was given: families whose runs carry an earlier "
+                     "plan hash (runs collected before an amendment) are accepted and marked "
+                     "so in their reasons.")
+
+
 def question_page_main(prog: str, doc: str | None, question: str, analyze: Callable,
                        argv: list[str] | None = None) -> int:
-    """A question page written alone (`--ledgers ROOT [--out DIR]`): <out>/<question>.md and
-    its tables; prints the page's path."""
+    """A question page written alone (`--ledgers ROOT [--out DIR] [--allow-changed-plan]`):
+    <out>/<question>.md and its tables; prints the page's path. With --allow-changed-plan
+    (as analysis.report) a family whose runs carry an earlier plan hash is accepted, and the
+    page says so at its top."""
     from analysis.pages import common
 
     p = parser(prog, doc)
     p.add_argument("--out", default="reports", help="report directory for the page")
+    p.add_argument("--allow-changed-plan", action="store_true",
+                   help="accept runs collected under an earlier hash of the plan (amended "
+                        "after they ran); the page says so")
     args = p.parse_args(argv)
 
     def write(con) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        result = analyze(con)
+        result = analyze(con, allow_changed_plan=args.allow_changed_plan)
+        if args.allow_changed_plan:
+            result.notes.append(f"**{CHANGED_PLAN_NOTE}**")
         common.write_tables(out, question, result.tables())
         page = out / f"{question}.md"
         page.write_text(result.markdown(relative_to=out), encoding="utf-8")

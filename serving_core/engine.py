@@ -338,6 +338,7 @@ class Engine:
             rules.update(rule_effective(declared_by, part))
         rules.update({
             "headroom_units": dict(sched.headroom),
+            "optimal_checkpoints": sched.placement.optimal_checkpoints if sched.C else None,
             "pool_units": {p: pool.num_units for p, pool in mem.pools.items()},
             "pool_unit_bytes": {p: pool.unit_bytes for p, pool in mem.pools.items()},
             "step_model": None,

@@ -73,6 +73,20 @@ def parse_layer(text: str) -> tuple[str, str]:
     raise ValueError(f"model.layers entry {text!r}: allowed forms are {LAYER_FORMS}")
 
 
+def attention_group_first(layers: Sequence[str]) -> bool:
+    """Whether vLLM's KV cache groups put attention before the recurrent state: its groups
+    follow the order the layers register their caches (kv_cache_utils
+    `_get_kv_cache_groups_uniform_page_size`), so the first layer with a cache decides; a
+    hybrid layer registers its attention first (Falcon-H1)."""
+    for layer in layers:
+        mixer = parse_layer(layer)[0]
+        if mixer in ATTENTION_MIXERS:
+            return True
+        if mixer in RECURRENT_KINDS:
+            return False
+    return True
+
+
 def expand_layers(entries: Iterable[Any]) -> tuple[str, ...]:
     """The per-layer strings of a pattern written with runs `[count, layer]`."""
     out: list[str] = []

@@ -96,6 +96,12 @@ class Placement:
         """optimal: M, the positions the dynamic program may choose."""
         return self.param or self.budget_checkpoints
 
+    @property
+    def optimal_checkpoints(self) -> int | None:
+        """optimal's M as it runs (the given one, or derived from the budget); None for
+        every other policy: the run's record (`optimal_checkpoints` in engine_config)."""
+        return self.max_checkpoints if self.policy == "optimal" else None
+
     # ----- what a chunk publishes --------------------------------------------------------
     def candidates(self, req, start: int, end: int):
         C = self.C

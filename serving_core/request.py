@@ -120,6 +120,12 @@ class Request:
         # stop rules of a served request (serving_core/sampling_params.py), or None
         self.sampling = getattr(spec, "sampling", None)
 
+    @property
+    def prefill_end(self) -> int:
+        """Where prefill ends: the prompt's end, or the known tokens less one on a resume
+        (vLLM's `max(num_prompt_tokens, num_tokens - 1)`)."""
+        return max(self.num_prompt, self.num_tokens - 1)
+
     def ensure_keys(self, num_blocks: int) -> list[int]:
         """Chain keys of the first `num_blocks` full blocks (computed once, extended lazily)."""
         keys = self.keys

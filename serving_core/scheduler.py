@@ -235,6 +235,22 @@ def _interleave(value) -> dict[str, int]:
     return out
 
 
+def final_chunk_end(start: int, total: int, prefill_end: int, C: int) -> int:
+    """End of the chunk from `start` that reaches `total` known tokens under vLLM's split
+    (`_mamba_block_aligned_split`, C-token blocks): it crosses its boundaries where the
+    Mamba2 layer saves the prefill checkpoint inside it (`is_mamba_prefill_checkpoint_valid`:
+    the chunk starts on a boundary and the last boundary below `prefill_end`, the prompt's
+    end or the known tokens less one on a resume, lies a block or more past the start);
+    otherwise it stops at the next boundary (a start inside a block) or the last boundary
+    below `total` (`last_cache_position`): a resumed request whose known tokens less one end
+    on a boundary computes that boundary's state in a chunk of its own."""
+    checkpoint = (prefill_end - 1) // C * C
+    if not start % C and start + C <= checkpoint < total:
+        return total
+    stops = ((start // C + 1) * C if start % C else 0, (total - 1) // C * C)
+    return min((s for s in stops if start < s < total), default=total)
+
+
 @dataclass(slots=True)
 class Scheduled:
     req: Request
@@ -343,7 +359,7 @@ class Scheduler:
             chunk = want > 1
             if chunk:  # decode (one token) needs no chunking
                 want = self._chunk(req.num_computed, req.num_tokens, min(budget, prefill),
-                                   req.junction)
+                                   req.junction, req.prefill_end)
             if req.lagging and want:  # state_blocks=vllm_align: allocate_slots frees them
                 self.state.release_lagging(req)
             if not chunk and req.num_computed < req.room_end:  # held units suffice
@@ -403,14 +419,16 @@ class Scheduler:
         return self.interleave["prefill_tokens"]
 
     # ----- chunks and reservations --------------------------------------------------------------
-    def _chunk(self, start: int, total: int, budget: int, stop: int = 0) -> int:
+    def _chunk(self, start: int, total: int, budget: int, stop: int = 0,
+               prefill_end: int = 0) -> int:
         """Tokens of the next chunk from `start` of a sequence of `total` known tokens.
 
         Aligned chunks stop at the last checkpoint boundary within the budget, then the
         tail follows in its own chunk; 0 when the budget reaches neither a boundary nor
         the end. With split_last_boundary, a chunk that would end at `total` on a boundary
         ends one interval earlier (when that is past `start`). With cross_final_chunk
-        (vLLM's `_mamba_block_aligned_split`), a chunk that reaches `total` is not cut. A
+        (vLLM's `_mamba_block_aligned_split`), a chunk that reaches `total` crosses where
+        vLLM's does (`final_chunk_end`; `prefill_end`: the request's, 0 for `total`). A
         `stop` strictly inside the chunk ends it there (stop_at_junction)."""
         end = min(total, start + budget)
         if self.align and (end < total or not self.cross_final_chunk):
@@ -421,6 +439,8 @@ class Scheduler:
                 end = aligned
             elif end < total:
                 return 0
+        elif self.align:
+            end = final_chunk_end(start, total, prefill_end or total, self.C)
         return (stop if start < stop < end else end) - start
 
     def _drop_own_holds(self, req: Request) -> bool:
@@ -488,7 +508,7 @@ class Scheduler:
             return None  # state_blocks=vllm_align: vLLM refuses the hit until the next step
         hit = adoption.hit.attention
         req.junction = hit if self.stop_at_junction and hit > adoption.jadopt else 0
-        n = self._chunk(adoption.jadopt, req.num_tokens, budget, req.junction)
+        n = self._chunk(adoption.jadopt, req.num_tokens, budget, req.junction, req.prefill_end)
         if not n:
             return None  # an aligned first chunk needs more budget than is left this step
         n, gate, extra = self._admission_gate(req, adoption, n)

@@ -383,7 +383,7 @@ class HybridStateManager:
             self.mem.cache_policy.observe(req, self.B, self.C, len(self.mem.cache.checkpoints))
         if finishing and self.placement is not None:
             self.placement.finish(req)
-        if self.mem.release_order == "attention_first":
+        if self.mem.attention_released_first:
             self._release_attention(req, finishing)
             self._release_state(req)
         else:

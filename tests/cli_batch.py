@@ -5,7 +5,7 @@ Each command still runs in its own process, with its own working directory, stdo
 and exit code, and its module executed as `__main__` as `python -m` does (runpy, the working
 directory first on sys.path, argv[0] the module's file). What is saved is the interpreter
 start and the ~0.4 s of imports (Hydra, OmegaConf, the project) that every command would
-repeat: the bad-input test runs 39 such commands.
+repeat: the bad-input test runs 46 such commands.
 
 stdin: {"preload": [entry module, ...], "parallel": n, "cases": [{"argv": [module, *args],
 "cwd": dir}, ...]}. stdout: one JSON list of {"returncode", "stdout", "stderr"}, in order.

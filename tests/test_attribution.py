@@ -6,6 +6,7 @@ independently by ledgers.check) and a planted broken cause that the check catche
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +16,11 @@ import pandas as pd
 import pytest
 
 import ledgers
+from analysis import cli
+from analysis.inference import prereg
 from analysis.pages import lineage as q7_lineage
+from analysis.pages import readouts
+from analysis.pages.render import QuestionResult
 from analysis.questions import placement
 from ledgers import check
 from serving_core import attribution
@@ -182,3 +187,43 @@ def test_a_planted_broken_cause_is_caught(smoke_root):
 def test_the_page_names_the_workload_of_each_campaign():
     assert placement.workload("placement_shift_below_smoke") == "shift_below"
     assert placement.workload("placement_shared") == "shared"
+
+
+
+@pytest.mark.filterwarnings("ignore::ledgers.catalog.LedgerWarning")  # an empty root
+def test_a_standalone_page_passes_allow_changed_plan_and_says_so(tmp_path):
+    """`--allow-changed-plan` reaches the page's analysis, and the page says it was given."""
+    seen = []
+
+    def analyze(con, *, allow_changed_plan=False):
+        seen.append(allow_changed_plan)
+        return QuestionResult("placement", "t", ("placement",), (), 0)
+
+    for flag in ((), ("--allow-changed-plan",)):
+        out = tmp_path / ("allowed" if flag else "plain")
+        assert cli.question_page_main("p", None, "placement", analyze,
+                                      ["--ledgers", str(tmp_path), "--out", str(out),
+                                       *flag]) == 0
+        assert (cli.CHANGED_PLAN_NOTE in (out / "placement.md").read_text()) == bool(flag)
+    assert seen == [False, True]
+
+
+@pytest.mark.slow  # two page writes, ~2.7 s of CPU each: the test above covers the flag
+def test_the_standalone_page_accepts_an_amended_plan_only_when_told(smoke_root, tmp_path,
+                                                                    monkeypatch):
+    """Runs collected before an amendment carry the plan's earlier hash: the page alone
+    refuses them unless --allow-changed-plan is given, and then says so at its top."""
+    real = prereg.load_plan
+
+    def amended(name, plan_dir=None):  # the plan as amended after the runs
+        return replace(real(name, plan_dir or prereg.PLAN_DIR), plan_hash="0" * 64)
+
+    monkeypatch.setattr(prereg, "load_plan", amended)
+    monkeypatch.setattr(readouts, "load_plan", amended)
+    for flag, verdict in (((), "refused"), (("--allow-changed-plan",),
+                                            "accepted (allow_changed_plan)")):
+        out = tmp_path / ("allowed" if flag else "plain")
+        assert placement.main(["--ledgers", str(smoke_root[0]), "--out", str(out), *flag]) == 0
+        text = (out / "placement.md").read_text()
+        assert f"plan changed after collection ({verdict})" in text
+        assert (cli.CHANGED_PLAN_NOTE in text) == bool(flag)

@@ -30,7 +30,8 @@ SINGLE = [
     (("load.rate=0",), "error: load.rate=0: allowed finite numbers > 0"),
     (("load.rate=-2",), "error: load.rate=-2: allowed finite numbers > 0"),
     (("load.arrival=bursty",), "error: load.arrival='bursty': allowed"),
-    (("org=s9",), "error: org='s9': allowed values are s0, s1, s2, d0, s2_retention, n0"),
+    (("org=s9",), "error: org='s9': allowed values are s0, s1, s2, d0, s2_retention, n0, "
+                  "n0_vllm, jenga"),
     (("budget=q12",), "error: budget='q12'"),
     (("engine.cap=0",), "error: engine.cap=0: allowed integers >= 1"),
     (("engine.cap=many",), "error: engine.cap='many': allowed integers >= 1"),
@@ -51,6 +52,18 @@ SINGLE = [
                                  "auto, fp32, bf16, fp16, fp8_e4m3, int8, bf16_sr, fp16_sr"),
     (("org=n0", "model.state_codec=int8"), "error: org=n0 cannot hold model 'falcon_h1_7b': "
      "model.state_codec='int8', allowed values are auto, fp32, bf16, fp16, fp8_e4m3, fp16_sr"),
+    # model presets (tests/test_model_presets.py): a layer pattern that does not hold, and
+    # organizations that cannot hold a preset
+    (("model=granite_4_0_h_tiny", "model.num_layers=39", "budget=4096MiB"),
+     "error: model: model.layers lists 40 layers but num_layers=39"),
+    (("model=granite_4_0_h_tiny", "model.sliding_window=4096", "budget=4096MiB"),
+     "error: model: model.sliding_window=4096"),
+    (("model=granite_4_0_h_tiny", "model.vocab_size=0", "budget=4096MiB"),
+     "error: model: model.vocab_size=0"),
+    (("model=nemotron_h_8b", "model.num_kv_heads=1", "org=s2", "budget=4096MiB"),
+     "error: org=s2 cannot hold model 'nemotron_h_8b'"),
+    (("model=zamba2_7b", "org=n0", "budget=4096MiB"),
+     "error: org=n0 cannot hold model 'zamba2_7b'"),
 ]
 MULTI = [
     (("campaign=q99",), "error: campaign=q99: allowed arms, bursts, caps, d0_split, demo"),
@@ -98,7 +111,7 @@ def _listing(path: Path) -> set[str]:
     return {p.relative_to(path).as_posix() for p in path.rglob("*")} if path.exists() else set()
 
 
-# Cases run this many processes at a time: one per core, at most four (all 39 at once
+# Cases run this many processes at a time: one per core, at most four (all of them at once
 # made the machine's load, and every process's start-up, as long as the slowest).
 PARALLEL = max(1, min(4, os.cpu_count() or 1))
 # Every case is its own `python -m` process, forked by tests/cli_batch.py from one

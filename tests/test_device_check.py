@@ -139,19 +139,28 @@ def test_the_device_command_fits_the_run_tool():
     assert "-m analysis.device $OUT/device_check.json" in DEVICE_COMMAND
 
 
-def test_bad_arguments_exit_2_with_one_line_and_write_nothing(tmp_path):
+def _exit_code(main, argv) -> int:
+    """What `python -m <module> ARGV` exits with (its __main__ is `sys.exit(main())`), run in
+    this process: no interpreter and torch import per call."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def test_bad_arguments_exit_2_with_one_line_and_write_nothing(tmp_path, capsys):
+    from analysis.device import main as page_main
+    from bench.device_check.__main__ import main as check_main
+
     out = tmp_path / "x"
-    run = subprocess.run([sys.executable, "-m", "bench.device_check", str(out), "--device",
-                          "tpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "--device='tpu'" in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1 and not out.exists()
+    assert _exit_code(check_main, [str(out), "--device", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--device='tpu'" in err and len(err.strip().splitlines()) == 1 and not out.exists()
     if not torch.cuda.is_available():
-        run = subprocess.run([sys.executable, "-m", "bench.device_check", str(out)], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
-        assert run.returncode == 2 and "no CUDA device" in run.stderr and not out.exists()
-    page = subprocess.run([sys.executable, "-m", "analysis.device", str(tmp_path / "no.json")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert page.returncode == 2 and "results=" in page.stderr
+        assert _exit_code(check_main, [str(out)]) == 2
+        assert "no CUDA device" in capsys.readouterr().err and not out.exists()
+    assert _exit_code(page_main, [str(tmp_path / "no.json")]) == 2
+    assert "results=" in capsys.readouterr().err
     assert not (tmp_path / "device.md").exists()
 
 

@@ -47,6 +47,22 @@ def test_a_chunk_stops_at_the_junction(start, total, budget, stop, tokens):
     assert Scheduler._chunk(sched, start, total, budget, stop) == tokens
 
 
+@pytest.mark.parametrize("start, total, prefill_end, end", [
+    (B, 2 * B + 1, 0, 2 * B + 1),  # a fresh 3,137-token prompt: the final chunk crosses 3,136
+    # Falcon b83 3 requests/s seed 42001, request 252 resumed with 3,127 prompt + 10 output
+    # tokens: prefill ends at 3,136, its checkpoint (1,568) is the chunk's start, so vLLM's
+    # split stops at 3,136 (last_cache_position) and the last token follows alone
+    (B, 2 * B + 1, 2 * B, 2 * B),
+    (0, 2 * B + 1, 2 * B, 2 * B + 1),  # resumed from 0: its checkpoint 1,568 lies inside
+    (B + 100, 3 * B, 0, 2 * B),  # a start inside a block: to the next boundary
+    (2 * B, 2 * B + 1, 2 * B, 2 * B + 1),  # past the prefill end: no split
+])
+def test_the_final_chunk_crosses_where_vllms_split_saves_its_checkpoint(start, total,
+                                                                         prefill_end, end):
+    sched = SimpleNamespace(align=True, C=B, cross_final_chunk=True, split_last_boundary=False)
+    assert Scheduler._chunk(sched, start, total, 4 * B, 0, prefill_end) == end - start
+
+
 def test_stop_at_junction_is_declared_off_by_default():
     assert SchedulerConfig().stop_at_junction is False
     with pytest.raises(ValueError, match="stop_at_junction='yes': allowed values are true"):
@@ -144,7 +160,7 @@ def test_retention_blocks_needs_vllm_align():
 VLLM_RULES = ("engine.align_chunks=true", "engine.cross_final_chunk=true",
               "engine.stop_at_junction=true", "engine.admission=capped_prompt",
               "engine.whole_chunks=true", "engine.state_blocks=vllm_align",
-              "engine.duplicates=cache")
+              "engine.duplicates=cache", "engine.release_order=groups")
 SMALL_CELL = ("org=n0", "model=falcon_h1_7b", "budget=b63", "load.rate=3.0", "seed=42000",
               "workload.num_requests=24", "campaign_name=n0_vllm")
 
@@ -217,3 +233,51 @@ def test_granite_checkpoints_return_group_by_group(vllm_groups):
     else:
         assert sorted(new.units) == sorted(units_b)
         assert mem.cached_checkpoint(1) is a and mem.cached_checkpoint(2) is None
+
+
+@pytest.mark.parametrize("model, pages, order, attention_first", [
+    ("granite_4_0_h_tiny", 9, "groups", False),  # vLLM: nine Mamba groups, then attention
+    ("falcon_h1_7b", 1, "groups", True),  # vLLM: the attention group, then the Mamba group
+    ("granite_4_0_h_tiny", 9, "attention_first", True),  # N0's default
+    ("granite_4_0_h_tiny", 9, "state_first", False),
+])
+def test_release_order_groups_is_vllms_kv_cache_group_order(model, pages, order,
+                                                            attention_first):
+    """A preempted Granite-4.0-H-Tiny request holding one cached attention block and one
+    cached checkpoint (nine pages) returns them in vLLM's group order under `groups`: the
+    Mamba groups first, so the next page taken is a page of the checkpoint (lost, its
+    other pages stay queued) and the attention block stays cached; attention first, the
+    block is taken and the checkpoint stays (Granite b63 4.5 requests/s seed 42002, step
+    2,555 of the grid: vLLM's request 177 lost its states at 2,000, 2,800 and 3,200)."""
+    import numpy as np
+
+    from experiments.workloads.workload import RequestSpec
+    from serving_core.request import Request
+    from serving_core.state_manager import HybridStateManager
+
+    geometry = load_geometry(model)
+    mem = build_memory(geometry, "N0", {"shared": 1 + pages}, release_order=order)
+    assert mem.attention_released_first is attention_first
+    state = HybridStateManager(mem, step_end=False, retention_k=None, pinning_k=None,
+                               vllm_blocks=True)
+    B = mem.block_tokens
+    req = Request(RequestSpec(0, 0.0, np.arange(1, B + 2, dtype=np.int32), 1, -1, ""), B)
+    key = req.ensure_keys(1)[0]
+    req.attn = [mem.allocate_attention(0)]
+    req.working = mem.allocate_composite(0)
+    mem.publish(req.attn[0], key, B)
+    mem.publish(req.working, key, B)
+    state.release_all(req)
+    mem.allocate_attention(1)
+    check_invariants(mem)
+    assert (mem.cached_attention(key) is not None) is not attention_first
+    assert (mem.cached_checkpoint(key) is not None) is attention_first
+
+
+@pytest.mark.parametrize("layers, first", [
+    (["hybrid+mlp"], True), (["mamba2+moe", "attention+moe"], False),
+    (["mlp", "mamba2", "attention"], False), (["mlp", "attention", "mamba2"], True)])
+def test_attention_group_first_follows_the_first_cached_layer(layers, first):
+    from serving_core.layer_pattern import attention_group_first
+
+    assert attention_group_first(layers) is first

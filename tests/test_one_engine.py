@@ -24,12 +24,12 @@ from serving_core.memory import ORG_TO_CLASS
 REPO = Path(__file__).resolve().parent.parent
 RULE_KEYS = ("org", "admission", "checkpoint_placement", "align_chunks", "slab_policy",
              "free_queue", "checkpoint_recency", "retention_k", "pinning_k", "cap", "headroom",
-             "interleave", "split_last_boundary", "retention_interval")
+             "interleave", "split_last_boundary", "retention_interval", "optimal_checkpoints")
 PAPER_S2 = {"org": "S2", "admission": "full_prompt", "checkpoint_placement": "step_end",
             "align_chunks": True, "slab_policy": "write_once", "free_queue": "free_first",
             "checkpoint_recency": "release", "retention_k": None, "pinning_k": None, "cap": 63,
             "headroom": 0.0, "interleave": None, "split_last_boundary": False,
-            "retention_interval": None}
+            "retention_interval": None, "optimal_checkpoints": None}
 # (overrides, the rules an engine must run for them), by hand from docs/engine_rules.md
 # section 13.
 SETTINGS = {
@@ -78,6 +78,10 @@ SETTINGS = {
                               {**PAPER_S2, "org": "N0", "checkpoint_placement": "junction",
                                "align_chunks": False, "slab_policy": None,
                                "retention_interval": "2block"}),
+    # optimal's M, the most positions its dynamic program may choose: the given one here
+    "s2_optimal_m": (("engine.checkpoint_placement=optimal:3",),
+                     {**PAPER_S2, "checkpoint_placement": "optimal:3",
+                      "optimal_checkpoints": 3}),
     "n0_step_end": (("org=n0", "engine.checkpoint_placement=step_end"),
                     {**PAPER_S2, "org": "N0", "checkpoint_placement": "step_end",
                      "align_chunks": False, "slab_policy": None}),
@@ -98,6 +102,19 @@ def test_simulated_engine_runs_the_configured_rules(name):
     assert _rules(effective) == expected
     assert effective["executor"] == "simulated" and effective["clock"] == "virtual"
     assert effective["step_model"] == "additive"  # conf/executor/a100.yaml is calibrated
+
+
+def test_optimal_records_the_m_it_derives_from_the_budget():
+    """`optimal` without M runs the composites the budget holds less the cap's working ones
+    (docs/engine_rules.md section 8.5): S2 at b108 holds 331 slab units, 4 a composite, so
+    82 composites, 63 of them the cap's: M = 19; at b63 (48 composites, under the cap) at
+    least 1."""
+    for budget, units, m in (("b108", 331, 19), ("b63", 193, 1)):
+        effective = build_engine(engine_spec(compose_config(
+            f"budget={budget}", "engine.checkpoint_placement=optimal"))).effective_rules()
+        assert effective["pool_units"] == {"shared": units}
+        assert (effective["checkpoint_placement"], effective["optimal_checkpoints"]) == (
+            "optimal", m)
 
 
 def test_step_model_of_each_profile_is_the_one_it_names():
@@ -157,7 +174,7 @@ def _served_rules(tmp_path: Path, spec: EngineSpec) -> dict:
 # between them change every rule key (checked below); the rest run with the slow tests. All
 # settings are checked in process above, on both executors.
 SERVED_BY_DEFAULT = ("first_chunk", "survival", "cap_f_pin", "retention", "d0_aligned",
-                     "split_last", "d0_interleave", "n0_junction_retention")
+                     "split_last", "d0_interleave", "n0_junction_retention", "s2_optimal_m")
 
 
 def test_served_settings_of_the_default_suite_change_every_rule():

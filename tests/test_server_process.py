@@ -137,7 +137,7 @@ def test_bad_arguments_exit_2_with_one_line(tag, tmp_path):
     res = _run([*serve, "org=s7"])
     assert res.returncode == 2
     assert res.stderr.strip() == "error: org='s7': allowed values are s0, s1, s2, d0, " \
-                                 "s2_retention, n0, jenga, s2_marconi, d0_marconi"
+                                 "s2_retention, n0, n0_vllm, jenga, s2_marconi, d0_marconi"
     res = _run([*serve, "org=s2", "executor=torch", f"executor.checkpoint={tmp_path / 'none'}"])
     assert res.returncode == 2 and "not a directory" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1

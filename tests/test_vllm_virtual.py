@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -153,9 +154,13 @@ def _worker(*args: str, stdin: str = "") -> dict | list:
 def test_mirrored_vllm_functions_are_unchanged():
     """The stand-ins mirror these vLLM functions; an upgrade that changes one fails here
     (read the new source, update experiments/runners/vllm_standins.py, then the hash)."""
-    from experiments.runners.vllm_standins import MIRRORED
+    from experiments.runners.vllm_standins import MIRRORED, source_hashes
 
-    got = _worker("--hashes")
+    # the installed vLLM's package folder (found, not imported); its files are read here
+    where = subprocess.run([str(VLLM_PYTHON), "-c", "import importlib.util as u; "
+                            "print(u.find_spec('vllm').origin)"], capture_output=True,
+                           text=True, timeout=120, check=True)
+    got = source_hashes(Path(where.stdout.strip()).parent)
     changed = sorted(k for k in MIRRORED if got[k] != MIRRORED[k])
     assert not changed, f"vLLM changed what the stand-ins mirror: {changed}"
 

@@ -26,6 +26,7 @@ import pandas as pd
 
 from analysis import cli, field_errors
 from analysis.pages.render import md_table
+from ledgers.arms import ARMS, VLLM_RULES
 
 CAMPAIGN = "n0_vllm"
 PAGE = "n0_vllm.md"
@@ -38,7 +39,7 @@ HIT_SHARE, PREEMPT_REL, PREEMPT_ABS, PREEMPT_SMALL = 98.0, 10.0, 2, 20
 TPUT_PCT, TTFT_PCT = 2.0, 5.0
 
 _RUNS = """
-    SELECT run_id, model, budget, rate, seed, executor, engine_config, throughput_span
+    SELECT run_id, model, budget, rate, seed, org, executor, engine_config, throughput_span
     FROM runs WHERE campaign = ? AND status = 'complete' AND adopted
 """
 _REQUESTS = """
@@ -54,28 +55,31 @@ _STEPS = """
 """
 
 
-# N0 under vLLM's rules (docs/engine_rules.md section 17): the rules a simulated run must
-# have read back to count as arm "sim_vllm" rather than "sim" (N0 at its defaults).
-VLLM_RULES = {"align_chunks": True, "cross_final_chunk": True, "stop_at_junction": True,
-              "admission": "capped_prompt", "whole_chunks": True, "state_blocks": "vllm_align",
-              "duplicates": "cache"}
+# N0 under vLLM's rules (ledgers.arms.VLLM_RULES, docs/engine_rules.md section 17): the arm
+# n0_vllm (runs.org N0_VLLM) is "sim_vllm"; a run of org N0 (before that arm) counts as
+# "sim_vllm" where its effective rules are the seven its campaign block set (all of
+# VLLM_RULES but release_order, added with the arm), else as "sim" (N0 at its defaults).
+SIM_VLLM_ORG = ARMS["n0_vllm"].ledger_org
+BLOCK_RULES = {k: v for k, v in VLLM_RULES.items() if k != "release_order"}
 SIM_ARMS = {"sim": "N0 at its defaults", "sim_vllm": "N0 under vLLM's rules"}
 
 
-def arm_of(executor: str, engine_config: str) -> str:
-    """'vllm' for the virtual-clock vLLM arm; for the simulator's N0 'sim_vllm' where its
-    effective rules are VLLM_RULES, else 'sim'."""
+def arm_of(org: str, executor: str, engine_config: str) -> str:
+    """'vllm' for the virtual-clock vLLM arm; for the simulator's N0 'sim_vllm' for the
+    n0_vllm arm or an N0 run under BLOCK_RULES, else 'sim'."""
     if str(executor).startswith("vllm"):
         return "vllm"
+    if str(org).upper() == SIM_VLLM_ORG:
+        return "sim_vllm"
     rules = json.loads(engine_config)
-    return "sim_vllm" if all(rules.get(k) == v for k, v in VLLM_RULES.items()) else "sim"
+    return "sim_vllm" if all(rules.get(k) == v for k, v in BLOCK_RULES.items()) else "sim"
 
 
 def with_arms(runs: pd.DataFrame) -> pd.DataFrame:
-    """The runs (executor, engine_config, model, budget, rate, seed) with their arm, one per
-    (arm, model, budget, load, seed): the first by run id."""
-    runs = runs.assign(arm=[arm_of(e, c) for e, c in zip(runs["executor"],
-                                                          runs["engine_config"], strict=True)])
+    """The runs (org, executor, engine_config, model, budget, rate, seed) with their arm, one
+    per (arm, model, budget, load, seed): the first by run id."""
+    runs = runs.assign(arm=[arm_of(o, e, c) for o, e, c in zip(
+        runs["org"], runs["executor"], runs["engine_config"], strict=True)])
     return runs.sort_values(["arm", *RUN, "run_id"]).drop_duplicates(["arm", *RUN])
 
 

@@ -83,12 +83,12 @@ def engine_spec(cfg: DictConfig, *, run_arm: Arm | None = None,
     for section, f in rule_declarations():
         if declared(f).config and f.name in eng:
             sections[section][f.name] = _plain_value(eng[f.name])
+        if f.name in a.rules:  # the arm's own rules (ledgers.arms), over the config's
+            sections[section][f.name] = a.rules[f.name]
     scheduler = sections["scheduler"]
     if scheduler.get("max_num_batched_tokens") is None:  # null: the executor's default
         scheduler["max_num_batched_tokens"] = int(default_tokens)
     scheduler["retention_k"] = cfg.retention.k if a.retention else None
-    if a.cache_policy != "lru":  # a cache-policy arm (ledgers.arms) runs under its policy
-        sections["allocator"]["cache_policy"] = a.cache_policy
     return EngineSpec.from_dict({
         "model": _section(cfg, resolved, "model"),
         "org": a.org,

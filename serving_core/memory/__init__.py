@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from serving_core.geometry import Geometry
+from serving_core.layer_pattern import attention_group_first
 from serving_core.layout import OrgLayout
 from serving_core.memory.base import CONV_ADDRESSING, MemoryOrganization
 from serving_core.memory.cache_policy import (
@@ -101,7 +102,10 @@ def build_memory(
     rules = replace(rules or AllocatorRules(), **overrides)
     policy = build_cache_policy(rules.cache_policy, geometry, rules.marconi_alpha,
                                 rules.marconi_weight)
-    return cls(layout, dict(pool_units), events, rules=rules, cache_policy=policy)
+    mem = cls(layout, dict(pool_units), events, rules=rules, cache_policy=policy)
+    if rules.release_order == "groups":  # vLLM's KV cache group order for this model
+        mem.attention_released_first = attention_group_first(geometry.layer_strings)
+    return mem
 
 
 __all__ = [

@@ -52,8 +52,10 @@ CONV_PAGE_RECENCIES = ("members", "write")
 # blocks deepest first, then its state (destinations, working composite, adopted and
 # retained checkpoints); `state_first` its state, then its attention blocks deepest first.
 # vLLM V1's hybrid coordinator frees one KV-cache group after another, each tail first
-# (single_type_kv_cache_manager.free); which group comes first is not fixed by the texts.
-RELEASE_ORDERS = ("attention_first", "state_first")
+# (single_type_kv_cache_manager.free); `groups` takes vLLM's group order for the model
+# (layer_pattern.attention_group_first: the state first where its first cached layer is
+# state-only, Granite-4.0-H and Nemotron-H; the attention first for Falcon-H1).
+RELEASE_ORDERS = ("attention_first", "state_first", "groups")
 # A block or checkpoint computed again while its key is cached (engine.duplicates): `drop`
 # (default) is not published; the recomputing request keeps its copy private and frees it
 # at release. `cache` publishes it as a second copy of the same key (vLLM V1's
@@ -226,6 +228,9 @@ class MemoryOrganization:
                                   else None)
         self._conv_at_write = self.conv_page_recency == "write"
         self.release_order = rules.release_order
+        # whether a released request's attention blocks return before its state (`groups`:
+        # set by memory.build_memory from the model's layer pattern)
+        self.attention_released_first = rules.release_order != "state_first"
         self.duplicates = rules.duplicates
         self.cache_duplicates = rules.duplicates == "cache"
         self.private_blocks = rules.private_blocks
