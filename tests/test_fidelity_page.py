@@ -12,7 +12,7 @@ import pytest
 from analysis.questions import fidelity_field, n0_vllm
 
 DEFAULTS = json.dumps({})
-VLLM_RULES = json.dumps(n0_vllm.VLLM_RULES)
+VLLM_RULES = json.dumps(dict(n0_vllm.VLLM_RULES))
 
 
 def _run(run_id, campaign, executor, config, rate, seed, tput, **cell) -> dict:
