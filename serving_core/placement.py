@@ -20,7 +20,7 @@ chunk [start, end) can publish only boundaries in (start, end]; each policy says
   below its end and every boundary beyond (reached by decode).
 - `optimal` / `optimal:M`: the positions of the exact dynamic program for the overlap-depth
   distribution of the requests seen so far, at most M of them (M: the composites the
-  organization's budget holds beside a full batch's working composites, or the given M).
+  organization's composite pool holds beside a full batch's working composites, or the given M).
 
 Per-request positions (junction, optimal) are fixed when a request is first admitted, so
 what its chunks reserve is what they publish; the request then enters the prefix tree.

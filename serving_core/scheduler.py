@@ -210,10 +210,11 @@ class SchedulerConfig:
 
 def _build_placement(mem: MemoryOrganization, cfg: SchedulerConfig) -> Placement:
     """The engine's placement: the asked one or the organization's; `optimal`'s M from the
-    budget is the composites the pools hold less a full batch's working composites."""
+    budget is the composites the composite pool holds (the pool the organization's layout
+    puts recurrent state in, never its attention pool) less a full batch's working ones."""
     name, param = parse_placement(cfg.checkpoint_placement or type(mem).checkpoint_placement)
-    per = sum(mem.demand(0, 1).values()) if mem.checkpoint_interval else 0
-    held = sum(mem.total_units().values()) // per if per else 0
+    per = mem.demand(0, 1)[mem.composite_pool] if mem.checkpoint_interval else 0
+    held = mem.total_units()[mem.composite_pool] // per if per else 0
     return Placement(name, mem.checkpoint_interval, retention_blocks(cfg.retention_interval),
                      param, budget_checkpoints=max(1, held - cfg.cap), block=mem.block_tokens)
 

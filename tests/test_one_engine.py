@@ -117,6 +117,22 @@ def test_optimal_records_the_m_it_derives_from_the_budget():
             "optimal", m)
 
 
+@pytest.mark.parametrize("org,budget,units,m", [
+    ("d0", "b63", {"attention": 3256, "recurrent": 29}, 1),
+    ("d0", "b108", {"attention": 5581, "recurrent": 51}, 1),
+    ("jenga", "b63", {"attention": 6174, "recurrent": 63}, 1),
+    ("jenga", "b108", {"attention": 10584, "recurrent": 108}, 45)])
+def test_optimal_m_counts_only_the_recurrent_pool(org, budget, units, m):
+    """On D0 and Jenga the budget-derived M counts the recurrent pool alone (one composite a
+    unit), never the attention pool: D0 holds 29 composites at b63 and 51 at b108, both
+    under the cap of 63, so M = 1; Jenga holds 63 state pages at b63 (63 - 63 = 0, so 1)
+    and 108 at b108: M = 108 - 63 = 45."""
+    effective = build_engine(engine_spec(compose_config(
+        f"budget={budget}", f"org={org}", "engine.checkpoint_placement=optimal"))).effective_rules()
+    assert effective["pool_units"] == units
+    assert effective["optimal_checkpoints"] == m
+
+
 def test_step_model_of_each_profile_is_the_one_it_names():
     """Drift 3: a profile's step model is the one its file names, on every path."""
     for profile, kind in (("a100", "additive"), ("a100_roofline", "roofline"),
