@@ -93,14 +93,17 @@ def _ran_line(key: RunKey, result: CellResult) -> dict:
                      engine_seconds=result.engine_seconds, run_seconds=result.run_seconds)
 
 
-def _record(cfg: DictConfig, root: Path, key: RunKey, plan: RunPlan, engine) -> dict:
-    """Run the cell and persist it; a raising cell leaves a failed runs row behind."""
+def _record(cfg: DictConfig, root: Path, key: RunKey, plan: RunPlan, engine,
+            resolved: dict | None) -> dict:
+    """Run the cell and persist it; a raising cell leaves a failed runs row behind.
+    `resolved`: the config as plain Python, converted once at the start (the manifest's)."""
     run0 = time.perf_counter()
     try:
         result = _timed_cell(cfg, plan, engine)
     except Exception as err:
         elapsed = time.perf_counter() - run0
-        write_manifest(root, build_manifest(cfg, key, status="failed", error=repr(err)))
+        write_manifest(root, build_manifest(cfg, key, status="failed", error=repr(err),
+                                            resolved=resolved))
         write_run(root, key.campaign, key.run_id, {}, failed_runs_row(cfg, key, elapsed))
         raise
     line = _ran_line(key, result)
@@ -108,6 +111,7 @@ def _record(cfg: DictConfig, root: Path, key: RunKey, plan: RunPlan, engine) -> 
     manifest = build_manifest(
         cfg, key, status="complete", summary=line,
         workload_meta=result.workload_meta, units=result.units, engine=result.engine_config,
+        resolved=resolved,
     )
     write_manifest(root, manifest)
     # Empty tables (trace when off, slab outside S2) are not written.
@@ -154,7 +158,7 @@ def main_run(cfg: DictConfig) -> dict:
         done, moved = completed_row(root, key)
         if moved.moved:
             print(f"run {key.run_id}: {moved.format()}")
-        line = _record(cfg, root, key, plan, engine) if done is None else None
+        line = _record(cfg, root, key, plan, engine, resolved) if done is None else None
     if done is not None:
         line = skipped_line(cfg, done, _manifest_or_none(root, key))
         print(f"skipped: run {key.run_id} ({key.campaign}, {cfg.org} {cfg.budget} seed "

