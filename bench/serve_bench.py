@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -333,6 +334,26 @@ def _print_table(rows: list[dict], args) -> None:
               f"{row.get('faults_per_token', float('nan')):>10.1f}")
 
 
+def _run_rounds(arms, checkpoint, prompts, args, path: Path) -> list[dict]:
+    """Every arm, round after round (who goes first alternates); the result file is
+    rewritten after each arm, so a run cut short keeps what it measured."""
+    rows: list[dict] = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for r in range(args.rounds):
+        order = arms[r % len(arms):] + arms[: r % len(arms)]
+        for arm in order:
+            print(f"round {r + 1}: {arm} ...", flush=True)
+            rows += [dict(row, round=r + 1) for row in
+                     run_arm(arm, checkpoint, prompts, args, args.allocator)]
+            out = {"requests": args.requests, "concurrency": args.concurrency,
+                   "prompt_tokens": args.prompt, "client": args.client,
+                   "output_tokens": args.output, "budget": args.budget, "cap": args.cap,
+                   "rows": rows}
+            path.write_text(json.dumps(out, indent=2))
+    print(json.dumps(out))
+    return rows
+
+
 def concurrency_list(text: str | None, requests: int) -> list[int]:
     """Batch sizes of `--concurrency` ("1,16,64"; None: [requests]); ValueError names the
     field and the allowed values."""
@@ -350,6 +371,8 @@ def concurrency_list(text: str | None, requests: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # a `timeout` (bench/side_by_side.sh) ends the run through the servers' context managers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.client == "guidellm" and not Path(args.guidellm).exists():
         print(f"error: --client=guidellm: {args.guidellm} does not exist (make "
               "setup-guidellm); allowed without it: ours, vllm", file=sys.stderr)
@@ -381,22 +404,10 @@ def main(argv: list[str] | None = None) -> int:
             arms.insert(1, "vllm")
         else:
             print(f"vLLM arm skipped: no interpreter at {args.vllm_python} (make setup-vllm)")
-        rows = []
-        for r in range(args.rounds):
-            order = arms[r % len(arms):] + arms[: r % len(arms)]  # alternate who goes first
-            for arm in order:
-                print(f"round {r + 1}: {arm} ...", flush=True)
-                rows += [dict(row, round=r + 1) for row in
-                         run_arm(arm, str(checkpoint), prompts, args, args.allocator)]
-        _print_table(rows, args)
-        out = {"requests": args.requests, "concurrency": args.concurrency,
-               "prompt_tokens": args.prompt, "client": args.client,
-               "output_tokens": args.output, "budget": args.budget, "cap": args.cap, "rows": rows}
-        print(json.dumps(out))
         name = "serve.json" if args.client == "ours" else f"serve_{args.client}_client.json"
-        path = Path(args.out) if args.out else RESULTS / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2))
+        rows = _run_rounds(arms, str(checkpoint), prompts, args,
+                           Path(args.out) if args.out else RESULTS / name)
+        _print_table(rows, args)
     return 0
 
 

@@ -183,7 +183,7 @@ def state_update(
     where they are). Both run the same loop over (H', P, N) pieces (a sequence's heads, or
     a member page's): state *= exp(dt A); state += (dt x) B; y = state C, the three back to
     back while the piece is in cache (one pass over the state from memory, not three), the
-    read-out one matrix-vector product per piece and group (`_read_out`), so the paged
+    read-out one matrix-vector product per piece and group (`_read_out_pieces`), so the paged
     update equals the contiguous one bit for bit.
     x (b, H, P), dt (b, H) discretized, B and C (b, G, N). Returns y (b, H, P) fp32.
     """
@@ -198,16 +198,25 @@ def state_update(
     else:
         views, hp = state.views, state.heads_per_member
     k = len(views)
-    y = torch.empty(k, hp, p, dtype=torch.float32, device=x.device)
+    y = torch.empty(k, hp * p, dtype=torch.float32, device=x.device)
+    args = (views, dA.reshape(k, hp, 1, 1).unbind(0), dtx.reshape(k, hp, p, 1).unbind(0),
+            Bh.reshape(k, hp, 1, n).unbind(0))
     pieces = _read_out_pieces(h, hp, h // g)
-    Cf = C.float()
-    for i, (v, a, xb, bb, out) in enumerate(zip(
-            views, dA.reshape(k, hp, 1, 1).unbind(0), dtx.reshape(k, hp, p, 1).unbind(0),
-            Bh.reshape(k, hp, 1, n).unbind(0), y.unbind(0), strict=True)):
-        v.mul_(a).addcmul_(xb, bb)
-        seq, j = divmod(i, len(pieces))
-        for lo, hi, grp in pieces[j]:
-            torch.mv(v[lo:hi].reshape(-1, n), Cf[seq, grp], out=out[lo:hi].view(-1))
+    if all(len(pc) == 1 for pc in pieces):  # each piece within one group: one product each
+        grp = torch.tensor([pc[0][2] for pc in pieces], device=x.device).repeat(b)
+        seq = torch.arange(b, device=x.device).repeat_interleave(len(pieces))
+        cs = C.float()[seq, grp].unbind(0)  # (k, n): each piece's C
+        for v, a, xb, bb, c, out in zip(*args, cs, y.unbind(0), strict=True):
+            v.mul_(a).addcmul_(xb, bb)
+            torch.mv(v.view(-1, n) if v.is_contiguous() else v.reshape(-1, n), c, out=out)
+    else:
+        Cf = C.float()
+        for i, (v, a, xb, bb, out) in enumerate(zip(*args, y.view(k, hp, p).unbind(0),
+                                                    strict=True)):
+            v.mul_(a).addcmul_(xb, bb)
+            for lo, hi, gi in pieces[i % len(pieces)]:
+                torch.mv(v[lo:hi].reshape(-1, n), Cf[i // len(pieces), gi],
+                         out=out[lo:hi].view(-1))
     return y.view(b, h, p) + x.float() * D.float()[None, :, None]
 
 
