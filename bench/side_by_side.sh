@@ -23,7 +23,7 @@ if [ "${1:-}" = "--smoke" ]; then
     CONC=1,2 PROMPT=16 OUTPUT=4 STEP_S=600 KERNEL=(--repeats 1)
     OUT=$OUT/smoke
 elif [ -z "${1:-}" ]; then
-    CONC=1,16,64 PROMPT=1000 OUTPUT=64 STEP_S=300 KERNEL=(--repeats 9)
+    CONC=1,16,64 PROMPT=1000 OUTPUT=64 STEP_S=330 KERNEL=(--repeats 9)
 else
     echo "error: argument=$1: allowed values are --smoke or none" >&2
     exit 2
@@ -46,7 +46,7 @@ for alloc in $ALLOCATORS; do
     done
 done
 echo "== kernel: paged vs contiguous decode ($(($(date +%s) - start)) s)"
-timeout 240 "$PY" -m bench.kernel_bench --skip-generate --skip-tq4 "${KERNEL[@]}" \
+timeout 150 "$PY" -m bench.kernel_bench --skip-generate --skip-tq4 "${KERNEL[@]}" \
     > "$OUT/kernel.log" 2>&1 && cp bench/results/kernels.json "$OUT/kernels.json" \
     || echo "   kernel bench failed or timed out: see $OUT/kernel.log"
 echo "== done in $(($(date +%s) - start)) s, load average $(cut -d' ' -f1-3 /proc/loadavg)"
