@@ -14,6 +14,8 @@
 # contiguous decode (limit 1.10x), and `python -m bench.side_by_side` prints the table:
 # output tok/s, ratio ours / vLLM against the target, TTFT p99, server CPU ms and faults per
 # output token. Each step is under `timeout`; results in bench/results/side_by_side/.
+# Last, while the 1,500 s budget leaves 200 s: ours at --threads 1 (glibc, our client), read
+# against the glibc vLLM rows (row alloc "glibc-t1").
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -49,5 +51,17 @@ echo "== kernel: paged vs contiguous decode ($(($(date +%s) - start)) s)"
 timeout 150 "$PY" -m bench.kernel_bench --skip-generate --skip-tq4 "${KERNEL[@]}" \
     > "$OUT/kernel.log" 2>&1 && cp bench/results/kernels.json "$OUT/kernels.json" \
     || echo "   kernel bench failed or timed out: see $OUT/kernel.log"
+# ours at one intra-op thread (against auto above), if the budget (1,500 s) leaves room
+left=$((1500 - ($(date +%s) - start)))
+if [ "$left" -gt 200 ]; then
+    echo "== glibc, ours client, ours at --threads 1 ($(($(date +%s) - start)) s)"
+    timeout "$((left < STEP_S ? left : STEP_S))" "$PY" -m bench.serve_bench --orgs S2 \
+        --concurrency "$CONC" --prompt "$PROMPT" --output "$OUTPUT" --client ours \
+        --allocator glibc --threads 1 --vllm-python /nonexistent \
+        --out "$OUT/glibc-t1_ours.json" > "$OUT/glibc-t1_ours.log" 2>&1 \
+        || echo "   failed or timed out (exit $?): see $OUT/glibc-t1_ours.log"
+else
+    echo "== ours at --threads 1 skipped: $left s left of the 1,500 s budget"
+fi
 echo "== done in $(($(date +%s) - start)) s, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 "$PY" -m bench.side_by_side "$OUT"

@@ -39,3 +39,13 @@ def test_concurrency_list_parses_and_refuses_in_one_line():
     for bad in ("", "0,4", "a,b"):
         with pytest.raises(ValueError, match="allowed values are comma-separated"):
             concurrency_list(bad, 64)
+
+
+def test_an_ours_only_variant_reads_against_its_allocators_vllm_rows(tmp_path, capsys):
+    rows = [_row("ours S2", 64, 300.0, 9.0), _row("vllm", 64, 200.0, 10.0)]
+    (tmp_path / "glibc_ours.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "glibc-t1_ours.json").write_text(json.dumps({"rows": [
+        _row("ours S2", 64, 240.0, 9.5)]}))
+    assert side_by_side.main([str(tmp_path)]) == 0
+    t1 = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("glibc-t1"))
+    assert " 1.20 " in t1 and " 1.3x " in t1 and t1.endswith("BELOW")
