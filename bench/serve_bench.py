@@ -248,9 +248,15 @@ def run_arm(arm, checkpoint, prompts, args, allocator) -> list[dict]:
                     "arm": "vllm" if arm == "vllm" else f"ours {arm}", "client": args.client,
                     "concurrency": n, "allocator": settings["allocator"] + (
                         "+keep" if settings.get("malloc_keeps_freed") else ""),
-                    "threads": settings["threads"], "load_avg": os.getloadavg()[0], **row,
+                    "threads": _threads_shown(settings), "load_avg": os.getloadavg()[0], **row,
                     **_per_token(usage, batch)})
     return rows
+
+
+def _threads_shown(settings: dict):
+    """The server's intra-op threads: a count, or prefill/decode counts under `auto`."""
+    per_phase = (settings.get("threads_auto") or {}).get("per_phase")
+    return f"{per_phase['prefill']}/{per_phase['decode']}" if per_phase else settings["threads"]
 
 
 def _measure(url, checkpoint, prompts, args, extra, out_dir: Path) -> dict:
