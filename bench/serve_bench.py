@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -216,9 +217,12 @@ def _vllm(checkpoint, args):
     return cmd, f"http://127.0.0.1:{port}", vcfg
 
 
-def run_arm(arm, checkpoint, prompts, args, allocator):
+def run_arm(arm, checkpoint, prompts, args, allocator) -> list[dict]:
+    """One server start of `arm`, measured at each of `args.concurrency` (a batch of that
+    many requests sent at once, each with its warm-up): one row per batch."""
     from experiments.runners.server_process import ServerProcess
 
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if arm == "vllm":
             from experiments.runners.vllm_arm import vllm_env
@@ -232,20 +236,37 @@ def run_arm(arm, checkpoint, prompts, args, allocator):
                                 health_timeout_s=300, allocator=allocator)
             extra = {}
         with srv:
-            usage0 = tree_usage(srv.proc.pid if srv.proc else None)
-            if args.client == "vllm":
-                row = _vllm_client(srv.base_url, checkpoint, args, Path(tmp))
-            elif args.client == "guidellm":
-                row = _guidellm_client(srv.base_url, checkpoint, args, Path(tmp))
-            else:
-                row = asyncio.run(_batch(srv.base_url, MODEL, prompts, args.output, extra))
-            usage = usage_delta(usage0, tree_usage(srv.proc.pid if srv.proc else None))
-            # ours reads its settings back; vLLM's threads are its own (all cores on CPU)
-            settings = srv.runtime_config() or {"allocator": srv.allocator, "threads": None}
-    return {"arm": "vllm" if arm == "vllm" else f"ours {arm}", "client": args.client,
-            "allocator": settings["allocator"] + ("+keep" if settings.get("malloc_keeps_freed")
-                                                  else ""), "threads": settings["threads"],
-            "load_avg": os.getloadavg()[0], **row, **_per_token(usage, args)}
+            for n in args.concurrency:
+                batch = argparse.Namespace(**{**vars(args), "requests": n})
+                usage0 = tree_usage(srv.proc.pid if srv.proc else None)
+                row = _measure(srv.base_url, checkpoint, prompts[:n], batch, extra,
+                               Path(tmp) / f"c{n}")
+                usage = usage_delta(usage0, tree_usage(srv.proc.pid if srv.proc else None))
+                # ours reads its settings back; vLLM's threads are its own (its CPU binding)
+                settings = srv.runtime_config() or {"allocator": srv.allocator, "threads": None}
+                rows.append({
+                    "arm": "vllm" if arm == "vllm" else f"ours {arm}", "client": args.client,
+                    "concurrency": n, "allocator": settings["allocator"] + (
+                        "+keep" if settings.get("malloc_keeps_freed") else ""),
+                    "threads": _threads_shown(settings), "load_avg": os.getloadavg()[0], **row,
+                    **_per_token(usage, batch)})
+    return rows
+
+
+def _threads_shown(settings: dict):
+    """The server's intra-op threads: a count, or prefill/decode counts under `auto`."""
+    per_phase = (settings.get("threads_auto") or {}).get("per_phase")
+    return f"{per_phase['prefill']}/{per_phase['decode']}" if per_phase else settings["threads"]
+
+
+def _measure(url, checkpoint, prompts, args, extra, out_dir: Path) -> dict:
+    """One batch of len(prompts) requests measured by `args.client`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.client == "vllm":
+        return _vllm_client(url, checkpoint, args, out_dir)
+    if args.client == "guidellm":
+        return _guidellm_client(url, checkpoint, args, out_dir)
+    return asyncio.run(_batch(url, MODEL, prompts, args.output, extra))
 
 
 def _per_token(usage: dict, args) -> dict:
@@ -264,6 +285,12 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=str(ROOT / "models" / MODEL))
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", default=None,
+                        help="comma-separated batch sizes measured per server start, e.g. "
+                             "1,16,64 (default: --requests)")
+    parser.add_argument("--out", default=None,
+                        help="result JSON (default bench/results/serve.json, "
+                             "serve_<client>_client.json for another client)")
     parser.add_argument("--prompt", type=int, default=1000)
     parser.add_argument("--output", type=int, default=64)
     parser.add_argument("--budget", default="b512")
@@ -294,16 +321,18 @@ def _print_table(rows: list[dict], args) -> None:
     who = {"vllm": "vLLM's client (vllm bench serve, random dataset, greedy)",
            "guidellm": "guidellm (synthetic text, its sampling defaults)",
            "ours": "our client (token-id prompts, greedy)"}[args.client]
-    print(f"{args.requests} requests x ({args.prompt} prompt + {args.output} output) tokens, "
+    print(f"{','.join(map(str, args.concurrency))} requests x ({args.prompt} prompt + "
+          f"{args.output} output) tokens, "
           f"all at once, streamed, EOS ignored; measured by {who}; "
           f"{os.cpu_count()} CPUs")
-    print(f"{'arm':9} {'client':6} {'alloc':13} {'thr':>3} {'ok':>5} {'out tok/s':>9} "
+    print(f"{'arm':9} {'client':6} {'alloc':13} {'thr':>3} {'conc':>4} {'ok':>5} {'out tok/s':>9} "
           f"{'total tok/s':>11} {'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'p99':>7} "
           f"{'load':>5} {'cpu ms/tok':>10} {'faults/tok':>10}")
     for row in rows:
         thr = "-" if row["threads"] is None else str(row["threads"])
-        ok = f"{row.get('completed', args.requests)}/{args.requests}"
-        print(f"{row['arm']:9} {row['client']:6} {row['allocator']:13} {thr:>3} {ok:>5} "
+        n = row["concurrency"]
+        ok = f"{row.get('completed', n)}/{n}"
+        print(f"{row['arm']:9} {row['client']:6} {row['allocator']:13} {thr:>3} {n:>4} {ok:>5} "
               f"{row['output_tok_s']:>9.1f} {row['total_tok_s']:>11.1f} "
               f"{row['ttft_p50_s']:>8.2f} {row['ttft_p99_s']:>7.2f} "
               f"{row['tpot_p50_s']:>8.3f} {row['tpot_p99_s']:>7.3f} {row['load_avg']:>5.1f} "
@@ -311,8 +340,45 @@ def _print_table(rows: list[dict], args) -> None:
               f"{row.get('faults_per_token', float('nan')):>10.1f}")
 
 
+def _run_rounds(arms, checkpoint, prompts, args, path: Path) -> list[dict]:
+    """Every arm, round after round (who goes first alternates); the result file is
+    rewritten after each arm, so a run cut short keeps what it measured."""
+    rows: list[dict] = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for r in range(args.rounds):
+        order = arms[r % len(arms):] + arms[: r % len(arms)]
+        for arm in order:
+            print(f"round {r + 1}: {arm} ...", flush=True)
+            rows += [dict(row, round=r + 1) for row in
+                     run_arm(arm, checkpoint, prompts, args, args.allocator)]
+            out = {"requests": args.requests, "concurrency": args.concurrency,
+                   "prompt_tokens": args.prompt, "client": args.client,
+                   "output_tokens": args.output, "budget": args.budget, "cap": args.cap,
+                   "rows": rows}
+            path.write_text(json.dumps(out, indent=2))
+    print(json.dumps(out))
+    return rows
+
+
+def concurrency_list(text: str | None, requests: int) -> list[int]:
+    """Batch sizes of `--concurrency` ("1,16,64"; None: [requests]); ValueError names the
+    field and the allowed values."""
+    if text is None:
+        return [requests]
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"concurrency={text!r}: allowed values are comma-separated whole "
+                         "numbers >= 1 (e.g. 1,16,64)")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # a `timeout` (bench/side_by_side.sh) ends the run through the servers' context managers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.client == "guidellm" and not Path(args.guidellm).exists():
         print(f"error: --client=guidellm: {args.guidellm} does not exist (make "
               "setup-guidellm); allowed without it: ours, vllm", file=sys.stderr)
@@ -331,31 +397,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         allocator_env(args.allocator)
+        args.concurrency = concurrency_list(args.concurrency, args.requests)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     with tiny_checkpoint(args.checkpoint) as checkpoint:
         rng = np.random.default_rng(24)
-        prompts = [rng.integers(3, 128_000, args.prompt).tolist() for _ in range(args.requests)]
+        prompts = [rng.integers(3, 128_000, args.prompt).tolist()
+                   for _ in range(max(args.concurrency))]
         arms = list(orgs)
         if Path(args.vllm_python).exists():
             arms.insert(1, "vllm")
         else:
             print(f"vLLM arm skipped: no interpreter at {args.vllm_python} (make setup-vllm)")
-        rows = []
-        for r in range(args.rounds):
-            order = arms[r % len(arms):] + arms[: r % len(arms)]  # alternate who goes first
-            for arm in order:
-                print(f"round {r + 1}: {arm} ...", flush=True)
-                rows.append(dict(run_arm(arm, str(checkpoint), prompts, args, args.allocator),
-                                 round=r + 1))
-        _print_table(rows, args)
-        out = {"requests": args.requests, "prompt_tokens": args.prompt, "client": args.client,
-               "output_tokens": args.output, "budget": args.budget, "cap": args.cap, "rows": rows}
-        print(json.dumps(out))
-        RESULTS.mkdir(parents=True, exist_ok=True)
         name = "serve.json" if args.client == "ours" else f"serve_{args.client}_client.json"
-        (RESULTS / name).write_text(json.dumps(out, indent=2))
+        rows = _run_rounds(arms, str(checkpoint), prompts, args,
+                           Path(args.out) if args.out else RESULTS / name)
+        _print_table(rows, args)
     return 0
 
 

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from serving_core.executor import threads
 from serving_core.executor.base import ExecutorOutput
 from serving_core.executor.device import host_index, synchronize
 from serving_core.executor.state_arena import StateArena
@@ -246,8 +247,11 @@ class TorchExecutor:
             ids = host_index([it.req.token_ids(it.context, it.context + 1) for it in fast], dev)
             pos = host_index([[it.context] for it in fast], dev)
             io = _DecodeIO(self.arena, fast, gathered=self.decode_attention == "gathered")
+            threads.enter("decode")
             logits = self.model.forward(ids, pos, io)
             self._sample(logits, fast, sampled, logprobs)
+        if slow:
+            threads.enter("prefill")
         for group in self._prefill_groups(slow):
             self._run_chunks(group, sampled, logprobs, prompt_lps)
         if not sampled:  # a step that reads no token back has not finished on an accelerator

@@ -60,9 +60,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--malloc", default="keep", choices=("keep", "default"),
                    help="under glibc malloc, keep freed memory in the process (keep) or "
                         "glibc's defaults (see server/process_settings.py)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads (0: auto, see server/process_settings.py)")
+    p.add_argument("--threads", type=_threads_arg, default=0,
+                   help="torch intra-op threads: auto (or 0: per phase, from a measurement at "
+                        "start, see serving_core/executor/threads.py) or a count")
     return p
+
+
+def _threads_arg(text: str) -> int | str:
+    """`--threads`: auto is 0; text that is no whole number stays text (_check refuses it)."""
+    if text == "auto":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def _check(args) -> None:
@@ -70,7 +81,7 @@ def _check(args) -> None:
         raise UsageError(f"--drain={args.drain!r}: allowed values are {', '.join(DRAIN_MODES)}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port={args.port}: expected 0..65535")
-    if args.threads < 0:
+    if not isinstance(args.threads, int) or args.threads < 0:
         raise UsageError(f"--threads={args.threads}: allowed values are 0 (auto) or a whole "
                          "number >= 1")
     if args.records and not args.records_writer:

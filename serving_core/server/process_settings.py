@@ -3,15 +3,15 @@
 A server process runs three kinds of work: the engine thread's torch kernels (intra-op
 threads), the event loop (HTTP, SSE) and, on a benchmark machine, the client. OpenMP's
 intra-op workers spin between kernels; with as many workers as cores they compete with the
-event loop for the core it needs to stream tokens. `auto` therefore leaves one core to the
-rest (one thread on 1-2 cores). Measured on the 2-core machine, bench serve, S2, tcmalloc,
-load average 8-11 from other work: 1 thread 87.4 / 86.5 output tok/s, 2 threads 84.8 / 78.8
-(alternating runs). CPU-time efficiency of a second thread on the tiny model's GEMMs
-(process CPU ms per call, 1 -> 2 threads, load 28): LM head decode 64 x 128 x 128,256
-45.5 -> 68.0, prefill in_proj 2,048 x 128 x 2,572 25.0 -> 37.5, a scan bmm 48 x 256 x 256 x 64
-7.0 -> 10.5: the second thread costs 50 % more CPU for at most 1.33x, so on 2 cores auto
-keeps 1 (8 cores: 7, 64 cores: 63; not measured there, and at these sub-10 ms kernels the
-efficiency falls further with more threads). The allocator is set by the launcher (LD_PRELOAD,
+event loop for the core it needs to stream tokens. `--threads auto` (0) therefore decides
+from a measurement at start (serving_core/executor/threads.py): per phase (prefill, decode),
+a larger count only where it makes that phase's product >= 1.25x faster, the counts and the
+timings stated in `runtime_settings()["threads_auto"]`. Earlier measurements on the 2-core
+machine under load (8-28): bench serve, S2, tcmalloc, 1 thread 87.4 / 86.5 output tok/s,
+2 threads 84.8 / 78.8 (alternating runs); process CPU ms per call 1 -> 2 threads: LM head
+decode 64 x 128 x 128,256 45.5 -> 68.0, prefill in_proj 2,048 x 128 x 2,572 25.0 -> 37.5, a
+scan bmm 48 x 256 x 256 x 64 7.0 -> 10.5 (a second thread costs 50 % more CPU for at most
+1.33x). The allocator is set by the launcher (LD_PRELOAD,
 experiments.runners.server_process.allocator_env); the server reads back which one its process
 actually has mapped.
 
@@ -38,6 +38,7 @@ import os
 import sys
 
 _threads: int | None = None  # the count apply_threads settled on, None before it ran
+_auto: dict | None = None  # what `--threads auto` measured and chose (per-phase counts)
 # mallopt parameters (malloc.h): value set by keep_freed_memory.
 _KEEP = (("M_ARENA_MAX", -8, 1), ("M_MMAP_MAX", -4, 0), ("M_TRIM_THRESHOLD", -1, 2**31 - 1),
          ("M_TOP_PAD", -2, 64 << 20))
@@ -45,19 +46,35 @@ _kept: bool = False  # keep_freed_memory has set glibc's mallopt in this process
 
 
 def default_threads(cores: int | None = None) -> int:
-    """Intra-op threads for `--threads 0` (auto)."""
+    """Intra-op threads of a server whose engine runs no torch kernels (`--threads auto`
+    without a measurement): all cores but one."""
     cores = cores or os.cpu_count() or 1
     return max(1, cores - 1)
 
 
-def apply_threads(threads: int, *, load_torch: bool = True) -> int:
-    """Set torch's intra-op threads (0: `default_threads()`); returns the count in effect.
-    With `load_torch` false the count is set only if torch is already imported (else kept,
-    for `threads_in_effect` and a later call)."""
-    global _threads
+def apply_threads(threads: int | str, *, load_torch: bool = True) -> int:
+    """Set torch's intra-op threads; returns the count in effect. `auto` (or 0) with
+    `load_torch`: per-phase counts decided from a short measurement (serving_core/executor/
+    threads.py), the decode count set now and the prefill count entered before each prefill;
+    without `load_torch`, `default_threads()`, set only if torch is already imported (else
+    kept, for `threads_in_effect` and a later call)."""
+    global _threads, _auto
+    if threads == "auto":
+        threads = 0
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads={threads!r}: allowed values are 0 (auto) or a whole "
                          "number >= 1")
+    if threads == 0 and load_torch:
+        from serving_core.executor import threads as phase_threads
+
+        measured = phase_threads.measure()
+        counts = phase_threads.choose(measured["timings"], measured["switch_s"])
+        phase_threads.install(counts)
+        _auto = {"per_phase": counts, "switch_us": round(1e6 * measured["switch_s"], 2),
+                 "timings_ms": {p: {str(n): round(1e3 * t, 3) for n, t in ts.items()}
+                                for p, ts in measured["timings"].items()}}
+        _threads = counts["decode"]
+        return threads_in_effect()
     _threads = threads or default_threads()
     if not load_torch and "torch" not in sys.modules:
         return _threads
@@ -104,4 +121,5 @@ def keep_freed_memory() -> bool:
 def runtime_settings() -> dict:
     """What this process runs with, read back (not the request)."""
     return {"threads": threads_in_effect(), "allocator": allocator_in_use(),
-            "cpus": os.cpu_count(), "malloc_keeps_freed": _kept}
+            "cpus": os.cpu_count(), "malloc_keeps_freed": _kept,
+            **({"threads_auto": _auto} if _auto is not None else {})}
