@@ -80,8 +80,23 @@ def test_auto_records_its_measurement_in_the_runtime_settings(restore_threads, m
     fake = {"timings": {"prefill": {1: 0.010, 2: 0.006}, "decode": {1: 0.002, 2: 0.0019}},
             "switch_s": 1e-6}
     monkeypatch.setattr(threads, "measure", lambda: fake)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite pins it: unpinned here
     assert process_settings.apply_threads("auto") == 1
     auto = process_settings.runtime_settings()["threads_auto"]
     assert auto["per_phase"] == {"prefill": 2, "decode": 1}
     assert auto["timings_ms"]["prefill"] == {"1": 10.0, "2": 6.0}
     monkeypatch.setattr(process_settings, "_auto", None)
+
+
+def test_auto_honours_a_pinned_omp_num_threads(restore_threads, monkeypatch):
+    """`auto` measures nothing where OMP_NUM_THREADS pins the count (the suite pins 1)."""
+    from serving_core.server import process_settings as ps
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert ps.pinned_threads() == 1
+    monkeypatch.setattr("serving_core.executor.threads.measure",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    assert ps.apply_threads(0) == 1
+    for text in ("", "0", "two"):
+        monkeypatch.setenv("OMP_NUM_THREADS", text)
+        assert ps.pinned_threads() is None

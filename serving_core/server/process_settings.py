@@ -52,6 +52,15 @@ def default_threads(cores: int | None = None) -> int:
     return max(1, cores - 1)
 
 
+def pinned_threads() -> int | None:
+    """The intra-op count OMP_NUM_THREADS pins (a whole number >= 1), else None. `auto`
+    honours it as torch does: a measured choice can differ from one start to the next (machine
+    load), and a different count can round a product differently, so a process whose outputs
+    are compared bit for bit with another's (the test suite, exactness studies) pins it."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(text) if text.isdigit() and int(text) >= 1 else None
+
+
 def apply_threads(threads: int | str, *, load_torch: bool = True) -> int:
     """Set torch's intra-op threads; returns the count in effect. `auto` (or 0) with
     `load_torch`: per-phase counts decided from a short measurement (serving_core/executor/
@@ -64,6 +73,8 @@ def apply_threads(threads: int | str, *, load_torch: bool = True) -> int:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads={threads!r}: allowed values are 0 (auto) or a whole "
                          "number >= 1")
+    if threads == 0 and pinned_threads() is not None:
+        threads = pinned_threads()  # the environment pins the count: no measurement
     if threads == 0 and load_torch:
         from serving_core.executor import threads as phase_threads
 
