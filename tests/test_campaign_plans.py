@@ -46,6 +46,12 @@ def _tier_bytes(cfg) -> int:
     return -1 if tier is None else int(tier)
 
 
+def as_planned(runs) -> tuple[Planned, ...]:
+    """What the tests read of plan_campaign's runs."""
+    return tuple(Planned(r.job, r.key, {**cell_columns(r.cfg),
+                                        "host_tier_bytes": _tier_bytes(r.cfg)}) for r in runs)
+
+
 def _plan_all() -> dict[str, tuple | str]:
     """name -> its planned runs (or the error planning raised, as text)."""
     out: dict[str, tuple | str] = {}
@@ -55,9 +61,7 @@ def _plan_all() -> dict[str, tuple | str]:
         except Exception:  # noqa: BLE001 - reported by the tests of that campaign
             out[name] = traceback.format_exc()
             continue
-        out[name] = tuple(Planned(r.job, r.key, {**cell_columns(r.cfg),
-                                                 "host_tier_bytes": _tier_bytes(r.cfg)})
-                          for r in runs)
+        out[name] = as_planned(runs)
     return out
 
 

@@ -218,7 +218,7 @@ def test_smoke_campaign_plans_exactly_the_smoke_familys_cells():
     """`make campaign C=models SMOKE=1` plans its runs under models_smoke, and they are the
     runs the plan's smoke family needs (one model's two blocks here, as the whole campaign
     plans each block alike: the family accepted, every run used)."""
-    from test_campaign_plans import frame
+    from test_campaign_plans import as_planned, frame
 
     from analysis.inference.families import smoke_plan
     from experiments.campaigns import campaign as camp
@@ -231,7 +231,7 @@ def test_smoke_campaign_plans_exactly_the_smoke_familys_cells():
     plan = smoke_plan(prereg.load_plan("models"), {"models_smoke"})
     assert [f.name for f in plan.families] == [f"{m} (smoke)" for m in regime.MODELS]
     fam = next(f for f in plan.families if f.name == "jamba_v0_1 (smoke)")
-    check = prereg.check_family(plan, fam, frame(runs))
+    check = prereg.check_family(plan, fam, frame(as_planned(runs)))
     assert check.accepted, check.reasons()[:3]
     assert set(check.runs.run_id) == {r.key.run_id for r in runs}
 
