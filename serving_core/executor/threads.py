@@ -2,7 +2,7 @@
 
 `measure` times a prefill-sized and a decode-sized matrix product (best of a few runs each,
 wall clock, a few ms per run) at each candidate thread count (`candidates`: 1, powers of
-two, cores - 1 and cores) and the cost of switching the count between phases; `choose` is
+two, cores - 1) and the cost of switching the count between phases; `choose` is
 the decision, a pure function of those timings: per phase, start from one thread and take a
 larger count only when its product runs at least GAIN times faster than the count taken so
 far (more threads cost CPU time the server's event loop and the rest of the machine could
@@ -11,17 +11,15 @@ switch costs more than SWITCH_SHARE of the decode product, one count serves both
 with the least total time). The torch executor enters a phase's count before each forward
 (`enter`), a no-op unless `install` set per-phase counts.
 
-What auto does: on 2 cores a second thread is taken for a phase only where it makes that
-phase's product >= 1.25x faster. On this 2-core machine under load average ~18 (other
-sessions' work) two measurements gave prefill 40.2 -> 35.7 ms and 27.9 -> 71.9 ms, decode
-62.5 -> 85.9 and 38.3 -> 43.4 ms (1 -> 2 threads): auto took 1 thread for both, as it should
-where the second core is busy; on a quiet machine it takes the second core where the
-product scales (vLLM's CPU worker instead binds one OpenMP thread on 2 cores and reserves
-the other for its front end). On 8 cores the count climbs 1, 2, 4, 7 while each step pays
-1.25x, and 8 over 7 never does under ideal scaling (8/7 = 1.14): one core stays with the
-front end. On 64 cores the same rule climbs 1 ... 32, 63 only while each step pays, so auto
-settles where these small products stop scaling. The measurement takes ~3 s under that
-load (16 products and the switch), a fraction of a second on a quiet machine.
+What auto does: counts up to cores - 1 are tried (one core stays with the front end), so
+on 2 cores auto is one thread. On this 2-core machine, quiet, the products alone ran
+>= 1.25x faster on two threads, yet served end to end two threads lost to one (`candidates`
+gives the numbers); under load average ~18 the products themselves gave prefill 40.2 -> 35.7
+and 27.9 -> 71.9 ms, decode 62.5 -> 85.9 and 38.3 -> 43.4 ms (1 -> 2 threads). vLLM's CPU
+worker does the same on 2 cores: one OpenMP thread, the other core for its front end. On 8
+cores the count climbs 1, 2, 4, 7 while each step pays 1.25x. On 64 cores it climbs
+1 ... 32, 63 only while each step pays, so auto settles where these small products stop
+scaling. The measurement takes a fraction of a second on a quiet machine, ~3 s under load.
 """
 
 from __future__ import annotations
@@ -44,10 +42,16 @@ _phase: dict[str, int] | None = None  # per-phase counts in effect (install), No
 
 
 def candidates(cores: int) -> list[int]:
-    """Thread counts tried on `cores` cores: 1, powers of two below, cores - 1 and cores."""
-    counts = {1, cores, max(1, cores - 1)}
+    """Thread counts tried on `cores` cores: 1, powers of two below cores - 1, and cores - 1.
+    One core stays with the front end (event loop, tokenization, SSE, the client on a
+    benchmark machine): served end to end on this 2-core machine, quiet (load 1.2-2.8,
+    bench/side_by_side.sh, 64 x (1,000 + 64) tokens), the measured choice of 2 threads gave
+    184.7 output tok/s and 1 thread 196.8 (at 16 concurrent 155.9 and 171.6), although the
+    products alone ran >= 1.25x faster on two."""
+    top = max(1, cores - 1)
+    counts = {1, top}
     n = 2
-    while n < cores:
+    while n < top:
         counts.add(n)
         n *= 2
     return sorted(counts)
