@@ -180,8 +180,11 @@ def state_update(
     """One-token recurrence for a batch, updating `state` fp32 in place.
 
     `state` is a (b, H, P, N) tensor or a `PagedSSM` (per-member-page views, updated
-    where they are); both take the same operations (state *= exp(dt A); state += (dt x) B;
-    y = state C), so the paged update equals the contiguous one bit for bit.
+    where they are). Both run the same loop over (H', P, N) pieces (a sequence's heads, or
+    a member page's): state *= exp(dt A); state += (dt x) B; y = state C, the three back to
+    back while the piece is in cache (one pass over the state from memory, not three), the
+    read-out one matrix-vector product per piece and group (`_read_out_pieces`), so the paged
+    update equals the contiguous one bit for bit.
     x (b, H, P), dt (b, H) discretized, B and C (b, G, N). Returns y (b, H, P) fp32.
     """
     b, h, p = x.shape
@@ -190,26 +193,46 @@ def state_update(
     dA = torch.exp(dtf * A.float()[None, :])  # (b, h)
     dtx = dtf[..., None] * x.float()  # (b, h, p)
     Bh = B.float().repeat_interleave(h // g, dim=1)  # (b, h, n)
-    Ch = C.float().repeat_interleave(h // g, dim=1)
     if isinstance(state, torch.Tensor):
-        state.mul_(dA[..., None, None])
-        state.addcmul_(dtx[..., None], Bh[:, :, None, :])
-        y = torch.matmul(state, Ch[..., None]).view(b, h, p)  # state may be a strided view
+        views, hp = state.unbind(0), h
     else:
-        # Page by page, the three operations back to back while the page is in cache (one
-        # pass over the state from memory instead of three); the same operations per element
-        # as the contiguous update, so the same bits.
-        views, k, hp = state.views, len(state.views), state.heads_per_member
-        y = torch.empty(k, hp, p, 1, dtype=torch.float32, device=x.device)
-        for v, a, xb, bb, c, out in zip(views, dA.reshape(k, hp, 1, 1).unbind(0),
-                                        dtx.reshape(k, hp, p, 1).unbind(0),
-                                        Bh.reshape(k, hp, 1, n).unbind(0),
-                                        Ch.reshape(k, hp, n, 1).unbind(0), y.unbind(0),
-                                        strict=True):
+        views, hp = state.views, state.heads_per_member
+    k = len(views)
+    y = torch.empty(k, hp * p, dtype=torch.float32, device=x.device)
+    args = (views, dA.reshape(k, hp, 1, 1).unbind(0), dtx.reshape(k, hp, p, 1).unbind(0),
+            Bh.reshape(k, hp, 1, n).unbind(0))
+    pieces = _read_out_pieces(h, hp, h // g)
+    if all(len(pc) == 1 for pc in pieces):  # each piece within one group: one product each
+        grp = torch.tensor([pc[0][2] for pc in pieces], device=x.device).repeat(b)
+        seq = torch.arange(b, device=x.device).repeat_interleave(len(pieces))
+        cs = C.float()[seq, grp].unbind(0)  # (k, n): each piece's C
+        for v, a, xb, bb, c, out in zip(*args, cs, y.unbind(0), strict=True):
             v.mul_(a).addcmul_(xb, bb)
-            torch.matmul(v, c, out=out)
-        y = y.view(b, h, p)
-    return y + x.float() * D.float()[None, :, None]
+            torch.mv(v.view(-1, n) if v.is_contiguous() else v.reshape(-1, n), c, out=out)
+    else:
+        Cf = C.float()
+        for i, (v, a, xb, bb, out) in enumerate(zip(*args, y.view(k, hp, p).unbind(0),
+                                                    strict=True)):
+            v.mul_(a).addcmul_(xb, bb)
+            for lo, hi, gi in pieces[i % len(pieces)]:
+                torch.mv(v[lo:hi].reshape(-1, n), Cf[i // len(pieces), gi],
+                         out=out[lo:hi].view(-1))
+    return y.view(b, h, p) + x.float() * D.float()[None, :, None]
+
+
+def _read_out_pieces(h: int, hp: int, hg: int) -> list[list[tuple[int, int, int]]]:
+    """Per piece of hp heads (a sequence's h heads in h / hp pieces): its (first, end) head
+    ranges within the piece that share one group of hg heads, and that group."""
+    out = []
+    for j0 in range(0, h, hp):
+        rng, lo = [], j0
+        while lo < j0 + hp:
+            grp = lo // hg
+            hi = min(j0 + hp, (grp + 1) * hg)
+            rng.append((lo - j0, hi - j0, grp))
+            lo = hi
+        out.append(rng)
+    return out
 
 
 def conv_scan(
