@@ -82,6 +82,7 @@ def test_auto_records_its_measurement_in_the_runtime_settings(restore_threads, m
             "switch_s": 1e-6}
     monkeypatch.setattr(threads, "measure", lambda: fake)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite pins it: unpinned here
+    monkeypatch.setattr(process_settings.os, "cpu_count", lambda: 3)  # 1 and 2 to try
     assert process_settings.apply_threads("auto") == 1
     auto = process_settings.runtime_settings()["threads_auto"]
     assert auto["per_phase"] == {"prefill": 2, "decode": 1}
@@ -101,3 +102,13 @@ def test_auto_honours_a_pinned_omp_num_threads(restore_threads, monkeypatch):
     for text in ("", "0", "two"):
         monkeypatch.setenv("OMP_NUM_THREADS", text)
         assert ps.pinned_threads() is None
+
+
+def test_auto_on_two_cores_measures_nothing(restore_threads, monkeypatch):
+    """One count to try (cores - 1 = 1): auto takes it without a measurement."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(process_settings.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(threads, "measure",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    assert process_settings.apply_threads("auto") == 1
+    assert "threads_auto" not in process_settings.runtime_settings()

@@ -73,19 +73,24 @@ def apply_threads(threads: int | str, *, load_torch: bool = True) -> int:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"threads={threads!r}: allowed values are 0 (auto) or a whole "
                          "number >= 1")
-    if threads == 0 and pinned_threads() is not None:
-        threads = pinned_threads()  # the environment pins the count: no measurement
+    _auto = None  # what an earlier call measured no longer holds
+    pinned = pinned_threads()
+    if threads == 0 and pinned is not None:
+        threads = pinned  # the environment pins the count: no measurement
     if threads == 0 and load_torch:
         from serving_core.executor import threads as phase_threads
 
-        measured = phase_threads.measure()
-        counts = phase_threads.choose(measured["timings"], measured["switch_s"])
-        phase_threads.install(counts)
-        _auto = {"per_phase": counts, "switch_us": round(1e6 * measured["switch_s"], 2),
-                 "timings_ms": {p: {str(n): round(1e3 * t, 3) for n, t in ts.items()}
-                                for p, ts in measured["timings"].items()}}
-        _threads = counts["decode"]
-        return threads_in_effect()
+        tried = phase_threads.candidates(os.cpu_count() or 1)
+        if len(tried) > 1:  # on 1-2 cores one count is tried: nothing to measure
+            measured = phase_threads.measure()
+            counts = phase_threads.choose(measured["timings"], measured["switch_s"])
+            phase_threads.install(counts)
+            _auto = {"per_phase": counts, "switch_us": round(1e6 * measured["switch_s"], 2),
+                     "timings_ms": {p: {str(n): round(1e3 * t, 3) for n, t in ts.items()}
+                                    for p, ts in measured["timings"].items()}}
+            _threads = counts["decode"]
+            return threads_in_effect()
+        threads = tried[0]
     _threads = threads or default_threads()
     if not load_torch and "torch" not in sys.modules:
         return _threads
