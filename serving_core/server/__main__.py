@@ -35,6 +35,10 @@ ENGINE_LINE = "engine "  # stdout prefix of the effective rules
 RUNTIME_LINE = "runtime "  # stdout prefix of the process settings (threads, allocator)
 
 
+ENGINE_CORES = ("thread", "process")
+OMP_WAITS = ("default", "passive")
+
+
 class UsageError(ValueError):
     """Bad command-line input: exit 2."""
 
@@ -63,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_threads_arg, default=0,
                    help="torch intra-op threads: auto (or 0: per phase, from a measurement at "
                         "start, see serving_core/executor/threads.py) or a count")
+    p.add_argument("--engine-core", default="thread",
+                   help=f"where the engine steps: one of {', '.join(ENGINE_CORES)} (a thread "
+                        "of this process, or a child process of its own: docs/real_path.md)")
+    p.add_argument("--omp-wait", default="default",
+                   help=f"OpenMP waiting of a process engine core: one of "
+                        f"{', '.join(OMP_WAITS)}")
     return p
 
 
@@ -79,6 +89,12 @@ def _threads_arg(text: str) -> int | str:
 def _check(args) -> None:
     if args.drain not in DRAIN_MODES:
         raise UsageError(f"--drain={args.drain!r}: allowed values are {', '.join(DRAIN_MODES)}")
+    if args.engine_core not in ENGINE_CORES:
+        raise UsageError(f"--engine-core={args.engine_core!r}: allowed values are "
+                         f"{', '.join(ENGINE_CORES)}")
+    if args.omp_wait not in OMP_WAITS:
+        raise UsageError(f"--omp-wait={args.omp_wait!r}: allowed values are "
+                         f"{', '.join(OMP_WAITS)}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port={args.port}: expected 0..65535")
     if not isinstance(args.threads, int) or args.threads < 0:
@@ -198,32 +214,31 @@ def with_host_tier(spec, capacity_bytes: int | None):
         raise UsageError(f"--host-tier-capacity-bytes: {err}") from None
 
 
-def make_app(args, spec, engine, runtime, effective: dict):
-    """The FastAPI app over `runtime`, writing the records (--records) at shutdown."""
+def write_records(folder, writer, spec, engine, runtime, effective: dict) -> None:
+    """The engine's records (ending the trace with END) through `writer` into `folder`,
+    with every request's actual path (request_paths.json)."""
+    result = engine.result()
+    summary = dict(result.summary, org=spec.org, budget=spec.budget,
+                   clock_end_s=engine.clock.now(), engine_error=runtime.error,
+                   engine_config=effective)
+    out = writer(folder, result.tables, summary)
+    paths = {str(rid): rec.to_dict() for rid, rec in runtime.paths.paths.items()}
+    (out / "request_paths.json").write_text(json.dumps(paths))
+    print(f"records written to {out}", flush=True)
+
+
+def make_app(args, spec, runtime, *, vocab_size: int, cache_info: dict, on_shutdown=None):
+    """The FastAPI app over `runtime`; `on_shutdown()` runs after the engine stopped."""
     from serving_core.server.app import create_app
-    from serving_core.server.metrics import cache_config_labels
 
     tokenizer = None
     if args.tokenizer != "none":
         import quicktok
 
         tokenizer = quicktok.get_encoding(args.tokenizer)
-
-    def on_shutdown() -> None:
-        result = engine.result()  # ends the trace with END
-        if args.records:
-            summary = dict(result.summary, org=spec.org, budget=spec.budget,
-                           clock_end_s=engine.clock.now(), engine_error=runtime.error,
-                           engine_config=effective)
-            out = args.write_records(args.records, result.tables, summary)
-            paths = {str(rid): rec.to_dict() for rid, rec in runtime.paths.paths.items()}
-            (out / "request_paths.json").write_text(json.dumps(paths))
-            print(f"records written to {out}", flush=True)
-
-    return create_app(runtime, model_name=str(spec.model["name"]),
-                      vocab_size=engine.vocab_size, tokenizer=tokenizer,
-                      on_shutdown=on_shutdown, eos_token_ids=eos_token_ids(spec, tokenizer),
-                      cache_info=cache_config_labels(engine))
+    return create_app(runtime, model_name=str(spec.model["name"]), vocab_size=vocab_size,
+                      tokenizer=tokenizer, on_shutdown=on_shutdown,
+                      eos_token_ids=eos_token_ids(spec, tokenizer), cache_info=cache_info)
 
 
 def make_server(app, runtime):
@@ -265,7 +280,10 @@ def make_server(app, runtime):
     return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
 
 
-def serve(args) -> int:
+def thread_core(args, spec):
+    """(runtime, app, effective rules, runtime settings): the engine in this process,
+    stepped by a thread (`--engine-core thread`)."""
+    from serving_core.server.metrics import cache_config_labels
     from serving_core.server.process_settings import (
         apply_threads,
         keep_freed_memory,
@@ -273,8 +291,7 @@ def serve(args) -> int:
     )
     from serving_core.server.runtime import EngineRuntime
 
-    spec = with_host_tier(load_spec(args.spec), args.host_tier_capacity_bytes)
-    sock = bind(args.host, args.port)  # before the model loads: a taken port fails fast
+    os.environ.update(omp_env(args.omp_wait))  # before torch is imported
     torch_kernels = spec.executor.kind == "torch"
     if torch_kernels and args.malloc == "keep":
         keep_freed_memory()
@@ -285,10 +302,53 @@ def serve(args) -> int:
     effective = engine.effective_rules()
     runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len,
                             drain=args.drain)
-    server = make_server(make_app(args, spec, engine, runtime, effective), runtime)
+
+    def on_shutdown() -> None:
+        if args.records:
+            write_records(args.records, args.write_records, spec, engine, runtime, effective)
+        else:
+            engine.result()  # ends the trace with END
+
+    app = make_app(args, spec, runtime, vocab_size=engine.vocab_size,
+                   cache_info=cache_config_labels(engine), on_shutdown=on_shutdown)
+    return runtime, app, effective, dict(runtime_settings(), engine_core="thread",
+                                         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""))
+
+
+def process_core(args, spec):
+    """The same as `thread_core` with the engine in a child process (`--engine-core
+    process`, serving_core/server/engine_client.py); the child writes the records."""
+    from serving_core.server.engine_client import EngineCoreClient, EngineCoreError
+
+    config = {"spec": spec.to_json(), "threads": args.threads, "malloc": args.malloc,
+              "records": args.records, "records_writer": args.records_writer,
+              "env": omp_env(args.omp_wait)}
+    try:
+        runtime = EngineCoreClient(config, drain=args.drain)
+    except EngineCoreError as err:
+        if err.code == 2:
+            raise UsageError(str(err)) from None
+        raise RuntimeError(str(err)) from None
+    app = make_app(args, spec, runtime, vocab_size=runtime.vocab_size,
+                   cache_info=runtime.info["cache_info"])
+    return runtime, app, runtime.info["effective"], runtime.settings()
+
+
+def omp_env(policy: str) -> dict[str, str]:
+    """The engine core's OpenMP waiting (`--omp-wait`): `passive` sleeps between kernels
+    instead of spinning (OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0); `default` sets nothing."""
+    return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"} if policy == "passive" else {}
+
+
+def serve(args) -> int:
+    spec = with_host_tier(load_spec(args.spec), args.host_tier_capacity_bytes)
+    sock = bind(args.host, args.port)  # before the model loads: a taken port fails fast
+    make_core = process_core if args.engine_core == "process" else thread_core
+    runtime, app, effective, settings = make_core(args, spec)
+    server = make_server(app, runtime)
     host, port = sock.getsockname()[:2]
     print(ENGINE_LINE + json.dumps(effective, sort_keys=True), flush=True)
-    print(RUNTIME_LINE + json.dumps(runtime_settings(), sort_keys=True), flush=True)
+    print(RUNTIME_LINE + json.dumps(settings, sort_keys=True), flush=True)
     print(f"listening on http://{host}:{port}", flush=True)
     if args.exit_with_parent:
         threading.Thread(target=_watch_parent, args=(server,), daemon=True).start()

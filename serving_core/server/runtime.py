@@ -163,12 +163,14 @@ class EngineRuntime:
     def submit(self, prompt: list[int], max_tokens: int, salt: str,
                loop: asyncio.AbstractEventLoop, sampling: SamplingParams | None = None, *,
                stream: TokenStream | None = None, index: int = 0, n_param: int = 1,
-               parent: int | None = None, settle: bool = False) -> tuple[int, TokenStream]:
+               parent: int | None = None, settle: bool = False,
+               rid: int | None = None) -> tuple[int, TokenStream]:
         """Enqueue one request (one choice: its tokens go to `stream` under `index`);
         ValueError for a request the engine cannot serve (400), Rejected when the server no
         longer takes requests (503). `n_param` is the HTTP request's n and `parent` the id of
         its first choice (None: this one), for the metrics. `settle`: the front end has the
-        last word on its finish reason (stop strings: `settle`)."""
+        last word on its finish reason (stop strings: `settle`). `rid`: the id the API
+        process gave it (engine core process), else the next one."""
         if self._closing or not self.healthy:
             with self._lock:
                 self.counters["requests_rejected"] += 1
@@ -182,11 +184,11 @@ class EngineRuntime:
             )
         stream = stream or TokenStream(loop)
         with self._lock:
-            rid = self._next_rid
+            rid = self._next_rid if rid is None else rid
             spec = ServedSpec(rid, 0.0, np.asarray(prompt, dtype=np.int32), int(max_tokens),
                               -1, salt, sampling)
             self.engine.check_feasible([spec])  # ValueError: the budget cannot hold it
-            self._next_rid += 1
+            self._next_rid = rid + 1
             self._streams[rid] = (stream, index)
             if settle:
                 self._settle.add(rid)
