@@ -148,6 +148,10 @@ def test_bad_arguments_exit_2_with_one_line(tag, tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip().startswith(f"error: --spec={str(bad)!r}: engine spec: unknown "
                                          "keys ['colour']")
+    res = _run([*_sim_cmd(tmp_path / "rec"), "--engine-core", "fork"])
+    assert res.returncode == 2
+    assert res.stderr.strip() == ("error: --engine-core='fork': allowed values are thread, "
+                                  "process")
     assert not (tmp_path / "rec").exists()
 
 
@@ -406,3 +410,47 @@ def test_killing_the_client_stops_the_server(tag, tmp_path):
         client.kill()
     _, summary = read_records(rec)  # it shut down gracefully: records written
     assert summary["completed"] == 0
+
+
+def _engine_cores_of(pid: int) -> list[int]:
+    """The engine core processes among `pid`'s children (not multiprocessing's resource
+    tracker, which spawn starts beside it)."""
+    kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+            for c in (t / "children").read_text().split()]
+    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def test_engine_core_process_serves_drains_and_writes_records(tag, tmp_path):
+    """`--engine-core process`: the engine runs in a child of the server, stated in the
+    runtime line; a request is served with its path, SIGTERM drains, the child writes the
+    records (ending in END) and exits with the server (the tag fixture: nothing left)."""
+    rec = tmp_path / "rec"
+    with ServerProcess([*_sim_cmd(rec), "--engine-core", "process"],
+                       health_timeout_s=300) as srv:
+        assert srv.runtime_config()["engine_core"] == "process"
+        assert len(_engine_cores_of(srv.pid)) == 1
+        r = httpx.post(srv.base_url + "/v1/completions",
+                       json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200
+        assert len(r.json()["choices"][0]["token_ids"]) == 4
+        assert r.json()["usage"]["hsl_path"]["path"] == "recompute"
+        assert _generated_tokens(srv.base_url) == 4
+        os.kill(srv.pid, signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+    tables, summary = read_records(rec)
+    assert tables["trace"]["event"][-1] == "END"
+    assert summary["completed"] == 1 and summary["output_tokens"] == 4
+
+
+def test_engine_core_process_dies_with_its_server(tag, tmp_path):
+    """A server killed with SIGKILL (no cleanup) takes its engine core process with it."""
+    srv = ServerProcess([*_sim_cmd(tmp_path / "rec"), "--engine-core", "process"],
+                        health_timeout_s=300).start()
+    try:
+        (child,) = _engine_cores_of(srv.pid)
+        os.kill(srv.pid, signal.SIGKILL)
+        srv.proc.wait(30)
+        wait_until(lambda: child not in _tagged(os.environ[TAG]), timeout_s=60, poll_s=0.1,
+                   what="the engine core process to exit")
+    finally:
+        srv.stop()

@@ -6,7 +6,9 @@ streams with one chunk per token, chat completions and /tokenize, /detokenize.""
 from __future__ import annotations
 
 import json
+import os
 import time
+from dataclasses import replace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -21,15 +23,30 @@ PROMPT = [(37 * i) % 9000 + 11 for i in range(40)]
 EOS = 2  # the tiny checkpoint's eos_token_id
 
 
-@pytest.fixture(scope="module")
-def client(tiny_model):
-    import quicktok
+ENGINE_CORE = os.environ.get("HSL_ENGINE_CORE", "thread")  # process: the engine core process
 
+
+def served_runtime(tiny_model, tiny_checkpoint, engine_core: str):
+    """(runtime, vocab size): the tiny model's S2 engine in this process (`thread`) or in an
+    engine core process of its own built from the checkpoint (`process`)."""
     spec = loaded_model_spec(tiny_model, load_geometry("falcon_h1_tiny"), "S2", "b63",
                              {"cap": 8, "max_num_batched_tokens": 2048}, clock="wall")
+    if engine_core == "process":
+        from serving_core.server.engine_client import EngineCoreClient
+
+        spec = replace(spec, executor=replace(spec.executor, checkpoint=str(tiny_checkpoint)))
+        runtime = EngineCoreClient({"spec": spec.to_json(), "threads": 1})
+        return runtime, runtime.vocab_size
     engine = build_engine(spec, model=tiny_model)
-    runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len)
-    app = create_app(runtime, model_name="tiny", vocab_size=engine.vocab_size,
+    return EngineRuntime(engine, max_model_len=engine.geometry.max_model_len), engine.vocab_size
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model, tiny_checkpoint):
+    import quicktok
+
+    runtime, vocab_size = served_runtime(tiny_model, tiny_checkpoint, ENGINE_CORE)
+    app = create_app(runtime, model_name="tiny", vocab_size=vocab_size,
                      tokenizer=quicktok.get_encoding("llama3"), eos_token_ids=[EOS])
     with TestClient(app) as c:
         yield c
