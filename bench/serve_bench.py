@@ -184,7 +184,8 @@ def _ours(checkpoint, org, args, records):
     path.write_text(spec.to_json())
     return hsl_server_command(spec=str(path), records=records, threads=args.threads,
                               tokenizer="none" if args.client == "ours" else "llama3"
-                              ) + ["--malloc", args.malloc]
+                              ) + ["--malloc", args.malloc, "--engine-core", args.engine_core,
+                                   "--omp-wait", args.omp_wait]
 
 
 def _vllm(checkpoint, args):
@@ -248,7 +249,8 @@ def run_arm(arm, checkpoint, prompts, args, allocator) -> list[dict]:
                     "arm": "vllm" if arm == "vllm" else f"ours {arm}", "client": args.client,
                     "concurrency": n, "allocator": settings["allocator"] + (
                         "+keep" if settings.get("malloc_keeps_freed") else ""),
-                    "threads": _threads_shown(settings), "load_avg": os.getloadavg()[0], **row,
+                    "threads": _threads_shown(settings),
+                    "engine_core": settings.get("engine_core"), "load_avg": os.getloadavg()[0], **row,
                     **_per_token(usage, batch)})
     return rows
 
@@ -306,6 +308,11 @@ def _parser() -> argparse.ArgumentParser:
                              "glibc's defaults")
     parser.add_argument("--threads", type=int, default=0,
                         help="our servers' torch intra-op threads (0: the server's auto)")
+    parser.add_argument("--engine-core", default="thread", choices=("thread", "process"),
+                        help="where our servers' engine steps (serving_core.server "
+                             "--engine-core)")
+    parser.add_argument("--omp-wait", default="default", choices=("default", "passive"),
+                        help="our servers' OpenMP waiting (serving_core.server --omp-wait)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="vLLM's interpreter (the arm is skipped when it is absent)")
     parser.add_argument("--client", default="ours", choices=CLIENTS,
