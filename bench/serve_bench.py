@@ -250,7 +250,8 @@ def run_arm(arm, checkpoint, prompts, args, allocator) -> list[dict]:
                     "concurrency": n, "allocator": settings["allocator"] + (
                         "+keep" if settings.get("malloc_keeps_freed") else ""),
                     "threads": _threads_shown(settings),
-                    "engine_core": settings.get("engine_core"), "load_avg": os.getloadavg()[0], **row,
+                    "engine_core": settings.get("engine_core"),
+                    "load_avg": os.getloadavg()[0], **row,
                     **_per_token(usage, batch)})
     return rows
 

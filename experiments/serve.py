@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host-tier-capacity-bytes", type=int, default=None, metavar="N",
                    help="host tier on (torch) with N bytes of capacity: the spec's host_tier")
     p.add_argument("--threads", default="0", help="torch intra-op threads (0: auto)")
+    p.add_argument("--engine-core", default="thread",
+                   help="thread or process: where the engine steps (the server checks it)")
+    p.add_argument("--omp-wait", default="default", help="default or passive (OpenMP)")
     p.add_argument("--spec-out", help="write the engine spec here (kept)")
     return p
 
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(path).write_text(spec.to_json() + "\n", encoding="utf-8")
     cmd = [sys.executable, "-m", "serving_core.server", "--spec", path, "--host", args.host,
            "--port", str(args.port), "--drain", args.drain, "--tokenizer", args.tokenizer,
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--engine-core", args.engine_core,
+           "--omp-wait", args.omp_wait]
     from experiments.runners.server_process import RECORDS_WRITER, allocator_env
 
     if args.records:

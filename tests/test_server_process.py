@@ -91,6 +91,14 @@ def test_port_in_use_fails_with_exit_2(tag, tmp_path):
     assert not (tmp_path / "rec").exists()
 
 
+def _engine_cores_of(pid: int) -> list[int]:
+    """The engine core processes among `pid`'s children (not multiprocessing's resource
+    tracker, which spawn starts beside it)."""
+    kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+            for c in (t / "children").read_text().split()]
+    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
 def _server_side_states(port: int) -> set[str]:
     """TCP states (/proc/net/tcp) of the sockets on local port `port`: 0A LISTEN,
     06 TIME_WAIT, 05 FIN_WAIT2, 08 CLOSE_WAIT, ..."""
@@ -236,13 +244,20 @@ def _specs(n: int, prompt: int, output: int):
                         -1, "") for i in range(n)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_graceful_stop_writes_records_with_end(tag, tmp_path, sig):
+@pytest.mark.parametrize(("sig", "core"), [(signal.SIGTERM, "thread"),
+                                           (signal.SIGINT, "process")])
+def test_graceful_stop_writes_records_with_end(tag, tmp_path, sig, core):
+    """Either signal drains and writes the records; with `--engine-core process` the engine
+    core process (the one child of the server) writes them and exits with it (the tag
+    fixture: nothing left)."""
     rec = tmp_path / "rec"
-    with ServerProcess(_sim_cmd(rec), health_timeout_s=300) as srv:
+    with ServerProcess([*_sim_cmd(rec), "--engine-core", core], health_timeout_s=300) as srv:
+        assert srv.runtime_config()["engine_core"] == core
+        assert len(_engine_cores_of(srv.pid)) == (core == "process")
         r = httpx.post(srv.base_url + "/v1/completions",
                        json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30)
         assert r.status_code == 200
+        assert r.json()["usage"]["hsl_path"]["path"] == "recompute"
         os.kill(srv.pid, sig)
         assert srv.proc.wait(60) == 0
     tables, summary = read_records(rec)
@@ -410,36 +425,6 @@ def test_killing_the_client_stops_the_server(tag, tmp_path):
         client.kill()
     _, summary = read_records(rec)  # it shut down gracefully: records written
     assert summary["completed"] == 0
-
-
-def _engine_cores_of(pid: int) -> list[int]:
-    """The engine core processes among `pid`'s children (not multiprocessing's resource
-    tracker, which spawn starts beside it)."""
-    kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
-            for c in (t / "children").read_text().split()]
-    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
-
-
-def test_engine_core_process_serves_drains_and_writes_records(tag, tmp_path):
-    """`--engine-core process`: the engine runs in a child of the server, stated in the
-    runtime line; a request is served with its path, SIGTERM drains, the child writes the
-    records (ending in END) and exits with the server (the tag fixture: nothing left)."""
-    rec = tmp_path / "rec"
-    with ServerProcess([*_sim_cmd(rec), "--engine-core", "process"],
-                       health_timeout_s=300) as srv:
-        assert srv.runtime_config()["engine_core"] == "process"
-        assert len(_engine_cores_of(srv.pid)) == 1
-        r = httpx.post(srv.base_url + "/v1/completions",
-                       json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30)
-        assert r.status_code == 200
-        assert len(r.json()["choices"][0]["token_ids"]) == 4
-        assert r.json()["usage"]["hsl_path"]["path"] == "recompute"
-        assert _generated_tokens(srv.base_url) == 4
-        os.kill(srv.pid, signal.SIGTERM)
-        assert srv.proc.wait(60) == 0
-    tables, summary = read_records(rec)
-    assert tables["trace"]["event"][-1] == "END"
-    assert summary["completed"] == 1 and summary["output_tokens"] == 4
 
 
 def test_engine_core_process_dies_with_its_server(tag, tmp_path):
