@@ -32,7 +32,7 @@ def _target(alloc: str, n: int, top: int) -> float:
 
 def serve_lines(results: dict[str, Path]) -> list[str]:
     """Table lines for {"<allocator>_<client>": result path}."""
-    head = (f"{'alloc':8} {'client':6} {'conc':>4} {'ours tok/s':>10} {'vLLM tok/s':>10} "
+    head = (f"{'alloc':15} {'client':6} {'conc':>4} {'ours tok/s':>10} {'vLLM tok/s':>10} "
             f"{'ratio':>6} {'target':>6} {'TTFT99 ours':>11} {'vLLM':>6} "
             f"{'cpu ms/tok ours':>15} {'vLLM':>6} {'faults/tok ours':>15} {'vLLM':>6}")
     lines = [head]
@@ -48,14 +48,14 @@ def serve_lines(results: dict[str, Path]) -> list[str]:
             ours = rows.get((n, "ours"))
             vllm = rows.get((n, "vllm")) or others.get((n, "vllm"))
             if ours is None or vllm is None:
-                lines.append(f"{alloc:8} {client:6} {n:>4} missing arm: "
+                lines.append(f"{alloc:15} {client:6} {n:>4} missing arm: "
                              f"{'ours' if ours is None else 'vllm'}")
                 continue
             ratio = ours["output_tok_s"] / vllm["output_tok_s"]
             target = _target(alloc.split("-")[0], n, concs[-1])
             mark = "ok" if ratio >= target else "BELOW"
             lines.append(
-                f"{alloc:8} {client:6} {n:>4} {ours['output_tok_s']:>10.1f} "
+                f"{alloc:15} {client:6} {n:>4} {ours['output_tok_s']:>10.1f} "
                 f"{vllm['output_tok_s']:>10.1f} {ratio:>6.2f} {target:>5.1f}x "
                 f"{ours['ttft_p99_s']:>11.2f} {vllm['ttft_p99_s']:>6.2f} "
                 f"{ours.get('server_cpu_ms_per_token', float('nan')):>15.2f} "

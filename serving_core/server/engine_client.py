@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from serving_core.server.runtime import DRAIN_MODES, Rejected, TokenStream
+from serving_core.server.runtime import DRAIN_MODES, Rejected, TokenStream, check_fits
 
 START_TIMEOUT_S = 600.0  # the child's build (model load) must be done by then
 
@@ -107,8 +107,11 @@ class EngineCoreClient:
         return self._closing
 
     def begin_shutdown(self, mode: str | None = None) -> None:
+        """Stop taking requests; the child drains (or aborts). Sent from a thread: this runs
+        in a signal handler, which may have interrupted a send on this same thread."""
         self._closing = True
-        self._post(("shutdown", mode or self.drain))
+        threading.Thread(target=self._post, args=(("shutdown", mode or self.drain),),
+                         daemon=True).start()
 
     def stop(self, timeout: float | None = None) -> None:
         """Drain (or abort), let the child write its records, and join it."""
@@ -135,13 +138,8 @@ class EngineCoreClient:
                 self._rejected += 1
             raise Rejected("server is shutting down" if self._closing else
                            f"engine stopped: {self.error}")
-        total = len(prompt) + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"the model's max_model_len {self.max_model_len}"
-            )
-        if total > self.info["max_feasible"]:
+        check_fits(len(prompt), max_tokens, self.max_model_len)
+        if len(prompt) + max_tokens > self.info["max_feasible"]:
             err = self._call("check", len(prompt), int(max_tokens))
             if isinstance(err, Exception):
                 raise err

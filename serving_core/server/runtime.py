@@ -176,12 +176,7 @@ class EngineRuntime:
                 self.counters["requests_rejected"] += 1
             raise Rejected("server is shutting down" if self._closing else
                            f"engine stopped: {self.error}")
-        total = len(prompt) + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"the model's max_model_len {self.max_model_len}"
-            )
+        check_fits(len(prompt), max_tokens, self.max_model_len)
         stream = stream or TokenStream(loop)
         with self._lock:
             rid = self._next_rid if rid is None else rid
@@ -421,6 +416,16 @@ class EngineRuntime:
     def snapshot(self) -> dict:
         """The state after the last step (a dict replaced atomically, never mutated)."""
         return self._snapshot
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """ValueError (a 400) when prompt + max_tokens exceed the model's max_model_len."""
+    total = prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"the model's max_model_len {max_model_len}"
+        )
 
 
 def finish_reason(req, last_token: int | None) -> tuple[str, int | None]:
