@@ -97,6 +97,36 @@ def test_greedy_paths_agree_and_logprobs_mark_the_argmax(client, greedy):
     assert all(b >= a for a, b in zip(lp["text_offset"], lp["text_offset"][1:], strict=False))
 
 
+@pytest.mark.slow
+def test_the_other_engine_core_serves_the_same_bits(client, tiny_model, tiny_checkpoint):
+    """Thread and process engine cores (whichever the module's client is not): the same
+    greedy tokens, logprobs and seeded samples, streamed and whole, bit for bit. One HTTP
+    request at a time: the choices of one enter the engine together in either core
+    (`admitting`), but which step admits each of several requests sent at once depends on
+    timing, and a different batch may round a logprob differently."""
+    import quicktok
+
+    other = "thread" if ENGINE_CORE == "process" else "process"
+    runtime, vocab_size = served_runtime(tiny_model, tiny_checkpoint, other)
+    app = create_app(runtime, model_name="tiny", vocab_size=vocab_size,
+                     tokenizer=quicktok.get_encoding("llama3"), eos_token_ids=[EOS])
+    bodies = [{"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+               "logprobs": 3, "n": 2},
+              {"prompt": PROMPT[:25], "max_tokens": 12, "temperature": 0.9, "seed": 7},
+              {"prompt": PROMPT[5:], "max_tokens": 8, "temperature": 0, "stream": True,
+               "ignore_eos": True}]
+    def chunks(c, body):  # a chunk's id and time differ from server to server
+        return [{k: v for k, v in chunk.items() if k not in ("id", "created")}
+                for chunk in _stream(c, body)]
+
+    with TestClient(app) as theirs:
+        for body in bodies:
+            if body.get("stream"):
+                assert chunks(theirs, body) == chunks(client, body)
+            else:
+                assert _post(theirs, body)["choices"] == _post(client, body)["choices"]
+
+
 def test_seeded_sampling_repeats_and_depends_on_the_seed(client, greedy):
     base = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.5, "top_k": 500}
     a = _ids(client, **base, seed=7)

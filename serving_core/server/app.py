@@ -252,25 +252,30 @@ class OpenAIServer:
         runtime = self.runtime
         stream = TokenStream(loop)
         choices: list[_Choice] = []
-        parent = None
         try:
-            for p, ids in enumerate(req.prompts):
-                for j in range(req.n):
-                    params = req.choice_sampling(j)
-                    rid, _ = runtime.submit(ids, max(1, req.max_tokens[p]), req.cache_salt,
-                                            loop, params, stream=stream, index=len(choices),
-                                            n_param=req.n, parent=parent,
-                                            settle=bool(req.stop))
-                    parent = rid if parent is None else parent
-                    choices.append(_Choice(len(choices), p, rid, TextStream(
-                        self.text, stop=req.stop, include_stop=req.include_stop,
-                        skip_special=req.skip_special, min_tokens=params.min_tokens),
-                        drop=req.max_tokens[p] == 0))
+            with runtime.admitting():  # one step takes all the choices
+                self._submit_choices(req, loop, stream, choices)
         except Exception:
             for c in choices:
                 runtime.abort(c.rid)
             raise
         return stream, choices
+
+    def _submit_choices(self, req: GenerationRequest, loop, stream: TokenStream,
+                        choices: list[_Choice]) -> None:
+        runtime = self.runtime
+        parent = None
+        for p, ids in enumerate(req.prompts):
+            for j in range(req.n):
+                params = req.choice_sampling(j)
+                rid, _ = runtime.submit(ids, max(1, req.max_tokens[p]), req.cache_salt,
+                                        loop, params, stream=stream, index=len(choices),
+                                        n_param=req.n, parent=parent, settle=bool(req.stop))
+                parent = rid if parent is None else parent
+                choices.append(_Choice(len(choices), p, rid, TextStream(
+                    self.text, stop=req.stop, include_stop=req.include_stop,
+                    skip_special=req.skip_special, min_tokens=params.min_tokens),
+                    drop=req.max_tokens[p] == 0))
 
     def _usage(self, req: GenerationRequest, choices: list[_Choice]) -> dict:
         body = usage(sum(len(p) for p in req.prompts), sum(len(c.ids) for c in choices))

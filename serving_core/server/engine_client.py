@@ -5,8 +5,11 @@ engine runs in a child process (serving_core/server/engine_core.py).
 The child is started with multiprocessing's `spawn` context (a fresh interpreter: no
 thread or lock of this process is inherited) and builds the engine from the spec; the
 API process never imports torch. Request ids are given here, in submit order, so a request
-is known before the child has seen it; a request longer than the budget holds
-(`max_feasible`, from the child) is asked about once to get the engine's own error. A
+is known before the child has seen it; the requests submitted under `admitting()` (the
+choices of one HTTP request) go in one message, which the child enters under the
+engine's lock, so they start in one step, as in a thread core; a request
+longer than the budget holds (`max_feasible`, from the child) is asked about once to get
+the engine's own error. A
 reader thread takes the child's one message per step and hands its tokens to their
 TokenStreams, one call into each event loop per step. Sends go straight into the pipe
 (bounded: a full pipe makes the sender wait). The child exits when this process does:
@@ -20,6 +23,7 @@ import itertools
 import multiprocessing
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -51,6 +55,8 @@ class EngineCoreClient:
         self._rids = itertools.count()
         self._seq = itertools.count()
         self._replies: dict[int, list] = {}  # seq -> [event, result]
+        self._pending: list = []  # submitted, not yet sent (see admitting)
+        self._holding = 0  # admitting() depth
         self._paths: dict[int, dict] = {}
         self._snapshot: dict = {}
         self._rejected = 0
@@ -147,14 +153,36 @@ class EngineCoreClient:
         with self._lock:
             rid = next(self._rids)
             self._streams[rid] = (stream, index)
-        self._post(("submit", rid, np.asarray(prompt, dtype=np.int32), int(max_tokens), salt,
-                    sampling, n_param, parent, settle))
+            self._pending.append((rid, np.asarray(prompt, dtype=np.int32), int(max_tokens),
+                                  salt, sampling, n_param, parent, settle))
+        if not self._holding:
+            self._flush()
         return rid, stream
+
+    @contextmanager
+    def admitting(self):
+        """EngineRuntime.admitting: the requests submitted inside go in one message, which
+        the child enters under the engine's lock."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+            if not self._holding:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Send the requests submitted since the last flush (one message)."""
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if batch:
+            self._post(("submit", batch))
 
     def abort(self, rid: int, reason: str = "abort") -> bool:
         with self._lock:
             if self._streams.pop(rid, None) is None:
                 return False
+        self._flush()  # the child must know the request before its abort
         self._post(("abort", rid, reason))
         return True
 

@@ -3,12 +3,13 @@ metrics snapshot, in a process of its own, as vLLM's EngineCore.
 
 The API process (serving_core/server/engine_client.py) keeps HTTP, tokenization,
 detokenization, stop strings and SSE; it talks to this process over one duplex pipe.
-Commands in (tuples, first item the kind): submit, abort, settle, check (a request's
-feasibility error), reset, shutdown (begin draining), close (stop, write the records,
-exit). Out: ("ready", info) or ("failed", exit code, message) once; one ("step", items,
-snapshot, paths) per engine step that produced something (items: (rid, kind, value) as
-TokenStream.push gets them; paths: the requests admitted in that step), ("reply", seq,
-result) for a command that waits, ("drained", error) when the step loop ends.
+Commands in (tuples, first item the kind): submit (a list of requests), abort, settle,
+check (a request's feasibility error), reset, shutdown (begin draining), close (stop,
+write the records, exit). Out: ("ready", info) or ("failed", exit code, message) once;
+one ("step", items, snapshot, paths) per engine step that produced something (items:
+(rid, kind, value) as TokenStream.push gets them; paths: the requests admitted in that
+step), ("reply", seq, result) for a command that waits, ("drained", error) when the step
+loop ends.
 
 The child never outlives the API process: the pipe's end-of-file (its parent exited,
 however) ends it at once; SIGINT and SIGTERM are the parent's to handle (a signal sent to
@@ -179,7 +180,9 @@ def _serve(conn, send, runtime: CoreRuntime) -> None:
         if kind == "close":
             return
         if kind == "submit":
-            _submit(runtime, send, *msg[1:])
+            with runtime.admitting():  # the step loop takes them all, or none yet
+                for request in msg[1]:
+                    _submit(runtime, send, *request)
         elif kind == "abort":
             runtime.abort(msg[1], msg[2])
             runtime.touch()

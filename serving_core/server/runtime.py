@@ -37,6 +37,7 @@ import asyncio
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -193,6 +194,14 @@ class EngineRuntime:
             self.counters["prefix_query_tokens_total"] += len(prompt)
         self.engine.submit(spec)
         return rid, stream
+
+    @contextmanager
+    def admitting(self):
+        """Requests submitted inside enter the engine together: the step loop takes none of
+        them before all are in (the choices of one HTTP request start in one step, whatever
+        the thread switches; a different batch may round a logprob differently)."""
+        with self.engine._cond:
+            yield
 
     def abort(self, rid: int, reason: str = "abort") -> bool:
         """End request `rid` early: its client disconnected (`abort`) or the front end found
