@@ -160,6 +160,9 @@ def test_bad_arguments_exit_2_with_one_line(tag, tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip() == ("error: --engine-core='fork': allowed values are thread, "
                                   "process")
+    res = _run([*_sim_cmd(tmp_path / "rec"), "--omp-wait", "spin"])
+    assert res.returncode == 2
+    assert res.stderr.strip() == "error: --omp-wait='spin': allowed values are default, passive"
     assert not (tmp_path / "rec").exists()
 
 
