@@ -27,6 +27,8 @@ from experiments.runners.server_process import ServerError, ServerProcess, hsl_s
 from serving_core.server.records_out import read_records
 
 TAG = "HSL_TEST_SERVER_TAG"
+ENGINE_CORE = os.environ.get("HSL_ENGINE_CORE", "thread")  # process: every server's engine
+# core in a process of its own (the graceful-stop test runs one either way)
 
 
 @pytest.fixture()
@@ -70,7 +72,8 @@ def _sim_cmd(records: Path, *overrides: str) -> list[str]:
     path = Path(records).parent / f"spec-{uuid.uuid4().hex[:8]}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(spec.to_json())
-    return hsl_server_command(spec=str(path), records=str(records))
+    return [*hsl_server_command(spec=str(path), records=str(records)), "--engine-core",
+            ENGINE_CORE]
 
 
 def _run(cmd, timeout=120):
