@@ -315,15 +315,25 @@ def test_a_tier_entry_at_n_never_skips_the_last_prompt_token(tiny_model, tmp_pat
              r["first_scheduled"], r["ok"]) for r in rows] == [(512, 511, 511, 1, False)]
 
 
+def _assert_whole_matrix(code: int, capsys, ledger_root) -> None:
+    """The default run covered every arm of the study's ORGS at every reference offset
+    (OFFSETS), one row each, and every pair passed every column."""
+    pairs = len(ORGS) * len(cont.OFFSETS)
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and last == {"pairs": pairs, "equal": pairs, "B_equals_p": True,
+                                  "audits_ok": True, "ok": pairs}
+    rows = pq.read_table(next((ledger_root / "continuation").glob("*.parquet"))).to_pylist()
+    assert sorted((r["org"], r["length_case"]) for r in rows) == sorted(
+        (org, case) for org in ORGS for case in cont.OFFSETS)
+
+
 @pytest.mark.slow
 def test_every_org_and_reference_length_continues_exactly(tiny_checkpoint, tmp_path, capsys):
-    """The whole matrix (make continuation): 8 arms (S0, S1, S2, D0, N0, Jenga, S2 and D0
-    under Marconi) x 9 lengths, every column."""
+    """The whole matrix (make continuation): every arm with checkpoints (S0, S1, S2, D0, N0,
+    Jenga, S2 and D0 under Marconi, N0 as vLLM runs it) x 9 lengths, every column."""
     code = main(["--checkpoint", str(tiny_checkpoint), "--ledger-root", str(tmp_path / "l"),
                  "--output-tokens", "4"])
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0 and last == {"pairs": 72, "equal": 72, "B_equals_p": True,
-                                  "audits_ok": True, "ok": 72}
+    _assert_whole_matrix(code, capsys, tmp_path / "l")
 
 
 def test_n0_reload_on_granite_moves_one_page_per_mamba2_layer(granite_tiny_model):
@@ -346,16 +356,27 @@ def test_n0_reload_on_granite_moves_one_page_per_mamba2_layer(granite_tiny_model
     assert row.tokens_equal and row.restored_exact and row.ok
 
 
+def test_a_one_token_chunk_after_a_reload_repeats_the_decoded_token_bit_for_bit(
+        granite_tiny_model):
+    """Granite tiny, S0, N = 3C + 1 = 1,537: the cold run computes [0, 1536) as one chunk
+    and then decodes token 1,536; the reload adopts the checkpoint at 1,536 and computes the
+    same token as a one-token chunk. Both attend with the decode step's kernels
+    (torch_executor._OneTokenAttention), so the logprobs repeat bit for bit (the prefill
+    attention there gave the same tokens with logprobs off by fp32 rounding)."""
+    geometry = load_geometry("granite_hybrid_tiny")
+    row = cont.run_pair(granite_tiny_model, geometry, "s0", "b63", "3C+1", 2, 0)
+    assert (row.n_tokens, row.restored_prefix_b, row.first_scheduled) == (1537, 1536, 1)
+    assert row.same_chunks and row.tokens_equal and row.logprobs_equal and row.ok
+
+
 @pytest.mark.slow
 def test_every_org_and_reference_length_continues_exactly_on_granite(
         granite_tiny_checkpoint, tmp_path, capsys):
-    """make continuation MODEL=granite: the 8 x 9 matrix on the interleaved hybrid (N0: a
+    """make continuation MODEL=granite: the whole matrix on the interleaved hybrid (N0: a
     checkpoint of three per-layer pages)."""
     code = main(["--checkpoint", str(granite_tiny_checkpoint), "--preset", "granite_hybrid_tiny",
                  "--ledger-root", str(tmp_path / "l"), "--output-tokens", "4"])
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0 and last == {"pairs": 72, "equal": 72, "B_equals_p": True,
-                                  "audits_ok": True, "ok": 72}
+    _assert_whole_matrix(code, capsys, tmp_path / "l")
 
 
 @pytest.mark.slow

@@ -80,22 +80,18 @@ class PagedRecurrentIO:
         self.arena.scatter(layer, self.loc, gathered, conv.to(dtype), ssm, self.keys)
 
 
-class _DecodeIO(PagedRecurrentIO):
-    """State access of a batch of one-token decodes, in place through the mapping."""
+class _OneTokenAttention:
+    """Attention of one new token per sequence over its KV pages: the decode step's kernels.
+    A one-token prefill segment (the first chunk after adopting a checkpoint, a token that
+    lands on a boundary) runs the same ones, so a token's bits do not depend on whether it
+    was decoded or computed as a chunk (a reload continues the cold run bit for bit)."""
 
-    def __init__(self, arena: StateArena, items, gathered: bool = False) -> None:
-        super().__init__(arena, [it.state.working for it in items],
-                         [codec_key(it, it.context + 1) for it in items])
+    def _new_token_tables(self, arena: StateArena, blocks, ctx: list[int],
+                          gathered: bool) -> None:
+        """Per sequence its block table `blocks` and context `ctx` before the new token."""
         dev = arena.device
         bt = arena.block_tokens
-        ctx = [it.context for it in items]
         self.max_ctx = max(ctx)
-        nb = max(1, -(-self.max_ctx // bt))
-        blocks = [it.state.blocks for it in items]  # cover [0, context + 1)
-        units = [b[: -(-c // bt)] for b, c in zip(blocks, ctx, strict=True)]
-        self.units = host_index([u + [0] * (nb - len(u)) for u in units], dev)  # padding masked
-        lengths = host_index(ctx, dev)
-        self.valid = torch.arange(self.max_ctx, device=dev)[None, :] < lengths[:, None]
         # Block tables covering each context plus its new token (`decode_attention`; packed
         # and gathered: padded to one tensor).
         self.tables = [b[: c // bt + 1] for b, c in zip(blocks, ctx, strict=True)]
@@ -106,7 +102,7 @@ class _DecodeIO(PagedRecurrentIO):
         self.new_units = host_index(new, dev)
         self.new_offsets = host_index([c % bt for c in ctx], dev)
         self.packed_kv = arena.packed
-        self.seq_lens = lengths + 1
+        self.seq_lens = host_index(ctx, dev) + 1
         # Gathered decode attention: every sequence's pages copied into one padded buffer and
         # one fused attention per layer (a fixed number of kernels per step, whatever the
         # batch); the mask is needed only when the contexts differ.
@@ -114,11 +110,43 @@ class _DecodeIO(PagedRecurrentIO):
         self.valid_new = None if min(ctx) == self.max_ctx else (
             torch.arange(self.max_ctx + 1, device=dev)[None, :] < self.seq_lens[:, None])
 
-    def attend(self, layer, q, k, v):
+    def attend_one(self, layer, q, k, v):
         """Packed KV: store the new tokens encoded, then attend page by page (b, 1, H hd)."""
         self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
         out = self.arena.decode_attention(layer, q[:, 0], self.units_new, self.seq_lens)
         return out.reshape(q.shape[0], 1, -1)
+
+    def decode_attention(self, layer, q, k, v, scale):
+        """Store the new tokens' K, V, then attend over each sequence's KV pages: where they
+        lie (serving_core.model.paged_attention: no gathered copy of the context, one small
+        product per page), or gathered (`gathered`: the pages copied into one padded buffer,
+        one fused attention for the batch)."""
+        self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
+        if self.gathered:
+            keys, vals = self.arena.gather_kv_heads(layer, self.units_new, self.max_ctx + 1)
+            return fused_decode_attention(q, keys, vals, self.valid_new, scale)
+        return decode_attention(q, self.arena.kv_view(layer), self.tables, self.lengths, scale)
+
+
+class _DecodeIO(_OneTokenAttention, PagedRecurrentIO):
+    """State access of a batch of one-token decodes, in place through the mapping."""
+
+    def __init__(self, arena: StateArena, items, gathered: bool = False) -> None:
+        super().__init__(arena, [it.state.working for it in items],
+                         [codec_key(it, it.context + 1) for it in items])
+        dev = arena.device
+        bt = arena.block_tokens
+        ctx = [it.context for it in items]
+        blocks = [it.state.blocks for it in items]  # cover [0, context + 1)
+        self._new_token_tables(arena, blocks, ctx, gathered)
+        nb = max(1, -(-self.max_ctx // bt))
+        units = [b[: -(-c // bt)] for b, c in zip(blocks, ctx, strict=True)]
+        self.units = host_index([u + [0] * (nb - len(u)) for u in units], dev)  # padding masked
+        lengths = host_index(ctx, dev)
+        self.valid = torch.arange(self.max_ctx, device=dev)[None, :] < lengths[:, None]
+
+    def attend(self, layer, q, k, v):
+        return self.attend_one(layer, q, k, v)
 
     def kv(self, layer):
         if not self.max_ctx:
@@ -131,25 +159,16 @@ class _DecodeIO(PagedRecurrentIO):
     def store_kv(self, layer, k, v):
         self.arena.store_kv(layer, self.new_units, self.new_offsets, k[:, 0], v[:, 0])
 
-    def decode_attention(self, layer, q, k, v, scale):
-        """Store the new tokens' K, V, then attend over each sequence's KV pages: where they
-        lie (serving_core.model.paged_attention: no gathered copy of the context, one small
-        product per page), or gathered (`gathered`: the pages copied into one padded buffer,
-        one fused attention for the batch)."""
-        self.store_kv(layer, k, v)
-        if self.gathered:
-            keys, vals = self.arena.gather_kv_heads(layer, self.units_new, self.max_ctx + 1)
-            return fused_decode_attention(q, keys, vals, self.valid_new, scale)
-        return decode_attention(q, self.arena.kv_view(layer), self.tables, self.lengths, scale)
 
-
-class _SegmentIO:
+class _SegmentIO(_OneTokenAttention):
     """State access of b requests' segments over the same span [start, end): KV through
     their block tables (`tables`: per request the attention unit ids covering at least
-    [0, end)), recurrent state in per-step scratch ((b, ...) tensors per layer)."""
+    [0, end)), recurrent state in per-step scratch ((b, ...) tensors per layer). A
+    one-token segment attends with the decode step's kernels (`_OneTokenAttention`,
+    `gathered` as the executor's decode)."""
 
     def __init__(self, arena: StateArena, tables: list[list[int]], start: int, end: int,
-                 states) -> None:
+                 states, gathered: bool = False) -> None:
         self.arena = arena
         dev = arena.device
         bt = arena.block_tokens
@@ -162,10 +181,15 @@ class _SegmentIO:
         self.states = states
         self.packed_kv = arena.packed
         self.peak_temp_bytes = 0
+        if end - start == 1:
+            self._new_token_tables(arena, tables, [start] * self.b, gathered)
 
     def attend(self, layer, q, k, v):
         """Packed KV: store the segment encoded, then attend causally over the prefix (rebuilt
-        `kv_group_heads` KV heads at a time) and the segment's own rows as stored."""
+        `kv_group_heads` KV heads at a time) and the segment's own rows as stored; one token:
+        as a decode step does (`attend_one`)."""
+        if q.shape[1] == 1:
+            return self.attend_one(layer, q, k, v)
         kv_new = self.arena.store_kv(layer, self.new_units, self.new_offsets, k[0], v[0])
         out, peak = self.arena.prefill_attention(layer, q[0], kv_new, self.units[0], self.start)
         self.peak_temp_bytes = max(self.peak_temp_bytes, peak)
@@ -350,7 +374,8 @@ class TorchExecutor:
         for s, e in zip(edges[:-1], edges[1:], strict=True):
             ids = host_index([it.req.token_ids(s, e) for it in items], dev)
             pos = torch.arange(s, e, device=dev)[None].expand(len(items), -1)
-            io = _SegmentIO(self.arena, tables, s, e, states)
+            io = _SegmentIO(self.arena, tables, s, e, states,
+                            self.decode_attention == "gathered")
             logits = self.model.forward(ids, pos, io, logits=hidden or e == c1, hidden=hidden)
             if hidden:
                 self._prompt_logprobs(logits, items, want, s, e, prompt_lps)

@@ -195,8 +195,9 @@ def state_update(
     Bh = B.float().repeat_interleave(h // g, dim=1)  # (b, h, n)
     if isinstance(state, torch.Tensor):
         views, hp = state.unbind(0), h
+        matrices = [v.view(-1, n) for v in views] if state.is_contiguous() else None
     else:
-        views, hp = state.views, state.heads_per_member
+        views, hp, matrices = state.views, state.heads_per_member, state.matrices
     k = len(views)
     y = torch.empty(k, hp * p, dtype=torch.float32, device=x.device)
     args = (views, dA.reshape(k, hp, 1, 1).unbind(0), dtx.reshape(k, hp, p, 1).unbind(0),
@@ -206,9 +207,11 @@ def state_update(
         grp = torch.tensor([pc[0][2] for pc in pieces], device=x.device).repeat(b)
         seq = torch.arange(b, device=x.device).repeat_interleave(len(pieces))
         cs = C.float()[seq, grp].unbind(0)  # (k, n): each piece's C
-        for v, a, xb, bb, c, out in zip(*args, cs, y.unbind(0), strict=True):
+        if matrices is None:  # strided state: each piece read out after its update
+            matrices = [None] * k
+        for v, a, xb, bb, c, out, m in zip(*args, cs, y.unbind(0), matrices, strict=True):
             v.mul_(a).addcmul_(xb, bb)
-            torch.mv(v.view(-1, n) if v.is_contiguous() else v.reshape(-1, n), c, out=out)
+            torch.mv(v.reshape(-1, n) if m is None else m, c, out=out)
     else:
         Cf = C.float()
         for i, (v, a, xb, bb, out) in enumerate(zip(*args, y.view(k, hp, p).unbind(0),
