@@ -24,6 +24,7 @@ from typing import TypeVar
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from run_order import load_costs, order_items
 
 from serving_core.geometry import load_geometry
 
@@ -44,6 +45,18 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 # (test_campaign_plans, test_one_engine, test_memory_invariants: 28 of 104 CPU s in the
 # collector, 11 at these thresholds; peak memory +8 %). What the tests compute is unchanged.
 gc.set_threshold(50_000, 20, 100)
+
+
+def pytest_configure(config):
+    """xdist keeps the files in collection order (`pytest_collection_modifyitems` below puts
+    the costliest first) instead of reordering them by their number of tests."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Costliest files first (tests/run_order.py), so the cheap ones fill the workers' tail."""
+    order_items(items, load_costs())
 
 
 CPU_LOG_ENV = "HSL_TEST_CPU_LOG"
