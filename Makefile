@@ -49,10 +49,10 @@ test-all: setup ## every test, slow end-to-end ones included (WORKERS=n)
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 
 CPU_LOG ?= .cache/test-cpu.jsonl
-test-cpu: setup ## the default suite logging each test's CPU seconds (CPU_LOG), then the top files and tests
+test-cpu: setup ## the default suite logging each test's CPU seconds (CPU_LOG), then the top files and tests; rewrites tests/durations.json (the workers' file order)
 	mkdir -p $(dir $(CPU_LOG)) && rm -f $(CPU_LOG)
 	HSL_TEST_CPU_LOG=$(abspath $(CPU_LOG)) $(BIN)/python -m pytest -m "not slow" $(PYTEST_PARALLEL)
-	$(BIN)/python tests/cpu_log.py $(CPU_LOG)
+	$(BIN)/python tests/cpu_log.py $(CPU_LOG) --write-costs tests/durations.json
 
 lint: setup ## ruff checks
 	$(BIN)/ruff check serving_core experiments analysis ledgers tests bench hydra_plugins

@@ -228,6 +228,14 @@ def _complete_keys(root: str | os.PathLike, campaign: str | None) -> list[tuple]
     return out
 
 
+def read_complete_keys(root: str | os.PathLike, campaign: str) -> None:
+    """Read `campaign`'s complete runs keys into this process's cache (the adoption check's,
+    `write_run`). A process that forks the writers (the campaign launcher) calls it before
+    each fork: the child inherits the cache and reads only the runs files written since,
+    where each forked run read every earlier one (quadratic in the campaign's runs)."""
+    _complete_keys(root, campaign)
+
+
 def _read_complete_keys(path: Path) -> list[tuple]:
     """(run_id, *ADOPTION_KEY) of one runs file's complete rows; none from a file that does
     not read (ledgers.integrity names it). One small file: pyarrow, no DuckDB connection."""

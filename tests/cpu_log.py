@@ -15,14 +15,17 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from run_order import write_costs
 
-def load(path: Path) -> dict[str, float]:
-    """CPU seconds by test id (the last entry of a test that ran twice)."""
+
+def load(path: Path, field: str = "cpu_s") -> dict[str, float]:
+    """CPU seconds (or another field: `wall_s`) by test id (the last entry of a test that
+    ran twice)."""
     rows = {}
     for line in path.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            rows[row["test"]] = float(row["cpu_s"])
+            rows[row["test"]] = float(row[field])
     return rows
 
 
@@ -54,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("log", type=Path)
     p.add_argument("--top", type=int, default=25, help="rows per list (default 25)")
     p.add_argument("--against", type=Path, help="an older log to compare with")
+    p.add_argument("--write-costs", type=Path, metavar="JSON",
+                   help="also write each file's wall seconds there, the order in which the "
+                        "workers get the files (tests/run_order.py)")
     args = p.parse_args(argv)
     for field, path in (("log", args.log), ("--against", args.against)):
         if path is not None and not path.is_file():
@@ -63,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --top={args.top}: allowed integers >= 1", file=sys.stderr)
         return 2
     print(report(load(args.log), args.top, load(args.against) if args.against else None))
+    if args.write_costs is not None:
+        write_costs(by_file(load(args.log, "wall_s")), args.write_costs)
     return 0
 
 

@@ -233,3 +233,57 @@ def test_forked_and_exec_runs_write_identical_tables(tmp_path):
     assert len(files["fork"]) == 2 and files["fork"].keys() == files["exec"].keys()
     for run_id, text in files["fork"].items():  # same rows, byte for byte (sha256)
         assert json.loads(text) == json.loads(files["exec"][run_id])
+
+
+SEEN_BEFORE_FORK: list[str] = []  # what the before_fork hook saw, in the launching process
+
+
+def record_before_fork(cfg):
+    SEEN_BEFORE_FORK.append(cfg.mode)
+
+
+def test_before_fork_runs_in_the_launching_process_once_per_forked_job(tmp_path):
+    from types import SimpleNamespace
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        config = compose("config", [f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                         return_hydra_config=True)
+    launcher = process_launcher.ProcessLauncher(
+        n_jobs=2, start="fork", before_fork=[f"{__name__}:record_before_fork"])
+    launcher.setup(hydra_context=SimpleNamespace(config_loader=None),
+                   task_function=forked_task, config=config)
+    launcher.compose = lambda overrides: OmegaConf.create(
+        {"mode": overrides[0].split("=", 1)[1]})
+    rets = launcher.launch([["mode=ok"], ["mode=exit3"]], initial_job_idx=0)
+    assert [r.status for r in rets] == [JobStatus.COMPLETED, JobStatus.FAILED]
+    assert SEEN_BEFORE_FORK == ["ok", "exit3"]
+    for bad in ("json", "json:no_such_function", f"{__name__}:SEEN_BEFORE_FORK"):
+        launcher.before_fork = (bad,)
+        with pytest.raises(ValueError, match=r"^hydra\.launcher\.before_fork: .*allowed"):
+            launcher.launch([["mode=ok"], ["mode=ok"]], initial_job_idx=0)
+
+
+def test_keys_read_before_the_fork_are_not_read_again_in_the_child(tmp_path, monkeypatch):
+    """The campaign process reads the campaign's runs files once (read_keys_before_fork); a
+    forked run's adoption check (`_complete_keys`) then reads only the files written since."""
+    from experiments.runners.ledger_io import read_keys_before_fork
+    from ledgers import writer
+    from ledgers.writer import table_dir
+
+    reads: list[str] = []
+    monkeypatch.setattr(writer, "_KEY_CACHE", {})
+    monkeypatch.setattr(writer, "_read_complete_keys", lambda path: reads.append(path.name) or [])
+    runs = table_dir(tmp_path, "runs", "c1")
+    runs.mkdir(parents=True)
+    for name in ("a.parquet", "b.parquet"):
+        (runs / name).write_bytes(b"x")
+    cfg = OmegaConf.create({"ledger_root": str(tmp_path), "campaign_name": "c1",
+                            "write_ledgers": True})
+    read_keys_before_fork(cfg)
+    assert sorted(reads) == ["a.parquet", "b.parquet"]
+    (runs / "c.parquet").write_bytes(b"x")  # a run that finished since
+    writer._complete_keys(tmp_path.resolve(), "c1")
+    assert sorted(reads) == ["a.parquet", "b.parquet", "c.parquet"]
+    read_keys_before_fork(OmegaConf.create({**cfg, "write_ledgers": False}))
+    read_keys_before_fork(OmegaConf.create({**cfg, "campaign_name": "../bad"}))
+    assert len(reads) == 3

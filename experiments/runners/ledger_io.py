@@ -26,7 +26,7 @@ from experiments.workloads.workload import normalize_load_config, normalize_work
 from ledgers.arms import arm
 from ledgers.integrity import Quarantine, quarantine_damage, scan_root
 from ledgers.schemas import SCHEMAS
-from ledgers.writer import WRITER_COLUMNS
+from ledgers.writer import WRITER_COLUMNS, read_complete_keys
 from serving_core.geometry import geometry_from_config
 from serving_core.planner import parse_budget, plan_budget, units_for
 from serving_core.records import mechanism_absent
@@ -220,6 +220,16 @@ def skipped_line(cfg: DictConfig, row: Mapping, manifest: Mapping | None) -> dic
                     engine_seconds=summary.get("engine_seconds"),
                     run_seconds=summary.get("run_seconds"))
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+def read_keys_before_fork(cfg: DictConfig) -> None:
+    """Launcher hook (`hydra.launcher.before_fork`): the run's campaign's complete runs keys
+    read into the campaign process before the run is forked (ledgers.writer
+    `read_complete_keys`), at the ledger root the run writes to (check_ledger_root's)."""
+    root = Path(str(cfg.ledger_root)).expanduser()
+    if cfg.get("write_ledgers", True) and root.is_dir():
+        with contextlib.suppress(ValueError):  # a bad campaign name: the run reports it
+            read_complete_keys(root.resolve(), str(cfg.campaign_name))
 
 
 @contextlib.contextmanager
