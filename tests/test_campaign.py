@@ -24,6 +24,7 @@ import ledgers
 from experiments.campaigns import campaign as camp
 from experiments.runners.cell import cell_config, config_hash
 from experiments.runners.ledger_io import cell_columns
+from experiments.runners.spec import resolved_config
 from ledgers import check as ledger_check
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,6 +142,7 @@ def test_fast_composition_equals_hydra_composition():
             ["campaign=q1", "org=d0", "budget=b108", "model.d0_attention_fraction=0.35", "seed=3"],
             ["campaign=q1", "model=granite", "org=s1", "workload.q=0.0"],
             ["campaign=q9", "org=s2_retention", "workload.reuse=isolate", "seed=88002"],
+            ["campaign=q1", "model=granite", "+extra=1", "~workload.q"],  # whole conversion
         ]
         for overrides in samples:
             fast = composer.compose(overrides)
@@ -149,6 +151,9 @@ def test_fast_composition_equals_hydra_composition():
                 del full["hydra"]  # the task config, as a job sees it
             assert cell_config(fast) == cell_config(full)
             assert config_hash(fast) == config_hash(full)
+            # the plain copy derived from the base's, in the same key order and types
+            resolved = composer.compose_resolved(overrides)[1]
+            assert repr(resolved) == repr(resolved_config(full))
 
 
 # ---------------------------------------------------------------- end to end (subprocesses)

@@ -36,7 +36,6 @@ from experiments.config.bad_input import EXIT_BAD_INPUT, bad_input_message
 from experiments.config.validation import check_ledger_root, validate_config
 from experiments.runners.ledger_io import RunKey, run_key
 from experiments.runners.provenance import prereg_plan_hash
-from experiments.runners.spec import resolved_config
 from ledgers.commands import module_command
 
 MAX_LISTED = 10  # invalid cells or failures listed in a message
@@ -69,8 +68,7 @@ def plan_runs(jobs: Sequence[Job], composer: CellComposer) -> list[PlannedRun]:
     errors: dict[str, list[Job]] = {}  # message -> the jobs it rejects
     for job in jobs:
         try:
-            cfg = composer.compose(job.overrides)
-            resolved = resolved_config(cfg)  # converted once for both
+            cfg, resolved = composer.compose_resolved(job.overrides)  # resolved once for both
             validate_config(cfg, check_root=False, resolved=resolved)
             key = run_key(cfg, resolved)
             prereg_plan_hash(key.question)
