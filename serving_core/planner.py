@@ -20,6 +20,7 @@ organization.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -193,8 +194,11 @@ def _smallest_feasible(geometry: Geometry, kind: str) -> Budget | None:
     return Budget(kind, high)
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_budget(geometry: Geometry, budget: str | Budget) -> BudgetPlan:
-    """Convert a budget label to whole units per organization and pool."""
+    """Convert a budget label to whole units per organization and pool (remembered: both
+    arguments and the plan are immutable, and a campaign plans the same few thousands of
+    times)."""
     parsed = budget if isinstance(budget, Budget) else parse_budget(budget)
     nominal, pools = _build_pools(geometry, parsed)
     refused = refusals(geometry)

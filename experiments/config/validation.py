@@ -141,6 +141,24 @@ def _check_executor(cfg: DictConfig, run_arm, geometry, budget) -> str:
     return path
 
 
+_ENGINES_CHECKED: set[str] = set()  # repr of specs whose engine preflight passed
+_MAX_ENGINES_CHECKED = 4096
+
+
+def _check_engine(spec) -> None:
+    """serving_core.builder.preflight of `spec`, once per distinct spec in this process
+    (a campaign validates thousands of cells with a few dozen distinct engines)."""
+    from serving_core.builder import preflight
+
+    key = repr(spec)  # the whole value: a frozen dataclass of plain fields
+    if key in _ENGINES_CHECKED:
+        return
+    preflight(spec)
+    if len(_ENGINES_CHECKED) >= _MAX_ENGINES_CHECKED:
+        _ENGINES_CHECKED.clear()
+    _ENGINES_CHECKED.add(key)
+
+
 def validate_config(cfg: DictConfig, *, check_root: bool = True,
                     preflight: bool = True, resolved: Mapping | None = None) -> RunPlan:
     """The run plan of a cell config (experiments.runners.run_plan); ValueError names the
@@ -182,9 +200,7 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True,
     plan = RunPlan(run_arm, path, geometry, budget,
                    engine_spec(cfg, run_arm=run_arm, pool_units=units, resolved=resolved))
     if preflight and path not in (VLLM, VLLM_VIRTUAL):
-        from serving_core.builder import preflight as check_engine
-
-        check_engine(plan.spec)  # the engine would run the requested rules, or it is refused
+        _check_engine(plan.spec)  # the engine would run the requested rules, or it is refused
     _check_trace_vocab(normalize_workload_config(cfg.workload), cfg.model, geometry)
     for key in ("rate", "on_s"):  # rate=inf would put every arrival at t = 0
         if key in cfg.load:

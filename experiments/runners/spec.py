@@ -78,7 +78,7 @@ def engine_spec(cfg: DictConfig, *, run_arm: Arm | None = None,
     executor, default_tokens = _executor(cfg, resolved)
     # Every declared rule the config sets (engine.<name>), routed to the layer that declares
     # it; a key the config lacks keeps its declaration's default (no second spelling here).
-    eng = cfg.engine
+    eng = resolved["engine"] if resolved is not None else cfg.engine
     sections: dict[str, dict[str, Any]] = {section: {} for section in RULE_SECTIONS}
     for section, f in rule_declarations():
         if declared(f).config and f.name in eng:
