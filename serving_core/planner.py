@@ -194,12 +194,18 @@ def _smallest_feasible(geometry: Geometry, kind: str) -> Budget | None:
     return Budget(kind, high)
 
 
-@functools.lru_cache(maxsize=1024)
 def plan_budget(geometry: Geometry, budget: str | Budget) -> BudgetPlan:
-    """Convert a budget label to whole units per organization and pool (remembered: both
-    arguments and the plan are immutable, and a campaign plans the same few thousands of
-    times)."""
+    """Convert a budget label to whole units per organization and pool."""
     parsed = budget if isinstance(budget, Budget) else parse_budget(budget)
+    return _plan_budget(geometry, parsed, tuple(ORG_TO_CLASS.items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_budget(geometry: Geometry, parsed: Budget, registry: tuple) -> BudgetPlan:
+    """plan_budget, remembered: the geometry, the budget and the plan are immutable, and
+    `registry` (the organizations registered now) is part of the key only (a campaign
+    plans the same few budgets thousands of times)."""
+    del registry  # the organizations _build_pools and refusals read: the key's part
     nominal, pools = _build_pools(geometry, parsed)
     refused = refusals(geometry)
     if len(refused) == len(ORG_TO_CLASS):

@@ -141,16 +141,19 @@ def _check_executor(cfg: DictConfig, run_arm, geometry, budget) -> str:
     return path
 
 
-_ENGINES_CHECKED: set[str] = set()  # repr of specs whose engine preflight passed
+_ENGINES_CHECKED: set[tuple] = set()  # (spec, organizations) whose preflight passed
 _MAX_ENGINES_CHECKED = 4096
 
 
 def _check_engine(spec) -> None:
-    """serving_core.builder.preflight of `spec`, once per distinct spec in this process
-    (a campaign validates thousands of cells with a few dozen distinct engines)."""
+    """serving_core.builder.preflight of `spec`, once per distinct spec and registry of
+    organizations in this process (a campaign validates thousands of cells with a few
+    dozen distinct engines)."""
     from serving_core.builder import preflight
+    from serving_core.memory import ORG_TO_CLASS
 
-    key = repr(spec)  # the whole value: a frozen dataclass of plain fields
+    # the spec's whole value (a frozen dataclass of plain fields) and the classes it builds
+    key = (repr(spec), tuple(ORG_TO_CLASS.items()))
     if key in _ENGINES_CHECKED:
         return
     preflight(spec)
