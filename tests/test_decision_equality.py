@@ -31,9 +31,13 @@ WORKLOAD = (
     "engine.max_num_batched_tokens=2048",
 )
 # The S organizations' interval is 512: a 600-token context spans it at a third of the
-# torch executor's CPU (N0's 1,568 and D0's 1,792 need the 1,800 above).
+# torch executor's CPU. N0's 1,568 and D0's 1,792 need the 1,800 above, with 4 requests
+# (half the CPU): their traces hold every event kind of 8 requests' (allocation failures
+# and losses included), the S organizations' 4-request traces would not (S2 first_chunk:
+# no allocation failure).
 SHORT = ("workload.synthetic_prompt_tokens=700", "workload.synthetic_context_tokens=600")
-SIZES = {"s0": SHORT, "s1": SHORT, "s2": SHORT, "d0": (), "n0": ()}
+LONG = ("workload.num_requests=4",)
+SIZES = {"s0": SHORT, "s1": SHORT, "s2": SHORT, "d0": LONG, "n0": LONG}
 # Times differ (modelled vs measured), and so do the cache keys of entries that cover
 # generated tokens (their content hashes the tokens each executor produced): neither is a
 # decision. Every other column, boundaries and depths included, must match.
@@ -70,6 +74,7 @@ def test_simulated_and_torch_engines_decide_the_same(org, semantics, tiny_checkp
     assert cfg.workload.synthetic_context_tokens > interval
     events = [row for row in simulated.tables["trace"]["event"]]
     assert events.count("ADOPT") >= len(specs) and "PUBLISH" in events
+    assert "ALLOC_FAIL" in events  # memory made a request wait: a decision the budget forced
     assert simulated.summary["prefix_hit_tokens"] > 0
 
 
