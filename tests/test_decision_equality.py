@@ -30,6 +30,14 @@ WORKLOAD = (
     "workload.synthetic_output_tokens=6",
     "engine.max_num_batched_tokens=2048",
 )
+# The S organizations' interval is 512: a 600-token context spans it at a third of the
+# torch executor's CPU. N0's 1,568 and D0's 1,792 need the 1,800 above, with 4 requests
+# (half the CPU): their traces hold every event kind of 8 requests' (allocation failures
+# and losses included), the S organizations' 4-request traces would not (S2 first_chunk:
+# no allocation failure).
+SHORT = ("workload.synthetic_prompt_tokens=700", "workload.synthetic_context_tokens=600")
+LONG = ("workload.num_requests=4",)
+SIZES = {"s0": SHORT, "s1": SHORT, "s2": SHORT, "d0": LONG, "n0": LONG}
 # Times differ (modelled vs measured), and so do the cache keys of entries that cover
 # generated tokens (their content hashes the tokens each executor produced): neither is a
 # decision. Every other column, boundaries and depths included, must match.
@@ -50,11 +58,11 @@ def _decisions(result) -> dict:
 @pytest.mark.parametrize("org", ["s0", "s1", "s2", "d0", "n0"])
 def test_simulated_and_torch_engines_decide_the_same(org, semantics, tiny_checkpoint,
                                                      tiny_model):
-    cfg = compose_config(*WORKLOAD, f"org={org}", f"semantics={semantics}")
+    cfg = compose_config(*WORKLOAD, *SIZES[org], f"org={org}", f"semantics={semantics}")
     specs = [replace(s, arrival_s=0.0)
              for s in build_workload(cfg.workload, cfg.load, int(cfg.seed)).requests]
     simulated = serve(build_engine(engine_spec(cfg)), specs)
-    real_cfg = compose_config(*WORKLOAD, f"org={org}", f"semantics={semantics}",
+    real_cfg = compose_config(*WORKLOAD, *SIZES[org], f"org={org}", f"semantics={semantics}",
                               "executor=torch_inproc", f"executor.checkpoint={tiny_checkpoint}")
     real = serve(build_engine(engine_spec(real_cfg), model=tiny_model), specs)
     sim, rl = _decisions(simulated), _decisions(real)
@@ -62,8 +70,11 @@ def test_simulated_and_torch_engines_decide_the_same(org, semantics, tiny_checkp
     assert sim["steps"] == rl["steps"]
     # The trace is not trivial: requests adopted shared prefixes past a checkpoint boundary
     # (the contexts span one interval of every organization: 512, N0's 1,568, D0's 1,792).
+    interval = {"d0": 1792, "n0": 1568}.get(org, 512)
+    assert cfg.workload.synthetic_context_tokens > interval
     events = [row for row in simulated.tables["trace"]["event"]]
     assert events.count("ADOPT") >= len(specs) and "PUBLISH" in events
+    assert "ALLOC_FAIL" in events  # memory made a request wait: a decision the budget forced
     assert simulated.summary["prefix_hit_tokens"] > 0
 
 

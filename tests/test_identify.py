@@ -211,7 +211,7 @@ def test_make_identify_smoke_end_to_end(tmp_path, capsys):
 
     root, reports = tmp_path / "ledgers", tmp_path / "reports"
     cmd = ["make", "--no-print-directory", "identify", "SMOKE=1", f"LEDGER_ROOT={root}",
-           f"REPORT_DIR={reports}", "JOBS=2", "ARGS=--requests 20"]
+           f"REPORT_DIR={reports}", "JOBS=2", "ARGS=--requests 6"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
@@ -230,7 +230,7 @@ def test_make_identify_smoke_end_to_end(tmp_path, capsys):
     assert "## Search table" in page and "base" in page
     capsys.readouterr()
     assert ident.main(["--ledger-root", str(root), "--smoke", "--jobs", "2",
-                       "--requests", "20"]) == 0
+                       "--requests", "6"]) == 0
     assert "(2 already scored)" in capsys.readouterr().err
     assert len(sorted((root / "identify").glob("identify-*.parquet"))) == len(files) + 1
 

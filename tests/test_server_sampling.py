@@ -382,7 +382,7 @@ def _reference_prompt_logprobs(checkpoint, prompt, k):
     return lps, tops
 
 
-@pytest.mark.parametrize("length", [40, 600])  # 600: the prefill crosses a checkpoint
+@pytest.mark.parametrize("length", [40, 530])  # 530: the prefill crosses S2's 512
 def test_echo_with_logprobs_scores_the_prompt_as_transformers(client, tiny_checkpoint,
                                                               length):
     """lm-eval's loglikelihood request (echo, max_tokens 0 or 1, logprobs k): the prompt's

@@ -44,12 +44,13 @@ def _ranks(enc) -> dict[bytes, int]:
 
 def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     merges = []
+    get = ranks.get
     for token, rank in ranks.items():
-        if len(token) < 2:
-            continue
-        pairs = [(ranks[token[:i]], ranks[token[i:]], token[:i], token[i:])
-                 for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
-        merges.extend((rank, a, b, left, right) for a, b, left, right in pairs)
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            a, b = get(left), get(right)
+            if a is not None and b is not None:
+                merges.append((rank, a, b, left, right))
     merges.sort()
     return [(left, right) for _, _, _, left, right in merges]
 
@@ -59,10 +60,12 @@ def build_tokenizer(enc):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.processors import TemplateProcessing
 
-    show = _byte_to_unicode()
+    # byte x -> chr(x) (latin-1) -> its ByteLevel stand-in, in C (a Python join per token
+    # was most of the tiny checkpoint's build)
+    show = str.maketrans({chr(x): c for x, c in _byte_to_unicode().items()})
 
     def text(b: bytes) -> str:
-        return "".join(show[x] for x in b)
+        return b.decode("latin-1").translate(show)
 
     ranks = _ranks(enc)
     vocab = {text(b): i for b, i in ranks.items()}
