@@ -11,6 +11,7 @@ four runs per seed are written in the campaign's balanced (Williams) order.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from dataclasses import dataclass, field
@@ -47,13 +48,21 @@ def brute_sign_flip(d) -> float:
     return sum(hits) / len(hits)
 
 
+@functools.cache
+def _executor_options() -> dict[str, str]:
+    """Profile name -> conf/executor option (first option in name order wins)."""
+    profiles = Path(__file__).resolve().parent.parent / "conf" / "executor"
+    options: dict[str, str] = {}
+    for path in sorted(profiles.glob("*.yaml")):
+        options.setdefault(yaml.safe_load(path.read_text()).get("name"), path.stem)
+    return options
+
+
 def executor_option(label: str) -> str:
     """The conf/executor option whose profile name the ledger label `sim:<name>` carries."""
     name = str(label).split(":", 1)[1]
-    profiles = Path(__file__).resolve().parent.parent / "conf" / "executor"
-    for path in sorted(profiles.glob("*.yaml")):
-        if yaml.safe_load(path.read_text()).get("name") == name:
-            return path.stem
+    if name in _executor_options():
+        return _executor_options()[name]
     raise ValueError(f"executor={label!r}: no conf/executor profile is named {name!r}")
 
 
