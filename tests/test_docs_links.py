@@ -56,6 +56,9 @@ OUTSIDE_PATH = re.compile(
     r"/work/|\.\./shared\b|(?<![\w.-])shared/(?:SP|PAPER_|STYLE)"
     r"|(?:^|(?<=[\s'\"`(=<]))/(?:[\w.-]+/)*[\w.-]+\.md\b")
 DOCS_REF = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.md)(#[\w-]+)?")
+# Text that every match of OUTSIDE_PATH, DOCS_REF or NOTE_NAME contains: a Python file
+# without any of them has no segment the line rules could flag.
+MATCH_LITERALS = ("/work/", "shared", ".md", "docs/", _SPEC, "PAPER_", "STYLE.md")
 MD_LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)|^\s*\[[^\]\n]+\]:\s*(\S+)", re.M)
 LABEL = r"(?:Q\d+|A\d+|\d+(?:\.\d+)*|[A-F](?![\w]))"
 SECTIONS = re.compile(rf"\A,?\s+sections?\s+({LABEL}(?:(?:\s*,\s*|\s+and\s+|\s*-\s*)"
@@ -104,6 +107,8 @@ def python_segments(path: Path) -> list[Segment]:
     """Lines of the comments and string literals (docstrings included) of a Python file."""
     out = []
     source = path.read_text(encoding="utf-8")
+    if not any(literal in source for literal in MATCH_LITERALS):
+        return out  # no line of it can match a reference rule: skip the tokenizer
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type in (tokenize.COMMENT, tokenize.STRING) or tok.type == getattr(
                 tokenize, "FSTRING_MIDDLE", -1):
