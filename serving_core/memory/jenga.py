@@ -513,7 +513,7 @@ class JengaTwoLevel(MemoryOrganization):
         add up as for every organization; `num_available` says what the type can obtain."""
         out = {}
         for name, pool in self.pools.items():
-            used = sum(1 for s in self.state[name] if s == _USED)
+            used = self.state[name].count(_USED)
             cached = len(pool.evictable)
             out[name] = (used, cached, pool.num_units - used - cached, pool.num_units)
         return out
