@@ -46,7 +46,11 @@ from serving_core.memory import (
 from serving_core.memory.invariants import check_invariants
 from serving_core.memory.s2 import Slab, decode_conv_line
 
-NUM_OPS_ALL_INVARIANTS = 10_000  # per organization, full check_invariants every few ops
+NUM_OPS_ALL_INVARIANTS = 6_000  # per organization, full check_invariants every few ops
+# 6,000, not 10,000 (the same seeded sequence, cut short): every organization still runs each
+# operation kind at least 43 times (drain, the rarest; admit ~1,400, advance ~2,400, burst
+# >= 208), and assert_exercised already holds at 4,000 in every config (D0-falcon: 18
+# checkpoints published and 3 adopted, as at 10,000: 3 adopted).
 # The full check every 4th operation and at the end (two thirds of the test's CPU was the
 # check after every operation): a broken invariant that persists is caught within 3
 # operations; the state machine below checks all of them after every step, and each named

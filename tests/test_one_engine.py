@@ -209,15 +209,35 @@ def test_paced_server_runs_the_configured_rules(name, tmp_path):
     assert (effective["executor"], effective["step_model"]) == ("paced", "additive")
 
 
-@pytest.mark.parametrize("name", ["first_chunk", "slab_refill", "n0",
-                                  pytest.param("n0_junction_retention", marks=pytest.mark.slow)])
+def _torch_spec(name: str, tiny_checkpoint) -> EngineSpec:
+    return engine_spec(compose_config(*TINY, "executor=torch",
+                                      f"executor.checkpoint={tiny_checkpoint}",
+                                      *SETTINGS[name][0]))
+
+
+# An interpreter start per server (~2 s of CPU): the default suite serves first_chunk end to
+# end; the server's own build path (spec file -> load_spec -> build_engine) runs in process
+# for the others below, and all of them over HTTP with the slow tests.
+@pytest.mark.parametrize("name", ["first_chunk",
+                                  *(pytest.param(n, marks=pytest.mark.slow)
+                                    for n in ("slab_refill", "n0", "n0_junction_retention"))])
 def test_torch_server_runs_the_configured_rules(name, tmp_path, tiny_checkpoint):
     """Drift 1: `semantics=first_chunk executor=torch` ran the paper rules over HTTP."""
-    overrides, expected = SETTINGS[name]
-    spec = engine_spec(compose_config(*TINY, "executor=torch",
-                                      f"executor.checkpoint={tiny_checkpoint}", *overrides))
-    effective = _served_rules(tmp_path, spec)
-    assert _rules(effective) == expected
+    effective = _served_rules(tmp_path, _torch_spec(name, tiny_checkpoint))
+    assert _rules(effective) == SETTINGS[name][1]
+    assert effective["executor"] == "torch"
+
+
+@pytest.mark.parametrize("name", ["first_chunk", "slab_refill", "n0", "n0_junction_retention"])
+def test_torch_server_build_path_runs_the_configured_rules(name, tmp_path, tiny_checkpoint):
+    """The server's build from a spec file, in process: the rules the served engine runs."""
+    from serving_core.server.__main__ import build_engine as server_build
+    from serving_core.server.__main__ import load_spec, with_host_tier
+
+    path = tmp_path / "spec.json"
+    path.write_text(_torch_spec(name, tiny_checkpoint).to_json())
+    effective = server_build(with_host_tier(load_spec(str(path)), None)).effective_rules()
+    assert _rules(effective) == SETTINGS[name][1]
     assert effective["executor"] == "torch"
 
 

@@ -35,10 +35,6 @@ def _is_id(value: object, bound: int) -> bool:
     return type(value) is int and 0 <= value < bound
 
 
-def _expected_units(mem: MemoryOrganization, obj: StateObject) -> int:
-    return 1 if obj.kind == Kind.ATTENTION else mem.units_per_composite()
-
-
 def _check_pools(mem: MemoryOrganization) -> None:
     """Pool partition and invariant 2 seen from the units."""
     slabs = getattr(mem, "slabs", {})
@@ -151,21 +147,25 @@ def _check_slot(mem: MemoryOrganization, obj: StateObject) -> None:
 def _check_objects(mem: MemoryOrganization) -> int:
     """Every live object owns exactly its units; returns the number of cached objects."""
     num_cached = 0
+    composite_units = mem.units_per_composite()
+    # (units, owner table) per pool, looked up once: this loop runs over every live object
+    tables = {name: (pool.num_units, mem._owner[name]) for name, pool in mem.pools.items()}
     for oid, obj in mem.live.items():
         assert obj.oid == oid, f"live table maps {oid} to {obj}"
         assert obj.valid, f"invalid {obj} still live"
-        expected_pool = mem.attention_pool if obj.kind == Kind.ATTENTION else mem.composite_pool
+        attention = obj.kind == Kind.ATTENTION
+        expected_pool = mem.attention_pool if attention else mem.composite_pool
         assert obj.pool == expected_pool, (
             f"{obj} lives in pool {obj.pool}, expected {expected_pool}"
         )
-        want = _expected_units(mem, obj)
+        want = 1 if attention else composite_units
         assert len(obj.units) == want, (
             f"invariant 1: {obj} holds {len(obj.units)} units, needs {want}"
         )
-        n = mem.pools[obj.pool].num_units
-        owners = mem._owner[obj.pool]
-        for unit in obj.units:
-            assert _is_id(unit, n), f"invariant 4: unit {unit!r} of {obj} is not an id in [0, {n})"
+        n, owners = tables[obj.pool]
+        for unit in obj.units:  # _is_id inlined
+            assert type(unit) is int and 0 <= unit < n, (
+                f"invariant 4: unit {unit!r} of {obj} is not an id in [0, {n})")
             assert owners[unit] is obj, (
                 f"invariant 3: unit {unit} of {obj} is owned by {owners[unit]!r}"
             )

@@ -513,7 +513,7 @@ class JengaTwoLevel(MemoryOrganization):
         add up as for every organization; `num_available` says what the type can obtain."""
         out = {}
         for name, pool in self.pools.items():
-            used = sum(1 for s in self.state[name] if s == _USED)
+            used = self.state[name].count(_USED)
             cached = len(pool.evictable)
             out[name] = (used, cached, pool.num_units - used - cached, pool.num_units)
         return out
@@ -532,8 +532,8 @@ class JengaTwoLevel(MemoryOrganization):
                 assert p in self.large_free, f"large page {p} is neither carved nor free"
                 for name in self.pools:
                     base = p * self.per[name]
-                    assert all(self.state[name][u] == _UNCARVED
-                               for u in range(base, base + self.per[name])), (
+                    assert self.state[name][base:base + self.per[name]].count(
+                        _UNCARVED) == self.per[name], (
                         f"free large page {p} has carved {name} small pages")
                 continue
             assert p not in self.large_free, f"carved large page {p} is on the free list"
@@ -541,7 +541,7 @@ class JengaTwoLevel(MemoryOrganization):
                 base = p * self.per[name]
                 states = self.state[name][base:base + self.per[name]]
                 if name != kind:
-                    assert all(s == _UNCARVED for s in states), (
+                    assert states.count(_UNCARVED) == len(states), (
                         f"large page {p} of {kind} also carved for {name}")
                     continue
                 assert _UNCARVED not in states, f"large page {p} of {kind} partly carved"
@@ -554,8 +554,9 @@ class JengaTwoLevel(MemoryOrganization):
                 assert (p in self.open[name]) == (self.used[p] > 0 and self.nfree[p] > 0), (
                     f"page {p} open-list membership")
         for name, pool in self.pools.items():
+            free = set(pool.free)  # (a deque: a membership test walks it)
             for unit, s in enumerate(self.state[name]):
-                assert (unit in pool.free) == (s == _FREE), f"{name} {unit} free-set state"
+                assert (unit in free) == (s == _FREE), f"{name} {unit} free-set state"
                 assert (unit in pool.evictable) == (s == _CACHED), f"{name} {unit} LRU state"
                 owner = self._owner[name][unit]
                 assert (owner is not None) == (s in (_USED, _CACHED)), (
