@@ -73,7 +73,7 @@ def fake_launcher(tmp_path: Path, **kwargs) -> process_launcher.ProcessLauncher:
 # The job timeout the launcher tests use: long enough that a job which only starts Python
 # and prints finishes within it on a loaded machine, short enough that the hanging job's
 # kill does not hold up the suite. The hanging job sleeps far longer.
-JOB_TIMEOUT_S = 10
+JOB_TIMEOUT_S = 3
 
 
 def test_process_launcher_isolates_crashes_exits_and_timeouts(tmp_path):

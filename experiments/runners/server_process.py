@@ -161,7 +161,7 @@ class ServerProcess:
                         return
                 except httpx.HTTPError:
                     pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise ServerError(f"server not healthy after {self.health_timeout_s:g} s "
                           f"(GET {self.base_url or '<no url yet>'}{self.health_path}); "
                           f"command: {' '.join(self.cmd)}")
