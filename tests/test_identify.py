@@ -211,7 +211,7 @@ def test_make_identify_smoke_end_to_end(tmp_path, capsys):
 
     root, reports = tmp_path / "ledgers", tmp_path / "reports"
     cmd = ["make", "--no-print-directory", "identify", "SMOKE=1", f"LEDGER_ROOT={root}",
-           f"REPORT_DIR={reports}", "JOBS=2", "ARGS=--requests 6"]
+           f"REPORT_DIR={reports}", "JOBS=2", f"ARGS=--requests 6 --sweep-dir {tmp_path / 'sweep'}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
@@ -226,6 +226,7 @@ def test_make_identify_smoke_end_to_end(tmp_path, capsys):
     campaigns = set(con.execute("SELECT DISTINCT campaign FROM runs").df().campaign)
     assert all(c.startswith("identify_") and c.endswith("_smoke") for c in campaigns)
     assert check_main([str(root)]) == 0
+    assert any((tmp_path / "sweep").glob("identify_*/*/stdout.log"))  # job logs, not in the repo
     page = (reports / "identify.md").read_text()
     assert "## Search table" in page and "base" in page
     capsys.readouterr()

@@ -217,6 +217,7 @@ class Settings:
     max_iterations: int
     tolerance: float
     quiet: bool = False
+    sweep_dir: Path | None = None  # where the campaigns' Hydra job logs go (not in the key)
 
     def key(self, space: Space) -> str:
         """The search's identity: everything its results depend on but the combination."""
@@ -288,6 +289,8 @@ def run_phase(combo: Combination, phase: str, cells, profile, settings: Settings
                *profile_overrides(profile)]
         if settings.jobs:
             cmd.append(f"hydra.launcher.n_jobs={settings.jobs}")
+        if settings.sweep_dir is not None:
+            cmd.append(f"hydra.sweep.dir={settings.sweep_dir / name}")
         if settings.smoke:
             cmd += ["hydra.sweeper.smoke=true", f"hydra.sweeper.smoke_seeds={settings.seeds}"]
             if settings.requests:
@@ -739,6 +742,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated combination names to run (of the chosen designs)")
     p.add_argument("--jobs", type=int, default=None, help="parallel runs (default: cores)")
     p.add_argument("--iterations", type=int, default=None, help="at most this many fits")
+    p.add_argument("--sweep-dir", type=Path, default=None,
+                   help="folder for the campaigns' job logs (default: Hydra's, "
+                        "outputs/multirun/<campaign>/<time> under the working directory)")
     p.add_argument("--list", action="store_true", help="list the combinations; run nothing")
     p.add_argument("--no-conf", action="store_true",
                    help="do not write conf/calibration/identify.csv and identified.yaml")
@@ -837,7 +843,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds=(args.seeds or 1) if args.smoke else 3,
         requests=(args.requests or 40) if args.smoke else None,
         max_iterations=args.iterations or (1 if args.smoke else space.fit["max_iterations"]),
-        tolerance=float(space.fit["tolerance"]))
+        tolerance=float(space.fit["tolerance"]),
+        sweep_dir=args.sweep_dir.resolve() if args.sweep_dir else None)
     from ledgers.studies import write_study
 
     search = args.search or settings.key(space)
