@@ -24,7 +24,8 @@ def test_make_campaign_arms_smoke(tmp_path):
     root = tmp_path / "ledgers"
     proc = subprocess.run(["make", "-s", "--no-print-directory", "campaign", "C=arms",
                            "SMOKE=1", f"LEDGER_ROOT={root}", "JOBS=2",
-                           f"ARGS=hydra.sweeper.smoke_requests={REQUESTS}"],
+                           f"ARGS=hydra.sweeper.smoke_requests={REQUESTS} "
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -208,7 +208,8 @@ def test_smoke_ledger_of_one_cell_group_and_its_page(tmp_path):
 def test_make_campaign_models_smoke_and_its_page(tmp_path):
     root = tmp_path / "ledgers"
     proc = subprocess.run(["make", "--no-print-directory", "campaign", "C=models", "SMOKE=1",
-                           f"LEDGER_ROOT={root}"], cwd=REPO, capture_output=True, text=True,
+                           f"LEDGER_ROOT={root}", f"ARGS=hydra.sweep.dir={tmp_path / 'sweep'}"],
+                          cwd=REPO, capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     _page_assertions(ledgers.connect(root), regime.MODELS)

@@ -72,7 +72,8 @@ def test_make_campaign_q11_smoke_primary(tmp_path):
     root = tmp_path / "ledgers"
     proc = subprocess.run(["make", "-s", "--no-print-directory", "campaign", "C=q11_state_codec",
                            "SMOKE=1", f"LEDGER_ROOT={root}", "JOBS=2",
-                           "ARGS=hydra.sweeper.only=[primary]"],
+                           "ARGS=hydra.sweeper.only=[primary] "
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
