@@ -88,7 +88,8 @@ def test_one_arm_only_says_what_fills_the_other(tmp_path):
     rc = subprocess.call([sys.executable, "-m", "experiments.run", "-m", "campaign=n0_validate",
                           f"ledger_root={root}", "hydra.sweeper.params.seed=42000",
                           "hydra.sweeper.blocks.vllm.executor=cpu",  # no vLLM: both simulate
-                          "hydra.sweeper.params.budget=b8"],
+                          "hydra.sweeper.params.budget=b8",
+                          f"hydra.sweep.dir={tmp_path / 'sweep'}"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert rc == 0
     con = ledgers.connect(root)
