@@ -280,39 +280,53 @@ def make_server(app, runtime):
     return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
 
 
-def thread_core(args, spec):
-    """(runtime, app, effective rules, runtime settings): the engine in this process,
-    stepped by a thread (`--engine-core thread`)."""
-    from serving_core.server.metrics import cache_config_labels
+def build_served(spec, threads, malloc: str):
+    """(engine, effective rules, runtime settings) as either core builds its engine: the
+    allocator kept, the intra-op threads applied, the engine built and its rules read back.
+    OMP_* must already be in the environment (before torch is imported)."""
     from serving_core.server.process_settings import (
         apply_threads,
         keep_freed_memory,
         runtime_settings,
     )
+
+    torch_kernels = spec.executor.kind == "torch"
+    if torch_kernels and malloc == "keep":
+        keep_freed_memory()
+    apply_threads(threads, load_torch=torch_kernels)
+    engine = build_engine(spec)
+    if not torch_kernels:  # set on a torch the build imported after all (a host tier)
+        apply_threads(threads, load_torch=False)
+    settings = dict(runtime_settings(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""))
+    return engine, engine.effective_rules(), settings
+
+
+def end_records(folder, writer, spec, engine, runtime, effective: dict) -> None:
+    """At shutdown: the records into `folder` (write_records), or, with none asked for,
+    only the trace ended with END."""
+    if folder:
+        write_records(folder, writer, spec, engine, runtime, effective)
+    else:
+        engine.result()
+
+
+def thread_core(args, spec):
+    """(runtime, app, effective rules, runtime settings): the engine in this process,
+    stepped by a thread (`--engine-core thread`)."""
+    from serving_core.server.metrics import cache_config_labels
     from serving_core.server.runtime import EngineRuntime
 
     os.environ.update(omp_env(args.omp_wait))  # before torch is imported
-    torch_kernels = spec.executor.kind == "torch"
-    if torch_kernels and args.malloc == "keep":
-        keep_freed_memory()
-    apply_threads(args.threads, load_torch=torch_kernels)
-    engine = build_engine(spec)
-    if not torch_kernels:  # set on a torch the build imported after all (a host tier)
-        apply_threads(args.threads, load_torch=False)
-    effective = engine.effective_rules()
+    engine, effective, settings = build_served(spec, args.threads, args.malloc)
     runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len,
                             drain=args.drain)
 
     def on_shutdown() -> None:
-        if args.records:
-            write_records(args.records, args.write_records, spec, engine, runtime, effective)
-        else:
-            engine.result()  # ends the trace with END
+        end_records(args.records, args.write_records, spec, engine, runtime, effective)
 
     app = make_app(args, spec, runtime, vocab_size=engine.vocab_size,
                    cache_info=cache_config_labels(engine), on_shutdown=on_shutdown)
-    return runtime, app, effective, dict(runtime_settings(), engine_core="thread",
-                                         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""))
+    return runtime, app, effective, dict(settings, engine_core="thread")
 
 
 def process_core(args, spec):

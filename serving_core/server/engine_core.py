@@ -91,25 +91,12 @@ def _die_with_parent() -> None:
 
 
 def _build(config: dict):
-    """(engine, effective rules, runtime settings) of the spec, as `serve` builds them."""
+    """(spec, engine, effective rules, runtime settings) of the spec, as `serve` builds them."""
     from serving_core.engine_spec import EngineSpec
-    from serving_core.server.__main__ import build_engine
-    from serving_core.server.process_settings import (
-        apply_threads,
-        keep_freed_memory,
-        runtime_settings,
-    )
+    from serving_core.server.__main__ import build_served
 
     spec = EngineSpec.from_json(config["spec"])
-    torch_kernels = spec.executor.kind == "torch"
-    if torch_kernels and config.get("malloc", "keep") == "keep":
-        keep_freed_memory()
-    apply_threads(config.get("threads", 0), load_torch=torch_kernels)
-    engine = build_engine(spec)
-    if not torch_kernels:
-        apply_threads(config.get("threads", 0), load_torch=False)
-    settings = dict(runtime_settings(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""))
-    return spec, engine, engine.effective_rules(), settings
+    return (spec, *build_served(spec, config.get("threads", 0), config.get("malloc", "keep")))
 
 
 def _ready_info(engine, effective: dict, settings: dict) -> dict:
@@ -228,11 +215,8 @@ class _Length:
 
 
 def _write_records(config: dict, spec, engine, runtime, effective: dict) -> None:
-    if not config.get("records"):
-        engine.result()
-        return
-    from serving_core.server.__main__ import write_records
+    from serving_core.server.__main__ import end_records
     from serving_core.server.records_out import load_writer
 
-    write_records(config["records"], load_writer(config["records_writer"]), spec, engine,
-                  runtime, effective)
+    writer = load_writer(config["records_writer"]) if config.get("records") else None
+    end_records(config.get("records"), writer, spec, engine, runtime, effective)
