@@ -186,11 +186,15 @@ def _served_rules(tmp_path: Path, spec: EngineSpec) -> dict:
         return srv.engine_config()
 
 
-# A server process per setting (~0.75 s of CPU each). The default suite serves settings that
-# between them change every rule key (checked below); the rest run with the slow tests. All
-# settings are checked in process above, on both executors.
+# A server process per setting (~1.2 s of CPU and a second or more of boot each). The server's
+# own build path (spec file -> load_spec -> build_engine, what the process runs before it
+# prints its `engine` line) runs in process for every setting; the default suite serves one
+# setting end to end over HTTP (d0_interleave: the most rule keys, a nested value among them)
+# and the others with the slow tests. The settings built by default through the server's path
+# between them change every rule key (checked below).
 SERVED_BY_DEFAULT = ("first_chunk", "survival", "cap_f_pin", "retention", "d0_aligned",
                      "split_last", "d0_interleave", "n0_junction_retention", "s2_optimal_m")
+SERVED_OVER_HTTP_BY_DEFAULT = ("d0_interleave",)
 
 
 def test_served_settings_of_the_default_suite_change_every_rule():
@@ -199,7 +203,26 @@ def test_served_settings_of_the_default_suite_change_every_rule():
     assert changed == set(RULE_KEYS)
 
 
-@pytest.mark.parametrize("name", [n if n in SERVED_BY_DEFAULT else
+def _server_build_rules(tmp_path: Path, spec: EngineSpec) -> dict:
+    """The rules of the engine the server builds from `spec` written to a spec file, in
+    process (serving_core/server/__main__.py: load_spec, with_host_tier, build_engine)."""
+    from serving_core.server.__main__ import build_engine as server_build
+    from serving_core.server.__main__ import load_spec, with_host_tier
+
+    path = tmp_path / "spec.json"
+    path.write_text(spec.to_json())
+    return server_build(with_host_tier(load_spec(str(path)), None)).effective_rules()
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_paced_server_build_path_runs_the_configured_rules(name, tmp_path):
+    overrides, expected = SETTINGS[name]
+    effective = _server_build_rules(tmp_path, server_spec([*TINY, *overrides]))
+    assert _rules(effective) == expected
+    assert (effective["executor"], effective["step_model"]) == ("paced", "additive")
+
+
+@pytest.mark.parametrize("name", [n if n in SERVED_OVER_HTTP_BY_DEFAULT else
                                   pytest.param(n, marks=pytest.mark.slow)
                                   for n in sorted(SETTINGS)])
 def test_paced_server_runs_the_configured_rules(name, tmp_path):
@@ -231,12 +254,7 @@ def test_torch_server_runs_the_configured_rules(name, tmp_path, tiny_checkpoint)
 @pytest.mark.parametrize("name", ["first_chunk", "slab_refill", "n0", "n0_junction_retention"])
 def test_torch_server_build_path_runs_the_configured_rules(name, tmp_path, tiny_checkpoint):
     """The server's build from a spec file, in process: the rules the served engine runs."""
-    from serving_core.server.__main__ import build_engine as server_build
-    from serving_core.server.__main__ import load_spec, with_host_tier
-
-    path = tmp_path / "spec.json"
-    path.write_text(_torch_spec(name, tiny_checkpoint).to_json())
-    effective = server_build(with_host_tier(load_spec(str(path)), None)).effective_rules()
+    effective = _server_build_rules(tmp_path, _torch_spec(name, tiny_checkpoint))
     assert _rules(effective) == SETTINGS[name][1]
     assert effective["executor"] == "torch"
 
