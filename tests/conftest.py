@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -279,10 +280,30 @@ def attention_only():
     return load_geometry("attention_only")
 
 
-def _build_tiny(directory: Path) -> Path:
-    from serving_core.model.make_tiny import build
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-    return build(directory / "falcon_h1_tiny", "falcon_h1_tiny", seed=0)
+
+def _build_tiny_checkpoint(tmp_path_factory, name: str, preset: str) -> Path:
+    """`make_tiny.build(<shared>/<name>/<preset>, preset, seed=0)` once per test run, its
+    llama3 tokenizer files copied from one build shared by every tiny checkpoint (the same
+    files `build` writes itself: building the tokenizer is about 2 CPU s a checkpoint)."""
+    from serving_core.model.make_tiny import LLAMA3_VOCAB, build
+
+    def make(directory: Path) -> Path:
+        out = build(directory / preset, preset, seed=0, tokenizer=False)
+        if json.loads((out / "config.json").read_text())["vocab_size"] == LLAMA3_VOCAB:
+            tokenizer = build_once(tmp_path_factory, "llama3_tokenizer", _build_tokenizer)
+            for file in TOKENIZER_FILES:
+                shutil.copyfile(tokenizer / file, out / file)
+        return out
+
+    return build_once(tmp_path_factory, name, make)
+
+
+def _build_tokenizer(directory: Path) -> Path:
+    from serving_core.model.hf_tokenizer import write_tokenizer
+
+    return write_tokenizer(directory)
 
 
 @pytest.fixture(scope="session")
@@ -290,7 +311,7 @@ def tiny_checkpoint(tmp_path_factory):
     """A random-weight tiny Falcon-H1 checkpoint (conf/model/falcon_h1_tiny.yaml), built
     offline with transformers' FalconH1 classes once per test run (shared by the workers;
     read-only: a test that needs a changed copy makes one)."""
-    return build_once(tmp_path_factory, "tiny_checkpoint", _build_tiny)
+    return _build_tiny_checkpoint(tmp_path_factory, "tiny_checkpoint", "falcon_h1_tiny")
 
 
 @pytest.fixture(scope="session")
@@ -301,18 +322,13 @@ def tiny_model(tiny_checkpoint):
     return FalconH1.load(tiny_checkpoint)
 
 
-def _build_granite_tiny(directory: Path) -> Path:
-    from serving_core.model.make_tiny import build
-
-    return build(directory / "granite_hybrid_tiny", "granite_hybrid_tiny", seed=0)
-
-
 @pytest.fixture(scope="session")
 def granite_tiny_checkpoint(tmp_path_factory):
     """A random-weight tiny Granite-4.0-H-style checkpoint (conf/model/granite_hybrid_tiny.yaml:
     attention in one layer of four, Mamba2 in three, MoE), built offline with transformers'
     GraniteMoeHybridForCausalLM once per test run (shared by the workers; read-only)."""
-    return build_once(tmp_path_factory, "granite_tiny_checkpoint", _build_granite_tiny)
+    return _build_tiny_checkpoint(tmp_path_factory, "granite_tiny_checkpoint",
+                                  "granite_hybrid_tiny")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Greedy generation through the engine on the tiny checkpoint equals transformers.
 
 The reference is transformers' own FalconH1ForCausalLM (fp32, torch-native path, its own
-cache) run token by token on each prompt alone. Our engine serves the same prompts with
+cache) generating greedily on each prompt alone. Our engine serves the same prompts with
 the model's KV and recurrent state in the organization's units, and must produce the same
 32 tokens for every request: for S0, S1, S2 and D0, when a later request adopts the
 shared-prefix checkpoint a first one published, when a tiny budget forces preemption and
@@ -10,11 +10,8 @@ resumption, and when prefill is chunked at sizes that do not align with the inte
 
 from __future__ import annotations
 
-import os
-
 import engines
 import pytest
-import torch
 
 OUTPUT_TOKENS = 32
 # Prompts: a shared document plus a question. S orgs: a 1,000-token document (checkpoints at
@@ -26,26 +23,10 @@ LONG = (1800, (10, 15))
 
 
 def _transformers_greedy(checkpoint, prompts):
-    """transformers' greedy continuation of each prompt alone (EOS ignored)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import FalconH1ForCausalLM
-
-    net = FalconH1ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    out = []
-    # logits_to_keep=1: the last position's logits only, as transformers' generate() asks
-    # for them (the prompt's other 1,000-odd rows of the 128k-vocabulary head were 40 % of
-    # the reference's CPU, and greedy decoding never reads them).
-    with torch.inference_mode():
-        for prompt in prompts:
-            step = net(torch.tensor([prompt.tolist()]), use_cache=True, logits_to_keep=1)
-            tokens = []
-            for _ in range(OUTPUT_TOKENS):
-                tok = int(step.logits[0, -1].argmax())
-                tokens.append(tok)
-                step = net(torch.tensor([[tok]]), past_key_values=step.past_key_values,
-                           use_cache=True, logits_to_keep=1)
-            out.append(tokens)
-    return out
+    """transformers' greedy continuation of each prompt alone (`generate`, EOS ignored):
+    the same tokens as feeding it token by token with its cache, in 70 % of the CPU."""
+    return engines.transformers_generate("FalconH1ForCausalLM", checkpoint, prompts,
+                                         OUTPUT_TOKENS)[0]
 
 
 prompts, long_prompts, reference, long_reference = engines.reference_fixtures(
