@@ -682,6 +682,7 @@ class ReuseWatch:
         recorder.on_slab_hook = self.at_slab
         driver.on_allocate = self.at_allocate
         self.num_cross_invalidated = 0
+        self._held: dict[int, tuple] = {}  # oid -> (its placement, the storage it names)
 
     def at_loss(self, obj: StateObject, cause: int) -> None:
         mem = self.mem
@@ -704,6 +705,20 @@ class ReuseWatch:
         )
         self.num_cross_invalidated += invalidated
 
+    def held(self, entry: StateObject) -> frozenset:
+        """The storage `entry` was published on (built once per placement the driver
+        recorded, not once per allocation: the check's hot path)."""
+        placed = self.driver.placement[entry.oid]
+        known = self._held.get(entry.oid)
+        if known is not None and known[0] is placed:
+            return known[1]
+        held = {(entry.pool, u) for u in placed.units}
+        if placed.slab_page != NO_SLOT:
+            held.add(("slot", placed.slab_page, placed.slot))
+            held.add(("shared", placed.slab_page))  # its slab page
+        self._held[entry.oid] = (placed, frozenset(held))
+        return self._held[entry.oid][1]
+
     def at_allocate(self, obj: StateObject) -> None:
         """The new object's storage is not where any discoverable entry was published."""
         mem = self.mem
@@ -712,12 +727,8 @@ class ReuseWatch:
             taken.add(("slot", obj.slab_page, obj.slot))
         for table in (mem.cache.attention, mem.cache.checkpoints):
             for entry in table.values():
-                placed = self.driver.placement[entry.oid]
-                held = {(entry.pool, u) for u in placed.units}
-                if placed.slab_page != NO_SLOT:
-                    held.add(("slot", placed.slab_page, placed.slot))
-                    held.add(("shared", placed.slab_page))  # its slab page
-                assert not taken & held, (
+                held = self.held(entry)
+                assert taken.isdisjoint(held), (
                     f"{obj} got {sorted(taken & held, key=str)} while {entry} is still cached there"
                 )
 
