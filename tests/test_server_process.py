@@ -186,6 +186,11 @@ def test_records_go_through_the_writer_the_launcher_names(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(message) and len(err.strip().splitlines()) == 1
     assert not rec.exists()
+    from serving_core.server.__main__ import _check, parser
+
+    args = parser().parse_args(["--spec", "s.json"])  # no records: the shutdown's writer is
+    _check(args)  # None (it was unset, and a server without --records failed at shutdown)
+    assert args.write_records is None
     cmd = hsl_server_command(spec="s.json", records=str(rec))
     assert cmd[cmd.index("--records-writer") + 1] == RECORDS_WRITER
     import pyarrow.parquet as pq

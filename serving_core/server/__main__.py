@@ -103,6 +103,7 @@ def _check(args) -> None:
     if args.records and not args.records_writer:
         raise UsageError("--records: needs --records-writer MODULE:FUNCTION (python -m "
                          "experiments.serve passes the ledger's writer)")
+    args.write_records = None  # no records asked for: the shutdown only ends the trace
     if args.records:
         from serving_core.server.records_out import load_writer
 
