@@ -58,18 +58,26 @@ def _check_pools(mem: MemoryOrganization) -> None:
         for unit in pool.evictable:
             assert _is_id(unit, n), f"pool {name}: evictable unit {unit!r} is not an id in [0, {n})"
             assert unit not in free, f"pool {name}: unit {unit} is both free and evictable"
+        evictable, live = pool.evictable, mem.live
         for unit in range(n):
             owner = owners[unit]
             if carved is not None and not carved(name, unit):
-                assert owner is None and unit not in free and unit not in pool.evictable, (
+                assert owner is None and unit not in free and unit not in evictable, (
                     f"pool {name}: uncarved unit {unit} is in use, free or evictable")
                 continue
             if unit in free:
                 assert owner is None, f"pool {name}: free unit {unit} still owned by {owner!r}"
                 continue
-            if owner is None and mem.queued_siblings and unit in pool.evictable:
+            if owner is None and mem.queued_siblings and unit in evictable:
                 continue  # an evicted composite's other unit, queued until taken
-            _check_owner(mem, name, unit, owner, unit in pool.evictable, slabs)
+            # _check_owner's checks of an object's unit as one expression (the hot path);
+            # any of them false, _check_owner names the first that fails
+            if (type(owner) is StateObject and live.get(owner.oid) is owner and owner.valid
+                    and owner.pool == name and unit in owner.units
+                    and ((owner.ref_count == 0 and owner.cached) if unit in evictable
+                         else owner.ref_count > 0)):
+                continue
+            _check_owner(mem, name, unit, owner, unit in evictable, slabs)
 
 
 def _check_owner(mem: MemoryOrganization, name: str, unit: int, owner, evictable: bool,
@@ -150,11 +158,13 @@ def _check_objects(mem: MemoryOrganization) -> int:
     composite_units = mem.units_per_composite()
     # (units, owner table) per pool, looked up once: this loop runs over every live object
     tables = {name: (pool.num_units, mem._owner[name]) for name, pool in mem.pools.items()}
+    attention_pool, composite_pool = mem.attention_pool, mem.composite_pool
+    no_slots = getattr(mem, "slabs", None) is None  # _check_slot of every object: no slot
     for oid, obj in mem.live.items():
         assert obj.oid == oid, f"live table maps {oid} to {obj}"
         assert obj.valid, f"invalid {obj} still live"
         attention = obj.kind == Kind.ATTENTION
-        expected_pool = mem.attention_pool if attention else mem.composite_pool
+        expected_pool = attention_pool if attention else composite_pool
         assert obj.pool == expected_pool, (
             f"{obj} lives in pool {obj.pool}, expected {expected_pool}"
         )
@@ -169,7 +179,7 @@ def _check_objects(mem: MemoryOrganization) -> int:
             assert owners[unit] is obj, (
                 f"invariant 3: unit {unit} of {obj} is owned by {owners[unit]!r}"
             )
-        assert len(set(obj.units)) == len(obj.units), f"{obj} lists a unit twice"
+        assert want == 1 or len(set(obj.units)) == want, f"{obj} lists a unit twice"
         assert obj.ref_count >= 0, f"{obj} has a negative reference count"
         if obj.ref_count == 0:
             assert obj.cached, f"unreferenced unpublished {obj} still holds storage"
@@ -180,8 +190,13 @@ def _check_objects(mem: MemoryOrganization) -> int:
             assert table.get(obj.key) is obj or any(
                 c is obj for c in mem.cache.copies.get((checkpoint, obj.key), ())), (
                 f"cached {obj} is not the entry of its key {obj.key} (nor a copy of it)")
-        _check_slot(mem, obj)
-        if obj.kind == Kind.COMPOSITE:
+        if no_slots or attention:  # _check_slot's first case, inlined
+            assert obj.slab_page == NO_SLOT and obj.slot == NO_SLOT, (
+                f"invariant 4: {obj} has a conv slot in an organization without slots"
+            )
+        else:
+            _check_slot(mem, obj)
+        if not attention:
             line = mem.conv_line(obj)
             assert line >= 0, f"invariant 4: live composite {obj} reports no conv state"
             for page in mem.ssm_member_pages(obj):
