@@ -155,53 +155,71 @@ def _check_slot(mem: MemoryOrganization, obj: StateObject) -> None:
 def _check_objects(mem: MemoryOrganization) -> int:
     """Every live object owns exactly its units; returns the number of cached objects."""
     num_cached = 0
-    composite_units = mem.units_per_composite()
     # (units, owner table) per pool, looked up once: this loop runs over every live object
     tables = {name: (pool.num_units, mem._owner[name]) for name, pool in mem.pools.items()}
-    attention_pool, composite_pool = mem.attention_pool, mem.composite_pool
+    composite_units = mem.units_per_composite()
     no_slots = getattr(mem, "slabs", None) is None  # _check_slot of every object: no slot
+    attention, pool, entries = Kind.ATTENTION, mem.attention_pool, mem.cache.attention
+    n, owners = tables[pool]
     for oid, obj in mem.live.items():
-        assert obj.oid == oid, f"live table maps {oid} to {obj}"
-        assert obj.valid, f"invalid {obj} still live"
-        attention = obj.kind == Kind.ATTENTION
-        expected_pool = attention_pool if attention else composite_pool
-        assert obj.pool == expected_pool, (
-            f"{obj} lives in pool {obj.pool}, expected {expected_pool}"
-        )
-        want = 1 if attention else composite_units
-        assert len(obj.units) == want, (
-            f"invariant 1: {obj} holds {len(obj.units)} units, needs {want}"
-        )
-        n, owners = tables[obj.pool]
-        for unit in obj.units:  # _is_id inlined
-            assert type(unit) is int and 0 <= unit < n, (
-                f"invariant 4: unit {unit!r} of {obj} is not an id in [0, {n})")
-            assert owners[unit] is obj, (
-                f"invariant 3: unit {unit} of {obj} is owned by {owners[unit]!r}"
-            )
-        assert want == 1 or len(set(obj.units)) == want, f"{obj} lists a unit twice"
-        assert obj.ref_count >= 0, f"{obj} has a negative reference count"
-        if obj.ref_count == 0:
-            assert obj.cached, f"unreferenced unpublished {obj} still holds storage"
-        if obj.cached:
-            num_cached += 1
-            checkpoint = obj.kind == Kind.COMPOSITE
-            table = mem.cache.checkpoints if checkpoint else mem.cache.attention
-            assert table.get(obj.key) is obj or any(
-                c is obj for c in mem.cache.copies.get((checkpoint, obj.key), ())), (
-                f"cached {obj} is not the entry of its key {obj.key} (nor a copy of it)")
-        if no_slots or attention:  # _check_slot's first case, inlined
-            assert obj.slab_page == NO_SLOT and obj.slot == NO_SLOT, (
-                f"invariant 4: {obj} has a conv slot in an organization without slots"
-            )
-        else:
-            _check_slot(mem, obj)
-        if not attention:
-            line = mem.conv_line(obj)
-            assert line >= 0, f"invariant 4: live composite {obj} reports no conv state"
-            for page in mem.ssm_member_pages(obj):
-                assert _is_id(page, n), f"invariant 4: SSM member page {page!r} of {obj}"
+        # _check_object's checks of an attention block that is the entry of its key (if
+        # cached) as one expression, the hot path; else the object's checks one by one
+        units = obj.units
+        if (obj.kind == attention and obj.oid == oid and obj.valid and obj.pool == pool
+                and len(units) == 1 and type(units[0]) is int and 0 <= units[0] < n
+                and owners[units[0]] is obj and obj.slab_page == NO_SLOT
+                and obj.slot == NO_SLOT and (obj.ref_count > 0 or (obj.ref_count == 0
+                                                                  and obj.cached))
+                and (not obj.cached or entries.get(obj.key) is obj)):
+            num_cached += obj.cached
+            continue
+        num_cached += _check_object(mem, oid, obj, tables, composite_units, no_slots)
     return num_cached
+
+
+def _check_object(mem: MemoryOrganization, oid: int, obj: StateObject, tables: dict,
+                  composite_units: int, no_slots: bool) -> bool:
+    """One live object owns exactly its units; whether it is cached."""
+    assert obj.oid == oid, f"live table maps {oid} to {obj}"
+    assert obj.valid, f"invalid {obj} still live"
+    attention = obj.kind == Kind.ATTENTION
+    expected_pool = mem.attention_pool if attention else mem.composite_pool
+    assert obj.pool == expected_pool, (
+        f"{obj} lives in pool {obj.pool}, expected {expected_pool}"
+    )
+    want = 1 if attention else composite_units
+    assert len(obj.units) == want, (
+        f"invariant 1: {obj} holds {len(obj.units)} units, needs {want}"
+    )
+    n, owners = tables[obj.pool]
+    for unit in obj.units:  # _is_id inlined
+        assert type(unit) is int and 0 <= unit < n, (
+            f"invariant 4: unit {unit!r} of {obj} is not an id in [0, {n})")
+        assert owners[unit] is obj, (
+            f"invariant 3: unit {unit} of {obj} is owned by {owners[unit]!r}"
+        )
+    assert want == 1 or len(set(obj.units)) == want, f"{obj} lists a unit twice"
+    assert obj.ref_count >= 0, f"{obj} has a negative reference count"
+    if obj.ref_count == 0:
+        assert obj.cached, f"unreferenced unpublished {obj} still holds storage"
+    if obj.cached:
+        checkpoint = obj.kind == Kind.COMPOSITE
+        table = mem.cache.checkpoints if checkpoint else mem.cache.attention
+        assert table.get(obj.key) is obj or any(
+            c is obj for c in mem.cache.copies.get((checkpoint, obj.key), ())), (
+            f"cached {obj} is not the entry of its key {obj.key} (nor a copy of it)")
+    if no_slots or attention:  # _check_slot's first case, inlined
+        assert obj.slab_page == NO_SLOT and obj.slot == NO_SLOT, (
+            f"invariant 4: {obj} has a conv slot in an organization without slots"
+        )
+    else:
+        _check_slot(mem, obj)
+    if not attention:
+        line = mem.conv_line(obj)
+        assert line >= 0, f"invariant 4: live composite {obj} reports no conv state"
+        for page in mem.ssm_member_pages(obj):
+            assert _is_id(page, n), f"invariant 4: SSM member page {page!r} of {obj}"
+    return obj.cached
 
 
 def _check_cache(mem: MemoryOrganization, num_cached: int) -> None:
