@@ -142,7 +142,7 @@ def test_restart_on_the_same_port_right_after_sigkill(tag, tmp_path):
         assert restarted_after < 1.0  # started within a second of the kill
 
 
-def test_bad_arguments_exit_2_with_one_line(tag, tmp_path):
+def test_bad_arguments_exit_2_with_one_line(tag, tmp_path, capsys):
     serve = [sys.executable, "-m", "experiments.serve", "model=falcon_h1_tiny", "budget=b63",
              "--port", "0"]
     res = _run([*serve, "org=s7"])
@@ -152,20 +152,29 @@ def test_bad_arguments_exit_2_with_one_line(tag, tmp_path):
     res = _run([*serve, "org=s2", "executor=torch", f"executor.checkpoint={tmp_path / 'none'}"])
     assert res.returncode == 2 and "not a directory" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
-    # The server itself: a spec file that is not a spec.
+    # The server itself, in process (`python -m serving_core.server` exits with main's
+    # status; test_port_in_use_fails_with_exit_2 runs it as a process): a spec file that is
+    # not a spec, an unknown engine core, an unknown OpenMP wait.
+    from serving_core.server.__main__ import main as server_main
+
+    def server(argv: list[str]) -> tuple[int, str]:
+        capsys.readouterr()
+        code = server_main(argv)
+        return code, capsys.readouterr().err
+
     bad = tmp_path / "spec.json"
     bad.write_text('{"org": "s2", "budget": "b63", "model": {}, "colour": 1}')
-    res = _run([sys.executable, "-m", "serving_core.server", "--spec", str(bad), "--port", "0"])
-    assert res.returncode == 2
-    assert res.stderr.strip().startswith(f"error: --spec={str(bad)!r}: engine spec: unknown "
-                                         "keys ['colour']")
-    res = _run([*_sim_cmd(tmp_path / "rec"), "--engine-core", "fork"])
-    assert res.returncode == 2
-    assert res.stderr.strip() == ("error: --engine-core='fork': allowed values are thread, "
-                                  "process")
-    res = _run([*_sim_cmd(tmp_path / "rec"), "--omp-wait", "spin"])
-    assert res.returncode == 2
-    assert res.stderr.strip() == "error: --omp-wait='spin': allowed values are default, passive"
+    code, err = server(["--spec", str(bad), "--port", "0"])
+    assert code == 2
+    assert err.strip().startswith(f"error: --spec={str(bad)!r}: engine spec: unknown "
+                                  "keys ['colour']")
+    sim_args = _sim_cmd(tmp_path / "rec")[3:]  # after `python -m serving_core.server`
+    code, err = server([*sim_args, "--engine-core", "fork"])
+    assert code == 2
+    assert err.strip() == "error: --engine-core='fork': allowed values are thread, process"
+    code, err = server([*sim_args, "--omp-wait", "spin"])
+    assert code == 2
+    assert err.strip() == "error: --omp-wait='spin': allowed values are default, passive"
     assert not (tmp_path / "rec").exists()
 
 
