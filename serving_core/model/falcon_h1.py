@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from serving_core.model import mamba
 from serving_core.model.config import head_dim, mamba_head_dim, mamba_inner, read_config
+from serving_core.model.head_rows import pad_rows
 from serving_core.model.paged_attention import fused_decode_attention
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -274,13 +275,13 @@ class FalconH1:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (..., V) fp32 of final hidden states (..., D)."""
         last = rms_norm(h, self.w["model.final_layernorm.weight"], self.eps)
-        rows = last.reshape(-1, last.shape[-1])
+        rows = pad_rows(last.reshape(-1, last.shape[-1]))  # batch-invariant rows
         w = self.w["lm_head.weight"]
         out = torch.empty(rows.shape[0], w.shape[0], dtype=rows.dtype, device=rows.device)
         for v in range(0, w.shape[0], HEAD_VOCAB_BLOCK):  # (n, V): scaled in place, no copy
             torch.matmul(rows, w[v : v + HEAD_VOCAB_BLOCK].t(),
                          out=out[:, v : v + HEAD_VOCAB_BLOCK])
-        out = out.view(*last.shape[:-1], w.shape[0])
+        out = out[: last[..., 0].numel()].view(*last.shape[:-1], w.shape[0])
         return out.mul_(self.mult["lm_head_multiplier"]).float()
 
     def _attention(self, i, x, cos, sin, io: StateIO) -> torch.Tensor:
