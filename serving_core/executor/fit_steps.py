@@ -91,8 +91,8 @@ def predict_steps(geometry: Geometry, profile: DeviceProfile | str, org: str,
                   steps: Mapping[str, Sequence]) -> np.ndarray:
     """Durations of the rows of a steps table under an additive `profile` (the fitted
     equation above; its paged-state gathers, state_page_s and conv_slot_s, per scheduled
-    sequence). Where the table holds what the simulator ran (no KV page term, chunks below
-    the logits block), it returns the simulated durations."""
+    sequence). Where the table holds what the simulator ran (no KV page term), it returns
+    the simulated durations."""
     model = AdditiveStepModel(geometry, replace(load_device_profile(profile),
                                                 step_model="additive"), org)
     dev = model.device

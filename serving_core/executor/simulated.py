@@ -553,11 +553,13 @@ class AdditiveStepModel:
         passes = np.where(d < self.logit_block_rows, d, np.minimum(d, 1)) + num_chunks
         return passes, d + num_chunks
 
-    def logit_seconds(self, num_sampling):
-        """Seconds of the step's LM head: logit_gemm_s per weight pass plus logit_row_s per
-        padded row (`logit_counts`)."""
-        passes, rows = self.logit_counts(num_sampling)
-        return self._logit_gemm_s * passes + self._logit_row_s * rows
+    def logit_seconds(self, num_sampling: int) -> float:
+        """Seconds of the step's LM head (`logit_counts`, in plain integers: once a step):
+        logit_gemm_s for its one pass plus logit_row_s per padded row; 0 without a head."""
+        if not num_sampling:
+            return 0.0
+        block = self.logit_block_rows
+        return self._logit_gemm_s + self._logit_row_s * block * -(-num_sampling // block)
 
     def ledger_logit_counts(self, steps, num, dec):
         """(passes, rows) per steps-ledger row: from num_sampling where the row has it; the
