@@ -288,8 +288,8 @@ class TorchExecutor:
         forward completes its request's known tokens; a chunk inside a prompt samples
         nothing), then each forward's items sampled in order. The 128,256-wide head reads
         its whole weight per product, so a prefill's single row cost about what 64 decode
-        rows did. On the CPU measured (MKL), a row's logits are the same bits in any product of
-        4 or more rows and within 1 ulp of a product of 1-3 (docs/benchmarks.md)."""
+        rows did. The head pads its rows (serving_core/model/head_rows.py), so a row's logits
+        are the same bits whatever else samples in the step (docs/benchmarks.md)."""
         picks = [(h[i], it) for h, items in heads for i, it in enumerate(items)
                  if it.context + it.num_new == it.req.num_tokens]
         if not picks:
