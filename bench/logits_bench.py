@@ -1,12 +1,14 @@
 """The LM-head GEMM alone at the tiny Falcon-H1's shapes: seconds against logits rows.
 
-The torch executor computes one logits row per scheduled item, one GEMM per forward: the
-decode batch's rows together, each prefill group's rows together (serving_core/executor/
-torch_executor.py, serving_core/model/falcon_h1.py `forward`). At the tiny model's width
-(hidden 128) and vocabulary (128,256) that GEMM reads a 64-MiB fp32 weight per call, so its
-cost per call and per row is what the step model's logits terms (logit_gemm_s,
+The torch executor runs one head product per step over the rows that sample (decode rows
+and prefill chunks that complete their prompt; serving_core/executor/torch_executor.py
+`_sample_heads`), in vocabulary blocks over rows padded to a multiple of 4
+(serving_core/model/falcon_h1.py `head`, serving_core/model/head_rows.py). At the tiny
+model's width (hidden 128) and vocabulary (128,256) it reads a 64-MiB fp32 weight per call,
+so its cost per call and per row is what the step model's logits terms (logit_gemm_s,
 logit_row_s, logit_block_rows in serving_core/executor/profiles.py) describe. This bench
-times `F.linear(x, W) * m` with x (rows, hidden), for rows 1..MAX, as the model runs it, and
+times the model's `head` (`--head model`, the default; `--head linear`: one `F.linear(x, W)
+* m`, the head before blocks and padding) with x (rows, hidden), for rows 1..MAX, and
 fits gemm_s + row_s x rows, with rows as they are and rounded up to blocks of 2, 4 and 8,
 by least squares, and the step model's form (one pass over the weight per row below a
 block of rows, one per GEMM from it on, plus a cost per row) for blocks of 2, 4 and 8; it
@@ -34,18 +36,30 @@ HIDDEN, VOCAB = 128, 128_256  # conf/model/falcon_h1_tiny.yaml
 BLOCKS = (1, 2, 4, 8)
 
 
-def time_rows(row_counts: np.ndarray, weight: torch.Tensor, reps: int) -> dict[int, list]:
-    """Thread CPU seconds of one logits GEMM per row count, `reps` times each, the counts
+def model_head(weight: torch.Tensor):
+    """FalconH1.head itself over `weight` (a unit final norm, multiplier 0.5)."""
+    from types import SimpleNamespace
+
+    from serving_core.model.falcon_h1 import FalconH1
+
+    model = SimpleNamespace(w={"model.final_layernorm.weight": torch.ones(weight.shape[1]),
+                               "lm_head.weight": weight}, eps=1e-5,
+                            mult={"lm_head_multiplier": 0.5})
+    return lambda x: FalconH1.head(model, x)
+
+
+def time_rows(row_counts: np.ndarray, head, hidden: int, reps: int) -> dict[int, list]:
+    """Thread CPU seconds of one head product per row count, `reps` times each, the counts
     in a new random order every repetition (a drift of the machine spreads over all)."""
     rng = np.random.default_rng(0)
     times: dict[int, list] = {int(r): [] for r in row_counts}
-    inputs = {r: torch.randn(r, weight.shape[1]) for r in times}
+    inputs = {r: torch.randn(r, hidden) for r in times}
     with torch.inference_mode():
-        F.linear(inputs[min(times)], weight)  # warm
+        head(inputs[min(times)])  # warm
         for _ in range(reps):
             for r in rng.permutation(list(times)):
                 t0 = time.thread_time()
-                (F.linear(inputs[int(r)], weight) * 0.5).float()
+                head(inputs[int(r)])
                 times[int(r)].append(time.thread_time() - t0)
     return times
 
@@ -79,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rows", type=int, default=48)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--head", choices=("model", "linear"), default="model")
     args = p.parse_args(argv)
     for name in ("max_rows", "reps", "threads"):
         if getattr(args, name) < 1:
@@ -87,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     weight = torch.randn(VOCAB, HIDDEN) * 0.02
     rows = np.arange(1, args.max_rows + 1, dtype=np.float64)
-    times = time_rows(rows.astype(int), weight, args.reps)
+    head = (model_head(weight) if args.head == "model"
+            else lambda x: (F.linear(x, weight) * 0.5).float())
+    times = time_rows(rows.astype(int), head, HIDDEN, args.reps)
     seconds = np.array([min(times[int(r)]) for r in rows])
     medians = np.array([float(np.median(times[int(r)])) for r in rows])
     fits = [fit_form(rows, seconds, b) for b in BLOCKS]
@@ -109,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
               f"max {f['max_abs_rel_error']:.3f}")
     fits = fits + passes
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"hidden": HIDDEN, "vocab": VOCAB, "threads": args.threads, "reps": args.reps,
+    out = {"hidden": HIDDEN, "vocab": VOCAB, "head": args.head, "threads": args.threads,
+           "reps": args.reps,
            "rows": rows.astype(int).tolist(), "seconds_min": seconds.tolist(),
            "seconds_median": medians.tolist(), "fits": fits}
     (RESULTS / "logits.json").write_text(json.dumps(out, indent=2))

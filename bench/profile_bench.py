@@ -15,7 +15,8 @@ Categories:
   attention                  FalconH1._attention (projections, RoPE, scores, softmax, o_proj)
   mamba mixer (decode)       FalconH1._mamba in decode batches (projections, conv, state update)
   mamba mixer (prefill)      FalconH1._mamba in prefill chunks (projections, conv, SSD scan)
-  MLP, norms, LM head        the rest of FalconH1.forward (incl. the 128,256-wide projection)
+  MLP, norms, LM head        the rest of FalconH1.forward and FalconH1.head (the step's one
+                             128,256-wide projection over the rows that sample)
   executor other             execute/commit outside the model (ids, argmax sampling, commit)
 
 Each category also gets its system CPU seconds and the minor page faults taken on the
@@ -117,6 +118,7 @@ def install_hooks(timer: _Timer) -> list[tuple]:
         (tx.TorchExecutor, "execute", "executor other"),
         (tx.TorchExecutor, "commit", "executor other"),
         (FalconH1, "forward", "MLP, norms, LM head"),
+        (FalconH1, "head", "MLP, norms, LM head"),  # the step's one head, from execute
         (FalconH1, "_attention", "attention"),
         (FalconH1, "_mamba", _mixer_kind),
     ]

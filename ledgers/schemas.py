@@ -219,6 +219,9 @@ _STEPS = [
     _f("prefill_attention_pairs", _I, "count",
        "Causal (query, key) pairs of the prefill chunks: sum of n c + n (n + 1) / 2."),
     _f("checkpoint_writes", _I, "count", "Recurrent checkpoints the step's chunks publish."),
+    _f("num_sampling", _I, "count",
+       "Scheduled items that sample a token (decode sequences and chunks that complete their "
+       "known tokens): the rows of the step's one LM-head product."),
 ]
 
 _RUNS = [

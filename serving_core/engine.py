@@ -322,6 +322,7 @@ class Engine:
             num_preempted=num_preempted,
             num_admitted=num_admitted,
             **sched.plan_columns(plan, crossings),
+            num_sampling=len(produced),
         )
         self._poll()
         return StepOutcome(sched.step, t0, dt, len(plan), produced, finished, out.logprobs,

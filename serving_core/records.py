@@ -35,7 +35,7 @@ STEP_COLUMNS = (
     "step", "t_start_s", "duration_s", "num_scheduled", "num_running", "num_waiting",
     "prefill_tokens_initial", "prefill_tokens_resume", "decode_tokens", "num_preempted",
     "num_admitted", "num_decode_seqs", "decode_context_tokens", "prefill_attention_pairs",
-    "checkpoint_writes",
+    "checkpoint_writes", "num_sampling",
 )
 POLLER_COLUMNS = (
     "t_s", "pool", "running", "waiting", "units_used", "units_cached", "units_free",

@@ -158,3 +158,35 @@ def test_findings_say_in_words_what_the_tables_show():
                     ("S2", "b8", 1): 11.0, ("S2", "b8", 2): 11.5}, "t")
     line = fa.findings(fa.cell_table(noisy, noisy), fa.rankings(noisy, noisy))[-1]
     assert line.startswith("At b8 the real runs' 95 % intervals separate no pair")
+
+
+class _FakeLedger:
+    """ledgers.connect's answer for real_runs: the runs query, then the steps query (a
+    DataFrame, or a DuckDB binder error where no file has the column)."""
+
+    def __init__(self, steps):
+        self.answers = [pd.DataFrame({"run_id": ["r1", "r2"], "org": ["S0", "S2"],
+                                      "executor": ["torch", "torch"],
+                                      "created_at": ["a", "b"]}), steps]
+
+    def execute(self, sql, params=None):
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return type("Result", (), {"df": lambda _self: answer})()
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("sampling", [[1.0, math.nan], "absent"])
+def test_real_runs_without_num_sampling_are_refused(monkeypatch, sampling):
+    """Real runs of the executor before the one LM head per step (no num_sampling: NaN in a
+    root that unites both, a binder error where no file has it) are not fitted."""
+    import duckdb
+
+    steps = (duckdb.BinderException("num_sampling") if sampling == "absent" else
+             pd.DataFrame({"run_id": ["r1", "r2"], "step": [1, 1], "num_sampling": sampling}))
+    monkeypatch.setattr(fe.ledgers, "connect", lambda root: _FakeLedger(steps))
+    with pytest.raises(ValueError, match="without num_sampling.*fresh ledger root"):
+        fe.real_runs("/nowhere")

@@ -123,12 +123,11 @@ def logit_runs():
 
 
 def test_fit_recovers_the_logits_gemm_constant(logit_runs):
-    """The b8 runs decode 1-3 sequences in some steps and more in others, so the passes
-    over the head's weight are told apart from the per-step and per-sequence terms."""
-    dec = np.concatenate([np.asarray(s["num_decode_seqs"]) for _, s in logit_runs])
-    num = np.concatenate([np.asarray(s["num_scheduled"]) for _, s in logit_runs])
-    only = dec == num
-    assert (only & (dec >= 2) & (dec < 4)).any() and (only & (dec >= 4)).any()
+    """The b8 runs have steps whose chunks are all inside their prompts (no head) beside
+    steps that sample, so the one pass a sampling step makes over the head's weight is told
+    apart from the per-step and per-sequence terms."""
+    sampling = np.concatenate([np.asarray(s["num_sampling"]) for _, s in logit_runs])
+    assert (sampling == 0).any() and (sampling > 0).any()
     fit = fit_steps(load_geometry("falcon_h1_tiny"), "cpu", logit_runs, omit=("logit_row_s",))
     p = fit.profile
     for key in ("logit_gemm_s", "memory_efficiency", "mixed_step_s", "per_step_overhead_s",
@@ -138,20 +137,29 @@ def test_fit_recovers_the_logits_gemm_constant(logit_runs):
     assert "held at 0: logit_row_s" in p.calibration
 
 
-def test_omitted_row_term_goes_to_the_per_sequence_term(logit_runs):
-    """logits rows equal scheduled sequences in every row: with the truth's row term held
-    at 0, the fit puts it in per_seq_overhead_s, and predicts the steps as well."""
-    runs = [(org, _steps(org, {**KNOWN_LOGITS, "logit_row_s": 0.002}))
+@pytest.fixture(scope="module")
+def row_runs():
+    return [(org, _steps(org, {**KNOWN_LOGITS, "logit_row_s": 0.002}))
             for org in ("s0", "s2", "d0")]
-    fit = fit_steps(load_geometry("falcon_h1_tiny"), "cpu", runs, omit=("logit_row_s",))
-    assert fit.profile.per_seq_overhead_s == pytest.approx(KNOWN["per_seq_overhead_s"] + 0.002,
-                                                           rel=1e-4)
+
+
+def test_omitted_row_term_goes_to_the_pass_term(row_runs):
+    """The head's rows are the sampling items padded to 4, not the scheduled sequences (as
+    with the head per forward). These b8 runs sample at most 4 rows a step, so every head
+    is one block of 4: the row term held at 0 goes into the pass term (9 ms + 4 x 2 ms),
+    the per-sequence term stays, and the steps are predicted as well."""
+    rows = np.concatenate([4 * np.ceil(np.asarray(s["num_sampling"]) / 4) for _, s in row_runs])
+    seqs = np.concatenate([np.asarray(s["num_scheduled"]) for _, s in row_runs])
+    assert set(rows.tolist()) == {0.0, 4.0} and (rows != seqs).any()
+    fit = fit_steps(load_geometry("falcon_h1_tiny"), "cpu", row_runs, omit=("logit_row_s",))
+    assert fit.profile.logit_gemm_s == pytest.approx(0.009 + 4 * 0.002, rel=1e-4)
+    assert fit.profile.per_seq_overhead_s == pytest.approx(KNOWN["per_seq_overhead_s"], rel=1e-4)
     assert fit.rms_rel_error < 1e-4
 
 
-def test_fit_without_the_logits_term_misses_small_decode_batches(logit_runs):
-    """The step model before the logits term (both held at 0) cannot express the 1-3
-    passes of small decode batches: its residuals are far larger than with the term."""
+def test_fit_without_the_logits_term_misses_the_head(logit_runs):
+    """The step model without the head's terms (both held at 0) cannot tell steps that run
+    the head from steps that do not: its residuals are far larger than with the term."""
     geometry = load_geometry("falcon_h1_tiny")
     without = fit_steps(geometry, "cpu", logit_runs, omit=("logit_gemm_s", "logit_row_s"))
     with_term = fit_steps(geometry, "cpu", logit_runs, omit=("logit_row_s",))

@@ -144,6 +144,7 @@ def steps_columns(n: int) -> dict:
         "decode_context_tokens": (s % 4) * 100,
         "prefill_attention_pairs": np.zeros(n, dtype=np.int64),
         "checkpoint_writes": np.zeros(n, dtype=np.int64),
+        "num_sampling": s % 4,
     }
 
 

@@ -1,6 +1,7 @@
-"""The additive step model's logits GEMM terms (logit_gemm_s per pass over the LM head's
-weight, logit_row_s per logits row, logit_block_rows): hand-computed step times, the
-steps-ledger features the fit multiplies, the profile's checks and the executor's record."""
+"""The additive step model's LM-head terms (one product per step over the items that sample:
+logit_gemm_s per pass over the head's weight, logit_row_s per row padded to logit_block_rows):
+hand-computed step times, the steps-ledger features the fit multiplies (with and without the
+num_sampling column), the profile's checks and the executor's record."""
 
 from __future__ import annotations
 
@@ -19,32 +20,37 @@ def model(falcon, org="d0", **edit):
     return AdditiveStepModel(falcon, load_device_profile({**ADDITIVE, **edit}), org)
 
 
-@pytest.mark.parametrize(("batch", "passes", "rows"), [
-    (([1], [100]), 1, 1),  # one decode: one GEMM of one row
-    (([1, 1], [100, 50]), 2, 2),  # below the block: the weight once per row
-    (([1, 1, 1], [100, 50, 9]), 3, 3),
-    (([1] * 4, [100] * 4), 1, 4),  # from the block on: once per GEMM
-    (([1] * 10, [100] * 10), 1, 10),
-    (([700], [0]), 1, 1),  # one prefill chunk: its own GEMM of one row
-    (([700, 300, 1, 1], [0, 40, 5, 6]), 4, 4),  # two chunks + a decode GEMM of 2 rows
-    (([700] + [1] * 6, [0] + [9] * 6), 2, 7),  # a chunk + a decode GEMM of 6 rows
+@pytest.mark.parametrize(("batch", "sampling", "passes", "rows"), [
+    (([1], [100]), 1, 1, 4),  # one decode: one product, its row padded to 4
+    (([1, 1], [100, 50]), 2, 1, 4),
+    (([1] * 4, [100] * 4), 4, 1, 4),
+    (([1] * 10, [100] * 10), 10, 1, 12),
+    (([1] * 5, [100] * 5), None, 1, 8),  # None: every scheduled item samples
+    (([700], [0]), 1, 1, 4),  # a chunk that completes its prompt samples
+    (([700], [0]), 0, 0, 0),  # a chunk inside its prompt: no head at all
+    (([700, 300, 1, 1], [0, 40, 5, 6]), 3, 1, 4),  # one chunk completes, one does not
+    (([700] + [1] * 6, [0] + [9] * 6), 7, 1, 8),
 ])
-def test_logit_terms_add_hand_counted_passes_and_rows(falcon, batch, passes, rows):
+def test_logit_terms_add_hand_counted_passes_and_rows(falcon, batch, sampling, passes, rows):
+    """One head product per step over the items that sample, rows padded to the block."""
     plain = model(falcon)
     with_logits = model(falcon, logit_gemm_s=G, logit_row_s=R, logit_block_rows=4)
-    extra = with_logits.step_seconds(*batch) - plain.step_seconds(*batch)
-    assert extra == pytest.approx(G * passes + R * rows, rel=1e-9)
-    assert with_logits.logit_passes(batch[0].count(1), len(batch[0]) - batch[0].count(1)) \
-        == passes
+    extra = (with_logits.step_seconds(*batch, num_sampling=sampling)
+             - plain.step_seconds(*batch, num_sampling=sampling))
+    assert extra == pytest.approx(G * passes + R * rows, rel=1e-9, abs=1e-15)
+    if sampling is not None:
+        assert with_logits.logit_counts(sampling) == (passes, rows)
 
 
-def test_block_rows_moves_the_threshold(falcon):
-    """logit_block_rows 2: three decodes are one GEMM pass; 1: every GEMM streams once."""
+def test_block_rows_sets_the_padding(falcon):
+    """Three sampling rows padded to a multiple of logit_block_rows: 2 -> 4, 1 -> 3,
+    4 -> 4, 8 -> 8 rows; one pass over the weight in every case."""
     batch = ([1, 1, 1], [10, 20, 30])
     plain = model(falcon).step_seconds(*batch)
-    for block, passes in ((2, 1), (1, 1), (4, 3), (8, 3)):
-        m = model(falcon, logit_gemm_s=G, logit_block_rows=block)
-        assert m.step_seconds(*batch) - plain == pytest.approx(G * passes, rel=1e-9)
+    for block, rows in ((2, 4), (1, 3), (4, 4), (8, 8)):
+        m = model(falcon, logit_gemm_s=G, logit_row_s=R, logit_block_rows=block)
+        assert m.step_seconds(*batch, num_sampling=3) - plain == pytest.approx(
+            G + R * rows, rel=1e-9)
 
 
 def test_logit_terms_scale_with_no_indirection(falcon):
@@ -53,25 +59,44 @@ def test_logit_terms_scale_with_no_indirection(falcon):
     for org in ("s0", "s1", "s2", "d0"):
         plain = model(falcon, org).step_seconds(*batch)
         got = model(falcon, org, logit_gemm_s=G, logit_row_s=R).step_seconds(*batch)
-        assert got - plain == pytest.approx(2 * G + 2 * R, rel=1e-9), org
+        assert got - plain == pytest.approx(G + 4 * R, rel=1e-9), org
 
 
-def test_ledger_features_count_passes_and_rows():
+def _ledger_rows(**extra):
     """Rows of a steps table: decode-only steps of 1, 3, 4 and 9 sequences, a prefill-only
-    step of 2 chunks, a mixed step of 1 chunk and 2 decodes."""
-    from serving_core.geometry import load_geometry
-
-    m = AdditiveStepModel(load_geometry("falcon_h1_tiny"), load_device_profile("cpu"), "s2")
+    step of 2 chunks inside their prompts, a mixed step of 1 completing chunk and 2 decodes."""
     num = [1, 3, 4, 9, 2, 3]
     dec = [1, 3, 4, 9, 0, 2]
-    steps = {"num_scheduled": num, "num_decode_seqs": dec,
-             "decode_context_tokens": [10 * d for d in dec], "decode_tokens": dec,
-             "prefill_tokens_initial": [0, 0, 0, 0, 900, 500],
-             "prefill_tokens_resume": [0] * 6, "prefill_attention_pairs": [0, 0, 0, 0, 9, 9],
-             "checkpoint_writes": [0] * 6}
-    f = m.ledger_features(steps)
-    assert f["logit_passes"].tolist() == [1, 3, 1, 1, 2, 3]
-    assert f["logit_rows"].tolist() == num
+    return {"num_scheduled": num, "num_decode_seqs": dec,
+            "decode_context_tokens": [10 * d for d in dec], "decode_tokens": dec,
+            "prefill_tokens_initial": [0, 0, 0, 0, 900, 500],
+            "prefill_tokens_resume": [0] * 6, "prefill_attention_pairs": [0, 0, 0, 0, 9, 9],
+            "checkpoint_writes": [0] * 6, **extra}
+
+
+@pytest.fixture(scope="module")
+def tiny_s2():
+    from serving_core.geometry import load_geometry
+
+    return AdditiveStepModel(load_geometry("falcon_h1_tiny"), load_device_profile("cpu"), "s2")
+
+
+def test_ledger_features_count_passes_and_rows(tiny_s2):
+    f = tiny_s2.ledger_features(_ledger_rows(num_sampling=[1, 3, 4, 9, 0, 3]))
+    assert f["logit_passes"].tolist() == [1, 1, 1, 1, 0, 1]
+    assert f["logit_rows"].tolist() == [4, 4, 4, 12, 0, 4]
+
+
+def test_ledgers_before_num_sampling_keep_the_per_forward_counts(tiny_s2):
+    """A steps table written before the column (the executor's head per forward: one row per
+    scheduled item, the decode GEMM once per row below 4 rows) reads with those counts;
+    a query uniting older and newer files (NaN where absent) mixes the two per row."""
+    old = tiny_s2.ledger_features(_ledger_rows())
+    assert old["logit_passes"].tolist() == [1, 3, 1, 1, 2, 3]
+    assert old["logit_rows"].tolist() == [1, 3, 4, 9, 2, 3]
+    mixed = tiny_s2.ledger_features(_ledger_rows(num_sampling=[np.nan, 3, np.nan, 9, 0, 3]))
+    assert mixed["logit_passes"].tolist() == [1, 1, 1, 1, 0, 1]
+    assert mixed["logit_rows"].tolist() == [1, 4, 4, 12, 0, 4]
 
 
 def test_a100_profile_carries_no_logits_cost(falcon):
@@ -117,3 +142,36 @@ def test_engine_record_states_the_logits_constants(falcon):
     assert rules["logit_gemm_s"] == 0.0125 and rules["logit_block_rows"] == 5
     assert rules["logit_row_s"] == 0.0
     assert np.all(np.asarray(result.tables["steps"]["duration_s"]) >= 0.0125)
+
+
+def test_engine_counts_the_items_that_sample():
+    """num_sampling, recorded by the engine: a chunk inside its prompt samples nothing
+    (prompts of 1,100 tokens under a 512-token budget), every decode samples, and each
+    sampled row is one output token (so the column sums to the tokens produced)."""
+    from conftest import compose_config
+
+    from experiments.runners.cell import run_cell
+
+    cfg = compose_config("model=falcon_h1_tiny", "executor=cpu", "workload.source=synthetic",
+                         "workload.num_requests=6", "workload.synthetic_prompt_tokens=1100",
+                         "workload.synthetic_output_tokens=5", "budget=b63",
+                         "engine.max_num_batched_tokens=512", "executor.logit_gemm_s=0.01")
+    result = run_cell(cfg)
+    steps = {k: np.asarray(v) for k, v in result.tables["steps"].items()}
+    num, dec, s = steps["num_scheduled"], steps["num_decode_seqs"], steps["num_sampling"]
+    assert (s >= dec).all() and (s <= num).all()
+    assert (s == 0).any() and (s[dec == num] == num[dec == num]).all()
+    assert s.sum() == np.sum(result.tables["requests"]["output_tokens"])
+
+
+def test_simulated_executor_prices_the_items_that_sample(falcon):
+    """Of a chunk inside its prompt, a chunk completing it and a decode, two rows sample:
+    one product, 2 rows padded to 4."""
+    from types import SimpleNamespace as NS
+
+    plan = [NS(num_new=700, context=0, req=NS(num_tokens=1100)),
+            NS(num_new=400, context=700, req=NS(num_tokens=1100)),
+            NS(num_new=1, context=50, req=NS(num_tokens=51))]
+    got = SimulatedExecutor(model(falcon, logit_gemm_s=G, logit_row_s=R)).execute(plan, 0)
+    plain = model(falcon).step_seconds([700, 400, 1], [0, 700, 50])
+    assert got.duration_s == pytest.approx(plain + G + 4 * R, rel=1e-12)

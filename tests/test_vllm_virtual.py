@@ -233,15 +233,16 @@ def test_a_cell_is_deterministic_and_its_ledgers_check(tmp_path):
         # the prefixes adopted at first admission (all of it unless preempted mid-prefill,
         # the rest is recomputed on resume); a token that ends a prefill chunk is no decode
         # token, and each request's last episode and at most every episode ends one
-        (initial, resume, decode, steps), = con.sql(
+        (initial, resume, decode, steps, sampled), = con.sql(
             "SELECT sum(prefill_tokens_initial), sum(prefill_tokens_resume), "
-            "sum(decode_tokens), count(*) FROM steps").fetchall()
+            "sum(decode_tokens), count(*), sum(num_sampling) FROM steps").fetchall()
         (c_once, out, episodes, preempted, runs_steps), = con.sql(
             "SELECT sum(prompt_tokens - adopted_prefix_tokens), sum(output_tokens), "
             "sum(episodes), sum(preemptions), (SELECT engine_steps FROM runs) FROM requests"
         ).fetchall()
         assert initial <= c_once <= initial + resume and out - episodes <= decode <= out - 300
         assert steps == runs_steps
+        assert sampled == out  # each request that samples in a step adds one output token
         assert episodes == 300 + preempted
         assert executor == "vllm_virtual:a100" and units == 82
     a, b = tables

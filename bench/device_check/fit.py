@@ -40,8 +40,10 @@ def predictions(geometry: Geometry, profile, rows: list[dict]) -> list[float]:
         model = models.get(r["org"])
         if model is None:
             model = models[r["org"]] = build_step_model(geometry, profile, r["org"])
+        extra = {"num_sampling": r["num_sampling"]} if getattr(
+            model, "prices_sampling", False) else {}
         out.append(float(model.step_seconds(r["new_tokens"], r["context_tokens"],
-                                            r["checkpoint_writes"])))
+                                            r["checkpoint_writes"], **extra)))
     return out
 
 

@@ -154,6 +154,7 @@ class OrgBench:
             "prefill_attention_pairs": sum(i.num_new * i.context + i.num_new * (i.num_new + 1)
                                            // 2 for i in pre),
             "checkpoint_writes": self.crossings(items),
+            "num_sampling": sum(i.context + i.num_new == i.req.num_tokens for i in items),
             "new_tokens": [i.num_new for i in items], "context_tokens": [i.context for i in items],
             "duration_s": statistics.median(seconds), "samples_s": seconds,
         }

@@ -153,7 +153,7 @@ class _Track:
 STEP_FIELDS = ("step", "t_start_s", "duration_s", "num_scheduled", "num_running",
                "num_waiting", "prefill_tokens_initial", "prefill_tokens_resume",
                "decode_tokens", "num_preempted", "num_admitted", "num_decode_seqs",
-               "decode_context_tokens", "prefill_attention_pairs")
+               "decode_context_tokens", "prefill_attention_pairs", "num_sampling")
 POLLER_FIELDS = ("t_s", "running", "waiting", "units_used", "units_cached", "units_free",
                  "units_total", "preemptions_total", "prompt_tokens_total",
                  "generation_tokens_total", "prefix_hit_tokens_total")
@@ -224,11 +224,12 @@ class _Run:
 
     def account(self, out, t0: float) -> tuple[list, list, tuple]:
         """Admissions, hits and token kinds of a scheduled batch: (new tokens, context per
-        scheduled request, (initial, resume, decode, decode seqs, decode context, pairs))."""
+        scheduled request, (initial, resume, decode, decode seqs, decode context, pairs,
+        sampling, admitted)); a request samples when its computed tokens reach its tokens."""
         new_ids = {r.req_id for r in out.scheduled_new_reqs}
         resumed = set(out.scheduled_cached_reqs.resumed_req_ids)
         new, ctx = [], []
-        initial = resume = decode = dec_seqs = dec_ctx = pairs = 0
+        initial = resume = decode = dec_seqs = dec_ctx = pairs = sampling = 0
         for rid, num in out.num_scheduled_tokens.items():
             req, track = self.scheduler.requests[rid], self.tracks[rid]
             c0 = req.num_computed_tokens - num
@@ -242,12 +243,13 @@ class _Run:
             else:
                 resume += prefill
             decode += num - prefill
+            sampling += req.num_computed_tokens >= req.num_tokens
             if num == 1:
                 dec_seqs += 1
                 dec_ctx += c0
             else:
                 pairs += num * c0 + num * (num + 1) // 2
-        return new, ctx, (initial, resume, decode, dec_seqs, dec_ctx, pairs,
+        return new, ctx, (initial, resume, decode, dec_seqs, dec_ctx, pairs, sampling,
                           len(new_ids) + len(resumed))
 
     def _admitted(self, track: _Track, req, c0: int, t0: float) -> None:

@@ -13,11 +13,12 @@ paged organizations' indirection, V the KV pages the decode sequences' attention
 (AdditiveStepModel.kv_pages: the organization's block size decides how many) and C the
 prefill chunks: a real executor that attends page by page and runs a forward per chunk
 (serving_core.executor.torch_executor) pays per page and per chunk, so those counts, not
-only tokens, set a step's time. G counts the passes over the LM head's weight and R the
-logits rows (AdditiveStepModel.logit_passes: one row per scheduled item; the decode batch's
-GEMM streams the weight once per row below the profile's logit_block_rows, once from there
-on; bench/logits_bench.py measures that form). R equals B on every row, so row_s and seq_s
-cannot be told apart by steps ledgers: `omit=` holds such terms at 0. The scales t_m, t_p,
+only tokens, set a step's time. G counts the passes over the LM head's weight and R its
+rows (AdditiveStepModel.logit_counts: one product per step over the num_sampling items that
+sample, padded to a multiple of logit_block_rows; bench/logits_bench.py measures that form;
+a ledger without num_sampling keeps the earlier per-forward counts, ledger_logit_counts).
+Where no step samples more than one block of rows, R is logit_block_rows x G and row_s
+cannot be told from gemm_s: `omit=` holds such terms at 0. The scales t_m, t_p,
 t_a divide the starting profile's efficiencies (dense and scan share t_p: both grow with
 prefill tokens alone, so the data cannot tell them apart); they are bounded so every
 efficiency stays in (0, 1], and the seconds terms and x are bounded at 0. Rows of several
@@ -39,7 +40,7 @@ from serving_core.geometry import Geometry
 
 STEP_COLUMNS = ("num_scheduled", "num_decode_seqs", "decode_context_tokens",
                 "prefill_tokens_initial", "prefill_tokens_resume", "decode_tokens",
-                "prefill_attention_pairs", "checkpoint_writes", "duration_s")
+                "prefill_attention_pairs", "checkpoint_writes", "num_sampling", "duration_s")
 PARAMETERS = ("memory_scale", "prefill_scale", "attention_scale", "mixed_step_s",
               "per_step_overhead_s", "per_seq_overhead_s", "indirection_overhead", "kv_page_s",
               "prefill_chunk_s", "logit_gemm_s", "logit_row_s")
@@ -90,8 +91,8 @@ def predict_steps(geometry: Geometry, profile: DeviceProfile | str, org: str,
                   steps: Mapping[str, Sequence]) -> np.ndarray:
     """Durations of the rows of a steps table under an additive `profile` (the fitted
     equation above; its paged-state gathers, state_page_s and conv_slot_s, per scheduled
-    sequence). Where the table holds what the simulator ran (no KV page term, chunks below
-    the logits block), it returns the simulated durations."""
+    sequence). Where the table holds what the simulator ran (no KV page term), it returns
+    the simulated durations."""
     model = AdditiveStepModel(geometry, replace(load_device_profile(profile),
                                                 step_model="additive"), org)
     dev = model.device

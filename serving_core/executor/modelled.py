@@ -26,7 +26,12 @@ class SimulatedExecutor:
     def execute(self, plan: list, checkpoint_writes: int) -> ExecutorOutput:
         new_tokens = [item.num_new for item in plan]
         contexts = [item.context for item in plan]
-        return ExecutorOutput(self.step_model.step_seconds(new_tokens, contexts, checkpoint_writes))
+        model = self.step_model
+        if not getattr(model, "prices_sampling", False):
+            return ExecutorOutput(model.step_seconds(new_tokens, contexts, checkpoint_writes))
+        sampling = sum(it.context + it.num_new == it.req.num_tokens for it in plan)
+        return ExecutorOutput(model.step_seconds(new_tokens, contexts, checkpoint_writes,
+                                                 num_sampling=sampling))
 
     def commit(self, plan: list) -> None:
         """Nothing to write: a modelled step holds no state."""

@@ -94,12 +94,12 @@ class DeviceProfile:
     # (a forward's fixed cost). 0 for an engine with one fused kernel and one forward a step.
     kv_page_s: float = 0.0
     prefill_chunk_s: float = 0.0
-    # additive: the LM head's logits GEMM, one per forward, one row per scheduled item (the
-    # torch executor samples every item's last position; bench/logits_bench.py times it).
-    # Below logit_block_rows rows the GEMM streams the head's weight once per row, from
-    # there on once per GEMM (a CPU BLAS's blocked kernel): logit_gemm_s per weight pass,
-    # logit_row_s per row (AdditiveStepModel.logit_seconds). 0 for an engine whose head
-    # costs are in its memory and dense terms (the A100 profile).
+    # additive: the LM head, one product per step over the items that sample (the torch
+    # executor's `_sample_heads`; none for a step of mid-prompt chunks), its rows padded to
+    # a multiple of logit_block_rows (serving_core/model/head_rows.py; bench/logits_bench.py
+    # times it): logit_gemm_s per pass over the head's weight, logit_row_s per padded row
+    # (AdditiveStepModel.logit_seconds). 0 for an engine whose head costs are in its memory
+    # and dense terms (the A100 profile).
     logit_gemm_s: float = 0.0
     logit_row_s: float = 0.0
     logit_block_rows: int = 4

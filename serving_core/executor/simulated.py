@@ -353,8 +353,8 @@ class AdditiveStepModel:
     An executor that dispatches per page or per forward (the torch executor on a CPU) adds
     kv_page_s per KV page its decode sequences visit and prefill_chunk_s per prefill chunk
     (`dispatch_seconds`; both 0 on the A100 profile), and its LM head's logits GEMMs
-    (`logit_seconds`: logit_gemm_s per pass over the head's weight, logit_row_s per row;
-    0 on the A100 profile).
+    (`logit_seconds`: one product per step over the items that sample, logit_gemm_s per
+    pass over the head's weight, logit_row_s per padded row; 0 on the A100 profile).
 
     g_org = state_page_s x member pages + conv_slot_s x conv slots (paged_state_pieces): the
     gathers of a paged organization's kernel, per scheduled sequence (each reads and writes
@@ -413,6 +413,7 @@ class AdditiveStepModel:
         "_logit_gemm_s",
         "_logit_row_s",
         "logit_block_rows",
+        "prices_sampling",
         "_dispatch",
         "_allreduce",
         "_bw",
@@ -459,8 +460,8 @@ class AdditiveStepModel:
         self._logit_gemm_s = dev.logit_gemm_s
         self._logit_row_s = dev.logit_row_s
         self.logit_block_rows = dev.logit_block_rows
-        self._dispatch = bool(self._kv_page_s or self._chunk_s or self._logit_gemm_s
-                              or self._logit_row_s)
+        self.prices_sampling = bool(self._logit_gemm_s or self._logit_row_s)
+        self._dispatch = bool(self._kv_page_s or self._chunk_s or self.prices_sampling)
 
     def plan_features(
         self, new_tokens: Sequence[int], context_tokens: Sequence[int], checkpoint_writes: int = 0
@@ -527,34 +528,59 @@ class AdditiveStepModel:
         return (self._kv_page_s * self.kv_pages(num_decode, decode_context)
                 + self._chunk_s * num_chunks)
 
-    def logit_passes(self, num_decode, num_chunks):
-        """Passes over the LM head's weight: the decode batch's one GEMM streams it once per
-        row below logit_block_rows rows and once from there on (bench/logits_bench.py); each
-        prefill chunk's GEMM of one row once. The torch executor batches chunks over equal
-        spans into one forward (at most 256 tokens): a group of k < logit_block_rows rows
-        makes the same k passes; a group of more (chunks of <= 64 tokens) is charged k.
-        Works on numbers and on numpy arrays (steps-ledger columns)."""
+    def logit_counts(self, num_sampling):
+        """(passes over the LM head's weight, rows) of a step whose `num_sampling` items
+        sample: the torch executor's one head product per step over the sampling rows,
+        padded to a multiple of logit_block_rows (serving_core/model/head_rows.py), reads
+        the weight once (bench/logits_bench.py: the blocked, padded head of 1-24 rows fits
+        one pass + a cost per padded row within rms 0.026). A step that samples nothing
+        (mid-prompt chunks only) runs no head. Numbers or numpy arrays (ledger columns)."""
         import numpy as np
 
-        d = np.asarray(num_decode)
-        passes = np.where(d < self.logit_block_rows, d, np.minimum(d, 1)) + num_chunks
-        return passes if passes.ndim else passes.item()
+        s = np.asarray(num_sampling, dtype=np.float64)
+        block = self.logit_block_rows
+        passes, rows = (s > 0).astype(np.float64), block * np.ceil(s / block)
+        return (passes, rows) if s.ndim else (passes.item(), rows.item())
 
-    def logit_seconds(self, num_decode, num_chunks):
-        """Seconds of the logits GEMMs of a step: logit_gemm_s per weight pass
-        (`logit_passes`) plus logit_row_s per logits row (one per scheduled item)."""
-        if num_decode < self.logit_block_rows:
-            passes = num_decode + num_chunks
-        else:
-            passes = 1 + num_chunks
-        return self._logit_gemm_s * passes + self._logit_row_s * (num_decode + num_chunks)
+    def per_forward_logit_counts(self, num_decode, num_chunks):
+        """(passes, rows) of the executor before num_sampling was recorded (a steps ledger
+        without the column): one head GEMM per forward, one row per scheduled item; the
+        decode batch's GEMM streamed the weight once per row below logit_block_rows rows and
+        once from there on, each prefill chunk's once."""
+        import numpy as np
+
+        d = np.asarray(num_decode, dtype=np.float64)
+        passes = np.where(d < self.logit_block_rows, d, np.minimum(d, 1)) + num_chunks
+        return passes, d + num_chunks
+
+    def logit_seconds(self, num_sampling: int) -> float:
+        """Seconds of the step's LM head (`logit_counts`, in plain integers: once a step):
+        logit_gemm_s for its one pass plus logit_row_s per padded row; 0 without a head."""
+        if not num_sampling:
+            return 0.0
+        block = self.logit_block_rows
+        return self._logit_gemm_s + self._logit_row_s * block * -(-num_sampling // block)
+
+    def ledger_logit_counts(self, steps, num, dec):
+        """(passes, rows) per steps-ledger row: from num_sampling where the row has it; the
+        executor's earlier per-forward counts where the ledger predates the column (absent,
+        or NaN where a query unites older files with newer)."""
+        import numpy as np
+
+        old = self.per_forward_logit_counts(dec, num - dec)
+        if "num_sampling" not in steps:
+            return old
+        s = np.asarray(steps["num_sampling"], dtype=np.float64)
+        known = ~np.isnan(s)
+        new = self.logit_counts(np.where(known, s, 0.0))
+        return tuple(np.where(known, n, o) for n, o in zip(new, old, strict=True))
 
     def ledger_features(self, steps) -> dict:
         """Per row of a steps table (ledger columns), as numpy arrays: memory_s and dense_s
         at the peaks, attention_s and scan_s at the profile's efficiencies, codec_s (0 for
         bf16 KV) and the mixed flag; the vectorized `features` of every row, with its fixed_s
         split in three; and the counts the per-page, per-chunk and logits terms multiply
-        (kv_pages, prefill_chunks, logit_passes, logit_rows)."""
+        (kv_pages, prefill_chunks, logit_passes, logit_rows: `ledger_logit_counts`)."""
         import numpy as np  # off the engine's hot path: fits and calibration only
 
         c = {k: np.asarray(steps[k], dtype=np.float64) for k in (
@@ -564,6 +590,7 @@ class AdditiveStepModel:
         num, dec = c["num_scheduled"], c["num_decode_seqs"]
         prefill = (c["prefill_tokens_initial"] + c["prefill_tokens_resume"]
                    + c["decode_tokens"] - dec)
+        passes, rows = self.ledger_logit_counts(steps, num, dec)
         return {
             "memory": (self._weights(dec + prefill) * (dec > 0)
                        + self._kv * (c["decode_context_tokens"] + dec)
@@ -576,8 +603,8 @@ class AdditiveStepModel:
             "mixed": ((dec > 0) & (dec < num)).astype(np.float64),
             "kv_pages": self.kv_pages(dec, c["decode_context_tokens"]),
             "prefill_chunks": num - dec,
-            "logit_passes": self.logit_passes(dec, num - dec).astype(np.float64),
-            "logit_rows": num,
+            "logit_passes": passes,
+            "logit_rows": rows,
         }
 
     def device_seconds(self, features: tuple[float, float, float, int],
@@ -594,8 +621,10 @@ class AdditiveStepModel:
         new_tokens: Sequence[int],
         context_tokens: Sequence[int],
         checkpoint_writes: int = 0,
+        num_sampling: int | None = None,
     ) -> float:
-        """Seconds of one engine step (same call as the roofline model)."""
+        """Seconds of one engine step (same call as the roofline model); `num_sampling`:
+        the scheduled items that sample (None: every one), for the LM head's terms."""
         if not new_tokens:
             raise ValueError("new_tokens is empty: a step schedules at least one sequence")
         feats = self.plan_features(new_tokens, context_tokens, checkpoint_writes)
@@ -610,8 +639,9 @@ class AdditiveStepModel:
                     num_decode += 1
                     decode_ctx += c
             chunks = len(new_tokens) - num_decode
+            sampling = len(new_tokens) if num_sampling is None else num_sampling
             seconds += (self.dispatch_seconds(num_decode, decode_ctx, chunks)
-                        + self.logit_seconds(num_decode, chunks))
+                        + self.logit_seconds(sampling))
         return seconds
 
 

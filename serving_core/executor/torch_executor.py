@@ -266,21 +266,36 @@ class TorchExecutor:
         sampled: dict[int, int] = {}
         logprobs: dict[int, tuple] = {}
         prompt_lps: dict[int, list] = {}
+        heads: list[tuple] = []  # (final hidden rows (n, D), their items)
         if fast:
             dev = self.model.device
             ids = host_index([it.req.token_ids(it.context, it.context + 1) for it in fast], dev)
             pos = host_index([[it.context] for it in fast], dev)
             io = _DecodeIO(self.arena, fast, gathered=self.decode_attention == "gathered")
             threads.enter("decode")
-            logits = self.model.forward(ids, pos, io)
-            self._sample(logits, fast, sampled, logprobs)
+            heads.append((self.model.forward(ids, pos, io, hidden=True)[:, -1], fast))
         if slow:
             threads.enter("prefill")
         for group in self._prefill_groups(slow):
-            self._run_chunks(group, sampled, logprobs, prompt_lps)
+            self._run_chunks(group, heads, prompt_lps)
+        self._sample_heads(heads, sampled, logprobs)
         if not sampled:  # a step that reads no token back has not finished on an accelerator
             synchronize(self.model.device)
         return ExecutorOutput(time.perf_counter() - t0, sampled, logprobs, prompt_lps)
+
+    def _sample_heads(self, heads: list[tuple], sampled: dict, logprobs: dict) -> None:
+        """The step's LM head as one product over the rows that sample (each item whose
+        forward completes its request's known tokens; a chunk inside a prompt samples
+        nothing), then each forward's items sampled in order. The 128,256-wide head reads
+        its whole weight per product, so a prefill's single row cost about what 64 decode
+        rows did. The head pads its rows (serving_core/model/head_rows.py), so a row's logits
+        are the same bits whatever else samples in the step (docs/benchmarks.md)."""
+        picks = [(h[i], it) for h, items in heads for i, it in enumerate(items)
+                 if it.context + it.num_new == it.req.num_tokens]
+        if not picks:
+            return
+        rows = torch.stack([h for h, _ in picks])
+        self._sample(self.model.head(rows), [it for _, it in picks], sampled, logprobs)
 
     @staticmethod
     def _sample(logits, items, sampled: dict, logprobs: dict) -> None:
@@ -351,11 +366,11 @@ class TorchExecutor:
         return [(torch.cat([s[layer][0] for s in per_item]),
                  torch.cat([s[layer][1] for s in per_item])) for layer in range(len(per_item[0]))]
 
-    def _run_chunks(self, items, sampled: dict, logprobs: dict, prompt_lps: dict) -> None:
+    def _run_chunks(self, items, heads: list, prompt_lps: dict) -> None:
         """Chunks of b requests over the same span [c0, c1) (b = 1: one chunk), as one
         batched forward per segment between interval boundaries; each request's boundary
-        and final states are kept for `commit`, its sampled token goes to `sampled` and,
-        where asked, its prompt logprobs to `prompt_lps`."""
+        and final states are kept for `commit`, its final hidden row goes to `heads` (for
+        the step's one LM head) and, where asked, its prompt logprobs to `prompt_lps`."""
         c0, c1 = items[0].context, items[0].context + items[0].num_new
         rec = self.mem.has_recurrent
         states = self._initial_states(items) if rec else None
@@ -366,7 +381,7 @@ class TorchExecutor:
         edges = [c0] + [b for b in cuts if b < c1] + [c1]
         peak = 0
         boundary_states = []
-        logits = None
+        last = None
         dev = self.model.device
         tables = [it.state.blocks for it in items]
         want = [_prompt_logprobs_k(it) for it in items]
@@ -376,10 +391,12 @@ class TorchExecutor:
             pos = torch.arange(s, e, device=dev)[None].expand(len(items), -1)
             io = _SegmentIO(self.arena, tables, s, e, states,
                             self.decode_attention == "gathered")
-            logits = self.model.forward(ids, pos, io, logits=hidden or e == c1, hidden=hidden)
+            need = hidden or e == c1
+            out = self.model.forward(ids, pos, io, logits=need, hidden=need)
             if hidden:
-                self._prompt_logprobs(logits, items, want, s, e, prompt_lps)
-                logits = self.model.head(logits[:, -1]) if e == c1 else None
+                self._prompt_logprobs(out, items, want, s, e, prompt_lps)
+            if e == c1:
+                last = out[:, -1]
             peak = max(peak, io.peak_temp_bytes)
             if rec and e in cuts:
                 boundary_states.append((e, [(c.clone(), m.clone()) for c, m in states]))
@@ -391,7 +408,7 @@ class TorchExecutor:
 
                 self._pending.append((it.state, [(e, own(st)) for e, st in boundary_states],
                                       own(states), it, c1))
-        self._sample(logits, items, sampled, logprobs)
+        heads.append((last, items))
 
     def _prompt_logprobs(self, h, items, want, s: int, e: int, out: dict) -> None:
         """Prompt logprobs of the segment [s, e) from its final hidden states `h` (b, e - s,

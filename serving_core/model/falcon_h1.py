@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from serving_core.model import mamba
 from serving_core.model.config import head_dim, mamba_head_dim, mamba_inner, read_config
+from serving_core.model.head_rows import pad_rows
 from serving_core.model.paged_attention import fused_decode_attention
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -29,6 +30,10 @@ ATTENTION_QUERY_BLOCK = 512  # queries per attention block in long prefills (bou
 # Tokens per chunk of the prefill SSD scan. Only rounding depends on it; 128 was fastest for
 # the tiny model on a CPU core (64: same, 256: 2-2.5x slower, bench/profile_bench.py).
 SCAN_CHUNK = 128
+# Vocabulary rows per block of the LM head's product. Blocks write straight into the logits
+# (the same dot products, bit for bit): 64 decode rows x 128,256 took 38-42 ms a step against
+# 43-47 ms for one product on a CPU core, and 2-3 rows 15 ms against 21-31 ms.
+HEAD_VOCAB_BLOCK = 2048
 
 
 class StateIO(Protocol):
@@ -256,10 +261,12 @@ class FalconH1:
             h = residual + (m + a * self.mult["attention_out_multiplier"])
             residual = h
             x = rms_norm(h, self.w[p + "pre_ff_layernorm.weight"], self.eps)
-            gate = F.silu(self._lin(x, p + "feed_forward.gate_proj") * self.mlp_mult[0])
-            y = self._lin(x, p + "feed_forward.up_proj") * gate
+            # In place on the products' fresh outputs: the same operations, no temporaries.
+            gate = F.silu(self._lin(x, p + "feed_forward.gate_proj").mul_(self.mlp_mult[0]),
+                          inplace=True)
+            y = self._lin(x, p + "feed_forward.up_proj").mul_(gate)
             y = self._lin(y, p + "feed_forward.down_proj")
-            h = residual + y * self.mlp_mult[1]
+            h = residual + y.mul_(self.mlp_mult[1])
         if not logits:
             return None
         return h if hidden else self.head(h[:, -1])
@@ -268,7 +275,13 @@ class FalconH1:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (..., V) fp32 of final hidden states (..., D)."""
         last = rms_norm(h, self.w["model.final_layernorm.weight"], self.eps)
-        out = F.linear(last, self.w["lm_head.weight"])  # (..., V): scaled in place, no copy
+        rows = pad_rows(last.reshape(-1, last.shape[-1]))  # batch-invariant rows
+        w = self.w["lm_head.weight"]
+        out = torch.empty(rows.shape[0], w.shape[0], dtype=rows.dtype, device=rows.device)
+        for v in range(0, w.shape[0], HEAD_VOCAB_BLOCK):  # (n, V): scaled in place, no copy
+            torch.matmul(rows, w[v : v + HEAD_VOCAB_BLOCK].t(),
+                         out=out[:, v : v + HEAD_VOCAB_BLOCK])
+        out = out[: last[..., 0].numel()].view(*last.shape[:-1], w.shape[0])
         return out.mul_(self.mult["lm_head_multiplier"]).float()
 
     def _attention(self, i, x, cos, sin, io: StateIO) -> torch.Tensor:
@@ -310,7 +323,7 @@ class FalconH1:
     def _mamba(self, i, x, io: StateIO) -> torch.Tensor:
         p = f"model.layers.{i}.mamba."
         b, t, _ = x.shape
-        proj = self._lin(x * self.mult["ssm_in_multiplier"], p + "in_proj") * self.mup
+        proj = self._lin(x * self.mult["ssm_in_multiplier"], p + "in_proj").mul_(self.mup)
         gate, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.m_heads], dim=-1)
         conv, ssm = io.recurrent(i)
         w = self.w[p + "conv1d.weight"].squeeze(1)

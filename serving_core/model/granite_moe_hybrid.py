@@ -40,6 +40,7 @@ from serving_core.model.falcon_h1 import (
     rotate_half,
     scan_chunk_tokens,
 )
+from serving_core.model.head_rows import pad_rows
 
 MAMBA, ATTENTION = "linear_attention", "full_attention"
 
@@ -170,7 +171,9 @@ class GraniteMoeHybrid:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (..., V) fp32 of final hidden states (..., D)."""
         last = rms_norm(h, self.w["model.norm.weight"], self.eps)
-        return (F.linear(last, self.w["lm_head.weight"]) / self.logits_scaling).float()
+        rows = pad_rows(last.reshape(-1, last.shape[-1]))  # batch-invariant rows
+        out = F.linear(rows, self.w["lm_head.weight"])[: last[..., 0].numel()]
+        return (out.view(*last.shape[:-1], -1) / self.logits_scaling).float()
 
     def _shared_mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         gate, up = self._lin(x, p + "shared_mlp.input_linear").chunk(2, dim=-1)
