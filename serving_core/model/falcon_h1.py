@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from serving_core.model import mamba
+from serving_core.model import mamba, split
 from serving_core.model.config import head_dim, mamba_head_dim, mamba_inner, read_config
 from serving_core.model.paged_attention import fused_decode_attention
 
@@ -237,7 +237,7 @@ class FalconH1:
 
     # ----- forward ----------------------------------------------------------------------------
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return split.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     @torch.inference_mode()
     def forward(
@@ -277,9 +277,13 @@ class FalconH1:
         rows = last.reshape(-1, last.shape[-1])
         w = self.w["lm_head.weight"]
         out = torch.empty(rows.shape[0], w.shape[0], dtype=rows.dtype, device=rows.device)
-        for v in range(0, w.shape[0], HEAD_VOCAB_BLOCK):  # (n, V): scaled in place, no copy
-            torch.matmul(rows, w[v : v + HEAD_VOCAB_BLOCK].t(),
-                         out=out[:, v : v + HEAD_VOCAB_BLOCK])
+        def blocks(first: int, end: int) -> None:  # (n, V): scaled in place, no copy
+            for v in range(first * HEAD_VOCAB_BLOCK, min(end * HEAD_VOCAB_BLOCK, w.shape[0]),
+                           HEAD_VOCAB_BLOCK):
+                torch.matmul(rows, w[v : v + HEAD_VOCAB_BLOCK].t(),
+                             out=out[:, v : v + HEAD_VOCAB_BLOCK])
+
+        split.head_blocks(rows.shape[0], -(-w.shape[0] // HEAD_VOCAB_BLOCK), blocks)
         out = out.view(*last.shape[:-1], w.shape[0])
         return out.mul_(self.mult["lm_head_multiplier"]).float()
 
@@ -340,8 +344,8 @@ class FalconH1:
             )[:, None]
         else:
             initial = ssm if isinstance(ssm, torch.Tensor) else ssm.read()  # paged: copy in
-            y, final = mamba.chunk_scan(
-                xs.view(b, t, self.m_heads, self.m_head_dim), dt, self.A[i],
+            y, final = split.scan_heads(
+                mamba.chunk_scan, xs.view(b, t, self.m_heads, self.m_head_dim), dt, self.A[i],
                 B.view(b, t, self.n_groups, self.d_state),
                 C.view(b, t, self.n_groups, self.d_state),
                 D, self.chunk, initial,
