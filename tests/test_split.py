@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from serving_core.model import mamba, split
 from serving_core.model.dense_state import DenseState
+from serving_core.model.falcon_h1 import causal_attention
 from serving_core.server import process_settings
 
 
@@ -59,9 +60,25 @@ def test_a_scan_split_by_heads_equals_the_whole_scan(worker, b, t, h, p, g, n, c
     assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
 
 
+@pytest.mark.parametrize(("b", "h", "kvh", "t", "c", "padded"), [
+    (1, 4, 2, 512, 0, False),  # the tiny model's first chunk
+    (2, 4, 2, 300, 700, True),  # later chunks over context, padded context
+    (1, 8, 8, 100, 0, False),  # no GQA
+    (1, 4, 2, 600, 0, False),  # two query blocks
+])
+def test_attention_split_by_heads_equals_the_whole(worker, b, h, kvh, t, c, padded):
+    gen = torch.Generator().manual_seed(t + c)
+    q = torch.randn(b, t, h, 32, generator=gen).transpose(1, 2)
+    k, v = (torch.randn(b, c + t, kvh, 32, generator=gen).transpose(1, 2) for _ in "kv")
+    valid = torch.rand(b, c, generator=gen) > 0.2 if padded else None
+    args = (c, valid, 32 ** -0.5, h != kvh)
+    whole = causal_attention(q, k, v, *args)
+    assert torch.equal(split.attention_heads(causal_attention, q, k, v, *args), whole)
+
+
 def test_a_model_forward_is_bit_identical_with_the_worker(tiny_model):
     """Prefill (every split taken) then decode, logits and state, with and without."""
-    ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(3))
     runs = []
     for workers in (0, 1):
         split.install(workers)

@@ -314,7 +314,8 @@ class FalconH1:
         vals = vals.transpose(1, 2)
         q = q.transpose(1, 2)  # (b, H, t, d)
         scale = self.head_dim ** -0.5
-        out = causal_attention(q, keys, vals, c, valid, scale, self.heads != self.kv_heads)
+        out = split.attention_heads(causal_attention, q, keys, vals, c, valid, scale,
+                                    self.heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self._lin(out, p + "o_proj")
 

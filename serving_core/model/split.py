@@ -24,10 +24,11 @@ import torch
 CUT_ALIGN = 64  # output features of a linear layer's cut: a multiple of this
 # Smallest products split (measured on the 2-core machine, docs/real_path.md): multiply-adds
 # of a linear layer's product; rows of the LM head's product; tokens of a prefill scan.
-LINEAR_MIN_MACS = 8_000_000
-LINEAR_MIN_ROWS = 16
+LINEAR_MIN_MACS = 16_000_000
+LINEAR_MIN_ROWS = 256
 HEAD_MIN_ROWS = 1
 SCAN_MIN_TOKENS = 64
+ATTENTION_MIN_TOKENS = 64
 
 
 class _Worker:
@@ -103,7 +104,8 @@ def settings() -> dict:
     """The split in effect and its thresholds (for the run's runtime record)."""
     return {"workers": int(_worker is not None), "linear_min_macs": LINEAR_MIN_MACS,
             "linear_min_rows": LINEAR_MIN_ROWS, "head_min_rows": HEAD_MIN_ROWS,
-            "scan_min_tokens": SCAN_MIN_TOKENS, "cut_align": CUT_ALIGN}
+            "scan_min_tokens": SCAN_MIN_TOKENS, "attention_min_tokens": ATTENTION_MIN_TOKENS,
+            "cut_align": CUT_ALIGN}
 
 
 def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
@@ -172,3 +174,17 @@ def worker_cpu_s() -> float:
     import time
 
     return time.clock_gettime(time.pthread_getcpuclockid(_worker.thread.ident))
+
+
+def attention_heads(attend: Callable, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                    *rest) -> torch.Tensor:
+    """attend(q (b, H, t, d), keys, vals (b, KVH, s, d), *rest) -> (b, H, t, d), cut by
+    key/value heads (each with its query heads) over the worker for a prefill of
+    ATTENTION_MIN_TOKENS or more queries."""
+    kvh, h, t = keys.shape[1], q.shape[1], q.shape[2]
+    if _worker is None or t < ATTENTION_MIN_TOKENS or kvh % 2:
+        return attend(q, keys, vals, *rest)
+    kc, qc = kvh // 2, h // 2
+    lo, hi = pair(lambda: attend(q[:, :qc], keys[:, :kc], vals[:, :kc], *rest),
+                  lambda: attend(q[:, qc:], keys[:, kc:], vals[:, kc:], *rest))
+    return torch.cat([lo, hi], dim=1)
