@@ -206,7 +206,8 @@ def print_table(r: dict) -> None:
           f"{r['system_s']:.2f} s; {r['output_tok_s']:.1f} output tok/s, "
           f"{r['total_tok_s']:.1f} total tok/s")
     if "split" in r:
-        print(f"split workers {r['split']['workers']}: worker CPU {r['split']['worker_cpu_s']:.2f} s")
+        sp = r["split"]
+        print(f"split workers {sp['workers']}: worker CPU {sp['worker_cpu_s']:.2f} s")
     print(f"page faults: {r['minor_faults']} minor, {r['major_faults']} major; "
           f"{r['faults_per_step']:.0f} per step, {r['faults_per_output_token']:.1f} per output "
           f"token" + (f"; {r['tensor_allocations']} tensor allocations"

@@ -252,6 +252,7 @@ def run_arm(arm, checkpoint, prompts, args, allocator) -> list[dict]:
                         "+keep" if settings.get("malloc_keeps_freed") else ""),
                     "threads": _threads_shown(settings),
                     "engine_core": settings.get("engine_core"),
+                    "split_workers": (settings.get("split") or {}).get("workers"),
                     "load_avg": os.getloadavg()[0], **row,
                     **_per_token(usage, batch)})
     return rows
