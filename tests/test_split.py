@@ -126,3 +126,21 @@ def test_the_server_refuses_a_bad_split_workers_value(capsys):
     assert main(["--spec", "none.json", "--split-workers", "two"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: --split-workers='two': allowed values are 0, 1, auto"
+
+
+def test_the_runtime_record_states_the_split_read_back(monkeypatch):
+    monkeypatch.setattr(process_settings, "_auto", None)
+    monkeypatch.setattr(process_settings, "threads_in_effect", lambda: 1)
+    monkeypatch.setattr(process_settings.os, "cpu_count", lambda: 2)
+    try:
+        assert process_settings.apply_split("auto") == 1
+        stated = process_settings.runtime_settings()["split"]
+        assert stated == dict(split.settings(), requested="auto") and stated["workers"] == 1
+        assert len(_split_threads()) == 1
+    finally:
+        process_settings.close_split()
+        monkeypatch.setattr(process_settings, "_split", None)
+    assert not _split_threads()
+    assert process_settings.apply_split("1", load_torch=False) == 0  # no torch kernels
+    assert process_settings.runtime_settings()["split"] == {"workers": 0, "requested": "1"}
+    monkeypatch.setattr(process_settings, "_split", None)
