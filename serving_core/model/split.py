@@ -7,10 +7,12 @@ two cores. Every split gives the bits of the unsplit product (tests/test_split.p
 them on many shapes): the LM head's vocabulary blocks are the same products whichever thread
 runs them; a linear layer is cut by output features at a multiple of CUT_ALIGN (MKL's
 per-element sums do not depend on the cut there; below 4 rows a cut at a non-multiple of 8
-rounds differently, so small products are never cut); the prefill SSD scan is cut by heads
-(each head's arithmetic is its own). Small products (decode's projections) stay on the
+rounds differently, so small products are never cut); the prefill SSD scan and prefill
+attention are cut by heads (each head's arithmetic is its own; attention by key/value heads
+with their query heads). Small products (decode's projections and attention) stay on the
 calling thread: handing work to the worker costs tens of microseconds and wakes a core.
-`install(0)` (the default) or a single core: nothing is split, no thread exists.
+Without `install(1)` (the server's `--split-workers`, serving_core/server/process_settings.py)
+nothing is split and no thread exists.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from collections.abc import Callable
 import torch
 
 CUT_ALIGN = 64  # output features of a linear layer's cut: a multiple of this
-# Smallest products split (measured on the 2-core machine, docs/real_path.md): multiply-adds
-# of a linear layer's product; rows of the LM head's product; tokens of a prefill scan.
+# Smallest products split (measured on the 2-core machine, docs/benchmarks.md "The split
+# worker"): rows and multiply-adds of a linear layer's product; rows of the LM head's
+# product; tokens of a prefill scan; queries of a prefill attention.
 LINEAR_MIN_MACS = 16_000_000
 LINEAR_MIN_ROWS = 256
 HEAD_MIN_ROWS = 1
