@@ -26,6 +26,10 @@ time is the allocator's cost. The run's totals (process getrusage) give minor/ma
 faults per step and per output token. `--allocator` (auto|tcmalloc|glibc, as in
 `bench.serve_bench`) re-executes the benchmark with that malloc preloaded (or not).
 
+`--split-workers 1` splits the large products over a worker thread (serving_core/model/
+split.py): the categories stay the engine thread's CPU (its critical path), the worker's CPU
+seconds are printed apart (`split.worker_cpu_s`) and are in the process user time.
+
 `--torch-profile` adds torch.profiler's top operators (self CPU time) and the number of
 tensor allocations (profile_memory's [memory] events).
 Prints a table and one JSON line; writes bench/results/profile.json. Numbers, not assertions.
