@@ -77,14 +77,16 @@ def test_attention_split_by_heads_equals_the_whole(worker, b, h, kvh, t, c, padd
 
 
 def test_a_model_forward_is_bit_identical_with_the_worker(tiny_model):
-    """Prefill (every split taken) then decode, logits and state, with and without."""
-    ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(3))
+    """Two sequences: a prefill chunk (every split taken), a chunk over that context, then
+    decode; logits and state, with and without."""
+    ids = torch.randint(0, 1000, (2, 400), generator=torch.Generator().manual_seed(3))
     runs = []
     for workers in (0, 1):
         split.install(workers)
         try:
-            state = DenseState(tiny_model)
-            logits = [state.run(tiny_model, ids), state.run(tiny_model, ids[:, :1])]
+            state = DenseState(tiny_model, batch=2)
+            logits = [state.run(tiny_model, ids[:, :300]), state.run(tiny_model, ids[:, 300:]),
+                      state.run(tiny_model, ids[:, :1])]
         finally:
             split.close()
         runs.append((logits, state.ssm, state.k))
