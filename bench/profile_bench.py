@@ -26,6 +26,10 @@ time is the allocator's cost. The run's totals (process getrusage) give minor/ma
 faults per step and per output token. `--allocator` (auto|tcmalloc|glibc, as in
 `bench.serve_bench`) re-executes the benchmark with that malloc preloaded (or not).
 
+`--split-workers 1` splits the large products over a worker thread (serving_core/model/
+split.py): the categories stay the engine thread's CPU (its critical path), the worker's CPU
+seconds are printed apart (`split.worker_cpu_s`) and are in the process user time.
+
 `--torch-profile` adds torch.profiler's top operators (self CPU time) and the number of
 tensor allocations (profile_memory's [memory] events).
 Prints a table and one JSON line; writes bench/results/profile.json. Numbers, not assertions.
@@ -53,6 +57,7 @@ from serving_core.engine import Engine, serve
 from serving_core.executor import torch_executor as tx
 from serving_core.executor.state_arena import StateArena
 from serving_core.geometry import load_geometry
+from serving_core.model import split
 from serving_core.model.falcon_h1 import FalconH1
 from serving_core.server.process_settings import keep_freed_memory
 from serving_core.server.runtime import ServedSpec
@@ -204,6 +209,9 @@ def print_table(r: dict) -> None:
     print(f"wall {r['wall_s']:.2f} s ({r['steps']} steps), user {r['user_s']:.2f} s, system "
           f"{r['system_s']:.2f} s; {r['output_tok_s']:.1f} output tok/s, "
           f"{r['total_tok_s']:.1f} total tok/s")
+    if "split" in r:
+        sp = r["split"]
+        print(f"split workers {sp['workers']}: worker CPU {sp['worker_cpu_s']:.2f} s")
     print(f"page faults: {r['minor_faults']} minor, {r['major_faults']} major; "
           f"{r['faults_per_step']:.0f} per step, {r['faults_per_output_token']:.1f} per output "
           f"token" + (f"; {r['tensor_allocations']} tensor allocations"
@@ -241,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--split-workers", type=int, default=0, choices=(0, 1),
+                        help="worker threads taking half of each large product "
+                             "(serving_core/model/split.py; its CPU time is reported apart)")
     parser.add_argument("--torch-profile", action="store_true")
     parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
                         help="malloc of the run (auto: tcmalloc when installed)")
@@ -251,12 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         _reexec_with(args.allocator)
     torch.set_num_threads(args.threads)
+    split.install(args.split_workers)
     kept = args.malloc == "keep" and keep_freed_memory()
     with tiny_checkpoint(args.checkpoint) as checkpoint:
         model = FalconH1.load(checkpoint)
         r = run(model, args.org, args.budget, args.requests, args.prompt, args.output,
                 args.max_num_batched_tokens, args.torch_profile)
         r["malloc_keeps_freed"] = kept
+        r["split"] = dict(split.settings(), worker_cpu_s=split.worker_cpu_s())
+        split.close()
         print_table(r)
         print(json.dumps({k: v for k, v in r.items() if k != "top_ops"}))
         out = Path(args.out)

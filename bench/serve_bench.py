@@ -185,7 +185,8 @@ def _ours(checkpoint, org, args, records):
     return hsl_server_command(spec=str(path), records=records, threads=args.threads,
                               tokenizer="none" if args.client == "ours" else "llama3"
                               ) + ["--malloc", args.malloc, "--engine-core", args.engine_core,
-                                   "--omp-wait", args.omp_wait]
+                                   "--omp-wait", args.omp_wait,
+                                   "--split-workers", args.split_workers]
 
 
 def _vllm(checkpoint, args):
@@ -251,6 +252,7 @@ def run_arm(arm, checkpoint, prompts, args, allocator) -> list[dict]:
                         "+keep" if settings.get("malloc_keeps_freed") else ""),
                     "threads": _threads_shown(settings),
                     "engine_core": settings.get("engine_core"),
+                    "split_workers": (settings.get("split") or {}).get("workers"),
                     "load_avg": os.getloadavg()[0], **row,
                     **_per_token(usage, batch)})
     return rows
@@ -314,6 +316,8 @@ def _parser() -> argparse.ArgumentParser:
                              "--engine-core)")
     parser.add_argument("--omp-wait", default="default", choices=("default", "passive"),
                         help="our servers' OpenMP waiting (serving_core.server --omp-wait)")
+    parser.add_argument("--split-workers", default="auto", choices=("0", "1", "auto"),
+                        help="our servers' split worker (serving_core.server --split-workers)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="vLLM's interpreter (the arm is skipped when it is absent)")
     parser.add_argument("--client", default="ours", choices=CLIENTS,

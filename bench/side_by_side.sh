@@ -15,9 +15,10 @@
 # output tok/s, ratio ours / vLLM against the target, TTFT p99, server CPU ms and faults per
 # output token. Each step is under `timeout`; results in bench/results/side_by_side/.
 #
-# First, ours alone in each engine-core mode of MODES (space-separated CORE:THREADS[:OMP],
-# default "thread:1 process:1 process:2:passive": serving_core.server --engine-core CORE
-# --threads THREADS --omp-wait OMP) at the top concurrency, glibc, our client (rows
+# First, ours alone in each engine-core mode of MODES (space-separated
+# CORE:THREADS[:OMP[:SPLIT]], default "thread:1 process:1 process:2:passive":
+# serving_core.server --engine-core CORE --threads THREADS --omp-wait OMP --split-workers
+# SPLIT, SPLIT auto unless given) at the top concurrency, glibc, our client (rows
 # "glibc-<core><threads>[p]", read against the glibc vLLM rows); the mode with the most
 # output tok/s then serves ours in the full table. MODES= (empty) skips it (ours: thread
 # core, --threads auto). Bounded ~12 min on 2 cores.
@@ -47,21 +48,22 @@ MODES=${MODES-thread:1 process:1 process:2:passive}
 OURS=()  # our server's options in the full table: the best mode's
 best=0
 for mode in $MODES; do
-    IFS=: read -r core threads omp <<< "$mode"
-    omp=${omp:-default}
-    name="glibc-$core$threads$([ "$omp" = passive ] && echo p)"
+    IFS=: read -r core threads omp split <<< "$mode"
+    omp=${omp:-default} split=${split:-auto}
+    name="glibc-$core$threads$([ "$omp" = passive ] && echo p)$([ "$split" != auto ] && echo "s$split")"
     echo "== $name: ours alone, --engine-core $core --threads $threads --omp-wait $omp," \
          "$TOP concurrent ($(($(date +%s) - start)) s)"
     timeout "$MODE_S" "$PY" -m bench.serve_bench --orgs S2 --concurrency "$TOP" \
         --prompt "$PROMPT" --output "$OUTPUT" --client ours --allocator glibc \
-        --engine-core "$core" --threads "$threads" --omp-wait "$omp" \
+        --engine-core "$core" --threads "$threads" --omp-wait "$omp" --split-workers "$split" \
         --vllm-python /nonexistent --out "$OUT/${name}_ours.json" > "$OUT/${name}_ours.log" 2>&1 \
         || { echo "   failed or timed out (exit $?): see $OUT/${name}_ours.log"; continue; }
     rate=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['rows'][0]['output_tok_s'])" \
         "$OUT/${name}_ours.json")
     echo "   $rate output tok/s"
     if "$PY" -c "import sys; sys.exit(float(sys.argv[1]) <= float(sys.argv[2]))" "$rate" "$best"; then
-        best=$rate OURS=(--engine-core "$core" --threads "$threads" --omp-wait "$omp")
+        best=$rate OURS=(--engine-core "$core" --threads "$threads" --omp-wait "$omp"
+                         --split-workers "$split")
     fi
 done
 [ -n "$MODES" ] && echo "== the full table serves ours with: ${OURS[*]:-the defaults}"

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from serving_core.model import mamba
+from serving_core.model import mamba, split
 from serving_core.model.config import head_dim, mamba_head_dim, mamba_inner, read_config
 from serving_core.model.head_rows import pad_rows
 from serving_core.model.paged_attention import fused_decode_attention
@@ -238,7 +238,7 @@ class FalconH1:
 
     # ----- forward ----------------------------------------------------------------------------
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return split.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     @torch.inference_mode()
     def forward(
@@ -278,9 +278,14 @@ class FalconH1:
         rows = pad_rows(last.reshape(-1, last.shape[-1]))  # batch-invariant rows
         w = self.w["lm_head.weight"]
         out = torch.empty(rows.shape[0], w.shape[0], dtype=rows.dtype, device=rows.device)
-        for v in range(0, w.shape[0], HEAD_VOCAB_BLOCK):  # (n, V): scaled in place, no copy
-            torch.matmul(rows, w[v : v + HEAD_VOCAB_BLOCK].t(),
-                         out=out[:, v : v + HEAD_VOCAB_BLOCK])
+
+        def blocks(first: int, end: int) -> None:  # (n, V): scaled in place, no copy
+            for v in range(first * HEAD_VOCAB_BLOCK, min(end * HEAD_VOCAB_BLOCK, w.shape[0]),
+                           HEAD_VOCAB_BLOCK):
+                torch.matmul(rows, w[v : v + HEAD_VOCAB_BLOCK].t(),
+                             out=out[:, v : v + HEAD_VOCAB_BLOCK])
+
+        split.head_blocks(rows.shape[0], -(-w.shape[0] // HEAD_VOCAB_BLOCK), blocks)
         out = out[: last[..., 0].numel()].view(*last.shape[:-1], w.shape[0])
         return out.mul_(self.mult["lm_head_multiplier"]).float()
 
@@ -311,7 +316,8 @@ class FalconH1:
         vals = vals.transpose(1, 2)
         q = q.transpose(1, 2)  # (b, H, t, d)
         scale = self.head_dim ** -0.5
-        out = causal_attention(q, keys, vals, c, valid, scale, self.heads != self.kv_heads)
+        out = split.attention_heads(causal_attention, q, keys, vals, c, valid, scale,
+                                    self.heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self._lin(out, p + "o_proj")
 
@@ -341,8 +347,8 @@ class FalconH1:
             )[:, None]
         else:
             initial = ssm if isinstance(ssm, torch.Tensor) else ssm.read()  # paged: copy in
-            y, final = mamba.chunk_scan(
-                xs.view(b, t, self.m_heads, self.m_head_dim), dt, self.A[i],
+            y, final = split.scan_heads(
+                mamba.chunk_scan, xs.view(b, t, self.m_heads, self.m_head_dim), dt, self.A[i],
                 B.view(b, t, self.n_groups, self.d_state),
                 C.view(b, t, self.n_groups, self.d_state),
                 D, self.chunk, initial,

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 
+from serving_core.server.process_settings import SPLIT_WORKERS
 from serving_core.server.runtime import DRAIN_MODES
 
 ENGINE_LINE = "engine "  # stdout prefix of the effective rules
@@ -67,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_threads_arg, default=0,
                    help="torch intra-op threads: auto (or 0: per phase, from a measurement at "
                         "start, see serving_core/executor/threads.py) or a count")
+    p.add_argument("--split-workers", default="auto",
+                   help="worker threads that take half of each large product (0, 1 or auto: "
+                        "1 with one intra-op thread on >= 2 cores; serving_core/model/split.py)")
     p.add_argument("--engine-core", default="thread",
                    help=f"where the engine steps: one of {', '.join(ENGINE_CORES)} (a thread "
                         "of this process, or a child process of its own: docs/real_path.md)")
@@ -95,6 +99,9 @@ def _check(args) -> None:
     if args.omp_wait not in OMP_WAITS:
         raise UsageError(f"--omp-wait={args.omp_wait!r}: allowed values are "
                          f"{', '.join(OMP_WAITS)}")
+    if args.split_workers not in SPLIT_WORKERS:
+        raise UsageError(f"--split-workers={args.split_workers!r}: allowed values are "
+                         f"{', '.join(SPLIT_WORKERS)}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port={args.port}: expected 0..65535")
     if not isinstance(args.threads, int) or args.threads < 0:
@@ -281,11 +288,12 @@ def make_server(app, runtime):
     return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
 
 
-def build_served(spec, threads, malloc: str):
+def build_served(spec, threads, malloc: str, split_workers: str = "auto"):
     """(engine, effective rules, runtime settings) as either core builds its engine: the
     allocator kept, the intra-op threads applied, the engine built and its rules read back.
     OMP_* must already be in the environment (before torch is imported)."""
     from serving_core.server.process_settings import (
+        apply_split,
         apply_threads,
         keep_freed_memory,
         runtime_settings,
@@ -295,6 +303,7 @@ def build_served(spec, threads, malloc: str):
     if torch_kernels and malloc == "keep":
         keep_freed_memory()
     apply_threads(threads, load_torch=torch_kernels)
+    apply_split(split_workers, load_torch=torch_kernels)
     engine = build_engine(spec)
     if not torch_kernels:  # set on a torch the build imported after all (a host tier)
         apply_threads(threads, load_torch=False)
@@ -305,6 +314,9 @@ def build_served(spec, threads, malloc: str):
 def end_records(folder, writer, spec, engine, runtime, effective: dict) -> None:
     """At shutdown: the records into `folder` (write_records), or, with none asked for,
     only the trace ended with END."""
+    from serving_core.server.process_settings import close_split
+
+    close_split()  # the engine has stopped stepping: its split worker ends with it
     if folder:
         write_records(folder, writer, spec, engine, runtime, effective)
     else:
@@ -318,7 +330,8 @@ def thread_core(args, spec):
     from serving_core.server.runtime import EngineRuntime
 
     os.environ.update(omp_env(args.omp_wait))  # before torch is imported
-    engine, effective, settings = build_served(spec, args.threads, args.malloc)
+    engine, effective, settings = build_served(spec, args.threads, args.malloc,
+                                               args.split_workers)
     runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len,
                             drain=args.drain)
 
@@ -336,6 +349,7 @@ def process_core(args, spec):
     from serving_core.server.engine_client import EngineCoreClient, EngineCoreError
 
     config = {"spec": spec.to_json(), "threads": args.threads, "malloc": args.malloc,
+              "split_workers": args.split_workers,
               "records": args.records, "records_writer": args.records_writer,
               "env": omp_env(args.omp_wait)}
     try:

@@ -96,7 +96,8 @@ def _build(config: dict):
     from serving_core.server.__main__ import build_served
 
     spec = EngineSpec.from_json(config["spec"])
-    return (spec, *build_served(spec, config.get("threads", 0), config.get("malloc", "keep")))
+    return (spec, *build_served(spec, config.get("threads", 0), config.get("malloc", "keep"),
+                                config.get("split_workers", "auto")))
 
 
 def _ready_info(engine, effective: dict, settings: dict) -> dict:

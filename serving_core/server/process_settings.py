@@ -43,6 +43,7 @@ _auto: dict | None = None  # what `--threads auto` measured and chose (per-phase
 _KEEP = (("M_ARENA_MAX", -8, 1), ("M_MMAP_MAX", -4, 0), ("M_TRIM_THRESHOLD", -1, 2**31 - 1),
          ("M_TOP_PAD", -2, 64 << 20))
 _kept: bool = False  # keep_freed_memory has set glibc's mallopt in this process
+_split: dict | None = None  # the split's workers and thresholds (apply_split), None before
 
 
 def default_threads(cores: int | None = None) -> int:
@@ -100,6 +101,47 @@ def apply_threads(threads: int | str, *, load_torch: bool = True) -> int:
     return torch.get_num_threads()
 
 
+SPLIT_WORKERS = ("0", "1", "auto")  # `--split-workers` values
+
+
+def split_workers(requested: int | str, cores: int | None = None) -> int:
+    """Worker threads `--split-workers` gives (serving_core/model/split.py): auto is 1 when
+    every phase runs one intra-op thread on two or more cores (the second core is otherwise
+    idle while the engine thread computes), else 0 (one core: nothing to split onto; several
+    intra-op threads: those cores are taken already). ValueError names the allowed values."""
+    if str(requested) not in SPLIT_WORKERS:
+        raise ValueError(f"split_workers={requested!r}: allowed values are "
+                         f"{', '.join(SPLIT_WORKERS)}")
+    if str(requested) != "auto":
+        return int(requested)
+    most = max(_auto["per_phase"].values()) if _auto else threads_in_effect()
+    return int((cores or os.cpu_count() or 1) >= 2 and most == 1)
+
+
+def apply_split(requested: int | str, *, load_torch: bool = True) -> int:
+    """Install the split's worker (after apply_threads); returns the workers in effect.
+    Without `load_torch` (an engine with no torch kernels) nothing is split."""
+    global _split
+    workers = split_workers(requested) if load_torch else 0
+    split_workers(requested)  # a bad value fails either way
+    if load_torch:
+        from serving_core.model import split
+
+        split.install(workers)
+        _split = dict(split.settings(), requested=str(requested))
+    else:
+        _split = {"workers": 0, "requested": str(requested)}
+    return workers
+
+
+def close_split() -> None:
+    """End the split's worker thread, if this process started one (at shutdown)."""
+    if "serving_core.model.split" in sys.modules:
+        from serving_core.model import split
+
+        split.close()
+
+
 def threads_in_effect() -> int:
     """torch's intra-op threads, read back; in a process that never imported torch, the
     count `apply_threads` kept (torch's own default if it never ran)."""
@@ -138,4 +180,5 @@ def runtime_settings() -> dict:
     """What this process runs with, read back (not the request)."""
     return {"threads": threads_in_effect(), "allocator": allocator_in_use(),
             "cpus": os.cpu_count(), "malloc_keeps_freed": _kept,
-            **({"threads_auto": _auto} if _auto is not None else {})}
+            **({"threads_auto": _auto} if _auto is not None else {}),
+            **({"split": _split} if _split is not None else {})}

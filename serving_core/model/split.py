@@ -1,0 +1,193 @@
+"""Two-way splits of a forward's large products, the second half on one worker thread.
+
+With `install(1)` a persistent worker thread (torch intra-op threads = 1, like the engine
+thread) takes the second half of each product above a size threshold while the calling
+thread computes the first; ATen releases the GIL inside the kernels, so the two halves run on
+two cores. Every split gives the bits of the unsplit product (tests/test_split.py compares
+them on many shapes): the LM head's vocabulary blocks are the same products whichever thread
+runs them; a linear layer is cut by output features at a multiple of CUT_ALIGN (MKL's
+per-element sums do not depend on the cut there; below 4 rows a cut at a non-multiple of 8
+rounds differently, so small products are never cut); the prefill SSD scan and prefill
+attention are cut by heads (each head's arithmetic is its own; attention by key/value heads
+with their query heads). Small products (decode's projections and attention) stay on the
+calling thread: handing work to the worker costs tens of microseconds and wakes a core.
+Without `install(1)` (the server's `--split-workers`, serving_core/server/process_settings.py)
+nothing is split and no thread exists.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+CUT_ALIGN = 64  # output features of a linear layer's cut: a multiple of this
+# Smallest products split (measured on the 2-core machine, docs/benchmarks.md "The split
+# worker"): rows and multiply-adds of a linear layer's product; rows of the LM head's
+# product; tokens of a prefill scan; queries of a prefill attention.
+LINEAR_MIN_MACS = 16_000_000
+LINEAR_MIN_ROWS = 256
+HEAD_MIN_ROWS = 1
+SCAN_MIN_TOKENS = 64
+ATTENTION_MIN_TOKENS = 64
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order; `close` ends it."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="hsl-split", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        torch.set_num_threads(1)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, box, done = job
+            try:
+                box.append(fn())
+            except BaseException as err:  # re-raised on the calling thread
+                box.append(err)
+                box.append(None)
+            done.set()
+
+    def run(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """Start fn() on the worker; returns a wait() that gives its result (or raises)."""
+        box: list = []
+        done = threading.Event()
+        modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()  # thread-local
+
+        def call():
+            with torch.inference_mode(modes[0]), torch.set_grad_enabled(modes[1]):
+                return fn()
+
+        self._jobs.put((call, box, done))
+
+        def wait():
+            done.wait()
+            if len(box) == 2:
+                raise box[0]
+            return box[0]
+
+        return wait
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self.thread.join()
+
+
+_worker: _Worker | None = None
+
+
+def install(workers: int) -> None:
+    """Split large products over `workers` (0 or 1) worker threads from now on."""
+    if workers not in (0, 1):
+        raise ValueError(f"split_workers={workers!r}: allowed values are 0, 1")
+    global _worker
+    if workers and _worker is None:
+        _worker = _Worker()
+    elif not workers:
+        close()
+
+
+def close() -> None:
+    """End the worker thread (no-op without one); products run unsplit afterwards."""
+    global _worker
+    worker, _worker = _worker, None
+    if worker is not None:
+        worker.close()
+
+
+def settings() -> dict:
+    """The split in effect and its thresholds (for the run's runtime record)."""
+    return {"workers": int(_worker is not None), "linear_min_macs": LINEAR_MIN_MACS,
+            "linear_min_rows": LINEAR_MIN_ROWS, "head_min_rows": HEAD_MIN_ROWS,
+            "scan_min_tokens": SCAN_MIN_TOKENS, "attention_min_tokens": ATTENTION_MIN_TOKENS,
+            "cut_align": CUT_ALIGN}
+
+
+def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
+    """(first(), second()), second on the worker when there is one."""
+    if _worker is None:
+        return first(), second()
+    wait = _worker.run(second)
+    try:
+        a = first()
+    finally:
+        b = wait()
+    return a, b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear(x, weight, bias), cut by output features over the worker when large."""
+    n, k = weight.shape
+    rows = x.numel() // k
+    cut = n // 2 // CUT_ALIGN * CUT_ALIGN
+    if (_worker is None or bias is not None or rows < LINEAR_MIN_ROWS or cut == 0
+            or rows * n * k < LINEAR_MIN_MACS):
+        return torch.nn.functional.linear(x, weight, bias)
+    flat = x.reshape(rows, k)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    pair(lambda: torch.matmul(flat, weight[:cut].t(), out=out[:, :cut]),
+         lambda: torch.matmul(flat, weight[cut:].t(), out=out[:, cut:]))
+    return out.view(*x.shape[:-1], n)
+
+
+def head_blocks(rows: int, blocks: int, run: Callable[[int, int], None]) -> None:
+    """run(first, end) over the LM head's vocabulary blocks [0, blocks), in two halves over
+    the worker when `rows` sample rows reach HEAD_MIN_ROWS."""
+    if _worker is None or rows < HEAD_MIN_ROWS or blocks < 2:
+        run(0, blocks)
+        return
+    mid = blocks // 2
+    pair(lambda: run(0, mid), lambda: run(mid, blocks))
+
+
+def scan_heads(scan: Callable, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+               B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, chunk: int,
+               initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scan(x, dt, A, B, C, D, chunk, initial) (mamba.chunk_scan's arguments and results),
+    cut by heads over the worker for a prefill of SCAN_MIN_TOKENS or more: with one group
+    each half of the heads reads the shared B and C; with several, the cut is at a group."""
+    b, t, h, _ = x.shape
+    g = B.shape[2]
+    if _worker is None or t < SCAN_MIN_TOKENS or h < 2 or (g > 1 and g % 2):
+        return scan(x, dt, A, B, C, D, chunk, initial)
+    cut, gc = (h // 2, None) if g == 1 else (h // 2, g // 2)
+    lo = (slice(None), slice(None), slice(0, gc))
+    hi = (slice(None), slice(None), slice(gc, None))
+
+    def half(hs: slice, gs: tuple):
+        bg, cg = (B, C) if gc is None else (B[gs], C[gs])
+        return scan(x[:, :, hs], dt[..., hs], A[hs], bg, cg, D[hs], chunk, initial[:, hs])
+
+    (y0, s0), (y1, s1) = pair(lambda: half(slice(0, cut), lo), lambda: half(slice(cut, h), hi))
+    return torch.cat([y0, y1], dim=2), torch.cat([s0, s1], dim=1)
+
+
+def worker_cpu_s() -> float:
+    """CPU seconds the worker thread has used so far (0.0 without one)."""
+    if _worker is None or _worker.thread.ident is None:
+        return 0.0
+    import time
+
+    return time.clock_gettime(time.pthread_getcpuclockid(_worker.thread.ident))
+
+
+def attention_heads(attend: Callable, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                    *rest) -> torch.Tensor:
+    """attend(q (b, H, t, d), keys, vals (b, KVH, s, d), *rest) -> (b, H, t, d), cut by
+    key/value heads (each with its query heads) over the worker for a prefill of
+    ATTENTION_MIN_TOKENS or more queries."""
+    kvh, h, t = keys.shape[1], q.shape[1], q.shape[2]
+    if _worker is None or t < ATTENTION_MIN_TOKENS or kvh % 2:
+        return attend(q, keys, vals, *rest)
+    kc, qc = kvh // 2, h // 2
+    lo, hi = pair(lambda: attend(q[:, :qc], keys[:, :kc], vals[:, :kc], *rest),
+                  lambda: attend(q[:, qc:], keys[:, kc:], vals[:, kc:], *rest))
+    return torch.cat([lo, hi], dim=1)

@@ -1,0 +1,148 @@
+"""Products split over the worker thread give the unsplit products' bits (model/split.py);
+the worker ends when closed; `--split-workers` is a checked setting."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from serving_core.model import mamba, split
+from serving_core.model.dense_state import DenseState
+from serving_core.model.falcon_h1 import causal_attention
+from serving_core.server import process_settings
+
+
+@pytest.fixture
+def worker():
+    split.install(1)
+    yield
+    split.close()
+
+
+def _split_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "hsl-split"]
+
+
+# (rows, inner, outputs): the tiny Falcon-H1's in_proj, MLP, out_proj, attention, and odd sizes
+LINEAR = [(m, k, n) for m in (1, 3, 4, 17, 64, 300, 1000, 2048)
+          for k, n in ((128, 2572), (128, 256), (256, 128), (768, 128), (100, 333))]
+
+
+def test_a_split_linear_equals_the_unsplit_product(worker):
+    gen = torch.Generator().manual_seed(0)
+    split_any = False
+    for m, k, n in LINEAR:
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        split_any |= m * n * k >= split.LINEAR_MIN_MACS and m >= split.LINEAR_MIN_ROWS
+        assert torch.equal(split.linear(x, w), F.linear(x, w)), (m, k, n)
+    x3 = torch.randn(2, 700, 128, generator=gen)[:, ::2]  # 3-D, strided rows
+    w = torch.randn(2572, 128, generator=gen)
+    assert torch.equal(split.linear(x3, w), F.linear(x3, w))
+    assert split_any
+
+
+@pytest.mark.parametrize(("b", "t", "h", "p", "g", "n", "chunk"), [
+    (1, 300, 12, 64, 1, 512, 128),  # the tiny model's mixer, a ragged last chunk
+    (2, 130, 8, 16, 2, 32, 64),
+    (3, 96, 8, 8, 4, 16, 32),
+])
+def test_a_scan_split_by_heads_equals_the_whole_scan(worker, b, t, h, p, g, n, chunk):
+    gen = torch.Generator().manual_seed(t)
+    x, dt = torch.randn(b, t, h, p, generator=gen), torch.rand(b, t, h, generator=gen)
+    A, D = -4 * torch.rand(h, generator=gen), torch.randn(h, generator=gen)
+    B, C = torch.randn(b, t, g, n, generator=gen), torch.randn(b, t, g, n, generator=gen)
+    init = torch.randn(b, h, p, n, generator=gen)
+    whole = mamba.chunk_scan(x, dt, A, B, C, D, chunk, init)
+    got = split.scan_heads(mamba.chunk_scan, x, dt, A, B, C, D, chunk, init)
+    assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
+
+
+@pytest.mark.parametrize(("b", "h", "kvh", "t", "c", "padded"), [
+    (1, 4, 2, 512, 0, False),  # the tiny model's first chunk
+    (2, 4, 2, 300, 700, True),  # later chunks over context, padded context
+    (1, 8, 8, 100, 0, False),  # no GQA
+    (1, 4, 2, 600, 0, False),  # two query blocks
+])
+def test_attention_split_by_heads_equals_the_whole(worker, b, h, kvh, t, c, padded):
+    gen = torch.Generator().manual_seed(t + c)
+    q = torch.randn(b, t, h, 32, generator=gen).transpose(1, 2)
+    k, v = (torch.randn(b, c + t, kvh, 32, generator=gen).transpose(1, 2) for _ in "kv")
+    valid = torch.rand(b, c, generator=gen) > 0.2 if padded else None
+    args = (c, valid, 32 ** -0.5, h != kvh)
+    whole = causal_attention(q, k, v, *args)
+    assert torch.equal(split.attention_heads(causal_attention, q, k, v, *args), whole)
+
+
+def test_a_model_forward_is_bit_identical_with_the_worker(tiny_model):
+    """Two sequences: a prefill chunk (every split taken), a chunk over that context, then
+    decode; logits and state, with and without."""
+    ids = torch.randint(0, 1000, (2, 400), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for workers in (0, 1):
+        split.install(workers)
+        try:
+            state = DenseState(tiny_model, batch=2)
+            logits = [state.run(tiny_model, ids[:, :300]), state.run(tiny_model, ids[:, 300:]),
+                      state.run(tiny_model, ids[:, :1])]
+        finally:
+            split.close()
+        runs.append((logits, state.ssm, state.k))
+    for a, b in zip(*(sum(r, []) for r in runs), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_worker_ends_when_closed_and_raises_on_the_caller():
+    split.install(1)
+    assert len(_split_threads()) == 1 and split.settings()["workers"] == 1
+    split.install(1)  # once
+    assert len(_split_threads()) == 1
+    with pytest.raises(ZeroDivisionError):
+        split.pair(lambda: 1, lambda: 1 / 0)
+    assert split.pair(lambda: 1, lambda: torch.is_inference_mode_enabled()) == (1, False)
+    with torch.inference_mode():  # the caller's mode travels with the work
+        assert split.pair(lambda: 1, lambda: torch.is_inference_mode_enabled()) == (1, True)
+    split.close()
+    assert not _split_threads() and split.settings()["workers"] == 0
+    assert split.pair(lambda: 1, lambda: 2) == (1, 2)  # no worker: in order, here
+
+
+def test_split_workers_auto_and_bad_values(monkeypatch):
+    monkeypatch.setattr(process_settings, "_auto", None)
+    monkeypatch.setattr(process_settings, "threads_in_effect", lambda: 1)
+    assert [process_settings.split_workers("auto", c) for c in (1, 2, 8)] == [0, 1, 1]
+    monkeypatch.setattr(process_settings, "threads_in_effect", lambda: 2)
+    assert process_settings.split_workers("auto", 8) == 0  # intra-op threads use the cores
+    assert process_settings.split_workers("1", 1) == 1  # asked for: given
+    with pytest.raises(ValueError, match=r"split_workers='2': allowed values are 0, 1, auto"):
+        process_settings.split_workers("2")
+    with pytest.raises(ValueError, match="allowed values are 0, 1"):
+        split.install(2)
+
+
+def test_the_server_refuses_a_bad_split_workers_value(capsys):
+    from serving_core.server.__main__ import main
+
+    assert main(["--spec", "none.json", "--split-workers", "two"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --split-workers='two': allowed values are 0, 1, auto"
+
+
+def test_the_runtime_record_states_the_split_read_back(monkeypatch):
+    monkeypatch.setattr(process_settings, "_auto", None)
+    monkeypatch.setattr(process_settings, "threads_in_effect", lambda: 1)
+    monkeypatch.setattr(process_settings.os, "cpu_count", lambda: 2)
+    try:
+        assert process_settings.apply_split("auto") == 1
+        stated = process_settings.runtime_settings()["split"]
+        assert stated == dict(split.settings(), requested="auto") and stated["workers"] == 1
+        assert len(_split_threads()) == 1
+    finally:
+        process_settings.close_split()
+        monkeypatch.setattr(process_settings, "_split", None)
+    assert not _split_threads()
+    assert process_settings.apply_split("1", load_torch=False) == 0  # no torch kernels
+    assert process_settings.runtime_settings()["split"] == {"workers": 0, "requested": "1"}
+    monkeypatch.setattr(process_settings, "_split", None)
