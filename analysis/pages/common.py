@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import pandas as pd
 
@@ -33,6 +34,8 @@ from analysis.metrics import (  # noqa: F401 (re-exported)
 )
 from analysis.runset import RUN_IDS_VIEW, RunSet, in_list, query  # noqa: F401 (re-exported)
 from ledgers.studies import STUDY_SCHEMAS
+
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------------
 # Loading through the catalog
@@ -114,6 +117,17 @@ def _runs_source(con) -> str:
         else:
             connections[id(con)] = con
     return "runs" if connections[id(con)] is None else _COMPLETE_RUNS
+
+
+def once_per_report(con, name: str, compute: Callable[[], T]) -> T:
+    """`compute()`, once per (connection, name) inside `cached_runs()`; its later calls get
+    what the first returned (callers copy what they change)."""
+    if _RUN_CACHE is None:
+        return compute()
+    key = ("once", id(con), name)
+    if key not in _RUN_CACHE:
+        _RUN_CACHE[key] = (con, compute())  # the connection kept: its id stays unique
+    return _RUN_CACHE[key][1]
 
 
 def load_runs(con, questions: Sequence[str]) -> RunSet:
