@@ -117,12 +117,16 @@ PARALLEL = max(1, min(4, os.cpu_count() or 1))
 # Every case is its own `python -m` process, forked by tests/cli_batch.py from one
 # interpreter that imported these once (the imports were most of each case's CPU).
 PRELOAD = ("experiments.run", "experiments.campaigns.campaign")
+# Configs the batch composes once before forking (tests/cli_batch.py `warm`): the commands
+# inherit the YAML files parsed for them.
+WARM = [["campaign=q9"]]
 
 
 def _run_cases(commands: list[list[str]]) -> list[tuple[int, str, str]]:
     """(exit code, stdout, stderr) of each `python -m` command, run from REPO."""
     assert all(c[:2] == [sys.executable, "-m"] for c in commands)
     request = {"preload": PRELOAD, "parallel": PARALLEL,
+               "warm": {"config_dir": str(REPO / "conf"), "overrides": WARM},
                "cases": [{"argv": c[2:], "cwd": str(REPO)} for c in commands]}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "cli_batch.py")], cwd=REPO,
                           input=json.dumps(request), capture_output=True, text=True,

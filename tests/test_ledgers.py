@@ -762,3 +762,24 @@ def test_report_skips_damaged_files_with_a_warning_and_refuses_a_missing_root(tm
     assert report.main(["--ledgers", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 2
     with pytest.warns(LedgerWarning, match="is empty"):
         ledgers.connect(tmp_path / "out")
+
+
+def test_plan_file_hash_is_read_again_when_the_file_changes(tmp_path):
+    """ledgers.plans caches a plan file's hash per process: an edited file gets its new hash,
+    the hash of the YAML as PyYAML's safe loader reads it; a file that is no mapping is
+    refused each time."""
+    import yaml
+
+    from ledgers.plans import plan_file_hash, plan_hash
+
+    path = tmp_path / "qx.yaml"
+    path.write_text("question: qx\nfamilies: []\n")
+    first = plan_file_hash("qx", tmp_path)
+    assert first == plan_hash(yaml.safe_load(path.read_text())) == plan_file_hash("qx", tmp_path)
+    path.write_text("question: qx\nfamilies: [{name: f1}]\n")
+    assert plan_file_hash("qx", tmp_path) == plan_hash(yaml.safe_load(path.read_text())) != first
+    assert plan_file_hash("", tmp_path) == plan_file_hash("absent", tmp_path) == ""
+    path.write_text("- a list\n")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"question='qx': invalid preregistered plan"):
+            plan_file_hash("qx", tmp_path)

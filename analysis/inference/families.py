@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -165,16 +165,18 @@ def smoke_plan(plan: prereg.Plan, present: set[str]) -> prereg.Plan | None:
                                raw={**plan.raw, "smoke": raw})
 
 
-def evaluate_plan(plan: prereg.Plan, runs: pd.DataFrame, *,
-                  allow_changed_plan: bool = False) -> list[FamilyResult]:
-    """Every family of `plan` evaluated on `runs` (RunSet.all_runs of the plan's campaigns),
-    then the plan's smoke counterpart over any smoke or demo campaigns in `runs`."""
+def evaluate_plan(plan: prereg.Plan, runs: pd.DataFrame, *, allow_changed_plan: bool = False,
+                  only: Collection[str] | None = None) -> list[FamilyResult]:
+    """Every family of `plan` (or those named in `only`: each family is decided on its own)
+    evaluated on `runs` (RunSet.all_runs of the plan's campaigns), then the plan's smoke
+    counterpart over any smoke or demo campaigns in `runs`."""
     out = [evaluate_family(plan, fam, runs, allow_changed_plan=allow_changed_plan)
-           for fam in plan.families]
+           for fam in plan.families if only is None or fam.name in only]
     present = set(runs["campaign"].astype(str)) if len(runs) else set()
     smoke = smoke_plan(plan, present)
     if smoke is not None:
         checked = [f for fam in smoke.families
+                   if only is None or fam.name.removesuffix(SMOKE_TAG) in only
                    if not (f := evaluate_family(smoke, fam, runs,
                                                 allow_changed_plan=allow_changed_plan)).no_data]
         # with smoke or demo runs present, a family without any main-stage run is left out

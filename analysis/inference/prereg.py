@@ -27,7 +27,12 @@ import pandas as pd
 import yaml
 
 from ledgers.arms import ARMS, LEDGER_ORGS
-from ledgers.plans import PLAN_DIR, canonical_json, plan_hash  # noqa: F401 (re-exported)
+from ledgers.plans import (  # noqa: F401 (re-exported)
+    PLAN_DIR,
+    canonical_json,
+    plan_hash,
+    safe_loader,
+)
 
 PLAN_HASH_COLUMN = "prereg_plan_hash"  # ledgers/schemas.py runs column
 FAMILY_ROLES = ("primary", "secondary", "gate")
@@ -158,7 +163,7 @@ def load_readings(plan_dir: str | Path = PLAN_DIR) -> list[dict[str, str]]:
     path = Path(plan_dir) / READINGS_FILE
     if not path.is_file():
         return []
-    raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    raw = yaml.load(path.read_text(encoding="utf-8"), Loader=safe_loader()) or {}
     rows = []
     for key, entry in raw.items():
         missing = [f for f in READING_FIELDS if not str((entry or {}).get(f, "")).strip()]
@@ -183,7 +188,7 @@ def load_plan(name_or_path: str | Path, plan_dir: str | Path = PLAN_DIR) -> Plan
 @functools.lru_cache(maxsize=128)
 def _load_file(path: str, _mtime_ns: int, _size: int) -> Plan:
     with open(path, encoding="utf-8") as fh:
-        raw = yaml.safe_load(fh)
+        raw = yaml.load(fh, Loader=safe_loader())
     return parse_plan(raw, Path(path))
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import pandas as pd
 
@@ -33,6 +34,8 @@ from analysis.metrics import (  # noqa: F401 (re-exported)
 )
 from analysis.runset import RUN_IDS_VIEW, RunSet, in_list, query  # noqa: F401 (re-exported)
 from ledgers.studies import STUDY_SCHEMAS
+
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------------
 # Loading through the catalog
@@ -77,17 +80,54 @@ _POLLER_METRICS = """
 
 
 _RUN_CACHE: dict | None = None  # set while a report runs: one load per set of questions
+# Inside `cached_runs()`: the complete adopted runs rows, read from the runs view once per
+# connection into this temporary table (a report loads some 30 sets of questions, and each
+# read of the view scans every runs file of the ledger again).
+_COMPLETE_RUNS = "analysis_complete_runs"
+_COMPLETE_RUNS_SQL = "SELECT * FROM runs WHERE status = 'complete' AND adopted"
 
 
 @contextlib.contextmanager
 def cached_runs():
-    """Within the block, `load_runs` loads each (connection, questions) once."""
+    """Within the block, `load_runs` loads each (connection, questions) once, and the runs
+    rows of each connection are read from its ledger once."""
     global _RUN_CACHE
     _RUN_CACHE = {}
     try:
         yield
     finally:
-        _RUN_CACHE = None
+        connections, _RUN_CACHE = _RUN_CACHE.get("connections", {}), None
+        for con in filter(None, connections.values()):
+            with contextlib.suppress(Exception):  # a connection the caller already closed
+                con.execute(f"DROP TABLE IF EXISTS {_COMPLETE_RUNS}")
+
+
+def _runs_source(con) -> str:
+    """Where `_load_runs` reads runs rows: the runs view, or inside `cached_runs()` this
+    connection's temporary copy of its complete adopted rows (the same rows and types)."""
+    if _RUN_CACHE is None:
+        return "runs"
+    connections = _RUN_CACHE.setdefault("connections", {})  # kept: their ids stay unique
+    if id(con) not in connections:
+        try:
+            con.execute(f"CREATE OR REPLACE TEMPORARY TABLE {_COMPLETE_RUNS} AS "
+                        f"{_COMPLETE_RUNS_SQL}")
+        except Exception:  # noqa: BLE001 - a connection that cannot hold one reads the view
+            connections[id(con)] = None
+        else:
+            connections[id(con)] = con
+    return "runs" if connections[id(con)] is None else _COMPLETE_RUNS
+
+
+def once_per_report(con, name: str, compute: Callable[[], T]) -> T:
+    """`compute()`, once per (connection, name) inside `cached_runs()`; its later calls get
+    what the first returned (callers copy what they change)."""
+    if _RUN_CACHE is None:
+        return compute()
+    key = ("once", id(con), name)
+    if key not in _RUN_CACHE:
+        _RUN_CACHE[key] = (con, compute())  # the connection kept: its id stays unique
+    return _RUN_CACHE[key][1]
 
 
 def load_runs(con, questions: Sequence[str]) -> RunSet:
@@ -110,8 +150,9 @@ def _load_runs(con, questions: Sequence[str]) -> RunSet:
     upper-cased and reuse lower-cased (the plans compare them that way).
     """
     questions = tuple(questions)
-    runs = con.execute(f"SELECT * FROM runs WHERE {in_list('question', questions)}"
-                       " AND status = 'complete' AND adopted ORDER BY campaign, seed, run_id").df()
+    runs = con.execute(f"SELECT * FROM {_runs_source(con)} WHERE "
+                       f"{in_list('question', questions)} AND status = 'complete' AND adopted "
+                       "ORDER BY campaign, seed, run_id").df()
     campaigns = tuple(sorted(runs["campaign"].unique()))
     runs["org"] = runs["org"].astype(str).str.strip().str.upper()
     runs["reuse"] = runs["reuse"].astype(str).str.strip().str.lower()

@@ -154,8 +154,7 @@ def attach_families(result: QuestionResult, runs: pd.DataFrame, plan_name: str,
                     only: Sequence[str] | None = None) -> list:
     """Evaluate the plan's families (or those named in `only`) and attach them."""
     plan = load_plan(plan_name, plan_dir)
-    families = evaluate_plan(plan, runs, allow_changed_plan=allow_changed_plan)
-    families = [f for f in families if only is None or f.name.removesuffix(SMOKE_TAG) in only]
+    families = evaluate_plan(plan, runs, allow_changed_plan=allow_changed_plan, only=only)
     result.families += families
     return families
 
@@ -231,9 +230,8 @@ def borrow_rows(result: QuestionResult, con, plan_name: str, family: str,
     """
     plan = load_plan(plan_name, plan_dir)
     runset = load_runs(con, plan_reads(plan))
-    families = [f for f in evaluate_plan(plan, runset.all_runs,
-                                         allow_changed_plan=allow_changed_plan)
-                if f.name in (family, family + SMOKE_TAG)]
+    families = evaluate_plan(plan, runset.all_runs, allow_changed_plan=allow_changed_plan,
+                             only=(family,))
     for fam in families:
         m = fam.m
         fam.tables = {k: v[v["test"].isin(tests)].reset_index(drop=True)

@@ -284,7 +284,13 @@ def _short(decision: str) -> str:
 
 def load_inputs(con) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """(every complete run: the pages' own and the sensitivity reruns; every row of the
-    study's record, None when it has none)."""
+    study's record, None when it has none), read once per report (each page's flip columns
+    read them: `common.once_per_report`), copied out."""
+    runs, record = common.once_per_report(con, "sensitivity inputs", lambda: _read_inputs(con))
+    return runs.copy(), None if record is None else record.copy()
+
+
+def _read_inputs(con) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     questions = [q for (q,) in con.execute("SELECT DISTINCT question FROM runs").fetchall()]
     runs = common.load_runs(con, [str(q) for q in questions]).all_runs
     try:
