@@ -33,6 +33,7 @@ from serving_core.executor.state_encoding import StateEncoder
 from serving_core.geometry import Geometry
 from serving_core.memory import CONV_ADDRESSING, MemoryOrganization, org_class
 from serving_core.memory.s2 import decode_conv_line
+from serving_core.model.paged_attention import UnitMatrices
 from serving_core.state_codec import transcodes
 
 STORAGE_DTYPES = {4: torch.float32, 2: torch.bfloat16}
@@ -155,6 +156,7 @@ class StateArena:
                 self.slot_elems = mem.layout.conv_slot_bytes // elem
                 self.slots_per_slab = mem.layout.slots_per_slab
         self._page_views: dict[int, tuple] = {}
+        self._kv_units: dict[int, UnitMatrices] = {}
         self._kv_scratch: torch.Tensor | None = None  # gather_kv_heads' buffer, reused
 
     def _state_encoder(self, geometry: Geometry, elem: int, k: int) -> StateEncoder | None:
@@ -194,6 +196,14 @@ class StateArena:
         n = self.block_tokens * self.token_elems
         return arena[:, :n].view(arena.shape[0], 2, self.kv_heads, self.block_tokens,
                                  self.head_dim).permute(0, 3, 1, 2, 4)
+
+    def kv_units(self, layer: int) -> UnitMatrices:
+        """Plain KV: per unit of the layer its (K^T, V) views, kept across steps (the paged
+        decode attention's operands, made once per unit rather than per step and layer)."""
+        units = self._kv_units.get(layer)
+        if units is None:
+            units = self._kv_units[layer] = UnitMatrices(self.kv_view(layer))
+        return units
 
     def gather_kv(self, layer: int, units: torch.Tensor, length: int):
         """K and V of the first `length` tokens of each row of block units (b, nb)."""
