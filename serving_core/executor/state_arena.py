@@ -280,11 +280,9 @@ class StateArena:
         if self.conv_addressing == "page":  # conv_line: the conv page's id
             loc["conv"] = host_index([mem.conv_line(o) for o in objs], self.device)
         elif self.slots:  # conv_line: the slot's line id
-            lines = []
-            for obj in objs:
-                line = mem.conv_line(obj)
-                decode_conv_line(line, self.slots_per_slab)  # refuses the negative sentinel
-                lines.append(line)
+            lines = [mem.conv_line(obj) for obj in objs]
+            if lines:
+                decode_conv_line(min(lines), self.slots_per_slab)  # refuses the sentinel
             loc["conv"] = host_index(lines, self.device)
         return loc
 
