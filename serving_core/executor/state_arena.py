@@ -33,6 +33,7 @@ from serving_core.executor.state_encoding import StateEncoder
 from serving_core.geometry import Geometry
 from serving_core.memory import CONV_ADDRESSING, MemoryOrganization, org_class
 from serving_core.memory.s2 import decode_conv_line
+from serving_core.model.mamba import UpdateWorkspace
 from serving_core.model.paged_attention import UnitMatrices
 from serving_core.state_codec import transcodes
 
@@ -67,12 +68,14 @@ class PagedSSM:
     (`mamba.state_update`), never copied out and back."""
 
     def __init__(self, views: list[torch.Tensor], batch: int, heads_per_member: int,
-                 matrices: list[torch.Tensor] | None = None) -> None:
+                 matrices: list[torch.Tensor] | None = None,
+                 workspace: UpdateWorkspace | None = None) -> None:
         self.views = views
         self.batch = batch
         self.heads_per_member = heads_per_member
         # the same pages as (H / members x P, N) matrices (the read-out's operand)
         self.matrices = matrices or [v.view(-1, v.shape[-1]) for v in views]
+        self.workspace = workspace  # the update's operand buffers, kept by the arena
 
     def read(self) -> torch.Tensor:
         """A contiguous copy (b, H, P, N)."""
@@ -157,6 +160,7 @@ class StateArena:
                 self.slots_per_slab = mem.layout.slots_per_slab
         self._page_views: dict[int, tuple] = {}
         self._kv_units: dict[int, UnitMatrices] = {}
+        self._update_workspace = UpdateWorkspace()  # the paged SSM update's operands
         self._kv_scratch: torch.Tensor | None = None  # gather_kv_heads' buffer, reused
 
     def _state_encoder(self, geometry: Geometry, elem: int, k: int) -> StateEncoder | None:
@@ -358,7 +362,7 @@ class StateArena:
         views, matrices = self._page_views[layer]
         pages = loc["page_ids"]
         return PagedSSM([views[u] for u in pages], loc["pages"].shape[0], hpm,
-                        [matrices[u] for u in pages])
+                        [matrices[u] for u in pages], self._update_workspace)
 
     def gather_conv(self, layer: int, loc: dict[str, torch.Tensor]) -> torch.Tensor:
         """A copy of the batch's conv windows (b, Cd, K-1) from conv pages / S2 slots (the
