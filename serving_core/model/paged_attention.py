@@ -70,12 +70,24 @@ class DecodeLayout:
             self.rows.append((table[: full + 1], [bt] * full + [last] + pad, last))
         self.short = [(i, n) for i, n in enumerate(lengths)
                       if self.padded and n < min(SHORT_ROW, self.width)]
+        self._key = None  # of the buffers made by the step's first layer
 
-    def scores(self, b: int, kvh: int, rep: int, dtype, device) -> torch.Tensor:
-        """The batch's score buffer (b, KVH, rep, width): -inf where a row is padded."""
-        if self.padded:
-            return torch.full((b, kvh, rep, self.width), -torch.inf, dtype=dtype, device=device)
-        return torch.empty(b, kvh, rep, self.width, dtype=dtype, device=device)
+    def buffers(self, b: int, kvh: int, rep: int, dtype, device) -> tuple:
+        """The step's score and probability buffers (b, KVH, rep, width), scores -inf where
+        a row is padded, and per row their per-page column views: made on the first layer,
+        reused by the others (each layer writes every valid score column before reading
+        it, and the padding is never written)."""
+        key = (b, kvh, rep, dtype, device)
+        if self._key != key:
+            shape = (b, kvh, rep, self.width)
+            s = (torch.full(shape, -torch.inf, dtype=dtype, device=device) if self.padded
+                 else torch.empty(shape, dtype=dtype, device=device))
+            p = torch.empty_like(s)
+            self._buffers = (s, p, *([r.split(split, -1) for r, (_, split, _)
+                                      in zip(t.unbind(0), self.rows, strict=True)]
+                                     for t in (s, p)))
+            self._key = key
+        return self._buffers
 
 
 def decode_attention(q: torch.Tensor, kv_view: torch.Tensor, tables: list[list[int]],
@@ -94,21 +106,21 @@ def decode_attention(q: torch.Tensor, kv_view: torch.Tensor, tables: list[list[i
     layout = layout or DecodeLayout(tables, lengths, bt)
     units = units if units is not None else UnitMatrices(kv_view)
     qs = (q.float() * scale).to(dtype).view(b, kvh, rep, d).unbind(0)
-    s = layout.scores(b, kvh, rep, dtype, q.device)
+    s, p, s_cols, p_cols = layout.buffers(b, kvh, rep, dtype, q.device)
     bmm = torch.bmm
-    for qi, row, (table, split, last) in zip(qs, s.unbind(0), layout.rows, strict=True):
-        cols = row.split(split, -1)
+    for qi, cols, (table, _, last) in zip(qs, s_cols, layout.rows, strict=True):
         n = len(table) - 1
         for j in range(n):
             bmm(qi, units[table[j]][0], out=cols[j])
         bmm(qi, units[table[n]][0][..., :last], out=cols[n])
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(dtype)
+    if dtype == torch.float32:
+        torch.softmax(s, dim=-1, out=p)
+    else:
+        p.copy_(torch.softmax(s, dim=-1, dtype=torch.float32))
     for i, n in layout.short:  # the row alone, as long as it is (see SHORT_ROW)
         p[i, ..., :n] = torch.softmax(s[i, ..., :n], dim=-1, dtype=torch.float32)
     out = torch.empty(b, kvh, rep, d, dtype=dtype, device=q.device)
-    for o, row, (table, split, last) in zip(out.unbind(0), p.unbind(0), layout.rows,
-                                            strict=True):
-        cols = row.split(split, -1)
+    for o, cols, (table, _, last) in zip(out.unbind(0), p_cols, layout.rows, strict=True):
         n = len(table) - 1
         if not n:
             bmm(cols[0], units[table[0]][1][:, :last], out=o)
