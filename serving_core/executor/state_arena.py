@@ -161,6 +161,7 @@ class StateArena:
         self._page_views: dict[int, tuple] = {}
         self._kv_units: dict[int, UnitMatrices] = {}
         self._update_workspace = UpdateWorkspace()  # the paged SSM update's operands
+        self._conv_buffer: torch.Tensor | None = None  # gather_conv's windows, reused
         self._kv_scratch: torch.Tensor | None = None  # gather_kv_heads' buffer, reused
 
     def _state_encoder(self, geometry: Geometry, elem: int, k: int) -> StateEncoder | None:
@@ -308,14 +309,16 @@ class StateArena:
             arena.shape[0], self.slots_per_slab, self.slot_elems)
         return slots, lines // self.slots_per_slab, lines % self.slots_per_slab
 
-    def _conv_read(self, layer: int, rows: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    def _conv_read(self, layer: int, rows: torch.Tensor, n: int | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Copies of conv rows (conv pages, or slots by line id), their first `n` elements
-        only when given."""
+        only when given (into `out` where the rows are read by one index_select)."""
         if self.slots and not self._slots_dense:
             slots, page, slot = self._slot_index(layer, rows)
             return slots[page, slot] if n is None else slots[page, slot, :n]
         conv_rows = self._conv_rows(layer)
-        return (conv_rows if n is None else conv_rows[:, :n]).index_select(0, rows)
+        return torch.index_select(conv_rows if n is None else conv_rows[:, :n], 0, rows,
+                                  out=out)
 
     def _conv_write(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Write the first values.shape[1] elements of conv rows."""
@@ -377,8 +380,17 @@ class StateArena:
                                                     + self.conv_elems]
             conv = rows.index_select(0, loc["pages"].reshape(-1))
         else:  # only the window's elements, not the whole conv page / slab slot
-            conv = self._conv_read(layer, loc["conv"], self.conv_elems)
+            conv = self._conv_read(layer, loc["conv"], self.conv_elems, self._conv_scratch(b))
         return conv.reshape(b, *self.conv_shape)
+
+    def _conv_scratch(self, b: int) -> torch.Tensor:
+        """A (b, conv elements) buffer the arena keeps for `gather_conv` (valid until its next
+        call: the layer's update writes it back first), so a decode step allocates none."""
+        buf = self._conv_buffer
+        if buf is None or buf.shape[0] < b:
+            buf = self._conv_buffer = torch.empty(b, self.conv_elems, dtype=self.dtype,
+                                                  device=self.device)
+        return buf[:b]
 
     def scatter_conv(self, layer: int, loc: dict[str, torch.Tensor], conv: torch.Tensor) -> None:
         """Write the batch's conv windows back in one indexed copy (S2: all slab slots of
