@@ -326,11 +326,7 @@ class StateArena:
             slots, page, slot = self._slot_index(layer, rows)
             slots[page, slot, : values.shape[1]] = values
         else:
-            conv_rows = self._conv_rows(layer)
-            if values.shape[1] == conv_rows.shape[1]:
-                conv_rows.index_copy_(0, rows, values)
-            else:
-                conv_rows[rows, : values.shape[1]] = values
+            self._conv_rows(layer)[:, : values.shape[1]].index_copy_(0, rows, values)
 
     def conv_slot(self, line: int) -> torch.Tensor:
         """Every layer's conv slot of one line id, a (layers, slot elements) view (slots)."""
