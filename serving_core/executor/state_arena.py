@@ -158,6 +158,11 @@ class StateArena:
             if self.slots:
                 self.slot_elems = mem.layout.conv_slot_bytes // elem
                 self.slots_per_slab = mem.layout.slots_per_slab
+        self._decode_caches()
+
+    def _decode_caches(self) -> None:
+        """What the decode path keeps across steps: views of the pools (a unit's views never
+        change) and scratch buffers that each call overwrites, none of them state."""
         self._page_views: dict[int, tuple] = {}
         self._kv_units: dict[int, UnitMatrices] = {}
         self._update_workspace = UpdateWorkspace()  # the paged SSM update's operands
