@@ -43,7 +43,7 @@ from serving_core.geometry import load_geometry
 from serving_core.memory import build_memory
 from serving_core.model.dense_state import DenseState
 from serving_core.model.falcon_h1 import FalconH1
-from serving_core.model.paged_attention import decode_attention
+from serving_core.model.paged_attention import DecodeLayout, decode_attention
 from serving_core.server.runtime import ServedSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,6 +87,7 @@ class _PagedDecode:
         self.new_offsets = torch.full((len(blocks),), context % bt)
         self.tables = self.units.tolist()
         self.lengths = [context + 1] * len(blocks)
+        self.layout = DecodeLayout(self.tables, self.lengths, bt)
 
     def kv(self, layer):
         k, v = self.arena.gather_kv(layer, self.units, self.context)
@@ -97,7 +98,8 @@ class _PagedDecode:
 
     def decode_attention(self, layer, q, k, v, scale):
         self.store_kv(layer, k, v)
-        return decode_attention(q, self.arena.kv_view(layer), self.tables, self.lengths, scale)
+        return decode_attention(q, self.arena.kv_view(layer), self.tables, self.lengths, scale,
+                                self.layout, self.arena.kv_units(layer))
 
     def recurrent(self, layer):
         return self.rec.recurrent(layer)

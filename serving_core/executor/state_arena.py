@@ -33,6 +33,8 @@ from serving_core.executor.state_encoding import StateEncoder
 from serving_core.geometry import Geometry
 from serving_core.memory import CONV_ADDRESSING, MemoryOrganization, org_class
 from serving_core.memory.s2 import decode_conv_line
+from serving_core.model.mamba import UpdateWorkspace
+from serving_core.model.paged_attention import UnitMatrices
 from serving_core.state_codec import transcodes
 
 STORAGE_DTYPES = {4: torch.float32, 2: torch.bfloat16}
@@ -66,12 +68,14 @@ class PagedSSM:
     (`mamba.state_update`), never copied out and back."""
 
     def __init__(self, views: list[torch.Tensor], batch: int, heads_per_member: int,
-                 matrices: list[torch.Tensor] | None = None) -> None:
+                 matrices: list[torch.Tensor] | None = None,
+                 workspace: UpdateWorkspace | None = None) -> None:
         self.views = views
         self.batch = batch
         self.heads_per_member = heads_per_member
         # the same pages as (H / members x P, N) matrices (the read-out's operand)
         self.matrices = matrices or [v.view(-1, v.shape[-1]) for v in views]
+        self.workspace = workspace  # the update's operand buffers, kept by the arena
 
     def read(self) -> torch.Tensor:
         """A contiguous copy (b, H, P, N)."""
@@ -154,7 +158,15 @@ class StateArena:
             if self.slots:
                 self.slot_elems = mem.layout.conv_slot_bytes // elem
                 self.slots_per_slab = mem.layout.slots_per_slab
+        self._decode_caches()
+
+    def _decode_caches(self) -> None:
+        """What the decode path keeps across steps: views of the pools (a unit's views never
+        change) and scratch buffers that each call overwrites, none of them state."""
         self._page_views: dict[int, tuple] = {}
+        self._kv_units: dict[int, UnitMatrices] = {}
+        self._update_workspace = UpdateWorkspace()  # the paged SSM update's operands
+        self._conv_buffer: torch.Tensor | None = None  # gather_conv's windows, reused
         self._kv_scratch: torch.Tensor | None = None  # gather_kv_heads' buffer, reused
 
     def _state_encoder(self, geometry: Geometry, elem: int, k: int) -> StateEncoder | None:
@@ -194,6 +206,14 @@ class StateArena:
         n = self.block_tokens * self.token_elems
         return arena[:, :n].view(arena.shape[0], 2, self.kv_heads, self.block_tokens,
                                  self.head_dim).permute(0, 3, 1, 2, 4)
+
+    def kv_units(self, layer: int) -> UnitMatrices:
+        """Plain KV: per unit of the layer its (K^T, V) views, kept across steps (the paged
+        decode attention's operands, made once per unit rather than per step and layer)."""
+        units = self._kv_units.get(layer)
+        if units is None:
+            units = self._kv_units[layer] = UnitMatrices(self.kv_view(layer))
+        return units
 
     def gather_kv(self, layer: int, units: torch.Tensor, length: int):
         """K and V of the first `length` tokens of each row of block units (b, nb)."""
@@ -270,11 +290,9 @@ class StateArena:
         if self.conv_addressing == "page":  # conv_line: the conv page's id
             loc["conv"] = host_index([mem.conv_line(o) for o in objs], self.device)
         elif self.slots:  # conv_line: the slot's line id
-            lines = []
-            for obj in objs:
-                line = mem.conv_line(obj)
-                decode_conv_line(line, self.slots_per_slab)  # refuses the negative sentinel
-                lines.append(line)
+            lines = [mem.conv_line(obj) for obj in objs]
+            if lines:
+                decode_conv_line(min(lines), self.slots_per_slab)  # refuses the sentinel
             loc["conv"] = host_index(lines, self.device)
         return loc
 
@@ -296,14 +314,16 @@ class StateArena:
             arena.shape[0], self.slots_per_slab, self.slot_elems)
         return slots, lines // self.slots_per_slab, lines % self.slots_per_slab
 
-    def _conv_read(self, layer: int, rows: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    def _conv_read(self, layer: int, rows: torch.Tensor, n: int | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Copies of conv rows (conv pages, or slots by line id), their first `n` elements
-        only when given."""
+        only when given (into `out` where the rows are read by one index_select)."""
         if self.slots and not self._slots_dense:
             slots, page, slot = self._slot_index(layer, rows)
             return slots[page, slot] if n is None else slots[page, slot, :n]
         conv_rows = self._conv_rows(layer)
-        return (conv_rows if n is None else conv_rows[:, :n]).index_select(0, rows)
+        return torch.index_select(conv_rows if n is None else conv_rows[:, :n], 0, rows,
+                                  out=out)
 
     def _conv_write(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Write the first values.shape[1] elements of conv rows."""
@@ -311,11 +331,7 @@ class StateArena:
             slots, page, slot = self._slot_index(layer, rows)
             slots[page, slot, : values.shape[1]] = values
         else:
-            conv_rows = self._conv_rows(layer)
-            if values.shape[1] == conv_rows.shape[1]:
-                conv_rows.index_copy_(0, rows, values)
-            else:
-                conv_rows[rows, : values.shape[1]] = values
+            self._conv_rows(layer)[:, : values.shape[1]].index_copy_(0, rows, values)
 
     def conv_slot(self, line: int) -> torch.Tensor:
         """Every layer's conv slot of one line id, a (layers, slot elements) view (slots)."""
@@ -350,7 +366,7 @@ class StateArena:
         views, matrices = self._page_views[layer]
         pages = loc["page_ids"]
         return PagedSSM([views[u] for u in pages], loc["pages"].shape[0], hpm,
-                        [matrices[u] for u in pages])
+                        [matrices[u] for u in pages], self._update_workspace)
 
     def gather_conv(self, layer: int, loc: dict[str, torch.Tensor]) -> torch.Tensor:
         """A copy of the batch's conv windows (b, Cd, K-1) from conv pages / S2 slots (the
@@ -365,8 +381,17 @@ class StateArena:
                                                     + self.conv_elems]
             conv = rows.index_select(0, loc["pages"].reshape(-1))
         else:  # only the window's elements, not the whole conv page / slab slot
-            conv = self._conv_read(layer, loc["conv"], self.conv_elems)
+            conv = self._conv_read(layer, loc["conv"], self.conv_elems, self._conv_scratch(b))
         return conv.reshape(b, *self.conv_shape)
+
+    def _conv_scratch(self, b: int) -> torch.Tensor:
+        """A (b, conv elements) buffer the arena keeps for `gather_conv` (valid until its next
+        call: the layer's update writes it back first), so a decode step allocates none."""
+        buf = self._conv_buffer
+        if buf is None or buf.shape[0] < b:
+            buf = self._conv_buffer = torch.empty(b, self.conv_elems, dtype=self.dtype,
+                                                  device=self.device)
+        return buf[:b]
 
     def scatter_conv(self, layer: int, loc: dict[str, torch.Tensor], conv: torch.Tensor) -> None:
         """Write the batch's conv windows back in one indexed copy (S2: all slab slots of

@@ -36,7 +36,11 @@ from serving_core.executor import threads
 from serving_core.executor.base import ExecutorOutput
 from serving_core.executor.device import host_index, synchronize
 from serving_core.executor.state_arena import StateArena
-from serving_core.model.paged_attention import decode_attention, fused_decode_attention
+from serving_core.model.paged_attention import (
+    DecodeLayout,
+    decode_attention,
+    fused_decode_attention,
+)
 from serving_core.model.sampler import sample, token_logprobs
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head product (bounds the logits' size)
@@ -96,6 +100,8 @@ class _OneTokenAttention:
         # and gathered: padded to one tensor).
         self.tables = [b[: c // bt + 1] for b, c in zip(blocks, ctx, strict=True)]
         self.lengths = [c + 1 for c in ctx]
+        self.layout = None if gathered or arena.packed else DecodeLayout(
+            self.tables, self.lengths, bt)  # every layer's pages and score rows, built once
         nb1 = self.max_ctx // bt + 1
         self.units_new = host_index([u + [0] * (nb1 - len(u)) for u in self.tables], dev)
         new = [b[c // bt] for b, c in zip(blocks, ctx, strict=True)]
@@ -125,7 +131,8 @@ class _OneTokenAttention:
         if self.gathered:
             keys, vals = self.arena.gather_kv_heads(layer, self.units_new, self.max_ctx + 1)
             return fused_decode_attention(q, keys, vals, self.valid_new, scale)
-        return decode_attention(q, self.arena.kv_view(layer), self.tables, self.lengths, scale)
+        return decode_attention(q, self.arena.kv_view(layer), self.tables, self.lengths, scale,
+                                self.layout, self.arena.kv_units(layer))
 
 
 class _DecodeIO(_OneTokenAttention, PagedRecurrentIO):

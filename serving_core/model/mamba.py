@@ -168,6 +168,28 @@ def chunk_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: 
     return y[:, :t], final
 
 
+class UpdateWorkspace:
+    """The per-piece operands of `state_update` over paged states, kept across calls (every
+    layer and step of one arena): buffers for the pieces' decays, input terms, B and C rows
+    and read-outs, and their per-piece views, made once for the largest batch so far rather
+    than per layer (the views were most of a member page's host cost). Each call fills the
+    buffers with the same kernels as the unbuffered path (`out=` and copies), so the same
+    bits."""
+
+    def __init__(self) -> None:
+        self.shape, self.k, self.device = None, 0, None
+
+    def take(self, k: int, hp: int, p: int, n: int, device) -> tuple[list, list]:
+        """(buffers, per-piece view lists) of the first k pieces: dA (k, hp, 1, 1), dtx
+        (k, hp, p, 1), B (k, hp, 1, n), C (k, n), y (k, hp p)."""
+        if self.shape != (hp, p, n) or self.k < k or self.device != device:
+            self.shape, self.k, self.device = (hp, p, n), k, device
+            self.buffers = [torch.empty(k, *s, dtype=torch.float32, device=device) for s in
+                            ((hp, 1, 1), (hp, p, 1), (hp, 1, n), (n,), (hp * p,))]
+            self.views = [t.unbind(0) for t in self.buffers]
+        return [t[:k] for t in self.buffers], [v[:k] for v in self.views]
+
+
 def state_update(
     state,
     x: torch.Tensor,
@@ -180,29 +202,34 @@ def state_update(
     """One-token recurrence for a batch, updating `state` fp32 in place.
 
     `state` is a (b, H, P, N) tensor or a `PagedSSM` (per-member-page views, updated
-    where they are). Both run the same loop over (H', P, N) pieces (a sequence's heads, or
-    a member page's): state *= exp(dt A); state += (dt x) B; y = state C, the three back to
-    back while the piece is in cache (one pass over the state from memory, not three), the
-    read-out one matrix-vector product per piece and group (`_read_out_pieces`), so the paged
-    update equals the contiguous one bit for bit.
+    where they are; with a `workspace`, an `UpdateWorkspace` for its operands). Both run the
+    same loop over (H', P, N) pieces (a sequence's heads, or a member page's): state *=
+    exp(dt A); state += (dt x) B; y = state C, the three back to back while the piece is in
+    cache (one pass over the state from memory, not three), the read-out one matrix-vector
+    product per piece and group (`_read_out_pieces`), so the paged update equals the
+    contiguous one bit for bit.
     x (b, H, P), dt (b, H) discretized, B and C (b, G, N). Returns y (b, H, P) fp32.
     """
     b, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
-    dtf = dt.float()
-    dA = torch.exp(dtf * A.float()[None, :])  # (b, h)
-    dtx = dtf[..., None] * x.float()  # (b, h, p)
-    Bh = B.float().repeat_interleave(h // g, dim=1)  # (b, h, n)
     if isinstance(state, torch.Tensor):
         views, hp = state.unbind(0), h
         matrices = [v.view(-1, n) for v in views] if state.is_contiguous() else None
     else:
         views, hp, matrices = state.views, state.heads_per_member, state.matrices
+    pieces = _read_out_pieces(h, hp, h // g)
+    workspace = getattr(state, "workspace", None)
+    if workspace is not None and all(len(pc) == 1 for pc in pieces):
+        ys = _update_pieces(workspace, views, matrices, x, dt, A, B, C, hp, pieces)
+        return ys.view(b, h, p) + x.float() * D.float()[None, :, None]
+    dtf = dt.float()
+    dA = torch.exp(dtf * A.float()[None, :])  # (b, h)
+    dtx = dtf[..., None] * x.float()  # (b, h, p)
+    Bh = B.float().repeat_interleave(h // g, dim=1)  # (b, h, n)
     k = len(views)
     y = torch.empty(k, hp * p, dtype=torch.float32, device=x.device)
     args = (views, dA.reshape(k, hp, 1, 1).unbind(0), dtx.reshape(k, hp, p, 1).unbind(0),
             Bh.reshape(k, hp, 1, n).unbind(0))
-    pieces = _read_out_pieces(h, hp, h // g)
     if all(len(pc) == 1 for pc in pieces):  # each piece within one group: one product each
         grp = torch.tensor([pc[0][2] for pc in pieces], device=x.device).repeat(b)
         seq = torch.arange(b, device=x.device).repeat_interleave(len(pieces))
@@ -221,6 +248,27 @@ def state_update(
                 torch.mv(v[lo:hi].reshape(-1, n), Cf[i // len(pieces), gi],
                          out=out[lo:hi].view(-1))
     return y.view(b, h, p) + x.float() * D.float()[None, :, None]
+
+
+def _update_pieces(workspace: UpdateWorkspace, views, matrices, x, dt, A, B, C, hp: int,
+                   pieces) -> torch.Tensor:
+    """`state_update`'s loop over pieces that each lie within one group, its operands
+    written into the workspace's buffers (the values and layouts of the unbuffered path's
+    dA, dt x, repeated B and gathered C). Returns the read-outs (k, hp P)."""
+    b, h, p = x.shape
+    g, n = B.shape[1], B.shape[2]
+    k = len(views)
+    (dA, dtx, Bh, cs, y), lists = workspace.take(k, hp, p, n, x.device)
+    dtf = dt.float()
+    torch.exp(dtf * A.float()[None, :], out=dA.view(b, h))
+    torch.mul(dtf[..., None], x.float(), out=dtx.view(b, h, p))
+    Bh.view(b, g, h // g, n).copy_(B.float()[:, :, None, :].expand(b, g, h // g, n))
+    grp = [pc[0][2] for pc in pieces]
+    cs.view(b, len(pieces), n).copy_(C.float()[:, grp])
+    for v, a, xb, bb, c, out, m in zip(views, *lists, matrices, strict=True):
+        v.mul_(a).addcmul_(xb, bb)
+        torch.mv(m, c, out=out)
+    return y
 
 
 def _read_out_pieces(h: int, hp: int, hg: int) -> list[list[tuple[int, int, int]]]:
