@@ -268,7 +268,10 @@ def run_campaign(spec: CampaignSpec, arguments: Sequence[str], *, config_loader,
 
     wall0 = time.perf_counter()
     jobs = expand_jobs(spec, arguments, str(config.campaign_name))
-    planned = plan_runs(jobs, CellComposer(config_loader, config))
+    composer = CellComposer(config_loader, config)
+    planned = plan_runs(jobs, composer)
+    if hasattr(launcher, "composer"):  # one cache of base configs for planning and launching
+        launcher.composer = composer
     root = _ledger_root(planned)
     planned, merged = _unique(order_runs(planned, spec.order))
     campaigns = tuple(sorted({r.key.campaign for r in planned}))

@@ -156,7 +156,7 @@ class ProcessLauncher(Launcher):
         self.before_fork = tuple(str(f) for f in before_fork)  # "module:function" names
         self._before_fork_calls: list = []
         self.hydra_context: HydraContext | None = None
-        self._composer = None
+        self.composer: Any = None  # a CellComposer; the campaign shares its planner's
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.progress: Any = None  # a tqdm bar set by the campaign sweeper
@@ -176,11 +176,11 @@ class ProcessLauncher(Launcher):
 
     def compose(self, overrides: Sequence[str]) -> DictConfig:
         """A job's config, composed as Hydra would (experiments.campaigns.composer)."""
-        if self._composer is None:
+        if self.composer is None:
             from experiments.campaigns.composer import CellComposer
 
-            self._composer = CellComposer(self.hydra_context.config_loader, self.config)
-        return self._composer.compose(list(overrides))
+            self.composer = CellComposer(self.hydra_context.config_loader, self.config)
+        return self.composer.compose(list(overrides))
 
     # ------------------------------------------------------------ the job command
 
