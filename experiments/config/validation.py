@@ -16,6 +16,7 @@ import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -78,6 +79,25 @@ def _prefixed(section: str, build, *args):
         raise ValueError(f"{section}: {err}") from err
 
 
+_BUILT: dict[tuple[str, str], Any] = {}  # (section, repr of its resolved values) -> built
+_MAX_BUILT = 4096
+
+
+def _built(section: str, build, node, resolved: Mapping | None):
+    """`_prefixed(section, build, node)`, memoized on the section's resolved values (a
+    campaign repeats a few model and executor sections over thousands of cells; what is
+    built is frozen). Failures are not kept: each cell raises its own error."""
+    values = resolved.get(section) if resolved is not None else None
+    if not isinstance(values, dict):
+        return _prefixed(section, build, node)
+    key = (section, repr(values))
+    if key not in _BUILT:
+        if len(_BUILT) >= _MAX_BUILT:
+            _BUILT.clear()
+        _BUILT[key] = _prefixed(section, build, node)
+    return _BUILT[key]
+
+
 def _check_sessions_path(workload, path: str) -> None:
     """Sessions (turns that wait on earlier turns) run only in an engine's own loop
     (serving_core.engine.serve): the simulated and in-process paths."""
@@ -115,7 +135,8 @@ def check_ledger_root(root: str | os.PathLike) -> Path:
     return path.resolve()
 
 
-def _check_executor(cfg: DictConfig, run_arm, geometry, budget) -> str:
+def _check_executor(cfg: DictConfig, run_arm, geometry, budget,
+                    resolved: Mapping | None = None) -> str:
     """Check the executor the config names against the arm and the model (a simulated
     device must hold the model and its budget); its path."""
     path = executor_path(cfg.executor)
@@ -136,7 +157,7 @@ def _check_executor(cfg: DictConfig, run_arm, geometry, budget) -> str:
 
         check_checkpoint(torch_executor_config(cfg.executor), geometry)
     else:  # the simulated device must hold the model (serving_core/executor/device_fit.py)
-        profile = _prefixed("executor", load_device_profile, cfg.executor)
+        profile = _built("executor", load_device_profile, cfg.executor, resolved)
         check_fits(geometry, profile, budget.model_nominal_bytes, "executor")
     return path
 
@@ -185,11 +206,11 @@ def validate_config(cfg: DictConfig, *, check_root: bool = True,
         )
     if not isinstance(cfg.question, str):
         raise ValueError(f"question={cfg.question!r}: expected a string")
-    geometry = _prefixed("model", geometry_from_config, cfg.model)
+    geometry = _built("model", geometry_from_config, cfg.model, resolved)
     budget = plan_budget(geometry, str(cfg.budget))  # planned once for the run
     units = units_for(budget, run_arm.org)  # refuses an org the layer pattern does not fit
     # (serving_core/planner.py, refusals)
-    path = _check_executor(cfg, run_arm, geometry, budget)
+    path = _check_executor(cfg, run_arm, geometry, budget, resolved)
     _number(cfg.engine.indirection_overhead, "engine.indirection_overhead")
     _integer(cfg.retention.k, "retention.k", 1)
     unknown = sorted(set(cfg.host_tier) - {"capacity_bytes"})
