@@ -287,7 +287,7 @@ class Engine:
         produced = []
         for item in plan:
             req = item.req
-            if item.context + item.num_new == req.num_tokens:  # this step samples a token
+            if item.samples:  # this step samples a token
                 token = out.sampled.get(req.rid)
                 if token is None:
                     token = req.next_generated_token()

@@ -260,6 +260,11 @@ class Scheduled:
     state: ChunkState | None = None  # what the chunk addresses (executors that read state)
     admitted: bool = False  # the first chunk of an episode (it may read an adopted checkpoint)
 
+    @property
+    def samples(self) -> bool:
+        """This step's forward completes the request's known tokens, so it samples one."""
+        return self.context + self.num_new == self.req.num_tokens
+
 
 class Scheduler:
     def __init__(self, mem: MemoryOrganization, cfg: SchedulerConfig, recorder) -> None:

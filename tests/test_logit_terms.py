@@ -169,9 +169,11 @@ def test_simulated_executor_prices_the_items_that_sample(falcon):
     one product, 2 rows padded to 4."""
     from types import SimpleNamespace as NS
 
-    plan = [NS(num_new=700, context=0, req=NS(num_tokens=1100)),
-            NS(num_new=400, context=700, req=NS(num_tokens=1100)),
-            NS(num_new=1, context=50, req=NS(num_tokens=51))]
+    from serving_core.scheduler import Scheduled
+
+    plan = [Scheduled(NS(num_tokens=1100), num_new=700, context=0),
+            Scheduled(NS(num_tokens=1100), num_new=400, context=700),
+            Scheduled(NS(num_tokens=51), num_new=1, context=50)]
     got = SimulatedExecutor(model(falcon, logit_gemm_s=G, logit_row_s=R)).execute(plan, 0)
     plain = model(falcon).step_seconds([700, 400, 1], [0, 700, 50])
     assert got.duration_s == pytest.approx(plain + G + 4 * R, rel=1e-12)

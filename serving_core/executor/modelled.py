@@ -29,7 +29,7 @@ class SimulatedExecutor:
         model = self.step_model
         if not getattr(model, "prices_sampling", False):
             return ExecutorOutput(model.step_seconds(new_tokens, contexts, checkpoint_writes))
-        sampling = sum(it.context + it.num_new == it.req.num_tokens for it in plan)
+        sampling = sum(it.samples for it in plan)
         return ExecutorOutput(model.step_seconds(new_tokens, contexts, checkpoint_writes,
                                                  num_sampling=sampling))
 

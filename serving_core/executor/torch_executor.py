@@ -297,8 +297,7 @@ class TorchExecutor:
         its whole weight per product, so a prefill's single row cost about what 64 decode
         rows did. The head pads its rows (serving_core/model/head_rows.py), so a row's logits
         are the same bits whatever else samples in the step (docs/benchmarks.md)."""
-        picks = [(h[i], it) for h, items in heads for i, it in enumerate(items)
-                 if it.context + it.num_new == it.req.num_tokens]
+        picks = [(h[i], it) for h, items in heads for i, it in enumerate(items) if it.samples]
         if not picks:
             return
         rows = torch.stack([h for h, _ in picks])
@@ -306,17 +305,15 @@ class TorchExecutor:
 
     @staticmethod
     def _sample(logits, items, sampled: dict, logprobs: dict) -> None:
-        """The token (and logprobs, where asked) of each item that completes its request's
-        known tokens, under its SamplingParams (serving_core/model/sampler.py)."""
-        ends = [it.context + it.num_new == it.req.num_tokens for it in items]
-        rows = [(getattr(it.req.spec, "sampling", None) if end else None, it.req)
-                for it, end in zip(items, ends, strict=True)]
+        """The token (and logprobs, where asked) of each item, one logits row each, under
+        its SamplingParams (serving_core/model/sampler.py); every item given samples
+        (`_sample_heads` passes only those)."""
+        rows = [(getattr(it.req.spec, "sampling", None), it.req) for it in items]
         tokens, lps = sample(logits, rows)
-        for it, end, tok, lp in zip(items, ends, tokens, lps, strict=True):
-            if end:
-                sampled[it.req.rid] = tok
-                if lp is not None:
-                    logprobs[it.req.rid] = lp
+        for it, tok, lp in zip(items, tokens, lps, strict=True):
+            sampled[it.req.rid] = tok
+            if lp is not None:
+                logprobs[it.req.rid] = lp
 
     def _prefill_groups(self, items) -> list[list]:
         """The step's other chunks, those over the same token span [context, context + n)
@@ -326,10 +323,11 @@ class TorchExecutor:
 
         Batched equals unbatched to fp32 rounding, not bit for bit (GEMM rows depend on the
         row count; tests/test_batched_prefill.py), as the decode batch already does. It pays
-        where a forward's fixed costs dominate: short chunks, whose forwards each read the
-        128,256-wide LM head and every weight once (64 x 16-token prompts: -23 % engine CPU
-        with tcmalloc). Long chunks gain nothing on a CPU, and under glibc malloc larger
-        temporaries cost page faults (16 x 200 tokens in pairs: +15 %), hence the cap."""
+        where a forward's fixed costs dominate: short chunks, whose forwards each read every
+        weight once (64 x 16-token prompts: -23 % engine CPU with tcmalloc, measured when each
+        forward also ran its own LM head; the head is one product per step now). Long chunks
+        gain nothing on a CPU, and under glibc malloc larger temporaries cost page faults
+        (16 x 200 tokens in pairs: +15 %), hence the cap."""
         cap = self.effective_prefill_batch_tokens
         groups: dict[tuple[int, int], list] = {}
         out: list[list] = []

@@ -122,15 +122,14 @@ def apply_split(requested: int | str, *, load_torch: bool = True) -> int:
     """Install the split's worker (after apply_threads); returns the workers in effect.
     Without `load_torch` (an engine with no torch kernels) nothing is split."""
     global _split
-    workers = split_workers(requested) if load_torch else 0
-    split_workers(requested)  # a bad value fails either way
-    if load_torch:
-        from serving_core.model import split
-
-        split.install(workers)
-        _split = dict(split.settings(), requested=str(requested))
-    else:
+    workers = split_workers(requested)  # a bad value fails with or without torch kernels
+    if not load_torch:
         _split = {"workers": 0, "requested": str(requested)}
+        return 0
+    from serving_core.model import split
+
+    split.install(workers)
+    _split = dict(split.settings(), requested=str(requested))
     return workers
 
 
