@@ -36,6 +36,7 @@ from serving_core.executor.torch_executor import TorchExecutor, _DecodeIO
 from serving_core.geometry import Geometry
 from serving_core.memory import build_memory
 from serving_core.memory.objects import NULL
+from serving_core.scheduler import Scheduled
 from serving_core.state_manager import ChunkState, boundaries_crossed
 
 VOCAB = 128_256
@@ -59,17 +60,6 @@ class _Request:
 
     def token_ids(self, start: int, end: int) -> list:
         return self.tokens[start:end]
-
-
-@dataclass
-class _Item:
-    """A scheduled chunk (serving_core.scheduler.Scheduled's fields)."""
-
-    req: _Request
-    num_new: int
-    context: int
-    state: ChunkState
-    admitted: bool = False
 
 
 @dataclass
@@ -118,19 +108,20 @@ class OrgBench:
     def _tokens(self, n: int) -> list:
         return torch.randint(0, VOCAB, (n,), generator=self._gen).tolist()
 
-    def decode_items(self, batch: int, context: int) -> list[_Item]:
+    def decode_items(self, batch: int, context: int) -> list[Scheduled]:
         bt = self.mem.block_tokens
         items = []
         for seq in self.seqs[:batch]:
             state = ChunkState(seq.blocks[: -(-(context + 1) // bt)], seq.composite, NULL, [])
-            items.append(_Item(_Request(seq.rid, self._tokens(context + 1)), 1, context, state))
+            items.append(Scheduled(_Request(seq.rid, self._tokens(context + 1)), 1, context,
+                                   state))
         return items
 
-    def prefill_item(self, n: int) -> _Item:
+    def prefill_item(self, n: int) -> Scheduled:
         seq = self.seqs[-1]
         bt = self.mem.block_tokens
         state = ChunkState(seq.blocks[: -(-n // bt)], seq.composite, NULL, [])
-        return _Item(_Request(seq.rid, self._tokens(n)), n, 0, state)
+        return Scheduled(_Request(seq.rid, self._tokens(n)), n, 0, state)
 
     def crossings(self, items) -> int:
         """Composites the chunks write at boundaries (the state manager's count)."""
@@ -154,7 +145,7 @@ class OrgBench:
             "prefill_attention_pairs": sum(i.num_new * i.context + i.num_new * (i.num_new + 1)
                                            // 2 for i in pre),
             "checkpoint_writes": self.crossings(items),
-            "num_sampling": sum(i.context + i.num_new == i.req.num_tokens for i in items),
+            "num_sampling": sum(i.samples for i in items),
             "new_tokens": [i.num_new for i in items], "context_tokens": [i.context for i in items],
             "duration_s": statistics.median(seconds), "samples_s": seconds,
         }
