@@ -57,7 +57,7 @@ from serving_core.engine import Engine, serve
 from serving_core.executor import torch_executor as tx
 from serving_core.executor.state_arena import StateArena
 from serving_core.geometry import load_geometry
-from serving_core.model import split
+from serving_core.model import packed_linear, split
 from serving_core.model.falcon_h1 import FalconH1
 from serving_core.server.process_settings import keep_freed_memory
 from serving_core.server.runtime import ServedSpec
@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split-workers", type=int, default=0, choices=(0, 1),
                         help="worker threads taking half of each large product "
                              "(serving_core/model/split.py; its CPU time is reported apart)")
+    parser.add_argument("--packed-linear", default="auto", choices=("auto", "off"),
+                        help="oneDNN-prepacked linear weights (serving_core/model/"
+                             "packed_linear.py)")
     parser.add_argument("--torch-profile", action="store_true")
     parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
                         help="malloc of the run (auto: tcmalloc when installed)")
@@ -263,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         _reexec_with(args.allocator)
     torch.set_num_threads(args.threads)
     split.install(args.split_workers)
+    packed_linear.install(args.packed_linear)
     kept = args.malloc == "keep" and keep_freed_memory()
     with tiny_checkpoint(args.checkpoint) as checkpoint:
         model = FalconH1.load(checkpoint)
@@ -270,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.max_num_batched_tokens, args.torch_profile)
         r["malloc_keeps_freed"] = kept
         r["split"] = dict(split.settings(), worker_cpu_s=split.worker_cpu_s())
+        r["packed_linear"] = packed_linear.settings()
         split.close()
         print_table(r)
         print(json.dumps({k: v for k, v in r.items() if k != "top_ops"}))

@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--omp-wait", default="default", help="default or passive (OpenMP)")
     p.add_argument("--split-workers", default="auto",
                    help="0, 1 or auto: a worker thread for half of each large product")
+    p.add_argument("--packed-linear", default="auto",
+                   help="auto or off: oneDNN-prepacked linear weights where same bits")
     p.add_argument("--spec-out", help="write the engine spec here (kept)")
     return p
 
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "serving_core.server", "--spec", path, "--host", args.host,
            "--port", str(args.port), "--drain", args.drain, "--tokenizer", args.tokenizer,
            "--threads", str(args.threads), "--engine-core", args.engine_core,
-           "--omp-wait", args.omp_wait, "--split-workers", args.split_workers]
+           "--omp-wait", args.omp_wait, "--split-workers", args.split_workers,
+           "--packed-linear", args.packed_linear]
     from experiments.runners.server_process import RECORDS_WRITER, allocator_env
 
     if args.records:

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from serving_core.model import mamba, split
+from serving_core.model import mamba, packed_linear, split
 from serving_core.model.config import head_dim, mamba_head_dim, mamba_inner, read_config
 from serving_core.model.head_rows import pad_rows
 from serving_core.model.paged_attention import fused_decode_attention
@@ -34,6 +34,9 @@ SCAN_CHUNK = 128
 # (the same dot products, bit for bit): 64 decode rows x 128,256 took 38-42 ms a step against
 # 43-47 ms for one product on a CPU core, and 2-3 rows 15 ms against 21-31 ms.
 HEAD_VOCAB_BLOCK = 2048
+LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mamba.in_proj", "mamba.out_proj", "feed_forward.gate_proj",
+                "feed_forward.up_proj", "feed_forward.down_proj")  # the layers' _lin products
 
 
 class StateIO(Protocol):
@@ -98,6 +101,19 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, c:
             q[:, :, s:e], keys[:, :, :span].to(q.dtype), vals[:, :, :span].to(q.dtype),
             attn_mask=mask, scale=scale, enable_gqa=gqa))
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+def vocab_product(rows: torch.Tensor, w: torch.Tensor, lo: int, hi: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows (n, D) @ w[lo:hi].T written into out[:, lo:hi] (out (n, V), new when None) in
+    HEAD_VOCAB_BLOCK blocks, each straight into the logits (the same dot products, bit for
+    bit); returns out[:, lo:hi]."""
+    if out is None:
+        out = torch.empty(rows.shape[0], w.shape[0], dtype=rows.dtype, device=rows.device)
+    for v in range(lo, hi, HEAD_VOCAB_BLOCK):
+        e = min(v + HEAD_VOCAB_BLOCK, hi)
+        torch.matmul(rows, w[v:e].t(), out=out[:, v:e])
+    return out[:, lo:hi]
 
 
 def model_dtype(dtype: str) -> torch.dtype:
@@ -202,8 +218,21 @@ class FalconH1:
         self.A = [
             -torch.exp(self.w[f"model.layers.{i}.mamba.A_log"]) for i in range(self.num_layers)
         ]
+        self.packs = self._pack()
 
     # ----- construction -----------------------------------------------------------------------
+    def _pack(self) -> packed_linear.ModelPacks:
+        """Packed copies of the layers' linear weights and of the head's two vocabulary halves
+        (the split worker's), each kept only where it gives the plain product's bits."""
+        names = [f"model.layers.{i}.{n}.weight" for i in range(self.num_layers)
+                 for n in LINEAR_NAMES]
+        vocab = self.w["lm_head.weight"].shape[0]
+        mid = min(vocab, -(-vocab // HEAD_VOCAB_BLOCK) // 2 * HEAD_VOCAB_BLOCK)
+        pieces = [(0, mid), (mid, vocab)] if 0 < mid < vocab else [(0, vocab)]
+        w = self.w["lm_head.weight"]
+        return packed_linear.ModelPacks(self.w, names, "lm_head.weight", pieces,
+                                        lambda x, lo, hi: vocab_product(x, w, lo, hi))
+
     def _mup_vector(self) -> torch.Tensor:
         m = [float(v) for v in (self.cfg.get("ssm_multipliers") or [1.0] * 5)]
         i, gs = self.d_inner, self.n_groups * self.d_state
@@ -238,7 +267,8 @@ class FalconH1:
 
     # ----- forward ----------------------------------------------------------------------------
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return split.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return split.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"),
+                            self.packs.linear.get(name + ".weight"))
 
     @torch.inference_mode()
     def forward(
@@ -276,18 +306,24 @@ class FalconH1:
         """Logits (..., V) fp32 of final hidden states (..., D)."""
         last = rms_norm(h, self.w["model.final_layernorm.weight"], self.eps)
         rows = pad_rows(last.reshape(-1, last.shape[-1]))  # batch-invariant rows
-        w = self.w["lm_head.weight"]
+        w, n = self.w["lm_head.weight"], last[..., 0].numel()
+        scale = self.mult["lm_head_multiplier"]
+        pieces = self.packs.head_for(w, rows.shape[0])
+        if pieces:  # each piece's product scaled straight into the logits (the same bits)
+            out = torch.empty(n, w.shape[0], dtype=rows.dtype, device=rows.device)
+
+            def packed(first: int, end: int) -> None:
+                for e in pieces[first:end]:
+                    torch.mul(e.product(rows)[:n], scale, out=out[:, e.lo : e.hi])
+
+            split.head_blocks(rows.shape[0], len(pieces), packed)
+            return out.view(*last.shape[:-1], w.shape[0]).float()
         out = torch.empty(rows.shape[0], w.shape[0], dtype=rows.dtype, device=rows.device)
-
-        def blocks(first: int, end: int) -> None:  # (n, V): scaled in place, no copy
-            for v in range(first * HEAD_VOCAB_BLOCK, min(end * HEAD_VOCAB_BLOCK, w.shape[0]),
-                           HEAD_VOCAB_BLOCK):
-                torch.matmul(rows, w[v : v + HEAD_VOCAB_BLOCK].t(),
-                             out=out[:, v : v + HEAD_VOCAB_BLOCK])
-
-        split.head_blocks(rows.shape[0], -(-w.shape[0] // HEAD_VOCAB_BLOCK), blocks)
-        out = out[: last[..., 0].numel()].view(*last.shape[:-1], w.shape[0])
-        return out.mul_(self.mult["lm_head_multiplier"]).float()
+        split.head_blocks(rows.shape[0], -(-w.shape[0] // HEAD_VOCAB_BLOCK), lambda first, end:
+                          vocab_product(rows, w, first * HEAD_VOCAB_BLOCK,
+                                        min(end * HEAD_VOCAB_BLOCK, w.shape[0]), out))
+        out = out[:n].view(*last.shape[:-1], w.shape[0])
+        return out.mul_(scale).float()
 
     def _attention(self, i, x, cos, sin, io: StateIO) -> torch.Tensor:
         p = f"model.layers.{i}.self_attn."

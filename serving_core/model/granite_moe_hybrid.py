@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from serving_core.model import mamba
+from serving_core.model import mamba, packed_linear
 from serving_core.model.config import read_config
 from serving_core.model.falcon_h1 import (
     StateIO,
@@ -104,6 +104,9 @@ class GraniteMoeHybrid:
                                 [i for i, t in enumerate(self.layer_types) if t == MAMBA])
         self.A = {i: -torch.exp(self.w[f"model.layers.{i}.mamba.A_log"])
                   for i, t in enumerate(self.layer_types) if t == MAMBA}
+        self.packs = packed_linear.ModelPacks(
+            self.w, self._linear_names(), "lm_head.weight",
+            [(0, self.w["lm_head.weight"].shape[0])])
 
     @classmethod
     def load(cls, folder: str | Path, device="cpu", dtype="float32",
@@ -134,9 +137,20 @@ class GraniteMoeHybrid:
             names.append("lm_head.weight")
         return names
 
+    def _linear_names(self) -> list[str]:
+        """The weights `_lin` multiplies by (packed where that gives the plain bits)."""
+        names = []
+        for i, t in enumerate(self.layer_types):
+            own = ("mamba.in_proj", "mamba.out_proj") if t == MAMBA else tuple(
+                f"self_attn.{n}_proj" for n in "qkvo")
+            names += [f"model.layers.{i}.{n}.weight"
+                      for n in (*own, "shared_mlp.input_linear", "shared_mlp.output_linear")]
+        return names
+
     # ----- forward ----------------------------------------------------------------------------
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return packed_linear.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"),
+                                    self.packs.linear.get(name + ".weight"))
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, io: StateIO,
@@ -172,7 +186,9 @@ class GraniteMoeHybrid:
         """Logits (..., V) fp32 of final hidden states (..., D)."""
         last = rms_norm(h, self.w["model.norm.weight"], self.eps)
         rows = pad_rows(last.reshape(-1, last.shape[-1]))  # batch-invariant rows
-        out = F.linear(rows, self.w["lm_head.weight"])[: last[..., 0].numel()]
+        w = self.w["lm_head.weight"]
+        pieces = self.packs.head_for(w, rows.shape[0])  # one piece: the whole head
+        out = (pieces[0].product(rows) if pieces else F.linear(rows, w))[: last[..., 0].numel()]
         return (out.view(*last.shape[:-1], -1) / self.logits_scaling).float()
 
     def _shared_mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,9 @@ from collections.abc import Callable
 
 import torch
 
+from serving_core.model import packed_linear
+from serving_core.model.packed_linear import Pack
+
 CUT_ALIGN = 64  # output features of a linear layer's cut: a multiple of this
 # Smallest products split (measured on the 2-core machine, docs/benchmarks.md "The split
 # worker"): rows and multiply-adds of a linear layer's product; rows of the LM head's
@@ -123,14 +126,16 @@ def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
     return a, b
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear(x, weight, bias), cut by output features over the worker when large."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: Pack | None = None):
+    """F.linear(x, weight, bias), cut by output features over the worker when large; a
+    product not cut runs over `packed` (the weight's oneDNN copy) where that serves it."""
     n, k = weight.shape
     rows = x.numel() // k
     cut = n // 2 // CUT_ALIGN * CUT_ALIGN
     if (_worker is None or bias is not None or rows < LINEAR_MIN_ROWS or cut == 0
             or rows * n * k < LINEAR_MIN_MACS):
-        return torch.nn.functional.linear(x, weight, bias)
+        return packed_linear.linear(x, weight, bias, packed)
     flat = x.reshape(rows, k)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     pair(lambda: torch.matmul(flat, weight[:cut].t(), out=out[:, :cut]),

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from serving_core.server.process_settings import SPLIT_WORKERS
+from serving_core.server.process_settings import PACKED_LINEAR, SPLIT_WORKERS
 from serving_core.server.runtime import DRAIN_MODES
 
 ENGINE_LINE = "engine "  # stdout prefix of the effective rules
@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--split-workers", default="auto",
                    help="worker threads that take half of each large product (0, 1 or auto: "
                         "1 with one intra-op thread on >= 2 cores; serving_core/model/split.py)")
+    p.add_argument("--packed-linear", default="auto",
+                   help="oneDNN-prepacked linear weights where they give the plain bits (auto) "
+                        "or none (off); serving_core/model/packed_linear.py")
     p.add_argument("--engine-core", default="thread",
                    help=f"where the engine steps: one of {', '.join(ENGINE_CORES)} (a thread "
                         "of this process, or a child process of its own: docs/real_path.md)")
@@ -102,6 +105,9 @@ def _check(args) -> None:
     if args.split_workers not in SPLIT_WORKERS:
         raise UsageError(f"--split-workers={args.split_workers!r}: allowed values are "
                          f"{', '.join(SPLIT_WORKERS)}")
+    if args.packed_linear not in PACKED_LINEAR:
+        raise UsageError(f"--packed-linear={args.packed_linear!r}: allowed values are "
+                         f"{', '.join(PACKED_LINEAR)}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port={args.port}: expected 0..65535")
     if not isinstance(args.threads, int) or args.threads < 0:
@@ -288,11 +294,13 @@ def make_server(app, runtime):
     return Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
 
 
-def build_served(spec, threads, malloc: str, split_workers: str = "auto"):
+def build_served(spec, threads, malloc: str, split_workers: str = "auto",
+                 packed_linear: str = "auto"):
     """(engine, effective rules, runtime settings) as either core builds its engine: the
     allocator kept, the intra-op threads applied, the engine built and its rules read back.
     OMP_* must already be in the environment (before torch is imported)."""
     from serving_core.server.process_settings import (
+        apply_packed_linear,
         apply_split,
         apply_threads,
         keep_freed_memory,
@@ -304,6 +312,7 @@ def build_served(spec, threads, malloc: str, split_workers: str = "auto"):
         keep_freed_memory()
     apply_threads(threads, load_torch=torch_kernels)
     apply_split(split_workers, load_torch=torch_kernels)
+    apply_packed_linear(packed_linear, load_torch=torch_kernels)
     engine = build_engine(spec)
     if not torch_kernels:  # set on a torch the build imported after all (a host tier)
         apply_threads(threads, load_torch=False)
@@ -331,7 +340,7 @@ def thread_core(args, spec):
 
     os.environ.update(omp_env(args.omp_wait))  # before torch is imported
     engine, effective, settings = build_served(spec, args.threads, args.malloc,
-                                               args.split_workers)
+                                               args.split_workers, args.packed_linear)
     runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len,
                             drain=args.drain)
 
@@ -349,7 +358,7 @@ def process_core(args, spec):
     from serving_core.server.engine_client import EngineCoreClient, EngineCoreError
 
     config = {"spec": spec.to_json(), "threads": args.threads, "malloc": args.malloc,
-              "split_workers": args.split_workers,
+              "split_workers": args.split_workers, "packed_linear": args.packed_linear,
               "records": args.records, "records_writer": args.records_writer,
               "env": omp_env(args.omp_wait)}
     try:

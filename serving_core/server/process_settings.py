@@ -133,6 +133,21 @@ def apply_split(requested: int | str, *, load_torch: bool = True) -> int:
     return workers
 
 
+PACKED_LINEAR = ("auto", "off")  # `--packed-linear` values (serving_core/model/packed_linear.py)
+
+
+def apply_packed_linear(mode: str, *, load_torch: bool = True) -> str:
+    """Pack the linear weights of models built from now on (`auto`, where they give the plain
+    bits) or none (`off`); ValueError names the allowed values. Returns the mode."""
+    if mode not in PACKED_LINEAR:
+        raise ValueError(f"packed_linear={mode!r}: allowed values are {', '.join(PACKED_LINEAR)}")
+    if load_torch:
+        from serving_core.model import packed_linear
+
+        packed_linear.install(mode)
+    return mode
+
+
 def close_split() -> None:
     """End the split's worker thread, if this process started one (at shutdown)."""
     if "serving_core.model.split" in sys.modules:
@@ -180,4 +195,11 @@ def runtime_settings() -> dict:
     return {"threads": threads_in_effect(), "allocator": allocator_in_use(),
             "cpus": os.cpu_count(), "malloc_keeps_freed": _kept,
             **({"threads_auto": _auto} if _auto is not None else {}),
-            **({"split": _split} if _split is not None else {})}
+            **({"split": _split} if _split is not None else {}),
+            **_packed_linear()}
+
+
+def _packed_linear() -> dict:
+    """{"packed_linear": what the model loaded here packed} once a model module ran."""
+    module = sys.modules.get("serving_core.model.packed_linear")
+    return {"packed_linear": module.settings()} if module is not None else {}
