@@ -40,11 +40,11 @@ def model_head(weight: torch.Tensor):
     """FalconH1.head itself over `weight` (a unit final norm, multiplier 0.5)."""
     from types import SimpleNamespace
 
-    from serving_core.model.falcon_h1 import FalconH1
+    from serving_core.model.falcon_h1 import FalconH1, pack_weights
 
-    model = SimpleNamespace(w={"model.final_layernorm.weight": torch.ones(weight.shape[1]),
-                               "lm_head.weight": weight}, eps=1e-5,
-                            mult={"lm_head_multiplier": 0.5})
+    w = {"model.final_layernorm.weight": torch.ones(weight.shape[1]), "lm_head.weight": weight}
+    model = SimpleNamespace(w=w, eps=1e-5, mult={"lm_head_multiplier": 0.5},
+                            packs=pack_weights(w, 0))  # packed as the model's (auto)
     return lambda x: FalconH1.head(model, x)
 
 

@@ -116,6 +116,18 @@ def vocab_product(rows: torch.Tensor, w: torch.Tensor, lo: int, hi: int,
     return out[:, lo:hi]
 
 
+def pack_weights(w: dict[str, torch.Tensor], num_layers: int) -> packed_linear.ModelPacks:
+    """Packed copies of the layers' linear weights and of the head's two vocabulary halves
+    (the split worker's), each kept only where it gives the plain product's bits."""
+    names = [f"model.layers.{i}.{n}.weight" for i in range(num_layers) for n in LINEAR_NAMES]
+    head = w["lm_head.weight"]
+    vocab = head.shape[0]
+    mid = min(vocab, -(-vocab // HEAD_VOCAB_BLOCK) // 2 * HEAD_VOCAB_BLOCK)
+    pieces = [(0, mid), (mid, vocab)] if 0 < mid < vocab else [(0, vocab)]
+    return packed_linear.ModelPacks(w, names, "lm_head.weight", pieces,
+                                    lambda x, lo, hi: vocab_product(x, head, lo, hi))
+
+
 def model_dtype(dtype: str) -> torch.dtype:
     """The torch dtype of a `dtype` config value; ValueError names the allowed ones."""
     if dtype not in DTYPES:
@@ -218,21 +230,9 @@ class FalconH1:
         self.A = [
             -torch.exp(self.w[f"model.layers.{i}.mamba.A_log"]) for i in range(self.num_layers)
         ]
-        self.packs = self._pack()
+        self.packs = pack_weights(self.w, self.num_layers)
 
     # ----- construction -----------------------------------------------------------------------
-    def _pack(self) -> packed_linear.ModelPacks:
-        """Packed copies of the layers' linear weights and of the head's two vocabulary halves
-        (the split worker's), each kept only where it gives the plain product's bits."""
-        names = [f"model.layers.{i}.{n}.weight" for i in range(self.num_layers)
-                 for n in LINEAR_NAMES]
-        vocab = self.w["lm_head.weight"].shape[0]
-        mid = min(vocab, -(-vocab // HEAD_VOCAB_BLOCK) // 2 * HEAD_VOCAB_BLOCK)
-        pieces = [(0, mid), (mid, vocab)] if 0 < mid < vocab else [(0, vocab)]
-        w = self.w["lm_head.weight"]
-        return packed_linear.ModelPacks(self.w, names, "lm_head.weight", pieces,
-                                        lambda x, lo, hi: vocab_product(x, w, lo, hi))
-
     def _mup_vector(self) -> torch.Tensor:
         m = [float(v) for v in (self.cfg.get("ssm_multipliers") or [1.0] * 5)]
         i, gs = self.d_inner, self.n_groups * self.d_state
