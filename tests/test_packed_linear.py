@@ -84,6 +84,7 @@ def test_off_packs_nothing_and_bad_values_are_refused(monkeypatch, tiny_checkpoi
     FalconH1.load(tiny_checkpoint)
     record = process_settings.runtime_settings()["packed_linear"]
     assert record["mode"] == "off" and record["head_pieces"] == record["linear_packed"] == 0
+    assert record["in_effect"] is False
     with pytest.raises(ValueError, match=r"packed_linear='on': allowed values are auto, off"):
         process_settings.apply_packed_linear("on")
 

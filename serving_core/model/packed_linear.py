@@ -156,5 +156,8 @@ class ModelPacks:
 
 
 def settings() -> dict:
-    """The mode and what the latest model loaded in this process packed (runtime record)."""
-    return {"mode": _mode, **(_loaded or {"linear_packed": 0, "head_pieces": 0})}
+    """The mode, what the latest model loaded in this process packed, and whether packed
+    products run at this process's intra-op thread count (runtime record)."""
+    loaded = _loaded or {"linear_packed": 0, "head_pieces": 0}
+    packed = bool(loaded["linear_packed"] or loaded["head_pieces"])
+    return {"mode": _mode, **loaded, "in_effect": packed and torch.get_num_threads() == 1}
