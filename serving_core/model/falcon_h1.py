@@ -347,11 +347,13 @@ class FalconH1:
             )[:, None]
         else:
             initial = ssm if isinstance(ssm, torch.Tensor) else ssm.read()  # paged: copy in
+            # The final state is written over the initial one (read first); a plain state
+            # tensor is then updated where it is (copy_ of a tensor onto itself does nothing).
             y, final = split.scan_heads(
                 mamba.chunk_scan, xs.view(b, t, self.m_heads, self.m_head_dim), dt, self.A[i],
                 B.view(b, t, self.n_groups, self.d_state),
                 C.view(b, t, self.n_groups, self.d_state),
-                D, self.chunk, initial,
+                D, self.chunk, initial, final=initial,
             )
             ssm.copy_(final)
         io.store_recurrent(i, conv, ssm)

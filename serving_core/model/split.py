@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from serving_core.model import mamba
+
 CUT_ALIGN = 64  # output features of a linear layer's cut: a multiple of this
 # Smallest products split (measured on the 2-core machine, docs/benchmarks.md "The split
 # worker"): rows and multiply-adds of a linear layer's product; rows of the LM head's
@@ -150,24 +152,43 @@ def head_blocks(rows: int, blocks: int, run: Callable[[int, int], None]) -> None
 
 def scan_heads(scan: Callable, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, chunk: int,
-               initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               initial: torch.Tensor, final: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """scan(x, dt, A, B, C, D, chunk, initial) (mamba.chunk_scan's arguments and results),
     cut by heads over the worker for a prefill of SCAN_MIN_TOKENS or more: with one group
-    each half of the heads reads the shared B and C; with several, the cut is at a group."""
-    b, t, h, _ = x.shape
-    g = B.shape[2]
+    each half of the heads reads the shared B and C, and their chunks' C.B, computed once
+    (its chunks in two halves over the worker); with several, the cut is at a group. The
+    halves write their heads of y and of the final state into one buffer each; `final`: the
+    buffer for the final state (it may be `initial`), else a new one."""
+    b, t, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    final = torch.empty(b, h, p, n, dtype=torch.float32, device=x.device) if final is None \
+        else final
     if _worker is None or t < SCAN_MIN_TOKENS or h < 2 or (g > 1 and g % 2):
-        return scan(x, dt, A, B, C, D, chunk, initial)
+        return scan(x, dt, A, B, C, D, chunk, initial, out=(None, final))
     cut, gc = (h // 2, None) if g == 1 else (h // 2, g // 2)
-    lo = (slice(None), slice(None), slice(0, gc))
-    hi = (slice(None), slice(None), slice(gc, None))
+    groups = _shared_group_terms(B, C, chunk) if g == 1 else None
+    y = torch.empty(b, t, h, p, dtype=torch.float32, device=x.device)
 
-    def half(hs: slice, gs: tuple):
-        bg, cg = (B, C) if gc is None else (B[gs], C[gs])
-        return scan(x[:, :, hs], dt[..., hs], A[hs], bg, cg, D[hs], chunk, initial[:, hs])
+    def half(hs: slice, gs: slice):
+        bg, cg = (B, C) if gc is None else (B[:, :, gs], C[:, :, gs])
+        return scan(x[:, :, hs], dt[..., hs], A[hs], bg, cg, D[hs], chunk, initial[:, hs],
+                    groups=groups, out=(y[:, :, hs], final[:, hs]))
 
-    (y0, s0), (y1, s1) = pair(lambda: half(slice(0, cut), lo), lambda: half(slice(cut, h), hi))
-    return torch.cat([y0, y1], dim=2), torch.cat([s0, s1], dim=1)
+    pair(lambda: half(slice(0, cut), slice(0, gc)), lambda: half(slice(cut, h), slice(gc, None)))
+    return y, final
+
+
+def _shared_group_terms(B: torch.Tensor, C: torch.Tensor, chunk: int) -> tuple:
+    """mamba.chunk_scan's `groups` for B and C (b, T, 1, N): their chunks and causal C.B, the
+    products of the first half of the chunks on this thread, the rest on the worker."""
+    Bg, Cg = mamba.group_chunks(B, C, chunk)
+    mid = Bg.shape[1] // 2
+    if mid == 0:
+        return Bg, Cg, mamba.causal_products(Bg, Cg)
+    lo, hi = pair(lambda: mamba.causal_products(Bg[:, :mid], Cg[:, :mid]),
+                  lambda: mamba.causal_products(Bg[:, mid:], Cg[:, mid:]))
+    return Bg, Cg, torch.cat([lo, hi], dim=1)
 
 
 def worker_cpu_s() -> float:
