@@ -333,7 +333,8 @@ class FalconH1:
         gate, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.m_heads], dim=-1)
         conv, ssm = io.recurrent(i)
         w = self.w[p + "conv1d.weight"].squeeze(1)
-        xbc, window = mamba.conv_scan(conv, xbc, w, self.w.get(p + "conv1d.bias"))
+        xbc, window = mamba.conv_scan(conv, xbc, w, self.w.get(p + "conv1d.bias"),
+                                      rows=split.token_halves)
         conv.copy_(window.to(conv.dtype))
         gs = self.n_groups * self.d_state
         xs, B, C = xbc.split([self.d_inner, gs, gs], dim=-1)
@@ -365,13 +366,33 @@ class FalconH1:
         return self._lin(y.to(self.dtype), p + "out_proj")
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor):
+        """The gated RMS norm of y (b, T, d) per group, by rows: in two halves of the tokens
+        over the worker (split.token_halves) when d is a multiple of mamba.ROW_ALIGN (each
+        half then gives the bits of the whole)."""
         dtype = y.dtype
+        b, t, d = y.shape
+        out = torch.empty(b, t, d, dtype=torch.float32, device=y.device)
+
+        def run(first: int, end: int) -> None:
+            self._gated_norm_rows(y[:, first:end], gate[:, first:end], weight,
+                                  out[:, first:end])
+
+        if d % mamba.ROW_ALIGN:
+            run(0, t)
+        else:
+            split.token_halves(t, run)
+        return out.to(dtype)
+
+    def _gated_norm_rows(self, y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                         out: torch.Tensor) -> None:
+        """`_gated_norm` of rows y, gate (b, n, d), written into out (b, n, d) fp32."""
         if not self.norm_before_gate:
             y = y * F.silu(gate.float())
-        b, t, d = y.shape
-        h = y.float().view(b, t, self.n_groups, d // self.n_groups)
+        b, n, d = y.shape
+        h = y.float().view(b, n, self.n_groups, d // self.n_groups)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = (weight.view(self.n_groups, d // self.n_groups) * h).view(b, t, d)
+        w = weight.view(self.n_groups, d // self.n_groups)
         if self.norm_before_gate:
-            h = h * F.silu(gate.float())
-        return h.to(dtype)
+            torch.mul((w * h).view(b, n, d), F.silu(gate.float()), out=out)
+        else:
+            torch.mul(w, h, out=out.view(b, n, self.n_groups, d // self.n_groups))

@@ -28,6 +28,9 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
 # decay (dt |A| ~ 16 per token in the tiny model) fills the chunk matrices with subnormal
 # floats, which x86 arithmetic (and MKL's matrix products) handles 2-3x slower.
 EXP_FLOOR = -60.0
+# Elementwise ops cut by rows (split.token_halves) keep their bits when a row is a multiple
+# of this many floats: ATen's vectorized loops then never take their scalar tail.
+ROW_ALIGN = 64
 
 
 def _decay(x: torch.Tensor) -> torch.Tensor:
@@ -332,14 +335,18 @@ def _read_out_pieces(h: int, hp: int, hg: int) -> list[list[tuple[int, int, int]
 
 
 def conv_scan(
-    window: torch.Tensor, xbc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    window: torch.Tensor, xbc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    rows=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of xbc (b, T, Cd) after the carried window (b, Cd, K-1).
 
     Returns silu(conv) (b, T, Cd) and the new window (b, Cd, K-1). A prefill runs token-major,
     K multiply-adds of shifted rows (contiguous along the channels): on CPU 2-5x faster than
     conv1d over the channel-major transpose and its copies, and the output is contiguous
-    for the scan that reads it.
+    for the scan that reads it. `rows(t, run)` (split.token_halves) runs run(first, end) over
+    the tokens [0, t), in parts; it is used only when Cd is a multiple of ROW_ALIGN, so every
+    part runs the vectorized kernels on whole vectors (a ragged tail takes a scalar path, whose
+    silu rounds differently) and gives the bits of the whole.
     """
     t = xbc.shape[1]
     k1 = window.shape[-1]
@@ -351,9 +358,18 @@ def conv_scan(
         return F.silu(out).transpose(1, 2), full[:, :, full.shape[-1] - k1 :]
     full = torch.cat([window.to(xbc.dtype).transpose(1, 2), xbc], dim=1)  # (b, K-1+T, Cd)
     w = weight.to(full.dtype).t().contiguous()  # (K, Cd): contiguous rows broadcast fastest
-    out = full[:, :t] * w[0]
-    for k in range(1, k1 + 1):
-        out.addcmul_(full[:, k : k + t], w[k])
-    if bias is not None:
-        out.add_(bias.to(out.dtype))
-    return F.silu(out, inplace=True), full[:, full.shape[1] - k1 :].transpose(1, 2)
+    out = torch.empty(full.shape[0], t, full.shape[2], dtype=full.dtype, device=full.device)
+
+    def run(first: int, end: int) -> None:
+        part = torch.mul(full[:, first:end], w[0], out=out[:, first:end])
+        for k in range(1, k1 + 1):
+            part.addcmul_(full[:, first + k : end + k], w[k])
+        if bias is not None:
+            part.add_(bias.to(part.dtype))
+        F.silu(part, inplace=True)
+
+    if rows is None or full.shape[2] % ROW_ALIGN:
+        run(0, t)
+    else:
+        rows(t, run)
+    return out, full[:, full.shape[1] - k1 :].transpose(1, 2)

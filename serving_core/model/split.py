@@ -33,6 +33,7 @@ LINEAR_MIN_MACS = 16_000_000
 LINEAR_MIN_ROWS = 256
 HEAD_MIN_ROWS = 1
 SCAN_MIN_TOKENS = 64
+ROWS_MIN_TOKENS = 128
 ATTENTION_MIN_TOKENS = 64
 
 
@@ -109,7 +110,8 @@ def settings() -> dict:
     """The split in effect and its thresholds (for the run's runtime record)."""
     return {"workers": int(_worker is not None), "linear_min_macs": LINEAR_MIN_MACS,
             "linear_min_rows": LINEAR_MIN_ROWS, "head_min_rows": HEAD_MIN_ROWS,
-            "scan_min_tokens": SCAN_MIN_TOKENS, "attention_min_tokens": ATTENTION_MIN_TOKENS,
+            "scan_min_tokens": SCAN_MIN_TOKENS, "rows_min_tokens": ROWS_MIN_TOKENS,
+            "attention_min_tokens": ATTENTION_MIN_TOKENS,
             "cut_align": CUT_ALIGN}
 
 
@@ -148,6 +150,16 @@ def head_blocks(rows: int, blocks: int, run: Callable[[int, int], None]) -> None
         return
     mid = blocks // 2
     pair(lambda: run(0, mid), lambda: run(mid, blocks))
+
+
+def token_halves(t: int, run: Callable[[int, int], None]) -> None:
+    """run(first, end) over the tokens [0, t) of a row-wise elementwise op (the prefill conv
+    and gated norm), in two halves over the worker from ROWS_MIN_TOKENS tokens."""
+    if _worker is None or t < ROWS_MIN_TOKENS:
+        run(0, t)
+        return
+    mid = t // 2
+    pair(lambda: run(0, mid), lambda: run(mid, t))
 
 
 def scan_heads(scan: Callable, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
