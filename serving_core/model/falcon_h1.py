@@ -13,6 +13,7 @@ or b decode tokens) starting at per-sequence positions.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Protocol
 
@@ -75,6 +76,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@functools.lru_cache(maxsize=8)
+def causal_mask(rows: int, span: int, first: int, device: torch.device) -> torch.Tensor:
+    """The additive causal mask (1, 1, rows, span) of queries at positions first .. first +
+    rows - 1 over keys 0 .. span - 1: 0 where the key is at or before the query, -inf after.
+    It is what scaled_dot_product_attention makes of the boolean mask (where(~mask, -inf, 0),
+    per call and per head split), the same kernel input; made once per shape and shared
+    (read only) by the layers, the steps and the split's two threads."""
+    return torch.full((1, 1, rows, span), -torch.inf, device=device).triu_(first + 1)
+
+
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, c: int,
                      valid: torch.Tensor | None, scale: float, gqa: bool) -> torch.Tensor:
     """Causal attention of t new queries q (b, H, t, d) over keys and values (b, KVH, c + t,
@@ -90,9 +101,11 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, c:
     for s in range(0, t, ATTENTION_QUERY_BLOCK):
         e = min(t, s + ATTENTION_QUERY_BLOCK)
         span = c + e
-        qpos = torch.arange(s, e, device=q.device)[:, None] + c
-        mask = (torch.arange(span, device=q.device)[None, :] <= qpos)[None, None]
-        if keep is not None:
+        if keep is None:  # the additive form SDPA makes of the boolean mask, kept
+            mask = causal_mask(e - s, span, c + s, q.device)
+        else:
+            qpos = torch.arange(s, e, device=q.device)[:, None] + c
+            mask = (torch.arange(span, device=q.device)[None, :] <= qpos)[None, None]
             mask = mask & keep[..., :span]
         outs.append(F.scaled_dot_product_attention(
             q[:, :, s:e], keys[:, :, :span].to(q.dtype), vals[:, :, :span].to(q.dtype),

@@ -50,7 +50,7 @@ def _decay_(x: torch.Tensor) -> torch.Tensor:
     exp(EXP_FLOOR) or below are then zeroed; an exponent above the floor, one float step
     (4e-6) or more, has an exponential above it by far more than the kernel's error, so the
     bits are those of exp(x) with -inf below the floor (checked on every float near the floor,
-    tests/test_scan_bits.py)."""
+    tests/test_prefill_bits.py)."""
     return F.threshold_(x.clamp_(min=EXP_FLOOR).exp_(), FLOOR_DECAY, 0.0)
 
 

@@ -1,8 +1,9 @@
-"""The prefill mixer's faster kernels give the bits of the code they replaced (87cd36f),
-kept here as the oracle: the decay exponential (`mamba._decay_`, exponents clamped at the
-floor instead of set to -inf) on every float near the floor; the SSD scan, whole, split by
-heads over the worker (C.B computed once, in chunk halves) and writing its final state over
-the initial one; the conv and the gated norm by token halves over the worker."""
+"""The prefill's faster kernels give the bits of the code they replaced (87cd36f), kept
+here as the oracle: the decay exponential (`mamba._decay_`, exponents clamped at the floor
+instead of set to -inf) on every float near the floor; the SSD scan, whole, split by heads
+over the worker (C.B computed once, in chunk halves) and writing its final state over the
+initial one; the conv and the gated norm by token halves over the worker; prefill attention
+with its kept additive causal mask instead of a boolean one per call."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from serving_core.model import mamba, split
+from serving_core.model.falcon_h1 import FalconH1, causal_attention
 
 
 @pytest.fixture
@@ -128,23 +130,56 @@ def test_the_conv_by_token_halves_gives_the_old_bits(worker, b, t, cd):
     assert torch.equal(new_window, xbc[:, -3:].transpose(1, 2))
 
 
-@pytest.mark.parametrize(("before_gate", "groups"), [(False, 1), (True, 1), (False, 2)])
-def test_the_gated_norm_by_token_halves_gives_the_old_bits(worker, tiny_model, before_gate,
-                                                           groups):
-    m = tiny_model
+class _Norm:
+    """What FalconH1's gated norm reads of the model (no weights needed)."""
+
+    _gated_norm = FalconH1._gated_norm
+    _gated_norm_rows = FalconH1._gated_norm_rows
+
+    def __init__(self, groups: int, before_gate: bool) -> None:
+        self.n_groups, self.norm_before_gate, self.eps = groups, before_gate, 1e-5
+
+
+@pytest.mark.parametrize(("before_gate", "groups", "d"),
+                         [(False, 1, 768), (True, 1, 768), (False, 2, 768), (False, 1, 100)])
+def test_the_gated_norm_by_token_halves_gives_the_old_bits(worker, before_gate, groups, d):
     gen = torch.Generator().manual_seed(groups + 2 * before_gate)
-    y = torch.randn(2, 300, m.d_inner, generator=gen)
-    gate = torch.randn(2, 300, m.d_inner + 5, generator=gen)[:, :, 5:]
-    weight = torch.randn(m.d_inner, generator=gen)
+    y = torch.randn(2, 300, d, generator=gen)
+    gate = torch.randn(2, 300, d + 5, generator=gen)[:, :, 5:]
+    weight = torch.randn(d, generator=gen)
     h = y if before_gate else y * F.silu(gate)
     h = h.view(2, 300, groups, -1)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.eps)
-    want = (weight.view(groups, -1) * h).view(2, 300, m.d_inner)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    want = (weight.view(groups, -1) * h).view(2, 300, d)
     want = want * F.silu(gate) if before_gate else want
-    keep = m.norm_before_gate, m.n_groups
-    m.norm_before_gate, m.n_groups = before_gate, groups
-    try:
-        got = m._gated_norm(y, gate, weight)
-    finally:
-        m.norm_before_gate, m.n_groups = keep
+    got = _Norm(groups, before_gate)._gated_norm(y, gate, weight)
     assert torch.equal(_bits(got), _bits(want))
+
+
+def _old_attention(q, keys, vals, c, scale, gqa):
+    """causal_attention as of 87cd36f without padding: a boolean mask per query block."""
+    t, outs = q.shape[2], []
+    for s in range(0, t, 512):
+        e = min(t, s + 512)
+        qpos = torch.arange(s, e)[:, None] + c
+        mask = (torch.arange(c + e)[None, :] <= qpos)[None, None]
+        outs.append(F.scaled_dot_product_attention(q[:, :, s:e], keys[:, :, :c + e],
+                                                   vals[:, :, :c + e], attn_mask=mask,
+                                                   scale=scale, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
+
+
+@pytest.mark.parametrize(("b", "h", "kvh", "t", "c"), [
+    (1, 4, 2, 488, 512),  # the tiny model's second chunk
+    (1, 4, 2, 600, 0),  # two query blocks
+    (2, 8, 8, 70, 33),  # no GQA
+    (1, 4, 2, 1, 9),  # one query
+])
+def test_attention_with_the_kept_mask_gives_the_old_bits(worker, b, h, kvh, t, c):
+    gen = torch.Generator().manual_seed(t + c)
+    q = 3 * torch.randn(b, t, h, 32, generator=gen).transpose(1, 2)
+    k, v = (torch.randn(b, c + t, kvh, 32, generator=gen).transpose(1, 2) for _ in "kv")
+    want = _old_attention(q, k, v, c, 32 ** -0.5, h != kvh)
+    for _ in range(2):  # the mask made, then reused
+        got = split.attention_heads(causal_attention, q, k, v, c, None, 32 ** -0.5, h != kvh)
+        assert torch.equal(_bits(got), _bits(want))
