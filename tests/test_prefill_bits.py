@@ -174,6 +174,7 @@ def _old_attention(q, keys, vals, c, scale, gqa):
     (1, 4, 2, 600, 0),  # two query blocks
     (2, 8, 8, 70, 33),  # no GQA
     (1, 4, 2, 1, 9),  # one query
+    (1, 4, 2, 520, 1600),  # a first block's mask too large to keep
 ])
 def test_attention_with_the_kept_mask_gives_the_old_bits(worker, b, h, kvh, t, c):
     gen = torch.Generator().manual_seed(t + c)

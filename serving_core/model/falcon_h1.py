@@ -28,6 +28,7 @@ from serving_core.model.paged_attention import fused_decode_attention
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16}
 ATTENTION_QUERY_BLOCK = 512  # queries per attention block in long prefills (bounds memory)
+MASK_KEPT_FLOATS = 1 << 20  # the largest causal mask kept across calls (4 MiB; 8 kept at most)
 # Tokens per chunk of the prefill SSD scan. Only rounding depends on it; 128 was fastest for
 # the tiny model on a CPU core (64: same, 256: 2-2.5x slower, bench/profile_bench.py).
 SCAN_CHUNK = 128
@@ -76,14 +77,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-@functools.lru_cache(maxsize=8)
 def causal_mask(rows: int, span: int, first: int, device: torch.device) -> torch.Tensor:
     """The additive causal mask (1, 1, rows, span) of queries at positions first .. first +
     rows - 1 over keys 0 .. span - 1: 0 where the key is at or before the query, -inf after.
     It is what scaled_dot_product_attention makes of the boolean mask (where(~mask, -inf, 0),
-    per call and per head split), the same kernel input; made once per shape and shared
-    (read only) by the layers, the steps and the split's two threads."""
+    per call and per head split), the same kernel input. Masks of up to MASK_KEPT_FLOATS are
+    made once per shape and shared (read only) by the layers, the steps and the split's two
+    threads (8 kept at most); larger ones (long contexts) are made per call."""
+    if rows * span > MASK_KEPT_FLOATS:
+        return _new_causal_mask(rows, span, first, device)
+    return _kept_causal_mask(rows, span, first, device)
+
+
+def _new_causal_mask(rows: int, span: int, first: int, device: torch.device) -> torch.Tensor:
     return torch.full((1, 1, rows, span), -torch.inf, device=device).triu_(first + 1)
+
+
+_kept_causal_mask = functools.lru_cache(maxsize=8)(_new_causal_mask)
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, c: int,
