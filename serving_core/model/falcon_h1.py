@@ -13,6 +13,7 @@ or b decode tokens) starting at per-sequence positions.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Protocol
 
@@ -27,6 +28,7 @@ from serving_core.model.paged_attention import fused_decode_attention
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16}
 ATTENTION_QUERY_BLOCK = 512  # queries per attention block in long prefills (bounds memory)
+MASK_KEPT_FLOATS = 1 << 20  # the largest causal mask kept across calls (4 MiB; 8 kept at most)
 # Tokens per chunk of the prefill SSD scan. Only rounding depends on it; 128 was fastest for
 # the tiny model on a CPU core (64: same, 256: 2-2.5x slower, bench/profile_bench.py).
 SCAN_CHUNK = 128
@@ -78,6 +80,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def causal_mask(rows: int, span: int, first: int, device: torch.device) -> torch.Tensor:
+    """The additive causal mask (1, 1, rows, span) of queries at positions first .. first +
+    rows - 1 over keys 0 .. span - 1: 0 where the key is at or before the query, -inf after.
+    It is what scaled_dot_product_attention makes of the boolean mask (where(~mask, -inf, 0),
+    per call and per head split), the same kernel input. Masks of up to MASK_KEPT_FLOATS are
+    made once per shape and shared (read only) by the layers, the steps and the split's two
+    threads (8 kept at most); larger ones (long contexts) are made per call."""
+    if rows * span > MASK_KEPT_FLOATS:
+        return _new_causal_mask(rows, span, first, device)
+    return _kept_causal_mask(rows, span, first, device)
+
+
+def _new_causal_mask(rows: int, span: int, first: int, device: torch.device) -> torch.Tensor:
+    return torch.full((1, 1, rows, span), -torch.inf, device=device).triu_(first + 1)
+
+
+_kept_causal_mask = functools.lru_cache(maxsize=8)(_new_causal_mask)
+
+
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, c: int,
                      valid: torch.Tensor | None, scale: float, gqa: bool) -> torch.Tensor:
     """Causal attention of t new queries q (b, H, t, d) over keys and values (b, KVH, c + t,
@@ -93,9 +114,11 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, c:
     for s in range(0, t, ATTENTION_QUERY_BLOCK):
         e = min(t, s + ATTENTION_QUERY_BLOCK)
         span = c + e
-        qpos = torch.arange(s, e, device=q.device)[:, None] + c
-        mask = (torch.arange(span, device=q.device)[None, :] <= qpos)[None, None]
-        if keep is not None:
+        if keep is None:  # the additive form SDPA makes of the boolean mask, kept
+            mask = causal_mask(e - s, span, c + s, q.device)
+        else:
+            qpos = torch.arange(s, e, device=q.device)[:, None] + c
+            mask = (torch.arange(span, device=q.device)[None, :] <= qpos)[None, None]
             mask = mask & keep[..., :span]
         outs.append(F.scaled_dot_product_attention(
             q[:, :, s:e], keys[:, :, :span].to(q.dtype), vals[:, :, :span].to(q.dtype),
@@ -369,7 +392,8 @@ class FalconH1:
         gate, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.m_heads], dim=-1)
         conv, ssm = io.recurrent(i)
         w = self.w[p + "conv1d.weight"].squeeze(1)
-        xbc, window = mamba.conv_scan(conv, xbc, w, self.w.get(p + "conv1d.bias"))
+        xbc, window = mamba.conv_scan(conv, xbc, w, self.w.get(p + "conv1d.bias"),
+                                      rows=split.token_halves)
         conv.copy_(window.to(conv.dtype))
         gs = self.n_groups * self.d_state
         xs, B, C = xbc.split([self.d_inner, gs, gs], dim=-1)
@@ -383,11 +407,13 @@ class FalconH1:
             )[:, None]
         else:
             initial = ssm if isinstance(ssm, torch.Tensor) else ssm.read()  # paged: copy in
+            # The final state is written over the initial one (read first); a plain state
+            # tensor is then updated where it is (copy_ of a tensor onto itself does nothing).
             y, final = split.scan_heads(
                 mamba.chunk_scan, xs.view(b, t, self.m_heads, self.m_head_dim), dt, self.A[i],
                 B.view(b, t, self.n_groups, self.d_state),
                 C.view(b, t, self.n_groups, self.d_state),
-                D, self.chunk, initial,
+                D, self.chunk, initial, final=initial,
             )
             ssm.copy_(final)
         io.store_recurrent(i, conv, ssm)
@@ -399,13 +425,33 @@ class FalconH1:
         return self._lin(y.to(self.dtype), p + "out_proj")
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor):
+        """The gated RMS norm of y (b, T, d) per group, by rows: in two halves of the tokens
+        over the worker (split.token_halves) when d is a multiple of mamba.ROW_ALIGN (each
+        half then gives the bits of the whole)."""
         dtype = y.dtype
+        b, t, d = y.shape
+        out = torch.empty(b, t, d, dtype=torch.float32, device=y.device)
+
+        def run(first: int, end: int) -> None:
+            self._gated_norm_rows(y[:, first:end], gate[:, first:end], weight,
+                                  out[:, first:end])
+
+        if d % mamba.ROW_ALIGN:
+            run(0, t)
+        else:
+            split.token_halves(t, run)
+        return out.to(dtype)
+
+    def _gated_norm_rows(self, y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                         out: torch.Tensor) -> None:
+        """`_gated_norm` of rows y, gate (b, n, d), written into out (b, n, d) fp32."""
         if not self.norm_before_gate:
             y = y * F.silu(gate.float())
-        b, t, d = y.shape
-        h = y.float().view(b, t, self.n_groups, d // self.n_groups)
+        b, n, d = y.shape
+        h = y.float().view(b, n, self.n_groups, d // self.n_groups)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = (weight.view(self.n_groups, d // self.n_groups) * h).view(b, t, d)
+        w = weight.view(self.n_groups, d // self.n_groups)
         if self.norm_before_gate:
-            h = h * F.silu(gate.float())
-        return h.to(dtype)
+            torch.mul((w * h).view(b, n, d), F.silu(gate.float()), out=out)
+        else:
+            torch.mul(w, h, out=out.view(b, n, self.n_groups, d // self.n_groups))

@@ -28,6 +28,9 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
 # decay (dt |A| ~ 16 per token in the tiny model) fills the chunk matrices with subnormal
 # floats, which x86 arithmetic (and MKL's matrix products) handles 2-3x slower.
 EXP_FLOOR = -60.0
+# Elementwise ops cut by rows (split.token_halves) keep their bits when a row is a multiple
+# of this many floats: ATen's vectorized loops then never take their scalar tail.
+ROW_ALIGN = 64
 
 
 def _decay(x: torch.Tensor) -> torch.Tensor:
@@ -35,9 +38,20 @@ def _decay(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.masked_fill(x < EXP_FLOOR, -torch.inf))
 
 
+# exp(EXP_FLOOR) as the exponential kernel rounds it (the threshold of `_decay_`'s results).
+FLOOR_DECAY = torch.full((64,), EXP_FLOOR).exp_()[0].item()
+
+
 def _decay_(x: torch.Tensor) -> torch.Tensor:
-    """`_decay` in place (x is a temporary): exp(x), exactly 0 at or below EXP_FLOOR."""
-    return F.threshold_(x, EXP_FLOOR, -torch.inf).exp_()
+    """`_decay` in place (x is a temporary): exp(x), exactly 0 at or below EXP_FLOOR.
+
+    The exponents are clamped to the floor, not set to -inf: MKL's exp takes a slow path on
+    -inf (4x the time per element, and a strongly decaying chunk is mostly -inf). Results at
+    exp(EXP_FLOOR) or below are then zeroed; an exponent above the floor, one float step
+    (4e-6) or more, has an exponential above it by far more than the kernel's error, so the
+    bits are those of exp(x) with -inf below the floor (checked on every float near the floor,
+    tests/test_prefill_bits.py)."""
+    return F.threshold_(x.clamp_(min=EXP_FLOOR).exp_(), FLOOR_DECAY, 0.0)
 
 
 def _chunks(x: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
@@ -52,28 +66,52 @@ def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, limit: tuple[float, f
     return torch.clamp(dt, min=limit[0], max=limit[1])
 
 
-def scan_inputs(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                C: torch.Tensor, D: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
-    """What the chunked scan starts from (chunk_scan's arguments): the skip term D x
-    (b, T, H, P), then x dt, A dt, B and C cut into chunks of `chunk` tokens (the last
-    zero-padded), all fp32."""
+def head_inputs(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-head terms the chunked scan starts from: the skip term D x (b, T, H, P), then
+    x dt and A dt cut into chunks of `chunk` tokens (the last zero-padded), all fp32."""
     t = x.shape[1]
     x = x.float()
     pad = (chunk - t % chunk) % chunk
     d_res = x * D.float()[:, None]
     xdt = x * dt[..., None].float()
     Adt = A.float() * dt.float()  # (b, T, H)
-    xdt, Adt, B, C = (_chunks(v, pad, chunk) for v in (xdt, Adt, B.float(), C.float()))
-    return d_res, xdt, Adt, B, C
+    return d_res, _chunks(xdt, pad, chunk), _chunks(Adt, pad, chunk)
+
+
+def group_chunks(B: torch.Tensor, C: torch.Tensor, chunk: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """B and C (b, T, G, N) fp32 cut into chunks of `chunk` tokens (the last zero-padded),
+    group-major: (b, c, G, chunk, N) views."""
+    pad = (chunk - B.shape[1] % chunk) % chunk
+    return tuple(_chunks(v.float(), pad, chunk).permute(0, 1, 3, 2, 4) for v in (B, C))
+
+
+def causal_products(Bg: torch.Tensor, Cg: torch.Tensor) -> torch.Tensor:
+    """C.B within each chunk of `group_chunks`, transposed and causal: (b, c, G, l_j, l_i),
+    zero where j > i. Every head of a group shares it."""
+    return torch.matmul(Bg, Cg.transpose(-1, -2)).triu_()
+
+
+def scan_inputs(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, D: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+    """What the chunked scan starts from (chunk_scan's arguments): `head_inputs`, then B and
+    C cut into chunks (b, c, chunk, G, N), all fp32."""
+    pad = (chunk - x.shape[1] % chunk) % chunk
+    return *head_inputs(x, dt, A, D, chunk), *(_chunks(v.float(), pad, chunk) for v in (B, C))
 
 
 def chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-               C: torch.Tensor, D: torch.Tensor, chunk: int, initial: torch.Tensor
+               C: torch.Tensor, D: torch.Tensor, chunk: int, initial: torch.Tensor,
+               groups: tuple | None = None, out: tuple | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """SSD scan of one batch of equal-length segments.
 
     x (b, T, H, P), dt (b, T, H) discretized, A (H,) negative, B and C (b, T, G, N),
     initial (b, H, P, N). Returns y (b, T, H, P) fp32 and the final state (b, H, P, N).
+    `groups`: (Bg, Cg, CBt) of `group_chunks` and `causal_products` when the caller has them
+    (the heads of a split share them); `out`: (y, final) buffers to write the results into
+    (either may be None; final may be `initial` itself, read before it is written).
 
     Within a chunk of `chunk` tokens the output is the masked quadratic form; across chunks
     the state is carried by a short loop. Heads that
@@ -88,10 +126,13 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     exponents are cut in place (`_decay_`).
     """
     b, t, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
-    hg = h // g
-    d_res, xdt, Adt, B, C = scan_inputs(x, dt, A, B, C, D, chunk)
-    nc, ln = xdt.shape[1], chunk
+    d_res, xdt, Adt = head_inputs(x, dt, A, D, chunk)
+    if groups is None:
+        Bg, Cg = group_chunks(B, C, chunk)
+        groups = Bg, Cg, causal_products(Bg, Cg)
+    Bg, Cg, CBt = groups
+    g, n = Bg.shape[2], Bg.shape[4]
+    nc, ln, hg = xdt.shape[1], chunk, h // g
     Ah = Adt.permute(0, 1, 3, 2).contiguous()  # (b, c, H, ln) head-major
     A_cum = torch.cumsum(Ah, dim=-1)  # (b, c, H, ln)
     # Intra-chunk: y_diag[i] = sum_{j <= i} (C_i . B_j) exp(A_cum_i - A_cum_j) xdt_j, with the
@@ -100,27 +141,10 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     Lt = torch.where(upper, Ah[..., None, :], 0.0)  # (b, c, H, ln, ln)
     Lt.cumsum_(dim=-1)
     Lt = _decay_(Lt)
-    Bg = B.permute(0, 1, 3, 2, 4)  # (b, c, G, ln, N)
-    Cg = C.permute(0, 1, 3, 2, 4)
-    CBt = torch.matmul(Bg, Cg.transpose(-1, -2)).triu_()  # (b, c, G, l_j, l_i), j <= i
     Mt = Lt.view(b, nc, g, hg, ln, ln).mul_(CBt[:, :, :, None]).view(b, nc, h, ln, ln)
     xh = xdt.permute(0, 1, 3, 2, 4)  # (b, c, H, ln, P)
     y_diag = torch.matmul(Mt.transpose(-1, -2), xh)  # (b, c, H, ln, P)
-    # Each chunk's own contribution to the state at its end: (G, hg P, N) per chunk.
-    decay = _decay_(A_cum[..., -1:] - A_cum)  # (b, c, H, ln)
-    xd = (xdt * decay.transpose(-1, -2)[..., None]).view(b, nc, ln, g, hg * p)
-    xdT = xd.permute(0, 1, 3, 4, 2)  # (b, c, G, hg P, ln)
-    # states[:, k] is the state entering chunk k; states[:, nc] the final one.
-    states = torch.empty(b, nc + 1, g, hg * p, n, dtype=torch.float32, device=x.device)
-    states[:, 0] = initial.reshape(b, g, hg * p, n)
-    for i in range(b):
-        torch.matmul(xdT[i], Bg[i], out=states[i, 1:])
-    # Carry across chunks in place: s_{k+1} = own_k + exp(A_cum_k[-1]) s_k.
-    last = _decay_(A_cum[..., -1].clone())  # (b, c, H)
-    last = last.view(b, nc, g, hg, 1, 1)
-    for k in range(nc):
-        states[:, k + 1].view(b, g, hg, p, n).addcmul_(
-            states[:, k].view(b, g, hg, p, n), last[:, k])
+    states = _chunk_states(xdt, A_cum, Bg, initial)
     # Inter-chunk: y_off[i] = exp(A_cum_i) C_i . s_k.
     y_off = torch.empty(b, nc, g, ln, hg * p, dtype=torch.float32, device=x.device)
     for i in range(b):
@@ -129,9 +153,33 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
         b, nc, ln, h, p)
     y = y.mul_(_decay_(A_cum).transpose(-1, -2)[..., None])
     y = y.add_(y_diag.permute(0, 1, 3, 2, 4))
-    y = y.reshape(b, nc * ln, h, p)[:, :t] + d_res
+    y_out, final_out = out or (None, None)
+    y = torch.add(y.reshape(b, nc * ln, h, p)[:, :t], d_res, out=y_out)
     final = states[:, nc].reshape(b, h, p, n)
-    return y, final
+    return y, final if final_out is None else final_out.copy_(final)
+
+
+def _chunk_states(xdt: torch.Tensor, A_cum: torch.Tensor, Bg: torch.Tensor,
+                  initial: torch.Tensor) -> torch.Tensor:
+    """The states entering each chunk and the final one, (b, c + 1, G, hg P, N): each
+    chunk's own contribution to the state at its end (a (G, hg P, N) product per chunk),
+    then the carry across chunks in place, s_{k+1} = own_k + exp(A_cum_k[-1]) s_k."""
+    b, nc, ln, h, p = xdt.shape
+    g, n = Bg.shape[2], Bg.shape[4]
+    hg = h // g
+    decay = _decay_(A_cum[..., -1:] - A_cum)  # (b, c, H, ln)
+    xd = (xdt * decay.transpose(-1, -2)[..., None]).view(b, nc, ln, g, hg * p)
+    xdT = xd.permute(0, 1, 3, 4, 2)  # (b, c, G, hg P, ln)
+    states = torch.empty(b, nc + 1, g, hg * p, n, dtype=torch.float32, device=xdt.device)
+    states[:, 0] = initial.reshape(b, g, hg * p, n)
+    for i in range(b):
+        torch.matmul(xdT[i], Bg[i], out=states[i, 1:])
+    last = _decay_(A_cum[..., -1].clone())  # (b, c, H)
+    last = last.view(b, nc, g, hg, 1, 1)
+    for k in range(nc):
+        states[:, k + 1].view(b, g, hg, p, n).addcmul_(
+            states[:, k].view(b, g, hg, p, n), last[:, k])
+    return states
 
 
 def chunk_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -287,14 +335,18 @@ def _read_out_pieces(h: int, hp: int, hg: int) -> list[list[tuple[int, int, int]
 
 
 def conv_scan(
-    window: torch.Tensor, xbc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    window: torch.Tensor, xbc: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    rows=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of xbc (b, T, Cd) after the carried window (b, Cd, K-1).
 
     Returns silu(conv) (b, T, Cd) and the new window (b, Cd, K-1). A prefill runs token-major,
     K multiply-adds of shifted rows (contiguous along the channels): on CPU 2-5x faster than
     conv1d over the channel-major transpose and its copies, and the output is contiguous
-    for the scan that reads it.
+    for the scan that reads it. `rows(t, run)` (split.token_halves) runs run(first, end) over
+    the tokens [0, t), in parts; it is used only when Cd is a multiple of ROW_ALIGN, so every
+    part runs the vectorized kernels on whole vectors (a ragged tail takes a scalar path, whose
+    silu rounds differently) and gives the bits of the whole.
     """
     t = xbc.shape[1]
     k1 = window.shape[-1]
@@ -306,9 +358,18 @@ def conv_scan(
         return F.silu(out).transpose(1, 2), full[:, :, full.shape[-1] - k1 :]
     full = torch.cat([window.to(xbc.dtype).transpose(1, 2), xbc], dim=1)  # (b, K-1+T, Cd)
     w = weight.to(full.dtype).t().contiguous()  # (K, Cd): contiguous rows broadcast fastest
-    out = full[:, :t] * w[0]
-    for k in range(1, k1 + 1):
-        out.addcmul_(full[:, k : k + t], w[k])
-    if bias is not None:
-        out.add_(bias.to(out.dtype))
-    return F.silu(out, inplace=True), full[:, full.shape[1] - k1 :].transpose(1, 2)
+    out = torch.empty(full.shape[0], t, full.shape[2], dtype=full.dtype, device=full.device)
+
+    def run(first: int, end: int) -> None:
+        part = torch.mul(full[:, first:end], w[0], out=out[:, first:end])
+        for k in range(1, k1 + 1):
+            part.addcmul_(full[:, first + k : end + k], w[k])
+        if bias is not None:
+            part.add_(bias.to(part.dtype))
+        F.silu(part, inplace=True)
+
+    if rows is None or full.shape[2] % ROW_ALIGN:
+        run(0, t)
+    else:
+        rows(t, run)
+    return out, full[:, full.shape[1] - k1 :].transpose(1, 2)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving_core.model import packed_linear
+from serving_core.model import mamba, packed_linear
 from serving_core.model.packed_linear import Pack
 
 CUT_ALIGN = 64  # output features of a linear layer's cut: a multiple of this
@@ -34,6 +34,7 @@ LINEAR_MIN_MACS = 16_000_000
 LINEAR_MIN_ROWS = 256
 HEAD_MIN_ROWS = 1
 SCAN_MIN_TOKENS = 64
+ROWS_MIN_TOKENS = 128
 ATTENTION_MIN_TOKENS = 64
 
 
@@ -110,7 +111,8 @@ def settings() -> dict:
     """The split in effect and its thresholds (for the run's runtime record)."""
     return {"workers": int(_worker is not None), "linear_min_macs": LINEAR_MIN_MACS,
             "linear_min_rows": LINEAR_MIN_ROWS, "head_min_rows": HEAD_MIN_ROWS,
-            "scan_min_tokens": SCAN_MIN_TOKENS, "attention_min_tokens": ATTENTION_MIN_TOKENS,
+            "scan_min_tokens": SCAN_MIN_TOKENS, "rows_min_tokens": ROWS_MIN_TOKENS,
+            "attention_min_tokens": ATTENTION_MIN_TOKENS,
             "cut_align": CUT_ALIGN}
 
 
@@ -153,26 +155,55 @@ def head_blocks(rows: int, blocks: int, run: Callable[[int, int], None]) -> None
     pair(lambda: run(0, mid), lambda: run(mid, blocks))
 
 
+def token_halves(t: int, run: Callable[[int, int], None]) -> None:
+    """run(first, end) over the tokens [0, t) of a row-wise elementwise op (the prefill conv
+    and gated norm), in two halves over the worker from ROWS_MIN_TOKENS tokens."""
+    if _worker is None or t < ROWS_MIN_TOKENS:
+        run(0, t)
+        return
+    mid = t // 2
+    pair(lambda: run(0, mid), lambda: run(mid, t))
+
+
 def scan_heads(scan: Callable, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, chunk: int,
-               initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               initial: torch.Tensor, final: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """scan(x, dt, A, B, C, D, chunk, initial) (mamba.chunk_scan's arguments and results),
     cut by heads over the worker for a prefill of SCAN_MIN_TOKENS or more: with one group
-    each half of the heads reads the shared B and C; with several, the cut is at a group."""
-    b, t, h, _ = x.shape
-    g = B.shape[2]
+    each half of the heads reads the shared B and C, and their chunks' C.B, computed once
+    (its chunks in two halves over the worker); with several, the cut is at a group. The
+    halves write their heads of y and of the final state into one buffer each; `final`: the
+    buffer for the final state (it may be `initial`), else a new one."""
+    b, t, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    final = torch.empty(b, h, p, n, dtype=torch.float32, device=x.device) if final is None \
+        else final
     if _worker is None or t < SCAN_MIN_TOKENS or h < 2 or (g > 1 and g % 2):
-        return scan(x, dt, A, B, C, D, chunk, initial)
+        return scan(x, dt, A, B, C, D, chunk, initial, out=(None, final))
     cut, gc = (h // 2, None) if g == 1 else (h // 2, g // 2)
-    lo = (slice(None), slice(None), slice(0, gc))
-    hi = (slice(None), slice(None), slice(gc, None))
+    groups = _shared_group_terms(B, C, chunk) if g == 1 else None
+    y = torch.empty(b, t, h, p, dtype=torch.float32, device=x.device)
 
-    def half(hs: slice, gs: tuple):
-        bg, cg = (B, C) if gc is None else (B[gs], C[gs])
-        return scan(x[:, :, hs], dt[..., hs], A[hs], bg, cg, D[hs], chunk, initial[:, hs])
+    def half(hs: slice, gs: slice):
+        bg, cg = (B, C) if gc is None else (B[:, :, gs], C[:, :, gs])
+        return scan(x[:, :, hs], dt[..., hs], A[hs], bg, cg, D[hs], chunk, initial[:, hs],
+                    groups=groups, out=(y[:, :, hs], final[:, hs]))
 
-    (y0, s0), (y1, s1) = pair(lambda: half(slice(0, cut), lo), lambda: half(slice(cut, h), hi))
-    return torch.cat([y0, y1], dim=2), torch.cat([s0, s1], dim=1)
+    pair(lambda: half(slice(0, cut), slice(0, gc)), lambda: half(slice(cut, h), slice(gc, None)))
+    return y, final
+
+
+def _shared_group_terms(B: torch.Tensor, C: torch.Tensor, chunk: int) -> tuple:
+    """mamba.chunk_scan's `groups` for B and C (b, T, 1, N): their chunks and causal C.B, the
+    products of the first half of the chunks on this thread, the rest on the worker."""
+    Bg, Cg = mamba.group_chunks(B, C, chunk)
+    mid = Bg.shape[1] // 2
+    if mid == 0:
+        return Bg, Cg, mamba.causal_products(Bg, Cg)
+    lo, hi = pair(lambda: mamba.causal_products(Bg[:, :mid], Cg[:, :mid]),
+                  lambda: mamba.causal_products(Bg[:, mid:], Cg[:, mid:]))
+    return Bg, Cg, torch.cat([lo, hi], dim=1)
 
 
 def worker_cpu_s() -> float:
