@@ -36,6 +36,11 @@ SCAN_CHUNK = 128
 # (the same dot products, bit for bit): 64 decode rows x 128,256 took 38-42 ms a step against
 # 43-47 ms for one product on a CPU core, and 2-3 rows 15 ms against 21-31 ms.
 HEAD_VOCAB_BLOCK = 2048
+# Vocabulary blocks per packed head piece (8,192 rows of the head): each piece's product is a
+# temporary that is scaled into the logits, small enough for malloc to reuse piece after
+# piece (two halves of 64,128 rows doubled the heap's growth in a first serve: 96,223 page
+# faults against 41,662 unpacked; pieces of 8,192: 54,066; docs/real_path.md section 4).
+HEAD_PACK_BLOCKS = 4
 LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mamba.in_proj", "mamba.out_proj", "feed_forward.gate_proj",
                 "feed_forward.up_proj", "feed_forward.down_proj")  # the layers' _lin products
@@ -140,13 +145,13 @@ def vocab_product(rows: torch.Tensor, w: torch.Tensor, lo: int, hi: int,
 
 
 def pack_weights(w: dict[str, torch.Tensor], num_layers: int) -> packed_linear.ModelPacks:
-    """Packed copies of the layers' linear weights and of the head's two vocabulary halves
-    (the split worker's), each kept only where it gives the plain product's bits."""
+    """Packed copies of the layers' linear weights and of the head's pieces of
+    HEAD_PACK_BLOCKS vocabulary blocks, each kept only where it gives the plain bits."""
     names = [f"model.layers.{i}.{n}.weight" for i in range(num_layers) for n in LINEAR_NAMES]
     head = w["lm_head.weight"]
     vocab = head.shape[0]
-    mid = min(vocab, -(-vocab // HEAD_VOCAB_BLOCK) // 2 * HEAD_VOCAB_BLOCK)
-    pieces = [(0, mid), (mid, vocab)] if 0 < mid < vocab else [(0, vocab)]
+    step = HEAD_PACK_BLOCKS * HEAD_VOCAB_BLOCK
+    pieces = [(v, min(v + step, vocab)) for v in range(0, vocab, step)]
     return packed_linear.ModelPacks(w, names, "lm_head.weight", pieces,
                                     lambda x, lo, hi: vocab_product(x, head, lo, hi))
 
