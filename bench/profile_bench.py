@@ -59,7 +59,7 @@ from serving_core.executor.state_arena import StateArena
 from serving_core.geometry import load_geometry
 from serving_core.model import packed_linear, split
 from serving_core.model.falcon_h1 import FalconH1
-from serving_core.server.process_settings import keep_freed_memory
+from serving_core.server.process_settings import keep_freed_memory, warm_engine
 from serving_core.server.runtime import ServedSpec
 
 RESULTS = ROOT / "bench" / "results"
@@ -173,12 +173,13 @@ def _serve_measured(engine, specs, timer: _Timer, torch_profile: bool) -> dict:
 
 
 def run(model, org: str, budget: str, requests: int, prompt: int, output: int,
-        chunk: int, torch_profile: bool) -> dict:
+        chunk: int, torch_profile: bool, warm_up: str = "auto") -> dict:
     rng = np.random.default_rng(11)
     geometry = load_geometry(MODEL)
     spec = loaded_model_spec(model, geometry, org, budget,
                              {"cap": requests, "max_num_batched_tokens": chunk})
     engine = build_engine(spec, model=model)
+    warmed = warm_engine(engine, warm_up)  # as the server does before it serves
     specs = [ServedSpec(i, 0.0, rng.integers(3, 128_000, prompt).astype(np.int32), output)
              for i in range(requests)]
     timer = _Timer()
@@ -196,7 +197,7 @@ def run(model, org: str, budget: str, requests: int, prompt: int, output: int,
         "faults_per_output_token": m["minor_faults"] / tokens,
         "output_tok_s": tokens / m["wall_s"],
         "total_tok_s": requests * (prompt + output) / m["wall_s"],
-        "load_avg": os.getloadavg()[0], "categories": rows,
+        "load_avg": os.getloadavg()[0], "categories": rows, "warmup": warmed,
         "allocator": "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "glibc",
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
     }
@@ -212,6 +213,10 @@ def print_table(r: dict) -> None:
     if "split" in r:
         sp = r["split"]
         print(f"split workers {sp['workers']}: worker CPU {sp['worker_cpu_s']:.2f} s")
+    w = r.get("warmup") or {}
+    if w.get("ran"):
+        print(f"warm-up before the serve: {w['tokens']} prefill tokens, {w['rows']} decode rows, "
+              f"{w['s']:.2f} s, {w['minor_faults']} page faults")
     print(f"page faults: {r['minor_faults']} minor, {r['major_faults']} major; "
           f"{r['faults_per_step']:.0f} per step, {r['faults_per_output_token']:.1f} per output "
           f"token" + (f"; {r['tensor_allocations']} tensor allocations"
@@ -255,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--packed-linear", default="auto", choices=("auto", "off"),
                         help="oneDNN-prepacked linear weights (serving_core/model/"
                              "packed_linear.py)")
+    parser.add_argument("--warm-up", default="auto", choices=("auto", "off"),
+                        help="the server's warm-up before the measured serve (serving_core/"
+                             "model/warmup.py)")
     parser.add_argument("--torch-profile", action="store_true")
     parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
                         help="malloc of the run (auto: tcmalloc when installed)")
@@ -271,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     with tiny_checkpoint(args.checkpoint) as checkpoint:
         model = FalconH1.load(checkpoint)
         r = run(model, args.org, args.budget, args.requests, args.prompt, args.output,
-                args.max_num_batched_tokens, args.torch_profile)
+                args.max_num_batched_tokens, args.torch_profile, args.warm_up)
         r["malloc_keeps_freed"] = kept
         r["split"] = dict(split.settings(), worker_cpu_s=split.worker_cpu_s())
         r["packed_linear"] = packed_linear.settings()

@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="0, 1 or auto: a worker thread for half of each large product")
     p.add_argument("--packed-linear", default="auto",
                    help="auto or off: oneDNN-prepacked linear weights where same bits")
+    p.add_argument("--warm-up", default="auto",
+                   help="auto or off: a dummy prefill and decode before serving")
     p.add_argument("--spec-out", help="write the engine spec here (kept)")
     return p
 
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
            "--port", str(args.port), "--drain", args.drain, "--tokenizer", args.tokenizer,
            "--threads", str(args.threads), "--engine-core", args.engine_core,
            "--omp-wait", args.omp_wait, "--split-workers", args.split_workers,
-           "--packed-linear", args.packed_linear]
+           "--packed-linear", args.packed_linear, "--warm-up", args.warm_up]
     from experiments.runners.server_process import RECORDS_WRITER, allocator_env
 
     if args.records:

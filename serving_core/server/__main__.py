@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from serving_core.server.process_settings import PACKED_LINEAR, SPLIT_WORKERS
+from serving_core.server.process_settings import PACKED_LINEAR, SPLIT_WORKERS, WARM_UP
 from serving_core.server.runtime import DRAIN_MODES
 
 ENGINE_LINE = "engine "  # stdout prefix of the effective rules
@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--packed-linear", default="auto",
                    help="oneDNN-prepacked linear weights where they give the plain bits (auto) "
                         "or none (off); serving_core/model/packed_linear.py")
+    p.add_argument("--warm-up", default="auto",
+                   help="a dummy prefill of max_num_batched_tokens and a decode of max_num_seqs "
+                        "before serving (auto) or none (off); serving_core/model/warmup.py")
     p.add_argument("--engine-core", default="thread",
                    help=f"where the engine steps: one of {', '.join(ENGINE_CORES)} (a thread "
                         "of this process, or a child process of its own: docs/real_path.md)")
@@ -108,6 +111,8 @@ def _check(args) -> None:
     if args.packed_linear not in PACKED_LINEAR:
         raise UsageError(f"--packed-linear={args.packed_linear!r}: allowed values are "
                          f"{', '.join(PACKED_LINEAR)}")
+    if args.warm_up not in WARM_UP:
+        raise UsageError(f"--warm-up={args.warm_up!r}: allowed values are {', '.join(WARM_UP)}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port={args.port}: expected 0..65535")
     if not isinstance(args.threads, int) or args.threads < 0:
@@ -295,16 +300,18 @@ def make_server(app, runtime):
 
 
 def build_served(spec, threads, malloc: str, split_workers: str = "auto",
-                 packed_linear: str = "auto"):
+                 packed_linear: str = "auto", warm_up: str = "auto"):
     """(engine, effective rules, runtime settings) as either core builds its engine: the
-    allocator kept, the intra-op threads applied, the engine built and its rules read back.
-    OMP_* must already be in the environment (before torch is imported)."""
+    allocator kept, the intra-op threads applied, the engine built and warmed up (a torch
+    model), its rules read back. OMP_* must already be in the environment (before torch is
+    imported)."""
     from serving_core.server.process_settings import (
         apply_packed_linear,
         apply_split,
         apply_threads,
         keep_freed_memory,
         runtime_settings,
+        warm_engine,
     )
 
     torch_kernels = spec.executor.kind == "torch"
@@ -314,9 +321,11 @@ def build_served(spec, threads, malloc: str, split_workers: str = "auto",
     apply_split(split_workers, load_torch=torch_kernels)
     apply_packed_linear(packed_linear, load_torch=torch_kernels)
     engine = build_engine(spec)
+    warmed = warm_engine(engine, warm_up) if torch_kernels else {}
     if not torch_kernels:  # set on a torch the build imported after all (a host tier)
         apply_threads(threads, load_torch=False)
-    settings = dict(runtime_settings(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""))
+    settings = dict(runtime_settings(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
+                    **({"warmup": warmed} if warmed else {}))
     return engine, engine.effective_rules(), settings
 
 
@@ -340,7 +349,8 @@ def thread_core(args, spec):
 
     os.environ.update(omp_env(args.omp_wait))  # before torch is imported
     engine, effective, settings = build_served(spec, args.threads, args.malloc,
-                                               args.split_workers, args.packed_linear)
+                                               args.split_workers, args.packed_linear,
+                                               args.warm_up)
     runtime = EngineRuntime(engine, max_model_len=engine.geometry.max_model_len,
                             drain=args.drain)
 
@@ -359,6 +369,7 @@ def process_core(args, spec):
 
     config = {"spec": spec.to_json(), "threads": args.threads, "malloc": args.malloc,
               "split_workers": args.split_workers, "packed_linear": args.packed_linear,
+              "warm_up": args.warm_up,
               "records": args.records, "records_writer": args.records_writer,
               "env": omp_env(args.omp_wait)}
     try:

@@ -98,7 +98,8 @@ def _build(config: dict):
     spec = EngineSpec.from_json(config["spec"])
     return (spec, *build_served(spec, config.get("threads", 0), config.get("malloc", "keep"),
                                 config.get("split_workers", "auto"),
-                                config.get("packed_linear", "auto")))
+                                config.get("packed_linear", "auto"),
+                                config.get("warm_up", "auto")))
 
 
 def _ready_info(engine, effective: dict, settings: dict) -> dict:

@@ -133,6 +133,7 @@ def apply_split(requested: int | str, *, load_torch: bool = True) -> int:
     return workers
 
 
+WARM_UP = ("auto", "off")  # `--warm-up` values (serving_core/model/warmup.py)
 PACKED_LINEAR = ("auto", "off")  # `--packed-linear` values (serving_core/model/packed_linear.py)
 
 
@@ -197,6 +198,20 @@ def runtime_settings() -> dict:
             **({"threads_auto": _auto} if _auto is not None else {}),
             **({"split": _split} if _split is not None else {}),
             **_packed_linear()}
+
+
+def warm_engine(engine, mode: str) -> dict:
+    """The torch engine's warm-up (serving_core/model/warmup.py): one prefill of its
+    max_num_batched_tokens and one decode of its max_num_seqs before it serves; returns
+    what it ran (the runtime record's `warmup`; {} for an engine without a torch model)."""
+    if mode not in WARM_UP:
+        raise ValueError(f"warm_up={mode!r}: allowed values are {', '.join(WARM_UP)}")
+    model = getattr(engine.executor, "model", None)
+    if model is None:
+        return {}
+    from serving_core.model import warmup
+
+    return warmup.warm_up(model, engine.sched.max_num_batched_tokens, engine.sched.cap, mode)
 
 
 def _packed_linear() -> dict:
