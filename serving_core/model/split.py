@@ -11,6 +11,13 @@ rounds differently, so small products are never cut); the prefill SSD scan and p
 attention are cut by heads (each head's arithmetic is its own; attention by key/value heads
 with their query heads). Small products (decode's projections and attention) stay on the
 calling thread: handing work to the worker costs tens of microseconds and wakes a core.
+
+Layer pairs (task parallelism): Falcon-H1's attention and Mamba mixer of one layer read the
+same normed input and write disjoint state (KV pages, recurrent pages), so `layer_pair` runs
+the attention on the worker while the calling thread runs the mixer, each the same ops as
+when run one after the other (the same bits by construction), for the forwards PAIR_TOKENS
+selects. Within a pair the product splits above run unsplit (the worker is busy, and a
+nested hand-off from the worker to itself would never run).
 Without `install(1)` (the server's `--split-workers`, serving_core/server/process_settings.py)
 nothing is split and no thread exists.
 """
@@ -32,6 +39,10 @@ LINEAR_MIN_ROWS = 256
 HEAD_MIN_ROWS = 1
 SCAN_MIN_TOKENS = 64
 ATTENTION_MIN_TOKENS = 64
+# Layer pairs: forwards of at most this many tokens per sequence (1: decode batches and
+# one-token segments) run each layer's attention on the worker beside its mixer; longer ones
+# split their products instead (measured, docs/benchmarks.md "Layer pairs").
+PAIR_MAX_TOKENS = 1
 
 
 class _Worker:
@@ -108,7 +119,8 @@ def settings() -> dict:
     return {"workers": int(_worker is not None), "linear_min_macs": LINEAR_MIN_MACS,
             "linear_min_rows": LINEAR_MIN_ROWS, "head_min_rows": HEAD_MIN_ROWS,
             "scan_min_tokens": SCAN_MIN_TOKENS, "attention_min_tokens": ATTENTION_MIN_TOKENS,
-            "cut_align": CUT_ALIGN}
+            "cut_align": CUT_ALIGN, "pair_max_tokens": PAIR_MAX_TOKENS,
+            "pair_worker_side": "attention"}
 
 
 def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
@@ -121,6 +133,29 @@ def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
     finally:
         b = wait()
     return a, b
+
+
+def layer_pair(mixer: Callable[[], object], attention: Callable[[], object],
+               tokens: int) -> tuple:
+    """(mixer(), attention()) of one layer; for a forward of `tokens` <= PAIR_MAX_TOKENS
+    tokens per sequence, attention() on the worker while the calling thread runs mixer().
+    Meanwhile the module holds no worker, so every product on either thread runs unsplit
+    (the same bits: each split equals its unsplit op) and nothing is handed to the busy
+    worker. An exception on either side is raised here after both have ended."""
+    global _worker
+    worker = _worker
+    if worker is None or tokens > PAIR_MAX_TOKENS:
+        return mixer(), attention()
+    _worker = None
+    try:
+        wait = worker.run(attention)
+        try:
+            m = mixer()
+        finally:
+            a = wait()
+    finally:
+        _worker = worker
+    return m, a
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
