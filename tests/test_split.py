@@ -156,9 +156,11 @@ def test_a_layer_pair_runs_the_attention_on_the_worker_and_raises_after_both(wor
         return threading.current_thread().name
 
     here = threading.current_thread().name
-    assert split.layer_pair(name, name, 1) == (here, "hsl-split")
-    assert split.layer_pair(name, name, split.PAIR_MAX_TOKENS + 1) == (here, here)
-    nested = split.layer_pair(lambda: split.pair(name, name), lambda: split.pair(name, name), 1)
+    assert split.layer_pair(name, name, 64, 1) == (here, "hsl-split")
+    assert split.layer_pair(name, name, 64, split.PAIR_MAX_TOKENS + 1) == (here, here)
+    assert split.layer_pair(name, name, split.PAIR_MIN_ROWS - 1, 1) == (here, here)
+    nested = split.layer_pair(lambda: split.pair(name, name), lambda: split.pair(name, name),
+                              64, 1)
     assert nested == ((here, here), ("hsl-split", "hsl-split"))
     ended = threading.Event()
 
@@ -167,10 +169,10 @@ def test_a_layer_pair_runs_the_attention_on_the_worker_and_raises_after_both(wor
         ended.set()
 
     with pytest.raises(ZeroDivisionError):
-        split.layer_pair(lambda: 1 / 0, slow_attention, 1)
+        split.layer_pair(lambda: 1 / 0, slow_attention, 64, 1)
     assert ended.is_set()
     with pytest.raises(KeyError):
-        split.layer_pair(lambda: 1, lambda: {}["k"], 1)
+        split.layer_pair(lambda: 1, lambda: {}["k"], 64, 1)
     assert split.settings()["workers"] == 1 and split.pair(name, name) == (here, "hsl-split")
 
 
@@ -194,8 +196,11 @@ def test_paired_layers_give_the_unpaired_bits_over_each_arena(tiny_model, monkey
                         lambda *a, **k: _kept(seen, cls.forward(tiny_model, *a, **k)))
     monkeypatch.setattr(tiny_model, "head", lambda h: _kept(seen, cls.head(tiny_model, h)))
     runs = []
-    for workers, pair_max in ((0, 1), (1, 1 << 20)):
+    monkeypatch.setattr(split, "PAIR_MIN_ROWS", 1)
+    for workers, pair_max, side in ((0, 1, "attention"), (1, 1 << 20, "attention"),
+                                    (1, 1 << 20, "mixer")):
         monkeypatch.setattr(split, "PAIR_MAX_TOKENS", pair_max)
+        monkeypatch.setattr(split, "PAIR_WORKER_SIDE", side)
         seen.clear()
         split.install(workers)
         try:
@@ -204,8 +209,10 @@ def test_paired_layers_give_the_unpaired_bits_over_each_arena(tiny_model, monkey
         finally:
             split.close()
         runs.append(list(seen))
-    assert len(runs[0]) > 10 and len(runs[1]) == len(runs[0])
-    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert len(runs[0]) > 10
+    for other in runs[1:]:
+        assert len(other) == len(runs[0])
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
 
 
 def _kept(seen: list, out):

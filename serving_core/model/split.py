@@ -39,10 +39,13 @@ LINEAR_MIN_ROWS = 256
 HEAD_MIN_ROWS = 1
 SCAN_MIN_TOKENS = 64
 ATTENTION_MIN_TOKENS = 64
-# Layer pairs: forwards of at most this many tokens per sequence (1: decode batches and
-# one-token segments) run each layer's attention on the worker beside its mixer; longer ones
+# Layer pairs: forwards of at most PAIR_MAX_TOKENS tokens per sequence (1: decode batches
+# and one-token segments) over PAIR_MIN_ROWS sequences or more run one side of each layer
+# (PAIR_WORKER_SIDE: "attention" or "mixer") on the worker beside the other; longer forwards
 # split their products instead (measured, docs/benchmarks.md "Layer pairs").
 PAIR_MAX_TOKENS = 1
+PAIR_MIN_ROWS = 1
+PAIR_WORKER_SIDE = "attention"
 
 
 class _Worker:
@@ -120,7 +123,7 @@ def settings() -> dict:
             "linear_min_rows": LINEAR_MIN_ROWS, "head_min_rows": HEAD_MIN_ROWS,
             "scan_min_tokens": SCAN_MIN_TOKENS, "attention_min_tokens": ATTENTION_MIN_TOKENS,
             "cut_align": CUT_ALIGN, "pair_max_tokens": PAIR_MAX_TOKENS,
-            "pair_worker_side": "attention"}
+            "pair_min_rows": PAIR_MIN_ROWS, "pair_worker_side": PAIR_WORKER_SIDE}
 
 
 def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
@@ -135,27 +138,29 @@ def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
     return a, b
 
 
-def layer_pair(mixer: Callable[[], object], attention: Callable[[], object],
+def layer_pair(mixer: Callable[[], object], attention: Callable[[], object], rows: int,
                tokens: int) -> tuple:
-    """(mixer(), attention()) of one layer; for a forward of `tokens` <= PAIR_MAX_TOKENS
-    tokens per sequence, attention() on the worker while the calling thread runs mixer().
-    Meanwhile the module holds no worker, so every product on either thread runs unsplit
-    (the same bits: each split equals its unsplit op) and nothing is handed to the busy
-    worker. An exception on either side is raised here after both have ended."""
+    """(mixer(), attention()) of one layer; for a forward of `rows` >= PAIR_MIN_ROWS
+    sequences of `tokens` <= PAIR_MAX_TOKENS tokens, the PAIR_WORKER_SIDE on the worker
+    while the calling thread runs the other. Meanwhile the module holds no worker, so every
+    product on either thread runs unsplit (the same bits: each split equals its unsplit op)
+    and nothing is handed to the busy worker. An exception on either side is raised here
+    after both have ended."""
     global _worker
     worker = _worker
-    if worker is None or tokens > PAIR_MAX_TOKENS:
+    if worker is None or tokens > PAIR_MAX_TOKENS or rows < PAIR_MIN_ROWS:
         return mixer(), attention()
+    here, there = (mixer, attention) if PAIR_WORKER_SIDE == "attention" else (attention, mixer)
     _worker = None
     try:
-        wait = worker.run(attention)
+        wait = worker.run(there)
         try:
-            m = mixer()
+            first = here()
         finally:
-            a = wait()
+            second = wait()
     finally:
         _worker = worker
-    return m, a
+    return (first, second) if here is mixer else (second, first)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
