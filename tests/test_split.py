@@ -148,20 +148,26 @@ def test_the_runtime_record_states_the_split_read_back(monkeypatch):
     monkeypatch.setattr(process_settings, "_split", None)
 
 
-def test_a_layer_pair_runs_the_attention_on_the_worker_and_raises_after_both(worker):
-    """Decode-sized forwards pair; longer ones run both sides here. Inside a pair the
-    products' splits run on their own thread (no hand-off to the busy worker); an exception
-    on either side is raised once both sides have ended, and the worker stays installed."""
+@pytest.mark.parametrize("side", ["attention", "mixer"])
+def test_a_layer_pair_runs_one_side_on_the_worker_and_raises_after_both(worker, monkeypatch,
+                                                                         side):
+    """Decode-sized forwards pair (PAIR_WORKER_SIDE on the worker); longer ones run both
+    sides here. Inside a pair the products' splits run on their own thread (no hand-off to
+    the busy worker); an exception on either side is raised once both sides have ended, and
+    the worker stays installed."""
+    monkeypatch.setattr(split, "PAIR_WORKER_SIDE", side)
+
     def name():
         return threading.current_thread().name
 
     here = threading.current_thread().name
-    assert split.layer_pair(name, name, 64, 1) == (here, "hsl-split")
+    paired = (here, "hsl-split") if side == "attention" else ("hsl-split", here)
+    assert split.layer_pair(name, name, 64, 1) == paired
     assert split.layer_pair(name, name, 64, split.PAIR_MAX_TOKENS + 1) == (here, here)
     assert split.layer_pair(name, name, split.PAIR_MIN_ROWS - 1, 1) == (here, here)
     nested = split.layer_pair(lambda: split.pair(name, name), lambda: split.pair(name, name),
                               64, 1)
-    assert nested == ((here, here), ("hsl-split", "hsl-split"))
+    assert nested == tuple((t, t) for t in paired)
     ended = threading.Event()
 
     def slow_attention():

@@ -45,7 +45,7 @@ ATTENTION_MIN_TOKENS = 64
 # split their products instead (measured, docs/benchmarks.md "Layer pairs").
 PAIR_MAX_TOKENS = 1
 PAIR_MIN_ROWS = 1
-PAIR_WORKER_SIDE = "attention"
+PAIR_WORKER_SIDE = "mixer"
 
 
 class _Worker:
