@@ -14,10 +14,10 @@ calling thread: handing work to the worker costs tens of microseconds and wakes 
 
 Layer pairs (task parallelism): Falcon-H1's attention and Mamba mixer of one layer read the
 same normed input and write disjoint state (KV pages, recurrent pages), so `layer_pair` runs
-the attention on the worker while the calling thread runs the mixer, each the same ops as
-when run one after the other (the same bits by construction), for the forwards PAIR_TOKENS
-selects. Within a pair the product splits above run unsplit (the worker is busy, and a
-nested hand-off from the worker to itself would never run).
+one of them on the worker while the calling thread runs the other, each the same ops as when
+run one after the other (the same bits by construction), in the forwards PAIR_MAX_TOKENS and
+PAIR_MIN_ROWS select (decode). Within a pair the product splits above run unsplit (the
+worker is busy, and a nested hand-off from the worker to itself would never run).
 Without `install(1)` (the server's `--split-workers`, serving_core/server/process_settings.py)
 nothing is split and no thread exists.
 """
