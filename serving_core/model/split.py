@@ -150,7 +150,8 @@ def layer_pair(mixer: Callable[[], object], attention: Callable[[], object], row
     worker = _worker
     if worker is None or tokens > PAIR_MAX_TOKENS or rows < PAIR_MIN_ROWS:
         return mixer(), attention()
-    here, there = (mixer, attention) if PAIR_WORKER_SIDE == "attention" else (attention, mixer)
+    mixer_here = PAIR_WORKER_SIDE == "attention"
+    here, there = (mixer, attention) if mixer_here else (attention, mixer)
     _worker = None
     try:
         wait = worker.run(there)
@@ -160,7 +161,7 @@ def layer_pair(mixer: Callable[[], object], attention: Callable[[], object], row
             second = wait()
     finally:
         _worker = worker
-    return (first, second) if here is mixer else (second, first)
+    return (first, second) if mixer_here else (second, first)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
