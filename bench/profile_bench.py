@@ -27,8 +27,10 @@ faults per step and per output token. `--allocator` (auto|tcmalloc|glibc, as in
 `bench.serve_bench`) re-executes the benchmark with that malloc preloaded (or not).
 
 `--split-workers 1` splits the large products over a worker thread (serving_core/model/
-split.py): the categories stay the engine thread's CPU (its critical path), the worker's CPU
-seconds are printed apart (`split.worker_cpu_s`) and are in the process user time.
+split.py) and runs decode layers' attention there beside the mixer (layer pairs): the
+categories stay the engine thread's CPU (its critical path; shares are of it), hooked calls
+run on the worker are listed after them as "worker: ..." rows, and the worker's CPU seconds
+are printed apart (`split.worker_cpu_s`) and are in the process user time.
 
 `--torch-profile` adds torch.profiler's top operators (self CPU time) and the number of
 tensor allocations (profile_memory's [memory] events).
@@ -42,6 +44,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -71,16 +74,29 @@ def _thread_usage() -> tuple[float, float, int]:
     return time.thread_time(), ru.ru_stime, ru.ru_minflt
 
 
+WORKER = "worker: "  # prefix of the categories charged on the split worker's thread
+
+
 class _Timer:
     """Exclusive thread CPU time, system time and minor faults per category over nested
-    hooked calls."""
+    hooked calls, one stack per thread; a call on another thread than the engine's (the split
+    worker's layer pairs) is charged to WORKER + its category."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
         self.sys: dict[str, float] = defaultdict(float)
         self.faults: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
-        self.stack: list[list] = []  # [category, start usage, child usage]
+        self.engine = threading.get_ident()
+        self._local = threading.local()
+
+    @property
+    def stack(self) -> list[list]:
+        """This thread's open frames: [category, start usage, child usage]."""
+        local = self._local
+        if not hasattr(local, "stack"):
+            local.stack = []
+        return local.stack
 
     def _close(self, frame: list) -> None:
         end = _thread_usage()
@@ -101,6 +117,8 @@ class _Timer:
 
         def hooked(*args, **kwargs):
             cat = category(*args, **kwargs) if callable(category) else category
+            if threading.get_ident() != timer.engine:
+                cat = WORKER + cat
             frame = [cat, _thread_usage(), [0.0, 0.0, 0]]
             timer.stack.append(frame)
             try:
@@ -184,10 +202,11 @@ def run(model, org: str, budget: str, requests: int, prompt: int, output: int,
              for i in range(requests)]
     timer = _Timer()
     m = _serve_measured(engine, specs, timer, torch_profile)
-    total = sum(timer.totals.values())
+    total = sum(v for k, v in timer.totals.items() if not k.startswith(WORKER))
     rows = {k: {"s": v, "share": v / total, "sys_s": timer.sys[k], "minor_faults":
                 timer.faults[k], "calls": timer.calls[k]}
-            for k, v in sorted(timer.totals.items(), key=lambda kv: -kv[1])}
+            for k, v in sorted(timer.totals.items(),
+                               key=lambda kv: (kv[0].startswith(WORKER), -kv[1]))}
     tokens = requests * output
     return {
         "org": org, "budget": budget, "requests": requests, "prompt_tokens": prompt,

@@ -146,3 +146,82 @@ def test_the_runtime_record_states_the_split_read_back(monkeypatch):
     assert process_settings.apply_split("1", load_torch=False) == 0  # no torch kernels
     assert process_settings.runtime_settings()["split"] == {"workers": 0, "requested": "1"}
     monkeypatch.setattr(process_settings, "_split", None)
+
+
+@pytest.mark.parametrize("side", ["attention", "mixer"])
+def test_a_layer_pair_runs_one_side_on_the_worker_and_raises_after_both(worker, monkeypatch,
+                                                                         side):
+    """Decode-sized forwards pair (PAIR_WORKER_SIDE on the worker); longer ones run both
+    sides here. Inside a pair the products' splits run on their own thread (no hand-off to
+    the busy worker); an exception on either side is raised once both sides have ended, and
+    the worker stays installed."""
+    monkeypatch.setattr(split, "PAIR_WORKER_SIDE", side)
+
+    def name():
+        return threading.current_thread().name
+
+    here = threading.current_thread().name
+    paired = (here, "hsl-split") if side == "attention" else ("hsl-split", here)
+    assert split.layer_pair(name, name, 64, 1) == paired
+    assert split.layer_pair(name, name, 64, split.PAIR_MAX_TOKENS + 1) == (here, here)
+    assert split.layer_pair(name, name, split.PAIR_MIN_ROWS - 1, 1) == (here, here)
+    nested = split.layer_pair(lambda: split.pair(name, name), lambda: split.pair(name, name),
+                              64, 1)
+    assert nested == tuple((t, t) for t in paired)
+    ended = threading.Event()
+
+    def slow_attention():
+        ended.wait(0.05)  # still running when the mixer raises
+        ended.set()
+
+    with pytest.raises(ZeroDivisionError):
+        split.layer_pair(lambda: 1 / 0, slow_attention, 64, 1)
+    assert ended.is_set()
+    with pytest.raises(KeyError):
+        split.layer_pair(lambda: 1, lambda: {}["k"], 64, 1)
+    assert split.settings()["workers"] == 1 and split.pair(name, name) == (here, "hsl-split")
+
+
+@pytest.mark.parametrize("org", ["S0", "S1", "S2", *(pytest.param(o, marks=pytest.mark.slow)
+                                                     for o in ("N0", "D0"))])
+def test_paired_layers_give_the_unpaired_bits_over_each_arena(tiny_model, monkeypatch, org):
+    """The executor over each organization's arena (S0, S1, S2: the three conv addressings;
+    N0 and D0 slow), three requests (prefill chunks, mixed steps, decode batches): every
+    forward's final hidden states and LM-head logits equal those without the worker (main's
+    order, one after the other), with pairs in every forward (the default's decode pairs
+    among them; the prefill splits have their own tests above)."""
+    import engines
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    specs = [engines.Spec(i, 0.0, rng.integers(3, 1000, n).astype(np.int32), 3)
+             for i, n in enumerate((40, 17, 70))]
+    seen: list[torch.Tensor] = []
+    cls = type(tiny_model)
+    monkeypatch.setattr(tiny_model, "forward",
+                        lambda *a, **k: _kept(seen, cls.forward(tiny_model, *a, **k)))
+    monkeypatch.setattr(tiny_model, "head", lambda h: _kept(seen, cls.head(tiny_model, h)))
+    runs = []
+    monkeypatch.setattr(split, "PAIR_MIN_ROWS", 1)
+    for workers, pair_max, side in ((0, 1, "attention"), (1, 1 << 20, "attention"),
+                                    (1, 1 << 20, "mixer")):
+        monkeypatch.setattr(split, "PAIR_MAX_TOKENS", pair_max)
+        monkeypatch.setattr(split, "PAIR_WORKER_SIDE", side)
+        seen.clear()
+        split.install(workers)
+        try:
+            engines.serve_greedy(tiny_model, "falcon_h1_tiny", org, "b12", specs,
+                                 max_tokens=32)
+        finally:
+            split.close()
+        runs.append(list(seen))
+    assert len(runs[0]) > 10
+    for other in runs[1:]:
+        assert len(other) == len(runs[0])
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+
+
+def _kept(seen: list, out):
+    if out is not None:
+        seen.append(out.clone())
+    return out

@@ -314,8 +314,10 @@ class FalconH1:
             p = f"model.layers.{i}."
             residual = h
             x = rms_norm(h, self.w[p + "input_layernorm.weight"], self.eps)
-            m = self._mamba(i, x, io) * self.mult["ssm_out_multiplier"]
-            a = self._attention(i, x * self.mult["attention_in_multiplier"], cos, sin, io)
+            m, a = split.layer_pair(  # independent: on two threads with the split worker
+                lambda x=x, i=i: self._mamba(i, x, io) * self.mult["ssm_out_multiplier"],
+                lambda x=x, i=i: self._attention(i, x * self.mult["attention_in_multiplier"],
+                                                 cos, sin, io), *ids.shape)
             h = residual + (m + a * self.mult["attention_out_multiplier"])
             residual = h
             x = rms_norm(h, self.w[p + "pre_ff_layernorm.weight"], self.eps)

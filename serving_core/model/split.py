@@ -11,6 +11,13 @@ rounds differently, so small products are never cut); the prefill SSD scan and p
 attention are cut by heads (each head's arithmetic is its own; attention by key/value heads
 with their query heads). Small products (decode's projections and attention) stay on the
 calling thread: handing work to the worker costs tens of microseconds and wakes a core.
+
+Layer pairs (task parallelism): Falcon-H1's attention and Mamba mixer of one layer read the
+same normed input and write disjoint state (KV pages, recurrent pages), so `layer_pair` runs
+one of them on the worker while the calling thread runs the other, each the same ops as when
+run one after the other (the same bits by construction), in the forwards PAIR_MAX_TOKENS and
+PAIR_MIN_ROWS select (decode). Within a pair the product splits above run unsplit (the
+worker is busy, and a nested hand-off from the worker to itself would never run).
 Without `install(1)` (the server's `--split-workers`, serving_core/server/process_settings.py)
 nothing is split and no thread exists.
 """
@@ -36,6 +43,13 @@ HEAD_MIN_ROWS = 1
 SCAN_MIN_TOKENS = 64
 ROWS_MIN_TOKENS = 128
 ATTENTION_MIN_TOKENS = 64
+# Layer pairs: forwards of at most PAIR_MAX_TOKENS tokens per sequence (1: decode batches
+# and one-token segments) over PAIR_MIN_ROWS sequences or more run one side of each layer
+# (PAIR_WORKER_SIDE: "attention" or "mixer") on the worker beside the other; longer forwards
+# split their products instead (measured, docs/benchmarks.md "Layer pairs").
+PAIR_MAX_TOKENS = 1
+PAIR_MIN_ROWS = 1
+PAIR_WORKER_SIDE = "mixer"
 
 
 class _Worker:
@@ -113,7 +127,8 @@ def settings() -> dict:
             "linear_min_rows": LINEAR_MIN_ROWS, "head_min_rows": HEAD_MIN_ROWS,
             "scan_min_tokens": SCAN_MIN_TOKENS, "rows_min_tokens": ROWS_MIN_TOKENS,
             "attention_min_tokens": ATTENTION_MIN_TOKENS,
-            "cut_align": CUT_ALIGN}
+            "cut_align": CUT_ALIGN, "pair_max_tokens": PAIR_MAX_TOKENS,
+            "pair_min_rows": PAIR_MIN_ROWS, "pair_worker_side": PAIR_WORKER_SIDE}
 
 
 def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
@@ -126,6 +141,32 @@ def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
     finally:
         b = wait()
     return a, b
+
+
+def layer_pair(mixer: Callable[[], object], attention: Callable[[], object], rows: int,
+               tokens: int) -> tuple:
+    """(mixer(), attention()) of one layer; for a forward of `rows` >= PAIR_MIN_ROWS
+    sequences of `tokens` <= PAIR_MAX_TOKENS tokens, the PAIR_WORKER_SIDE on the worker
+    while the calling thread runs the other. Meanwhile the module holds no worker, so every
+    product on either thread runs unsplit (the same bits: each split equals its unsplit op)
+    and nothing is handed to the busy worker. An exception on either side is raised here
+    after both have ended."""
+    global _worker
+    worker = _worker
+    if worker is None or tokens > PAIR_MAX_TOKENS or rows < PAIR_MIN_ROWS:
+        return mixer(), attention()
+    mixer_here = PAIR_WORKER_SIDE == "attention"
+    here, there = (mixer, attention) if mixer_here else (attention, mixer)
+    _worker = None
+    try:
+        wait = worker.run(there)
+        try:
+            first = here()
+        finally:
+            second = wait()
+    finally:
+        _worker = worker
+    return (first, second) if mixer_here else (second, first)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
