@@ -433,8 +433,7 @@ class FalconH1:
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor):
         """The gated RMS norm of y (b, T, d) per group, by rows: in two halves of the tokens
-        over the worker (split.token_halves) when d is a multiple of mamba.ROW_ALIGN (each
-        half then gives the bits of the whole)."""
+        over the worker where split.token_halves cuts them (the bits of the whole)."""
         dtype = y.dtype
         b, t, d = y.shape
         out = torch.empty(b, t, d, dtype=torch.float32, device=y.device)
@@ -443,10 +442,7 @@ class FalconH1:
             self._gated_norm_rows(y[:, first:end], gate[:, first:end], weight,
                                   out[:, first:end])
 
-        if d % mamba.ROW_ALIGN:
-            run(0, t)
-        else:
-            split.token_halves(t, run)
+        split.token_halves(t, d, run)
         return out.to(dtype)
 
     def _gated_norm_rows(self, y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,

@@ -343,10 +343,8 @@ def conv_scan(
     Returns silu(conv) (b, T, Cd) and the new window (b, Cd, K-1). A prefill runs token-major,
     K multiply-adds of shifted rows (contiguous along the channels): on CPU 2-5x faster than
     conv1d over the channel-major transpose and its copies, and the output is contiguous
-    for the scan that reads it. `rows(t, run)` (split.token_halves) runs run(first, end) over
-    the tokens [0, t), in parts; it is used only when Cd is a multiple of ROW_ALIGN, so every
-    part runs the vectorized kernels on whole vectors (a ragged tail takes a scalar path, whose
-    silu rounds differently) and gives the bits of the whole.
+    for the scan that reads it. `rows(t, Cd, run)` (split.token_halves) runs run(first, end)
+    over the tokens [0, t), in parts that give the bits of the whole.
     """
     t = xbc.shape[1]
     k1 = window.shape[-1]
@@ -368,8 +366,8 @@ def conv_scan(
             part.add_(bias.to(part.dtype))
         F.silu(part, inplace=True)
 
-    if rows is None or full.shape[2] % ROW_ALIGN:
+    if rows is None:
         run(0, t)
     else:
-        rows(t, run)
+        rows(t, full.shape[2], run)
     return out, full[:, full.shape[1] - k1 :].transpose(1, 2)

@@ -135,9 +135,15 @@ def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
     """(first(), second()), second on the worker when there is one."""
     if _worker is None:
         return first(), second()
-    wait = _worker.run(second)
+    return _on(_worker, first, second)
+
+
+def _on(worker: _Worker, here: Callable[[], object], there: Callable[[], object]) -> tuple:
+    """(here(), there()), there on `worker` while this thread runs here; an exception on
+    either side is raised after both have ended."""
+    wait = worker.run(there)
     try:
-        a = first()
+        a = here()
     finally:
         b = wait()
     return a, b
@@ -159,11 +165,7 @@ def layer_pair(mixer: Callable[[], object], attention: Callable[[], object], row
     here, there = (mixer, attention) if mixer_here else (attention, mixer)
     _worker = None
     try:
-        wait = worker.run(there)
-        try:
-            first = here()
-        finally:
-            second = wait()
+        first, second = _on(worker, here, there)
     finally:
         _worker = worker
     return (first, second) if mixer_here else (second, first)
@@ -189,21 +191,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def head_blocks(rows: int, blocks: int, run: Callable[[int, int], None]) -> None:
     """run(first, end) over the LM head's vocabulary blocks [0, blocks), in two halves over
     the worker when `rows` sample rows reach HEAD_MIN_ROWS."""
-    if _worker is None or rows < HEAD_MIN_ROWS or blocks < 2:
-        run(0, blocks)
-        return
-    mid = blocks // 2
-    pair(lambda: run(0, mid), lambda: run(mid, blocks))
+    _halves(blocks, run, rows >= HEAD_MIN_ROWS)
 
 
-def token_halves(t: int, run: Callable[[int, int], None]) -> None:
-    """run(first, end) over the tokens [0, t) of a row-wise elementwise op (the prefill conv
-    and gated norm), in two halves over the worker from ROWS_MIN_TOKENS tokens."""
-    if _worker is None or t < ROWS_MIN_TOKENS:
-        run(0, t)
+def token_halves(t: int, width: int, run: Callable[[int, int], None]) -> None:
+    """run(first, end) over the tokens [0, t) of a row-wise elementwise op on rows of
+    `width` floats (the prefill conv and gated norm), in two halves over the worker from
+    ROWS_MIN_TOKENS tokens when `width` is a multiple of mamba.ROW_ALIGN (every part then
+    runs the vectorized kernels on whole vectors, so the parts give the bits of the whole;
+    a ragged tail takes a scalar path whose silu rounds differently)."""
+    _halves(t, run, t >= ROWS_MIN_TOKENS and width % mamba.ROW_ALIGN == 0)
+
+
+def _halves(n: int, run: Callable[[int, int], None], cut: bool) -> None:
+    """run(0, n), or run over [0, n) in two halves over the worker when `cut` and there are
+    a worker and two or more items."""
+    if _worker is None or not cut or n < 2:
+        run(0, n)
         return
-    mid = t // 2
-    pair(lambda: run(0, mid), lambda: run(mid, t))
+    mid = n // 2
+    pair(lambda: run(0, mid), lambda: run(mid, n))
 
 
 def scan_heads(scan: Callable, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
