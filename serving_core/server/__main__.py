@@ -97,22 +97,12 @@ def _threads_arg(text: str) -> int | str:
 
 
 def _check(args) -> None:
-    if args.drain not in DRAIN_MODES:
-        raise UsageError(f"--drain={args.drain!r}: allowed values are {', '.join(DRAIN_MODES)}")
-    if args.engine_core not in ENGINE_CORES:
-        raise UsageError(f"--engine-core={args.engine_core!r}: allowed values are "
-                         f"{', '.join(ENGINE_CORES)}")
-    if args.omp_wait not in OMP_WAITS:
-        raise UsageError(f"--omp-wait={args.omp_wait!r}: allowed values are "
-                         f"{', '.join(OMP_WAITS)}")
-    if args.split_workers not in SPLIT_WORKERS:
-        raise UsageError(f"--split-workers={args.split_workers!r}: allowed values are "
-                         f"{', '.join(SPLIT_WORKERS)}")
-    if args.packed_linear not in PACKED_LINEAR:
-        raise UsageError(f"--packed-linear={args.packed_linear!r}: allowed values are "
-                         f"{', '.join(PACKED_LINEAR)}")
-    if args.warm_up not in WARM_UP:
-        raise UsageError(f"--warm-up={args.warm_up!r}: allowed values are {', '.join(WARM_UP)}")
+    for flag, allowed in (("drain", DRAIN_MODES), ("engine-core", ENGINE_CORES),
+                          ("omp-wait", OMP_WAITS), ("split-workers", SPLIT_WORKERS),
+                          ("packed-linear", PACKED_LINEAR), ("warm-up", WARM_UP)):
+        value = getattr(args, flag.replace("-", "_"))
+        if value not in allowed:
+            raise UsageError(f"--{flag}={value!r}: allowed values are {', '.join(allowed)}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port={args.port}: expected 0..65535")
     if not isinstance(args.threads, int) or args.threads < 0:
