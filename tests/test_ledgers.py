@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import subprocess
 import sys
 import warnings
@@ -580,6 +581,30 @@ def test_writes_leave_no_temp_files_and_temp_names_never_match(tmp_path, monkeyp
     assert list(tmp_path.rglob(f"*{writer.TEMP_SUFFIX}")) == []
     assert integrity.completed_run_ids(tmp_path) == {"runA"}
     assert not [p for p in tmp_path.rglob("runB-*")]
+
+
+def test_every_file_and_directory_is_fsynced_unless_sync_is_off(tmp_path, monkeypatch):
+    """HSL_LEDGER_SYNC=on (the default; the suite runs with off): each table file, before
+    its rename, and each directory it lands in; off: no fsync, the same files."""
+    synced = []
+
+    def record(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+
+    monkeypatch.setattr(writer.os, "fsync", record)
+    monkeypatch.setenv(writer.SYNC_ENV, "on")
+    write(tmp_path / "on", "runA")
+    files = sorted((tmp_path / "on").rglob("*.parquet"))
+    temps = [p for p in synced if p.suffix == writer.TEMP_SUFFIX]
+    assert sorted(writer.temp_path(f) for f in files) == sorted(temps)
+    assert sorted(p for p in synced if p not in temps) == sorted({f.parent for f in files})
+    synced.clear()
+    monkeypatch.setenv(writer.SYNC_ENV, "off")
+    write(tmp_path / "off", "runA")
+    assert synced == [] and len(list((tmp_path / "off").rglob("*.parquet"))) == len(files)
+    monkeypatch.setenv(writer.SYNC_ENV, "no")
+    with pytest.raises(ValueError, match=r"^HSL_LEDGER_SYNC='no': allowed on, off$"):
+        write(tmp_path / "bad", "runA")
 
 
 def test_write_run_validates_everything_before_writing(tmp_path):

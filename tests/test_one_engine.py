@@ -180,9 +180,12 @@ def test_a_real_run_records_its_process_settings(tiny_checkpoint):
 
 # ----- over HTTP: the server builds from the whole spec ----------------------------------------
 def _served_rules(tmp_path: Path, spec: EngineSpec) -> dict:
+    """The rules the server reads back, served without the warm-up (a torch model's: about
+    1 CPU s of prefill and decode that decide no rule; tests/test_warmup.py tests it)."""
     path = tmp_path / "spec.json"
     path.write_text(spec.to_json())
-    with ServerProcess(hsl_server_command(spec=str(path)), health_timeout_s=120) as srv:
+    cmd = [*hsl_server_command(spec=str(path)), "--warm-up", "off"]
+    with ServerProcess(cmd, health_timeout_s=120) as srv:
         return srv.engine_config()
 
 
