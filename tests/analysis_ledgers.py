@@ -27,6 +27,7 @@ from analysis.inference import prereg  # noqa: E402
 from experiments.campaigns.sweeps import williams_rows  # noqa: E402
 from experiments.runners.cell import run_cell  # noqa: E402
 from experiments.runners.ledger_io import run_key, runs_row  # noqa: E402
+from experiments.runners.run_plan import plan_run  # noqa: E402
 from ledgers import write_run  # noqa: E402
 
 WORKLOAD = ("workload.source=synthetic", "workload.num_requests=36",
@@ -142,17 +143,18 @@ def build(root: Path, parts=PARTS) -> BuiltLedger:
         for cell, seed, campaign in _jobs(part):
             home = prereg.home_campaign(campaign)
             key_id = (cell.id, campaign, home, tuple(sorted(cell.keys.items(), key=str)))
-            if key_id not in configs:
-                configs[key_id] = compose_config(
+            if key_id not in configs:  # the config and its run plan (the seed is not in it)
+                cfg = compose_config(
                     f"ledger_root={root}", f"campaign_name={campaign}", f"question={home}",
                     *LEDGER_WORKLOAD, *cell_overrides(cell.keys))
-            cfg = configs[key_id]
+                configs[key_id] = cfg, plan_run(cfg)
+            cfg, plan = configs[key_id]
             cfg.seed = int(seed)
             key = run_key(cfg)
             if key.run_id in written:
                 continue
             written.add(key.run_id)
-            result = run_cell(cfg)
+            result = run_cell(cfg, plan=plan)
             row = runs_row(cfg, key, result, result.summary["wall_seconds"])
             tables = {name: cols for name, cols in result.tables.items()
                       if len(next(iter(cols.values())))}

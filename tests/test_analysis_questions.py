@@ -32,8 +32,11 @@ def ledger(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def con(ledger):
+    """The test ledger's connection; the module's analyses read its runs as the report does
+    (`common.cached_runs`: each connection's runs rows once, each question's runs once)."""
     connection = ledgers.connect(ledger.root)
-    yield connection
+    with common.cached_runs():
+        yield connection
     connection.close()
 
 
