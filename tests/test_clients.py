@@ -25,9 +25,11 @@ MODEL = "falcon_h1_tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
+    """`make serve`'s server without its warm-up (about 1 CPU s; it leaves the weights,
+    state and seeds untouched, so the clients see the same answers; tests/test_warmup.py)."""
     cmd = [sys.executable, "-m", "experiments.serve", f"model={MODEL}", "executor=torch",
            f"executor.checkpoint={tiny_checkpoint}", "org=s2", "budget=b63", "engine.cap=16",
-           "--port", "0", "--exit-with-parent"]
+           "--port", "0", "--exit-with-parent", "--warm-up", "off"]
     with ServerProcess(cmd, health_timeout_s=300) as srv:
         yield srv
 
