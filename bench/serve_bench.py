@@ -10,9 +10,10 @@ N0 organization). Each server runs alone; arms alternate, round after round.
 Allocator: `--allocator auto` preloads tcmalloc into every server (ours and vLLM's)
 when a libtcmalloc is installed (Debian: libgoogle-perftools4 or libtcmalloc-minimal4),
 `glibc` never does; the table says which ran. Large per-step temporaries under glibc
-malloc are mmapped and page-faulted every step; tcmalloc keeps them, and so do our servers
-under glibc (mallopt at start, serving_core/server/process_settings.py) unless `--malloc
-default`; the table's alloc column then reads glibc+keep.
+malloc are mmapped and page-faulted every step; tcmalloc keeps them (returning a free span
+to the kernel now and then), and our servers keep them under either (glibc's mallopt or
+tcmalloc's release rate 0 at start, serving_core/server/process_settings.py) unless
+`--malloc default`; the table's alloc column then reads glibc+keep or tcmalloc+keep.
 
 Per request, client side: TTFT (send to first token), TPOT ((last - first token) /
 (tokens - 1)), end to end. Per arm: output and total (prompt + output) tokens per second
@@ -307,8 +308,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
                         help="malloc of every server (auto: tcmalloc when installed)")
     parser.add_argument("--malloc", default="keep", choices=("keep", "default"),
-                        help="our servers under glibc: keep freed memory (their default) or "
-                             "glibc's defaults")
+                        help="our servers: keep freed memory (their default, glibc or "
+                             "tcmalloc) or the allocator's defaults")
     parser.add_argument("--threads", type=int, default=0,
                         help="our servers' torch intra-op threads (0: the server's auto)")
     parser.add_argument("--engine-core", default="thread", choices=("thread", "process"),
