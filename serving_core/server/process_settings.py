@@ -19,17 +19,17 @@ glibc malloc serves every allocation above its mmap threshold (at most 32 MiB, e
 decode step's 64 x 128,256 fp32 logits) with a fresh mmap and returns it on free, and trims
 the heap's top back to the kernel: each step page-faults its large tensors in again (a third
 of the CPU time as system time in the first measurements). `keep_freed_memory` (applied by
-the server and the profile benchmark when the process runs glibc malloc) sets mallopt so
-that memory, once taken, stays with the process: no mmap for large blocks, no trimming, one
-arena (the engine thread's blocks come from the same heap the main thread freed them to).
-The step loop's working set is reused from the heap instead of faulted in every step; peak
-resident memory is the same, it is simply not returned between steps. tcmalloc (gperftools)
-keeps freed spans in its page heap but, at its default release rate 1, returns a free span to
-the kernel after every 2-8 GiB freed (madvise; a 64-row step's logits alone are 32 MiB), and
-the span is page-faulted in again when next used: served, 1.4-4.7 minor faults per output
-token against 0.24 under glibc kept (docs/benchmarks.md "tcmalloc served"). Under tcmalloc
-`keep_freed_memory` sets its release rate to 0 (what TCMALLOC_RELEASE_RATE=0 sets at start),
-and the runtime record reads the rate back (`malloc_release_rate`).
+the server and the profile benchmark) sets glibc's mallopt so that memory, once taken,
+stays with the process: no mmap for large blocks, no trimming, one arena (the engine
+thread's blocks come from the same heap the main thread freed them to). The step loop's
+working set is reused from the heap instead of faulted in every step; peak resident memory
+is the same, it is simply not returned between steps. tcmalloc (gperftools)
+keeps freed spans in its page heap but, at its default release rate 1, hands a free span
+back to the kernel once about 2 GiB were freed (a 64-row step's logits alone are 32 MiB),
+to be page-faulted in again at its next use: served, 1.4-4.7 minor faults per output token
+against 0.24 under glibc kept (docs/benchmarks.md "tcmalloc served, per thread"). Under
+tcmalloc `keep_freed_memory` sets the release rate to 0 (what TCMALLOC_RELEASE_RATE=0 sets
+at start); the runtime record reads it back (`malloc_release_rate`).
 
 A server whose engine runs no torch kernels (the paced executor) does not import torch
 (about 2 CPU seconds per process): its thread count is kept and set on torch if the
