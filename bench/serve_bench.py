@@ -53,7 +53,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.proc_usage import tree_usage, usage_delta
+from bench.proc_usage import thread_delta, thread_usage, tree_usage, usage_delta
 from bench.tiny import tiny_checkpoint
 from experiments.runners.server_process import ALLOCATORS, allocator_env
 from ledgers.arms import ARMS
@@ -241,10 +241,13 @@ def run_arm(arm, checkpoint, prompts, args, allocator) -> list[dict]:
         with srv:
             for n in args.concurrency:
                 batch = argparse.Namespace(**{**vars(args), "requests": n})
-                usage0 = tree_usage(srv.proc.pid if srv.proc else None)
+                pid = srv.proc.pid if srv.proc else None
+                usage0, threads0 = tree_usage(pid), args.per_thread and thread_usage(pid)
                 row = _measure(srv.base_url, checkpoint, prompts[:n], batch, extra,
                                Path(tmp) / f"c{n}")
-                usage = usage_delta(usage0, tree_usage(srv.proc.pid if srv.proc else None))
+                usage = usage_delta(usage0, tree_usage(pid))
+                if args.per_thread:  # the server tree's threads over the batch (JSON only)
+                    row["server_threads"] = thread_delta(threads0, thread_usage(pid))
                 # ours reads its settings back; vLLM's threads are its own (its CPU binding)
                 settings = srv.runtime_config() or {"allocator": srv.allocator, "threads": None}
                 rows.append({
@@ -319,6 +322,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="our servers' OpenMP waiting (serving_core.server --omp-wait)")
     parser.add_argument("--split-workers", default="auto", choices=("0", "1", "auto"),
                         help="our servers' split worker (serving_core.server --split-workers)")
+    parser.add_argument("--per-thread", action="store_true",
+                        help="also each server thread's CPU, faults, switches and run-queue "
+                             "wait over each batch (bench/proc_usage.py), in the JSON rows")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="vLLM's interpreter (the arm is skipped when it is absent)")
     parser.add_argument("--client", default="ours", choices=CLIENTS,

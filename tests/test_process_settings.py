@@ -177,3 +177,38 @@ def test_proc_usage_reads_a_process_tree_and_its_faults():
     finally:
         child.stdin.close()
         child.wait()
+
+
+def test_proc_usage_reads_each_thread_of_a_process():
+    """A thread that ran 0.1 CPU s between two readings shows it (and run-queue time on top
+    of its run time adds up to no more than the wall time); the idle main thread does not."""
+    import os
+    import threading
+    import time
+
+    from bench.proc_usage import thread_delta, thread_usage
+
+    ran, done = threading.Event(), threading.Event()
+
+    def spin():
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.1:
+            pass
+        ran.set()
+        done.wait()
+
+    before = thread_usage(os.getpid())
+    wall = time.perf_counter()
+    worker = threading.Thread(target=spin)
+    worker.start()
+    ran.wait()
+    rows = thread_delta(before, thread_usage(os.getpid()))
+    wall = time.perf_counter() - wall
+    done.set()
+    worker.join()
+    mine = next(r for r in rows if r["tid"] == worker.native_id)
+    assert mine["pid"] == os.getpid() and mine["cpu_s"] >= 0.05 and mine["run_s"] >= 0.09
+    assert mine["run_s"] + mine["wait_s"] <= wall + 0.01
+    assert rows[0]["cpu_s"] >= rows[-1]["cpu_s"]
+    main = next(r for r in rows if r["tid"] == threading.main_thread().native_id)
+    assert main["run_s"] < mine["run_s"]
