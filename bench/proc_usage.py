@@ -1,4 +1,5 @@
-"""CPU seconds and page faults of a process tree, read from /proc (Linux).
+"""CPU seconds and page faults of a process tree, and of each of its threads, read from /proc
+(Linux).
 
 A server's own counters: vLLM's OpenAI server runs its engine core in a child process, so
 the tree (the process and every live descendant) is what serves. `tree_usage(pid)` sums
@@ -13,6 +14,9 @@ import os
 from pathlib import Path
 
 FIELDS = ("cpu_s", "minor_faults", "major_faults")
+# per thread (`thread_usage`): counters that add up between two readings
+THREAD_FIELDS = ("cpu_s", "sys_s", "minor_faults", "voluntary_switches",
+                 "involuntary_switches", "run_s", "wait_s")
 
 
 def _children(pid: int) -> list[int]:
@@ -48,6 +52,48 @@ def tree_usage(pid: int | None) -> dict[int, tuple[float, int, int]]:
         seen[p] = stat
         todo += _children(p)
     return seen
+
+
+def _thread(task: Path) -> dict | None:
+    """One thread's counters: CPU and system s and minor faults (stat), voluntary and
+    involuntary context switches (status), s on a core and s runnable waiting for one
+    (schedstat); its name and start (clock ticks after boot) tell threads apart."""
+    try:
+        stat, status = (task / "stat").read_text(), (task / "status").read_text()
+        sched = (task / "schedstat").read_text().split()
+    except OSError:
+        return None
+    rest = stat[stat.rindex(")") + 2:].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    switches = dict(line.split(":", 1) for line in status.splitlines() if "ctxt" in line)
+    return {"comm": stat[stat.index("(") + 1:stat.rindex(")")], "start": int(rest[19]),
+            "cpu_s": (int(rest[11]) + int(rest[12])) / tick, "sys_s": int(rest[12]) / tick,
+            "minor_faults": int(rest[7]),
+            "voluntary_switches": int(switches["voluntary_ctxt_switches"]),
+            "involuntary_switches": int(switches["nonvoluntary_ctxt_switches"]),
+            "run_s": int(sched[0]) / 1e9, "wait_s": int(sched[1]) / 1e9}
+
+
+def thread_usage(pid: int | None) -> dict[tuple[int, int], dict]:
+    """Per live thread of the tree rooted at `pid`, keyed (process id, thread id): `_thread`."""
+    out = {}
+    for p in tree_usage(pid):
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            reading = _thread(task)
+            if reading is not None:
+                out[(p, int(task.name))] = reading
+    return out
+
+
+def thread_delta(before: dict, after: dict) -> list[dict]:
+    """What each thread used between two `thread_usage` readings (one started in between
+    counts from zero), busiest first; each with its process, id, name and start."""
+    rows = []
+    for (pid, tid), now in after.items():
+        was = before.get((pid, tid), {})
+        rows.append({"pid": pid, "tid": tid, "comm": now["comm"], "start": now["start"],
+                     **{k: round(now[k] - was.get(k, 0), 6) for k in THREAD_FIELDS}})
+    return sorted(rows, key=lambda r: -r["cpu_s"])
 
 
 def usage_delta(before: dict, after: dict) -> dict[str, float]:

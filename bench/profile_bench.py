@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
                         help="malloc of the run (auto: tcmalloc when installed)")
     parser.add_argument("--malloc", default="keep", choices=("keep", "default"),
-                        help="under glibc, keep freed memory (the server's default) or not")
+                        help="keep freed memory (glibc or tcmalloc; the server's default) or not")
     parser.add_argument("--out", default=str(RESULTS / "profile.json"))
     args = parser.parse_args(argv)
     if argv is None:

@@ -10,9 +10,10 @@ N0 organization). Each server runs alone; arms alternate, round after round.
 Allocator: `--allocator auto` preloads tcmalloc into every server (ours and vLLM's)
 when a libtcmalloc is installed (Debian: libgoogle-perftools4 or libtcmalloc-minimal4),
 `glibc` never does; the table says which ran. Large per-step temporaries under glibc
-malloc are mmapped and page-faulted every step; tcmalloc keeps them, and so do our servers
-under glibc (mallopt at start, serving_core/server/process_settings.py) unless `--malloc
-default`; the table's alloc column then reads glibc+keep.
+malloc are mmapped and page-faulted every step; tcmalloc keeps them (returning a free span
+to the kernel now and then), and our servers keep them under either (glibc's mallopt or
+tcmalloc's release rate 0 at start, serving_core/server/process_settings.py) unless
+`--malloc default`; the table's alloc column then reads glibc+keep or tcmalloc+keep.
 
 Per request, client side: TTFT (send to first token), TPOT ((last - first token) /
 (tokens - 1)), end to end. Per arm: output and total (prompt + output) tokens per second
@@ -52,7 +53,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.proc_usage import tree_usage, usage_delta
+from bench.proc_usage import thread_delta, thread_usage, tree_usage, usage_delta
 from bench.tiny import tiny_checkpoint
 from experiments.runners.server_process import ALLOCATORS, allocator_env
 from ledgers.arms import ARMS
@@ -240,10 +241,13 @@ def run_arm(arm, checkpoint, prompts, args, allocator) -> list[dict]:
         with srv:
             for n in args.concurrency:
                 batch = argparse.Namespace(**{**vars(args), "requests": n})
-                usage0 = tree_usage(srv.proc.pid if srv.proc else None)
+                pid = srv.proc.pid if srv.proc else None
+                usage0, threads0 = tree_usage(pid), args.per_thread and thread_usage(pid)
                 row = _measure(srv.base_url, checkpoint, prompts[:n], batch, extra,
                                Path(tmp) / f"c{n}")
-                usage = usage_delta(usage0, tree_usage(srv.proc.pid if srv.proc else None))
+                usage = usage_delta(usage0, tree_usage(pid))
+                if args.per_thread:  # the server tree's threads over the batch (JSON only)
+                    row["server_threads"] = thread_delta(threads0, thread_usage(pid))
                 # ours reads its settings back; vLLM's threads are its own (its CPU binding)
                 settings = srv.runtime_config() or {"allocator": srv.allocator, "threads": None}
                 rows.append({
@@ -307,8 +311,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--allocator", default="auto", choices=ALLOCATORS,
                         help="malloc of every server (auto: tcmalloc when installed)")
     parser.add_argument("--malloc", default="keep", choices=("keep", "default"),
-                        help="our servers under glibc: keep freed memory (their default) or "
-                             "glibc's defaults")
+                        help="our servers: keep freed memory (their default, glibc or "
+                             "tcmalloc) or the allocator's defaults")
     parser.add_argument("--threads", type=int, default=0,
                         help="our servers' torch intra-op threads (0: the server's auto)")
     parser.add_argument("--engine-core", default="thread", choices=("thread", "process"),
@@ -318,6 +322,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="our servers' OpenMP waiting (serving_core.server --omp-wait)")
     parser.add_argument("--split-workers", default="auto", choices=("0", "1", "auto"),
                         help="our servers' split worker (serving_core.server --split-workers)")
+    parser.add_argument("--per-thread", action="store_true",
+                        help="also each server thread's CPU, faults, switches and run-queue "
+                             "wait over each batch (bench/proc_usage.py), in the JSON rows")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="vLLM's interpreter (the arm is skipped when it is absent)")
     parser.add_argument("--client", default="ours", choices=CLIENTS,

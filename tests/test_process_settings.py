@@ -120,6 +120,39 @@ def test_glibc_keeps_a_freed_large_block_only_when_asked(mode):
     assert faults < 1000 if kept else faults > 10_000
 
 
+_TCMALLOC_REFAULT = """
+import ctypes, resource, sys
+from serving_core.server import process_settings as ps
+kept = ps.keep_freed_memory() if sys.argv[1] == "keep" else False
+ps.apply_threads(1, load_torch=False)  # runtime_settings without importing torch
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size = 40 << 20
+block = libc.malloc(size); ctypes.memset(block, 1, size); libc.free(block)
+for _ in range(60):  # 2.4 GiB freed: past the page heap's first scavenge
+    libc.free(libc.malloc(size))
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+block = libc.malloc(size); ctypes.memset(block, 1, size); libc.free(block)
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0,
+      ps.runtime_settings()["malloc_release_rate"])
+"""
+
+
+@pytest.mark.skipif(sp.find_tcmalloc() is None, reason="no libtcmalloc installed")
+@pytest.mark.parametrize("mode", ["keep", "default"])
+def test_tcmalloc_keeps_a_freed_large_span_only_when_asked(mode):
+    """tcmalloc's page heap, at its default release rate, hands a free 40 MiB span back to the
+    kernel once about 2 GiB were freed, and the next use faults its 10,240 pages in again;
+    kept (release rate 0, read back), it stays."""
+    env, _ = sp.allocator_env("tcmalloc")
+    out = subprocess.run([sys.executable, "-c", _TCMALLOC_REFAULT, mode], capture_output=True,
+                         text=True, check=True, env=env).stdout.split()
+    kept, faults, rate = out[0] == "True", int(out[1]), float(out[2])
+    assert kept == (mode == "keep") and rate == (0.0 if kept else 1.0)
+    assert faults < 1000 if kept else faults > 10_000
+
+
 def test_proc_usage_reads_a_process_tree_and_its_faults():
     from bench.proc_usage import tree_usage, usage_delta
 
@@ -144,3 +177,38 @@ def test_proc_usage_reads_a_process_tree_and_its_faults():
     finally:
         child.stdin.close()
         child.wait()
+
+
+def test_proc_usage_reads_each_thread_of_a_process():
+    """A thread that ran 0.1 CPU s between two readings shows it (and run-queue time on top
+    of its run time adds up to no more than the wall time); the idle main thread does not."""
+    import os
+    import threading
+    import time
+
+    from bench.proc_usage import thread_delta, thread_usage
+
+    ran, done = threading.Event(), threading.Event()
+
+    def spin():
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.1:
+            pass
+        ran.set()
+        done.wait()
+
+    before = thread_usage(os.getpid())
+    wall = time.perf_counter()
+    worker = threading.Thread(target=spin)
+    worker.start()
+    ran.wait()
+    rows = thread_delta(before, thread_usage(os.getpid()))
+    wall = time.perf_counter() - wall
+    done.set()
+    worker.join()
+    mine = next(r for r in rows if r["tid"] == worker.native_id)
+    assert mine["pid"] == os.getpid() and mine["cpu_s"] >= 0.05 and mine["run_s"] >= 0.09
+    assert mine["run_s"] + mine["wait_s"] <= wall + 0.01
+    assert rows[0]["cpu_s"] >= rows[-1]["cpu_s"]
+    main = next(r for r in rows if r["tid"] == threading.main_thread().native_id)
+    assert main["run_s"] < mine["run_s"]

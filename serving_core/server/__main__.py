@@ -63,8 +63,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-with-parent", action="store_true",
                    help="shut down (abort) when the launching process dies")
     p.add_argument("--malloc", default="keep", choices=("keep", "default"),
-                   help="under glibc malloc, keep freed memory in the process (keep) or "
-                        "glibc's defaults (see server/process_settings.py)")
+                   help="keep freed memory in the process (keep: glibc's mallopt, or "
+                        "tcmalloc's release rate 0) or the allocator's defaults (see "
+                        "server/process_settings.py)")
     p.add_argument("--threads", type=_threads_arg, default=0,
                    help="torch intra-op threads: auto (or 0: per phase, from a measurement at "
                         "start, see serving_core/executor/threads.py) or a count")

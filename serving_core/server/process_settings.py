@@ -19,12 +19,17 @@ glibc malloc serves every allocation above its mmap threshold (at most 32 MiB, e
 decode step's 64 x 128,256 fp32 logits) with a fresh mmap and returns it on free, and trims
 the heap's top back to the kernel: each step page-faults its large tensors in again (a third
 of the CPU time as system time in the first measurements). `keep_freed_memory` (applied by
-the server and the profile benchmark when the process runs glibc malloc) sets mallopt so
-that memory, once taken, stays with the process: no mmap for large blocks, no trimming, one
-arena (the engine thread's blocks come from the same heap the main thread freed them to).
-The step loop's working set is reused from the heap instead of faulted in every step; peak
-resident memory is the same, it is simply not returned between steps. Under tcmalloc the
-call is not made (tcmalloc keeps freed memory already).
+the server and the profile benchmark) sets glibc's mallopt so that memory, once taken,
+stays with the process: no mmap for large blocks, no trimming, one arena (the engine
+thread's blocks come from the same heap the main thread freed them to). The step loop's
+working set is reused from the heap instead of faulted in every step; peak resident memory
+is the same, it is simply not returned between steps. tcmalloc (gperftools)
+keeps freed spans in its page heap but, at its default release rate 1, hands a free span
+back to the kernel once about 2 GiB were freed (a 64-row step's logits alone are 32 MiB),
+to be page-faulted in again at its next use: served, 1.4-4.7 minor faults per output token
+against 0.24 under glibc kept (docs/benchmarks.md "tcmalloc served, per thread"). Under
+tcmalloc `keep_freed_memory` sets the release rate to 0 (what TCMALLOC_RELEASE_RATE=0 sets
+at start); the runtime record reads it back (`malloc_release_rate`).
 
 A server whose engine runs no torch kernels (the paced executor) does not import torch
 (about 2 CPU seconds per process): its thread count is kept and set on torch if the
@@ -42,7 +47,11 @@ _auto: dict | None = None  # what `--threads auto` measured and chose (per-phase
 # mallopt parameters (malloc.h): value set by keep_freed_memory.
 _KEEP = (("M_ARENA_MAX", -8, 1), ("M_MMAP_MAX", -4, 0), ("M_TRIM_THRESHOLD", -1, 2**31 - 1),
          ("M_TOP_PAD", -2, 64 << 20))
-_kept: bool = False  # keep_freed_memory has set glibc's mallopt in this process
+_kept: bool = False  # keep_freed_memory has set glibc's mallopt (tcmalloc's rate) here
+# gperftools' release-rate flag (a double; TCMALLOC_RELEASE_RATE sets it at start, and the page
+# heap reads it at every scavenge: 0 disables releasing free spans to the kernel).
+TCMALLOC_RELEASE_RATE = ("_ZN62FLAG__namespace_do_not_use_directly_use_DECLARE_double_instead"
+                         "27FLAGS_tcmalloc_release_rateE")
 _split: dict | None = None  # the split's workers and thresholds (apply_split), None before
 
 
@@ -177,10 +186,17 @@ def allocator_in_use() -> str:
 
 
 def keep_freed_memory() -> bool:
-    """Under glibc malloc, mallopt so freed memory stays with the process (module docstring);
-    returns whether it is in effect (False under another allocator or without glibc)."""
+    """Freed memory stays with the process (module docstring): glibc's mallopt, or tcmalloc's
+    release rate 0; returns whether it is in effect (False under another allocator, or where
+    the library has no such setting)."""
     global _kept
-    if _kept or allocator_in_use() != "glibc":
+    if _kept:
+        return _kept
+    if allocator_in_use() == "tcmalloc":
+        rate = _tcmalloc_release_rate()
+        if rate is not None:
+            rate.value = 0.0
+        _kept = rate is not None and rate.value == 0.0
         return _kept
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -191,10 +207,21 @@ def keep_freed_memory() -> bool:
     return _kept
 
 
+def _tcmalloc_release_rate() -> ctypes.c_double | None:
+    """The preloaded gperftools tcmalloc's release-rate flag, or None (no such symbol: another
+    tcmalloc build, or none loaded)."""
+    try:
+        return ctypes.c_double.in_dll(ctypes.CDLL(None), TCMALLOC_RELEASE_RATE)
+    except (OSError, ValueError):
+        return None
+
+
 def runtime_settings() -> dict:
     """What this process runs with, read back (not the request)."""
+    rate = _tcmalloc_release_rate() if allocator_in_use() == "tcmalloc" else None
     return {"threads": threads_in_effect(), "allocator": allocator_in_use(),
             "cpus": os.cpu_count(), "malloc_keeps_freed": _kept,
+            **({"malloc_release_rate": rate.value} if rate is not None else {}),
             **({"threads_auto": _auto} if _auto is not None else {}),
             **({"split": _split} if _split is not None else {}),
             **_packed_linear()}
