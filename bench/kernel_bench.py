@@ -41,6 +41,7 @@ from serving_core.executor.state_arena import StateArena
 from serving_core.executor.torch_executor import PagedRecurrentIO
 from serving_core.geometry import load_geometry
 from serving_core.memory import build_memory
+from serving_core.model import paged_loops
 from serving_core.model.dense_state import DenseState
 from serving_core.model.falcon_h1 import FalconH1
 from serving_core.model.paged_attention import DecodeLayout, decode_attention
@@ -238,8 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the paged / contiguous table")
     parser.add_argument("--skip-tq4", action="store_true",
                         help="without the TQ4 part (bench/tq4_bench.py)")
+    parser.add_argument("--paged-loops", choices=paged_loops.MODES, default="auto",
+                        help="the paged path's per-page loops (serving_core/model/paged_loops.py;"
+                        " auto: compiled when built, `python -m serving_core.model.paged_loops`)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    paged_loops.install(args.paged_loops)
     with tiny_checkpoint(args.checkpoint) as checkpoint:
         model = FalconH1.load(checkpoint)
         rows = [paged_vs_contiguous(model, org, b, args.repeats) for org in ("S1", "S2")
@@ -253,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['model_paged_ms']:>12.2f} {r['model_contiguous_ms']:>8.2f} "
                   f"{r['model_ratio']:>6.3f} {r['model_densestate_cat_ms']:>8.2f} "
                   f"{r['model_ratio_vs_cat']:>6.3f}")
+        loops = paged_loops.settings()
         print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} "
-              f"({os.cpu_count()} CPUs)")
+              f"({os.cpu_count()} CPUs), paged loops {loops['loops']} ({loops['reason']})")
         gen = None if args.skip_generate else engine_vs_generate(
             model, checkpoint, args.gen_batch, args.prompt, args.output)
         if gen:
@@ -267,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         tq4 = None if args.skip_tq4 else tq4_bench.run(repeats=max(1, args.repeats // 3))
         RESULTS.mkdir(parents=True, exist_ok=True)
         out = {"threads": torch.get_num_threads(), "load_avg": os.getloadavg()[0],
+               "paged_loops": loops,
                "paged_vs_contiguous": rows, "generate": gen, "tq4": tq4}
         (RESULTS / "kernels.json").write_text(json.dumps(out, indent=2))
     return 0
