@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -98,6 +99,7 @@ NAME = f"hsl_paged_loops_{_KEY[:12]}"  # a new source, torch or Python: its own 
 
 _mode: str | None = None  # None: not yet read from the environment
 _loops = None
+_lock = threading.Lock()  # the engine thread and the split worker may both load first
 _state = {"loops": "python", "reason": "not loaded"}
 
 
@@ -127,7 +129,9 @@ def install(mode: str) -> None:
 def loops():
     """The compiled loops module, or None for the Python loops."""
     if _mode is None:
-        install(os.environ.get(ENV, "auto"))
+        with _lock:
+            if _mode is None:
+                install(os.environ.get(ENV, "auto"))
     return _loops
 
 
