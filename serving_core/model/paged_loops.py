@@ -114,7 +114,7 @@ def install(mode: str) -> None:
         return
     if mode == "compiled":
         _loops = _build()
-        _state.update(loops="compiled", reason="built" if _loops else "")
+        _state.update(loops="compiled", reason="built")
         return
     path = CACHE / NAME / f"{NAME}.so"  # where load_inline writes it
     try:
@@ -142,6 +142,8 @@ def settings() -> dict:
 
 
 def _import(path: Path):
+    if NAME in sys.modules:  # loaded before in this process
+        return sys.modules[NAME]
     spec = importlib.util.spec_from_file_location(NAME, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
