@@ -8,7 +8,9 @@
      that attention reads in place, and per-sequence recurrent tensors ("cat": also against
      DenseState as it is, whose KV grows by concatenation each step, the issue's baseline).
    Ratio = paged / contiguous median seconds (target <= 1.10 on CPU), the two timed in
-   alternation. Times are the
+   alternation. The paged side's arena is advised for huge pages as the engine's is
+   (serving_core/executor/huge_pages.py; the share granted is printed); the contiguous
+   tensors are plain allocations. Times are the
    calling thread's CPU time when one intra-op thread is used (the default, --threads 1),
    so that a busy shared machine does not distort them; the load average is reported.
 2. Tokens per second: our engine (S2, all requests at t=0, greedy, exact lengths) against
@@ -37,6 +39,7 @@ from bench import tq4_bench
 from bench.tiny import tiny_checkpoint
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import serve
+from serving_core.executor import huge_pages
 from serving_core.executor.state_arena import StateArena
 from serving_core.executor.torch_executor import PagedRecurrentIO
 from serving_core.geometry import load_geometry
@@ -184,7 +187,7 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
         dense.k = [k for k, _ in saved]
         dense.v = [v for _, v in saved]
 
-    out = {"org": org, "batch": batch}
+    out = {"org": org, "batch": batch, "arena_huge_pages": huge_pages.settings()}
     for name, paged, contiguous in (("mixer", mixer_paged, mixer_dense),
                                     ("model", model_paged, model_dense)):
         p, c = _paired_median_s([paged, contiguous], repeats)
@@ -259,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['model_ratio']:>6.3f} {r['model_densestate_cat_ms']:>8.2f} "
                   f"{r['model_ratio_vs_cat']:>6.3f}")
         loops = paged_loops.settings()
+        huge = sum(r["arena_huge_pages"]["huge_bytes"] for r in rows) / max(1, sum(
+            r["arena_huge_pages"]["advised_bytes"] for r in rows))
         print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} "
-              f"({os.cpu_count()} CPUs), paged loops {loops['loops']} ({loops['reason']})")
+              f"({os.cpu_count()} CPUs), paged loops {loops['loops']} ({loops['reason']}), "
+              f"arena in huge pages {100 * huge:.0f} % ({huge_pages.mode()})")
         gen = None if args.skip_generate else engine_vs_generate(
             model, checkpoint, args.gen_batch, args.prompt, args.output)
         if gen:
