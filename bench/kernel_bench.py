@@ -8,7 +8,9 @@
      that attention reads in place, and per-sequence recurrent tensors ("cat": also against
      DenseState as it is, whose KV grows by concatenation each step, the issue's baseline).
    Ratio = paged / contiguous median seconds (target <= 1.10 on CPU), the two timed in
-   alternation. Times are the
+   alternation. The paged side's arena is advised for huge pages as the engine's is
+   (serving_core/executor/huge_pages.py; the share granted is printed); the contiguous
+   tensors are plain allocations. Times are the
    calling thread's CPU time when one intra-op thread is used (the default, --threads 1),
    so that a busy shared machine does not distort them; the load average is reported.
 2. Tokens per second: our engine (S2, all requests at t=0, greedy, exact lengths) against
@@ -37,10 +39,12 @@ from bench import tq4_bench
 from bench.tiny import tiny_checkpoint
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import serve
+from serving_core.executor import huge_pages
 from serving_core.executor.state_arena import StateArena
 from serving_core.executor.torch_executor import PagedRecurrentIO
 from serving_core.geometry import load_geometry
 from serving_core.memory import build_memory
+from serving_core.model import paged_loops
 from serving_core.model.dense_state import DenseState
 from serving_core.model.falcon_h1 import FalconH1
 from serving_core.model.paged_attention import DecodeLayout, decode_attention
@@ -183,7 +187,7 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
         dense.k = [k for k, _ in saved]
         dense.v = [v for _, v in saved]
 
-    out = {"org": org, "batch": batch}
+    out = {"org": org, "batch": batch, "arena_huge_pages": huge_pages.settings()}
     for name, paged, contiguous in (("mixer", mixer_paged, mixer_dense),
                                     ("model", model_paged, model_dense)):
         p, c = _paired_median_s([paged, contiguous], repeats)
@@ -238,8 +242,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the paged / contiguous table")
     parser.add_argument("--skip-tq4", action="store_true",
                         help="without the TQ4 part (bench/tq4_bench.py)")
+    parser.add_argument("--paged-loops", choices=paged_loops.MODES, default="auto",
+                        help="the paged path's per-page loops (serving_core/model/paged_loops.py;"
+                        " auto: compiled when built, `python -m serving_core.model.paged_loops`)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    paged_loops.install(args.paged_loops)
     with tiny_checkpoint(args.checkpoint) as checkpoint:
         model = FalconH1.load(checkpoint)
         rows = [paged_vs_contiguous(model, org, b, args.repeats) for org in ("S1", "S2")
@@ -253,8 +261,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['model_paged_ms']:>12.2f} {r['model_contiguous_ms']:>8.2f} "
                   f"{r['model_ratio']:>6.3f} {r['model_densestate_cat_ms']:>8.2f} "
                   f"{r['model_ratio_vs_cat']:>6.3f}")
+        loops = paged_loops.settings()
+        huge = sum(r["arena_huge_pages"]["huge_bytes"] for r in rows) / max(1, sum(
+            r["arena_huge_pages"]["advised_bytes"] for r in rows))
         print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} "
-              f"({os.cpu_count()} CPUs)")
+              f"({os.cpu_count()} CPUs), paged loops {loops['loops']} ({loops['reason']}), "
+              f"arena in huge pages {100 * huge:.0f} % ({huge_pages.mode()})")
         gen = None if args.skip_generate else engine_vs_generate(
             model, checkpoint, args.gen_batch, args.prompt, args.output)
         if gen:
@@ -267,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         tq4 = None if args.skip_tq4 else tq4_bench.run(repeats=max(1, args.repeats // 3))
         RESULTS.mkdir(parents=True, exist_ok=True)
         out = {"threads": torch.get_num_threads(), "load_avg": os.getloadavg()[0],
+               "paged_loops": loops,
                "paged_vs_contiguous": rows, "generate": gen, "tq4": tq4}
         (RESULTS / "kernels.json").write_text(json.dumps(out, indent=2))
     return 0

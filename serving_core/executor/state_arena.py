@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from serving_core.executor import huge_pages
 from serving_core.executor.device import host_index
 from serving_core.executor.state_encoding import StateEncoder
 from serving_core.geometry import Geometry
@@ -131,8 +132,8 @@ class StateArena:
         for name, pool in mem.pools.items():
             if pool.unit_bytes % elem:
                 raise ValueError(f"pool {name!r}: {pool.unit_bytes}-B unit is not whole elements")
-            self.raw[name] = torch.zeros(self.layers, pool.num_units, pool.unit_bytes,
-                                         dtype=torch.uint8, device=self.device)
+            self.raw[name] = huge_pages.zeros((self.layers, pool.num_units, pool.unit_bytes),
+                                              torch.uint8, self.device)
             self.pools[name] = self.raw[name].view(self.dtype)
         self.unit_elems = {name: t.shape[2] for name, t in self.pools.items()}
         if self.block_tokens * self.token_bytes > mem.pools[mem.attention_pool].unit_bytes:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from serving_core.model import paged_loops
+
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
     """Stable segment sums over the last dim: out[..., i, j] = sum x[..., j+1 .. i] (-inf above)."""
@@ -313,6 +315,10 @@ def _update_pieces(workspace: UpdateWorkspace, views, matrices, x, dt, A, B, C, 
     Bh.view(b, g, h // g, n).copy_(B.float()[:, :, None, :].expand(b, g, h // g, n))
     grp = [pc[0][2] for pc in pieces]
     cs.view(b, len(pieces), n).copy_(C.float()[:, grp])
+    compiled = paged_loops.loops() if x.device.type == "cpu" else None
+    if compiled is not None:  # the same calls from C++ (serving_core/model/paged_loops.py)
+        compiled.update_pieces(views, matrices, dA, dtx, Bh, cs, y)
+        return y
     for v, a, xb, bb, c, out, m in zip(views, *lists, matrices, strict=True):
         v.mul_(a).addcmul_(xb, bb)
         torch.mv(m, c, out=out)

@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from serving_core.model import paged_loops
+
 
 class UnitMatrices(dict):
     """Per unit of one layer's `kv_view`, its (K^T (KVH, d, bt), V (KVH, bt, d)) views,
@@ -37,11 +39,11 @@ class UnitMatrices(dict):
 
     def __init__(self, kv_view: torch.Tensor) -> None:
         super().__init__()
-        self._keys_t = kv_view[:, :, 0].permute(0, 2, 3, 1)
-        self._vals = kv_view[:, :, 1].transpose(1, 2)
+        self.keys_t = kv_view[:, :, 0].permute(0, 2, 3, 1)  # (units, KVH, d, bt)
+        self.vals = kv_view[:, :, 1].transpose(1, 2)  # (units, KVH, bt, d)
 
     def __missing__(self, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pair = self[unit] = (self._keys_t[unit], self._vals[unit])
+        pair = self[unit] = (self.keys_t[unit], self.vals[unit])
         return pair
 
 
@@ -68,6 +70,13 @@ class DecodeLayout:
             last = length - full * bt  # tokens in the last block
             pad = [self.width - length] if length < self.width else []
             self.rows.append((table[: full + 1], [bt] * full + [last] + pad, last))
+        # the same pages flat for the compiled loops (paged_loops): row i's units are
+        # units[starts[i]:starts[i + 1]], its last page holding lasts[i] tokens
+        self.units = [u for table, _, _ in self.rows for u in table]
+        self.starts = [0]
+        for table, _, _ in self.rows:
+            self.starts.append(self.starts[-1] + len(table))
+        self.lasts = [last for _, _, last in self.rows]
         self.short = [(i, n) for i, n in enumerate(lengths)
                       if self.padded and n < min(SHORT_ROW, self.width)]
         self._key = None  # of the buffers made by the step's first layer
@@ -105,14 +114,14 @@ def decode_attention(q: torch.Tensor, kv_view: torch.Tensor, tables: list[list[i
     dtype = kv_view.dtype
     layout = layout or DecodeLayout(tables, lengths, bt)
     units = units if units is not None else UnitMatrices(kv_view)
-    qs = (q.float() * scale).to(dtype).view(b, kvh, rep, d).unbind(0)
+    qs = (q.float() * scale).to(dtype).view(b, kvh, rep, d)
     s, p, s_cols, p_cols = layout.buffers(b, kvh, rep, dtype, q.device)
-    bmm = torch.bmm
-    for qi, cols, (table, _, last) in zip(qs, s_cols, layout.rows, strict=True):
-        n = len(table) - 1
-        for j in range(n):
-            bmm(qi, units[table[j]][0], out=cols[j])
-        bmm(qi, units[table[n]][0][..., :last], out=cols[n])
+    compiled = paged_loops.loops() if q.device.type == "cpu" else None
+    args = (layout.units, layout.starts, layout.lasts, bt)
+    if compiled is not None:
+        compiled.attention_scores(qs, units.keys_t, s, *args)
+    else:
+        _scores(qs.unbind(0), s_cols, layout, units)
     if dtype == torch.float32:
         torch.softmax(s, dim=-1, out=p)
     else:
@@ -120,6 +129,26 @@ def decode_attention(q: torch.Tensor, kv_view: torch.Tensor, tables: list[list[i
     for i, n in layout.short:  # the row alone, as long as it is (see SHORT_ROW)
         p[i, ..., :n] = torch.softmax(s[i, ..., :n], dim=-1, dtype=torch.float32)
     out = torch.empty(b, kvh, rep, d, dtype=dtype, device=q.device)
+    if compiled is not None:
+        compiled.attention_outputs(p, units.vals, out, *args)
+    else:
+        _outputs(out, p_cols, layout, units)
+    return out.view(b, 1, heads * d).to(q.dtype)
+
+
+def _scores(qs, s_cols, layout: DecodeLayout, units: UnitMatrices) -> None:
+    """Per row, one product per page into its columns of the scores (the Python loop)."""
+    bmm = torch.bmm
+    for qi, cols, (table, _, last) in zip(qs, s_cols, layout.rows, strict=True):
+        n = len(table) - 1
+        for j in range(n):
+            bmm(qi, units[table[j]][0], out=cols[j])
+        bmm(qi, units[table[n]][0][..., :last], out=cols[n])
+
+
+def _outputs(out, p_cols, layout: DecodeLayout, units: UnitMatrices) -> None:
+    """Per row, the probabilities' product with each page's V, accumulated (Python loop)."""
+    bmm = torch.bmm
     for o, cols, (table, _, last) in zip(out.unbind(0), p_cols, layout.rows, strict=True):
         n = len(table) - 1
         if not n:
@@ -129,7 +158,6 @@ def decode_attention(q: torch.Tensor, kv_view: torch.Tensor, tables: list[list[i
         for j in range(1, n):
             o.baddbmm_(cols[j], units[table[j]][1])
         o.baddbmm_(cols[n], units[table[n]][1][:, :last])
-    return out.view(b, 1, heads * d).to(q.dtype)
 
 
 def fused_decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,

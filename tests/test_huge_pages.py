@@ -1,0 +1,45 @@
+"""The arena's pools advised for transparent huge pages (serving_core/executor/huge_pages.py):
+zeros as before, the 2-MiB-aligned interior advised and forgotten when the tensor is freed,
+`off` advises nothing, a bad mode is refused with its allowed values."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from serving_core.executor import huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+linux_thp = pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists(),
+                               reason="transparent huge pages are a Linux feature")
+
+
+@linux_thp
+def test_a_pool_is_zeros_with_its_interior_advised(monkeypatch):
+    monkeypatch.setenv(huge_pages.ENV, "auto")
+    before = huge_pages.settings()["advised_bytes"]
+    t = huge_pages.zeros((3, 5 << 20), torch.uint8, "cpu")
+    assert t.shape == (3, 5 << 20) and not t.any()
+    got = huge_pages.settings()
+    advised = got["advised_bytes"] - before
+    assert 12 << 20 <= advised <= 15 << 20 and advised % huge_pages.HUGE == 0
+    assert 0 <= got["huge_bytes"] <= got["advised_bytes"]
+    del t
+    gc.collect()
+    assert huge_pages.settings()["advised_bytes"] == before
+
+
+def test_off_advises_nothing_and_a_bad_mode_is_refused(monkeypatch):
+    monkeypatch.setenv(huge_pages.ENV, "off")
+    before = huge_pages.settings()["advised_bytes"]
+    t = huge_pages.zeros((4 << 20,), torch.float32, "cpu")
+    got = huge_pages.settings()
+    assert not t.any() and got["mode"] == "off" and got["advised_bytes"] == before
+    monkeypatch.setenv(huge_pages.ENV, "yes")
+    with pytest.raises(ValueError, match="HSL_ARENA_HUGE_PAGES='yes': allowed values are "
+                                         "auto, off"):
+        huge_pages.zeros((4,), torch.float32, "cpu")
