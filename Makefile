@@ -31,7 +31,17 @@ $(STAMP): pyproject.toml
 	benchmarks run on glibc malloc (much slower serving): apt-get install libtcmalloc-minimal4"
 	touch $(STAMP)
 
-setup: $(STAMP) ## create .venv and install the project with dev extras (idempotent)
+# The paged decode's per-page loops as a C++ extension (serving_core/model/paged_loops.py: the
+# same ATen calls as its Python loops, so the same bits, without Python's cost per call), built
+# once per source, torch and Python (about a minute) into .cache/paged_loops. Without a C++
+# compiler the Python loops serve, and the runtime record says which ran.
+LOOPS_STAMP := .cache/paged_loops/.built
+$(LOOPS_STAMP): serving_core/model/paged_loops.py $(STAMP)
+	@mkdir -p $(dir $@)
+	@$(BIN)/python -m serving_core.model.paged_loops && touch $@ || echo "note: the paged \
+	decode's C++ loops were not built (needs g++): the Python loops serve (same bits, slower)"
+
+setup: $(STAMP) $(LOOPS_STAMP) ## create .venv and install the project with dev extras, build the paged loops (idempotent)
 
 # Tests run in parallel (pytest-xdist): WORKERS=n processes (default: one per core, at most
 # 4), each test file on one worker (--dist loadfile: its module-scoped fixtures are built

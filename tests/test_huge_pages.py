@@ -43,3 +43,20 @@ def test_off_advises_nothing_and_a_bad_mode_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="HSL_ARENA_HUGE_PAGES='yes': allowed values are "
                                          "auto, off"):
         huge_pages.zeros((4,), torch.float32, "cpu")
+
+
+@linux_thp
+def test_the_runtime_record_reads_the_paged_path_back(monkeypatch):
+    """process_settings' runtime record states the arena's huge pages and the paged loops as
+    this process has them (the modules' own read-back), not as requested."""
+    from serving_core.model import paged_loops
+    from serving_core.server import process_settings
+
+    monkeypatch.setenv(huge_pages.ENV, "auto")
+    t = huge_pages.zeros((5 << 20,), torch.uint8, "cpu")
+    record = process_settings.runtime_settings()
+    assert record["arena_huge_pages"]["advised_bytes"] >= 2 << 20  # a 2-MiB-aligned interior
+    assert record["arena_huge_pages"] == huge_pages.settings()
+    assert record["paged_loops"] == paged_loops.settings()
+    assert record["paged_loops"]["loops"] in ("compiled", "python")
+    del t

@@ -224,7 +224,7 @@ def runtime_settings() -> dict:
             **({"malloc_release_rate": rate.value} if rate is not None else {}),
             **({"threads_auto": _auto} if _auto is not None else {}),
             **({"split": _split} if _split is not None else {}),
-            **_packed_linear()}
+            **_packed_linear(), **_paged_path()}
 
 
 def warm_engine(engine, mode: str) -> dict:
@@ -239,6 +239,16 @@ def warm_engine(engine, mode: str) -> dict:
     from serving_core.model import warmup
 
     return warmup.warm_up(model, engine.sched.max_num_batched_tokens, engine.sched.cap, mode)
+
+
+def _paged_path() -> dict:
+    """Once the model modules ran here, what the paged decode runs with: its per-page loops
+    (compiled or Python, serving_core/model/paged_loops.py) and the bytes of the state arena
+    the kernel holds in huge pages (serving_core/executor/huge_pages.py)."""
+    loops = sys.modules.get("serving_core.model.paged_loops")
+    huge = sys.modules.get("serving_core.executor.huge_pages")
+    return {**({"paged_loops": loops.settings()} if loops is not None else {}),
+            **({"arena_huge_pages": huge.settings()} if huge is not None else {})}
 
 
 def _packed_linear() -> dict:
