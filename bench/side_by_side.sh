@@ -77,7 +77,7 @@ for alloc in $ALLOCATORS; do
     done
 done
 echo "== kernel: paged vs contiguous decode ($(($(date +%s) - start)) s)"
-timeout 150 "$PY" -m bench.kernel_bench --skip-generate --skip-tq4 "${KERNEL[@]}" \
+timeout 240 "$PY" -m bench.kernel_bench --skip-generate --skip-tq4 "${KERNEL[@]}" \
     > "$OUT/kernel.log" 2>&1 && cp bench/results/kernels.json "$OUT/kernels.json" \
     || echo "   kernel bench failed or timed out: see $OUT/kernel.log"
 echo "== done in $(($(date +%s) - start)) s, load average $(cut -d' ' -f1-3 /proc/loadavg)"
