@@ -48,7 +48,7 @@ def _tier_bytes(cfg) -> int:
 
 def as_planned(runs) -> tuple[Planned, ...]:
     """What the tests read of plan_campaign's runs."""
-    return tuple(Planned(r.job, r.key, {**cell_columns(r.cfg),
+    return tuple(Planned(r.job, r.key, {**cell_columns(r.cfg, r.resolved),
                                         "host_tier_bytes": _tier_bytes(r.cfg)}) for r in runs)
 
 

@@ -57,6 +57,9 @@ class PlannedRun:
     job: Job
     key: RunKey
     cfg: DictConfig = field(repr=False, compare=False)
+    # the config as plain Python (None: it does not resolve), for cheap reads such as
+    # experiments.runners.ledger_io.cell_columns(cfg, resolved)
+    resolved: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def cell(self) -> tuple[str, ...]:
@@ -109,7 +112,7 @@ def _compose_and_check(jobs: Sequence[Job], composer: CellComposer
         except (ValueError, HydraException, OmegaConfBaseException) as err:
             errors.setdefault(" ".join(str(err).split()), []).append(job)
             continue
-        planned.append(PlannedRun(job, key, cfg))
+        planned.append(PlannedRun(job, key, cfg, resolved))
     return planned, errors
 
 

@@ -63,38 +63,42 @@ def run_key(cfg: DictConfig, resolved: Mapping | None = None) -> RunKey:
     return RunKey(run_id, str(cfg.campaign_name), str(cfg.question), cell_hash, seed, replicate)
 
 
-def cell_columns(cfg: DictConfig) -> dict:
-    """Runs columns that follow from the config alone (what preregistered cells match on)."""
-    a = arm(cfg.org)
-    workload = normalize_workload_config(cfg.workload)
-    load = normalize_load_config(cfg.load)
-    pinning = cfg.engine.pinning_k
+def cell_columns(cfg: DictConfig, resolved: Mapping | None = None) -> dict:
+    """Runs columns that follow from the config alone (what preregistered cells match on);
+    `resolved`: the config already as plain Python (experiments.runners.spec.resolved_config),
+    read instead of the config (the same values, ~30x cheaper to read)."""
+    c = cfg if resolved is None else resolved
+    a = arm(c["org"])
+    workload = normalize_workload_config(c["workload"])
+    load = normalize_load_config(c["load"])
+    engine, executor = c["engine"], c["executor"]
+    pinning = engine["pinning_k"]
     return {
-        "question": str(cfg.question),
+        "question": str(c["question"]),
         "arm": a.label,
         "org": a.ledger_org,
-        "budget": parse_budget(str(cfg.budget)).label,
-        "cap": int(cfg.engine.cap),
+        "budget": parse_budget(str(c["budget"])).label,
+        "cap": int(engine["cap"]),
         # a trace replays its own timestamps (load.* unused): its time scale stands as the rate
         "rate": workload["trace_speed"] if workload["source"] == "trace" else load["rate"],
         "arrival": "trace" if workload["source"] == "trace" else load["arrival"],
         "q": workload["q"],
-        "f": float(cfg.engine.headroom),
-        "retention_k": int(cfg.retention.k) if a.retention else -1,
+        "f": float(engine["headroom"]),
+        "retention_k": int(c["retention"]["k"]) if a.retention else -1,
         "pinning_k": -1 if pinning is None else int(pinning),
         "d0_attention_fraction": (
-            float(cfg.model.d0_attention_fraction) if a.org == "D0" else math.nan
+            float(c["model"]["d0_attention_fraction"]) if a.org == "D0" else math.nan
         ),
         "reuse": workload["reuse"],
-        "seed": int(cfg.seed),
-        "replicate": int(cfg.replicate),
-        "trace": bool(cfg.trace),
+        "seed": int(c["seed"]),
+        "replicate": int(c["replicate"]),
+        "trace": bool(c["trace"]),
         "executor": (
-            f"{cfg.executor.name}:{cfg.executor.device}"
-            if cfg.executor.get("kind") in ("torch", "vllm", "vllm_virtual")
-            else f"sim:{cfg.executor.name}"
+            f"{executor['name']}:{executor['device']}"
+            if executor.get("kind") in ("torch", "vllm", "vllm_virtual")
+            else f"sim:{executor['name']}"
         ),
-        "model": str(cfg.model.name),
+        "model": str(c["model"]["name"]),
     }
 
 
