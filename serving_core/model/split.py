@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving_core.model import mamba, packed_linear
+from serving_core.model import handoff_log, mamba, packed_linear
 from serving_core.model.packed_linear import Pack
 
 CUT_ALIGN = 64  # output features of a linear layer's cut: a multiple of this
@@ -100,6 +100,13 @@ class _Worker:
 
 
 _worker: _Worker | None = None
+_log: handoff_log.HandoffLog | None = None
+
+
+def log_handoffs(log: handoff_log.HandoffLog | None) -> None:
+    """Time every hand-off into `log` from now on (None: stop; for profiling)."""
+    global _log
+    _log = log
 
 
 def install(workers: int) -> None:
@@ -141,11 +148,40 @@ def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
 def _on(worker: _Worker, here: Callable[[], object], there: Callable[[], object]) -> tuple:
     """(here(), there()), there on `worker` while this thread runs here; an exception on
     either side is raised after both have ended."""
+    if _log is not None:
+        return _timed(_log, worker, here, there)
     wait = worker.run(there)
     try:
         a = here()
     finally:
         b = wait()
+    return a, b
+
+
+def _timed(log: handoff_log.HandoffLog, worker: _Worker, here: Callable[[], object],
+           there: Callable[[], object]) -> tuple:
+    """`_on` with each side's times charged to the hand-off's site in `log`."""
+    key = handoff_log.site(1)
+
+    def job():
+        (start, cpu0), out = handoff_log.now(), None
+        try:
+            out = there()
+        finally:
+            end, cpu1 = handoff_log.now()
+            log.worker(key, start, end, cpu1 - cpu0)
+        return out
+
+    wait = worker.run(job)
+    t0 = handoff_log.now()[0]
+    try:
+        a = here()
+    finally:
+        t1 = handoff_log.now()[0]
+        try:
+            b = wait()
+        finally:
+            log.caller(key, t1 - t0, handoff_log.now()[0] - t1)
     return a, b
 
 
