@@ -50,6 +50,9 @@ ATTENTION_MIN_TOKENS = 64
 PAIR_MAX_TOKENS = 1
 PAIR_MIN_ROWS = 1
 PAIR_WORKER_SIDE = "mixer"
+# Prefill attention of PROJ_MIN_TOKENS tokens or more per sequence: the query projection
+# (and its rotary embedding) here, the key and value projections on the worker (`tasks`).
+PROJ_MIN_TOKENS = 256
 
 
 class _Worker:
@@ -135,7 +138,8 @@ def settings() -> dict:
             "scan_min_tokens": SCAN_MIN_TOKENS, "rows_min_tokens": ROWS_MIN_TOKENS,
             "attention_min_tokens": ATTENTION_MIN_TOKENS,
             "cut_align": CUT_ALIGN, "pair_max_tokens": PAIR_MAX_TOKENS,
-            "pair_min_rows": PAIR_MIN_ROWS, "pair_worker_side": PAIR_WORKER_SIDE}
+            "pair_min_rows": PAIR_MIN_ROWS, "pair_worker_side": PAIR_WORKER_SIDE,
+            "proj_min_tokens": PROJ_MIN_TOKENS}
 
 
 def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
@@ -193,18 +197,34 @@ def layer_pair(mixer: Callable[[], object], attention: Callable[[], object], row
     product on either thread runs unsplit (the same bits: each split equals its unsplit op)
     and nothing is handed to the busy worker. An exception on either side is raised here
     after both have ended."""
-    global _worker
-    worker = _worker
-    if worker is None or tokens > PAIR_MAX_TOKENS or rows < PAIR_MIN_ROWS:
+    if _worker is None or tokens > PAIR_MAX_TOKENS or rows < PAIR_MIN_ROWS:
         return mixer(), attention()
     mixer_here = PAIR_WORKER_SIDE == "attention"
     here, there = (mixer, attention) if mixer_here else (attention, mixer)
+    first, second = tasks(here, there)
+    return (first, second) if mixer_here else (second, first)
+
+
+def tasks(here: Callable[[], object], there: Callable[[], object]) -> tuple:
+    """(here(), there()), `there` on the worker when there is one, and meanwhile the module
+    holds no worker: every product on either thread runs unsplit (each split gives its
+    unsplit op's bits) and nothing is handed to the busy worker. An exception on either
+    side is raised after both have ended."""
+    global _worker
+    worker = _worker
+    if worker is None:
+        return here(), there()
     _worker = None
     try:
-        first, second = _on(worker, here, there)
+        return _on(worker, here, there)
     finally:
         _worker = worker
-    return (first, second) if mixer_here else (second, first)
+
+
+def projections(tokens: int) -> bool:
+    """Whether a forward of `tokens` tokens per sequence computes its attention's query
+    projection here and its key and value projections on the worker (`tasks`)."""
+    return _worker is not None and tokens >= PROJ_MIN_TOKENS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
