@@ -32,6 +32,10 @@ categories stay the engine thread's CPU (its critical path; shares are of it), h
 run on the worker are listed after them as "worker: ..." rows, and the worker's CPU seconds
 are printed apart (`split.worker_cpu_s`) and are in the process user time.
 
+`--handoffs` times each hand-off to the split worker per call site (split.log_handoffs:
+the engine thread's own side and its wait, the worker's wall and CPU time, and the worker's
+idle time before the job; wall times, so read them on a quiet machine).
+
 `--torch-profile` adds torch.profiler's top operators (self CPU time) and the number of
 tensor allocations (profile_memory's [memory] events).
 Prints a table and one JSON line; writes bench/results/profile.json. Numbers, not assertions.
