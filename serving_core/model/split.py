@@ -131,6 +131,11 @@ def close() -> None:
         worker.close()
 
 
+def active() -> bool:
+    """Whether work can be handed to the worker now (installed, and not busy in a pair)."""
+    return _worker is not None
+
+
 def settings() -> dict:
     """The split in effect and its thresholds (for the run's runtime record)."""
     return {"workers": int(_worker is not None), "linear_min_macs": LINEAR_MIN_MACS,
