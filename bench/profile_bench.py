@@ -32,6 +32,10 @@ categories stay the engine thread's CPU (its critical path; shares are of it), h
 run on the worker are listed after them as "worker: ..." rows, and the worker's CPU seconds
 are printed apart (`split.worker_cpu_s`) and are in the process user time.
 
+`--handoffs` times each hand-off to the split worker per call site (split.log_handoffs:
+the engine thread's own side and its wait, the worker's wall and CPU time, and the worker's
+idle time before the job; wall times, so read them on a quiet machine).
+
 `--torch-profile` adds torch.profiler's top operators (self CPU time) and the number of
 tensor allocations (profile_memory's [memory] events).
 Prints a table and one JSON line; writes bench/results/profile.json. Numbers, not assertions.
@@ -62,6 +66,7 @@ from serving_core.executor.state_arena import StateArena
 from serving_core.geometry import load_geometry
 from serving_core.model import packed_linear, split
 from serving_core.model.falcon_h1 import FalconH1
+from serving_core.model.handoff_log import HandoffLog
 from serving_core.server.process_settings import keep_freed_memory, warm_engine
 from serving_core.server.runtime import ServedSpec
 
@@ -157,11 +162,13 @@ def install_hooks(timer: _Timer) -> list[tuple]:
     return [(owner, name, timer.wrap(owner, name, cat)) for owner, name, cat in hooks]
 
 
-def _serve_measured(engine, specs, timer: _Timer, torch_profile: bool) -> dict:
+def _serve_measured(engine, specs, timer: _Timer, torch_profile: bool,
+                    handoffs: bool = False) -> dict:
     """Serve `specs` with the hooks installed; wall, process CPU and page faults, and the
-    torch profiler's table when asked for."""
+    torch profiler's table and the split worker's hand-offs per site when asked for."""
     restore = install_hooks(timer)
-    prof = None
+    prof, log = None, HandoffLog() if handoffs else None
+    split.log_handoffs(log)
     try:
         if torch_profile:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
@@ -173,6 +180,7 @@ def _serve_measured(engine, specs, timer: _Timer, torch_profile: bool) -> dict:
         if prof is not None:
             prof.__exit__(None, None, None)
     finally:
+        split.log_handoffs(None)
         for owner, name, fn in restore:
             setattr(owner, name, fn)
     out = {"wall_s": wall, "user_s": ru1.ru_utime - ru0.ru_utime,
@@ -180,6 +188,8 @@ def _serve_measured(engine, specs, timer: _Timer, torch_profile: bool) -> dict:
            "minor_faults": ru1.ru_minflt - ru0.ru_minflt,
            "major_faults": ru1.ru_majflt - ru0.ru_majflt,
            "steps": int(res.summary.get("num_steps", engine.sched.step))}
+    if log is not None:
+        out["handoffs"] = log.table()
     if prof is not None:
         events = prof.key_averages()
         out["tensor_allocations"] = sum(e.count for e in events if e.key == "[memory]")
@@ -191,7 +201,7 @@ def _serve_measured(engine, specs, timer: _Timer, torch_profile: bool) -> dict:
 
 
 def run(model, org: str, budget: str, requests: int, prompt: int, output: int,
-        chunk: int, torch_profile: bool, warm_up: str = "auto") -> dict:
+        chunk: int, torch_profile: bool, warm_up: str = "auto", handoffs: bool = False) -> dict:
     rng = np.random.default_rng(11)
     geometry = load_geometry(MODEL)
     spec = loaded_model_spec(model, geometry, org, budget,
@@ -201,7 +211,7 @@ def run(model, org: str, budget: str, requests: int, prompt: int, output: int,
     specs = [ServedSpec(i, 0.0, rng.integers(3, 128_000, prompt).astype(np.int32), output)
              for i in range(requests)]
     timer = _Timer()
-    m = _serve_measured(engine, specs, timer, torch_profile)
+    m = _serve_measured(engine, specs, timer, torch_profile, handoffs)
     total = sum(v for k, v in timer.totals.items() if not k.startswith(WORKER))
     rows = {k: {"s": v, "share": v / total, "sys_s": timer.sys[k], "minor_faults":
                 timer.faults[k], "calls": timer.calls[k]}
@@ -244,6 +254,13 @@ def print_table(r: dict) -> None:
     for name, row in r["categories"].items():
         print(f"{name:28} {row['s']:>9.3f} {100 * row['share']:>6.1f}% {row['sys_s']:>7.2f} "
               f"{row['minor_faults']:>9} {row['calls']:>8}")
+    if r.get("handoffs"):
+        print(f"{'hand-off site':44} {'calls':>6} {'here s':>7} {'wait s':>7} {'worker s':>8} "
+              f"{'wCPU s':>7} {'w idle s':>8}")
+        for name, h in r["handoffs"].items():
+            print(f"{name[:44]:44} {h['calls']:>6.0f} {h['here_s']:>7.3f} "
+                  f"{h['engine_wait_s']:>7.3f} {h['worker_s']:>8.3f} {h['worker_cpu_s']:>7.3f} "
+                  f"{h['worker_idle_before_s']:>8.3f}")
     for op in r.get("top_ops", []):
         print(f"  {op['op'][:40]:40} {op['self_cpu_s']:>8.3f} s {op['calls']:>8}")
 
@@ -287,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="malloc of the run (auto: tcmalloc when installed)")
     parser.add_argument("--malloc", default="keep", choices=("keep", "default"),
                         help="keep freed memory (glibc or tcmalloc; the server's default) or not")
+    parser.add_argument("--handoffs", action="store_true",
+                        help="time the split worker's hand-offs per call site (split.py)")
     parser.add_argument("--out", default=str(RESULTS / "profile.json"))
     args = parser.parse_args(argv)
     if argv is None:
@@ -298,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     with tiny_checkpoint(args.checkpoint) as checkpoint:
         model = FalconH1.load(checkpoint)
         r = run(model, args.org, args.budget, args.requests, args.prompt, args.output,
-                args.max_num_batched_tokens, args.torch_profile, args.warm_up)
+                args.max_num_batched_tokens, args.torch_profile, args.warm_up, args.handoffs)
         r["malloc_keeps_freed"] = kept
         r["split"] = dict(split.settings(), worker_cpu_s=split.worker_cpu_s())
         r["packed_linear"] = packed_linear.settings()

@@ -225,3 +225,30 @@ def _kept(seen: list, out):
     if out is not None:
         seen.append(out.clone())
     return out
+
+
+def test_prefill_key_value_projections_run_on_the_worker_with_the_same_bits(tiny_model,
+                                                                             monkeypatch):
+    """A prefill of PROJ_MIN_TOKENS tokens computes each layer's key and value projections on
+    the worker beside the query's (split.tasks); the logits and KV equal those without the
+    worker (the old order, one after the other), and a shorter prefill does not pair."""
+    ids = torch.randint(0, 1000, (1, split.PROJ_MIN_TOKENS), generator=torch.Generator()
+                        .manual_seed(4))
+    runs, threads = [], []
+    tasks = split.tasks
+
+    def spy(here, there):
+        return tasks(here, lambda: (threads.append(threading.current_thread().name), there())[1])
+
+    monkeypatch.setattr(split, "tasks", spy)
+    for workers in (0, 1):
+        split.install(workers)
+        try:
+            state = DenseState(tiny_model, batch=1)
+            runs.append([state.run(tiny_model, ids), *state.k])
+            state.run(tiny_model, ids[:, : split.PROJ_MIN_TOKENS - 1])
+        finally:
+            split.close()
+    assert threads == ["hsl-split"] * tiny_model.num_layers
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -358,12 +358,20 @@ class FalconH1:
     def _attention(self, i, x, cos, sin, io: StateIO) -> torch.Tensor:
         p = f"model.layers.{i}.self_attn."
         b, t, _ = x.shape
-        q = self._lin(x, p + "q_proj").view(b, t, self.heads, self.head_dim)
-        k = self._lin(x, p + "k_proj").view(b, t, self.kv_heads, self.head_dim)
-        k = k * self.mult["key_multiplier"]
-        v = self._lin(x, p + "v_proj").view(b, t, self.kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+
+        def query():
+            q = self._lin(x, p + "q_proj").view(b, t, self.heads, self.head_dim)
+            return q * cos + rotate_half(q) * sin
+
+        def key_value():
+            k = self._lin(x, p + "k_proj").view(b, t, self.kv_heads, self.head_dim)
+            k = k * self.mult["key_multiplier"]
+            v = self._lin(x, p + "v_proj").view(b, t, self.kv_heads, self.head_dim)
+            return k * cos + rotate_half(k) * sin, v
+
+        # Independent: the key and value side on the split worker in a long prefill.
+        q, (k, v) = split.tasks(query, key_value) if split.projections(t) \
+            else (query(), key_value())
         if getattr(io, "packed_kv", False):  # compressed pages: the IO attends over them
             return self._lin(io.attend(i, q, k, v).to(x.dtype), p + "o_proj")
         if t == 1 and hasattr(io, "decode_attention"):  # plain KV pages read in place

@@ -5,18 +5,33 @@ torch's CPU `argmax` over a 128,256-wide vocabulary reduces each row serially (a
 `argmax_rows` finds each row's maximum with `amax`, then the first 256-wide block that holds
 it and the first position in that block: the same index as `torch.argmax` (the first
 maximal value), falling back to it when a row's maximum is not found in the blocks (NaN
-logits, or a maximum only in the tail past the last whole block).
+logits, or a maximum only in the tail past the last whole block). With the split worker
+(serving_core/model/split.py) a batch of SPLIT_ROWS rows or more is taken in two halves of
+its rows, the second on the worker: each row's index is its own, whichever rows are with it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from serving_core.model import split
+
 BLOCK = 256
+SPLIT_ROWS = 16
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Index of the first maximal value of each row of a (b, V) tensor (torch.argmax(-1))."""
+    b = logits.shape[0]
+    if b < SPLIT_ROWS or not split.active():
+        return _argmax_rows(logits)
+    mid = b // 2
+    return torch.cat(split.pair(lambda: _argmax_rows(logits[:mid]),
+                                lambda: _argmax_rows(logits[mid:])))
+
+
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`argmax_rows` on this thread."""
     b, v = logits.shape
     nb = v // BLOCK
     if b < 2 or nb < 4 or logits.device.type != "cpu":

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving_core.model import mamba, packed_linear
+from serving_core.model import handoff_log, mamba, packed_linear
 from serving_core.model.packed_linear import Pack
 
 CUT_ALIGN = 64  # output features of a linear layer's cut: a multiple of this
@@ -50,6 +50,9 @@ ATTENTION_MIN_TOKENS = 64
 PAIR_MAX_TOKENS = 1
 PAIR_MIN_ROWS = 1
 PAIR_WORKER_SIDE = "mixer"
+# Prefill attention of PROJ_MIN_TOKENS tokens or more per sequence: the query projection
+# (and its rotary embedding) here, the key and value projections on the worker (`tasks`).
+PROJ_MIN_TOKENS = 256
 
 
 class _Worker:
@@ -100,6 +103,13 @@ class _Worker:
 
 
 _worker: _Worker | None = None
+_log: handoff_log.HandoffLog | None = None
+
+
+def log_handoffs(log: handoff_log.HandoffLog | None) -> None:
+    """Time every hand-off into `log` from now on (None: stop; for profiling)."""
+    global _log
+    _log = log
 
 
 def install(workers: int) -> None:
@@ -121,6 +131,11 @@ def close() -> None:
         worker.close()
 
 
+def active() -> bool:
+    """Whether work can be handed to the worker now (installed, and not busy in a pair)."""
+    return _worker is not None
+
+
 def settings() -> dict:
     """The split in effect and its thresholds (for the run's runtime record)."""
     return {"workers": int(_worker is not None), "linear_min_macs": LINEAR_MIN_MACS,
@@ -128,7 +143,8 @@ def settings() -> dict:
             "scan_min_tokens": SCAN_MIN_TOKENS, "rows_min_tokens": ROWS_MIN_TOKENS,
             "attention_min_tokens": ATTENTION_MIN_TOKENS,
             "cut_align": CUT_ALIGN, "pair_max_tokens": PAIR_MAX_TOKENS,
-            "pair_min_rows": PAIR_MIN_ROWS, "pair_worker_side": PAIR_WORKER_SIDE}
+            "pair_min_rows": PAIR_MIN_ROWS, "pair_worker_side": PAIR_WORKER_SIDE,
+            "proj_min_tokens": PROJ_MIN_TOKENS}
 
 
 def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
@@ -141,11 +157,40 @@ def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
 def _on(worker: _Worker, here: Callable[[], object], there: Callable[[], object]) -> tuple:
     """(here(), there()), there on `worker` while this thread runs here; an exception on
     either side is raised after both have ended."""
+    if _log is not None:
+        return _timed(_log, worker, here, there)
     wait = worker.run(there)
     try:
         a = here()
     finally:
         b = wait()
+    return a, b
+
+
+def _timed(log: handoff_log.HandoffLog, worker: _Worker, here: Callable[[], object],
+           there: Callable[[], object]) -> tuple:
+    """`_on` with each side's times charged to the hand-off's site in `log`."""
+    key = handoff_log.site(1)
+
+    def job():
+        (start, cpu0), out = handoff_log.now(), None
+        try:
+            out = there()
+        finally:
+            end, cpu1 = handoff_log.now()
+            log.worker(key, start, end, cpu1 - cpu0)
+        return out
+
+    wait = worker.run(job)
+    t0 = handoff_log.now()[0]
+    try:
+        a = here()
+    finally:
+        t1 = handoff_log.now()[0]
+        try:
+            b = wait()
+        finally:
+            log.caller(key, t1 - t0, handoff_log.now()[0] - t1)
     return a, b
 
 
@@ -157,18 +202,34 @@ def layer_pair(mixer: Callable[[], object], attention: Callable[[], object], row
     product on either thread runs unsplit (the same bits: each split equals its unsplit op)
     and nothing is handed to the busy worker. An exception on either side is raised here
     after both have ended."""
-    global _worker
-    worker = _worker
-    if worker is None or tokens > PAIR_MAX_TOKENS or rows < PAIR_MIN_ROWS:
+    if _worker is None or tokens > PAIR_MAX_TOKENS or rows < PAIR_MIN_ROWS:
         return mixer(), attention()
     mixer_here = PAIR_WORKER_SIDE == "attention"
     here, there = (mixer, attention) if mixer_here else (attention, mixer)
+    first, second = tasks(here, there)
+    return (first, second) if mixer_here else (second, first)
+
+
+def tasks(here: Callable[[], object], there: Callable[[], object]) -> tuple:
+    """(here(), there()), `there` on the worker when there is one, and meanwhile the module
+    holds no worker: every product on either thread runs unsplit (each split gives its
+    unsplit op's bits) and nothing is handed to the busy worker. An exception on either
+    side is raised after both have ended."""
+    global _worker
+    worker = _worker
+    if worker is None:
+        return here(), there()
     _worker = None
     try:
-        first, second = _on(worker, here, there)
+        return _on(worker, here, there)
     finally:
         _worker = worker
-    return (first, second) if mixer_here else (second, first)
+
+
+def projections(tokens: int) -> bool:
+    """Whether a forward of `tokens` tokens per sequence computes its attention's query
+    projection here and its key and value projections on the worker (`tasks`)."""
+    return _worker is not None and tokens >= PROJ_MIN_TOKENS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
