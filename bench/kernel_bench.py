@@ -153,10 +153,10 @@ def _on_huge_pages(dense: DenseState, model, batch: int) -> DenseState:
     return out
 
 
-def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
+def _shuffled_arena(model, org: str, batch: int, blocks_per_seq: int):
+    """(memory, arena) for `batch` sequences, the free list shuffled (the fragmentation
+    modelled: a sequence's pages scattered over the arena), the pools random."""
     geometry = load_geometry(MODEL)
-    bt = 512
-    blocks_per_seq = CONTEXT // bt + 1
     per_seq = blocks_per_seq + (4 if org == "S1" else 3) + 1
     mem = build_memory(geometry, org, {"shared": batch * per_seq + 8})
     rng = np.random.default_rng(batch)
@@ -167,9 +167,11 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
     arena = StateArena(mem, geometry, model.device)
     for t in arena.pools.values():
         t.normal_()
-    arena_huge = huge_pages.settings()  # the arena's advised bytes and their huge share
-    composites = [mem.allocate_composite(r) for r in range(batch)]
-    blocks = [[mem.allocate_attention(r) for _ in range(blocks_per_seq)] for r in range(batch)]
+    return mem, arena
+
+
+def _random_dense(model, batch: int) -> DenseState:
+    """Contiguous state of `batch` sequences at CONTEXT tokens, random."""
     dense = DenseState(model, batch)
     for layer in range(model.num_layers):
         dense.k[layer] = torch.randn(batch, CONTEXT, model.kv_heads, model.head_dim)
@@ -177,37 +179,34 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
         dense.conv[layer].normal_()
         dense.ssm[layer].normal_()
     dense.length = CONTEXT
+    return dense
+
+
+def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
+    blocks_per_seq = CONTEXT // 512 + 1
+    mem, arena = _shuffled_arena(model, org, batch, blocks_per_seq)
+    arena_huge = huge_pages.settings()  # the arena's advised bytes and their huge share
+    composites = [mem.allocate_composite(r) for r in range(batch)]
+    blocks = [[mem.allocate_attention(r) for _ in range(blocks_per_seq)] for r in range(batch)]
+    dense = _random_dense(model, batch)
+    # The contiguous side once more placed as the arena is (huge pages advised), so that the
+    # matched ratio counts what paging costs and not what huge pages save.
+    dense_huge = _on_huge_pages(dense, model, batch)
     x = torch.randn(batch, 1, model.hidden)
     ids = torch.randint(0, 128_256, (batch, 1))
     pos = torch.full((batch, 1), CONTEXT)
 
-    def mixer_paged():
-        with torch.inference_mode():
-            model._mamba(0, x, PagedRecurrentIO(arena, composites))
+    def mixer(io_of):
+        def run():
+            with torch.inference_mode():
+                model._mamba(0, x, io_of())
+        return run
 
-    def mixer_dense():
-        with torch.inference_mode():
-            model._mamba(0, x, dense)
-
-    def model_paged():
-        model.forward(ids, pos, _PagedDecode(arena, blocks, composites, CONTEXT))
+    def whole(io_of):
+        return lambda: model.forward(ids, pos, io_of())
 
     contiguous_io = _ContiguousDecode(dense, CONTEXT)
-
-    def model_dense():
-        model.forward(ids, pos, contiguous_io)
-
-    # The contiguous side placed as the arena is (huge pages advised), so that the matched
-    # ratio counts what paging costs and not what huge pages save.
-    dense_huge = _on_huge_pages(dense, model, batch)
     contiguous_huge_io = _ContiguousDecode(dense_huge, CONTEXT, _huge_copy)
-
-    def mixer_dense_huge():
-        with torch.inference_mode():
-            model._mamba(0, x, dense_huge)
-
-    def model_dense_huge():
-        model.forward(ids, pos, contiguous_huge_io)
 
     def model_dense_cat():  # DenseState as it is: KV grown by concatenation every step
         saved = [(k, v) for k, v in zip(dense.k, dense.v, strict=True)]
@@ -216,10 +215,12 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
         dense.v = [v for _, v in saved]
 
     out = {"org": org, "batch": batch, "arena_huge_pages": arena_huge}
-    for name, paged, contiguous, huge in (
-            ("mixer", mixer_paged, mixer_dense, mixer_dense_huge),
-            ("model", model_paged, model_dense, model_dense_huge)):
-        p, c, h = _paired_median_s([paged, contiguous, huge], repeats)
+    for name, make, paged_io, contiguous, huge in (
+            ("mixer", mixer, lambda: PagedRecurrentIO(arena, composites), dense, dense_huge),
+            ("model", whole, lambda: _PagedDecode(arena, blocks, composites, CONTEXT),
+             contiguous_io, contiguous_huge_io)):
+        p, c, h = _paired_median_s([make(paged_io), make(lambda c=contiguous: c),
+                                    make(lambda h=huge: h)], repeats)
         out[f"{name}_paged_ms"] = 1000 * p
         out[f"{name}_contiguous_ms"] = 1000 * c
         out[f"{name}_ratio"] = p / c
