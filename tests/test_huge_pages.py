@@ -21,16 +21,20 @@ linux_thp = pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.e
 @linux_thp
 def test_a_pool_is_zeros_with_its_interior_advised(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV, "auto")
-    before = huge_pages.settings()["advised_bytes"]
+    gc.collect()
+    before = set(huge_pages._ranges)  # other tests' arenas in this process may still live
     t = huge_pages.zeros((3, 5 << 20), torch.uint8, "cpu")
     assert t.shape == (3, 5 << 20) and not t.any()
     got = huge_pages.settings()
-    advised = got["advised_bytes"] - before
-    assert 12 << 20 <= advised <= 15 << 20 and advised % huge_pages.HUGE == 0
+    mine = set(huge_pages._ranges) - before
+    advised = sum(e - s for s, e in mine)
+    assert len(mine) == 1 and 12 << 20 <= advised <= 15 << 20 and advised % huge_pages.HUGE == 0
+    (start, end), = mine
+    assert start >= t.data_ptr() and end <= t.data_ptr() + t.numel()
     assert 0 <= got["huge_bytes"] <= got["advised_bytes"]
     del t
     gc.collect()
-    assert huge_pages.settings()["advised_bytes"] == before
+    assert not mine & set(huge_pages._ranges)  # forgotten with the tensor
 
 
 def test_off_advises_nothing_and_a_bad_mode_is_refused(monkeypatch):
