@@ -27,7 +27,7 @@ TCMALLOC_LIBS := $(foreach d,$(TCMALLOC_DIRS),$(d)/libtcmalloc_minimal.so.4 $(d)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
-	@ls $(TCMALLOC_LIBS) >/dev/null 2>&1 || echo "note: no tcmalloc found; servers and \
+	@ls $(TCMALLOC_LIBS) 2>/dev/null | grep -q . || echo "note: no tcmalloc found; servers and \
 	benchmarks run on glibc malloc (much slower serving): apt-get install libtcmalloc-minimal4"
 	touch $(STAMP)
 
