@@ -71,17 +71,19 @@ def settings() -> dict:
 
 
 def _huge_bytes() -> int:
-    """AnonHugePages of the /proc/self/smaps mappings that overlap an advised range."""
-    total, hit = 0, False
+    """AnonHugePages of the /proc/self/smaps mappings that overlap an advised range, each
+    mapping's counted up to its overlap with the advised ranges (a mapping may hold huge
+    pages outside them, e.g. where THP is `always`): at most the advised bytes."""
+    total, overlap = 0, 0
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
                 head = line.split(maxsplit=1)[0]
                 if "-" in head and not head.endswith(":"):
                     lo, hi = (int(x, 16) for x in head.split("-"))
-                    hit = any(s < hi and lo < e for s, e in _ranges)
-                elif hit and head == "AnonHugePages:":
-                    total += int(line.split()[1]) * 1024
+                    overlap = sum(max(0, min(hi, e) - max(lo, s)) for s, e in _ranges)
+                elif overlap and head == "AnonHugePages:":
+                    total += min(int(line.split()[1]) * 1024, overlap)
     except OSError:
         return 0
     return total
