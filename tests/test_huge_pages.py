@@ -60,7 +60,10 @@ def test_the_runtime_record_reads_the_paged_path_back(monkeypatch):
     t = huge_pages.zeros((5 << 20,), torch.uint8, "cpu")
     record = process_settings.runtime_settings()
     assert record["arena_huge_pages"]["advised_bytes"] >= 2 << 20  # a 2-MiB-aligned interior
-    assert record["arena_huge_pages"] == huge_pages.settings()
+    now = huge_pages.settings()  # huge_bytes may move between two reads (khugepaged)
+    assert {k: record["arena_huge_pages"][k] for k in ("mode", "advised_bytes")} == {
+        k: now[k] for k in ("mode", "advised_bytes")}
+    assert 0 <= record["arena_huge_pages"]["huge_bytes"] <= now["advised_bytes"]
     assert record["paged_loops"] == paged_loops.settings()
     assert record["paged_loops"]["loops"] in ("compiled", "python")
     del t
