@@ -224,7 +224,7 @@ def runtime_settings() -> dict:
             **({"malloc_release_rate": rate.value} if rate is not None else {}),
             **({"threads_auto": _auto} if _auto is not None else {}),
             **({"split": _split} if _split is not None else {}),
-            **_packed_linear(), **_paged_path()}
+            **_model_settings()}
 
 
 def warm_engine(engine, mode: str) -> dict:
@@ -241,17 +241,16 @@ def warm_engine(engine, mode: str) -> dict:
     return warmup.warm_up(model, engine.sched.max_num_batched_tokens, engine.sched.cap, mode)
 
 
-def _paged_path() -> dict:
-    """Once the model modules ran here, what the paged decode runs with: its per-page loops
-    (compiled or Python, serving_core/model/paged_loops.py) and the bytes of the state arena
-    the kernel holds in huge pages (serving_core/executor/huge_pages.py)."""
-    loops = sys.modules.get("serving_core.model.paged_loops")
-    huge = sys.modules.get("serving_core.executor.huge_pages")
-    return {**({"paged_loops": loops.settings()} if loops is not None else {}),
-            **({"arena_huge_pages": huge.settings()} if huge is not None else {})}
+# Record key -> the torch-side module whose settings() states, read back in this process,
+# what the model and arena loaded here run with: packed linear weights, the paged decode's
+# per-page loops (compiled or Python), the state arena's bytes in huge pages. A module not
+# imported here (no model loaded) adds nothing; this module never imports torch itself.
+_READ_BACK = (("packed_linear", "serving_core.model.packed_linear"),
+              ("paged_loops", "serving_core.model.paged_loops"),
+              ("arena_huge_pages", "serving_core.executor.huge_pages"))
 
 
-def _packed_linear() -> dict:
-    """{"packed_linear": what the model loaded here packed} once a model module ran."""
-    module = sys.modules.get("serving_core.model.packed_linear")
-    return {"packed_linear": module.settings()} if module is not None else {}
+def _model_settings() -> dict:
+    """{key: module.settings()} for each `_READ_BACK` module imported in this process."""
+    return {key: sys.modules[name].settings() for key, name in _READ_BACK
+            if name in sys.modules}
