@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 import subprocess
 import sys
 
@@ -21,7 +22,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.runners.server_process import ServerProcess
+from experiments.runners import vllm_arm
+from experiments.runners.server_process import ServerError, ServerProcess
 from experiments.runners.vllm_arm import (
     boot_log_facts,
     cache_config_info,
@@ -66,6 +68,56 @@ LOG = (
 def _vcfg(**kw):
     return vllm_executor_config(OmegaConf.create({"name": "vllm", "kind": "vllm",
                                                   "checkpoint": "ckpt", **kw}))
+
+
+# A stand-in for vLLM's server: binds 127.0.0.1:<argv[1]> (dying with the bind's error, as
+# vLLM's launcher does) and answers 200 to every GET.
+FAKE_SERVER = (
+    "import http.server, sys\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200); self.end_headers()\n"
+    "    def log_message(self, *a):\n"
+    "        pass\n"
+    "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+
+
+def test_free_port_is_below_the_ephemeral_range_and_binds():
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(20):
+        port = free_port()
+        assert vllm_arm.PORT_FLOOR <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_boot_that_lost_its_port_is_retried_on_a_new_one(monkeypatch, tag):  # noqa: F811
+    """vLLM binds seconds after it starts; a port taken in between kills that start with
+    "Address already in use", and the arm starts again on another port (any other failure
+    is raised at once)."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1], free_port()]
+    monkeypatch.setattr(vllm_arm, "free_port", lambda: ports.pop(0))
+    monkeypatch.setattr(vllm_arm, "vllm_command", lambda vcfg, *, served_name, port, **_:
+                        [sys.executable, "-c", FAKE_SERVER, str(port)])
+    try:
+        srv, base = vllm_arm._boot(_vcfg(boot_timeout_s=60), "tiny")
+        with srv:
+            assert httpx.get(base + "/health").status_code == 200
+            assert not ports and base != f"http://127.0.0.1:{taken.getsockname()[1]}"
+    finally:
+        taken.close()
+
+
+def test_a_boot_that_fails_otherwise_is_not_retried(monkeypatch):
+    calls = []
+    monkeypatch.setattr(vllm_arm, "vllm_command", lambda vcfg, *, served_name, port, **_:
+                        calls.append(port) or [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(ServerError, match="exited with code 3"):
+        vllm_arm._boot(_vcfg(boot_timeout_s=60), "tiny")
+    assert len(calls) == 1
 
 
 def test_geometry_constants_agree_with_the_preset():

@@ -243,7 +243,7 @@ class ServerProcess:
         return self.proc.returncode
 
     def __enter__(self) -> ServerProcess:
-        return self.start()
+        return self if self.proc is not None else self.start()  # started: enters as it is
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stop(abort=exc_type is not None)  # after a failure nothing is worth finishing

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import random
 import re
 import socket
 import time
@@ -122,8 +123,30 @@ def check_vllm_cell(vcfg: VllmExecutorConfig, org: str) -> None:
                          f"`make setup-vllm` or set {PYTHON_ENV}")
 
 
+# Ports handed to vLLM come from below the kernel's ephemeral range (ip_local_port_range),
+# where no socket the OS numbers itself lands: vLLM binds seconds after it starts, and in
+# that window a port 0 choice of the OS's could go to a client's connection, to another
+# server started with port 0 or to vLLM's own ZMQ sockets (CI lost one such race).
+PORT_FLOOR = 20000
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+BIND_RACE = "Address already in use"
+BOOT_TRIES = 3
+
+
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the OS's choice; vLLM takes no port 0)."""
+    """A free TCP port on 127.0.0.1 for vLLM (which takes no port 0): a random one between
+    PORT_FLOOR and the ephemeral range's start that binds now; the OS's own choice where
+    that range leaves no room."""
+    low = int(_EPHEMERAL.read_text().split()[0]) if _EPHEMERAL.exists() else 32768
+    rng = random.SystemRandom()
+    for _ in range(64 if low > PORT_FLOOR + 64 else 0):
+        port = rng.randrange(PORT_FLOOR, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -272,14 +295,24 @@ def _requests(specs, records) -> dict[str, list]:
 
 
 def _boot(vcfg: VllmExecutorConfig, served_name: str, **limits):
-    """vLLM's server process on a free port (not started) and its base URL."""
-    from experiments.runners.server_process import ServerProcess
+    """vLLM's server process, started and healthy on a free port, and its base URL. A start
+    that lost its port to another process between `free_port` and vLLM's bind is retried on
+    a new port (BOOT_TRIES starts in all); any other failed start is raised as it is."""
+    from experiments.runners.server_process import ServerError, ServerProcess
 
-    port = free_port()
-    cmd = vllm_command(vcfg, served_name=served_name, port=port, **limits)
-    base_url = f"http://127.0.0.1:{port}"
-    return ServerProcess(cmd, base_url=base_url, health_timeout_s=vcfg.boot_timeout_s,
-                         env=vllm_env(vcfg)), base_url
+    for attempt in range(1, BOOT_TRIES + 1):
+        port = free_port()
+        cmd = vllm_command(vcfg, served_name=served_name, port=port, **limits)
+        base_url = f"http://127.0.0.1:{port}"
+        srv = ServerProcess(cmd, base_url=base_url, health_timeout_s=vcfg.boot_timeout_s,
+                            env=vllm_env(vcfg))
+        try:
+            return srv.start(), base_url
+        except ServerError:
+            lost_port = BIND_RACE in srv.log_text()
+            srv.__exit__(ServerError, None, None)  # stopped by start(); its log removed
+            if attempt == BOOT_TRIES or not lost_port:
+                raise
 
 
 def serve_on_vllm(vcfg: VllmExecutorConfig, specs, *, served_name: str, cap: int,
