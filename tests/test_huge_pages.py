@@ -44,7 +44,8 @@ def test_off_advises_nothing_and_a_bad_mode_is_refused(monkeypatch):
     got = huge_pages.settings()
     assert not t.any() and got["mode"] == "off" and got["advised_bytes"] == before
     monkeypatch.setenv(huge_pages.ENV, "yes")
-    with pytest.raises(ValueError, match="HSL_ARENA_HUGE_PAGES='yes': allowed values are "
+    with pytest.raises(ValueError, match=r"HSL_ARENA_HUGE_PAGES='yes' \(environment\): allowed "
+                                         "values are "
                                          "auto, off"):
         huge_pages.zeros((4,), torch.float32, "cpu")
 

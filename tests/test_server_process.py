@@ -175,6 +175,14 @@ def test_bad_arguments_exit_2_with_one_line(tag, tmp_path, capsys):
     code, err = server([*sim_args, "--omp-wait", "spin"])
     assert code == 2
     assert err.strip() == "error: --omp-wait='spin': allowed values are default, passive"
+    for name, bad_value, allowed in (("HSL_PAGED_LOOPS", "fast", "auto, compiled, python"),
+                                     ("HSL_ARENA_HUGE_PAGES", "yes", "auto, off")):
+        with pytest.MonkeyPatch.context() as mp:  # read by the engine's torch side
+            mp.setenv(name, bad_value)
+            code, err = server(sim_args)
+        assert code == 2
+        assert err.strip() == (f"error: {name}={bad_value!r} (environment): allowed values "
+                               f"are {allowed}")
     assert not (tmp_path / "rec").exists()
 
 

@@ -16,14 +16,15 @@ kernel holds in huge pages (the runtime record).
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import weakref
 
 import torch
 
-MODES = ("auto", "off")
-ENV = "HSL_ARENA_HUGE_PAGES"
+from serving_core import env_switches
+
+ENV = env_switches.ARENA_HUGE_PAGES
+MODES = env_switches.ALLOWED[ENV]
 HUGE = 1 << 21
 MADV_HUGEPAGE = 14
 
@@ -31,10 +32,7 @@ _ranges: list[tuple[int, int]] = []  # advised [start, end) of live tensors in t
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "auto")
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: allowed values are {', '.join(MODES)}")
-    return value
+    return env_switches.value(ENV)
 
 
 def zeros(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -6,6 +6,7 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
+from serving_core import env_switches
 from serving_core.geometry import Geometry
 from serving_core.model.config import check_geometry, read_config
 from serving_core.model.loader import model_type
@@ -45,7 +46,9 @@ def checked_model_fields(cfg, fields) -> tuple[dict, str]:
 
 
 def torch_executor_config(cfg) -> TorchExecutorConfig:
-    """Parse and check an executor=torch node; ValueError names the field."""
+    """Parse and check an executor=torch node, and the torch side's environment switches
+    (serving_core/env_switches.py); ValueError names the field or the variable."""
+    env_switches.check()
     data, dtype = checked_model_fields(cfg, _FIELDS)
     device = str(data.get("device", "cpu"))
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):

@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import sys
 import threading
 from pathlib import Path
 
 import torch
 
-MODES = ("auto", "compiled", "python")
-ENV = "HSL_PAGED_LOOPS"
+from serving_core import env_switches
+
+ENV = env_switches.PAGED_LOOPS
+MODES = env_switches.ALLOWED[ENV]
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "paged_loops"
 
 SOURCE = r"""
@@ -131,7 +132,7 @@ def loops():
     if _mode is None:
         with _lock:
             if _mode is None:
-                install(os.environ.get(ENV, "auto"))
+                install(env_switches.value(ENV))
     return _loops
 
 

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 
+from serving_core import env_switches
 from serving_core.server.process_settings import PACKED_LINEAR, SPLIT_WORKERS, WARM_UP
 from serving_core.server.runtime import DRAIN_MODES
 
@@ -104,6 +105,10 @@ def _check(args) -> None:
         value = getattr(args, flag.replace("-", "_"))
         if value not in allowed:
             raise UsageError(f"--{flag}={value!r}: allowed values are {', '.join(allowed)}")
+    try:
+        env_switches.check()  # the engine's torch side reads them at first use
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port={args.port}: expected 0..65535")
     if not isinstance(args.threads, int) or args.threads < 0:
