@@ -61,10 +61,11 @@ from bench.tiny import tiny_checkpoint
 from experiments.runners.server_process import ALLOCATORS, allocator_env
 from serving_core.builder import build_engine, loaded_model_spec
 from serving_core.engine import Engine, serve
+from serving_core.executor import huge_pages
 from serving_core.executor import torch_executor as tx
 from serving_core.executor.state_arena import StateArena
 from serving_core.geometry import load_geometry
-from serving_core.model import packed_linear, split
+from serving_core.model import packed_linear, paged_loops, split
 from serving_core.model.falcon_h1 import FalconH1
 from serving_core.model.handoff_log import HandoffLog
 from serving_core.server.process_settings import keep_freed_memory, warm_engine
@@ -229,6 +230,8 @@ def run(model, org: str, budget: str, requests: int, prompt: int, output: int,
         "load_avg": os.getloadavg()[0], "categories": rows, "warmup": warmed,
         "allocator": "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "glibc",
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        # read back while the engine's arena is alive, as the server's runtime record does
+        "paged_loops": paged_loops.settings(), "arena_huge_pages": huge_pages.settings(),
     }
 
 
