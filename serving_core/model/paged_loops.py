@@ -97,7 +97,12 @@ void update_pieces(const std::vector<at::Tensor>& views, const std::vector<at::T
 // One member page's state = fma(dtx, B, state * dA) per element, in one pass over the page:
 // what `mul_` then `addcmul_` (value 1) store on a build whose addcmul kernel contracts
 // self + t1 * t2 into one fused multiply-add (`fused_matches_aten` checks this build at load).
-__attribute__((target("avx2,fma")))
+#if defined(__x86_64__) || defined(__i386__)
+#define HSL_FUSED_TARGET __attribute__((target("avx2,fma")))
+#else
+#define HSL_FUSED_TARGET
+#endif
+HSL_FUSED_TARGET
 static void fused_piece(float* v, const float* a, const float* x, const float* b,
                         int64_t hp, int64_t p, int64_t n) {
   for (int64_t h = 0; h < hp; ++h) {
@@ -111,8 +116,12 @@ static void fused_piece(float* v, const float* a, const float* x, const float* b
   }
 }
 
-bool fused_supported() {
+bool fused_supported() {  // x86 with AVX2 and FMA only (elsewhere: the ATen calls)
+#if defined(__x86_64__) || defined(__i386__)
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
 }
 
 static bool fusable(const at::Tensor& v, const at::Tensor& a, const at::Tensor& x,
