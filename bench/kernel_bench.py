@@ -3,6 +3,10 @@
 1. Paged vs contiguous decode step, batches 8 / 32 / 53, S1 and S2:
    - "mixer": one Mamba2 mixer decode update (projections, conv window, SSM state), state
      gathered through the page mapping and written back vs contiguous per-sequence tensors;
+     each paged call also pays the page lookup (`StateArena.locate`, in PagedRecurrentIO's
+     constructor), which the engine pays once per step for every layer; "mixer located"
+     times the same paged call with the lookup made once beforehand, as a layer of an
+     engine step sees it (the per-call row stays the issue's target row);
    - "model": a whole-model decode step (every layer, paged KV by block table and paged
      recurrent state) vs contiguous state: a preallocated head-major KV buffer per layer
      that attention reads in place, and per-sequence recurrent tensors ("cat": also against
@@ -215,6 +219,10 @@ def paged_vs_contiguous(model, org: str, batch: int, repeats: int) -> dict:
         dense.v = [v for _, v in saved]
 
     out = {"org": org, "batch": batch, "arena_huge_pages": arena_huge}
+    located = PagedRecurrentIO(arena, composites)  # the step's lookup, made once
+    p, c = _paired_median_s([mixer(lambda: located), mixer(lambda: dense)], repeats)
+    out["mixer_located_paged_ms"], out["mixer_located_contiguous_ms"] = 1000 * p, 1000 * c
+    out["mixer_located_ratio"] = p / c
     for name, make, paged_io, contiguous, huge in (
             ("mixer", mixer, lambda: PagedRecurrentIO(arena, composites), dense, dense_huge),
             ("model", whole, lambda: _PagedDecode(arena, blocks, composites, CONTEXT),
@@ -297,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         loops = paged_loops.settings()
         huge = sum(r["arena_huge_pages"]["huge_bytes"] for r in rows) / max(1, sum(
             r["arena_huge_pages"]["advised_bytes"] for r in rows))
+        print(f"{'org':4} {'batch':>5} {'mixer located':>14} {'contig':>8} {'ratio':>6}   "
+              "(ms, median; the page lookup made once per step, not per call)")
+        for r in rows:
+            print(f"{r['org']:4} {r['batch']:>5} {r['mixer_located_paged_ms']:>14.2f} "
+                  f"{r['mixer_located_contiguous_ms']:>8.2f} {r['mixer_located_ratio']:>6.3f}")
         print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} "
               f"({os.cpu_count()} CPUs), paged loops {loops['loops']} ({loops['reason']}), "
               f"arena in huge pages {100 * huge:.0f} % ({huge_pages.mode()})")

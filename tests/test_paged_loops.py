@@ -1,10 +1,14 @@
 """The compiled paged loops (serving_core/model/paged_loops.py) give the Python loops' bits:
 decode attention over pages (lengths across page boundaries, padded and short rows, GQA
-rep 1-3, fp32 and bf16) and the SSM update over member pages (S1/S2-like pieces, groups).
+rep 1-3, fp32 and bf16) and the SSM update over member pages (S1/S2-like pieces, groups),
+its one-pass fused form included (checked against the ATen calls on wide-ranged values, and
+refused at load when its bits differ).
 The default suite runs the checks with a cached build and never compiles; the slow test
 builds it first."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,6 +105,74 @@ def test_built_loops_give_the_python_bits(monkeypatch):
     paged_loops.install("auto")
 
 
+def _pieces(seed, k, hp, p, n, scale):
+    """k member pages (hp, p, n) and update_pieces' operands, values drawn at `scale` (None:
+    exponents spread over about 2^-60 .. 2^60)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        t = torch.randn(*shape, generator=g)
+        if scale is None:
+            return t * torch.exp(30 * torch.randn(*shape, generator=g)).clamp(max=1e18)
+        return t * scale
+
+    return draw(k, hp, p, n), (draw(k, hp, 1, 1), draw(k, hp, p, 1), draw(k, hp, 1, n),
+                               draw(k, n))
+
+
+def _python_update(views, matrices, dA, dtx, Bh, cs, y):
+    """mamba._update_pieces' Python loop: the ATen calls the fused pass must equal."""
+    for v, a, xb, bb, c, out, m in zip(views, dA, dtx, Bh, cs, y, matrices, strict=True):
+        v.mul_(a).addcmul_(xb, bb)
+        torch.mv(m, c, out=out)
+
+
+def _run(update, state, ops):
+    s = state.clone()
+    k, hp, p, n = s.shape
+    y = torch.empty(k, hp * p)
+    update(list(s.unbind(0)), list(s.view(k, hp * p, n).unbind(0)), *ops, y)
+    return s.view(torch.int32), y.view(torch.int32)
+
+
+def test_fused_update_gives_the_aten_bits():
+    """Where the fused one-pass update is used, it stores the Python loop's bits: random
+    pages at S1/S2's piece shape (4 heads x 64 x 512) and odd widths (scalar tails), values
+    normal, spread over 2^+-60, subnormal and overflowing."""
+    compiled = _cached()
+    if compiled is None or not paged_loops.fused_update():
+        pytest.skip("no cached build, or the fused update is off on this build")
+    shapes = ((4, 64, 512), (3, 5, 7), (2, 16, 40), (1, 3, 1))
+    for i, (hp, p, n) in enumerate(shapes):
+        for j, scale in enumerate((1.0, None, 1e-39, 3e19, 1e-20)):
+            state, ops = _pieces(10 * i + j, 3, hp, p, n, scale)
+            fused = _run(compiled.update_pieces_fused, state, ops)
+            expected = _run(_python_update, state, ops)
+            assert all(torch.equal(a, b) for a, b in zip(fused, expected, strict=True)), (
+                hp, p, n, scale)
+
+
+def test_fused_update_is_checked_before_use(monkeypatch):
+    """The load-time check turns the fused update off when its bits differ from ATen's
+    (here: a stand-in computing v*a + x*b with the two products rounded apart) and on
+    when they agree."""
+    def unfused(views, matrices, dA, dtx, Bh, cs, y):
+        for v, a, xb, bb, c, out, m in zip(views, dA, dtx, Bh, cs, y, matrices, strict=True):
+            v.copy_(torch.mul(v, a) + torch.mul(xb, bb))
+            torch.mv(m, c, out=out)
+
+    for fused, expected in ((unfused, "aten (fused bits differ on this build)"),
+                            (_python_update, "fused (bits checked at load)")):
+        stand_in = SimpleNamespace(fused_supported=lambda: True, update_pieces=_python_update,
+                                   update_pieces_fused=fused)
+        monkeypatch.setattr(paged_loops, "_loops", stand_in)
+        paged_loops._check_fused()
+        assert paged_loops._state["ssm_update"] == expected
+        assert paged_loops._fused == expected.startswith("fused")
+    monkeypatch.undo()
+    paged_loops.install("auto")
+
+
 def test_modes(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="paged_loops='fast': allowed values are auto, "
                                          "compiled, python"):
@@ -108,7 +180,8 @@ def test_modes(monkeypatch, tmp_path):
     paged_loops.install("python")
     assert paged_loops.loops() is None
     assert paged_loops.settings() == {"mode": "python", "loops": "python",
-                                      "reason": "mode python"}
+                                      "reason": "mode python", "ssm_update": "aten"}
+    assert not paged_loops.fused_update()
     monkeypatch.setattr(paged_loops, "CACHE", tmp_path)  # a clean clone: nothing built
     paged_loops.install("auto")
     assert paged_loops.loops() is None

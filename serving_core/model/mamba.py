@@ -316,8 +316,11 @@ def _update_pieces(workspace: UpdateWorkspace, views, matrices, x, dt, A, B, C, 
     grp = [pc[0][2] for pc in pieces]
     cs.view(b, len(pieces), n).copy_(C.float()[:, grp])
     compiled = paged_loops.loops() if x.device.type == "cpu" else None
-    if compiled is not None:  # the same calls from C++ (serving_core/model/paged_loops.py)
-        compiled.update_pieces(views, matrices, dA, dtx, Bh, cs, y)
+    if compiled is not None:  # the same calls from C++ (serving_core/model/paged_loops.py),
+        # or each page's update in one pass where that stores the same bits (`fused_update`)
+        update = (compiled.update_pieces_fused if paged_loops.fused_update()
+                  else compiled.update_pieces)
+        update(views, matrices, dA, dtx, Bh, cs, y)
         return y
     for v, a, xb, bb, c, out, m in zip(views, *lists, matrices, strict=True):
         v.mul_(a).addcmul_(xb, bb)
