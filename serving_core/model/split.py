@@ -354,13 +354,31 @@ def scan_heads(scan: Callable, x: torch.Tensor, dt: torch.Tensor, A: torch.Tenso
 
 def _shared_group_terms(B: torch.Tensor, C: torch.Tensor, chunk: int) -> tuple:
     """mamba.chunk_scan's `groups` for B and C (b, T, 1, N): their chunks and causal C.B, the
-    products of the first half of the chunks on this thread, the rest on the worker."""
-    Bg, Cg = mamba.group_chunks(B, C, chunk)
-    mid = Bg.shape[1] // 2
+    products of the first half of the chunks on this thread, the rest on the worker; where
+    T needs padding each half also copies its chunks into the padded buffers (the values and
+    layout of group_chunks' padded copies: the same bits)."""
+    b, t, g, n = B.shape
+    pad = (chunk - t % chunk) % chunk
+    mid = (t + pad) // chunk // 2
     if mid == 0:
+        Bg, Cg = mamba.group_chunks(B, C, chunk)
         return Bg, Cg, mamba.causal_products(Bg, Cg)
-    lo, hi = pair(lambda: mamba.causal_products(Bg[:, :mid], Cg[:, :mid]),
-                  lambda: mamba.causal_products(Bg[:, mid:], Cg[:, mid:]))
+    if pad:  # the zero-padded copies group_chunks makes, each half copying its own chunks
+        padded = [torch.empty(b, t + pad, g, n, dtype=torch.float32, device=B.device)
+                  for _ in "BC"]
+        Bg, Cg = (v.view(b, -1, chunk, g, n).permute(0, 1, 3, 2, 4) for v in padded)
+    else:
+        Bg, Cg = mamba.group_chunks(B, C, chunk)
+
+    def products(first: int, end: int) -> torch.Tensor:
+        if pad:
+            lo, hi = first * chunk, end * chunk
+            for src, dst in zip((B, C), padded, strict=True):
+                dst[:, lo : min(hi, t)].copy_(src[:, lo:hi])
+                dst[:, min(hi, t) : hi].zero_()
+        return mamba.causal_products(Bg[:, first:end], Cg[:, first:end])
+
+    lo, hi = pair(lambda: products(0, mid), lambda: products(mid, Bg.shape[1]))
     return Bg, Cg, torch.cat([lo, hi], dim=1)
 
 
