@@ -130,6 +130,21 @@ def test_the_conv_by_token_halves_gives_the_old_bits(worker, b, t, cd):
     assert torch.equal(new_window, xbc[:, -3:].transpose(1, 2))
 
 
+@pytest.mark.parametrize(("b", "t", "cd"), [(1, 4, 128), (2, 5, 64), (1, 7, 64), (1, 2, 64),
+                                        (3, 130, 1792), (1, 6, 100)])
+def test_the_conv_on_one_thread_gives_the_old_bits(b, t, cd):
+    """Rows of whole vectors read their taps from xbc itself past the first K-1 (no copy of
+    xbc behind the window): the old bits, at lengths around K-1 and 2(K-1) too."""
+    gen = torch.Generator().manual_seed(cd + t)
+    window = torch.randn(b, cd, 3, generator=gen)
+    xbc = torch.randn(b, t, cd + 9, generator=gen)[:, :, 4 : 4 + cd]  # strided rows
+    weight, bias = 3 * torch.randn(cd, 4, generator=gen), torch.randn(cd, generator=gen)
+    got, new_window = mamba.conv_scan(window, xbc, weight, bias)
+    assert torch.equal(_bits(got), _bits(_old_conv(window, xbc, weight, bias)))
+    full = torch.cat([window.transpose(1, 2), xbc], dim=1)
+    assert torch.equal(new_window, full[:, -3:].transpose(1, 2))
+
+
 class _Norm:
     """What FalconH1's gated norm reads of the model (no weights needed)."""
 

@@ -252,3 +252,88 @@ def test_prefill_key_value_projections_run_on_the_worker_with_the_same_bits(tiny
     assert threads == ["hsl-split"] * tiny_model.num_layers
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_shared_items_run_each_chunk_once_and_the_caller_helps(worker, monkeypatch):
+    """Inside a task pair the worker's `share.items` are taken in CHUNK-item chunks from the
+    front by the worker and from the back by the calling thread once its side has returned;
+    every item runs exactly once. An error in a helped chunk is raised after both ended;
+    outside a pair (or on the calling thread) the items run here in one call."""
+    import time
+
+    from serving_core.model import share
+
+    monkeypatch.setattr(share, "CHUNK", 4)
+    here = threading.current_thread().name
+    ran: list[tuple[int, int, str]] = []
+
+    def run(first, end):
+        ran.append((first, end, threading.current_thread().name))
+        if threading.current_thread().name == "hsl-split":
+            time.sleep(0.01)  # the worker slow: the caller takes chunks from the back
+
+    split.tasks(lambda: None, lambda: share.items(42, run))
+    items = sorted(i for a, b, _ in ran for i in range(a, b))
+    assert items == list(range(42)) and all(b - a <= 4 for a, b, _ in ran)
+    assert {t for *_, t in ran} == {here, "hsl-split"}
+    assert max(b for a, b, t in ran if t == "hsl-split") <= min(a for a, b, t in ran if t == here)
+    ran.clear()
+    share.items(42, run)  # not in a pair: one call here
+    assert ran == [(0, 42, here)]
+
+    def failing(first, end):
+        if threading.current_thread().name != "hsl-split":
+            raise KeyError(first)
+        time.sleep(0.01)
+
+    with pytest.raises(KeyError):
+        split.tasks(lambda: None, lambda: share.items(42, failing))
+    assert split.pair(lambda: 1, lambda: 2) == (1, 2)  # the worker still serves
+
+
+@pytest.mark.parametrize("org", ["S2", pytest.param("S1", marks=pytest.mark.slow)])
+def test_a_shared_decode_state_update_gives_the_unshared_bits(tiny_model, monkeypatch, org):
+    """Decode pairs over the S2 (S1 slow) arena with the worker's state-update chunks
+    slowed so that the calling thread takes some: every forward's hidden states and logits
+    equal those without the worker."""
+    import time
+
+    import engines
+    import numpy as np
+
+    from serving_core.model import share
+
+    monkeypatch.setattr(share, "CHUNK", 2)
+    items, helped = share.items, []
+
+    def slowed(n, run):
+        def chunk(first, end):
+            if threading.current_thread().name == "hsl-split":
+                time.sleep(0.002)
+            else:
+                helped.append(end - first)
+            run(first, end)
+        items(n, chunk)
+
+    monkeypatch.setattr(share, "items", slowed)
+    rng = np.random.default_rng(5)
+    specs = [engines.Spec(i, 0.0, rng.integers(3, 1000, n).astype(np.int32), 4)
+             for i, n in enumerate((40, 17, 70, 9, 33, 21))]
+    seen: list[torch.Tensor] = []
+    cls = type(tiny_model)
+    monkeypatch.setattr(tiny_model, "forward",
+                        lambda *a, **k: _kept(seen, cls.forward(tiny_model, *a, **k)))
+    monkeypatch.setattr(tiny_model, "head", lambda h: _kept(seen, cls.head(tiny_model, h)))
+    runs = []
+    for workers in (0, 1):
+        seen.clear()
+        split.install(workers)
+        try:
+            engines.serve_greedy(tiny_model, "falcon_h1_tiny", org, "b12", specs,
+                                 max_tokens=64, cap=6)
+        finally:
+            split.close()
+        runs.append(list(seen))
+    assert len(runs[0]) == len(runs[1]) > 10
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert sum(helped) > 0

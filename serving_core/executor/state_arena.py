@@ -482,18 +482,26 @@ class StateArena:
     def read(self, obj) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (conv (1, Cd, K-1), ssm (1, H, P, N)) copies of one composite (fp32)."""
         loc = self.locate([obj])
-        out = []
-        for layer in range(self.layers):
-            conv, ssm, _ = self.gather(layer, loc)
-            out.append((conv.float().clone(), ssm.float().clone()))
-        return out
+        return [self.read_layer(loc, layer) for layer in range(self.layers)]
+
+    def read_layer(self, loc, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read`'s (conv, ssm) copies of one layer of the composite at `loc`
+        (`locate([obj])`)."""
+        conv, ssm, _ = self.gather(layer, loc)
+        return conv.float().clone(), ssm.float().clone()
 
     def write(self, obj, states: list[tuple[torch.Tensor, torch.Tensor]], key=None) -> None:
         """Store per-layer (conv, ssm) into one composite's units (`key`: its (request seed,
         token position) under a state codec)."""
-        loc = self.locate([obj])
+        self.write_layers(self.locate([obj]), states, key, 0, len(states))
+
+    def write_layers(self, loc, states: list[tuple[torch.Tensor, torch.Tensor]], key,
+                     first: int, end: int) -> None:
+        """`write` of the layers [first, end) of `states` to the composite at `loc`
+        (`locate([obj])`); layers are disjoint units, so two threads may write two ranges."""
         keys = None if key is None else [key]
-        for layer, (conv, ssm) in enumerate(states):
+        for layer in range(first, end):
+            conv, ssm = states[layer]
             c, s, gathered = self.gather(layer, loc)
             self.scatter(layer, loc, gathered, conv.to(self.dtype),
                          ssm if self.encoder is not None else ssm.to(self.dtype), keys)

@@ -36,6 +36,7 @@ from serving_core.executor import threads
 from serving_core.executor.base import ExecutorOutput
 from serving_core.executor.device import host_index, synchronize
 from serving_core.executor.state_arena import StateArena
+from serving_core.model import split
 from serving_core.model.paged_attention import (
     DecodeLayout,
     decode_attention,
@@ -349,27 +350,39 @@ class TorchExecutor:
         cap = self.prefill_batch_tokens
         return self.PREFILL_BATCH_TOKENS if cap is None else int(cap)
 
-    def _initial_state(self, item):
+    def _initial_source(self, item):
+        """Where an item's starting state lies: its adopted or working composite, located
+        (None: a fresh prompt's zeros)."""
         state = item.state
         if state.adopted:
-            return self.arena.read(state.adopted)
+            return self.arena.locate([state.adopted])
         if item.context > 0:
-            return self.arena.read(state.working)
+            return self.arena.locate([state.working])
+        return None
+
+    def _initial_layer(self, loc, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv (1, ...), ssm (1, ...)) fp32 copies of one layer's starting state."""
+        if loc is not None:
+            return self.arena.read_layer(loc, layer)
         m = self.model
         dev = m.device
-        return [
-            (torch.zeros(1, m.conv_dim, m.d_conv - 1, device=dev),
-             torch.zeros(1, m.m_heads, m.m_head_dim, m.d_state, device=dev))
-            for _ in range(m.num_layers)
-        ]
+        return (torch.zeros(1, m.conv_dim, m.d_conv - 1, device=dev),
+                torch.zeros(1, m.m_heads, m.m_head_dim, m.d_state, device=dev))
 
     def _initial_states(self, items):
-        """Per layer (conv (b, ...), ssm (b, ...)) scratch of the items' starting states."""
-        per_item = [self._initial_state(it) for it in items]
-        if len(per_item) == 1:
-            return per_item[0]
-        return [(torch.cat([s[layer][0] for s in per_item]),
-                 torch.cat([s[layer][1] for s in per_item])) for layer in range(len(per_item[0]))]
+        """Per layer (conv (b, ...), ssm (b, ...)) scratch of the items' starting states,
+        the layers in two halves over the split worker (copies: the same bytes)."""
+        sources = [self._initial_source(it) for it in items]
+        out: list = [None] * self.model.num_layers
+
+        def run(first: int, end: int) -> None:
+            for layer in range(first, end):
+                parts = [self._initial_layer(loc, layer) for loc in sources]
+                out[layer] = parts[0] if len(parts) == 1 else (
+                    torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]))
+
+        split.layer_halves(len(out), run)
+        return out
 
     def _run_chunks(self, items, heads: list, prompt_lps: dict) -> None:
         """Chunks of b requests over the same span [c0, c1) (b = 1: one chunk), as one
@@ -448,6 +461,7 @@ class TorchExecutor:
         ChunkState when the scheduler completed the step (a no-op publication and a
         finished request receive nothing)."""
         pending, self._pending = self._pending, []
+        writes = []  # (composite, per-layer states, codec key)
         for state, boundary_states, final, item, end in pending:
             published = dict(state.published)
             for boundary, states in boundary_states:
@@ -456,9 +470,19 @@ class TorchExecutor:
                     if not (target.valid and target.cached and target.boundary == boundary):
                         raise RuntimeError(f"composite published at {boundary} is not cached "
                                            "there at commit")
-                    self.arena.write(target, states, codec_key(item, boundary))
+                    writes.append((target, states, codec_key(item, boundary)))
             if state.final:
-                self.arena.write(state.final, final, codec_key(item, end))
+                writes.append((state.final, final, codec_key(item, end)))
+        if not writes:
+            return
+        located = [(self.arena.locate([obj]), states, key) for obj, states, key in writes]
+
+        def run(first: int, end: int) -> None:
+            for loc, states, key in located:
+                self.arena.write_layers(loc, states, key, first, end)
+
+        # Copies only: the layers' units are disjoint, so two halves give the same bytes.
+        split.layer_halves(self.arena.layers, run)
 
 
 def codec_key(item, position: int) -> tuple[int, int]:

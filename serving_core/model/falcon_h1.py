@@ -294,9 +294,10 @@ class FalconH1:
         return names
 
     # ----- forward ----------------------------------------------------------------------------
-    def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def _lin(self, x: torch.Tensor, name: str, scale: torch.Tensor | None = None
+             ) -> torch.Tensor:
         return split.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"),
-                            self.packs.linear.get(name + ".weight"))
+                            self.packs.linear.get(name + ".weight"), scale)
 
     @torch.inference_mode()
     def forward(
@@ -403,7 +404,8 @@ class FalconH1:
     def _mamba(self, i, x, io: StateIO) -> torch.Tensor:
         p = f"model.layers.{i}.mamba."
         b, t, _ = x.shape
-        proj = self._lin(x * self.mult["ssm_in_multiplier"], p + "in_proj").mul_(self.mup)
+        # mup scaled in place on each half of a split product (split.linear's `scale`)
+        proj = self._lin(x * self.mult["ssm_in_multiplier"], p + "in_proj", self.mup)
         gate, xbc, dt = proj.split([self.d_inner, self.conv_dim, self.m_heads], dim=-1)
         conv, ssm = io.recurrent(i)
         w = self.w[p + "conv1d.weight"].squeeze(1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from serving_core.model import paged_loops
+from serving_core.model import paged_loops, share
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -316,15 +316,21 @@ def _update_pieces(workspace: UpdateWorkspace, views, matrices, x, dt, A, B, C, 
     grp = [pc[0][2] for pc in pieces]
     cs.view(b, len(pieces), n).copy_(C.float()[:, grp])
     compiled = paged_loops.loops() if x.device.type == "cpu" else None
-    if compiled is not None:  # the same calls from C++ (serving_core/model/paged_loops.py),
-        # or each page's update in one pass where that stores the same bits (`fused_update`)
-        update = (compiled.update_pieces_fused if paged_loops.fused_update()
-                  else compiled.update_pieces)
-        update(views, matrices, dA, dtx, Bh, cs, y)
-        return y
-    for v, a, xb, bb, c, out, m in zip(views, *lists, matrices, strict=True):
-        v.mul_(a).addcmul_(xb, bb)
-        torch.mv(m, c, out=out)
+
+    def run(first: int, end: int) -> None:  # pieces [first, end): each its own arithmetic
+        if compiled is not None:  # the same calls from C++ (serving_core/model/paged_loops.py),
+            # or each page's update in one pass where that stores the same bits (`fused_update`)
+            update = (compiled.update_pieces_fused if paged_loops.fused_update()
+                      else compiled.update_pieces)
+            update(views[first:end], matrices[first:end], dA[first:end], dtx[first:end],
+                   Bh[first:end], cs[first:end], y[first:end])
+            return
+        for v, a, xb, bb, c, out, m in zip(views[first:end], *(t[first:end] for t in lists),
+                                           matrices[first:end], strict=True):
+            v.mul_(a).addcmul_(xb, bb)
+            torch.mv(m, c, out=out)
+
+    share.items(k, run)  # on the split worker in a decode pair: shared with the caller
     return y
 
 
@@ -363,20 +369,45 @@ def conv_scan(
         if bias is not None:
             out = out + bias[:, None]
         return F.silu(out).transpose(1, 2), full[:, :, full.shape[-1] - k1 :]
-    full = torch.cat([window.to(xbc.dtype).transpose(1, 2), xbc], dim=1)  # (b, K-1+T, Cd)
-    w = weight.to(full.dtype).t().contiguous()  # (K, Cd): contiguous rows broadcast fastest
-    out = torch.empty(full.shape[0], t, full.shape[2], dtype=full.dtype, device=full.device)
+    if t <= k1 or xbc.shape[2] % ROW_ALIGN:
+        full = torch.cat([window.to(xbc.dtype).transpose(1, 2), xbc], dim=1)  # (b, K-1+T, Cd)
+        return _conv_rows(full, full, 0, t, weight, bias, rows), \
+            full[:, full.shape[1] - k1 :].transpose(1, 2)
+    # Rows of whole vectors (ROW_ALIGN): the first K-1 outputs over the window and the first
+    # 2(K-1) inputs, the rest straight from xbc, not from a copy of all of it behind the
+    # window (the same kernels on the same values, row by row: the same bits).
+    lead = torch.cat([window.to(xbc.dtype).transpose(1, 2), xbc[:, : 2 * k1]], dim=1)
+    return _conv_rows(lead, xbc, k1, t, weight, bias, rows), \
+        xbc[:, t - k1 :].transpose(1, 2)
 
-    def run(first: int, end: int) -> None:
-        part = torch.mul(full[:, first:end], w[0], out=out[:, first:end])
+
+def _conv_rows(lead: torch.Tensor, xbc: torch.Tensor, head: int, t: int, weight: torch.Tensor,
+               bias: torch.Tensor | None, rows) -> torch.Tensor:
+    """`conv_scan`'s prefill outputs (b, t, Cd): rows below `head` over `lead` (the window
+    then the inputs), tap k of row r >= head over xbc[r + k - (K-1)] (head 0: `lead` is the
+    whole window-then-inputs sequence, read for every row)."""
+    k1 = weight.shape[-1] - 1
+    w = weight.to(lead.dtype).t().contiguous()  # (K, Cd): contiguous rows broadcast fastest
+    out = torch.empty(lead.shape[0], t, lead.shape[2], dtype=lead.dtype, device=lead.device)
+    src, shift = (lead, 0) if head == 0 else (xbc, -k1)
+
+    def taps(part: torch.Tensor, seq: torch.Tensor, first: int, end: int) -> None:
+        torch.mul(seq[:, first:end], w[0], out=part)
         for k in range(1, k1 + 1):
-            part.addcmul_(full[:, first + k : end + k], w[k])
+            part.addcmul_(seq[:, first + k : end + k], w[k])
         if bias is not None:
             part.add_(bias.to(part.dtype))
         F.silu(part, inplace=True)
 
+    def run(first: int, end: int) -> None:
+        if first < head:
+            taps(out[:, first : min(end, head)], lead, first, min(end, head))
+        if end > max(first, head):
+            lo = max(first, head)
+            taps(out[:, lo:end], src, lo + shift, end + shift)
+
     if rows is None:
         run(0, t)
     else:
-        rows(t, full.shape[2], run)
-    return out, full[:, full.shape[1] - k1 :].transpose(1, 2)
+        rows(t, lead.shape[2], run)
+    return out

@@ -18,6 +18,12 @@ one of them on the worker while the calling thread runs the other, each the same
 run one after the other (the same bits by construction), in the forwards PAIR_MAX_TOKENS and
 PAIR_MIN_ROWS select (decode). Within a pair the product splits above run unsplit (the
 worker is busy, and a nested hand-off from the worker to itself would never run).
+Within a task pair (`tasks`, so decode layer pairs) the worker's state update offers its
+pieces to the calling thread once that thread's own side has returned (serving_core/model/
+share.py, chunks of share.CHUNK pieces; each piece's arithmetic is its own). The executor's
+recurrent-state copies (a step's commits, a prefill's starting states) go in two halves of
+the layers (`layer_halves`, STATE_LAYER_HALVES: copies, the same bytes); a split in_proj
+scales each half by its muP factors on its own thread (`linear`'s `scale`).
 Without `install(1)` (the server's `--split-workers`, serving_core/server/process_settings.py)
 nothing is split and no thread exists.
 """
@@ -30,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from serving_core.model import handoff_log, mamba, packed_linear
+from serving_core.model import handoff_log, mamba, packed_linear, share
 from serving_core.model.packed_linear import Pack
 
 CUT_ALIGN = 64  # output features of a linear layer's cut: a multiple of this
@@ -53,6 +59,9 @@ PAIR_WORKER_SIDE = "mixer"
 # Prefill attention of PROJ_MIN_TOKENS tokens or more per sequence: the query projection
 # (and its rotary embedding) here, the key and value projections on the worker (`tasks`).
 PROJ_MIN_TOKENS = 256
+# The executor's copies of recurrent states (a step's commits into the units, a prefill's
+# reads of its starting states) in two halves of the layers over the worker.
+STATE_LAYER_HALVES = True
 
 
 class _Worker:
@@ -144,7 +153,8 @@ def settings() -> dict:
             "attention_min_tokens": ATTENTION_MIN_TOKENS,
             "cut_align": CUT_ALIGN, "pair_max_tokens": PAIR_MAX_TOKENS,
             "pair_min_rows": PAIR_MIN_ROWS, "pair_worker_side": PAIR_WORKER_SIDE,
-            "proj_min_tokens": PROJ_MIN_TOKENS}
+            "proj_min_tokens": PROJ_MIN_TOKENS, "state_layer_halves": STATE_LAYER_HALVES,
+            "share_chunk": share.CHUNK}
 
 
 def pair(first: Callable[[], object], second: Callable[[], object]) -> tuple:
@@ -221,9 +231,32 @@ def tasks(here: Callable[[], object], there: Callable[[], object]) -> tuple:
         return here(), there()
     _worker = None
     try:
-        return _on(worker, here, there)
+        return _shared(worker, here, there) if share.CHUNK > 0 else _on(worker, here, there)
     finally:
         _worker = worker
+
+
+def _shared(worker: _Worker, here: Callable[[], object], there: Callable[[], object]) -> tuple:
+    """`_on` with a share.Share open: the worker's shared items (the decode state update)
+    are taken from the back by this thread once `here` has returned."""
+    slot = share.Share(worker.thread)
+
+    def worker_side():
+        try:
+            return there()
+        finally:
+            slot.end()
+
+    def helping():
+        out = here()
+        slot.help()
+        return out
+
+    share.open_share(slot)
+    try:
+        return _on(worker, helping, worker_side)
+    finally:
+        share.open_share(None)
 
 
 def projections(tokens: int) -> bool:
@@ -233,19 +266,28 @@ def projections(tokens: int) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: Pack | None = None):
+           packed: Pack | None = None, scale: torch.Tensor | None = None):
     """F.linear(x, weight, bias), cut by output features over the worker when large; a
-    product not cut runs over `packed` (the weight's oneDNN copy) where that serves it."""
+    product not cut runs over `packed` (the weight's oneDNN copy) where that serves it.
+    `scale` (n,): the product then multiplied by it in place (`mul_`), each half of a cut
+    product by its own features' scales on its own thread (an elementwise product: the
+    same bits in parts)."""
     n, k = weight.shape
     rows = x.numel() // k
     cut = n // 2 // CUT_ALIGN * CUT_ALIGN
     if (_worker is None or bias is not None or rows < LINEAR_MIN_ROWS or cut == 0
             or rows * n * k < LINEAR_MIN_MACS):
-        return packed_linear.linear(x, weight, bias, packed)
+        out = packed_linear.linear(x, weight, bias, packed)
+        return out if scale is None else out.mul_(scale)
     flat = x.reshape(rows, k)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    pair(lambda: torch.matmul(flat, weight[:cut].t(), out=out[:, :cut]),
-         lambda: torch.matmul(flat, weight[cut:].t(), out=out[:, cut:]))
+
+    def part(lo: int, hi: int) -> None:
+        torch.matmul(flat, weight[lo:hi].t(), out=out[:, lo:hi])
+        if scale is not None:
+            out[:, lo:hi].mul_(scale[lo:hi])
+
+    pair(lambda: part(0, cut), lambda: part(cut, n))
     return out.view(*x.shape[:-1], n)
 
 
@@ -253,6 +295,13 @@ def head_blocks(rows: int, blocks: int, run: Callable[[int, int], None]) -> None
     """run(first, end) over the LM head's vocabulary blocks [0, blocks), in two halves over
     the worker when `rows` sample rows reach HEAD_MIN_ROWS."""
     _halves(blocks, run, rows >= HEAD_MIN_ROWS)
+
+
+def layer_halves(layers: int, run: Callable[[int, int], None]) -> None:
+    """run(first, end) over the layers [0, layers) of the executor's recurrent-state copies,
+    in two halves over the worker when STATE_LAYER_HALVES (each layer's state lies in its
+    own units and tensors: the same bytes in any order)."""
+    _halves(layers, run, STATE_LAYER_HALVES)
 
 
 def token_halves(t: int, width: int, run: Callable[[int, int], None]) -> None:
@@ -305,13 +354,31 @@ def scan_heads(scan: Callable, x: torch.Tensor, dt: torch.Tensor, A: torch.Tenso
 
 def _shared_group_terms(B: torch.Tensor, C: torch.Tensor, chunk: int) -> tuple:
     """mamba.chunk_scan's `groups` for B and C (b, T, 1, N): their chunks and causal C.B, the
-    products of the first half of the chunks on this thread, the rest on the worker."""
-    Bg, Cg = mamba.group_chunks(B, C, chunk)
-    mid = Bg.shape[1] // 2
+    products of the first half of the chunks on this thread, the rest on the worker; where
+    T needs padding each half also copies its chunks into the padded buffers (the values and
+    layout of group_chunks' padded copies: the same bits)."""
+    b, t, g, n = B.shape
+    pad = (chunk - t % chunk) % chunk
+    mid = (t + pad) // chunk // 2
     if mid == 0:
+        Bg, Cg = mamba.group_chunks(B, C, chunk)
         return Bg, Cg, mamba.causal_products(Bg, Cg)
-    lo, hi = pair(lambda: mamba.causal_products(Bg[:, :mid], Cg[:, :mid]),
-                  lambda: mamba.causal_products(Bg[:, mid:], Cg[:, mid:]))
+    if pad:  # the zero-padded copies group_chunks makes, each half copying its own chunks
+        padded = [torch.empty(b, t + pad, g, n, dtype=torch.float32, device=B.device)
+                  for _ in "BC"]
+        Bg, Cg = (v.view(b, -1, chunk, g, n).permute(0, 1, 3, 2, 4) for v in padded)
+    else:
+        Bg, Cg = mamba.group_chunks(B, C, chunk)
+
+    def products(first: int, end: int) -> torch.Tensor:
+        if pad:
+            lo, hi = first * chunk, end * chunk
+            for src, dst in zip((B, C), padded, strict=True):
+                dst[:, lo : min(hi, t)].copy_(src[:, lo:hi])
+                dst[:, min(hi, t) : hi].zero_()
+        return mamba.causal_products(Bg[:, first:end], Cg[:, first:end])
+
+    lo, hi = pair(lambda: products(0, mid), lambda: products(mid, Bg.shape[1]))
     return Bg, Cg, torch.cat([lo, hi], dim=1)
 
 
