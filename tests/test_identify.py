@@ -1,12 +1,14 @@
 """The identification search (experiments/studies/identify.py, issue 33): its campaign covers
 exactly the anchors' cells, the candidate space expands as declared, the loss, targets and
 selection follow their stated rules (hand-computed), and `make identify SMOKE=1` runs end to
-end through the campaign driver, writes the study table and resumes without rerunning."""
+end through the campaign driver, writes the study table and resumes without rerunning (its
+recipe in this process by default; the make target itself in a slow test)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -200,21 +202,37 @@ def test_list_names_the_full_search(capsys):
     assert out[-1] == f"{len(space.combinations(space.full))} combinations"
 
 
-def test_make_identify_smoke_end_to_end(tmp_path, capsys):
-    """`make identify SMOKE=1`: the smoke design through the campaign driver, the study table,
-    a clean ledger check, the page; a second call of the study (in this process: no
-    interpreter, imports or page again) scores nothing again."""
+def _make_identify(tmp_path, *flags: str) -> list[str]:
+    """`make identify SMOKE=1` into tmp_path: the make command line (with `flags`, e.g. -n)."""
+    root, reports = tmp_path / "ledgers", tmp_path / "reports"
+    return ["make", "--no-print-directory", "-o", ".venv/.installed", *flags, "identify",
+            "SMOKE=1", f"LEDGER_ROOT={root}", f"REPORT_DIR={reports}", "JOBS=2",
+            f"ARGS=--requests 6 --sweep-dir {tmp_path / 'sweep'}"]
+
+
+def _recipe_commands(dry_run: str) -> list[tuple[str, list[str]]]:
+    """(module, arguments) of each `python -m <module> ...` line `make -n` printed (its
+    continuation lines joined; a redirection ends the arguments)."""
+    commands = []
+    for line in dry_run.replace("\\\n", " ").splitlines():
+        words = shlex.split(line)
+        if len(words) > 2 and words[0].endswith("/python") and words[1] == "-m":
+            args = words[3:]
+            commands.append((words[2], args[:args.index(">")] if ">" in args else args))
+    return commands
+
+
+def _check_smoke_search(tmp_path, stdout: str, capsys) -> None:
+    """What `make identify SMOKE=1` leaves: the study table (one file per combination and
+    one selection), smoke campaigns in a clean ledger, the job logs, the page; a second call
+    of the study (in this process) scores nothing again."""
     import pyarrow.parquet as pq
 
     import ledgers
     from ledgers.check import main as check_main
 
     root, reports = tmp_path / "ledgers", tmp_path / "reports"
-    cmd = ["make", "--no-print-directory", "identify", "SMOKE=1", f"LEDGER_ROOT={root}",
-           f"REPORT_DIR={reports}", "JOBS=2", f"ARGS=--requests 6 --sweep-dir {tmp_path / 'sweep'}"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+    result = json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1])
     space = ident.load_space()
     assert result["combinations"] == len(space.design("smoke"))
     files = sorted((root / "identify").glob("identify-*.parquet"))
@@ -234,6 +252,38 @@ def test_make_identify_smoke_end_to_end(tmp_path, capsys):
                        "--requests", "6"]) == 0
     assert "(2 already scored)" in capsys.readouterr().err
     assert len(sorted((root / "identify").glob("identify-*.parquet"))) == len(files) + 1
+
+
+def test_identify_smoke_recipe_in_process(tmp_path, capsys):
+    """`make identify SMOKE=1`'s own recipe (read from `make -n`: the study, then the page),
+    each command run in this process through its module's `main`, as `python -m` would
+    (no interpreter and imports per command); the whole make target runs in the slow
+    test below."""
+    dry = subprocess.run(_make_identify(tmp_path, "-n"), cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    commands = [(m, a) for m, a in _recipe_commands(dry.stdout) if m.endswith(".identify")]
+    assert [m for m, _ in commands] == ["experiments.studies.identify",
+                                        "analysis.studies.identify"]
+    (_, study), (_, page) = commands
+    assert {"--smoke", "--requests", "6"} <= set(study) and "--smoke" in page
+    from analysis.studies import identify as page_module
+
+    capsys.readouterr()
+    assert ident.main(study) == 0
+    stdout = capsys.readouterr().out
+    assert page_module.main(page) == 0
+    _check_smoke_search(tmp_path, stdout, capsys)
+
+
+@pytest.mark.slow  # the make target itself: two interpreters, the same search as above
+def test_make_identify_smoke_end_to_end(tmp_path, capsys):
+    """`make identify SMOKE=1`: the smoke design through the campaign driver, the study table,
+    a clean ledger check, the page; a second call of the study scores nothing again."""
+    out = subprocess.run(_make_identify(tmp_path), cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    _check_smoke_search(tmp_path, out.stdout, capsys)
 
 
 def test_identified_combinations_become_sensitivity_alternatives(tmp_path, monkeypatch):
