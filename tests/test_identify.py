@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
+from make_recipe import make_dry_run, recipe_commands, run_in_process
 
 from experiments.studies import calibrate as cal
 from experiments.studies import identify as ident
@@ -202,24 +202,12 @@ def test_list_names_the_full_search(capsys):
     assert out[-1] == f"{len(space.combinations(space.full))} combinations"
 
 
-def _make_identify(tmp_path, *flags: str) -> list[str]:
-    """`make identify SMOKE=1` into tmp_path: the make command line (with `flags`, e.g. -n)."""
+def _make_identify(tmp_path) -> list[str]:
+    """`make identify SMOKE=1` into tmp_path: the make command line."""
     root, reports = tmp_path / "ledgers", tmp_path / "reports"
-    return ["make", "--no-print-directory", "-o", ".venv/.installed", *flags, "identify",
+    return ["make", "--no-print-directory", "-o", ".venv/.installed", "identify",
             "SMOKE=1", f"LEDGER_ROOT={root}", f"REPORT_DIR={reports}", "JOBS=2",
             f"ARGS=--requests 6 --sweep-dir {tmp_path / 'sweep'}"]
-
-
-def _recipe_commands(dry_run: str) -> list[tuple[str, list[str]]]:
-    """(module, arguments) of each `python -m <module> ...` line `make -n` printed (its
-    continuation lines joined; a redirection ends the arguments)."""
-    commands = []
-    for line in dry_run.replace("\\\n", " ").splitlines():
-        words = shlex.split(line)
-        if len(words) > 2 and words[0].endswith("/python") and words[1] == "-m":
-            args = words[3:]
-            commands.append((words[2], args[:args.index(">")] if ">" in args else args))
-    return commands
 
 
 def _check_smoke_search(tmp_path, stdout: str, capsys) -> None:
@@ -259,20 +247,16 @@ def test_identify_smoke_recipe_in_process(tmp_path, capsys):
     each command run in this process through its module's `main`, as `python -m` would
     (no interpreter and imports per command); the whole make target runs in the slow
     test below."""
-    dry = subprocess.run(_make_identify(tmp_path, "-n"), cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert dry.returncode == 0, dry.stderr
-    commands = [(m, a) for m, a in _recipe_commands(dry.stdout) if m.endswith(".identify")]
+    dry = make_dry_run(*_make_identify(tmp_path)[4:])
+    commands = [(m, a) for m, a in recipe_commands(dry) if m.endswith(".identify")]
     assert [m for m, _ in commands] == ["experiments.studies.identify",
                                         "analysis.studies.identify"]
-    (_, study), (_, page) = commands
-    assert {"--smoke", "--requests", "6"} <= set(study) and "--smoke" in page
-    from analysis.studies import identify as page_module
-
-    capsys.readouterr()
-    assert ident.main(study) == 0
-    stdout = capsys.readouterr().out
-    assert page_module.main(page) == 0
+    (study, study_args), (page, page_args) = commands
+    assert {"--smoke", "--requests", "6"} <= set(study_args) and "--smoke" in page_args
+    code, stdout, stderr = run_in_process(study, study_args)
+    assert code == 0, stderr[-2000:]
+    code, _, stderr = run_in_process(page, page_args)
+    assert code == 0, stderr[-2000:]
     _check_smoke_search(tmp_path, stdout, capsys)
 
 
