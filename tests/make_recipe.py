@@ -1,8 +1,9 @@
 """A make target's recipe run in the test process: `make -n` prints the commands the target
 would run; each `python -m <module> ARGS` among them is run here through the module's own
 entry (no interpreter start and imports per command: about 2 CPU s each). The tests that
-use it check what the commands leave; the make targets themselves run in slow tests or in
-other tests' real make calls (tests/test_traces_campaign.py, tests/test_attribution.py).
+use it check what the commands leave; the make targets themselves run in slow tests, and
+real make runs of the same kinds of recipe stay in tests/test_arms_campaign.py (`make
+campaign`) and tests/test_attribution.py (a question target, then its page).
 """
 
 from __future__ import annotations
