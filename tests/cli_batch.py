@@ -16,6 +16,9 @@ driver forks from a single-threaded process.
 memo of parsed YAML files installed, so the commands inherit the parsed files (a third of
 a composition's CPU) and Hydra's plugin scan instead of repeating them. Each command still
 composes its own config with Hydra, from the same files.
+
+`run_cases` (imported by the tests: tests/test_bad_input.py, tests/test_campaign.py) starts
+this file as a script with such a request and returns each command's outcome.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import importlib.util
 import json
 import os
 import runpy
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -116,6 +120,25 @@ def main() -> int:
     os.rmdir(work)
     json.dump(results, sys.stdout)
     return 0
+
+
+# Cases run this many processes at a time: one per core, at most four (all of them at once
+# made the machine's load, and every process's start-up, as long as the slowest).
+PARALLEL = max(1, min(4, os.cpu_count() or 1))
+
+
+def run_cases(commands: list[list[str]], cwd: str, preload: tuple[str, ...] = (),
+              warm: dict | None = None) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each `<this interpreter> -m <module> ARGS` command,
+    run from `cwd` by one batch process (this file), PARALLEL at a time."""
+    assert all(c[:2] == [sys.executable, "-m"] for c in commands)
+    request = {"preload": list(preload), "parallel": PARALLEL, "warm": warm,
+               "cases": [{"argv": c[2:], "cwd": cwd} for c in commands]}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=cwd,
+                          input=json.dumps(request), capture_output=True, text=True,
+                          timeout=900)  # a bound for a hang only
+    assert proc.returncode == 0, proc.stderr
+    return [(r["returncode"], r["stdout"], r["stderr"]) for r in json.loads(proc.stdout)]
 
 
 if __name__ == "__main__":

@@ -22,7 +22,11 @@ REQUESTS = 20
 
 def test_make_campaign_arms_smoke(tmp_path):
     root = tmp_path / "ledgers"
-    proc = subprocess.run(["make", "-s", "--no-print-directory", "campaign", "C=arms",
+    # the make target itself, the default suite's one real `make campaign` (-o: never a
+    # reinstall of .venv); in a suite worker its recipe in-process (tests/make_recipe.py) was
+    # no cheaper: 45 runs forked from the worker's larger heap
+    proc = subprocess.run(["make", "-s", "--no-print-directory", "-o", ".venv/.installed",
+                           "campaign", "C=arms",
                            "SMOKE=1", f"LEDGER_ROOT={root}", "JOBS=2",
                            f"ARGS=hydra.sweeper.smoke_requests={REQUESTS} "
                            f"hydra.sweep.dir={tmp_path / 'sweep'}"],

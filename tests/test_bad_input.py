@@ -4,13 +4,12 @@ included; plus the Makefile variables and the app's --help."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_batch import run_cases
 
 from experiments.runners.cell import ARMS
 from experiments.workloads.workload import ARRIVALS, REUSE_MODES
@@ -111,9 +110,6 @@ def _listing(path: Path) -> set[str]:
     return {p.relative_to(path).as_posix() for p in path.rglob("*")} if path.exists() else set()
 
 
-# Cases run this many processes at a time: one per core, at most four (all of them at once
-# made the machine's load, and every process's start-up, as long as the slowest).
-PARALLEL = max(1, min(4, os.cpu_count() or 1))
 # Every case is its own `python -m` process, forked by tests/cli_batch.py from one
 # interpreter that imported these once (the imports were most of each case's CPU).
 PRELOAD = ("experiments.run", "experiments.campaigns.campaign")
@@ -124,20 +120,14 @@ WARM = [["campaign=q9"]]
 
 def _run_cases(commands: list[list[str]]) -> list[tuple[int, str, str]]:
     """(exit code, stdout, stderr) of each `python -m` command, run from REPO."""
-    assert all(c[:2] == [sys.executable, "-m"] for c in commands)
-    request = {"preload": PRELOAD, "parallel": PARALLEL,
-               "warm": {"config_dir": str(REPO / "conf"), "overrides": WARM},
-               "cases": [{"argv": c[2:], "cwd": str(REPO)} for c in commands]}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "cli_batch.py")], cwd=REPO,
-                          input=json.dumps(request), capture_output=True, text=True,
-                          timeout=900)  # a bound for a hang only
-    assert proc.returncode == 0, proc.stderr
-    return [(r["returncode"], r["stdout"], r["stderr"]) for r in json.loads(proc.stdout)]
+    return run_cases(commands, str(REPO), PRELOAD,
+                     {"config_dir": str(REPO / "conf"), "overrides": WARM})
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """Every case, PARALLEL processes at a time; REPO listings around them."""
+    """Every case (tests/cli_batch.py: PARALLEL processes at a time); REPO listings
+    around them."""
     base = tmp_path_factory.mktemp("bad")
     watched = (REPO / "outputs", REPO / "ledgers" / "data", REPO / "reports")
     before = {p: _listing(p) for p in watched}

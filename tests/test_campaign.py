@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from cli_batch import run_cases
 from conftest import wait_until
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -269,33 +270,51 @@ def test_sigkill_mid_campaign_then_rerun_leaves_no_duplicate_or_partial_run(tmp_
     assert ledger_check.check(root).ok
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (("campaign=q99",), "campaign=q99: allowed"),
-        (("campaign=q1", "org=s0,s9"), "org='s9'"),
-        (("campaign=q1", "engine.capp=3"), "engine.capp"),
-        (("campaign=q1", "engine.cap=="), "engine.cap=="),
-        (("campaign=q1", "hydra.sweeper.order=shuffled"), "hydra.sweeper.order='shuffled'"),
-    ],
-)
-def test_bad_campaign_input_fails_before_any_run(tmp_path, overrides, message):
-    proc = multirun(tmp_path, *overrides, *SYNTH)
-    assert proc.returncode != 0
-    assert message in proc.stdout + proc.stderr
-    assert not (tmp_path / "ledgers" / "runs").exists()
-    assert not (tmp_path / "sweep").exists()  # no job was launched
+BAD_CAMPAIGNS = [
+    (("campaign=q99",), "campaign=q99: allowed"),
+    (("campaign=q1", "org=s0,s9"), "org='s9'"),
+    (("campaign=q1", "engine.capp=3"), "engine.capp"),
+    (("campaign=q1", "engine.cap=="), "engine.cap=="),
+    (("campaign=q1", "hydra.sweeper.order=shuffled"), "hydra.sweeper.order='shuffled'"),
+]
 
 
-def test_unwritable_ledger_root_fails_the_campaign_before_any_run(tmp_path):
-    blocker = tmp_path / "a-file"
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> list[tuple[Path, tuple[int, str, str]]]:
+    """(its directory, (exit code, stdout, stderr)) of each BAD_CAMPAIGNS multirun, then of a
+    campaign whose ledger root is under a file: each its own `python -m experiments.run -m`
+    process, forked by one batch interpreter that imported the entry module once
+    (tests/cli_batch.py)."""
+    base = tmp_path_factory.mktemp("refused")
+    dirs = [base / str(i) for i in range(len(BAD_CAMPAIGNS) + 1)]
+    for tmp in dirs:
+        tmp.mkdir()
+    commands = [[sys.executable, "-m", "experiments.run", "-m", *overrides, *SYNTH,
+                 f"ledger_root={tmp / 'ledgers'}", f"hydra.sweep.dir={tmp / 'sweep'}"]
+                for (overrides, _), tmp in zip(BAD_CAMPAIGNS, dirs[:-1], strict=True)]
+    blocker = dirs[-1] / "a-file"
     blocker.write_text("")
-    cmd = [sys.executable, "-m", "experiments.run", "-m", "campaign=q9", *SYNTH,
-           f"ledger_root={blocker / 'ledgers'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "ledger_root=" in proc.stderr and "not a writable directory" in proc.stderr
-    assert not (tmp_path / "sweep").exists()
+    commands.append([sys.executable, "-m", "experiments.run", "-m", "campaign=q9", *SYNTH,
+                     f"ledger_root={blocker / 'ledgers'}", f"hydra.sweep.dir={dirs[-1] / 'sweep'}"])
+    outcomes = run_cases(commands, str(REPO), ("experiments.run",),
+                         {"config_dir": str(CONF), "overrides": [["campaign=q1"]]})
+    return list(zip(dirs, outcomes, strict=True))
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_CAMPAIGNS)
+def test_bad_campaign_input_fails_before_any_run(refused, overrides, message):
+    tmp, (code, out, err) = refused[BAD_CAMPAIGNS.index((overrides, message))]
+    assert code != 0
+    assert message in out + err
+    assert not (tmp / "ledgers" / "runs").exists()
+    assert not (tmp / "sweep").exists()  # no job was launched
+
+
+def test_unwritable_ledger_root_fails_the_campaign_before_any_run(refused):
+    tmp, (code, _, err) = refused[-1]
+    assert code != 0
+    assert "ledger_root=" in err and "not a writable directory" in err
+    assert not (tmp / "sweep").exists()
 
 
 def test_plan_listing_runs_nothing(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """The identification search (experiments/studies/identify.py, issue 33): its campaign covers
 exactly the anchors' cells, the candidate space expands as declared, the loss, targets and
 selection follow their stated rules (hand-computed), and `make identify SMOKE=1` runs end to
-end through the campaign driver, writes the study table and resumes without rerunning."""
+end through the campaign driver, writes the study table and resumes without rerunning (its
+recipe in this process by default; the make target itself in a slow test)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from make_recipe import make_dry_run, recipe_commands, run_in_process
 
 from experiments.studies import calibrate as cal
 from experiments.studies import identify as ident
@@ -200,21 +202,25 @@ def test_list_names_the_full_search(capsys):
     assert out[-1] == f"{len(space.combinations(space.full))} combinations"
 
 
-def test_make_identify_smoke_end_to_end(tmp_path, capsys):
-    """`make identify SMOKE=1`: the smoke design through the campaign driver, the study table,
-    a clean ledger check, the page; a second call of the study (in this process: no
-    interpreter, imports or page again) scores nothing again."""
+def _make_identify(tmp_path) -> list[str]:
+    """`make identify SMOKE=1` into tmp_path: the make command line."""
+    root, reports = tmp_path / "ledgers", tmp_path / "reports"
+    return ["make", "--no-print-directory", "-o", ".venv/.installed", "identify",
+            "SMOKE=1", f"LEDGER_ROOT={root}", f"REPORT_DIR={reports}", "JOBS=2",
+            f"ARGS=--requests 6 --sweep-dir {tmp_path / 'sweep'}"]
+
+
+def _check_smoke_search(tmp_path, stdout: str, capsys) -> None:
+    """What `make identify SMOKE=1` leaves: the study table (one file per combination and
+    one selection), smoke campaigns in a clean ledger, the job logs, the page; a second call
+    of the study (in this process) scores nothing again."""
     import pyarrow.parquet as pq
 
     import ledgers
     from ledgers.check import main as check_main
 
     root, reports = tmp_path / "ledgers", tmp_path / "reports"
-    cmd = ["make", "--no-print-directory", "identify", "SMOKE=1", f"LEDGER_ROOT={root}",
-           f"REPORT_DIR={reports}", "JOBS=2", f"ARGS=--requests 6 --sweep-dir {tmp_path / 'sweep'}"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+    result = json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1])
     space = ident.load_space()
     assert result["combinations"] == len(space.design("smoke"))
     files = sorted((root / "identify").glob("identify-*.parquet"))
@@ -234,6 +240,34 @@ def test_make_identify_smoke_end_to_end(tmp_path, capsys):
                        "--requests", "6"]) == 0
     assert "(2 already scored)" in capsys.readouterr().err
     assert len(sorted((root / "identify").glob("identify-*.parquet"))) == len(files) + 1
+
+
+def test_identify_smoke_recipe_in_process(tmp_path, capsys):
+    """`make identify SMOKE=1`'s own recipe (read from `make -n`: the study, then the page),
+    each command run in this process through its module's `main`, as `python -m` would
+    (no interpreter and imports per command); the whole make target runs in the slow
+    test below."""
+    dry = make_dry_run(*_make_identify(tmp_path)[4:])
+    commands = [(m, a) for m, a in recipe_commands(dry) if m.endswith(".identify")]
+    assert [m for m, _ in commands] == ["experiments.studies.identify",
+                                        "analysis.studies.identify"]
+    (study, study_args), (page, page_args) = commands
+    assert {"--smoke", "--requests", "6"} <= set(study_args) and "--smoke" in page_args
+    code, stdout, stderr = run_in_process(study, study_args)
+    assert code == 0, stderr[-2000:]
+    code, _, stderr = run_in_process(page, page_args)
+    assert code == 0, stderr[-2000:]
+    _check_smoke_search(tmp_path, stdout, capsys)
+
+
+@pytest.mark.slow  # the make target itself: two interpreters, the same search as above
+def test_make_identify_smoke_end_to_end(tmp_path, capsys):
+    """`make identify SMOKE=1`: the smoke design through the campaign driver, the study table,
+    a clean ledger check, the page; a second call of the study scores nothing again."""
+    out = subprocess.run(_make_identify(tmp_path), cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    _check_smoke_search(tmp_path, out.stdout, capsys)
 
 
 def test_identified_combinations_become_sensitivity_alternatives(tmp_path, monkeypatch):

@@ -6,25 +6,25 @@ the preregistered plan (conf/prereg/tier.yaml)."""
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
+
+from make_recipe import make_dry_run, recipe_commands, run_in_process
 
 import ledgers
 from analysis.pages.common import host_tier_bytes
 from analysis.questions import supporting
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_tier_smoke_campaign_collects_every_cell_and_the_page_reads_them(tmp_path):
     root = tmp_path / "ledgers"
     args = ("workload.source=synthetic workload.num_requests=20 hydra.sweeper.smoke_seeds=1 "
             f"hydra.sweep.dir={tmp_path / 'sweep'}")
-    proc = subprocess.run(["make", "--no-print-directory", "campaign", "C=tier", "SMOKE=1",
-                           f"LEDGER_ROOT={root}", f"ARGS={args}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the target's recipe (`make -n`) run in this process (tests/make_recipe.py)
+    ((module, argv),) = recipe_commands(make_dry_run("campaign", "C=tier", "SMOKE=1",
+                                                     f"LEDGER_ROOT={root}", f"ARGS={args}"))
+    assert module == "experiments.run" and "campaign=tier" in argv
+    code, stdout, stderr = run_in_process(module, argv)
+    assert code == 0, stderr[-2000:]
+    last = json.loads(stdout.strip().splitlines()[-1])
     assert (last["planned"], last["done"], last["failed"]) == (18, 18, 0)
     con = ledgers.connect(root)
     rows = con.execute("SELECT campaign, org, budget, engine_config FROM runs").fetchall()

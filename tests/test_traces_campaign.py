@@ -9,12 +9,12 @@ checked by hand on a small frame."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import yaml
+from make_recipe import make_dry_run, recipe_commands, run_in_process
 
 import ledgers
 from analysis.inference import prereg
@@ -31,13 +31,19 @@ def test_traces_smoke_campaign_and_page(tmp_path):
     root, out = tmp_path / "ledgers", tmp_path / "reports"
     args = (f"org=s2,d0 hydra.sweeper.only=[conversation_w0,granite_sessions] "
             f"hydra.sweep.dir={tmp_path / 'sweep'}")
-    proc = subprocess.run(["make", "-s", "--no-print-directory", "-o", ".venv/.installed",
-                           "traces", "SMOKE=1", "JOBS=2", f"LEDGER_ROOT={root}",
-                           f"REPORT_DIR={out}", f"ARGS={args}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    # the target's recipe (`make -n`: the campaign, then the page) run in this process
+    # (tests/make_recipe.py)
+    commands = recipe_commands(make_dry_run("traces", "SMOKE=1", "JOBS=2", f"LEDGER_ROOT={root}",
+                                            f"REPORT_DIR={out}", f"ARGS={args}"))
+    assert [m for m, _ in commands] == ["experiments.run", "analysis.questions.traces"]
+    (campaign, campaign_args), (page, page_args) = commands
+    assert "hydra.sweeper.only=[conversation_w0,granite_sessions]" in campaign_args
+    code, stdout, stderr = run_in_process(campaign, campaign_args)
+    assert code == 0, stderr[-2000:]
+    summary = json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
     assert (summary["planned"], summary["done"], summary["failed"]) == (8, 8, 0)
+    code, _, stderr = run_in_process(page, page_args)
+    assert code == 0, stderr[-2000:]
     con = ledgers.connect(root)
     rows = con.execute("SELECT campaign, model, org, budget, seed, arrival FROM runs").fetchall()
     assert sorted(rows) == sorted(
