@@ -58,6 +58,7 @@ def smoke(tmp_path_factory):
     return out, json.loads((out / "device_check.json").read_text())
 
 
+@pytest.mark.slow  # the whole device check at CPU smoke size (~30 CPU s)
 def test_cpu_smoke_runs_every_stage_and_exactness_holds(smoke):
     _, data = smoke
     stages = data["stages"]
@@ -88,6 +89,7 @@ def test_cpu_smoke_runs_every_stage_and_exactness_holds(smoke):
     assert not any(data["imports"][m] for m in ABSENT_ON_DEVICE), data["imports"]
 
 
+@pytest.mark.slow  # the whole device check at CPU smoke size (~30 CPU s)
 def test_cpu_smoke_fits_a_loadable_profile_and_runs_the_cell_both_ways(smoke):
     out, data = smoke
     fit = data["stages"]["fit"]
