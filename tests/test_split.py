@@ -196,11 +196,7 @@ def test_paired_layers_give_the_unpaired_bits_over_each_arena(tiny_model, monkey
     rng = np.random.default_rng(7)
     specs = [engines.Spec(i, 0.0, rng.integers(3, 1000, n).astype(np.int32), 3)
              for i, n in enumerate((40, 17, 70))]
-    seen: list[torch.Tensor] = []
-    cls = type(tiny_model)
-    monkeypatch.setattr(tiny_model, "forward",
-                        lambda *a, **k: _kept(seen, cls.forward(tiny_model, *a, **k)))
-    monkeypatch.setattr(tiny_model, "head", lambda h: _kept(seen, cls.head(tiny_model, h)))
+    seen = _record_outputs(tiny_model, monkeypatch)
     runs = []
     monkeypatch.setattr(split, "PAIR_MIN_ROWS", 1)
     for workers, pair_max, side in ((0, 1, "attention"), (1, 1 << 20, "attention"),
@@ -219,6 +215,15 @@ def test_paired_layers_give_the_unpaired_bits_over_each_arena(tiny_model, monkey
     for other in runs[1:]:
         assert len(other) == len(runs[0])
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+
+
+def _record_outputs(model, monkeypatch) -> list[torch.Tensor]:
+    """A list that collects every forward's and LM head's output of `model` from now on."""
+    seen: list[torch.Tensor] = []
+    cls = type(model)
+    monkeypatch.setattr(model, "forward", lambda *a, **k: _kept(seen, cls.forward(model, *a, **k)))
+    monkeypatch.setattr(model, "head", lambda h: _kept(seen, cls.head(model, h)))
+    return seen
 
 
 def _kept(seen: list, out):
@@ -319,11 +324,7 @@ def test_a_shared_decode_state_update_gives_the_unshared_bits(tiny_model, monkey
     rng = np.random.default_rng(5)
     specs = [engines.Spec(i, 0.0, rng.integers(3, 1000, n).astype(np.int32), 4)
              for i, n in enumerate((40, 17, 70, 9, 33, 21))]
-    seen: list[torch.Tensor] = []
-    cls = type(tiny_model)
-    monkeypatch.setattr(tiny_model, "forward",
-                        lambda *a, **k: _kept(seen, cls.forward(tiny_model, *a, **k)))
-    monkeypatch.setattr(tiny_model, "head", lambda h: _kept(seen, cls.head(tiny_model, h)))
+    seen = _record_outputs(tiny_model, monkeypatch)
     runs = []
     for workers in (0, 1):
         seen.clear()
