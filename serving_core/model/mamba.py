@@ -316,12 +316,13 @@ def _update_pieces(workspace: UpdateWorkspace, views, matrices, x, dt, A, B, C, 
     grp = [pc[0][2] for pc in pieces]
     cs.view(b, len(pieces), n).copy_(C.float()[:, grp])
     compiled = paged_loops.loops() if x.device.type == "cpu" else None
+    # The same calls from C++ (serving_core/model/paged_loops.py), or each page's update in
+    # one pass where that stores the same bits (`fused_update`); chosen once per call.
+    update = None if compiled is None else (
+        compiled.update_pieces_fused if paged_loops.fused_update() else compiled.update_pieces)
 
     def run(first: int, end: int) -> None:  # pieces [first, end): each its own arithmetic
-        if compiled is not None:  # the same calls from C++ (serving_core/model/paged_loops.py),
-            # or each page's update in one pass where that stores the same bits (`fused_update`)
-            update = (compiled.update_pieces_fused if paged_loops.fused_update()
-                      else compiled.update_pieces)
+        if update is not None:
             update(views[first:end], matrices[first:end], dA[first:end], dtx[first:end],
                    Bh[first:end], cs[first:end], y[first:end])
             return
